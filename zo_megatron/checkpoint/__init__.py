@@ -1,0 +1,1 @@
+"""Checkpoint formats and conversions (sharded save/load and resharding land here next)."""

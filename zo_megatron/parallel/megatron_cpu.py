@@ -1,0 +1,86 @@
+"""Every shim megatron-core 0.16 needs to run on a CPU-only torch, in one place.
+
+Applied only when CUDA is unavailable (`apply()` is a no-op otherwise), so a GPU run uses
+megatron-core untouched. Each shim has a one-line reason; nothing else in zo_megatron patches
+megatron-core.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+_APPLIED = False
+
+
+class CPURNGStatesTracker:
+    """Megatron's named RNG streams, kept as CPU generator states.
+
+    Same contract as megatron's CudaRNGStatesTracker (add / fork / get_states / set_states):
+    `fork(name)` swaps the default CPU generator to the named stream, so dropout inside
+    tensor-parallel regions differs across TP ranks exactly as on GPU.
+    """
+
+    def __init__(self, *args, **kwargs):
+        self.use_cudagraphable_rng = False
+        self.is_inference_rng_tracker = False
+        self.reset()
+
+    def is_initialized(self):
+        return self._is_initialized
+
+    def reset(self):
+        self._is_initialized = False
+        self.states_ = {}
+        self.seeds_ = set()
+        self._current_state_name = "default-rng"
+
+    def get_states(self):
+        return dict(self.states_)
+
+    def set_states(self, states):
+        self._is_initialized = True
+        self.states_ = states
+
+    def add(self, name, seed):
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise ValueError(f"RNG seed {seed} already registered")
+        if name in self.states_:
+            raise ValueError(f"RNG state {name!r} already registered")
+        self.seeds_.add(seed)
+        gen = torch.Generator()
+        gen.manual_seed(seed)
+        self.states_[name] = gen.get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name="model-parallel-rng"):
+        if name not in self.states_:
+            raise ValueError(f"RNG state {name!r} was never added")
+        orig_state = torch.get_rng_state()
+        orig_name = self._current_state_name
+        torch.set_rng_state(self.states_[name])
+        self._current_state_name = name
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig_state)
+            self._current_state_name = orig_name
+
+
+def apply() -> None:
+    """Install the shims (idempotent). Call before building any megatron-core module."""
+    global _APPLIED
+    if _APPLIED or torch.cuda.is_available():
+        return
+    from megatron.core.tensor_parallel import random as mpu_random
+
+    # megatron allocates parameters and buffers with device=torch.cuda.current_device().
+    torch.cuda.current_device = lambda: "cpu"
+    # CudaRNGStatesTracker.add/fork call torch.cuda.get_rng_state(); keep the streams on the CPU.
+    mpu_random.CudaRNGStatesTracker = CPURNGStatesTracker
+    # Activation recompute saves/restores "the CUDA RNG state"; on CPU that is the default generator.
+    mpu_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mpu_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    _APPLIED = True

@@ -1,0 +1,149 @@
+"""Parallel state in one place: torch.distributed + megatron-core TP/DP groups + seeds.
+
+Rank layout is megatron-core's: TP groups are runs of consecutive ranks ([0,1], [2,3] at TP=2),
+so a TP group stays inside a node; DP groups stride across them ([0,2], [1,3]).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from zo_megatron.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ParallelState:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    tp_rank: int
+    tp_size: int
+    dp_rank: int
+    dp_size: int
+    tp_group: object
+    dp_group: object
+    device: torch.device
+
+    @property
+    def is_first_rank(self) -> bool:
+        return self.rank == 0
+
+
+_STATE: ParallelState | None = None
+
+
+def validate_parallel_config(world_size: int, tensor_parallel: int, num_attention_heads: int | None = None,
+                             hidden_size: int | None = None) -> None:
+    """Refuse impossible layouts before any process-group work, with the fix in the message."""
+    tp = tensor_parallel
+    if tp < 1:
+        raise ConfigError(f"--tensor-parallel must be >= 1 (got {tp})")
+    if world_size % tp != 0:
+        raise ConfigError(
+            f"world size {world_size} is not divisible by --tensor-parallel {tp}: "
+            f"launch a multiple of {tp} processes or pick a TP size that divides {world_size}")
+    if num_attention_heads is not None:
+        if tp > num_attention_heads:
+            raise ConfigError(
+                f"--tensor-parallel {tp} exceeds --num-attention-heads {num_attention_heads}: "
+                f"TP splits whole heads, so use TP <= {num_attention_heads}")
+        if num_attention_heads % tp != 0:
+            raise ConfigError(
+                f"--num-attention-heads {num_attention_heads} is not divisible by --tensor-parallel {tp}: "
+                f"choose a TP size that divides the head count")
+    if hidden_size is not None and num_attention_heads is not None and hidden_size % num_attention_heads != 0:
+        raise ConfigError(
+            f"--hidden-size {hidden_size} is not divisible by --num-attention-heads {num_attention_heads}: "
+            f"pick hidden = heads x head_dim")
+
+
+def _default_device(local_rank: int) -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def init_parallel(tensor_parallel: int = 1, *, seed: int = 1234, num_attention_heads: int | None = None,
+                  hidden_size: int | None = None, backend: str | None = None,
+                  timeout_s: float = 600.0) -> ParallelState:
+    """Initialise torch.distributed from the launcher's environment, then megatron's TP/DP groups.
+
+    torchrun, Open MPI, MPICH/PMI and SLURM variables are all understood (parallel.launch_env).
+    Backend: nccl on CUDA, gloo on CPU. Validation happens before any group is created.
+    """
+    global _STATE
+    from zo_megatron.parallel.launch_env import discover_launch_env, export_torch_env
+
+    env = discover_launch_env()
+    validate_parallel_config(env.world_size, tensor_parallel, num_attention_heads, hidden_size)
+
+    from zo_megatron.parallel import megatron_cpu
+
+    megatron_cpu.apply()
+    from megatron.core import parallel_state as mpu
+
+    device = _default_device(env.local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        export_torch_env(env)
+        dist.init_process_group(
+            backend=backend or ("nccl" if device.type == "cuda" else "gloo"),
+            init_method="env://", rank=env.rank, world_size=env.world_size,
+            timeout=datetime.timedelta(seconds=timeout_s))
+    if not mpu.model_parallel_is_initialized():
+        mpu.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
+    _STATE = ParallelState(
+        rank=dist.get_rank(), world_size=dist.get_world_size(),
+        local_rank=env.local_rank, local_world_size=env.local_world_size,
+        tp_rank=mpu.get_tensor_model_parallel_rank(), tp_size=mpu.get_tensor_model_parallel_world_size(),
+        dp_rank=mpu.get_data_parallel_rank(), dp_size=mpu.get_data_parallel_world_size(),
+        tp_group=mpu.get_tensor_model_parallel_group(), dp_group=mpu.get_data_parallel_group(),
+        device=device)
+    set_seed(seed)
+    return _STATE
+
+
+def get_parallel_state() -> ParallelState:
+    if _STATE is None:
+        raise RuntimeError("zo_megatron.parallel.init_parallel() has not been called")
+    return _STATE
+
+
+def set_seed(seed: int) -> None:
+    """Seed like Megatron: the default stream is shared by a TP group (same data order, same
+    dropout outside TP regions); the 'model-parallel-rng' stream differs per TP rank."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.tensor_parallel import random as mpu_random
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        mpu_random.model_parallel_cuda_manual_seed(seed)
+        return
+    tp_rank = mpu.get_tensor_model_parallel_rank() if mpu.model_parallel_is_initialized() else 0
+    mpu_random.initialize_rng_tracker(force_reset=True)
+    tracker = mpu_random.get_cuda_rng_tracker()
+    tracker.reset()
+    tracker.add(mpu_random._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+    tracker.add(mpu_random._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
+    tracker.add(mpu_random._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024)
+
+
+def destroy_parallel() -> None:
+    global _STATE
+    from megatron.core import parallel_state as mpu
+
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _STATE = None
