@@ -1,0 +1,279 @@
+"""The memory planner: parameter counts, the memory model's formulas, the paper's reference
+points, our maxima, and the CLI (tools/estimate_memory.py)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from zo_megatron import planner as P
+from zo_megatron.planner import GiB, PlanInput, count_params, max_model, pad_vocab_size, plan
+
+REPO = Path(__file__).resolve().parents[1]
+CLI = REPO / "tools" / "estimate_memory.py"
+
+
+# ------------------------------------------------------------------------------------------------
+# parameter counts
+
+def _megatron_layout(L, h, V, S):
+    """(name, numel, split_over_tp) for every parameter of the GPT, from the layer list."""
+    rows = [("embedding.word_embeddings.weight", V * h, True),
+            ("embedding.position_embeddings.weight", S * h, False)]
+    for i in range(L):
+        p = f"decoder.layers.{i}."
+        rows += [(p + "input_layernorm.weight", h, False), (p + "input_layernorm.bias", h, False),
+                 (p + "self_attention.linear_qkv.weight", 3 * h * h, True),
+                 (p + "self_attention.linear_qkv.bias", 3 * h, True),
+                 (p + "self_attention.linear_proj.weight", h * h, True),
+                 (p + "self_attention.linear_proj.bias", h, False),
+                 (p + "pre_mlp_layernorm.weight", h, False), (p + "pre_mlp_layernorm.bias", h, False),
+                 (p + "mlp.linear_fc1.weight", 4 * h * h, True), (p + "mlp.linear_fc1.bias", 4 * h, True),
+                 (p + "mlp.linear_fc2.weight", 4 * h * h, True), (p + "mlp.linear_fc2.bias", h, False)]
+    rows += [("decoder.final_layernorm.weight", h, False), ("decoder.final_layernorm.bias", h, False)]
+    return rows
+
+
+@pytest.mark.parametrize("L, h, V, S, t", [(2, 64, 50304, 128, 1), (3, 256, 51200, 1024, 4),
+                                           (65, 4096, 50304, 1024, 1), (69, 9216, 51200, 1024, 16)])
+def test_param_count_matches_layer_list(L, h, V, S, t):
+    rows = _megatron_layout(L, h, V, S)
+    total = sum(n for _, n, _ in rows)
+    per_rank = sum(n // t if split else n for _, n, split in rows)
+    replicated = sum(n for _, n, split in rows if not split)
+    c = count_params(L, h, V, S, t)
+    assert c["total"] == total == V * h + S * h + L * (12 * h * h + 13 * h) + 2 * h
+    assert c["per_tp_rank"] == per_rank
+    assert c["replicated_per_tp_rank"] == replicated
+    # the TP ranks together hold the model once plus (t-1) extra copies of the replicated params
+    assert t * c["per_tp_rank"] == c["total"] + (t - 1) * c["replicated_per_tp_rank"]
+
+
+@pytest.mark.parametrize("t", [1, 2, 4, 8])
+def test_plan_psi_sums_over_tp_ranks(t):
+    p = plan(PlanInput(num_layers=3, hidden_size=256, num_attention_heads=8, tensor_parallel=t,
+                       max_position_embeddings=512, seq_length=256))
+    assert p.vocab_size_padded == pad_vocab_size(50257, t, 128) and p.vocab_size_padded % (128 * t) == 0
+    assert t * p.params_per_tp_rank == p.params_total + (t - 1) * p.replicated_params_per_tp_rank
+    assert p.params_per_tp_rank_padded >= p.params_per_tp_rank
+
+
+def test_vocab_padding():
+    assert pad_vocab_size(50257, 1, 128) == 50304
+    assert pad_vocab_size(50257, 2, 128) == 50432
+    assert pad_vocab_size(50257, 16, 128) == 51200
+    assert pad_vocab_size(50257, 1, 1) == 50257
+
+
+def test_param_count_matches_huggingface_gpt2():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=50257, n_positions=128)
+    model = transformers.GPT2LMHeadModel(cfg)
+    hf_total = sum(p.numel() for p in model.parameters())  # tied lm_head counted once
+    unpadded = plan(PlanInput(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=128,
+                              make_vocab_size_divisible_by=1))
+    assert unpadded.params_total == hf_total
+    padded = plan(PlanInput(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=128))
+    assert padded.params_total - hf_total == (50304 - 50257) * 64  # the pad rows only
+
+
+# ------------------------------------------------------------------------------------------------
+# the memory model's formulas
+
+def test_activation_formula_korthikanti():
+    s, b, h, a, L = 1024, 2, 1024, 16, 4
+    for t in (1, 2, 4):
+        p = plan(PlanInput(num_layers=L, hidden_size=h, num_attention_heads=a, seq_length=s,
+                           micro_batch_size=b, tensor_parallel=t, precision="bf16"))
+        expected = L * s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+        assert p.device_items["activations_layers"] == pytest.approx(expected, rel=1e-12)
+        if t == 1:
+            assert p.device_items["activations_layers"] == L * s * b * h * (34 + 5 * a * s / h)
+    full = plan(PlanInput(num_layers=L, hidden_size=h, num_attention_heads=a, seq_length=s,
+                          micro_batch_size=b, recompute="full"))
+    assert full.device_items["activations_layer_inputs"] == L * 2 * s * b * h
+    assert full.device_items["activations_recompute_working_set"] == s * b * h * (34 + 5 * a * s / h)
+    V = full.vocab_size_padded
+    assert full.device_items["logits_16bit"] == 2 * s * b * V
+    assert full.device_items["logits_fp32_cross_entropy"] == 4 * s * b * V
+    assert full.device_bytes_per_gpu < plan(full.input.replace(recompute=False)).device_bytes_per_gpu
+    sel = plan(full.input.replace(recompute="selective"))
+    assert sel.device_items["activations_layers"] == L * s * b * h * 34
+
+
+def test_zero_offload_line_items():
+    base = PlanInput(num_layers=4, hidden_size=512, num_attention_heads=8, data_parallel=4,
+                     tensor_parallel=2, bucket_size=1_000_000, precision="bf16")
+    p = plan(base)
+    psi, N = p.params_per_tp_rank_padded, 4
+    assert psi % (N * base.partition_alignment) == 0 and psi - p.params_per_tp_rank < N * 128
+    assert p.device_items["params_16bit"] == 2 * psi
+    assert p.device_items["grad_buckets_x2"] == 2 * 2 * 1_000_000
+    assert p.device_items["reduce_scatter_scratch"] == 2 * 1_000_000
+    assert "grads_kept_across_microbatches" not in p.device_items
+    assert p.host_bytes_per_gpu == psi // N * (4 + 4 + 4 + 2)
+    assert p.host_items["master_fp32"] == 4 * psi // N * p.ranks_per_node
+    assert plan(base.replace(bf16_optimizer_states=True)).host_bytes_per_gpu == psi // N * (4 + 2 + 2 + 2)
+    assert plan(base.replace(dpu=True)).host_bytes_per_gpu == psi // N * (4 + 4 + 4 + 2 + 2)
+    accum = plan(base.replace(grad_accum_steps=4))
+    assert accum.device_items["grads_kept_across_microbatches"] == 2 * psi
+    fp32 = plan(base.replace(precision="fp32"))
+    assert fp32.device_items["params_fp32"] == 4 * psi
+    assert fp32.host_bytes_per_gpu == psi // N * 16
+    # host per node = per GPU x ranks + per-process overhead x ranks + reserve
+    assert p.host_bytes_per_node == (p.host_bytes_per_gpu * p.ranks_per_node
+                                     + base.host_overhead_bytes_per_rank * p.ranks_per_node
+                                     + base.host_reserve_bytes)
+
+
+def test_baseline_is_16_bytes_per_param():
+    for precision in ("bf16", "fp16", "fp32"):
+        p = plan(PlanInput(num_layers=4, hidden_size=512, num_attention_heads=8,
+                           zero_offload=False, precision=precision))
+        states = sum(v for k, v in p.device_items.items()
+                     if k.startswith(("params", "grads", "master", "adam")))
+        assert states == 16 * p.params_per_tp_rank
+
+
+def test_small_cpu_config_and_unified_check():
+    inp = P.apply_hardware_preset(PlanInput(num_layers=2, hidden_size=64, num_attention_heads=4,
+                                            seq_length=128, tensor_parallel=2, data_parallel=2,
+                                            precision="fp32", micro_batch_size=4), "cpu")
+    p = plan(inp)
+    assert p.fits and p.world_size == 4 and p.ranks_per_node == 4 and p.num_nodes == 1
+    assert inp.gpu_memory_bytes == inp.host_memory_bytes_per_node > 0
+    assert any(r.startswith("unified") for r in p.reasons)
+    assert not plan(inp.replace(host_memory_bytes_per_node=1 * GiB, gpu_memory_bytes=1 * GiB)).fits
+
+
+def test_invalid_inputs_raise():
+    with pytest.raises(ValueError, match="tensor_parallel"):
+        plan(PlanInput(num_layers=2, hidden_size=64, num_attention_heads=4, tensor_parallel=3))
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        plan(PlanInput(num_layers=2, hidden_size=65, num_attention_heads=4))
+    with pytest.raises(ValueError, match="precision"):
+        plan(PlanInput(num_layers=2, hidden_size=64, num_attention_heads=4, precision="fp8"))
+    with pytest.raises(ValueError, match="dpu"):
+        plan(PlanInput(num_layers=2, hidden_size=64, num_attention_heads=4, zero_offload=False, dpu=True))
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        plan(PlanInput(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=256,
+                       max_position_embeddings=128))
+
+
+def test_suggestions_when_it_does_not_fit():
+    p = plan(PlanInput(**P.model_preset("13b"), micro_batch_size=4, precision="fp16",
+                       recompute="full", zero_offload=False, gpus_per_node=1))
+    assert not p.fits and not p.fits_device and p.fits_host
+    assert any("ZeRO-Offload" in s and s.endswith("-> fits") for s in p.suggestions)
+    big = plan(PlanInput(**P.model_preset("175b"), tensor_parallel=16, gpus_per_node=16,
+                         precision="fp16", recompute="full"))
+    assert not big.fits_host
+    assert any("bf16" in s for s in big.suggestions)
+    assert any("more nodes" in s and s.endswith("-> fits") for s in big.suggestions)
+    assert plan(PlanInput(num_layers=2, hidden_size=64, num_attention_heads=4)).suggestions == []
+
+
+def test_max_model_is_the_boundary():
+    tmpl = PlanInput(num_layers=1, hidden_size=2048, num_attention_heads=16, precision="fp16",
+                     recompute="full", gpus_per_node=1)
+    params, shape = max_model(tmpl, "layers")
+    assert plan(tmpl.replace(**shape)).fits
+    assert not plan(tmpl.replace(num_layers=shape["num_layers"] + 1)).fits
+    assert params == plan(tmpl.replace(**shape)).params_total
+    params_h, shape_h = max_model(tmpl.replace(num_layers=24), "hidden")
+    assert shape_h["hidden_size"] % 128 == 0 and shape_h["num_layers"] == 24
+    assert plan(tmpl.replace(**shape_h)).fits
+    assert not plan(tmpl.replace(num_layers=24, hidden_size=shape_h["hidden_size"] + 128)).fits
+    tiny = tmpl.replace(gpu_memory_bytes=1 * GiB)
+    assert max_model(tiny, "layers") == (0, None)
+
+
+# ------------------------------------------------------------------------------------------------
+# the paper's reference points and our maxima
+
+def test_paper_reference_points():
+    rows = {r["name"]: r for r in P.paper_checks()}
+    assert all(r["ok"] for r in rows.values()), rows
+    assert rows["13B, 1x V100-32GB, ZeRO-Offload, mb 4"]["fits"]
+    assert not rows["13B, 1x V100-32GB, no offload, mb 4"]["fits"]
+    assert rows["70B, DGX-2 TP=16, ZeRO-Offload, mb 8"]["fits"]
+    assert not rows["70B, DGX-2 TP=16, no offload, mb 8"]["fits"]
+    assert rows["15B, DGX-2 TP=16, no offload, mb 8"]["fits"]
+    assert 13e9 <= rows["13B, 1x V100-32GB, ZeRO-Offload, mb 4"]["params"] < 14e9
+    assert 70e9 <= rows["70B, DGX-2 TP=16, ZeRO-Offload, mb 8"]["params"] < 72e9
+
+
+def test_baseline_maxima_are_paper_scale():
+    single, dgx2 = P.baseline_maxima()
+    assert 1.0e9 <= single["max_params"] < 3e9  # paper: PyTorch 1.4B
+    assert 15e9 <= dgx2["max_params"] < 70e9  # paper: Megatron 15B
+
+
+def test_our_maxima_meet_the_goals():
+    v100, dgx2 = P.our_maxima()
+    assert v100["max_params"] >= 15e9 and v100["meets_goal"]
+    assert dgx2["max_params"] >= 100e9 and dgx2["meets_goal"]
+
+
+# ------------------------------------------------------------------------------------------------
+# CLI
+
+def _cli(*args):
+    return subprocess.run([sys.executable, str(CLI), *args], capture_output=True, text=True,
+                          timeout=60, cwd=REPO)
+
+
+def test_cli_json_and_exit_codes():
+    r = _cli("--preset", "dgx2", "--model", "70b", "--tensor-parallel", "16",
+             "--micro-batch-size", "8", "--recompute-activations", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["fits"] is True
+    assert isinstance(d["device_bytes_per_gpu"], int) and isinstance(d["host_bytes_per_node"], int)
+    assert d["input"]["precision"] == "fp16"  # the dgx2 preset's default
+    r = _cli("--preset", "dgx2", "--model", "70b", "--tensor-parallel", "16",
+             "--micro-batch-size", "8", "--recompute-activations", "--no-zero-offload", "--json")
+    assert r.returncode == 1 and json.loads(r.stdout)["fits"] is False
+    r = _cli("--model", "13b", "--no-zero-offload")
+    assert r.returncode == 1 and "DOES NOT FIT" in r.stdout and "suggestions" in r.stdout
+
+
+@pytest.mark.parametrize("args", [
+    ["--num-layers", "2", "--hidden-size", "250", "--num-attention-heads", "4"],
+    ["--num-layers", "x"],
+    ["--hidden-size", "256"],
+    ["--model", "13b", "--micro-batch-size", "2", "--global-batch-size", "3"],
+    ["--model", "13b", "--world-size", "6", "--tensor-parallel", "4"],
+    ["--model", "nope"],
+])
+def test_cli_bad_input_exits_2_with_one_line(args):
+    r = _cli(*args)
+    assert r.returncode == 2
+    assert r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_cli_max_model_and_paper_check():
+    r = _cli("--preset", "v100-32gb", "--hidden-size", "4096", "--num-attention-heads", "32",
+             "--recompute-activations", "--bf16-optimizer-states", "--max-model", "layers", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["fits"] is True and d["max_params"] >= 15e9
+    assert d["max_shape"]["hidden_size"] == 4096
+    r = _cli("--paper-check")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "all reference points and goals hold" in r.stdout
+    r = _cli("--paper-check", "--json")
+    d = json.loads(r.stdout)
+    assert d["ok"] is True and len(d["paper_checks"]) == 5 and len(d["our_maxima"]) == 2
+
+
+def test_cli_cpu_preset_small_model():
+    r = _cli("--preset", "cpu", "--num-layers", "2", "--hidden-size", "128",
+             "--num-attention-heads", "4", "--seq-length", "128", "--tensor-parallel", "2",
+             "--world-size", "4", "--fp32", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["input"]["device_is_host"] is True and d["world_size"] == 4

@@ -1,0 +1,291 @@
+#!/usr/bin/env python
+"""Will my model fit? Device memory per GPU and host memory per node for a zo_megatron job.
+
+    python tools/estimate_memory.py --preset dgx2 --model 70b --tensor-model-parallel-size 16 \
+        --micro-batch-size 8 --recompute-activations
+    python tools/estimate_memory.py --preset v100-32gb --hidden-size 4096 --num-attention-heads 32 \
+        --recompute-activations --bf16-optimizer-states --max-model layers
+    python tools/estimate_memory.py --paper-check
+
+Flags use Megatron-LM's names. Memory sizes are GiB (2^30 bytes).
+Exit status: 0 = fits (with --max-model: some model fits; with --paper-check: every reference
+point and goal holds), 1 = does not fit, 2 = bad input (one line on stderr).
+The memory model is described in docs/memory_planner.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+try:
+    from zo_megatron import planner as P
+except ImportError:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from zo_megatron import planner as P
+
+PROG = "estimate_memory.py"
+
+
+class BadInput(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (argparse prints usage + message otherwise)
+        raise BadInput(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog=PROG, description=__doc__.split("\n\n")[0],
+                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = ap.add_argument_group("model")
+    g.add_argument("--model", choices=list(P.MODEL_PRESETS),
+                   help="model shape preset (explicit shape flags override it)")
+    g.add_argument("--num-layers", type=int)
+    g.add_argument("--hidden-size", type=int)
+    g.add_argument("--num-attention-heads", type=int)
+    g.add_argument("--seq-length", type=int, default=1024)
+    g.add_argument("--max-position-embeddings", type=int)
+    g.add_argument("--vocab-size", type=int, default=50257)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+
+    g = ap.add_argument_group("parallelism and batch")
+    g.add_argument("--tensor-model-parallel-size", "--tensor-parallel", dest="tp", type=int, default=1)
+    g.add_argument("--data-parallel-size", dest="dp", type=int)
+    g.add_argument("--world-size", type=int, help="TP x DP (alternative to --data-parallel-size)")
+    g.add_argument("--micro-batch-size", type=int, default=1)
+    g.add_argument("--global-batch-size", type=int,
+                   help="default: micro-batch x DP (no gradient accumulation)")
+
+    g = ap.add_argument_group("training")
+    prec = g.add_mutually_exclusive_group()
+    prec.add_argument("--bf16", dest="precision", action="store_const", const="bf16")
+    prec.add_argument("--fp16", dest="precision", action="store_const", const="fp16")
+    prec.add_argument("--fp32", dest="precision", action="store_const", const="fp32")
+    g.add_argument("--zero-offload", dest="zero_offload", action="store_true", default=True,
+                   help="(default) optimizer states and step on the host")
+    g.add_argument("--no-zero-offload", dest="zero_offload", action="store_false",
+                   help="baseline: DDP + Adam on the device (16 bytes/param)")
+    g.add_argument("--dpu", action="store_true", help="delayed parameter update")
+    g.add_argument("--recompute-activations", action="store_true", help="= --recompute-granularity full")
+    g.add_argument("--recompute-granularity", choices=["full", "selective"])
+    g.add_argument("--bucket-size", type=int, default=50_000_000, help="elements per gradient bucket")
+    g.add_argument("--bf16-optimizer-states", action="store_true")
+
+    g = ap.add_argument_group("hardware")
+    g.add_argument("--preset", choices=list(P.HARDWARE_PRESETS),
+                   help="; ".join(f"{k}: {v['description']}" for k, v in P.HARDWARE_PRESETS.items()))
+    g.add_argument("--gpu-memory-gb", type=float, help="GiB per GPU")
+    g.add_argument("--host-memory-gb", type=float, help="GiB of host RAM per node")
+    g.add_argument("--gpus-per-node", type=int)
+    g.add_argument("--device-overhead-gb", type=float, help="CUDA context etc. per GPU (default 1)")
+    g.add_argument("--host-overhead-gb", type=float, help="per process on the host (default 3)")
+    g.add_argument("--host-reserve-gb", type=float, help="OS/page cache per node (default 32)")
+    g.add_argument("--fragmentation", type=float, help="allocator margin on transient bytes (0.1)")
+
+    g = ap.add_argument_group("output")
+    g.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    g.add_argument("--max-model", choices=list(P.FAMILIES),
+                   help="largest model that fits: 'layers' keeps hidden/heads and grows layers; "
+                        "'hidden' keeps layers/heads and grows hidden in steps of lcm(128, heads)")
+    g.add_argument("--paper-check", action="store_true",
+                   help="the ZeRO-Offload paper's reference points and our maxima")
+    return ap
+
+
+def _gib(x: float | None) -> int | None:
+    return None if x is None else int(round(x * P.GiB))
+
+
+def build_input(args) -> P.PlanInput:
+    shape = P.model_preset(args.model) if args.model else {}
+    for key in ("num_layers", "hidden_size", "num_attention_heads"):
+        if getattr(args, key) is not None:
+            shape[key] = getattr(args, key)
+    if args.max_model == "layers":
+        shape.setdefault("num_layers", 1)
+    if args.max_model == "hidden" and "num_attention_heads" in shape:
+        shape.setdefault("hidden_size", math.lcm(128, shape["num_attention_heads"]))
+    missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads") if k not in shape]
+    if missing:
+        raise BadInput("give --model or --" + ", --".join(m.replace("_", "-") for m in missing))
+
+    tp = args.tp
+    if args.dp is not None and args.world_size is not None and args.dp * tp != args.world_size:
+        raise BadInput(f"--world-size {args.world_size} != TP {tp} x --data-parallel-size {args.dp}")
+    if args.dp is not None:
+        dp = args.dp
+    elif args.world_size is not None:
+        if args.world_size < 1 or tp < 1 or args.world_size % tp:
+            raise BadInput(f"--world-size {args.world_size} is not a multiple of TP {tp}")
+        dp = args.world_size // tp
+    else:
+        dp = 1
+    mb = args.micro_batch_size
+    if args.global_batch_size is None:
+        accum = 1
+    else:
+        if mb < 1 or dp < 1 or args.global_batch_size % (mb * dp):
+            raise BadInput(f"--global-batch-size {args.global_batch_size} is not a multiple of "
+                           f"micro-batch {mb} x DP {dp}")
+        accum = args.global_batch_size // (mb * dp)
+        if accum < 1:
+            raise BadInput("--global-batch-size must be >= micro-batch x DP")
+
+    recompute = args.recompute_granularity or ("full" if args.recompute_activations else None)
+    inp = P.PlanInput(
+        **shape, vocab_size=args.vocab_size, seq_length=args.seq_length,
+        max_position_embeddings=args.max_position_embeddings, tensor_parallel=tp, data_parallel=dp,
+        micro_batch_size=mb, grad_accum_steps=accum, zero_offload=args.zero_offload, dpu=args.dpu,
+        recompute=recompute, bucket_size=args.bucket_size,
+        bf16_optimizer_states=args.bf16_optimizer_states,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        dropout=(args.attention_dropout > 0 or args.hidden_dropout > 0))
+    if args.preset:
+        inp = P.apply_hardware_preset(inp, args.preset, keep_precision=args.precision is not None)
+    overrides = {
+        "precision": args.precision,
+        "gpu_memory_bytes": _gib(args.gpu_memory_gb),
+        "host_memory_bytes_per_node": _gib(args.host_memory_gb),
+        "gpus_per_node": args.gpus_per_node,
+        "device_overhead_bytes": _gib(args.device_overhead_gb),
+        "host_overhead_bytes_per_rank": _gib(args.host_overhead_gb),
+        "host_reserve_bytes": _gib(args.host_reserve_gb),
+        "fragmentation": args.fragmentation,
+    }
+    inp = inp.replace(**{k: v for k, v in overrides.items() if v is not None})
+    if args.preset == "cpu" and args.gpus_per_node is None:
+        inp = inp.replace(gpus_per_node=None)
+    inp.validate()
+    return inp
+
+
+# ------------------------------------------------------------------------------------------------
+# printing
+
+def _g(n) -> str:
+    return f"{n / P.GiB:10,.2f}"
+
+
+def print_plan(p: P.Plan, title: str = "zo_megatron memory plan") -> None:
+    i = p.input
+    rc = i.normalized_recompute() or "off"
+    print(title)
+    print(f"  model      GPT {i.num_layers} layers x {i.hidden_size} hidden x "
+          f"{i.num_attention_heads} heads, seq {i.seq_length}, vocab {i.vocab_size} -> "
+          f"{p.vocab_size_padded} (padded)")
+    print(f"  params     {P.format_params(p.params_total)} total; per TP rank "
+          f"{P.format_params(p.params_per_tp_rank)} ({p.replicated_params_per_tp_rank:,} replicated)")
+    print(f"  parallel   TP {i.tensor_parallel} x DP {i.data_parallel} = {p.world_size} ranks on "
+          f"{p.num_nodes} node(s), {p.ranks_per_node} per node")
+    print(f"  training   {i.precision}, micro-batch {i.micro_batch_size}, grad accumulation "
+          f"{i.grad_accum_steps}, recompute {rc}, ZeRO-Offload {'on' if i.zero_offload else 'off'}, "
+          f"DPU {'on' if i.dpu else 'off'}, bucket {i.bucket_size:,} elements, optimizer states "
+          f"{'bf16' if i.bf16_optimizer_states else 'fp32'}")
+    print(f"  hardware   {P.format_bytes(i.gpu_memory_bytes)} per GPU, "
+          f"{P.format_bytes(i.host_memory_bytes_per_node)} host per node")
+    print()
+    print(f"  {'device, per GPU':<40}{'GiB':>10}")
+    for k, v in p.device_items.items():
+        print(f"    {k:<38}{_g(v)}")
+    print(f"    {'TOTAL':<38}{_g(p.device_bytes_per_gpu)}   of {P.format_bytes(i.gpu_memory_bytes)}")
+    print(f"  {'host, per node (' + str(p.ranks_per_node) + ' ranks)':<40}{'GiB':>10}")
+    for k, v in p.host_items.items():
+        print(f"    {k:<38}{_g(v)}")
+    print(f"    {'TOTAL':<38}{_g(p.host_bytes_per_node)}   of "
+          f"{P.format_bytes(i.host_memory_bytes_per_node)}")
+    print()
+    print(f"  verdict: {'FITS' if p.fits else 'DOES NOT FIT'}")
+    for r in p.reasons:
+        print(f"    - {r}")
+    for w in p.warnings:
+        print(f"    ! {w}")
+    if p.suggestions:
+        print("  suggestions:")
+        for s in p.suggestions:
+            print(f"    * {s}")
+
+
+def run_paper_check(as_json: bool) -> int:
+    checks = P.paper_checks()
+    base = P.baseline_maxima()
+    ours = P.our_maxima()
+    ok = all(r["ok"] for r in checks) and all(r["meets_goal"] for r in ours)
+    if as_json:
+        print(json.dumps({"ok": ok, "fits": ok, "paper_checks": checks, "baseline_maxima": base,
+                          "our_maxima": ours}, indent=2))
+        return 0 if ok else 1
+    print("ZeRO-Offload paper reference points (seq 1024, vocab 50257 padded, fp16, full recompute;")
+    print("13B = 65x4096x32 heads, 15B = 78x4096x32, 70B = 69x9216x96; V100 = 31.75 GiB, 1.5 TiB host)")
+    print(f"  {'case':<40}{'params':>8}  {'expect':<6}  {'planner':<7}  {'device/GPU':>12}  "
+          f"{'host/node':>12}  check  paper")
+    for r in checks:
+        print(f"  {r['name']:<40}{P.format_params(r['params']):>8}  "
+              f"{'fits' if r['expected_fits'] else 'no':<6}  {'fits' if r['fits'] else 'no':<7}  "
+              f"{P.format_bytes(r['device_bytes_per_gpu']):>12}  "
+              f"{P.format_bytes(r['host_bytes_per_node']):>12}  {'ok' if r['ok'] else 'FAIL':<5}  "
+              f"{r['paper']}")
+    print()
+    print("Largest models WITHOUT ZeRO-Offload (planner; for comparison with the paper)")
+    for r in base:
+        s = r["shape"]
+        print(f"  {r['name']:<52} {P.format_params(r['max_params']):>8}  "
+              f"({s['num_layers']} layers)  {r['paper']}")
+    print()
+    print("Our maxima: ZeRO-Offload + full recompute + bf16 optimizer states, fp16, micro-batch 1, "
+          "seq 1024")
+    for r in ours:
+        s = r["shape"]
+        print(f"  {r['name']:<48} {P.format_params(r['max_params']):>8}  ({s['num_layers']} layers; "
+              f"device {P.format_bytes(r['device_bytes_per_gpu'])}/GPU, host "
+              f"{P.format_bytes(r['host_bytes_per_node'])}/node; limited by {r['limited_by']})  "
+              f"goal >= {P.format_params(r['goal'])}: {'met' if r['meets_goal'] else 'NOT MET'}")
+    print()
+    print("all reference points and goals hold" if ok else "SOME CHECKS FAILED")
+    return 0 if ok else 1
+
+
+def main(argv=None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        if args.paper_check:
+            return run_paper_check(args.json)
+        inp = build_input(args)
+        if args.max_model:
+            max_params, shape = P.max_model(inp, args.max_model)
+            best = P.plan(inp.replace(**shape)) if shape else P.plan(inp.replace(
+                **({"num_layers": 1} if args.max_model == "layers" else
+                   {"hidden_size": math.lcm(128, inp.num_attention_heads)})))
+            if args.json:
+                d = best.to_dict()
+                d.update(max_params=max_params, max_shape=shape, family=args.max_model)
+                print(json.dumps(d, indent=2))
+            else:
+                if shape:
+                    print(f"largest model ({args.max_model} family): {P.format_params(max_params)} "
+                          f"= {shape['num_layers']} layers x {shape['hidden_size']} hidden x "
+                          f"{shape['num_attention_heads']} heads\n")
+                    print_plan(best, "plan for that model")
+                else:
+                    print(f"no model of the {args.max_model} family fits; the smallest:\n")
+                    print_plan(best, "plan for the smallest model")
+            return 0 if max_params > 0 else 1
+        p = P.plan(inp)
+        if args.json:
+            print(json.dumps(p.to_dict(), indent=2))
+        else:
+            print_plan(p)
+        return 0 if p.fits else 1
+    except (BadInput, ValueError) as exc:
+        msg = str(exc).splitlines()[0] if str(exc) else repr(exc)
+        print(f"{PROG}: error: {msg}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
