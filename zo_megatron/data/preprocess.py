@@ -1,0 +1,439 @@
+"""Text -> Megatron indexed dataset (PREFIX_text_document.bin/.idx), Megatron-LM-compatible CLI.
+
+    python tools/preprocess_data.py --input corpus/ --output-prefix data/my --workers 2
+    python tools/preprocess_data.py --input docs.jsonl --json-keys text --output-prefix data/my
+
+Inputs (``--input``, repeatable): a text file (one document), a directory (every ``*.txt`` below it,
+sorted by relative path, one document each) or a JSONL file (``.jsonl``/``.json``/``.ndjson``: one
+document per non-blank line, its text under each of ``--json-keys``). Each document is encoded with
+the GPT-2 tokenizer and followed by EOD (``--append-eod``, on by default; ``--no-append-eod`` turns
+it off). One output dataset per JSON key: ``{output_prefix}_{key}_document.{bin,idx}``, written with
+megatron-core's IndexedDatasetBuilder, one sequence per document, token dtype uint16 when the
+vocabulary has fewer than 65500 entries (megatron's rule), else int32. Empty documents are skipped.
+
+Files are written under temporary names and renamed at the end (.idx last), so an interrupted run
+never leaves a half-written dataset under the final name. Bad input is a one-line ``error:`` and exit
+status 2. Text files are read as UTF-8 with line endings untouched, so decoding a document's tokens
+(without the EOD) gives back the file's text exactly.
+
+This module imports neither torch nor megatron at import time (megatron-core costs seconds to
+import): input errors are reported before either is loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import logging
+import os
+import sys
+import time
+import warnings
+from typing import Iterable, Iterator, Sequence
+
+from zo_megatron.data.errors import DataError
+from zo_megatron.data.tokenizer import GPT2Tokenizer, build_tokenizer
+
+logger = logging.getLogger(__name__)
+
+JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
+_BATCH_BYTES = 1 << 20  # text per encode task
+_BATCH_DOCS = 512
+
+
+def output_prefix_for(output_prefix: str, key: str) -> str:
+    """Megatron-LM's naming: the dataset prefix written for one JSON key."""
+    return f"{output_prefix}_{key}_document"
+
+
+@dataclasses.dataclass
+class PreprocessResult:
+    documents: int          # documents written (per key, counted once per input document)
+    tokens: int             # tokens written over all keys, EODs included
+    seconds: float          # wall time of the whole call
+    prefixes: dict          # json key -> dataset prefix (without .bin/.idx)
+    skipped_empty: int = 0  # empty documents skipped
+    work_seconds: float = 0.0  # reading + tokenizing + writing (no imports/pool start-up)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / max(self.work_seconds or self.seconds, 1e-9)
+
+
+# ----------------------------------------------------------------------------- inputs
+@dataclasses.dataclass
+class _Source:
+    path: str
+    kind: str   # "text" | "jsonl"
+    size: int
+
+
+def resolve_inputs(inputs: Sequence[str]) -> list[_Source]:
+    """Expand --input values into files; DataError for anything that is not there."""
+    if isinstance(inputs, (str, os.PathLike)):
+        inputs = [inputs]
+    if not inputs:
+        raise DataError("no --input given")
+    sources: list[_Source] = []
+    for raw in inputs:
+        path = os.path.expanduser(str(raw))
+        if os.path.isdir(path):
+            found = []
+            for root, dirs, files in os.walk(path):
+                dirs.sort()
+                found += [os.path.join(root, f) for f in files if f.endswith(".txt")]
+            if not found:
+                raise DataError(f"--input {path}: directory has no .txt files")
+            for f in sorted(found, key=lambda p: os.path.relpath(p, path)):
+                sources.append(_Source(f, "text", os.path.getsize(f)))
+        elif os.path.isfile(path):
+            kind = "jsonl" if path.lower().endswith(JSONL_SUFFIXES) else "text"
+            sources.append(_Source(path, kind, os.path.getsize(path)))
+        else:
+            raise DataError(f"--input {path}: no such file or directory")
+    return sources
+
+
+def _read_text(path: str) -> str:
+    try:
+        with open(path, "r", encoding="utf-8", newline="") as f:  # keep \r\n as is
+            return f.read()
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text (byte {e.start}): convert it to UTF-8") from None
+
+
+def _iter_jsonl(path: str, keys: Sequence[str]) -> Iterator[tuple[list[str], int]]:
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            nbytes = len(raw)
+            if not raw.strip():
+                yield None, nbytes  # blank line: no document, but progress
+                continue
+            try:
+                obj = json.loads(raw)
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise DataError(f"{path}:{lineno}: not a JSON object ({e})") from None
+            if not isinstance(obj, dict):
+                raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+            texts = []
+            for key in keys:
+                if key not in obj:
+                    raise DataError(f"{path}:{lineno}: JSON line has no key {key!r} (keys: "
+                                    f"{', '.join(map(repr, list(obj)[:8]))}); choose the text field "
+                                    f"with --json-keys")
+                if not isinstance(obj[key], str):
+                    raise DataError(f"{path}:{lineno}: value of {key!r} is a "
+                                    f"{type(obj[key]).__name__}, expected a string")
+                texts.append(obj[key])
+            yield texts, nbytes
+
+
+def _iter_documents(sources: Sequence[_Source], keys: Sequence[str]
+                    ) -> Iterator[tuple[list[str] | None, int]]:
+    """(texts per key, bytes consumed) per document; texts None for a blank JSONL line."""
+    for src in sources:
+        if src.kind == "jsonl":
+            yield from _iter_jsonl(src.path, keys)
+        else:
+            if len(keys) != 1:
+                raise DataError(f"--input {src.path}: a text file holds one field; more than one "
+                                f"--json-keys ({' '.join(keys)}) needs JSONL input")
+            yield [_read_text(src.path)], src.size
+
+
+def _iter_batches(docs: Iterable[tuple[list[str] | None, int]]):
+    """Group documents into encode tasks of about _BATCH_BYTES of text."""
+    batch, nbytes, size = [], 0, 0
+    for texts, n in docs:
+        nbytes += n
+        if texts is not None:
+            batch.append(texts)
+            size += sum(len(t) for t in texts)
+        if size >= _BATCH_BYTES or len(batch) >= _BATCH_DOCS:
+            yield batch, nbytes
+            batch, nbytes, size = [], 0, 0
+    if batch or nbytes:
+        yield batch, nbytes
+
+
+# ----------------------------------------------------------------------------- encoding
+def _encode_batch(tokenizer: GPT2Tokenizer, batch: list[list[str]], dtype) -> list[list]:
+    """batch[doc][key] text -> [doc][key] numpy token array (EOD not yet appended)."""
+    import numpy as np
+
+    if not batch:
+        return []
+    nkeys = len(batch[0])
+    flat = [doc[k] for doc in batch for k in range(nkeys)]
+    ids = tokenizer.encode_batch(flat)
+    arrays = [np.asarray(x, dtype=dtype) for x in ids]
+    return [arrays[i * nkeys:(i + 1) * nkeys] for i in range(len(batch))]
+
+
+_WORKER_TOKENIZER = None
+_WORKER_DTYPE = None
+
+
+def _worker_init(vocab_file, merge_file, dtype_name):
+    global _WORKER_TOKENIZER, _WORKER_DTYPE
+    import numpy as np
+
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker process
+    _WORKER_TOKENIZER = build_tokenizer(vocab_file, merge_file, allow_custom_vocab=True)
+    _WORKER_DTYPE = np.dtype(dtype_name)
+
+
+def _worker_encode(batch):
+    return _encode_batch(_WORKER_TOKENIZER, batch, _WORKER_DTYPE)
+
+
+def _encoded_stream(batches, tokenizer: GPT2Tokenizer, dtype, workers: int):
+    """Yield (encoded batch, bytes) in input order; with workers > 1, a bounded-window process pool
+    (spawned, so no forked tokenizer threads; at most 2 tasks per worker in flight)."""
+    if workers <= 1:
+        for batch, nbytes in batches:
+            yield _encode_batch(tokenizer, batch, dtype), nbytes
+        return
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(workers, initializer=_worker_init,
+                  initargs=(tokenizer.vocab_file, tokenizer.merge_file, dtype.name)) as pool:
+        pending = collections.deque()
+        for batch, nbytes in batches:
+            pending.append((pool.apply_async(_worker_encode, (batch,)), nbytes))
+            while len(pending) >= 2 * workers:
+                res, n = pending.popleft()
+                yield res.get(), n
+        while pending:
+            res, n = pending.popleft()
+            yield res.get(), n
+
+
+# ----------------------------------------------------------------------------- progress
+class _Progress:
+    """tqdm over input bytes on a terminal; otherwise a log line every `interval` seconds."""
+
+    def __init__(self, total_bytes: int, enabled: bool, interval: float):
+        self.total, self.done, self.docs, self.tokens = total_bytes, 0, 0, 0
+        self.t0 = self.last = time.monotonic()
+        self.interval = interval
+        self.enabled = enabled
+        self.bar = None
+        if enabled and sys.stderr.isatty():
+            try:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024,
+                                desc="tokenizing", file=sys.stderr, dynamic_ncols=True)
+            except ImportError:
+                pass
+
+    def update(self, nbytes: int, docs: int, tokens: int):
+        self.done += nbytes
+        self.docs += docs
+        self.tokens += tokens
+        if self.bar is not None:
+            self.bar.update(nbytes)
+            self.bar.set_postfix(docs=self.docs, tokens=self.tokens, refresh=False)
+        elif self.enabled and time.monotonic() - self.last >= self.interval:
+            self.last = time.monotonic()
+            dt = self.last - self.t0
+            logger.info("%d documents, %d tokens, %.1f/%.1f MB (%.0f%%), %.0f tokens/s",
+                        self.docs, self.tokens, self.done / 1e6, self.total / 1e6,
+                        100.0 * self.done / max(self.total, 1), self.tokens / max(dt, 1e-9))
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+# ----------------------------------------------------------------------------- writing
+def _indexed_dataset_module():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed")
+        from megatron.core.datasets import indexed_dataset
+    return indexed_dataset
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def preprocess(inputs: Sequence[str], output_prefix: str, json_keys: Sequence[str] = ("text",),
+               vocab_file: str | None = None, merge_file: str | None = None,
+               allow_custom_vocab: bool = False, append_eod: bool = True, workers: int = 1,
+               log_interval: float = 10.0, progress: bool = True,
+               tokenizer: GPT2Tokenizer | None = None,
+               documents: Iterable[tuple[str, int]] | None = None) -> PreprocessResult:
+    """Tokenize `inputs` into ``{output_prefix}_{key}_document.{bin,idx}`` per json key.
+
+    `documents` (internal, used by the embedded corpus): an iterable of (text, nbytes) used instead
+    of `inputs`, for a single key. Raises DataError for bad input, before anything is written.
+    """
+    t0 = time.monotonic()
+    if isinstance(inputs, (str, os.PathLike)):
+        inputs = [inputs]
+    keys = list(json_keys) if json_keys else ["text"]
+    if len(set(keys)) != len(keys):
+        raise DataError(f"--json-keys has duplicates: {' '.join(keys)}")
+    if documents is None:
+        sources = resolve_inputs(inputs)
+        total_bytes = sum(s.size for s in sources)
+        docs = _iter_documents(sources, keys)
+    else:
+        if len(keys) != 1:
+            raise DataError("a document stream has exactly one key")
+        documents = list(documents)
+        total_bytes = sum(n for _, n in documents)
+        docs = (([text], n) for text, n in documents)
+    if workers < 1:
+        raise DataError(f"--workers {workers}: must be >= 1")
+    if tokenizer is None:
+        tokenizer = build_tokenizer(vocab_file, merge_file, allow_custom_vocab)
+    output_prefix = os.path.abspath(os.path.expanduser(str(output_prefix)))
+    out_dir = os.path.dirname(output_prefix)
+    os.makedirs(out_dir, exist_ok=True)
+
+    idx_mod = _indexed_dataset_module()
+    import numpy as np
+
+    dtype = np.dtype(idx_mod.DType.optimal_dtype(tokenizer.vocab_size))
+    prefixes = {k: output_prefix_for(output_prefix, k) for k in keys}
+    tag = f".tmp-{os.getpid()}-{int(time.time() * 1000) % 10**9}"
+    tmp = {k: (p + tag + ".bin", p + tag + ".idx") for k, p in prefixes.items()}
+    builders = {}
+    progress_ = _Progress(total_bytes, progress, log_interval)
+    n_docs = n_tokens = n_empty = 0
+    eod = np.asarray([tokenizer.eod], dtype=dtype)
+    try:
+        for k in keys:
+            builders[k] = idx_mod.IndexedDatasetBuilder(tmp[k][0], dtype=dtype.type)
+        t_work = time.monotonic()
+        stream = _encoded_stream(_iter_batches(docs), tokenizer, dtype, workers)
+        for encoded, nbytes in stream:
+            b_docs = b_tokens = 0
+            for doc in encoded:
+                written = False
+                for k, arr in zip(keys, doc):
+                    if arr.size == 0:
+                        n_empty += 1
+                        continue
+                    if append_eod:
+                        arr = np.concatenate([arr, eod])
+                    builders[k].add_document(arr, [arr.size])
+                    b_tokens += arr.size
+                    written = True
+                b_docs += written
+            n_docs += b_docs
+            n_tokens += b_tokens
+            progress_.update(nbytes, b_docs, b_tokens)
+        progress_.close()
+        for k in keys:
+            if len(builders[k].sequence_lengths) == 0:
+                where = " ".join(map(str, inputs)) if documents is None else "document stream"
+                raise DataError(f"--input {where}: no non-empty {k!r} documents, nothing to write")
+        for k in keys:
+            builders[k].finalize(tmp[k][1])
+            _fsync(tmp[k][0])
+            _fsync(tmp[k][1])
+        # Commit: the .idx appears last, so a dataset is either complete or absent by its final name.
+        for k, p in prefixes.items():
+            if os.path.exists(p + ".idx"):
+                os.unlink(p + ".idx")
+            os.replace(tmp[k][0], p + ".bin")
+            os.replace(tmp[k][1], p + ".idx")
+    except BaseException:
+        progress_.close()
+        for k, (b, i) in tmp.items():
+            if k in builders:
+                try:
+                    builders[k].data_file.close()
+                except Exception:
+                    pass
+            for f in (b, i):
+                if os.path.exists(f):
+                    os.unlink(f)
+        raise
+    t_end = time.monotonic()
+    return PreprocessResult(documents=n_docs, tokens=n_tokens, seconds=t_end - t0,
+                            prefixes=prefixes, skipped_empty=n_empty, work_seconds=t_end - t_work)
+
+
+# ----------------------------------------------------------------------------- CLI
+def get_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="preprocess_data.py",
+        description="Tokenize text / JSONL into a Megatron indexed dataset "
+                    "(OUTPUT_PREFIX_<key>_document.bin/.idx) with the bundled GPT-2 tokenizer.")
+    g = p.add_argument_group("input data")
+    g.add_argument("--input", action="extend", nargs="+", required=True, metavar="PATH",
+                   help="a text file (one document), a directory of .txt files, or a JSONL file "
+                        "(.jsonl/.json/.ndjson, one document per line); repeatable")
+    g.add_argument("--json-keys", nargs="+", default=["text"], metavar="KEY",
+                   help="JSON fields to extract; one output dataset per key (default: text)")
+    g.add_argument("--split-sentences", action="store_true", help=argparse.SUPPRESS)
+    g.add_argument("--keep-newlines", action="store_true", help=argparse.SUPPRESS)
+    g = p.add_argument_group("tokenizer")
+    g.add_argument("--tokenizer-type", default="GPT2BPETokenizer",
+                   help="only GPT2BPETokenizer (the default) is supported")
+    g.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json (default: bundled copy)")
+    g.add_argument("--merge-file", default=None, help="GPT-2 merges.txt (default: bundled copy)")
+    g.add_argument("--allow-custom-vocab", action="store_true",
+                   help="accept --vocab-file/--merge-file that are not GPT-2's (hash is logged)")
+    g.add_argument("--append-eod", action=argparse.BooleanOptionalAction, default=True,
+                   help="append <|endoftext|> after each document (default: on)")
+    g = p.add_argument_group("output data")
+    g.add_argument("--output-prefix", required=True, help="path prefix of the output dataset(s)")
+    g = p.add_argument_group("runtime")
+    g.add_argument("--workers", type=int, default=1,
+                   help="tokenizer processes (1: tokenize in this process, which may still use "
+                        "several threads; set TOKENIZERS_PARALLELISM=false to forbid that)")
+    g.add_argument("--log-interval", type=float, default=10.0,
+                   help="seconds between progress log lines when stderr is not a terminal")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = get_parser().parse_args(argv)
+    log = logging.getLogger("zo_megatron.data")
+    if not log.handlers and not logging.getLogger().handlers:  # ours only, not megatron's chatter
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+        log.propagate = False
+    log.setLevel(logging.INFO)
+    try:
+        if args.tokenizer_type != "GPT2BPETokenizer":
+            raise DataError(f"--tokenizer-type {args.tokenizer_type}: only GPT2BPETokenizer is "
+                            f"supported")
+        if args.split_sentences:
+            raise DataError("--split-sentences is not supported (GPT pretraining wants whole "
+                            "documents): drop the flag")
+        res = preprocess(args.input, args.output_prefix, json_keys=args.json_keys,
+                         vocab_file=args.vocab_file, merge_file=args.merge_file,
+                         allow_custom_vocab=args.allow_custom_vocab, append_eod=args.append_eod,
+                         workers=args.workers, log_interval=args.log_interval)
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: no output written", file=sys.stderr)
+        return 130
+    logger.info("done: %d documents, %d tokens in %.1f s (%.1f s tokenizing, %.0f tokens/s)%s",
+                res.documents, res.tokens, res.seconds, res.work_seconds, res.tokens_per_second,
+                f"; skipped {res.skipped_empty} empty" if res.skipped_empty else "")
+    for k, prefix in res.prefixes.items():
+        logger.info("  %s: %s.bin (%.2f MB) + .idx  -> --data-path %s", k, prefix,
+                    os.path.getsize(prefix + ".bin") / 1e6, prefix)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
