@@ -1,3 +1,598 @@
-// Placeholder until the CPU Adam kernel lands: a real, importable module.
+// zo_megatron._cpu_adam — the ZeRO-Offload CPU Adam kernel.
+//
+// One fused, memory-bound pass per chunk:
+//   g  = load(grad[i]) * grad_scale            (grad: fp32 | bf16 | fp16)
+//   Adam : g += wd * p                         (L2, uses the un-updated param)
+//   AdamW: p *= (1 - lr * wd)                  (decoupled decay)
+//   m  = beta1 * m + (1 - beta1) * g
+//   v  = beta2 * v + (1 - beta2) * g * g
+//   p -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)
+//   out16[i] = rne16(p)                        (optional; bf16 or fp16; may alias grad)
+// with exp_avg / exp_avg_sq stored in fp32 or bf16 (RNE on store; the update itself uses the
+// unrounded fp32 moments of this step).
+//
+// No torch headers: the Python wrapper passes integer data pointers + dtype codes. The ISA
+// (AVX-512 / AVX2+FMA+F16C / portable scalar) is chosen at RUN time from CPUID; the SIMD code is
+// compiled with per-function target attributes, never -march=native. Threads: OpenMP, one
+// contiguous, 64-element-aligned chunk per thread (static schedule, no false sharing).
+//
+// Aliasing contract: `out16` may be exactly the same buffer as a 16-bit `grad` (the engine reuses
+// one pinned host buffer). Every code path loads grad[i] before it stores out16[i] and touches
+// only element i for both, so the alias is safe. Other overlaps are rejected by the wrapper.
 #include <pybind11/pybind11.h>
-PYBIND11_MODULE(_cpu_adam, m) { m.attr("ISA_COMPILED") = pybind11::make_tuple("scalar"); }
+
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace {
+
+enum DType : int { kF32 = 0, kBF16 = 1, kF16 = 2, kNone = 3 };
+enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+
+// Distinct storage tags so templates can dispatch on the 16-bit format.
+struct bf16_t { uint16_t x; };
+struct f16_t { uint16_t x; };
+struct no_out_t { uint16_t x; };
+
+#define ZO_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,avx2")))
+#define ZO_AVX512_INLINE ZO_AVX512 inline __attribute__((always_inline))
+#define ZO_AVX512BF \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c,avx2")))
+#define ZO_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define ZO_AVX2_INLINE ZO_AVX2 inline __attribute__((always_inline))
+
+int g_threads = 1;
+int g_isa = kScalar;
+bool g_hw_bf16 = false;  // AVX-512 flavour: AVX512_BF16 conversions when the CPU has them
+volatile uint32_t g_sink = 0;  // roofline kernel: keeps read-only streams alive
+
+// ------------------------------------------------------------------------------------------
+// Scalar conversions (bit-exact with torch's .to(bfloat16) / .to(float16) for non-NaN values).
+// ------------------------------------------------------------------------------------------
+inline uint32_t f2u(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+inline float u2f(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+
+inline uint16_t f32_to_bf16_rne(float f) {
+  uint32_t b = f2u(f);
+  if ((b & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;  // NaN -> canonical quiet NaN
+  b += 0x7FFFu + ((b >> 16) & 1u);
+  return static_cast<uint16_t>(b >> 16);
+}
+inline float bf16_to_f32(uint16_t h) { return u2f(static_cast<uint32_t>(h) << 16); }
+
+inline uint16_t f32_to_f16_rne(float f) {
+  const uint32_t x = f2u(f);
+  const uint32_t sign = (x >> 16) & 0x8000u;
+  const uint32_t ax = x & 0x7FFFFFFFu;
+  if (ax >= 0x7F800000u) return static_cast<uint16_t>(sign | (ax > 0x7F800000u ? 0x7E00u : 0x7C00u));
+  if (ax >= 0x477FF000u) return static_cast<uint16_t>(sign | 0x7C00u);  // >= 65520 rounds to inf
+  if (ax < 0x38800000u) {                       // below 2^-14: fp16 subnormal or zero
+    if (ax <= 0x33000000u) return static_cast<uint16_t>(sign);  // <= 2^-25 (tie -> even 0)
+    const uint32_t e = ax >> 23;                // 103..112
+    const uint32_t mant = (ax & 0x7FFFFFu) | 0x800000u;
+    const uint32_t shift = 126u - e;            // 14..23
+    uint32_t r = mant >> shift;
+    const uint32_t rem = mant & ((1u << shift) - 1u);
+    const uint32_t half = 1u << (shift - 1u);
+    if (rem > half || (rem == half && (r & 1u))) ++r;
+    return static_cast<uint16_t>(sign | r);
+  }
+  const uint32_t rebased = ax - (112u << 23);   // exponent bias 127 -> 15
+  uint32_t h = rebased >> 13;
+  const uint32_t rem = rebased & 0x1FFFu;
+  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;  // carry may bump the exponent: fine
+  return static_cast<uint16_t>(sign | h);
+}
+
+inline float f16_to_f32(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t e = (h >> 10) & 0x1Fu;
+  uint32_t mant = h & 0x3FFu;
+  if (e == 0x1F) return u2f(sign | 0x7F800000u | (mant << 13));
+  if (e == 0) {
+    if (mant == 0) return u2f(sign);
+    float r = static_cast<float>(mant) * 5.9604644775390625e-8f;  // mant * 2^-24, exact
+    return sign ? -r : r;
+  }
+  return u2f(sign | ((e + 112u) << 23) | (mant << 13));
+}
+
+inline float sload(const float* p, size_t i) { return p[i]; }
+inline float sload(const bf16_t* p, size_t i) { return bf16_to_f32(p[i].x); }
+inline float sload(const f16_t* p, size_t i) { return f16_to_f32(p[i].x); }
+inline void sstore(float* p, size_t i, float v) { p[i] = v; }
+inline void sstore(bf16_t* p, size_t i, float v) { p[i].x = f32_to_bf16_rne(v); }
+inline void sstore(f16_t* p, size_t i, float v) { p[i].x = f32_to_f16_rne(v); }
+
+// ------------------------------------------------------------------------------------------
+// Hyper-parameters, folded once per call (double precision, then rounded to fp32).
+// ------------------------------------------------------------------------------------------
+struct Hyper {
+  float b1, omb1, b2, omb2, eps, step_size, inv_sqrt_bc2, decay, wd_l2, gscale;
+};
+
+Hyper make_hyper(long long step, double lr, double beta1, double beta2, double eps, double wd,
+                 bool adamw, bool bias_correction, double grad_scale) {
+  double bc1 = 1.0, bc2 = 1.0;
+  if (bias_correction) {
+    bc1 = 1.0 - std::pow(beta1, static_cast<double>(step));
+    bc2 = 1.0 - std::pow(beta2, static_cast<double>(step));
+  }
+  Hyper h;
+  h.b1 = static_cast<float>(beta1);
+  h.omb1 = static_cast<float>(1.0 - beta1);
+  h.b2 = static_cast<float>(beta2);
+  h.omb2 = static_cast<float>(1.0 - beta2);
+  h.eps = static_cast<float>(eps);
+  h.step_size = static_cast<float>(lr / bc1);
+  h.inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(bc2));
+  h.decay = static_cast<float>(adamw ? 1.0 - lr * wd : 1.0);
+  h.wd_l2 = static_cast<float>(adamw ? 0.0 : wd);
+  h.gscale = static_cast<float>(grad_scale);
+  return h;
+}
+
+// One element; shared by the scalar path and the AVX2 tail.
+template <bool L2, class GT, class ST, class OT>
+inline void adam_elem(const Hyper& h, float* p, const GT* g, ST* m, ST* v, OT* o, size_t i) {
+  float gi = sload(g, i) * h.gscale;
+  float pi = p[i];
+  if (L2) gi = gi + h.wd_l2 * pi;
+  const float mi = h.b1 * sload(m, i) + h.omb1 * gi;
+  const float vi = h.b2 * sload(v, i) + (h.omb2 * gi) * gi;
+  const float denom = std::sqrt(vi) * h.inv_sqrt_bc2 + h.eps;
+  pi = pi * h.decay - h.step_size * (mi / denom);
+  p[i] = pi;
+  sstore(m, i, mi);
+  sstore(v, i, vi);
+  if constexpr (!std::is_same<OT, no_out_t>::value) sstore(o, i, pi);
+}
+
+template <bool L2, class GT, class ST, class OT>
+void adam_range_scalar(const Hyper& h, float* p, const GT* g, ST* m, ST* v, OT* o, size_t b,
+                       size_t e) {
+  size_t i = b;
+  for (; i + 4 <= e; i += 4) {
+    adam_elem<L2>(h, p, g, m, v, o, i);
+    adam_elem<L2>(h, p, g, m, v, o, i + 1);
+    adam_elem<L2>(h, p, g, m, v, o, i + 2);
+    adam_elem<L2>(h, p, g, m, v, o, i + 3);
+  }
+  for (; i < e; ++i) adam_elem<L2>(h, p, g, m, v, o, i);
+}
+
+// ------------------------------------------------------------------------------------------
+// AVX2 + FMA + F16C: 8 lanes, unrolled x4.
+// ------------------------------------------------------------------------------------------
+ZO_AVX2_INLINE __m256 v8_load(const float* p) { return _mm256_loadu_ps(p); }
+ZO_AVX2_INLINE __m256 v8_load(const bf16_t* p) {
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+ZO_AVX2_INLINE __m256 v8_load(const f16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+ZO_AVX2_INLINE void v8_store(float* p, __m256 x) { _mm256_storeu_ps(p, x); }
+ZO_AVX2_INLINE void v8_store(bf16_t* p, __m256 x) {
+  const __m256i b = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+  r = _mm256_srli_epi32(r, 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+  // r holds values < 2^16 in each 32-bit lane: unsigned-saturating pack is exact.
+  __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+ZO_AVX2_INLINE void v8_store(f16_t* p, __m256 x) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+struct H8 {
+  __m256 b1, omb1, b2, omb2, eps, ss, isb2, decay, wd, gs;
+};
+
+template <bool L2, class GT, class ST, class OT>
+ZO_AVX2_INLINE void adam8(const H8& h, float* p, const GT* g, ST* m, ST* v, OT* o, size_t i) {
+  __m256 gi = _mm256_mul_ps(v8_load(g + i), h.gs);  // grad read first (may alias o)
+  __m256 pi = _mm256_loadu_ps(p + i);
+  if (L2) gi = _mm256_fmadd_ps(pi, h.wd, gi);
+  const __m256 mi = _mm256_fmadd_ps(h.b1, v8_load(m + i), _mm256_mul_ps(h.omb1, gi));
+  const __m256 vi = _mm256_fmadd_ps(h.b2, v8_load(v + i), _mm256_mul_ps(_mm256_mul_ps(h.omb2, gi), gi));
+  const __m256 denom = _mm256_fmadd_ps(_mm256_sqrt_ps(vi), h.isb2, h.eps);
+  pi = _mm256_fnmadd_ps(h.ss, _mm256_div_ps(mi, denom), _mm256_mul_ps(pi, h.decay));
+  _mm256_storeu_ps(p + i, pi);
+  v8_store(m + i, mi);
+  v8_store(v + i, vi);
+  if constexpr (!std::is_same<OT, no_out_t>::value) v8_store(o + i, pi);
+}
+
+template <bool L2, class GT, class ST, class OT>
+ZO_AVX2 void adam_range_avx2(const Hyper& hs, float* p, const GT* g, ST* m, ST* v, OT* o,
+                             size_t b, size_t e) {
+  H8 h;
+  h.b1 = _mm256_set1_ps(hs.b1); h.omb1 = _mm256_set1_ps(hs.omb1);
+  h.b2 = _mm256_set1_ps(hs.b2); h.omb2 = _mm256_set1_ps(hs.omb2);
+  h.eps = _mm256_set1_ps(hs.eps); h.ss = _mm256_set1_ps(hs.step_size);
+  h.isb2 = _mm256_set1_ps(hs.inv_sqrt_bc2); h.decay = _mm256_set1_ps(hs.decay);
+  h.wd = _mm256_set1_ps(hs.wd_l2); h.gs = _mm256_set1_ps(hs.gscale);
+  size_t i = b;
+  for (; i + 32 <= e; i += 32) {
+    adam8<L2>(h, p, g, m, v, o, i);
+    adam8<L2>(h, p, g, m, v, o, i + 8);
+    adam8<L2>(h, p, g, m, v, o, i + 16);
+    adam8<L2>(h, p, g, m, v, o, i + 24);
+  }
+  for (; i + 8 <= e; i += 8) adam8<L2>(h, p, g, m, v, o, i);
+  for (; i < e; ++i) adam_elem<L2>(hs, p, g, m, v, o, i);
+}
+
+// ------------------------------------------------------------------------------------------
+// AVX-512: two flavours of the same source (csrc/cpu_adam_avx512.inc), each function carrying its
+// own target attribute. k512bf additionally uses AVX512_BF16 for fp32 -> bf16 (SPR, Zen 4, ...).
+// ------------------------------------------------------------------------------------------
+namespace k512 {
+#define ZO_TGT ZO_AVX512
+#define ZO_HW_BF16 0
+#include "cpu_adam_avx512.inc"
+#undef ZO_HW_BF16
+#undef ZO_TGT
+}  // namespace k512
+namespace k512bf {
+#define ZO_TGT ZO_AVX512BF
+#define ZO_HW_BF16 1
+#include "cpu_adam_avx512.inc"
+#undef ZO_HW_BF16
+#undef ZO_TGT
+}  // namespace k512bf
+
+// ------------------------------------------------------------------------------------------
+// Threading: one contiguous chunk per thread, boundaries on 64-element multiples.
+// ------------------------------------------------------------------------------------------
+constexpr size_t kMinParallel = size_t(1) << 15;
+
+template <class F>
+void parallel_chunks(size_t n, F&& f) {
+  const int T = g_threads;
+  if (T <= 1 || n < kMinParallel) { f(size_t(0), n, 0); return; }
+#pragma omp parallel num_threads(T)
+  {
+    const size_t nt = static_cast<size_t>(omp_get_num_threads());
+    const size_t t = static_cast<size_t>(omp_get_thread_num());
+    const size_t per = (((n + nt - 1) / nt) + 63) & ~size_t(63);
+    const size_t b = std::min(n, t * per);
+    const size_t e = std::min(n, b + per);
+    if (b < e) f(b, e, static_cast<int>(t));
+  }
+}
+
+template <bool L2, class GT, class ST, class OT>
+void run_adam(const Hyper& h, float* p, const GT* g, ST* m, ST* v, OT* o, size_t n, int isa) {
+  parallel_chunks(n, [&](size_t b, size_t e, int) {
+    if (isa == kAvx512) {
+      if (g_hw_bf16) k512bf::adam_range<L2>(h, p, g, m, v, o, b, e);
+      else k512::adam_range<L2>(h, p, g, m, v, o, b, e);
+    }
+    else if (isa == kAvx2) adam_range_avx2<L2>(h, p, g, m, v, o, b, e);
+    else adam_range_scalar<L2>(h, p, g, m, v, o, b, e);
+  });
+}
+
+template <bool L2, class GT, class ST>
+void dispatch_out(const Hyper& h, float* p, const GT* g, ST* m, ST* v, uintptr_t o, int od,
+                  size_t n, int isa) {
+  if (od == kNone || o == 0) run_adam<L2>(h, p, g, m, v, static_cast<no_out_t*>(nullptr), n, isa);
+  else if (od == kBF16) run_adam<L2>(h, p, g, m, v, reinterpret_cast<bf16_t*>(o), n, isa);
+  else if (od == kF16) run_adam<L2>(h, p, g, m, v, reinterpret_cast<f16_t*>(o), n, isa);
+  else throw std::invalid_argument("param16_out dtype must be bf16 or fp16");
+}
+
+template <bool L2, class GT>
+void dispatch_state(const Hyper& h, float* p, const GT* g, uintptr_t m, uintptr_t v, int sd,
+                    uintptr_t o, int od, size_t n, int isa) {
+  if (sd == kF32)
+    dispatch_out<L2>(h, p, g, reinterpret_cast<float*>(m), reinterpret_cast<float*>(v), o, od, n, isa);
+  else if (sd == kBF16)
+    dispatch_out<L2>(h, p, g, reinterpret_cast<bf16_t*>(m), reinterpret_cast<bf16_t*>(v), o, od, n, isa);
+  else throw std::invalid_argument("optimizer state dtype must be fp32 or bf16");
+}
+
+template <bool L2>
+void dispatch_grad(const Hyper& h, float* p, uintptr_t g, int gd, uintptr_t m, uintptr_t v, int sd,
+                   uintptr_t o, int od, size_t n, int isa) {
+  if (gd == kF32) dispatch_state<L2>(h, p, reinterpret_cast<const float*>(g), m, v, sd, o, od, n, isa);
+  else if (gd == kBF16) dispatch_state<L2>(h, p, reinterpret_cast<const bf16_t*>(g), m, v, sd, o, od, n, isa);
+  else if (gd == kF16) dispatch_state<L2>(h, p, reinterpret_cast<const f16_t*>(g), m, v, sd, o, od, n, isa);
+  else throw std::invalid_argument("grad dtype must be fp32, bf16 or fp16");
+}
+
+void adam_step(uintptr_t p, uintptr_t g, int gd, uintptr_t m, uintptr_t v, int sd, uintptr_t o,
+               int od, size_t n, long long step, double lr, double beta1, double beta2, double eps,
+               double wd, bool adamw, bool bias_correction, double grad_scale) {
+  if (n == 0) return;
+  if (!p || !g || !m || !v) throw std::invalid_argument("null data pointer");
+  if (step < 1) throw std::invalid_argument("step must be >= 1 (1-based)");
+  const Hyper h = make_hyper(step, lr, beta1, beta2, eps, wd, adamw, bias_correction, grad_scale);
+  const int isa = g_isa;
+  float* pp = reinterpret_cast<float*>(p);
+  py::gil_scoped_release nogil;
+  if (!adamw && wd != 0.0) dispatch_grad<true>(h, pp, g, gd, m, v, sd, o, od, n, isa);
+  else dispatch_grad<false>(h, pp, g, gd, m, v, sd, o, od, n, isa);
+}
+
+// ------------------------------------------------------------------------------------------
+// Sum of squares in fp64 + finiteness. Each square of a finite fp32 is <= 1.2e77, so a sum over
+// any possible n stays far below DBL_MAX: the sum is finite iff every element is finite.
+// ------------------------------------------------------------------------------------------
+template <class GT>
+double sumsq_scalar(const GT* g, size_t b, size_t e) {
+  double a0 = 0, a1 = 0, a2 = 0, a3 = 0;
+  size_t i = b;
+  for (; i + 4 <= e; i += 4) {
+    const double x0 = sload(g, i), x1 = sload(g, i + 1), x2 = sload(g, i + 2), x3 = sload(g, i + 3);
+    a0 += x0 * x0; a1 += x1 * x1; a2 += x2 * x2; a3 += x3 * x3;
+  }
+  for (; i < e; ++i) { const double x = sload(g, i); a0 += x * x; }
+  return (a0 + a1) + (a2 + a3);
+}
+
+template <class GT>
+ZO_AVX2 double sumsq_avx2(const GT* g, size_t b, size_t e) {
+  __m256d a[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd()};
+  size_t i = b;
+  for (; i + 16 <= e; i += 16) {
+    const __m256 x0 = v8_load(g + i), x1 = v8_load(g + i + 8);
+    const __m256d d0 = _mm256_cvtps_pd(_mm256_castps256_ps128(x0));
+    const __m256d d1 = _mm256_cvtps_pd(_mm256_extractf128_ps(x0, 1));
+    const __m256d d2 = _mm256_cvtps_pd(_mm256_castps256_ps128(x1));
+    const __m256d d3 = _mm256_cvtps_pd(_mm256_extractf128_ps(x1, 1));
+    a[0] = _mm256_fmadd_pd(d0, d0, a[0]); a[1] = _mm256_fmadd_pd(d1, d1, a[1]);
+    a[2] = _mm256_fmadd_pd(d2, d2, a[2]); a[3] = _mm256_fmadd_pd(d3, d3, a[3]);
+  }
+  const __m256d s = _mm256_add_pd(_mm256_add_pd(a[0], a[1]), _mm256_add_pd(a[2], a[3]));
+  alignas(32) double t[4];
+  _mm256_store_pd(t, s);
+  double r = (t[0] + t[1]) + (t[2] + t[3]);
+  for (; i < e; ++i) { const double x = sload(g, i); r += x * x; }
+  return r;
+}
+
+template <class GT>
+double run_sumsq(const GT* g, size_t n, int isa) {
+  std::vector<double> part(static_cast<size_t>(std::max(g_threads, 1)) * 8, 0.0);  // 64 B apart
+  parallel_chunks(n, [&](size_t b, size_t e, int t) {
+    double r;
+    if (isa == kAvx512) r = k512::sumsq_range(g, b, e);
+    else if (isa == kAvx2) r = sumsq_avx2(g, b, e);
+    else r = sumsq_scalar(g, b, e);
+    part[static_cast<size_t>(t) * 8] = r;
+  });
+  double s = 0;
+  for (size_t t = 0; t < part.size(); t += 8) s += part[t];  // fixed order: deterministic
+  return s;
+}
+
+py::tuple grad_sumsq_and_finite(uintptr_t g, int gd, size_t n) {
+  double s = 0.0;
+  if (n) {
+    if (!g) throw std::invalid_argument("null data pointer");
+    const int isa = g_isa;
+    py::gil_scoped_release nogil;
+    if (gd == kF32) s = run_sumsq(reinterpret_cast<const float*>(g), n, isa);
+    else if (gd == kBF16) s = run_sumsq(reinterpret_cast<const bf16_t*>(g), n, isa);
+    else if (gd == kF16) s = run_sumsq(reinterpret_cast<const f16_t*>(g), n, isa);
+    else throw std::invalid_argument("grad dtype must be fp32, bf16 or fp16");
+  }
+  return py::make_tuple(s, static_cast<bool>(std::isfinite(s)));
+}
+
+// ------------------------------------------------------------------------------------------
+// Roofline: moves exactly the bytes of adam_step (same streams, same chunking, same threads)
+// with no arithmetic: read-write streams are stored back XOR a run-time zero, read-only grads
+// are OR-folded into a sink (or, for a 16-bit grad with a 16-bit output, stored to the output).
+// ------------------------------------------------------------------------------------------
+template <class V> struct Raw;
+template <> struct Raw<float> {
+  ZO_AVX512_INLINE static __m512i ld(const float* p) { return _mm512_loadu_si512(p); }
+  ZO_AVX512_INLINE static void st(float* p, __m512i x) { _mm512_storeu_si512(p, x); }
+  ZO_AVX512_INLINE static __m512i x(__m512i a, __m512i z) { return _mm512_xor_si512(a, z); }
+  ZO_AVX512_INLINE static __m512i orr(__m512i acc, __m512i a) { return _mm512_or_si512(acc, a); }
+};
+template <class T16> struct Raw16 {
+  ZO_AVX512_INLINE static __m256i ld(const T16* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  ZO_AVX512_INLINE static void st(T16* p, __m256i x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), x); }
+  ZO_AVX512_INLINE static __m256i x(__m256i a, __m256i z) { return _mm256_xor_si256(a, z); }
+  ZO_AVX512_INLINE static __m512i orr(__m512i acc, __m256i a) { return _mm512_or_si512(acc, _mm512_castsi256_si512(a)); }
+};
+template <> struct Raw<bf16_t> : Raw16<bf16_t> {};
+template <> struct Raw<f16_t> : Raw16<f16_t> {};
+
+template <class T> ZO_AVX512_INLINE __m256i to16(__m512i a) { return _mm512_cvtepi32_epi16(a); }
+
+template <class GT, class ST, class OT>
+ZO_AVX512 uint32_t roof_range_avx512(float* p, const GT* g, ST* m, ST* v, OT* o, size_t b, size_t e,
+                                     uint32_t zero) {
+  const __m512i z = _mm512_set1_epi32(static_cast<int>(zero));
+  const __m256i z16 = _mm256_set1_epi32(static_cast<int>(zero));
+  __m512i acc = _mm512_setzero_si512();
+  constexpr bool g16 = !std::is_same<GT, float>::value;
+  constexpr bool s16 = !std::is_same<ST, float>::value;
+  constexpr bool has_out = !std::is_same<OT, no_out_t>::value;
+  size_t i = b;
+  for (; i + 16 <= e; i += 16) {
+    const auto gi = Raw<GT>::ld(g + i);
+    const __m512i pi = _mm512_loadu_si512(p + i);
+    const auto mi = Raw<ST>::ld(m + i);
+    const auto vi = Raw<ST>::ld(v + i);
+    _mm512_storeu_si512(p + i, _mm512_xor_si512(pi, z));
+    if constexpr (s16) { Raw<ST>::st(m + i, Raw<ST>::x(mi, z16)); Raw<ST>::st(v + i, Raw<ST>::x(vi, z16)); }
+    else { Raw<ST>::st(m + i, Raw<ST>::x(mi, z)); Raw<ST>::st(v + i, Raw<ST>::x(vi, z)); }
+    if constexpr (has_out) {
+      if constexpr (g16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), _mm256_xor_si256(gi, z16));
+      else _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), to16<GT>(gi));
+    } else {
+      acc = Raw<GT>::orr(acc, gi);
+    }
+  }
+  uint32_t tail = 0;
+  for (; i < e; ++i) {  // byte-for-byte scalar tail
+    uint32_t pb; std::memcpy(&pb, p + i, 4); pb ^= zero; std::memcpy(p + i, &pb, 4);
+    if constexpr (s16) { m[i].x ^= static_cast<uint16_t>(zero); v[i].x ^= static_cast<uint16_t>(zero); }
+    else { uint32_t t; std::memcpy(&t, m + i, 4); t ^= zero; std::memcpy(m + i, &t, 4);
+           std::memcpy(&t, v + i, 4); t ^= zero; std::memcpy(v + i, &t, 4); }
+    uint32_t gb = 0; std::memcpy(&gb, g + i, sizeof(GT));
+    if constexpr (has_out) { o[i].x = static_cast<uint16_t>(gb ^ zero); } else { tail |= gb; }
+  }
+  return static_cast<uint32_t>(_mm512_reduce_or_epi32(acc)) | tail;
+}
+
+template <class GT, class ST, class OT>
+uint32_t roof_range_generic(float* p, const GT* g, ST* m, ST* v, OT* o, size_t b, size_t e, uint32_t zero) {
+  uint32_t acc = 0;
+  uint32_t* pu = reinterpret_cast<uint32_t*>(p);
+  for (size_t i = b; i < e; ++i) {
+    pu[i] ^= zero;
+    if constexpr (std::is_same<ST, float>::value) {
+      reinterpret_cast<uint32_t*>(m)[i] ^= zero; reinterpret_cast<uint32_t*>(v)[i] ^= zero;
+    } else { m[i].x ^= static_cast<uint16_t>(zero); v[i].x ^= static_cast<uint16_t>(zero); }
+    uint32_t gb = 0; std::memcpy(&gb, g + i, sizeof(GT));
+    if constexpr (!std::is_same<OT, no_out_t>::value) o[i].x = static_cast<uint16_t>(gb ^ zero);
+    else acc |= gb;
+  }
+  return acc;
+}
+
+template <class GT, class ST, class OT>
+void run_roof(float* p, const GT* g, ST* m, ST* v, OT* o, size_t n, int isa, uint32_t zero) {
+  std::vector<uint32_t> part(static_cast<size_t>(std::max(g_threads, 1)) * 16, 0);
+  parallel_chunks(n, [&](size_t b, size_t e, int t) {
+    part[static_cast<size_t>(t) * 16] = (isa == kAvx512) ? roof_range_avx512(p, g, m, v, o, b, e, zero)
+                                                         : roof_range_generic(p, g, m, v, o, b, e, zero);
+  });
+  uint32_t s = 0;
+  for (uint32_t x : part) s |= x;
+  g_sink = s;
+}
+
+template <class GT, class ST>
+void roof_out(float* p, const GT* g, ST* m, ST* v, uintptr_t o, int od, size_t n, int isa, uint32_t z) {
+  if (od == kNone || o == 0) run_roof(p, g, m, v, static_cast<no_out_t*>(nullptr), n, isa, z);
+  else run_roof(p, g, m, v, reinterpret_cast<bf16_t*>(o), n, isa, z);  // 16-bit either way
+}
+
+template <class GT>
+void roof_state(float* p, const GT* g, uintptr_t m, uintptr_t v, int sd, uintptr_t o, int od, size_t n,
+                int isa, uint32_t z) {
+  if (sd == kF32) roof_out(p, g, reinterpret_cast<float*>(m), reinterpret_cast<float*>(v), o, od, n, isa, z);
+  else roof_out(p, g, reinterpret_cast<bf16_t*>(m), reinterpret_cast<bf16_t*>(v), o, od, n, isa, z);
+}
+
+void roofline(uintptr_t p, uintptr_t g, int gd, uintptr_t m, uintptr_t v, int sd, uintptr_t o, int od,
+              size_t n, uint32_t zero) {
+  if (n == 0) return;
+  if (!p || !g || !m || !v) throw std::invalid_argument("null data pointer");
+  // Pure data movement: use the widest ISA the CPU has, whatever the Adam ISA is.
+  const int isa = (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                   __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+                      ? kAvx512 : kScalar;
+  float* pp = reinterpret_cast<float*>(p);
+  py::gil_scoped_release nogil;
+  if (gd == kF32) roof_state(pp, reinterpret_cast<const float*>(g), m, v, sd, o, od, n, isa, zero);
+  else roof_state(pp, reinterpret_cast<const bf16_t*>(g), m, v, sd, o, od, n, isa, zero);
+}
+
+// ------------------------------------------------------------------------------------------
+// ISA selection.
+// ------------------------------------------------------------------------------------------
+bool cpu_has_avx512() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+bool cpu_has_avx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
+}
+
+bool cpu_has_avx512_bf16() { return cpu_has_avx512() && __builtin_cpu_supports("avx512bf16"); }
+
+const char* isa_name(int isa) { return isa == kAvx512 ? "avx512" : isa == kAvx2 ? "avx2" : "scalar"; }
+
+py::list available_isas() {
+  py::list l;
+  if (cpu_has_avx512()) l.append("avx512");
+  if (cpu_has_avx2()) l.append("avx2");
+  l.append("scalar");
+  return l;
+}
+
+void set_isa(const std::string& name) {
+  if (name == "avx512") {
+    if (!cpu_has_avx512()) throw std::runtime_error("this CPU lacks AVX-512 (F/BW/VL/DQ + FMA + F16C)");
+    g_isa = kAvx512;
+  } else if (name == "avx2") {
+    if (!cpu_has_avx2()) throw std::runtime_error("this CPU lacks AVX2 + FMA + F16C");
+    g_isa = kAvx2;
+  } else if (name == "scalar") {
+    g_isa = kScalar;
+  } else {
+    throw std::invalid_argument("unknown ISA '" + name + "' (expected avx512, avx2 or scalar)");
+  }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_cpu_adam, mod) {
+  mod.doc() = "ZeRO-Offload CPU Adam kernel (AVX-512 / AVX2 / scalar, OpenMP). Raw pointers; "
+              "use zo_megatron.offload.cpu_adam, which validates tensors.";
+  g_isa = cpu_has_avx512() ? kAvx512 : cpu_has_avx2() ? kAvx2 : kScalar;
+  g_hw_bf16 = cpu_has_avx512_bf16();
+  mod.attr("DTYPE_F32") = static_cast<int>(kF32);
+  mod.attr("DTYPE_BF16") = static_cast<int>(kBF16);
+  mod.attr("DTYPE_F16") = static_cast<int>(kF16);
+  mod.attr("DTYPE_NONE") = static_cast<int>(kNone);
+  mod.attr("ISA_COMPILED") = py::make_tuple("avx512", "avx2", "scalar");
+  mod.def("adam_step", &adam_step, py::arg("param"), py::arg("grad"), py::arg("grad_dtype"),
+          py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("state_dtype"), py::arg("out16"),
+          py::arg("out_dtype"), py::arg("n"), py::arg("step"), py::arg("lr"), py::arg("beta1"),
+          py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("adamw"),
+          py::arg("bias_correction"), py::arg("grad_scale"),
+          "Fused Adam/AdamW step over n elements (integer data pointers; out16=0 for none).");
+  mod.def("grad_sumsq_and_finite", &grad_sumsq_and_finite, py::arg("grad"), py::arg("grad_dtype"),
+          py::arg("n"), "(sum of squares in fp64, all finite) of n elements.");
+  mod.def("roofline", &roofline, py::arg("param"), py::arg("grad"), py::arg("grad_dtype"),
+          py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("state_dtype"), py::arg("out16"),
+          py::arg("out_dtype"), py::arg("n"), py::arg("zero") = 0u,
+          "Moves exactly adam_step's bytes with no arithmetic (benchmark roofline). zero must be 0.");
+  mod.def("set_num_threads", [](int n) {
+    if (n < 1) throw std::invalid_argument("num_threads must be >= 1");
+    g_threads = n;
+  });
+  mod.def("get_num_threads", []() { return g_threads; });
+  mod.def("set_isa", &set_isa);
+  mod.def("get_isa", []() { return std::string(isa_name(g_isa)); });
+  mod.def("available_isas", &available_isas);
+  mod.def("has_avx512_bf16", &cpu_has_avx512_bf16);
+  mod.def("_set_avx512_bf16", [](bool on) {
+    if (on && !cpu_has_avx512_bf16()) throw std::runtime_error("this CPU lacks AVX512_BF16");
+    g_hw_bf16 = on;
+  }, "Private (tests): use AVX512_BF16 conversions inside the avx512 path.");
+  mod.def("_get_avx512_bf16", []() { return g_hw_bf16; });
+  mod.def("_f32_to_bf16_scalar", [](float f) { return f32_to_bf16_rne(f); });
+  mod.def("_f32_to_f16_scalar", [](float f) { return f32_to_f16_rne(f); });
+  mod.def("_f16_to_f32_scalar", [](uint16_t h) { return f16_to_f32(h); });
+}

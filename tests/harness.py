@@ -8,11 +8,15 @@ with that rank's traceback.
 """
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
 import os
 import queue
 import socket
+import time
 import traceback
+
+import torch
 
 _CTX = None
 
@@ -40,7 +44,10 @@ def _worker(fn, rank, world_size, port, threads, results, args, kwargs):
     torch.set_num_threads(threads)
     try:
         out = fn(rank, *args, **kwargs)
-        results.put((rank, True, out))
+        # Serialise here: tensors sent through the queue as shared fds die with this process.
+        buf = io.BytesIO()
+        torch.save(out, buf)
+        results.put((rank, True, buf.getvalue()))
     except BaseException:  # noqa: BLE001 - report every failure to the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -64,14 +71,21 @@ def run_world(fn, world_size: int, *args, timeout: float = 180.0, **kwargs) -> l
     outs: dict[int, object] = {}
     errors = []
     try:
+        deadline = time.monotonic() + timeout
         for _ in range(world_size):
-            try:
-                rank, ok, val = results.get(timeout=timeout)
-            except queue.Empty:
-                raise TimeoutError(f"gloo world of {world_size} timed out after {timeout:.0f}s "
-                                   f"(ranks done: {sorted(outs)})") from None
+            while True:
+                try:
+                    rank, ok, val = results.get(timeout=1.0)
+                    break
+                except queue.Empty:
+                    dead = [p.exitcode for p in procs if not p.is_alive() and p.exitcode not in (0, None)]
+                    if dead:
+                        raise AssertionError(f"a rank died with exit code {dead[0]} before reporting") from None
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"gloo world of {world_size} timed out after {timeout:.0f}s "
+                                           f"(ranks done: {sorted(outs)})") from None
             if ok:
-                outs[rank] = val
+                outs[rank] = torch.load(io.BytesIO(val), weights_only=True)
             else:
                 errors.append(f"--- rank {rank} ---\n{val}")
                 break  # other ranks may now hang in a collective; fail fast

@@ -1,0 +1,253 @@
+"""The ZeRO-Offload engine against single-process torch: HF GPT-2 + torch.optim.AdamW.
+
+Worlds of TP x DP ranks train 10 steps from the same seed on the same global batches (2-step
+gradient accumulation, weight decay, a clip that actually clips, a per-step learning rate); the
+parent replays those steps on one process and compares losses, grad norms and final weights.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.harness import run_world
+
+transformers = pytest.importorskip("transformers")
+
+LAYERS, HIDDEN, HEADS, SEQ, VOCAB = 2, 64, 4, 16, 500
+MICRO, ACCUM, STEPS = 2, 2, 10
+# eps 1e-6: the key biases get an exactly-zero true gradient (softmax is shift invariant), so what
+# arrives is rounding noise ~1e-10 whose bits depend on summation order; with eps 1e-8 Adam would
+# blow that noise up to full-size updates in any implementation, and a comparison would test noise.
+WD, CLIP, BETAS, EPS = 0.1, 0.05, (0.9, 0.95), 1e-6
+
+
+def _lr(step):
+    return 2e-3 * (0.5 + 0.5 * step / STEPS)
+
+
+def _batches(seed, dp):
+    """[step][micro] -> global (tokens, labels) of MICRO*dp samples."""
+    gen = torch.Generator().manual_seed(seed)
+    n = MICRO * dp
+    return [[(torch.randint(0, VOCAB, (n, SEQ), generator=gen), torch.randint(0, VOCAB, (n, SEQ), generator=gen))
+             for _ in range(ACCUM)] for _ in range(STEPS)]
+
+
+def _setup(tp, seed, precision, bucket_size=3000, **engine_kw):
+    from zo_megatron.model import GPTConfig, build_gpt_model
+    from zo_megatron.offload.engine import AdamConfig, ZeroOffloadEngine
+    from zo_megatron.parallel import init_parallel
+
+    ps = init_parallel(tp, seed=seed, num_attention_heads=HEADS, hidden_size=HIDDEN)
+    cfg = GPTConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, vocab_size=VOCAB,
+                    max_position_embeddings=SEQ, precision=precision)
+    model = build_gpt_model(cfg, ps.tp_rank, ps.tp_size, seed)
+    adam = AdamConfig(lr=_lr(0), beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WD)
+    engine = ZeroOffloadEngine(model, precision=precision, adam=adam, clip_grad=CLIP, bucket_size=bucket_size,
+                               dp_group=ps.dp_group, tp_rank=ps.tp_rank, **engine_kw)
+    return ps, cfg, model, engine
+
+
+def _full_params(model, ps):
+    from zo_megatron.model.sharding import gather_full_params
+
+    return {n: t.float().clone() for n, t in gather_full_params(model, ps.tp_group, ps.tp_rank, ps.tp_size, VOCAB).items()}
+
+
+def _train_world(rank, tp, precision, seed):
+    ps, cfg, model, engine = _setup(tp, seed, precision)
+    init = _full_params(model, ps)
+    losses, norms, clips = [], [], []
+    for step, micro_batches in enumerate(_batches(seed + 7, ps.dp_size)):
+        total = torch.zeros(())
+        for i, (tokens, labels) in enumerate(micro_batches):
+            mine = slice(ps.dp_rank * MICRO, (ps.dp_rank + 1) * MICRO)
+            loss = model.loss(tokens[mine], labels[mine])
+            engine.backward(loss / ACCUM, last_micro_batch=i == ACCUM - 1)
+            total += loss.detach().float() / ACCUM
+        dist.all_reduce(total, group=ps.dp_group)
+        res = engine.step(lr=_lr(step))
+        assert not res.skipped
+        losses.append(total.item() / ps.dp_size)
+        norms.append(res.grad_norm)
+        clips.append(res.clip_coef)
+    final = _full_params(model, ps)
+    return dict(init=init, final=final, losses=losses, norms=norms, clips=clips) if rank == 0 else None
+
+
+def _reference(init, seed, dp):
+    """Single process, fp32: HF GPT-2 + torch.optim.AdamW + clip_grad_norm_ on the global batch."""
+    from zo_megatron.checkpoint.hf_gpt2 import from_hf, to_hf
+
+    hc = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
+                                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                 activation_function="gelu_new", layer_norm_epsilon=1e-5)
+    model = transformers.GPT2LMHeadModel(hc).float()
+    model.load_state_dict(to_hf(init, LAYERS, HEADS), strict=True)
+    decay = [p for p in model.parameters() if p.dim() > 1]
+    no_decay = [p for p in model.parameters() if p.dim() <= 1]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=_lr(0), betas=BETAS, eps=EPS)
+    losses, norms = [], []
+    for step, micro_batches in enumerate(_batches(seed + 7, dp)):
+        opt.zero_grad()
+        total = 0.0
+        for tokens, labels in micro_batches:
+            logits = model(tokens).logits
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+            (loss / ACCUM).backward()
+            total += loss.item() / ACCUM
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
+        for g in opt.param_groups:
+            g["lr"] = _lr(step)
+        opt.step()
+        losses.append(total)
+    sd = {n: p.detach() for n, p in model.named_parameters()}
+    sd["lm_head.weight"] = sd["transformer.wte.weight"]
+    return losses, norms, from_hf(sd, LAYERS, HEADS)
+
+
+def _max_rel(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.mark.parametrize("tp,world", [(1, 1), (1, 2), (2, 2), (2, 4), (1, 4)])
+def test_fp32_equals_torch_adamw(tp, world):
+    seed = int(torch.randint(0, 10_000, ()).item())
+    out = run_world(_train_world, world, tp, "fp32", seed)[0]
+    ref_losses, ref_norms, ref_final = _reference(out["init"], seed, world // tp)
+    assert min(out["clips"]) < 1.0, "the clip threshold must actually clip in this test"
+    for ours, ref in zip(out["losses"], ref_losses):
+        assert abs(ours - ref) / abs(ref) <= 1e-5
+    for ours, ref in zip(out["norms"], ref_norms):       # global norm: TP-replicated params counted once
+        assert abs(ours - ref) / ref <= 1e-5
+    # Final weights: relative error ||ours - ref|| / ||ref|| <= 1e-5 per tensor, and every element
+    # within 1e-4 of the tensor's scale. (Adam divides by sqrt(v): for the rare elements whose
+    # second moment is ~eps, last-bit differences in the summation order of gradients grow a
+    # little, so the per-element bound is looser than the tensor-wide one.)
+    for name, ref in ref_final.items():
+        ours = out["final"][name]
+        assert ((ours - ref).norm() / ref.norm()).item() <= 1e-5, name
+        assert _max_rel(ours, ref) <= 1e-4, (name, _max_rel(ours, ref))
+        assert not torch.equal(ours, out["init"][name]), f"{name} never moved"
+
+
+def test_bf16_tracks_torch_adamw():
+    """bf16 params/activations/gradients, fp32 master and moments. Tolerance: losses within 2%,
+    final weights within 2% in L2 (||ours - ref|| / ||ref||) of the fp32 single-process run."""
+    seed = int(torch.randint(0, 10_000, ()).item())
+    out = run_world(_train_world, 2, 2, "bf16", seed)[0]
+    ref_losses, _, ref_final = _reference(out["init"], seed, 1)
+    for ours, ref in zip(out["losses"], ref_losses):
+        assert abs(ours - ref) / abs(ref) <= 2e-2
+    for name, ref in ref_final.items():
+        err = ((out["final"][name] - ref).norm() / ref.norm()).item()
+        assert err <= 2e-2, (name, err)
+
+
+def _overflow_world(rank, seed):
+    from zo_megatron.offload.loss_scaler import DynamicLossScaler
+
+    scaler = DynamicLossScaler(initial_scale=2.0**12, hysteresis=1)
+    ps, cfg, model, engine = _setup(1, seed, "fp16", loss_scaler=scaler)
+    (tokens, labels), = _batches(seed, ps.dp_size)[0][:1]
+    mine = slice(ps.dp_rank * MICRO, (ps.dp_rank + 1) * MICRO)
+    # One clean step so the optimizer states are non-trivial.
+    engine.backward(model.loss(tokens[mine], labels[mine]))
+    assert not engine.step().skipped
+    before = dict(flat=engine.flat.clone(), master=engine.master.clone(), m=engine.exp_avg.clone(),
+                  v=engine.exp_avg_sq.clone(), step=engine.step_count)
+    victim = model.gpt.decoder.layers[0].mlp.linear_fc1.weight
+    handle = victim.register_hook(lambda g: g.index_fill(0, torch.tensor([3]), float("inf"))) if rank == 1 else None
+    engine.backward(model.loss(tokens[mine], labels[mine]))
+    res = engine.step()
+    if handle:
+        handle.remove()
+    unchanged = (torch.equal(before["flat"], engine.flat) and torch.equal(before["master"], engine.master)
+                 and torch.equal(before["m"], engine.exp_avg) and torch.equal(before["v"], engine.exp_avg_sq)
+                 and before["step"] == engine.step_count)
+    # The next clean step proceeds again at the lowered scale.
+    engine.backward(model.loss(tokens[mine], labels[mine]))
+    res2 = engine.step()
+    return dict(skipped=res.skipped, scale_before=res.loss_scale, scale_after=scaler.scale,
+                unchanged=unchanged, next_skipped=res2.skipped)
+
+
+def test_fp16_overflow_on_one_rank_skips_everywhere():
+    seed = int(torch.randint(0, 10_000, ()).item())
+    outs = run_world(_overflow_world, 2, seed)
+    for out in outs:
+        assert out["skipped"] and out["unchanged"]
+        assert out["scale_after"] == out["scale_before"] / 2
+        assert not out["next_skipped"]
+
+
+def _accounting_world(rank, tp, seed):
+    from zo_megatron.offload import collectives
+
+    calls = []
+    rs, ag = collectives._reduce_scatter, collectives._all_gather
+    collectives._reduce_scatter = lambda out, inp, group: (calls.append(inp.numel() * inp.element_size()), rs(out, inp, group=group))
+    collectives._all_gather = lambda out, inp, group: (calls.append(out.numel() * out.element_size()), ag(out, inp, group=group))
+    ps, cfg, model, engine = _setup(tp, seed, "bf16", bucket_size=2000)
+    (tokens, labels), = _batches(seed, ps.dp_size)[0][:1]
+    mine = slice(ps.dp_rank * MICRO, (ps.dp_rank + 1) * MICRO)
+    engine.backward(model.loss(tokens[mine], labels[mine]))
+    engine.step()
+    n = ps.dp_size
+    psi = sum(p.numel() for p in model.parameters())
+    acc = engine.accounting
+    measured_ring = sum((n - 1) * b // n for b in calls)     # bytes actually handed to the collectives
+    return dict(psi=psi, flat=engine.flat.numel(), n=n, acc=acc.as_dict(), measured_ring=measured_ring,
+                buckets=len(engine.layout.buckets), max_bucket=engine.layout.max_bucket_numel,
+                host_numel=engine.layout.host_numel)
+
+
+@pytest.mark.parametrize("tp,world", [(1, 2), (2, 4), (1, 4)])
+def test_accounting_matches_ddp_volume_and_memory_bound(tp, world):
+    seed = int(torch.randint(0, 10_000, ()).item())
+    for out in run_world(_accounting_world, world, tp, seed):
+        n, flat, acc = out["n"], out["flat"], out["acc"]
+        ddp_allreduce = 2 * (n - 1) * (2 * flat) // n          # ring all-reduce of the 16-bit gradients
+        assert acc["sent_bytes"] == ddp_allreduce == out["measured_ring"]
+        assert acc["received_bytes"] == ddp_allreduce
+        assert flat - out["psi"] < out["buckets"] * n * 64    # padding only rounds buckets up
+        assert acc["device_model_state_bytes"] <= 2 * flat + 2 * 2 * out["max_bucket"]
+        assert acc["device_param_bytes"] == 2 * flat
+        assert acc["d2h_bytes"] == acc["h2d_bytes"] == 2 * out["host_numel"] == 2 * flat // n
+        assert acc["host_bytes"] == (4 + 4 + 4 + 2) * flat // n
+
+
+def _errors_world(rank, seed):
+    from zo_megatron.errors import ConfigError
+    from zo_megatron.model import build_gpt_model
+    from zo_megatron.offload.engine import ZeroOffloadEngine
+
+    ps, cfg, model, engine = _setup(1, seed, "fp32")
+    msgs = {}
+
+    def fresh_engine(bucket_size):
+        return ZeroOffloadEngine(build_gpt_model(cfg, 0, 1, seed), precision="fp32", bucket_size=bucket_size,
+                                 dp_group=ps.dp_group)
+    try:
+        fresh_engine(0)
+    except ConfigError as e:
+        msgs["bucket"] = str(e)
+    try:  # DP ranks that disagree on the partitioning
+        fresh_engine(1000 if rank == 0 else 5000)
+    except ConfigError as e:
+        msgs["dp"] = str(e)
+    model.gpt.decoder.final_layernorm.weight = torch.nn.Parameter(torch.ones(HIDDEN))
+    try:
+        engine.check_params()
+    except ConfigError as e:
+        msgs["uncovered"] = str(e)
+    return msgs
+
+
+def test_clear_errors():
+    seed = int(torch.randint(0, 10_000, ()).item())
+    for msgs in run_world(_errors_world, 2, seed):
+        assert "--bucket-size must be >= 1" in msgs["bucket"]
+        assert "DP ranks disagree on the parameter partitioning" in msgs["dp"]
+        assert "not covered by the flat buffer" in msgs["uncovered"]
+        assert "decoder.final_layernorm.weight" in msgs["uncovered"]

@@ -1,0 +1,316 @@
+"""CPU Adam for ZeRO-Offload: a thin, validating wrapper over the C++ kernel `zo_megatron._cpu_adam`.
+
+The kernel does one fused, memory-bound pass per call: it reads the gradient (fp32, bf16 or fp16),
+multiplies it by ``grad_scale`` (= clip_coef / loss_scale, computed by the caller), updates the fp32
+master param and the Adam moments (fp32, or bf16 with round-to-nearest-even on store) and, when
+``param16_out`` is given, writes the 16-bit copy of the new param in the same pass. The 16-bit
+output may be the very same tensor as a 16-bit gradient (the engine reuses one host buffer).
+
+Semantics are exactly torch.optim.Adam / AdamW (single step, amsgrad=False, maximize=False):
+
+    g  = grad * grad_scale
+    Adam : g = g + weight_decay * param           AdamW: param = param * (1 - lr * weight_decay)
+    m  = beta1 * m + (1 - beta1) * g              v = beta2 * v + (1 - beta2) * g * g
+    bc1, bc2 = 1 - beta1**step, 1 - beta2**step   (both 1 when bias_correction=False)
+    param = param - (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)
+
+If the extension is missing (failed build) everything still works through torch ops
+(``torch._fused_adam_`` / ``torch._fused_adamw_`` when bias correction is on), with one warning.
+
+Environment:
+    ZO_CPU_ADAM_THREADS   OpenMP threads of the kernel (default: CPUs in this process's affinity)
+    ZO_CPU_ADAM_ISA       force a code path: avx512 | avx2 | scalar (error if the CPU lacks it)
+
+``python -m zo_megatron.offload.cpu_adam --info`` prints the chosen ISA, threads and what the CPU has.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import warnings
+
+import torch
+
+from zo_megatron.errors import UserError
+
+__all__ = ["adam_step", "grad_sumsq_and_finite", "set_num_threads", "get_num_threads", "info"]
+
+_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_NONE_CODE = 3
+_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_STATE_DTYPES = (torch.float32, torch.bfloat16)
+_OUT_DTYPES = (torch.bfloat16, torch.float16)
+_FALLBACK_CHUNK = 1 << 22  # elements per torch-fallback chunk: bounds its temporaries (~64 MiB)
+
+try:  # the placeholder module of an old build has no adam_step: treat it as missing
+    from zo_megatron import _cpu_adam as _ext
+
+    if not hasattr(_ext, "adam_step"):
+        raise ImportError("zo_megatron._cpu_adam is a stale placeholder build (no adam_step)")
+    _EXT_ERROR: str | None = None
+except Exception as _exc:  # noqa: BLE001 - any failure means: use the torch fallback
+    _ext = None
+    _EXT_ERROR = f"{type(_exc).__name__}: {_exc}"
+
+_use_fallback = _ext is None  # private switch: tests force the torch path with _set_isa("torch-fallback")
+_fallback_warned = False
+_threads = 1
+
+
+def _default_threads() -> int:
+    env = os.environ.get("ZO_CPU_ADAM_THREADS", "").strip()
+    if env:
+        try:
+            n = int(env)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise UserError(f"ZO_CPU_ADAM_THREADS={env!r} is not a positive integer; unset it or set e.g. 4")
+        return n
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def set_num_threads(n: int) -> None:
+    """Threads used by the kernel (OpenMP). The torch fallback keeps torch's own thread setting."""
+    global _threads
+    n = int(n)
+    if n < 1:
+        raise ValueError(f"num_threads must be >= 1, got {n}")
+    _threads = n
+    if _ext is not None:
+        _ext.set_num_threads(n)
+
+
+def get_num_threads() -> int:
+    return _threads
+
+
+def _available_isas() -> list[str]:
+    return list(_ext.available_isas()) if _ext is not None else []
+
+
+def _set_isa(name: str) -> None:
+    """Private selector (tests, benchmarks): 'avx512' | 'avx2' | 'scalar' | 'torch-fallback'."""
+    global _use_fallback
+    if name == "torch-fallback":
+        _use_fallback = True
+        return
+    if _ext is None:
+        raise UserError(f"CPU Adam ISA {name!r} requested but the C++ extension is not built ({_EXT_ERROR}); "
+                        "rebuild with `pip install --no-build-isolation -e .`")
+    if name not in _available_isas():
+        raise UserError(f"CPU Adam ISA {name!r} is not available on this CPU "
+                        f"(available: {', '.join(_available_isas())})")
+    _ext.set_isa(name)
+    _use_fallback = False
+
+
+def _current_isa() -> str:
+    return "torch-fallback" if (_use_fallback or _ext is None) else _ext.get_isa()
+
+
+def info() -> dict:
+    d = {
+        "extension": _ext is not None,
+        "isa": _current_isa(),
+        "threads": get_num_threads(),
+        "available_isas": _available_isas(),
+    }
+    if _ext is None:
+        d["extension_error"] = _EXT_ERROR
+    return d
+
+
+def _warn_fallback_once() -> None:
+    global _fallback_warned
+    if not _fallback_warned:
+        _fallback_warned = True
+        why = f"the C++ extension is unavailable ({_EXT_ERROR})" if _ext is None else "it was forced"
+        warnings.warn(f"zo_megatron CPU Adam: using the torch fallback because {why}; it is correct but "
+                      "several times slower. Rebuild with `pip install --no-build-isolation -e .`.",
+                      RuntimeWarning, stacklevel=3)
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation
+# ----------------------------------------------------------------------------------------------
+def _check(name: str, t, dtypes, numel: int | None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name}: must be a CPU tensor, got device {t.device}")
+    if t.layout != torch.strided:
+        raise ValueError(f"{name}: must be a dense (strided) tensor, got layout {t.layout}")
+    if t.dtype not in dtypes:
+        allowed = "/".join(str(d).replace("torch.", "") for d in dtypes)
+        raise ValueError(f"{name}: dtype {str(t.dtype).replace('torch.', '')} is not supported (expected {allowed})")
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: must be contiguous (shape {tuple(t.shape)}, stride {t.stride()}); "
+                         "pass a flat contiguous buffer, e.g. .contiguous() or a view of a flat tensor")
+    if numel is not None and t.numel() != numel:
+        raise ValueError(f"{name}: has {t.numel()} elements but param has {numel}")
+
+
+def _check_overlaps(named: list[tuple[str, torch.Tensor]], allowed_alias: tuple[str, str]) -> None:
+    spans = []
+    for name, t in named:
+        if t.numel():
+            start = t.data_ptr()
+            spans.append((start, start + t.numel() * t.element_size(), name, t.element_size()))
+    spans.sort()
+    for i in range(len(spans)):
+        for j in range(i + 1, len(spans)):
+            a, b = spans[i], spans[j]
+            if b[0] >= a[1]:
+                break
+            exact = a[0] == b[0] and a[1] == b[1] and a[3] == b[3]
+            if exact and {a[2], b[2]} == set(allowed_alias):
+                continue
+            raise ValueError(f"{a[2]} and {b[2]} overlap in memory; only param16_out may be the very same "
+                             "buffer as a 16-bit grad")
+
+
+# ----------------------------------------------------------------------------------------------
+# Public API
+# ----------------------------------------------------------------------------------------------
+def adam_step(param, grad, exp_avg, exp_avg_sq, *, step: int, lr: float, beta1: float, beta2: float,
+              eps: float, weight_decay: float = 0.0, adamw: bool = True, bias_correction: bool = True,
+              grad_scale: float = 1.0, param16_out=None) -> None:
+    """One Adam/AdamW step, in place on ``param``, ``exp_avg``, ``exp_avg_sq`` (and ``param16_out``).
+
+    param: fp32 contiguous CPU tensor (1-D expected; any contiguous shape is treated as flat).
+    grad: fp32/bf16/fp16, same numel. exp_avg/exp_avg_sq: both fp32 or both bf16.
+    param16_out: None or a bf16/fp16 tensor of the same numel; it may be the same tensor as grad.
+    step: 1-based step count of this update. Bad inputs raise ValueError naming the tensor.
+    """
+    _check("param", param, (torch.float32,), None)
+    n = param.numel()
+    _check("grad", grad, _GRAD_DTYPES, n)
+    _check("exp_avg", exp_avg, _STATE_DTYPES, n)
+    _check("exp_avg_sq", exp_avg_sq, _STATE_DTYPES, n)
+    if exp_avg.dtype != exp_avg_sq.dtype:
+        raise ValueError(f"exp_avg ({exp_avg.dtype}) and exp_avg_sq ({exp_avg_sq.dtype}) must have the same dtype")
+    if param16_out is not None:
+        _check("param16_out", param16_out, _OUT_DTYPES, n)
+    named = [("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)]
+    if param16_out is not None:
+        named.append(("param16_out", param16_out))
+    _check_overlaps(named, ("grad", "param16_out"))
+    if isinstance(step, bool) or int(step) != step or step < 1:
+        raise ValueError(f"step must be a 1-based integer, got {step!r}")
+    step = int(step)
+    if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
+        raise ValueError(f"betas must be in [0, 1), got ({beta1}, {beta2})")
+    if n == 0:
+        return
+    if _use_fallback or _ext is None:
+        _warn_fallback_once()
+        _torch_adam_step(param, grad, exp_avg, exp_avg_sq, step, float(lr), float(beta1), float(beta2),
+                         float(eps), float(weight_decay), bool(adamw), bool(bias_correction),
+                         float(grad_scale), param16_out)
+        return
+    _ext.adam_step(param.data_ptr(), grad.data_ptr(), _DTYPE_CODE[grad.dtype],
+                   exp_avg.data_ptr(), exp_avg_sq.data_ptr(), _DTYPE_CODE[exp_avg.dtype],
+                   0 if param16_out is None else param16_out.data_ptr(),
+                   _NONE_CODE if param16_out is None else _DTYPE_CODE[param16_out.dtype],
+                   n, step, float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
+                   bool(adamw), bool(bias_correction), float(grad_scale))
+
+
+def grad_sumsq_and_finite(grad) -> tuple[float, bool]:
+    """(sum of squares accumulated in fp64, all elements finite) of a contiguous fp32/bf16/fp16 tensor."""
+    _check("grad", grad, _GRAD_DTYPES, None)
+    n = grad.numel()
+    if n == 0:
+        return 0.0, True
+    if _use_fallback or _ext is None:
+        _warn_fallback_once()
+        flat = grad.view(-1)
+        s = 0.0
+        for a in range(0, n, _FALLBACK_CHUNK):
+            s += float(flat[a:a + _FALLBACK_CHUNK].to(torch.float64).square().sum())
+        return s, math.isfinite(s)
+    s, finite = _ext.grad_sumsq_and_finite(grad.data_ptr(), _DTYPE_CODE[grad.dtype], n)
+    return float(s), bool(finite)
+
+
+# ----------------------------------------------------------------------------------------------
+# Torch fallback (also the reference for "what torch would do")
+# ----------------------------------------------------------------------------------------------
+def _torch_adam_step(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, wd, adamw,
+                     bias_correction, grad_scale, param16_out) -> None:
+    p_all, g_all = param.view(-1), grad.view(-1)
+    m_all, v_all = exp_avg.view(-1), exp_avg_sq.view(-1)
+    o_all = None if param16_out is None else param16_out.view(-1)
+    fp32_states = exp_avg.dtype == torch.float32
+    fused = getattr(torch, "_fused_adamw_" if adamw else "_fused_adam_", None) if bias_correction else None
+    bc1 = 1.0 - beta1 ** step if bias_correction else 1.0
+    bc2 = 1.0 - beta2 ** step if bias_correction else 1.0
+    n = p_all.numel()
+    for a in range(0, n, _FALLBACK_CHUNK):
+        b = min(n, a + _FALLBACK_CHUNK)
+        p = p_all[a:b]
+        g = g_all[a:b].to(torch.float32).mul(grad_scale)  # always a fresh tensor: grad is never written
+        m = m_all[a:b] if fp32_states else m_all[a:b].to(torch.float32)
+        v = v_all[a:b] if fp32_states else v_all[a:b].to(torch.float32)
+        done = False
+        if fused is not None:
+            try:
+                fused([p], [g], [m], [v], [], [torch.tensor(float(step))], lr=lr, beta1=beta1, beta2=beta2,
+                      weight_decay=wd, eps=eps, amsgrad=False, maximize=False)
+                done = True
+            except (RuntimeError, NotImplementedError):  # an old torch without the CPU fused kernel
+                fused = None
+        if not done:
+            if wd != 0.0:
+                if adamw:
+                    p.mul_(1.0 - lr * wd)
+                else:
+                    g.add_(p, alpha=wd)
+            m.lerp_(g, 1.0 - beta1)
+            v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+            denom = v.sqrt().div_(math.sqrt(bc2)).add_(eps)
+            p.addcdiv_(m, denom, value=-lr / bc1)
+        if not fp32_states:
+            m_all[a:b].copy_(m)  # RNE to bf16
+            v_all[a:b].copy_(v)
+        if o_all is not None:
+            o_all[a:b].copy_(p)  # grad chunk was already read into g: aliasing is safe
+
+
+# ----------------------------------------------------------------------------------------------
+# Import-time configuration
+# ----------------------------------------------------------------------------------------------
+set_num_threads(_default_threads())
+_env_isa = os.environ.get("ZO_CPU_ADAM_ISA", "").strip().lower()
+if _env_isa:
+    if _env_isa not in ("avx512", "avx2", "scalar"):
+        raise UserError(f"ZO_CPU_ADAM_ISA={_env_isa!r}: expected avx512, avx2 or scalar")
+    _set_isa(_env_isa)
+
+
+def _main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m zo_megatron.offload.cpu_adam",
+                                 description="ZeRO-Offload CPU Adam kernel")
+    ap.add_argument("--info", action="store_true", help="print the ISA, threads and available ISAs")
+    ap.add_argument("--json", action="store_true", help="print info() as JSON")
+    args = ap.parse_args(argv)
+    d = info()
+    if args.json:
+        print(json.dumps(d))
+        return 0
+    print(f"extension:      {'built' if d['extension'] else 'MISSING (' + str(d.get('extension_error')) + ')'}")
+    print(f"isa:            {d['isa']}")
+    print(f"threads:        {d['threads']}")
+    print(f"available isas: {', '.join(d['available_isas']) or '-'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())
