@@ -6,7 +6,10 @@ The CLI prints that line and exits with status 2; the training job can do the sa
 """
 
 
-class DataError(ValueError):
+from zo_megatron.errors import UserError
+
+
+class DataError(UserError):
     """A user-fixable problem with input data, a dataset prefix or a tokenizer file."""
 
     def __init__(self, message: str) -> None:

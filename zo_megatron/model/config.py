@@ -26,7 +26,7 @@ class GPTConfig:
     attention_dropout: float = 0.0
     init_method_std: float = 0.02
     layernorm_epsilon: float = 1e-5
-    recompute: bool = False                     # full activation recompute of every layer
+    recompute: str | None = None                # None | "full" (whole layers) | "selective" (attention core)
     label_smoothing: float = 0.0
 
     def __post_init__(self):
@@ -40,6 +40,11 @@ class GPTConfig:
             raise ConfigError(
                 f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
                 f"{self.num_attention_heads}: pick hidden = heads x head_dim")
+        if self.recompute is True:
+            self.recompute = "full"
+        if self.recompute not in (None, False, "full", "selective"):
+            raise ConfigError(f"recompute must be 'full' or 'selective' (got {self.recompute!r})")
+        self.recompute = self.recompute or None
         if self.label_smoothing != 0.0:
             # megatron-core's vocab_parallel_cross_entropy smooths over the local vocab shard only,
             # which is wrong at TP > 1; refuse rather than train on a silently wrong loss.

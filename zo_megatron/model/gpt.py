@@ -31,8 +31,11 @@ def causal_attention_mask(seq_length: int, device) -> torch.Tensor:
 def transformer_config(cfg: GPTConfig, tensor_parallel: int):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) \
-        if cfg.recompute else {}
+    recompute = {}
+    if cfg.recompute == "full":
+        recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    elif cfg.recompute == "selective":
+        recompute = dict(recompute_granularity="selective")
     return TransformerConfig(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,

@@ -12,7 +12,8 @@ from dataclasses import asdict, dataclass
 @dataclass
 class Accounting:
     device_param_bytes: int = 0        # the flat 16-bit parameter buffer
-    device_bucket_bytes: int = 0       # the (at most two) gradient bucket buffers
+    device_bucket_bytes: int = 0       # the (at most two) gradient bucket buffers (baseline: all grads)
+    device_optimizer_bytes: int = 0    # baseline only: fp32 Adam moments on the device
     host_master_bytes: int = 0         # fp32 master partition
     host_optimizer_bytes: int = 0      # exp_avg + exp_avg_sq partitions
     host_staging_bytes: int = 0        # 16-bit gradient/param partition (pinned on CUDA)
@@ -24,7 +25,7 @@ class Accounting:
 
     @property
     def device_model_state_bytes(self) -> int:
-        return self.device_param_bytes + self.device_bucket_bytes
+        return self.device_param_bytes + self.device_bucket_bytes + self.device_optimizer_bytes
 
     @property
     def host_bytes(self) -> int:

@@ -18,6 +18,7 @@ communication; the last one streams through the buckets.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import asdict, dataclass
 
@@ -154,6 +155,10 @@ class ZeroOffloadEngine:
                               "complete and do not replace parameters afterwards")
 
     # ---------------------------------------------------------------------------------- backward
+    def forward_context(self):
+        """The model already runs in self.dtype (its parameters are views of the flat buffer)."""
+        return contextlib.nullcontext()
+
     def backward(self, loss: torch.Tensor, *, last_micro_batch: bool = True) -> None:
         """loss.backward() with loss scaling; only the last micro-batch communicates."""
         self._sync = last_micro_batch

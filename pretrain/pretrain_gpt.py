@@ -1,0 +1,32 @@
+#!/usr/bin/env python
+"""Pretrain a GPT with Megatron tensor parallelism + ZeRO-Offload data parallelism.
+
+    torchrun --nproc-per-node 16 pretrain/pretrain_gpt.py --tensor-parallel 16 --zero-offload ...
+
+Megatron-LM's flag names work as they do there (`--help` lists them by group). With no model or
+data flags it trains a small GPT-2 on the embedded State of the Union corpus (the README demo).
+Bad input prints one `error:` line and exits with status 2.
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main(argv=None) -> int:
+    from zo_megatron.errors import UserError
+
+    try:
+        from zo_megatron.training.loop import pretrain
+
+        return pretrain(argv)
+    except UserError as exc:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,177 @@
+"""pretrain_gpt.py's flags: Megatron-LM's names and defaults, plus zo_megatron's own.
+
+Without model-shape flags the job uses DEMO defaults (a 4 x 256 GPT-2 on the embedded State of
+the Union corpus, sized to train on a 2-core CPU in minutes); Megatron requires those flags.
+"""
+from __future__ import annotations
+
+import argparse
+
+from zo_megatron.errors import ConfigError
+from zo_megatron.training.schedule import DECAY_STYLES
+
+# What `pretrain_gpt.py --tensor-parallel 2 --zero-offload` trains when given no shape flags.
+DEMO_DEFAULTS = dict(num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=256,
+                     micro_batch_size=8, train_iters=300, lr=1e-3, min_lr=1e-4, lr_warmup_iters=30,
+                     lr_decay_style="cosine", eval_interval=100, eval_iters=10, log_interval=10,
+                     weight_decay=0.1, adam_beta2=0.95)
+
+# Megatron-LM's defaults for the flags DEMO_DEFAULTS fills when the shape flags are absent.
+MEGATRON_DEFAULTS = dict(micro_batch_size=1, train_iters=None, lr=None, min_lr=0.0, lr_warmup_iters=0,
+                         lr_decay_style="linear", eval_interval=1000, eval_iters=100, log_interval=100,
+                         weight_decay=0.01, adam_beta2=0.999)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pretrain_gpt.py",
+        description="Pretrain a GPT with Megatron tensor parallelism and ZeRO-Offload data parallelism. "
+                    "Launch with torchrun, mpirun or srun; the world size is TP x DP.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    S = argparse.SUPPRESS
+
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, default=None, help="transformer layers (demo: 4)")
+    g.add_argument("--hidden-size", type=int, default=None, help="hidden size (demo: 256)")
+    g.add_argument("--num-attention-heads", type=int, default=None, help="attention heads (demo: 4)")
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="MLP size (default 4 x hidden)")
+    g.add_argument("--seq-length", type=int, default=None, help="tokens per sample (demo: 256)")
+    g.add_argument("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="pad the vocab to a multiple of this x TP")
+    g.add_argument("--hidden-dropout", type=float, default=0.0)
+    g.add_argument("--attention-dropout", type=float, default=0.0)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
+                   help="activation recompute: full layers, or only the attention core")
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="Megatron's shorthand for --recompute-granularity selective")
+
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", "--tensor-parallel", dest="tensor_parallel", type=int,
+                   default=1, help="TP size; DP = world size / TP")
+
+    g = p.add_argument_group("ZeRO-Offload")
+    g.add_argument("--zero-offload", action="store_true",
+                   help="partition gradients/optimizer over DP and run Adam on the CPU (otherwise: plain DDP baseline)")
+    g.add_argument("--bucket-size", type=int, default=40_000_000, help="gradient bucket size in elements")
+    g.add_argument("--cpu-adam-threads", type=int, default=None,
+                   help="OpenMP threads of the CPU Adam per rank (default: this rank's fair share of cores)")
+    g.add_argument("--no-pin-memory", action="store_true", help="CUDA: do not pin host buffers")
+    g.add_argument("--dpu", action="store_true", help="delayed parameter update (not in this release)")
+    g.add_argument("--dpu-warmup-steps", type=int, default=40, help="exact steps before DPU starts")
+
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=None, help="samples per rank per micro-batch")
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="samples per step = micro x DP x accumulation (default: micro x DP)")
+    g.add_argument("--train-iters", type=int, default=None, help="optimizer steps (demo: 300)")
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--skip-memory-check", action="store_true",
+                   help="launch even when the memory planner predicts the run does not fit")
+
+    g = p.add_argument_group("learning rate")
+    g.add_argument("--lr", type=float, default=None, help="peak learning rate (demo: 1e-3)")
+    g.add_argument("--min-lr", type=float, default=None)
+    g.add_argument("--lr-decay-style", choices=DECAY_STYLES, default=None)
+    g.add_argument("--lr-warmup-iters", type=int, default=None)
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
+
+    g = p.add_argument_group("optimizer")
+    g.add_argument("--optimizer", choices=["adam"], default="adam")
+    g.add_argument("--weight-decay", type=float, default=None, help="AdamW decoupled weight decay")
+    g.add_argument("--no-weight-decay-embeddings", action="store_true",
+                   help="exclude embeddings from weight decay (biases and norms never decay)")
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=None)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--clip-grad", type=float, default=1.0, help="global grad-norm clip (0: off)")
+
+    g = p.add_argument_group("mixed precision")
+    m = g.add_mutually_exclusive_group()
+    m.add_argument("--bf16", dest="precision", action="store_const", const="bf16", help="bf16 (default)")
+    m.add_argument("--fp16", dest="precision", action="store_const", const="fp16",
+                   help="fp16 with dynamic loss scaling")
+    m.add_argument("--fp32", dest="precision", action="store_const", const="fp32")
+    g.add_argument("--loss-scale", type=float, default=None, help="static loss scale (fp16); default dynamic")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
+    g.add_argument("--min-loss-scale", type=float, default=1.0)
+    g.add_argument("--loss-scale-window", type=int, default=1000)
+    g.add_argument("--hysteresis", type=int, default=2)
+
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", nargs="*", default=None,
+                   help="PREFIX, or WEIGHT PREFIX WEIGHT PREFIX ... (default: the embedded SOTU corpus)")
+    g.add_argument("--split", default="969, 30, 1", help="train, valid, test proportions")
+    g.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json (default: bundled)")
+    g.add_argument("--merge-file", default=None, help="GPT-2 merges.txt (default: bundled)")
+    g.add_argument("--allow-custom-vocab", action="store_true", help="accept BPE files that are not GPT-2's")
+    g.add_argument("--data-cache-path", default=None, help="where dataset indices are cached")
+    g.add_argument("--tokenizer-type", default="GPT2BPETokenizer", choices=["GPT2BPETokenizer"], help=S)
+
+    g = p.add_argument_group("checkpointing")
+    g.add_argument("--save", default=None, help="directory to save checkpoints to")
+    g.add_argument("--load", default=None, help="directory to resume from (its latest checkpoint)")
+    g.add_argument("--save-interval", type=int, default=None, help="iterations between checkpoints")
+
+    g = p.add_argument_group("evaluation and logging")
+    g.add_argument("--eval-interval", type=int, default=None)
+    g.add_argument("--eval-iters", type=int, default=None)
+    g.add_argument("--log-interval", type=int, default=None)
+    g.add_argument("--log-jsonl", default=None, help="write one JSON object per logged iteration/evaluation")
+    g.add_argument("--tensorboard-dir", default=None, help="write TensorBoard events (needs tensorboard)")
+    g.add_argument("--no-progress-bar", action="store_true")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    finalize(args)
+    return args
+
+
+def finalize(args: argparse.Namespace) -> None:
+    """Fill demo or Megatron defaults, then reject inconsistent values (one line each)."""
+    shape_given = any(getattr(args, k) is not None for k in ("num_layers", "hidden_size", "num_attention_heads"))
+    args.demo = not shape_given
+    defaults = MEGATRON_DEFAULTS if shape_given else DEMO_DEFAULTS
+    for k in {**DEMO_DEFAULTS, **MEGATRON_DEFAULTS}:
+        if getattr(args, k, None) is None:
+            setattr(args, k, defaults.get(k))
+    for k in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "train_iters", "lr"):
+        if getattr(args, k) is None:
+            raise ConfigError(f"--{k.replace('_', '-')} is required when the model shape is given")
+    args.precision = args.precision or "bf16"
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.seq_length > args.max_position_embeddings:
+        raise ConfigError(f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
+                          f"{args.max_position_embeddings}")
+    if args.recompute_activations and args.recompute_granularity is None:
+        args.recompute_granularity = "selective"
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    for k in ("micro_batch_size", "train_iters", "eval_iters", "log_interval", "eval_interval", "tensor_parallel"):
+        if getattr(args, k) < 1:
+            raise ConfigError(f"--{k.replace('_', '-')} must be >= 1 (got {getattr(args, k)})")
+    if args.bucket_size < 1:
+        raise ConfigError(f"--bucket-size must be >= 1 element (got {args.bucket_size})")
+    if args.save_interval is not None and args.save_interval < 1:
+        raise ConfigError(f"--save-interval must be >= 1 (got {args.save_interval})")
+    if args.dpu:
+        raise ConfigError("--dpu (delayed parameter update) is not available in this release yet: "
+                          "drop --dpu for exact updates")
+    if args.loss_scale is not None and args.precision != "fp16":
+        raise ConfigError("--loss-scale only applies to --fp16")
+
+
+def check_batch_sizes(args: argparse.Namespace, dp_size: int) -> None:
+    """global = micro x DP x accumulation; sets args.grad_accum_steps."""
+    per_step = args.micro_batch_size * dp_size
+    if args.global_batch_size is None:
+        args.global_batch_size = per_step
+    if args.global_batch_size % per_step != 0:
+        raise ConfigError(
+            f"--global-batch-size {args.global_batch_size} is not a multiple of --micro-batch-size "
+            f"{args.micro_batch_size} x DP {dp_size} = {per_step}: use a multiple of {per_step}")
+    args.grad_accum_steps = args.global_batch_size // per_step

@@ -1,0 +1,261 @@
+"""The training job: validate everything, build the components, run one loop that composes them.
+
+Order matters for users: every check that can fail on bad input (flags, tokenizer files, data
+files, memory plan) runs BEFORE any process group, model or checkpoint directory is created, so a
+mistake costs seconds and leaves nothing behind.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from zo_megatron.errors import UserError
+from zo_megatron.training.arguments import check_batch_sizes, parse_args
+from zo_megatron.training.metrics import Metrics, flops_per_token, host_rss_bytes, human_bytes
+from zo_megatron.training.schedule import learning_rate
+
+
+def _total_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def memory_check(args, env, dp: int, vocab_size: int) -> None:
+    """Refuse a run the planner says cannot fit the device or host memory this machine has."""
+    from zo_megatron.planner import GiB, PlanInput, plan
+
+    cuda = torch.cuda.is_available()
+    host = _total_memory_bytes()
+    inp = PlanInput(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        vocab_size=vocab_size, seq_length=args.seq_length, max_position_embeddings=args.max_position_embeddings,
+        tensor_parallel=args.tensor_parallel, data_parallel=dp, micro_batch_size=args.micro_batch_size,
+        grad_accum_steps=args.grad_accum_steps, precision=args.precision, zero_offload=args.zero_offload,
+        recompute=args.recompute_granularity or False, bucket_size=args.bucket_size,
+        gpu_memory_bytes=torch.cuda.get_device_properties(0).total_memory if cuda else host,
+        host_memory_bytes_per_node=host, gpus_per_node=env.local_world_size,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        dropout=args.hidden_dropout > 0 or args.attention_dropout > 0, fused_softmax=False,
+        device_is_host=not cuda,
+        host_reserve_bytes=min(32 * GiB, host // 10), host_overhead_bytes_per_rank=(3 if cuda else 1) * GiB)
+    p = plan(inp)
+    args.memory_plan = p
+    if not p.fits and not args.skip_memory_check:
+        why = "; ".join(r for r in p.reasons if "OK" not in r) or "; ".join(p.reasons)
+        tips = "; ".join(p.suggestions[:3]) or "raise TP, enable recompute, lower --micro-batch-size"
+        raise UserError(f"the memory planner predicts this run does not fit: {why}. Try: {tips} "
+                        "(or --skip-memory-check)")
+
+
+def pretrain(argv=None) -> int:
+    args = parse_args(argv)
+    from zo_megatron.data import build_tokenizer, validate_data_prefix
+    from zo_megatron.parallel import validate_parallel_config
+    from zo_megatron.parallel.launch_env import default_cpu_adam_threads, discover_launch_env
+
+    env = discover_launch_env()
+    validate_parallel_config(env.world_size, args.tensor_parallel, args.num_attention_heads, args.hidden_size)
+    dp = env.world_size // args.tensor_parallel
+    check_batch_sizes(args, dp)
+    tokenizer = build_tokenizer(args.vocab_file, args.merge_file, allow_custom_vocab=args.allow_custom_vocab)
+    if args.data_path:
+        from zo_megatron.data import parse_data_path
+
+        for prefix in parse_data_path(args.data_path)[0]:
+            validate_data_prefix(prefix, tokenizer)
+        data_path = args.data_path
+    else:
+        from zo_megatron.data import default_data_prefix
+
+        data_path = [default_data_prefix()]
+    if args.load and not os.path.isdir(args.load):
+        raise UserError(f"--load {args.load}: no such directory")
+    memory_check(args, env, dp, tokenizer.vocab_size)
+    return _train(args, env, tokenizer, data_path, default_cpu_adam_threads(env.local_world_size))
+
+
+def _build_optimizer(args, model, ps):
+    from zo_megatron.offload.engine import AdamConfig, ZeroOffloadEngine
+    from zo_megatron.offload.loss_scaler import ConstantLossScaler, DynamicLossScaler
+    from zo_megatron.training.plain_optimizer import PlainDDPOptimizer
+
+    adam = AdamConfig(lr=args.lr, beta1=args.adam_beta1, beta2=args.adam_beta2, eps=args.adam_eps,
+                      weight_decay=args.weight_decay)
+    if args.precision == "fp16":
+        scaler = ConstantLossScaler(args.loss_scale) if args.loss_scale else DynamicLossScaler(
+            initial_scale=args.initial_loss_scale, min_scale=args.min_loss_scale,
+            growth_interval=args.loss_scale_window, hysteresis=args.hysteresis)
+    else:
+        scaler = ConstantLossScaler(1.0)
+    common = dict(precision=args.precision, adam=adam, clip_grad=args.clip_grad, dp_group=ps.dp_group,
+                  tp_rank=ps.tp_rank, loss_scaler=scaler, no_decay_embeddings=args.no_weight_decay_embeddings)
+    if args.zero_offload:
+        return ZeroOffloadEngine(model, bucket_size=args.bucket_size, pin_memory=not args.no_pin_memory, **common)
+    return PlainDDPOptimizer(model, **common)
+
+
+def _evaluate(model, optimizer, batches, eval_iters: int, ps, device) -> float:
+    model.eval()
+    total, count = torch.zeros((), dtype=torch.float64), 0
+    with torch.no_grad(), optimizer.forward_context():
+        for _ in range(eval_iters):
+            b = next(batches)
+            loss = model.loss(b["tokens"].to(device), b["labels"].to(device), b["loss_mask"].to(device),
+                              b["position_ids"].to(device))
+            total += loss.double()
+            count += 1
+    model.train()
+    if ps.dp_size > 1:
+        dist.all_reduce(total, group=ps.dp_group)
+    return total.item() / (count * ps.dp_size)
+
+
+def _cycle(make):
+    """Endless micro-batches from `make()` (a fresh DP iterator per pass over a split)."""
+    while True:
+        produced = False
+        for b in make():
+            produced = True
+            yield b
+        if not produced:
+            raise UserError("the validation split holds fewer samples than one micro-batch per DP rank: "
+                            "lower --micro-batch-size or give the split more documents")
+
+
+def _train(args, env, tokenizer, data_path, cpu_adam_threads: int) -> int:
+    from zo_megatron.checkpoint.sharded import load_checkpoint, save_checkpoint
+    from zo_megatron.data import DPBatches, build_gpt_datasets
+    from zo_megatron.model import GPTConfig, build_gpt_model
+    from zo_megatron.offload import cpu_adam
+    from zo_megatron.parallel import destroy_parallel, init_parallel
+
+    t_start = time.monotonic()
+    ps = init_parallel(args.tensor_parallel, seed=args.seed, num_attention_heads=args.num_attention_heads,
+                       hidden_size=args.hidden_size)
+    cpu_adam.set_num_threads(args.cpu_adam_threads or cpu_adam_threads)
+    metrics = Metrics(enabled=ps.rank == 0, total_iters=args.train_iters, jsonl_path=args.log_jsonl,
+                      tensorboard_dir=args.tensorboard_dir, progress_bar=not args.no_progress_bar)
+    try:
+        cfg = GPTConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                        num_attention_heads=args.num_attention_heads, vocab_size=tokenizer.vocab_size,
+                        max_position_embeddings=args.max_position_embeddings, ffn_hidden_size=args.ffn_hidden_size,
+                        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, precision=args.precision,
+                        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+                        init_method_std=args.init_method_std, recompute=args.recompute_granularity)
+        gb = args.global_batch_size
+        n_evals = args.train_iters // args.eval_interval + 1
+        train_ds, valid_ds, _ = build_gpt_datasets(
+            data_path, args.split, args.seq_length, args.seed, tokenizer,
+            train_samples=args.train_iters * gb, valid_samples=n_evals * args.eval_iters * gb,
+            test_samples=0, cache_dir=args.data_cache_path)
+        model = build_gpt_model(cfg, ps.tp_rank, ps.tp_size, args.seed, device=ps.device)
+        optimizer = _build_optimizer(args, model, ps)
+        start_iter, consumed = 0, 0
+        expected = {k: getattr(args, k) for k in ("num_layers", "hidden_size", "num_attention_heads",
+                                                  "seq_length", "precision", "zero_offload")}
+        expected["vocab_size"] = tokenizer.vocab_size
+        if args.load:
+            start_iter, consumed = load_checkpoint(args.load, ps=ps, model=model, optimizer=optimizer,
+                                                   expected=expected)
+            metrics.print(f" resumed from {args.load} at iteration {start_iter} ({consumed} samples consumed)")
+        _banner(metrics, args, ps, cfg, optimizer, data_path, time.monotonic() - t_start)
+
+        def train_batches():
+            return DPBatches(train_ds, args.micro_batch_size, ps.dp_rank, ps.dp_size, consumed_samples=consumed)
+        train_iter = iter(train_batches())
+        valid_iter = _cycle(lambda: DPBatches(valid_ds, args.micro_batch_size, ps.dp_rank, ps.dp_size)) \
+            if valid_ds is not None else None
+        fpt = flops_per_token(cfg.num_layers, cfg.hidden_size, args.seq_length,
+                              cfg.padded_vocab_size(ps.tp_size), args.recompute_granularity)
+        window = dict(loss=0.0, n=0, skipped=0, nan=0, t=time.monotonic(), norm=0.0)
+        iteration = start_iter
+        last_val = None
+        while iteration < args.train_iters:
+            lr = learning_rate(iteration, lr=args.lr, min_lr=args.min_lr, warmup_iters=args.lr_warmup_iters,
+                               decay_iters=args.lr_decay_iters, style=args.lr_decay_style)
+            step_loss = torch.zeros(())
+            for m in range(args.grad_accum_steps):
+                b = next(train_iter)
+                with optimizer.forward_context():
+                    loss = model.loss(b["tokens"].to(ps.device), b["labels"].to(ps.device),
+                                      b["loss_mask"].to(ps.device), b["position_ids"].to(ps.device))
+                optimizer.backward(loss / args.grad_accum_steps, last_micro_batch=m == args.grad_accum_steps - 1)
+                step_loss += loss.detach().float().cpu() / args.grad_accum_steps
+            res = optimizer.step(lr)
+            iteration += 1
+            consumed += gb
+            metrics.advance()
+            if math.isfinite(step_loss.item()):
+                window["loss"] += step_loss.item()
+            else:
+                window["nan"] += 1
+            window["n"] += 1
+            window["skipped"] += int(res.skipped)
+            window["norm"] = res.grad_norm
+            if iteration % args.log_interval == 0 or iteration == args.train_iters:
+                _log(metrics, window, iteration, lr, res, optimizer, ps, args, fpt, iteration - start_iter)
+            if valid_iter is not None and (iteration % args.eval_interval == 0 or iteration == args.train_iters):
+                last_val = _evaluate(model, optimizer, valid_iter, args.eval_iters, ps, ps.device)
+                metrics.log_eval(iteration, last_val)
+            if args.save and ((args.save_interval and iteration % args.save_interval == 0)
+                              or iteration == args.train_iters):
+                path = save_checkpoint(args.save, iteration, ps=ps, model=model, optimizer=optimizer,
+                                       metadata=expected, consumed_samples=consumed)
+                metrics.print(f" saved checkpoint {path}")
+        elapsed = time.monotonic() - t_start
+        if last_val is not None:
+            metrics.print(f" done: {iteration} iterations in {elapsed / 60:.1f} min; final validation loss "
+                          f"{last_val:.4f} nats, perplexity {math.exp(min(last_val, 50)):.2f}")
+        optimizer.close()
+    finally:
+        metrics.close()
+        destroy_parallel()
+    return 0
+
+
+def _log(metrics, window, iteration, lr, res, optimizer, ps, args, fpt, done) -> None:
+    stats = torch.tensor([window["loss"], max(window["n"] - window["nan"], 1)], dtype=torch.float64)
+    if ps.dp_size > 1:
+        dist.all_reduce(stats, group=ps.dp_group)
+        stats[1] /= ps.dp_size
+    dt = time.monotonic() - window["t"]
+    tokens = window["n"] * args.global_batch_size * args.seq_length
+    acc = optimizer.accounting
+    metrics.log_train({
+        "iteration": iteration, "loss": stats[0].item() / ps.dp_size / stats[1].item(), "lr": lr,
+        "grad_norm": window["norm"], "loss_scale": res.loss_scale, "skipped": window["skipped"],
+        "nan_iterations": window["nan"], "tokens_per_s": tokens / dt, "step_time_s": dt / max(window["n"], 1),
+        "tflops_per_rank": fpt * tokens / dt / ps.world_size / 1e12,
+        "device_model_state_bytes": acc.device_model_state_bytes, "host_model_state_bytes": acc.host_bytes,
+        "host_rss_bytes": host_rss_bytes(), "comm_bytes_per_step": acc.sent_bytes,
+        "_iters_done_this_run": done,
+    })
+    window.update(loss=0.0, n=0, skipped=0, nan=0, t=time.monotonic())
+
+
+def _banner(metrics, args, ps, cfg, optimizer, data_path, setup_s) -> None:
+    total = cfg.num_parameters()
+    local = sum(p.numel() for p in optimizer.model.parameters()) if hasattr(optimizer, "model") else 0
+    acc = optimizer.accounting
+    src = "embedded State of the Union corpus (233 addresses, public domain)" if not args.data_path else " ".join(data_path)
+    plan = getattr(args, "memory_plan", None)
+    lines = [
+        f"zo_megatron pretrain_gpt: {'DEMO defaults, ' if args.demo else ''}world {ps.world_size} = TP {ps.tp_size} x DP {ps.dp_size}, "
+        f"device {ps.device.type}, {args.precision}, {'ZeRO-Offload (CPU Adam)' if args.zero_offload else 'plain DDP + AdamW baseline'}",
+        f" model: GPT-2 {cfg.num_layers} layers x {cfg.hidden_size} hidden x {cfg.num_attention_heads} heads, "
+        f"seq {args.seq_length}, vocab {cfg.vocab_size} (padded {cfg.padded_vocab_size(ps.tp_size)}), "
+        f"{total / 1e6:.1f}M params ({local / 1e6:.1f}M on this TP rank)",
+        f" batch: global {args.global_batch_size} = micro {args.micro_batch_size} x DP {ps.dp_size} x accumulation "
+        f"{args.grad_accum_steps}; {args.train_iters} iterations, lr {args.lr:g} {args.lr_decay_style} "
+        f"(warmup {args.lr_warmup_iters}, min {args.min_lr:g})",
+        f" data: {src}",
+        f" model states per rank: device {human_bytes(acc.device_model_state_bytes)}, host {human_bytes(acc.host_bytes)}"
+        + (f"; planner: device {human_bytes(plan.device_bytes_per_gpu)}/rank, host {human_bytes(plan.host_bytes_per_node)}/node"
+           if plan is not None else ""),
+        f" set-up took {setup_s:.1f}s",
+    ]
+    for line in lines:
+        metrics.print(line)

@@ -1,0 +1,122 @@
+"""What a run reports: readable log lines, a progress bar on a terminal, JSONL, TensorBoard."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+import time
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def human_time(s: float) -> str:
+    s = int(max(0, s))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def flops_per_token(num_layers: int, hidden: int, seq: int, vocab: int, recompute: str | None) -> float:
+    """Model FLOPs per trained token (forward + backward), Megatron's count: the dense matmuls
+    (24 L h^2 per token forward, x3 with backward), attention scores (4 L s h forward, x3) and the
+    LM head (2 V h forward, x3); full recompute adds one more forward of the layers."""
+    layer_fwd = 24 * num_layers * hidden * hidden + 4 * num_layers * seq * hidden
+    head_fwd = 2 * vocab * hidden
+    mult = 4 if recompute == "full" else 3
+    return mult * layer_fwd + 3 * head_fwd
+
+
+class Metrics:
+    """Rank 0 writes; every other rank's calls are no-ops."""
+
+    def __init__(self, *, enabled: bool, total_iters: int, jsonl_path: str | None = None,
+                 tensorboard_dir: str | None = None, progress_bar: bool = True):
+        self.enabled = enabled
+        self.total_iters = total_iters
+        self.start = time.monotonic()
+        self._jsonl = None
+        self._tb = None
+        self._bar = None
+        if not enabled:
+            return
+        if jsonl_path:
+            os.makedirs(os.path.dirname(os.path.abspath(jsonl_path)), exist_ok=True)
+            self._jsonl = open(jsonl_path, "a", buffering=1)
+        if tensorboard_dir:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as exc:
+                from zo_megatron.errors import UserError
+
+                raise UserError("--tensorboard-dir needs the tensorboard package: pip install tensorboard "
+                                f"(or 'zo_megatron[tensorboard]') ({exc})") from None
+            self._tb = SummaryWriter(tensorboard_dir)
+        if progress_bar and sys.stdout.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_iters, unit="it", dynamic_ncols=True)
+
+    def print(self, msg: str) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(msg)
+        else:
+            print(msg, flush=True)
+
+    def advance(self, n: int = 1) -> None:
+        if self._bar is not None:
+            self._bar.update(n)
+
+    def log_train(self, row: dict) -> None:
+        if not self.enabled:
+            return
+        it = row["iteration"]
+        elapsed = time.monotonic() - self.start
+        row.setdefault("elapsed_s", elapsed)
+        done = row.pop("_iters_done_this_run", it)
+        eta = elapsed / max(done, 1) * (self.total_iters - it)
+        gn = row["grad_norm"]
+        line = (f" iter {it:>6}/{self.total_iters} | loss {row['loss']:.4f} | lr {row['lr']:.3e} | "
+                f"grad norm {gn:.3f} | loss scale {row['loss_scale']:.0f} | "
+                f"skipped {row['skipped']} nan {row['nan_iterations']} | {row['tokens_per_s']:,.0f} tok/s | "
+                f"{row['tflops_per_rank']:.3f} TFLOP/s/rank | {row['step_time_s'] * 1000:.0f} ms/it | "
+                f"model states dev {human_bytes(row['device_model_state_bytes'])} "
+                f"host {human_bytes(row['host_model_state_bytes'])} | rss {human_bytes(row['host_rss_bytes'])} | "
+                f"elapsed {human_time(elapsed)} eta {human_time(eta)}")
+        if self._bar is not None:
+            self._bar.set_postfix(loss=f"{row['loss']:.3f}", refresh=False)
+        self.print(line)
+        self._write({k: v for k, v in row.items() if not k.startswith("_")}, "train")
+
+    def log_eval(self, iteration: int, val_loss: float, split: str = "validation") -> None:
+        if not self.enabled:
+            return
+        ppl = math.exp(min(val_loss, 50.0))
+        self.print(f" {split} loss at iteration {iteration} | lm loss {val_loss:.4f} | lm loss PPL {ppl:.3f}")
+        self._write({"iteration": iteration, "val_loss": val_loss, "val_ppl": ppl, "split": split}, "eval")
+
+    def _write(self, row: dict, kind: str) -> None:
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps({"kind": kind, **row}) + "\n")
+        if self._tb is not None:
+            it = row["iteration"]
+            for k, v in row.items():
+                if k != "iteration" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                    self._tb.add_scalar(f"{kind}/{k}", v, it)
+
+    def close(self) -> None:
+        for f in (self._bar, self._jsonl, self._tb):
+            if f is not None:
+                f.close()
+
+
+def host_rss_bytes() -> int:
+    """Peak resident set of this process (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

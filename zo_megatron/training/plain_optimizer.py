@@ -1,0 +1,106 @@
+"""The non-offloaded baseline: DDP-style gradient all-reduce + torch AdamW(fused=True) on the device.
+
+Same interface as ZeroOffloadEngine (backward / step / accounting / state_dict), so the training
+loop and the benchmarks compare the two on equal terms. Parameters, gradients and both Adam
+moments live on the device in fp32 (16 bytes/param); bf16/fp16 run the forward under autocast.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.distributed as dist
+
+from zo_megatron.offload.accounting import Accounting
+from zo_megatron.offload.engine import AdamConfig, StepResult
+from zo_megatron.offload.loss_scaler import ConstantLossScaler, DynamicLossScaler
+
+_AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class PlainDDPOptimizer:
+    def __init__(self, model: torch.nn.Module, *, precision: str = "bf16", adam: AdamConfig | None = None,
+                 clip_grad: float = 1.0, dp_group=None, tp_rank: int = 0, loss_scaler=None,
+                 no_decay_embeddings: bool = False):
+        self.model, self.precision = model, precision
+        self.adam = adam or AdamConfig()
+        self.clip_grad = clip_grad
+        self.dp_group = dp_group
+        self.dp_size = dist.get_world_size(dp_group) if dist.is_initialized() else 1
+        self.loss_scaler = loss_scaler or (DynamicLossScaler() if precision == "fp16" else ConstantLossScaler())
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        # Replicated-across-TP params are counted once in the global norm (on TP rank 0).
+        self._counted = [bool(getattr(p, "tensor_model_parallel", False)) or tp_rank == 0 for p in self.params]
+        decay, no_decay = [], []
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                (decay if p.dim() > 1 and not (no_decay_embeddings and "embedding" in name) else no_decay).append(p)
+        a = self.adam
+        self.opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": a.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=a.lr, betas=(a.beta1, a.beta2), eps=a.eps, fused=True)
+        n = sum(p.numel() for p in self.params)
+        self.accounting = Accounting(device_param_bytes=4 * n, device_bucket_bytes=4 * n,
+                                     device_optimizer_bytes=8 * n)
+        self.step_count = 0
+
+    def forward_context(self):
+        dtype = _AUTOCAST.get(self.precision)
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.params[0].device.type, dtype=dtype)
+
+    def backward(self, loss: torch.Tensor, *, last_micro_batch: bool = True) -> None:
+        if last_micro_batch:
+            self.accounting.reset_step()
+        (loss * self.loss_scaler.scale).backward()
+
+    def _allreduce_grads(self) -> None:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        if self.dp_size > 1:
+            flat = torch.cat([g.reshape(-1) for g in grads]).div_(self.dp_size)
+            dist.all_reduce(flat, group=self.dp_group)
+            self.accounting.ring(2 * flat.numel() * flat.element_size(), self.dp_size)
+            off = 0
+            for g in grads:
+                g.copy_(flat[off:off + g.numel()].view_as(g))
+                off += g.numel()
+        for p, g in zip(self.params, grads):
+            p.grad = g
+
+    def step(self, lr: float | None = None) -> StepResult:
+        self._allreduce_grads()
+        scale = self.loss_scaler.scale
+        sumsq = sum(float(p.grad.double().square().sum()) for p, c in zip(self.params, self._counted) if c)
+        finite = all(bool(torch.isfinite(p.grad).all()) for p in self.params)
+        stats = torch.tensor([sumsq, 0.0 if finite else 1.0], dtype=torch.float64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(stats)
+        found_inf = stats[1].item() > 0 or not math.isfinite(stats[0].item())
+        self.loss_scaler.update(found_inf)
+        if found_inf:
+            self.opt.zero_grad(set_to_none=True)
+            return StepResult(True, float("nan"), 0.0, scale)
+        norm = math.sqrt(stats[0].item()) / scale
+        clip = min(1.0, self.clip_grad / (norm + 1e-6)) if self.clip_grad and self.clip_grad > 0 else 1.0
+        for p in self.params:
+            p.grad.mul_(clip / scale)
+        for g in self.opt.param_groups:
+            g["lr"] = self.adam.lr if lr is None else lr
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.step_count += 1
+        return StepResult(False, norm, clip, scale)
+
+    def state_dict(self) -> dict:
+        return {"step": self.step_count, "optimizer": self.opt.state_dict(),
+                "loss_scaler": self.loss_scaler.state_dict()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.opt.load_state_dict(sd["optimizer"])
+        self.step_count = int(sd["step"])
+        self.loss_scaler.load_state_dict(sd["loss_scaler"])
+
+    def close(self) -> None:
+        pass
