@@ -1,0 +1,136 @@
+"""pretrain_gpt.py end to end, from the command line, on real text (a slice of the SOTU corpus)."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "pretrain", "pretrain_gpt.py")
+TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+        "--micro-batch-size", "4", "--lr", "3e-3", "--lr-warmup-iters", "2", "--min-lr", "3e-4",
+        "--lr-decay-style", "cosine", "--log-interval", "1", "--eval-interval", "4", "--eval-iters", "2",
+        "--no-progress-bar", "--split", "90,10,0"]
+TRAIN_KEYS = {"iteration", "loss", "lr", "grad_norm", "loss_scale", "skipped", "tokens_per_s",
+              "nan_iterations", "tflops_per_rank", "device_model_state_bytes", "host_model_state_bytes"}
+
+
+def _clean_env(tmp_path):
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "OMPI_", "PMI_", "SLURM_", "TORCHELASTIC"))}
+    env["ZO_MEGATRON_CACHE"] = str(tmp_path / "cache")
+    env["PYTHONPATH"] = ROOT
+    return env
+
+
+@pytest.fixture(scope="module")
+def sotu_prefix(tmp_path_factory):
+    from zo_megatron.data import extract_corpus
+    from zo_megatron.data.preprocess import preprocess
+
+    d = tmp_path_factory.mktemp("sotu")
+    files = extract_corpus(str(d / "txt"), limit=12)
+    preprocess(files, str(d / "sotu"), progress=False)
+    return str(d / "sotu_text_document")
+
+
+def _torchrun(args, tmp_path, nproc=2, timeout=300):
+    cmd = [TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", SCRIPT, *args]
+    return subprocess.run(cmd, env=_clean_env(tmp_path), capture_output=True, text=True, timeout=timeout)
+
+
+def _single(args, tmp_path, timeout=120):
+    return subprocess.run([sys.executable, SCRIPT, *args], env=_clean_env(tmp_path), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _rows(path, kind):
+    with open(path) as f:
+        return [r for r in map(json.loads, f) if r["kind"] == kind]
+
+
+def test_tp2_zero_offload_trains_on_real_text(sotu_prefix, tmp_path):
+    log = tmp_path / "log.jsonl"
+    save = tmp_path / "ckpt"
+    r = _torchrun(["--tensor-parallel", "2", "--zero-offload", "--data-path", sotu_prefix, "--train-iters", "12",
+                   "--log-jsonl", str(log), "--save", str(save), *TINY], tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    train, evals = _rows(log, "train"), _rows(log, "eval")
+    assert [row["iteration"] for row in train] == list(range(1, 13))      # --log-interval 1: every iteration
+    for row in train:
+        assert TRAIN_KEYS <= set(row)
+        assert row["skipped"] == 0 and row["tokens_per_s"] > 0
+    first, last = sum(r["loss"] for r in train[:3]) / 3, sum(r["loss"] for r in train[-3:]) / 3
+    assert last < first - 0.5, (first, last)
+    assert [e["iteration"] for e in evals] == [4, 8, 12]
+    assert evals[-1]["val_loss"] < evals[0]["val_loss"]
+    assert {"iteration", "val_loss", "val_ppl"} <= set(evals[-1])
+    for field in ("loss", "lr", "grad norm", "loss scale", "skipped", "tok/s", "TFLOP/s", "model states", "eta"):
+        assert field in r.stdout, field
+    assert "validation loss at iteration 12" in r.stdout
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "12"
+
+
+def test_resume_continues_exactly(sotu_prefix, tmp_path):
+    """6 iterations straight == 3 iterations, save, resume, 3 more: same losses bit for bit."""
+    common = ["--tensor-parallel", "2", "--zero-offload", "--data-path", sotu_prefix, "--train-iters", "6",
+              *TINY, "--eval-interval", "100"]
+    r = _torchrun([*common, "--log-jsonl", str(tmp_path / "straight.jsonl")], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ck = tmp_path / "ck"
+    r = _torchrun([*common, "--save", str(ck), "--save-interval", "3", "--log-jsonl", str(tmp_path / "a.jsonl")],
+                  tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    shutil.rmtree(ck / "iter_0000006")
+    (ck / "latest_checkpointed_iteration.txt").write_text("3\n")
+    r = _torchrun([*common, "--load", str(ck), "--log-jsonl", str(tmp_path / "b.jsonl")], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    straight = [row["loss"] for row in _rows(tmp_path / "straight.jsonl", "train")]
+    resumed = [row["loss"] for row in _rows(tmp_path / "a.jsonl", "train")][:3] + \
+              [row["loss"] for row in _rows(tmp_path / "b.jsonl", "train")]
+    assert resumed == straight
+
+
+@pytest.mark.parametrize("case", ["missing_prefix", "truncated_idx", "vocab_mismatch", "vocab_hash", "batch"])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, sotu_prefix, tmp_path):
+    prefix = sotu_prefix
+    extra = []
+    if case == "missing_prefix":
+        prefix = str(tmp_path / "nope_text_document")
+        needle = prefix
+    elif case == "truncated_idx":
+        prefix = str(tmp_path / "cut_text_document")
+        shutil.copy(sotu_prefix + ".bin", prefix + ".bin")
+        data = open(sotu_prefix + ".idx", "rb").read()
+        open(prefix + ".idx", "wb").write(data[: len(data) // 2])
+        needle = prefix + ".idx"
+    elif case == "vocab_mismatch":
+        # An index whose token ids do not fit the GPT-2 vocabulary (dtype int32, id 70000).
+        import numpy as np
+        from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+        prefix = str(tmp_path / "big_text_document")
+        b = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
+        import torch
+
+        b.add_document(torch.tensor([1, 2, 70000, 3], dtype=torch.int32), [4])
+        b.finalize(prefix + ".idx")
+        needle = prefix
+    elif case == "vocab_hash":
+        bad = tmp_path / "vocab.json"
+        bad.write_text('{"a": 0}')
+        extra = ["--vocab-file", str(bad)]
+        needle = str(bad)
+    else:
+        extra = ["--global-batch-size", "6"]
+        needle = "--global-batch-size 6"
+    save = tmp_path / "save"
+    r = _single(["--data-path", prefix, "--train-iters", "2", "--save", str(save), *TINY, *extra], tmp_path)
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    lines = [ln for ln in r.stderr.strip().splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and needle in lines[0], r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+    assert not save.exists()
