@@ -1,0 +1,85 @@
+"""The training job under every launcher: mpiexec and (faked) SLURM reproduce torchrun's losses;
+and the pre-launch memory check refuses a run that cannot fit."""
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from tests.test_pretrain import ROOT, SCRIPT, TINY, _clean_env, _single, _torchrun, sotu_prefix  # noqa: F401
+
+ARGS = ["--tensor-parallel", "2", "--zero-offload", "--train-iters", "4", *TINY, "--eval-interval", "100"]
+
+
+def _losses(path):
+    with open(path) as f:
+        return [r["loss"] for r in map(json.loads, f) if r["kind"] == "train"]
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def torchrun_losses(sotu_prefix, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("torchrun")
+    r = _torchrun([*ARGS, "--data-path", sotu_prefix, "--log-jsonl", str(tmp / "log.jsonl")], tmp)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return _losses(tmp / "log.jsonl")
+
+
+def test_mpiexec_matches_torchrun(sotu_prefix, torchrun_losses, tmp_path):
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if not os.path.exists(mpiexec):
+        mpiexec = shutil.which("mpiexec")
+    if mpiexec is None:
+        pytest.skip("mpiexec not found: pip install 'zo_megatron[mpi]'")
+    pytest.importorskip("mpi4py")
+    env = _clean_env(tmp_path)
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1")
+    log = tmp_path / "log.jsonl"
+    cmd = [mpiexec, "-n", "2", "--oversubscribe", "--bind-to", "none", sys.executable, SCRIPT, *ARGS,
+           "--data-path", sotu_prefix, "--log-jsonl", str(log)]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert _losses(log) == torchrun_losses
+
+
+def test_fake_slurm_matches_torchrun(sotu_prefix, torchrun_losses, tmp_path):
+    port = _free_port()
+    log = tmp_path / "log.jsonl"
+    procs = []
+    for rank in range(2):
+        env = _clean_env(tmp_path)
+        env.update(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank), SLURM_NODEID="0",
+                   SLURM_TASKS_PER_NODE="2", SLURM_JOB_NODELIST="localhost", SLURM_JOB_ID="77",
+                   SLURM_STEP_ID="0", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, SCRIPT, *ARGS, "--data-path", sotu_prefix,
+                                       "--log-jsonl", str(log)], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=300))
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), outs[0][1][-3000:]
+    assert _losses(log) == torchrun_losses
+
+
+def test_memory_check_refuses_a_run_that_cannot_fit(sotu_prefix, tmp_path):
+    # 2 layers x 16384 hidden is ~6.4B params: 26 GB of bf16 weights alone on this machine's "device".
+    r = _single(["--num-layers", "2", "--hidden-size", "16384", "--num-attention-heads", "128",
+                 "--seq-length", "64", "--lr", "1e-4", "--train-iters", "1", "--data-path", sotu_prefix,
+                 "--save", str(tmp_path / "save")], tmp_path)
+    assert r.returncode == 2, r.stderr[-2000:]
+    line = r.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: the memory planner predicts this run does not fit")
+    assert "--skip-memory-check" in line
+    assert not (tmp_path / "save").exists()
