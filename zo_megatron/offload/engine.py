@@ -86,12 +86,11 @@ class ZeroOffloadEngine:
         self.check_params()
         self.step_count = 0
         self._sync = True
-        self._ready = [0] * len(self.layout.buckets)     # params whose grad reached the bucket
         self._bucket_buf: dict[int, torch.Tensor] = {}   # bucket index -> its device buffer
         self._free = list(self._grad_buffers)
         self._deferred: set[int] = set()                 # buckets waiting for a free buffer
         self._waiting: list[list] = [[] for _ in self.layout.buckets]   # their ready slots
-        self._absorbed: list[list] = [[] for _ in self.layout.buckets]
+        self._absorbed: list[list] = [[] for _ in self.layout.buckets]  # slots copied into their bucket
         self._done = [False] * len(self.layout.buckets)
         self._hooks = [s.param.register_post_accumulate_grad_hook(self._make_hook(s)) for s in self.layout.slots]
 
@@ -193,7 +192,7 @@ class ZeroOffloadEngine:
         for s in waiting:
             self._absorb(s, buf, flush=False)
         self._deferred.discard(b)
-        if self._ready[b] == len(bucket.slots):
+        if len(self._absorbed[b]) == len(bucket.slots):
             self._flush(b)
 
     def _absorb(self, slot, buf: torch.Tensor, flush: bool = True) -> None:
@@ -201,9 +200,8 @@ class ZeroOffloadEngine:
         off = slot.start - bucket.start
         buf[off:off + slot.numel].copy_(slot.param.grad.reshape(-1))
         slot.param.grad = None
-        self._ready[slot.bucket] += 1
         self._absorbed[slot.bucket].append(slot)
-        if flush and self._ready[slot.bucket] == len(bucket.slots):
+        if flush and len(self._absorbed[slot.bucket]) == len(bucket.slots):
             self._flush(slot.bucket)
 
     def _flush(self, b: int) -> None:
@@ -246,7 +244,6 @@ class ZeroOffloadEngine:
                         self._absorb(s, self._bucket_buf[b], flush=False)
                 self._flush(b)
         self.dev.wait_host()
-        self._ready = [0] * len(self.layout.buckets)
         self._done = [False] * len(self.layout.buckets)
         self._absorbed = [[] for _ in self.layout.buckets]
         self._deferred.clear()
