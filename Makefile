@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.zo_installed
 TORCH_CPU ?= torch==2.13.0
 NPROC  ?= 2
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup demo test bench clean
 
 setup: $(STAMP)
 
@@ -29,10 +29,7 @@ demo: setup
 	$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) pretrain/pretrain_gpt.py --tensor-parallel 2 --zero-offload
 
 test: setup
-	$(PY) -m pytest tests -q -x --durations=15
-
-test-fast: setup
-	$(PY) -m pytest tests -q -m "not slow"
+	$(PY) -m pytest tests -q --durations=15
 
 bench: setup
 	$(PY) tools/bench_cpu_adam.py

@@ -86,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--adam-beta2", type=float, default=None)
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--clip-grad", type=float, default=1.0, help="global grad-norm clip (0: off)")
+    g.add_argument("--exp-avg-dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="ZeRO-Offload: dtype of Adam's first moment on the host (Megatron's name)")
+    g.add_argument("--exp-avg-sq-dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="ZeRO-Offload: dtype of Adam's second moment on the host")
 
     g = p.add_argument_group("mixed precision")
     m = g.add_mutually_exclusive_group()
@@ -161,6 +165,11 @@ def finalize(args: argparse.Namespace) -> None:
     if args.dpu:
         raise ConfigError("--dpu (delayed parameter update) is not available in this release yet: "
                           "drop --dpu for exact updates")
+    if args.exp_avg_dtype != args.exp_avg_sq_dtype:
+        raise ConfigError(f"--exp-avg-dtype {args.exp_avg_dtype} and --exp-avg-sq-dtype {args.exp_avg_sq_dtype} "
+                          "must match (the CPU Adam kernel keeps both moments in one dtype)")
+    if args.exp_avg_dtype != "fp32" and not args.zero_offload:
+        raise ConfigError("--exp-avg-dtype bf16 applies to the CPU optimizer: add --zero-offload")
     if args.loss_scale is not None and args.precision != "fp16":
         raise ConfigError("--loss-scale only applies to --fp16")
 

@@ -83,7 +83,7 @@ def _build_optimizer(args, model, ps):
     from zo_megatron.training.plain_optimizer import PlainDDPOptimizer
 
     adam = AdamConfig(lr=args.lr, beta1=args.adam_beta1, beta2=args.adam_beta2, eps=args.adam_eps,
-                      weight_decay=args.weight_decay)
+                      weight_decay=args.weight_decay, state_dtype=args.exp_avg_dtype)
     if args.precision == "fp16":
         scaler = ConstantLossScaler(args.loss_scale) if args.loss_scale else DynamicLossScaler(
             initial_scale=args.initial_loss_scale, min_scale=args.min_loss_scale,
