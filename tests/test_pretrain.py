@@ -134,3 +134,18 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, sotu_prefix, tmp_
     assert len(lines) == 1 and needle in lines[0], r.stderr[-2000:]
     assert "Traceback" not in r.stderr
     assert not save.exists()
+
+
+def test_offload_and_ddp_baseline_agree_in_fp32_and_baseline_runs_bf16(sotu_prefix, tmp_path):
+    """Without --zero-offload the job trains the plain DDP + AdamW baseline; in fp32 both must
+    follow the same trajectory (same model, data and AdamW math), here at TP=1 x DP=2."""
+    common = ["--data-path", sotu_prefix, "--train-iters", "5", *TINY, "--eval-interval", "100"]
+    losses = {}
+    for name, extra in (("offload", ["--zero-offload", "--fp32"]), ("ddp", ["--fp32"]), ("ddp_bf16", ["--bf16"])):
+        log = tmp_path / f"{name}.jsonl"
+        r = _torchrun([*common, *extra, "--log-jsonl", str(log)], tmp_path)
+        assert r.returncode == 0, name + r.stderr[-3000:]
+        losses[name] = [row["loss"] for row in _rows(log, "train")]
+    for a, b in zip(losses["offload"], losses["ddp"]):
+        assert abs(a - b) / abs(b) <= 1e-4, (losses["offload"], losses["ddp"])
+    assert losses["ddp_bf16"][-1] < losses["ddp_bf16"][0]

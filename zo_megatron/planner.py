@@ -6,15 +6,22 @@ The formulas are written out in docs/memory_planner.md; the short version, per T
 t = tensor parallel, N = data parallel, Ψ = parameters on this TP rank (padded to N partitions),
 b16 = 2 bytes (bf16/fp16) or 4 (fp32):
 
-  device, ZeRO-Offload   b16·Ψ params + 2·b16·bucket gradient buckets (+ b16·bucket reduce-scatter
-                         scratch when N > 1) (+ b16·Ψ 16-bit gradients kept across micro-batches when
-                         grad_accum_steps > 1) + activations + logits + fragmentation + CUDA overhead
+  device, ZeRO-Offload   b16·Ψ params + b16·bucket gradient buckets x2 (x1 when one bucket holds every
+                         parameter; + grad_bucket_oversize when the largest bucket -- the one holding
+                         the word embedding, a parameter never straddles buckets -- exceeds bucket_size)
+                         (+ b16·bucket reduce-scatter scratch when N > 1: an allowance, the engine
+                         reduce-scatters in place) (+ b16·Ψ 16-bit gradients kept across micro-batches
+                         when grad_accum_steps > 1) + activations + fragmentation + CUDA overhead
   device, baseline       16 bytes/param (2 param + 2 grad + 4 master + 4 m + 4 v; fp32: 4+4+4+4)
   host per GPU           Ψ/N · (4 master + 4|2 m + 4|2 v + b16 staging [+ b16 DPU pending grad])
   host per node          host per GPU x ranks on the node + per-process overhead x ranks + OS reserve
-  activations            Korthikanti et al. 2022: s·b·h·(10 + 24/t + 5·a·s/(h·t)) bytes per layer
+  activations            stored: Korthikanti et al. 2022, s·b·h·(10 + 24/t + 5·a·s/(h·t)) bytes per layer
                          (16-bit, dropout, no sequence parallel); full recompute stores b16·s·b·h per
-                         layer + one layer's activations as the recompute working set
+                         layer. On top, the largest of three phases that never coexist: the logits
+                         (+ their fp32 copies), the output layer's backward (+ the tied embedding's
+                         gradient, held to the end of backward), one layer's backward (its recompute
+                         working set + its gradients). `_activation_items` has the details; validated
+                         against torch's measured CPU peak in tests/test_planner_validation.py.
 
 Parameter count of the GPT-2-style model (learned positions, tied embeddings, biases, LayerNorms):
   P = V_pad·h + S·h + L·(12h² + 13h) + 2h,   V_pad = V rounded up to a multiple of 128·t
@@ -198,7 +205,25 @@ def _bytes16(precision: str) -> int:
 
 
 def _activation_items(inp: PlanInput, vocab_padded: int) -> dict[str, int]:
-    """Activation bytes on one GPU at the peak of backward (Korthikanti et al. 2022, no SP)."""
+    """Activation bytes on one GPU at the peak of forward + backward (Korthikanti et al. 2022, no SP).
+
+    Stored activations P (all layers, or each layer's input with full recompute) stay live through
+    backward. On top of P the peak is the largest of three phases that never coexist:
+
+      A1  end of forward / loss backward: final-LN and output-layer inputs + the logits: the 16-bit
+          logits (w) next to their fp32 copy that the vocab-parallel cross-entropy keeps (4); in
+          backward that fp32 softmax becomes the gradient in place, and with a padded vocabulary
+          the pad-column mask (GPTModelTP.forward) clones it in fp32 (4 more instead of w);
+      A2  output-layer backward: the fp32/16-bit logits gradient + its contiguous copy (2·w) + the
+          output layer's weight gradient, which (tied to the word embedding) is held until the
+          embedding lookup's gradient is added at the very end of backward (w·V_pad·h/t);
+      B   backward of the last layer: its activations (recomputed with recompute: the working
+          set) + its gradients (fc1-output sized 4h/t twice, residual stream twice) + that held
+          embedding gradient.
+
+    Line items: P, each phase's parts, and `activations_phases_not_coexisting` (<= 0), which takes
+    back what the phases would double count: the items sum to P + max(A1, A2, B).
+    """
     s, b, h = inp.seq_length, inp.micro_batch_size, inp.hidden_size
     a, t, L = inp.num_attention_heads, inp.tensor_parallel, inp.num_layers
     w = _bytes16(inp.precision)
@@ -216,20 +241,83 @@ def _activation_items(inp: PlanInput, vocab_padded: int) -> dict[str, int]:
 
     items: dict[str, int] = {}
     rc = inp.normalized_recompute()
+    working_set = 0
     if rc is None:
         items["activations_layers"] = L * per_layer_full
     elif rc == "selective":
         items["activations_layers"] = L * (replicated + split)
-        items["activations_recompute_working_set"] = scores  # one layer's attention core
+        working_set = items["activations_recompute_working_set"] = scores  # one layer's attention core
     else:  # full: keep each layer's input, recompute one layer at a time
         items["activations_layer_inputs"] = L * w * sbh
-        items["activations_recompute_working_set"] = per_layer_full
-    # embedding dropout mask, final LayerNorm input, output-layer input
-    items["activations_embedding_final"] = (mask + 2 * w) * sbh
+        working_set = items["activations_recompute_working_set"] = per_layer_full
+    # phase A1: embedding dropout mask, final LayerNorm input, output-layer input; the logits
+    items["activations_embedding_final"] = emb_final = (mask + 2 * w) * sbh
     logits = s * b * vocab_padded // t
     items["logits" if w == 4 else "logits_16bit"] = w * logits
     items["logits_fp32_cross_entropy"] = 4 * logits
+    pad_mask = (4 - w) * logits if vocab_padded > inp.vocab_size else 0
+    if pad_mask:
+        items["logits_grad_vocab_pad_mask"] = pad_mask
+    phase_a1 = emb_final + (w + 4) * logits + pad_mask
+    # held from the output layer's backward to the embedding's (phases A2 and B)
+    items["activations_tied_embedding_grad"] = emb_grad = w * vocab_padded * h // t
+    phase_a2 = emb_final + 2 * w * logits + emb_grad
+    # phase B: one layer's backward
+    items["activations_layer_backward_grads"] = layer_grads = 8 * w * sbh // t + 2 * w * sbh
+    phase_b = working_set + layer_grads + emb_grad
+    listed = sum(v for k, v in items.items()
+                 if k not in ("activations_layers", "activations_layer_inputs"))
+    items["activations_phases_not_coexisting"] = max(phase_a1, phase_a2, phase_b) - listed
     return items
+
+
+def _bucket_layout(inp: PlanInput, vocab_padded: int, max_positions: int, quantum: int) -> tuple[int, int]:
+    """(number of buckets, largest bucket in elements) of the engine's flat layout on one TP rank.
+
+    The engine (offload/flat_buffer.py) walks the parameters in backward order (reverse
+    registration order) and closes a bucket as soon as it holds >= bucket_size elements, padded to
+    a multiple of N x alignment; a parameter never straddles two buckets. Whole layers that cannot
+    close a bucket are skipped in one step and a repeating pattern of buckets over layers is jumped
+    over, so this stays cheap for deep models and tiny buckets alike (checked against a
+    parameter-by-parameter walk)."""
+    h, t, L, cap = inp.hidden_size, inp.tensor_parallel, inp.num_layers, inp.bucket_size
+    # one layer, registration order: LN1 w/b, proj w/b, qkv w/b, LN2 w/b, fc1 w/b, fc2 w/b
+    layer = [h, h, h * h // t, h, 3 * h * h // t, 3 * h // t, h, h, 4 * h * h // t, 4 * h // t, 4 * h * h // t, h]
+    layer_bwd, layer_total = layer[::-1], sum(layer)
+    count, largest, fill, open_ = 0, 0, 0, False
+
+    def add(n: int) -> None:
+        nonlocal count, largest, fill, open_
+        fill, open_ = fill + n, True
+        if fill >= cap:
+            count, largest = count + 1, max(largest, -(-fill // quantum) * quantum)
+            fill, open_ = 0, False
+
+    for n in (h, h):                      # final LayerNorm bias, weight
+        add(n)
+    left = L
+    seen: dict[int, tuple[int, int]] | None = {}   # fill at a layer boundary -> (left, count)
+    while left:
+        k = min(left, (cap - 1 - fill) // layer_total) if fill + layer_total < cap else 0
+        if k:
+            fill, open_, left = fill + k * layer_total, True, left - k
+            continue
+        if seen is not None:              # the walk only depends on `fill` here: jump over cycles
+            if fill in seen:
+                left0, count0 = seen[fill]
+                period = left0 - left
+                cycles = left // period
+                count, left, seen = count + cycles * (count - count0), left - cycles * period, None
+                continue
+            seen[fill] = (left, count)
+        for n in layer_bwd:
+            add(n)
+        left -= 1
+    add(max_positions * h)                # position embedding
+    add(vocab_padded * h // t)            # word embedding (also the output layer)
+    if open_:
+        count, largest = count + 1, max(largest, -(-fill // quantum) * quantum)
+    return count, largest
 
 
 def _ranks_layout(inp: PlanInput) -> tuple[int, int, int]:
@@ -260,8 +348,12 @@ def _compute(inp: PlanInput) -> Plan:
     p16 = "params_fp32" if w == 4 else "params_16bit"
     if inp.zero_offload:
         bucket = min(inp.bucket_size, psi_pad)
+        n_buckets, max_bucket = _bucket_layout(inp, V_pad, S, chunk)
+        buffers = min(2, n_buckets)       # the engine allocates one buffer when one bucket holds it all
         dev[p16] = w * psi_pad
-        dev["grad_buckets_x2"] = 2 * w * bucket
+        dev["grad_buckets_x2"] = buffers * w * bucket
+        if max_bucket > bucket:           # a parameter never straddles buckets: the largest (the word
+            dev["grad_bucket_oversize"] = buffers * w * (max_bucket - bucket)   # embedding) may overfill one
         if N > 1:
             dev["reduce_scatter_scratch"] = w * bucket
         if inp.grad_accum_steps > 1 and not inp.accumulate_on_host:

@@ -83,4 +83,25 @@ def apply() -> None:
     # Activation recompute saves/restores "the CUDA RNG state"; on CPU that is the default generator.
     mpu_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
     mpu_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    # megatron's linear autograd Function restores autocast in backward for "cuda" only; under
+    # CPU autocast (the DDP baseline) its backward would multiply a bf16 grad by an fp32 weight.
+    _keep_cpu_autocast_in_linear_backward()
     _APPLIED = True
+
+
+def _keep_cpu_autocast_in_linear_backward() -> None:
+    from megatron.core.tensor_parallel import layers
+
+    fn = layers.LinearWithGradAccumulationAndAsyncCommunication
+    fwd, bwd = fn.forward, fn.backward
+
+    def forward(ctx, *args, **kwargs):
+        ctx._zo_cpu_autocast = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
+        return fwd(ctx, *args, **kwargs)
+
+    def backward(ctx, *grads):
+        enabled, dtype = getattr(ctx, "_zo_cpu_autocast", (False, torch.bfloat16))
+        with torch.autocast("cpu", enabled=enabled, dtype=dtype):
+            return bwd(ctx, *grads)
+
+    fn.forward, fn.backward = staticmethod(forward), staticmethod(backward)

@@ -1,0 +1,203 @@
+"""The memory planner against what the engine and torch actually hold, on the CPU worlds we can run.
+
+For TP x DP in {1x1, 2x1, 1x2, 2x2} each rank builds the GPT, wraps it in the ZeRO-Offload engine,
+runs one warm-up step and then one measured forward + engine.backward + step, for several cases
+(bf16/fp32, with and without full recompute, GPT-2's padded vocabulary and a small one). The parent
+plans the same configuration (exactly the engine's bucket size and precision; dropout off, unfused
+fp32 softmax: the CPU path) and compares:
+
+1. model states: the planner's device `params_*` and `grad_bucket*` items and its host bytes per
+   rank (master + m + v + staging) each equal the engine's `accounting` within 5% on every rank
+   (`reduce_scatter_scratch` is not compared: an allowance for the collective library, the engine
+   itself reduce-scatters in place);
+2. activations per transformer layer: the planner's Korthikanti line item equals the bytes of the
+   tensors one layer saves for backward (saved_tensors_hooks, unique live storages, parameters
+   excluded, the cached s x s causal mask included; with recompute, what the layer saves when it is
+   recomputed in backward) within 5%;
+3. the activation peak: the planner's activation estimate (every `activations_*` and `logits*`
+   item) is within 20% of the peak of torch's CPU allocator over forward + backward, measured
+   with torch.profiler's memory events (bytes above what was live before the forward: saved
+   activations, logits and their gradients, transient parameter gradients, everything), on the
+   rank with the highest peak.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.harness import run_world
+from zo_megatron.planner import PlanInput, plan
+
+LAYERS, HIDDEN, HEADS, SEQ, MICRO = 2, 128, 4, 128, 2
+SEED = 4321
+# (name, precision, recompute, vocab, bucket_size): GPT-2's vocabulary (padded to 50304/50432, the
+# logits dominate), a small padded one (1000 -> 1024, the layers dominate) and an unpadded one.
+CASES = [
+    ("bf16-gpt2vocab", "bf16", False, 50257, 40_000_000),
+    ("bf16-gpt2vocab-recompute", "bf16", True, 50257, 40_000_000),
+    ("bf16-smallvocab", "bf16", False, 1000, 40_000_000),
+    ("bf16-smallvocab-recompute", "bf16", True, 1000, 200_000),
+    ("fp32-unpadded", "fp32", False, 1024, 300_000),
+]
+WORLDS = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (TP, DP)
+
+
+# ------------------------------------------------------------------------------------------------
+# measurement (runs on every rank)
+
+class _Saved:
+    """What autograd saves for backward, per region, each live storage counted once per region.
+
+    Every packed tensor is wrapped; the wrapper dies when autograd releases the saved variable, so a
+    storage is counted again only once it was released (the allocator reuses freed addresses: a
+    data_ptr seen earlier may be a new tensor now). A region counts every storage it saves, also
+    one another region already holds (a recomputed layer saves its checkpointed input again).
+    Parameters (views of the engine's flat buffer) are excluded. `region` is set by module hooks."""
+
+    class _Box:
+        __slots__ = ("t", "key", "owner")
+
+        def __init__(self, t, key, owner):
+            self.t, self.key, self.owner = t, key, owner
+
+        def __del__(self):
+            self.owner._release(self.key)
+
+    def __init__(self, param_storage: int):
+        self.param_storage = param_storage
+        self.region: str | None = None
+        self.by_region: dict[str, int] = {}
+        self.live: dict[tuple, int] = {}   # (region, data_ptr) -> references
+
+    def pack(self, t: torch.Tensor):
+        st = t.untyped_storage()
+        if st.data_ptr() in (0, self.param_storage):
+            return t
+        key = (self.region or "outside layers", st.data_ptr())
+        if key not in self.live:
+            self.live[key] = 0
+            self.by_region[key[0]] = self.by_region.get(key[0], 0) + st.nbytes()
+        self.live[key] += 1
+        return self._Box(t, key, self)
+
+    def _release(self, key):
+        self.live[key] -= 1
+        if self.live[key] == 0:
+            del self.live[key]
+
+    @staticmethod
+    def unpack(x):
+        return x.t if isinstance(x, _Saved._Box) else x
+
+
+def _allocator_peak(events) -> int:
+    """Peak of the running sum of the CPU allocator's (de)allocations, in time order.
+
+    `events` are the profiler's raw kineto events (prof.profiler.kineto_results.events(), what
+    torch's own memory profiler reads): `prof.events()` folds most "[memory]" records into ops."""
+    mem = [(e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"]
+    mem.sort(key=lambda x: x[0])   # stable: same-timestamp events keep their recorded order
+    live = peak = 0
+    for _, n in mem:
+        live += n
+        peak = max(peak, live)
+    return peak
+
+
+def _measure_world(rank, tp, cases):
+    from torch.profiler import ProfilerActivity, profile
+
+    from zo_megatron.model import GPTConfig, build_gpt_model
+    from zo_megatron.offload.engine import ZeroOffloadEngine
+    from zo_megatron.parallel import init_parallel
+
+    ps = init_parallel(tp, seed=SEED, num_attention_heads=HEADS, hidden_size=HIDDEN)
+    out = []
+    for name, precision, recompute, vocab, bucket_size in cases:
+        cfg = GPTConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, vocab_size=vocab,
+                        max_position_embeddings=SEQ, precision=precision, recompute=recompute)
+        model = build_gpt_model(cfg, ps.tp_rank, ps.tp_size, SEED)
+        engine = ZeroOffloadEngine(model, precision=precision, bucket_size=bucket_size, dp_group=ps.dp_group,
+                                   tp_rank=ps.tp_rank)
+        gen = torch.Generator().manual_seed(SEED + 17 * ps.dp_rank)
+        tokens = torch.randint(0, vocab, (MICRO, SEQ), generator=gen)
+        labels = torch.randint(0, vocab, (MICRO, SEQ), generator=gen)
+
+        # warm-up: one-time allocations (megatron's attention-score buffer, the mask cache) happen here
+        engine.backward(model.loss(tokens, labels))
+        engine.step()
+
+        saved = _Saved(engine.flat.untyped_storage().data_ptr())
+        hooks = []
+        for i, layer in enumerate(model.gpt.decoder.layers):
+            hooks.append(layer.register_forward_pre_hook(lambda m, a, i=i: setattr(saved, "region", f"layer{i}")))
+            hooks.append(layer.register_forward_hook(lambda m, a, o: setattr(saved, "region", None)))
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+                loss = model.loss(tokens, labels)
+                engine.backward(loss)   # recompute (inside backward) saves under the hooks too
+        for h in hooks:
+            h.remove()
+        engine.step()
+        out.append(dict(name=name, accounting=engine.accounting.as_dict(), saved=saved.by_region,
+                        peak=_allocator_peak(prof.profiler.kineto_results.events())))
+        engine.close()
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# the comparison (parent)
+
+def _plan(tp, dp, precision, recompute, vocab, bucket_size):
+    return plan(PlanInput(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, vocab_size=vocab,
+                          seq_length=SEQ, max_position_embeddings=SEQ, tensor_parallel=tp, data_parallel=dp,
+                          micro_batch_size=MICRO, precision=precision, recompute=recompute,
+                          bucket_size=bucket_size, dropout=False, fused_softmax=False, device_is_host=True,
+                          device_overhead_bytes=0))
+
+
+def _activation_estimate(p) -> int:
+    return sum(v for k, v in p.device_items.items() if k.startswith(("activations", "logits")))
+
+
+def _per_layer_estimate(p, recompute) -> int:
+    items = p.device_items
+    return items["activations_recompute_working_set"] if recompute else items["activations_layers"] // LAYERS
+
+
+@pytest.mark.parametrize("tp,dp", WORLDS, ids=[f"tp{t}xdp{d}" for t, d in WORLDS])
+def test_planner_matches_engine_and_torch(tp, dp):
+    ranks = run_world(_measure_world, tp * dp, tp, CASES, timeout=120)
+    report, failures = [], []
+
+    def check(what, planned, measured, tol):
+        if abs(planned - measured) > tol * measured:
+            failures.append(f"{what}: planned {planned} vs measured {measured} ({planned / measured - 1:+.1%})")
+        return planned / measured - 1
+
+    for c, (name, precision, recompute, vocab, bucket_size) in enumerate(CASES):
+        p = _plan(tp, dp, precision, recompute, vocab, bucket_size)
+        items = p.device_items
+        planned_params = sum(v for k, v in items.items() if k.startswith("params_"))
+        planned_buckets = sum(v for k, v in items.items() if k.startswith("grad_bucket"))
+        states = []
+        for r, res in enumerate(ranks):
+            acc = res[c]["accounting"]
+            states += [check(f"{name} rank {r} device params", planned_params, acc["device_param_bytes"], 0.05),
+                       check(f"{name} rank {r} device gradient buckets", planned_buckets,
+                             acc["device_bucket_bytes"], 0.05),
+                       check(f"{name} rank {r} host master + m + v + staging", p.host_bytes_per_gpu,
+                             acc["host_bytes"], 0.05)]
+        # per layer: the last one (with recompute: what it saves when it is recomputed in backward)
+        per_layer = max(res[c]["saved"].get(f"layer{LAYERS - 1}", 0) for res in ranks)
+        planned_layer = _per_layer_estimate(p, recompute)
+        check(f"{name} activations of one layer", planned_layer, per_layer, 0.05)
+        peak = max(res[c]["peak"] for res in ranks)
+        planned_act = _activation_estimate(p)
+        check(f"{name} activation peak (items {items})", planned_act, peak, 0.20)
+        report.append(f"{name:<27} model states {max(states, key=abs):+.2%}   "
+                      f"layer saved {per_layer:>9} planned {planned_layer:>9} "
+                      f"({planned_layer / per_layer - 1:+.1%})   peak {peak:>10} planned {planned_act:>10} "
+                      f"({planned_act / peak - 1:+.1%})")
+    print(f"\nTP={tp} DP={dp}\n" + "\n".join(report))
+    assert not failures, "\n".join(failures)
