@@ -132,8 +132,10 @@ def test_fp32_equals_torch_adamw(tp, world):
 
 
 def test_bf16_tracks_torch_adamw():
-    """bf16 params/activations/gradients, fp32 master and moments. Tolerance: losses within 2%,
-    final weights within 2% in L2 (||ours - ref|| / ||ref||) of the fp32 single-process run."""
+    """bf16 params/activations/gradients, fp32 master and moments, vs the fp32 single-process run.
+    Tolerances: losses within 2%; final tensors within 2% in L2 (||ours - ref|| / ||ref||), except
+    the zero-initialised biases (5%): they hold nothing but ~10 Adam steps of size ~lr, and Adam's
+    m/sqrt(v) turns bf16 rounding of their small early gradients into whole-step differences."""
     seed = int(torch.randint(0, 10_000, ()).item())
     out = run_world(_train_world, 2, 2, "bf16", seed)[0]
     ref_losses, _, ref_final = _reference(out["init"], seed, 1)
@@ -141,7 +143,8 @@ def test_bf16_tracks_torch_adamw():
         assert abs(ours - ref) / abs(ref) <= 2e-2
     for name, ref in ref_final.items():
         err = ((out["final"][name] - ref).norm() / ref.norm()).item()
-        assert err <= 2e-2, (name, err)
+        zero_init = name.endswith(".bias")
+        assert err <= (5e-2 if zero_init else 2e-2), (name, err)
 
 
 def _overflow_world(rank, seed):
