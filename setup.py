@@ -40,8 +40,11 @@ if Pybind11Extension is not None:
         Pybind11Extension(
             "zo_megatron._cpu_adam",
             ["csrc/cpu_adam.cpp"],
+            depends=["csrc/cpu_adam_avx512.inc"],  # #included twice (AVX-512 with/without AVX512_BF16)
             cxx_std=17,
-            extra_compile_args=["-O3", "-fopenmp", "-fno-math-errno"],
+            # -Wno-*uninitialized: GCC 12's own AVX-512 headers trip these (the `__Y = __Y` idiom).
+            extra_compile_args=["-O3", "-fopenmp", "-fno-math-errno",
+                                "-Wno-uninitialized", "-Wno-maybe-uninitialized"],
             extra_link_args=["-fopenmp"],
         )
     )

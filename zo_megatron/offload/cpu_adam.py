@@ -124,6 +124,8 @@ def info() -> dict:
     }
     if _ext is None:
         d["extension_error"] = _EXT_ERROR
+    else:  # whether the avx512 path converts fp32 -> bf16 with AVX512_BF16 instructions
+        d["avx512_bf16"] = bool(_ext._get_avx512_bf16())
     return d
 
 
@@ -287,12 +289,22 @@ def _torch_adam_step(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, e
 # ----------------------------------------------------------------------------------------------
 # Import-time configuration
 # ----------------------------------------------------------------------------------------------
-set_num_threads(_default_threads())
-_env_isa = os.environ.get("ZO_CPU_ADAM_ISA", "").strip().lower()
-if _env_isa:
-    if _env_isa not in ("avx512", "avx2", "scalar"):
-        raise UserError(f"ZO_CPU_ADAM_ISA={_env_isa!r}: expected avx512, avx2 or scalar")
-    _set_isa(_env_isa)
+def _configure_from_env() -> None:
+    set_num_threads(_default_threads())
+    isa = os.environ.get("ZO_CPU_ADAM_ISA", "").strip().lower()
+    if isa:
+        if isa not in ("avx512", "avx2", "scalar"):
+            raise UserError(f"ZO_CPU_ADAM_ISA={isa!r}: expected avx512, avx2 or scalar (or unset it)")
+        _set_isa(isa)
+
+
+try:
+    _configure_from_env()
+except UserError as _exc:
+    if __name__ == "__main__":  # the --info CLI: one line, exit 2
+        print(f"error: {_exc}", file=sys.stderr)
+        sys.exit(2)
+    raise
 
 
 def _main(argv=None) -> int:
@@ -309,6 +321,8 @@ def _main(argv=None) -> int:
     print(f"isa:            {d['isa']}")
     print(f"threads:        {d['threads']}")
     print(f"available isas: {', '.join(d['available_isas']) or '-'}")
+    if d["isa"] == "avx512" and d.get("avx512_bf16") is not None:
+        print(f"avx512_bf16:    {'used for fp32->bf16' if d['avx512_bf16'] else 'no'}")
     return 0
 
 
