@@ -69,6 +69,7 @@ class ZeroOffloadEngine:
         self.adam = adam or AdamConfig()
         self.clip_grad = clip_grad
         self.dp_group = dp_group
+        self.tp_rank = tp_rank
         self.dp_size = dist.get_world_size(dp_group) if dist.is_initialized() else 1
         self.dp_rank = dist.get_rank(dp_group) if dist.is_initialized() else 0
         if loss_scaler is None:
@@ -320,13 +321,15 @@ class ZeroOffloadEngine:
             axis = int(getattr(p, "partition_dim", 0)) if getattr(p, "tensor_model_parallel", False) else None
             params[s.name] = {
                 "local_shape": tuple(p.shape), "tp_axis": axis,
+                # where this TP shard starts along tp_axis in the full (vocab-padded) tensor
+                "tp_offset": 0 if axis is None else self.tp_rank * p.shape[axis],
                 "fragment": (pstart, pstart + n),
                 "master": self.master[host:host + n].clone(),
                 "exp_avg": self.exp_avg[host:host + n].clone(),
                 "exp_avg_sq": self.exp_avg_sq[host:host + n].clone(),
             }
         return {"step": self.step_count, "adam": asdict(self.adam), "precision": self.precision,
-                "dp_size": self.dp_size, "dp_rank": self.dp_rank,
+                "dp_size": self.dp_size, "dp_rank": self.dp_rank, "tp_rank": self.tp_rank,
                 "loss_scaler": self.loss_scaler.state_dict(), "params": params}
 
     def load_state_dict(self, sd: dict) -> None:
