@@ -37,18 +37,24 @@ class DeviceLayer:
     def device_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, device=self.device)
 
-    def copy_to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """dst (host) <- src (device). Asynchronous on CUDA; `wait_host()` before reading dst."""
+    def copy_to_host(self, dst: torch.Tensor, src: torch.Tensor):
+        """dst (host) <- src (device). Asynchronous on CUDA: `wait_host()` before the host reads
+        dst, and `before_reuse(event)` before the device overwrites src. Returns that event."""
         if not self.is_cuda:
             dst.copy_(src)
-            return
+            return None
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
             dst.copy_(src, non_blocking=True)
-            src.record_stream(self._stream)
             ev = torch.cuda.Event()
             ev.record(self._stream)
         self._pending.append(ev)
+        return ev
+
+    def before_reuse(self, event) -> None:
+        """Make the compute stream wait until a device->host copy has finished reading its source."""
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
 
     def wait_host(self) -> None:
         """Block the host until every queued device->host copy has landed."""

@@ -89,6 +89,7 @@ class ZeroOffloadEngine:
         self._sync = True
         self._bucket_buf: dict[int, torch.Tensor] = {}   # bucket index -> its device buffer
         self._free = list(self._grad_buffers)
+        self._copy_events: dict[int, object] = {}        # buffer -> its pending device->host copy
         self._deferred: set[int] = set()                 # buckets waiting for a free buffer
         self._waiting: list[list] = [[] for _ in self.layout.buckets]   # their ready slots
         self._absorbed: list[list] = [[] for _ in self.layout.buckets]  # slots copied into their bucket
@@ -186,7 +187,9 @@ class ZeroOffloadEngine:
 
     def _open_bucket(self, b: int) -> None:
         bucket = self.layout.buckets[b]
-        buf = self._free.pop()[: bucket.numel]
+        base = self._free.pop()
+        self.dev.before_reuse(self._copy_events.pop(base.data_ptr(), None))
+        buf = base[: bucket.numel]
         buf.zero_()
         self._bucket_buf[b] = buf
         waiting, self._waiting[b] = self._waiting[b], []
@@ -214,7 +217,8 @@ class ZeroOffloadEngine:
         mine = buf[self.dp_rank * n:(self.dp_rank + 1) * n]
         reduce_scatter(mine, buf, self.dp_group, self.dp_size)     # in place: the shard lands in `mine`
         self.accounting.ring(buf.numel() * buf.element_size(), self.dp_size)
-        self.dev.copy_to_host(self.host16[bucket.host_start:bucket.host_start + n], mine)
+        ev = self.dev.copy_to_host(self.host16[bucket.host_start:bucket.host_start + n], mine)
+        self._copy_events[buf.data_ptr()] = ev   # the buffer is free once the copy has read it
         self.accounting.d2h_bytes += n * buf.element_size()
         self._done[b] = True
         self._free.append(self._base_of(buf))
