@@ -18,7 +18,7 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 
-$(STAMP): $(PY) pyproject.toml setup.py csrc/cpu_adam.cpp
+$(STAMP): $(PY) pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.inc)
 	@$(PY) -c "import torch" 2>/dev/null || { echo "[setup] installing $(TORCH_CPU) (CPU wheel)"; $(PIP) install -q "$(TORCH_CPU)"; }
 	$(PIP) install -q setuptools wheel "pybind11>=2.12"
 	$(PIP) install -q --no-build-isolation -e ".[dev,hf,mpi]"

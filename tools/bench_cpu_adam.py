@@ -54,6 +54,13 @@ N_TENSORS = 4
 BYTES = {"zo_fp32": 28, "zo_fused16": 28, "zo_bf16_states": 20, "torch_fused": 28, "torch_foreach": 28,
          "torch_fused_plus_copy": 34, "deepspeed_fp32": 28, "deepspeed_fp32_plus_copy": 34,
          "roofline:fp32": 28, "roofline:fused16": 28, "roofline:bf16_states": 20}
+# torch_foreach allocates and frees a full-size temporary (sqrt(v)) every step. On this VM,
+# ~2 s after GiBs are freed the kernel hands the free pages back to the host (free page
+# reporting), and memory bandwidth drops ~20% for a few hundred ms: measured, that slowed
+# whichever variant ran 2 s after torch_foreach (in the fixed rotation: zo_fp32 at 500M, 2 threads)
+# and the roofline kernel alike. So after a variant that frees big temporaries, wait it out.
+ALLOCATES = {"torch_foreach"}
+SETTLE_S = 3.0
 ROOF_OF = {"zo_fp32": "fp32", "torch_fused": "fp32", "torch_foreach": "fp32", "deepspeed_fp32": "fp32",
            "zo_fused16": "fused16", "torch_fused_plus_copy": "fused16", "deepspeed_fp32_plus_copy": "fused16",
            "zo_bf16_states": "bf16_states"}
@@ -189,6 +196,7 @@ def set_threads(n: int, omp: OmpThreads) -> None:
 
 
 def bench_size(n, threads_list, repeats, DeepSpeedCPUAdam, omp, only=None):
+    settle_s = SETTLE_S if n * 4 >= (256 << 20) else 0.0  # temporaries of >= 256 MiB
     buf = Buffers(n)
     variants = make_variants(buf, DeepSpeedCPUAdam)
     if only:
@@ -208,6 +216,8 @@ def bench_size(n, threads_list, repeats, DeepSpeedCPUAdam, omp, only=None):
                     t0 = time.perf_counter()
                     variants[k]()
                     times[(k, t)].append(time.perf_counter() - t0)
+                    if k in ALLOCATES and settle_s:
+                        time.sleep(settle_s)  # let the freed temporaries' after-effects pass (see SETTLE_S)
     rows = []
     for t in threads_list:
         med = {k: statistics.median(times[(k, t)]) for k in names}
