@@ -74,6 +74,20 @@ def test_tp2_zero_offload_trains_on_real_text(sotu_prefix, tmp_path):
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "12"
 
 
+def test_tensorboard_events_are_written(sotu_prefix, tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = tmp_path / "tb"
+    r = _single(["--data-path", sotu_prefix, "--train-iters", "4", "--tensorboard-dir", str(tb), *TINY], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    acc = EventAccumulator(str(tb))
+    acc.Reload()
+    losses = acc.Scalars("train/loss")
+    assert [e.step for e in losses] == [1, 2, 3, 4]
+    assert [e.step for e in acc.Scalars("eval/val_loss")] == [4]
+
+
 def test_resume_continues_exactly(sotu_prefix, tmp_path):
     """6 iterations straight == 3 iterations, save, resume, 3 more: same losses bit for bit."""
     common = ["--tensor-parallel", "2", "--zero-offload", "--data-path", sotu_prefix, "--train-iters", "6",

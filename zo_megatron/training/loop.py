@@ -71,6 +71,11 @@ def pretrain(argv=None) -> int:
         from zo_megatron.data import default_data_prefix
 
         data_path = [default_data_prefix()]
+    if args.tensorboard_dir:
+        try:
+            import torch.utils.tensorboard  # noqa: F401
+        except ImportError:
+            raise UserError("--tensorboard-dir needs the tensorboard package: pip install tensorboard") from None
     if args.load and not os.path.isdir(args.load):
         raise UserError(f"--load {args.load}: no such directory")
     memory_check(args, env, dp, tokenizer.vocab_size)
