@@ -8,13 +8,14 @@
 #            micro-batch 8 = global batch 8 (DP = 1, no accumulation: with ZeRO-Offload,
 #            accumulation keeps 16-bit gradients on the GPU, +8.3 GiB here).
 # Planner  : python tools/estimate_memory.py --preset dgx2 --model 70b --tensor-parallel 16 \
-#                --micro-batch-size 8 --fp16 --recompute-activations
-#   device per GPU : 21.82 GiB of 31.75 GiB  (params 8.27, grad buckets 0.19, layer inputs 9.70,
-#                    recompute working set 1.04, logits 0.15, emb/final 0.35, fragmentation 1.12,
-#                    CUDA context 1.00)
+#                --micro-batch-size 8 --fp16 --recompute-granularity full
+#   device per GPU : 21.77 GiB of 31.75 GiB  (params 8.27, grad buckets 0.19 + 0.05 for the
+#                    word-embedding bucket, layer inputs 9.70, peak of backward on top 1.45 =
+#                    recompute working set 1.04 + layer gradients 0.35 + tied-embedding
+#                    gradient 0.05, fragmentation 1.12, CUDA context 1.00)
 #   host per node  : 1,005.92 GiB of 1,536 GiB (fp32 master + Adam m + v 793.6, 16-bit staging
 #                    132.3, 16 processes x 3 GiB, 32 GiB OS reserve)
-#   The same model WITHOUT --zero-offload needs 79.51 GiB per GPU (does not fit).
+#   The same model WITHOUT --zero-offload needs 79.41 GiB per GPU (does not fit).
 #
 # CPU Adam threads: zo_megatron divides the cores each rank may use among the 16 local ranks
 # (96 hardware threads -> 6 per rank); override with --cpu-adam-threads or ZO_CPU_ADAM_THREADS.
@@ -38,7 +39,7 @@ exec torchrun --standalone --nproc-per-node 16 pretrain/pretrain_gpt.py \
     --lr-warmup-iters 500 --lr-decay-iters 20000 --weight-decay 0.1 \
     --adam-beta1 0.9 --adam-beta2 0.95 --adam-eps 1e-8 --clip-grad 1.0 \
     --fp16 --initial-loss-scale 65536 \
-    --recompute-activations \
+    --recompute-granularity full \
     --zero-offload --bucket-size 50000000 \
     --seed 1234 \
     ${DATA_ARGS[@]+"${DATA_ARGS[@]}"} \

@@ -8,8 +8,8 @@
 # Parallel : TP 16 inside a node x DP = NODES; micro-batch 2, global batch 2 x NODES.
 # Planner  : python tools/estimate_memory.py --preset dgx2 --model 175b --tensor-parallel 16 \
 #                --data-parallel-size 4 --micro-batch-size 2 --global-batch-size 8 --fp16 \
-#                --recompute-activations
-#   4 nodes: device 27.12 GiB per GPU (of 31.75), host 650.10 GiB per node (of 1,536).
+#                --recompute-granularity full
+#   4 nodes: device 27.29 GiB per GPU (of 31.75), host 650.10 GiB per node (of 1,536).
 #
 # Rendezvous: zo_megatron reads OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK/LOCAL_SIZE; with MASTER_ADDR
 # unset, rank 0 picks its address and a free port and broadcasts them with mpi4py
@@ -46,7 +46,7 @@ exec mpirun -np $((16 * NODES)) --hostfile "$HOSTFILE" \
     --lr-warmup-iters 1000 --lr-decay-iters 50000 --weight-decay 0.1 \
     --adam-beta1 0.9 --adam-beta2 0.95 --adam-eps 1e-8 --clip-grad 1.0 \
     --fp16 --initial-loss-scale 65536 \
-    --recompute-activations \
+    --recompute-granularity full \
     --zero-offload --bucket-size 50000000 \
     --seed 1234 \
     ${DATA_ARGS[@]+"${DATA_ARGS[@]}"} \

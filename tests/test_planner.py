@@ -228,14 +228,14 @@ def _cli(*args):
 
 def test_cli_json_and_exit_codes():
     r = _cli("--preset", "dgx2", "--model", "70b", "--tensor-parallel", "16",
-             "--micro-batch-size", "8", "--recompute-activations", "--json")
+             "--micro-batch-size", "8", "--recompute-granularity", "full", "--json")
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
     assert d["fits"] is True
     assert isinstance(d["device_bytes_per_gpu"], int) and isinstance(d["host_bytes_per_node"], int)
     assert d["input"]["precision"] == "fp16"  # the dgx2 preset's default
     r = _cli("--preset", "dgx2", "--model", "70b", "--tensor-parallel", "16",
-             "--micro-batch-size", "8", "--recompute-activations", "--no-zero-offload", "--json")
+             "--micro-batch-size", "8", "--recompute-granularity", "full", "--no-zero-offload", "--json")
     assert r.returncode == 1 and json.loads(r.stdout)["fits"] is False
     r = _cli("--model", "13b", "--no-zero-offload")
     assert r.returncode == 1 and "DOES NOT FIT" in r.stdout and "suggestions" in r.stdout
@@ -257,7 +257,7 @@ def test_cli_bad_input_exits_2_with_one_line(args):
 
 def test_cli_max_model_and_paper_check():
     r = _cli("--preset", "v100-32gb", "--hidden-size", "4096", "--num-attention-heads", "32",
-             "--recompute-activations", "--bf16-optimizer-states", "--max-model", "layers", "--json")
+             "--recompute-granularity", "full", "--bf16-optimizer-states", "--max-model", "layers", "--json")
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
     assert d["fits"] is True and d["max_params"] >= 15e9

@@ -2,9 +2,9 @@
 """Will my model fit? Device memory per GPU and host memory per node for a zo_megatron job.
 
     python tools/estimate_memory.py --preset dgx2 --model 70b --tensor-model-parallel-size 16 \
-        --micro-batch-size 8 --recompute-activations
+        --micro-batch-size 8 --recompute-granularity full
     python tools/estimate_memory.py --preset v100-32gb --hidden-size 4096 --num-attention-heads 32 \
-        --recompute-activations --bf16-optimizer-states --max-model layers
+        --recompute-granularity full --bf16-optimizer-states --max-model layers
     python tools/estimate_memory.py --paper-check
 
 Flags use Megatron-LM's names. Memory sizes are GiB (2^30 bytes).
@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-zero-offload", dest="zero_offload", action="store_false",
                    help="baseline: DDP + Adam on the device (16 bytes/param)")
     g.add_argument("--dpu", action="store_true", help="delayed parameter update")
-    g.add_argument("--recompute-activations", action="store_true", help="= --recompute-granularity full")
+    g.add_argument("--recompute-activations", action="store_true", help="Megatron's shorthand for --recompute-granularity selective")
     g.add_argument("--recompute-granularity", choices=["full", "selective"])
     g.add_argument("--bucket-size", type=int, default=50_000_000, help="elements per gradient bucket")
     g.add_argument("--bf16-optimizer-states", action="store_true")
@@ -137,7 +137,7 @@ def build_input(args) -> P.PlanInput:
         if accum < 1:
             raise BadInput("--global-batch-size must be >= micro-batch x DP")
 
-    recompute = args.recompute_granularity or ("full" if args.recompute_activations else None)
+    recompute = args.recompute_granularity or ("selective" if args.recompute_activations else None)
     inp = P.PlanInput(
         **shape, vocab_size=args.vocab_size, seq_length=args.seq_length,
         max_position_embeddings=args.max_position_embeddings, tensor_parallel=tp, data_parallel=dp,

@@ -39,7 +39,8 @@ def memory_check(args, env, dp: int, vocab_size: int) -> None:
         host_memory_bytes_per_node=host, gpus_per_node=env.local_world_size,
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
         dropout=args.hidden_dropout > 0 or args.attention_dropout > 0, fused_softmax=False,
-        device_is_host=not cuda,
+        device_is_host=not cuda, bf16_optimizer_states=args.exp_avg_dtype == "bf16",
+        device_overhead_bytes=GiB if cuda else 0,
         host_reserve_bytes=min(32 * GiB, host // 10), host_overhead_bytes_per_rank=(3 if cuda else 1) * GiB)
     p = plan(inp)
     args.memory_plan = p
