@@ -233,25 +233,29 @@ class ZeroOffloadEngine:
         raise AssertionError("bucket view of an unknown buffer")
 
     def finish_grad_sync(self) -> None:
-        """Flush buckets not yet complete: parameters that got no gradient in the last micro-batch
-        contribute what they accumulated earlier, or zero."""
-        for b, bucket in enumerate(self.layout.buckets):
+        """Flush every bucket not yet sent, in order. Parameters that got no gradient in the last
+        micro-batch contribute what they accumulated earlier, or zero."""
+        for b in range(len(self.layout.buckets)):
             if self._done[b]:
                 continue
             if b not in self._bucket_buf:
-                while not self._free:
-                    self._flush(next(iter(self._bucket_buf)))
+                while not self._free:        # both buffers hold later, incomplete buckets
+                    self._complete(next(iter(self._bucket_buf)))
                 self._open_bucket(b)
-            if b in self._bucket_buf:
-                absorbed = {id(s) for s in self._absorbed[b]}
-                for s in bucket.slots:
-                    if id(s) not in absorbed and s.param.grad is not None:
-                        self._absorb(s, self._bucket_buf[b], flush=False)
-                self._flush(b)
+            if not self._done[b]:
+                self._complete(b)
         self.dev.wait_host()
         self._done = [False] * len(self.layout.buckets)
         self._absorbed = [[] for _ in self.layout.buckets]
         self._deferred.clear()
+
+    def _complete(self, b: int) -> None:
+        """Absorb the gradients an open bucket is still missing (accumulated earlier), then flush."""
+        absorbed = {id(s) for s in self._absorbed[b]}
+        for s in self.layout.buckets[b].slots:
+            if id(s) not in absorbed and s.param.grad is not None:
+                self._absorb(s, self._bucket_buf[b], flush=False)
+        self._flush(b)
 
     # -------------------------------------------------------------------------------------- step
     def step(self, lr: float | None = None) -> StepResult:
