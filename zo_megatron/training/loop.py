@@ -169,9 +169,8 @@ def _train(args, env, tokenizer, data_path, cpu_adam_threads: int) -> int:
             metrics.print(f" resumed from {args.load} at iteration {start_iter} ({consumed} samples consumed)")
         _banner(metrics, args, ps, cfg, optimizer, data_path, time.monotonic() - t_start)
 
-        def train_batches():
-            return DPBatches(train_ds, args.micro_batch_size, ps.dp_rank, ps.dp_size, consumed_samples=consumed)
-        train_iter = iter(train_batches())
+        train_iter = iter(DPBatches(train_ds, args.micro_batch_size, ps.dp_rank, ps.dp_size,
+                                    consumed_samples=consumed))
         valid_iter = _cycle(lambda: DPBatches(valid_ds, args.micro_batch_size, ps.dp_rank, ps.dp_size)) \
             if valid_ds is not None else None
         fpt = flops_per_token(cfg.num_layers, cfg.hidden_size, args.seq_length,
@@ -223,15 +222,15 @@ def _train(args, env, tokenizer, data_path, cpu_adam_threads: int) -> int:
 
 
 def _log(metrics, window, iteration, lr, res, optimizer, ps, args, fpt, done) -> None:
-    stats = torch.tensor([window["loss"], max(window["n"] - window["nan"], 1)], dtype=torch.float64)
+    # Mean over the window's finite losses of every DP rank.
+    stats = torch.tensor([window["loss"], window["n"] - window["nan"]], dtype=torch.float64)
     if ps.dp_size > 1:
         dist.all_reduce(stats, group=ps.dp_group)
-        stats[1] /= ps.dp_size
     dt = time.monotonic() - window["t"]
     tokens = window["n"] * args.global_batch_size * args.seq_length
     acc = optimizer.accounting
     metrics.log_train({
-        "iteration": iteration, "loss": stats[0].item() / ps.dp_size / stats[1].item(), "lr": lr,
+        "iteration": iteration, "loss": stats[0].item() / max(stats[1].item(), 1.0), "lr": lr,
         "grad_norm": window["norm"], "loss_scale": res.loss_scale, "skipped": window["skipped"],
         "nan_iterations": window["nan"], "tokens_per_s": tokens / dt, "step_time_s": dt / max(window["n"], 1),
         "tflops_per_rank": fpt * tokens / dt / ps.world_size / 1e12,
