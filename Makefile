@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.zo_installed
 TORCH_CPU ?= torch==2.13.0
 NPROC  ?= 2
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test test-gpu gpu-setup bench clean
 
 setup: $(STAMP)
 
@@ -31,9 +31,34 @@ demo: setup
 test: setup
 	$(PY) -m pytest tests -q --durations=15
 
+# The GPU suite (tests/gpu). On a machine whose $(PYTHON) has a CUDA torch, it runs in $(GPU_VENV):
+# a venv that sees that torch (system site packages; if $(PYTHON) is itself a venv, a .pth file adds
+# its site-packages), offline: megatron-core from a wheel in wheels/ when it is not importable
+# (pip download --no-deps --python-version 3.12 --only-binary :all: megatron-core==0.16.1 -d wheels/),
+# zo_megatron in editable mode without dependencies. Without CUDA the suite skips cleanly.
+GPU_VENV ?= .venv-gpu
+GPU_PY   := $(GPU_VENV)/bin/python
+
+test-gpu:
+	@if $(PYTHON) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then \
+		$(MAKE) --no-print-directory gpu-setup && $(GPU_PY) -m pytest tests/gpu -v -rs --durations=10; \
+	else \
+		echo "[test-gpu] $(PYTHON) has no CUDA torch: the GPU suite skips"; \
+		$(MAKE) --no-print-directory setup && $(PY) -m pytest tests/gpu -q -rs; \
+	fi
+
+gpu-setup:
+	@test -x $(GPU_PY) || { $(PYTHON) -m venv --system-site-packages $(GPU_VENV) && \
+		$(PYTHON) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" \
+		> "$$($(GPU_PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/_zo_parent_site.pth"; }
+	@$(GPU_PY) -c "import megatron.core" 2>/dev/null || $(GPU_PY) -m pip install -q --no-deps \
+		$$(ls wheels/megatron_core-*.whl 2>/dev/null | head -1 || true) $$(ls wheels/megatron_core-*.whl >/dev/null 2>&1 || echo "megatron-core==0.16.1")
+	@$(GPU_PY) -m pip install -q --no-deps --no-build-isolation --no-index -e .
+	@$(GPU_PY) -c "import torch, megatron.core, zo_megatron.offload.cpu_adam as a; print('[gpu-setup] torch', torch.__version__, 'cuda', torch.cuda.is_available(), '| cpu adam', a.info()['isa'])"
+
 bench: setup
 	$(PY) tools/bench_cpu_adam.py
 	$(PY) tools/bench_train_step.py
 
 clean:
-	rm -rf build *.egg-info zo_megatron/*.so
+	rm -rf build *.egg-info zo_megatron/*.so $(GPU_VENV)

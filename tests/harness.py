@@ -2,7 +2,7 @@
 
 Ranks are started through a forkserver that has already imported torch and megatron-core, so each
 world costs a fork, not a fresh ~5 s import per rank (and no OpenMP state is inherited from the
-test process). `fn` must be a module-level function: it receives the rank and the extra args, and
+test process). With CUDA available ranks are spawned instead (CUDA and fork do not mix). `fn` must be a module-level function: it receives the rank and the extra args, and
 its return value (picklable) comes back in rank order. An exception on any rank fails the test
 with that rank's traceback.
 """
@@ -24,8 +24,12 @@ _CTX = None
 def _context():
     global _CTX
     if _CTX is None:
-        _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "megatron.core.parallel_state", "zo_megatron.model.gpt"])
+        if torch.cuda.is_available():
+            # CUDA must not be touched in a parent that forks: fresh interpreters for GPU worlds.
+            _CTX = mp.get_context("spawn")
+        else:
+            _CTX = mp.get_context("forkserver")
+            _CTX.set_forkserver_preload(["torch", "megatron.core.parallel_state", "zo_megatron.model.gpt"])
     return _CTX
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import subprocess
 import sys
 import warnings
@@ -548,3 +549,295 @@ def test_cli_info_and_env_overrides():
     if "avx512" not in ca._available_isas():
         r = _cli({"ZO_CPU_ADAM_ISA": "avx512"})
         assert r.returncode != 0 and "not available" in r.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# Segment lists: adam_step_segments / grad_sumsq_and_finite_segments
+# --------------------------------------------------------------------------------------------
+def fresh_seed(tag: str) -> int:
+    """A new seed every run, printed (pytest shows it with a failure); ZO_TEST_SEED=<seed> replays it."""
+    seed = int(os.environ.get("ZO_TEST_SEED") or random.SystemRandom().randrange(2 ** 31))
+    print(f"[seed] {tag}: seed={seed} (replay with ZO_TEST_SEED={seed})")
+    return seed
+
+
+def random_segments(rng, n_tiny, n_large, third):
+    """((start, end, third(rng)), ...), n: n_tiny segments of 1..99 elements and n_large of 20K..60K
+    in random order, with gaps of 1..69 elements before the first, after the last and before ~40%
+    of the others (the rest are adjacent, as the engine's are)."""
+    lens = [int(x) for x in rng.integers(1, 100, size=n_tiny)] + \
+        [int(x) for x in rng.integers(20000, 60000, size=n_large)]
+    rng.shuffle(lens)
+    segs, x = [], int(rng.integers(1, 70))
+    for k, length in enumerate(lens):
+        if k and rng.random() < 0.4:
+            x += int(rng.integers(1, 70))
+        segs.append((x, x + length, third(rng)))
+        x += length
+    return segs, x + int(rng.integers(1, 70))
+
+
+def segment_mask(segs, n) -> np.ndarray:
+    mask = np.zeros(n, bool)
+    for a, b, _ in segs:
+        mask[a:b] = True
+    return mask
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32 if t.element_size() == 4 else torch.int16)
+
+
+def assert_same_bits(what, a: torch.Tensor, b: torch.Tensor):
+    a, b = bits(a), bits(b)
+    if not torch.equal(a, b):
+        i = int(torch.nonzero(a != b)[0])
+        raise AssertionError(f"{what}: {int((a != b).sum())} elements differ, first at {i}")
+
+
+SEG_WDS = (0.0, 0.1, 0.05)
+SEG_CASES = [  # (grad dtype, state dtype, out_mode, adamw, bias_correction, step0)
+    ("fp32", "fp32", "none", True, True, 1),
+    ("fp32", "fp32", "bf16", False, True, 10000),
+    ("bf16", "fp32", "alias", True, True, 10000),
+    ("bf16", "bf16", "alias", False, True, 1),
+    ("fp16", "fp32", "alias", False, False, 10000),
+    ("fp16", "bf16", "fp16", True, True, 10000),
+]
+
+
+@pytest.mark.parametrize("gdtype,sdtype,out_mode,adamw,bc,step0", SEG_CASES)
+def test_adam_step_segments_equals_per_segment_calls(gdtype, sdtype, out_mode, adamw, bc, step0):
+    """One adam_step_segments call == one adam_step per segment, bit for bit, on every path; gaps keep
+    their bits (their grads are NaN: never read); and the float64 reference, per-element decay."""
+    rng = np.random.default_rng(fresh_seed(f"segments {gdtype} {sdtype} {out_mode}"))
+    state_dtype = GRAD_DTYPES[sdtype]
+    bf16_states = sdtype == "bf16"
+    lr, n_steps = 2e-3, 2
+    layouts = [random_segments(rng, 300, 4, lambda r: float(r.choice(SEG_WDS))),  # > kMinParallel: chunked
+               random_segments(rng, 60, 0, lambda r: float(r.choice(SEG_WDS)))]   # one chunk, one thread
+    for segs, n in layouts:
+        mask = segment_mask(segs, n)
+        p0, m0, v0, grads = make_problem(n, gdtype, step0, int(rng.integers(2 ** 31)), n_steps=n_steps,
+                                         bf16_states=bf16_states)
+        for g in grads:
+            g[torch.from_numpy(~mask)] = float("nan")
+        wd_of = np.zeros(n)
+        for a, b, wd in segs:
+            wd_of[a:b] = wd
+        # reference: elementwise, so run it once per decay value on that value's elements
+        rp, rm, rv = p0.astype(np.float64), m0.astype(np.float64), v0.astype(np.float64)
+        sp, sm = np.abs(rp), np.abs(rm)
+        for wd in SEG_WDS:
+            sel = mask & (wd_of == wd)
+            rp[sel], rm[sel], rv[sel], sp[sel], sm[sel] = reference(
+                p0[sel], [g.double().numpy()[sel] for g in grads], m0[sel], v0[sel], step0=step0, lr=lr,
+                beta1=HP["beta1"], beta2=HP["beta2"], eps=HP["eps"], wd=wd, adamw=adamw, bias_correction=bc,
+                grad_scale=GRAD_SCALE, bf16_states=bf16_states)
+
+        def run(path, segmented):
+            p = torch.from_numpy(p0.copy())
+            m, v = torch.from_numpy(m0.copy()).to(state_dtype), torch.from_numpy(v0.copy()).to(state_dtype)
+            gbuf = torch.empty(n, dtype=grads[0].dtype)
+            out = gbuf if out_mode == "alias" else None if out_mode == "none" else \
+                torch.full((n,), 7.0, dtype=GRAD_DTYPES[out_mode])
+            kw = dict(lr=lr, adamw=adamw, bias_correction=bc, grad_scale=GRAD_SCALE, **HP)
+            with use_path(path):
+                for k, g in enumerate(grads):
+                    gbuf.copy_(g)
+                    if segmented:
+                        ca.adam_step_segments(p, gbuf, m, v, segs, step=step0 + k, param16_out=out, **kw)
+                        continue
+                    for a, b, wd in segs:
+                        ca.adam_step(p[a:b], gbuf[a:b], m[a:b], v[a:b], step=step0 + k, weight_decay=wd,
+                                     param16_out=None if out is None else out[a:b], **kw)
+            return p, m, v, gbuf, out
+
+        gaps = torch.from_numpy(~mask)
+        for path in PATHS:
+            where = f"[{path} {len(segs)} segments n={n}]"
+            ours, per_seg = run(path, True), run(path, False)
+            for name, x, y in zip(("param", "exp_avg", "exp_avg_sq", "grad buffer", "param16_out"), ours, per_seg):
+                if x is not None:
+                    assert_same_bits(f"{where} {name} vs per-segment adam_step", x, y)
+            p, m, v, gbuf, out = ours
+            for name, x, x0 in (("param", p, p0), ("exp_avg", m, m0), ("exp_avg_sq", v, v0)):
+                assert_same_bits(f"{where} {name} in the gaps", x[gaps], torch.from_numpy(x0).to(x.dtype)[gaps])
+            assert_same_bits(f"{where} grad buffer in the gaps", gbuf[gaps], grads[-1][gaps])
+            if out is not None and out is not gbuf:
+                assert (out[gaps] == 7.0).all(), f"{where} param16_out: a gap element was written"
+            if out is not None:
+                assert_bits_equal(f"{where} param16_out", out[~gaps], p[~gaps].to(out.dtype))
+            if bf16_states:
+                check_close(f"{where} param", p.numpy(), rp, sp, rel_tol=5e-5, elem_tol=4e-3)
+                check_close(f"{where} exp_avg", m.double().numpy(), rm, sm, rel_tol=2 ** -6, elem_tol=2 ** -6)
+                check_close(f"{where} exp_avg_sq", v.double().numpy(), rv, np.abs(rv), rel_tol=2 ** -6,
+                            elem_tol=2 ** -6)
+            else:
+                check_fp32_result(where, (p, m, v), (rp, rm, rv, sp, sm))
+
+
+@pytest.mark.parametrize("gdtype", list(GRAD_DTYPES))
+def test_grad_sumsq_and_finite_segments(gdtype):
+    """Counted segments' sum == the per-segment sums (1e-12 relative); non-finite values count
+    wherever they sit in a segment, counted or not, and not at all in a gap (never read)."""
+    rng = np.random.default_rng(fresh_seed(f"segments sumsq {gdtype}"))
+    dt = GRAD_DTYPES[gdtype]
+    for segs, n in (random_segments(rng, 300, 4, lambda r: bool(r.random() < 0.7)),
+                    random_segments(rng, 60, 0, lambda r: bool(r.random() < 0.7))):
+        segs[0], segs[1] = segs[0][:2] + (False,), segs[1][:2] + (True,)  # at least one of each
+        mask = segment_mask(segs, n)
+        g = torch.from_numpy((rng.standard_normal(n) * 100).astype(np.float32)).to(dt)
+        g[torch.from_numpy(~mask)] = float("nan")
+        g64 = g.double().numpy()
+        ref = float(sum(np.sum(np.square(g64[a:b])) for a, b, c in segs if c))
+        for path in PATHS:
+            with use_path(path):
+                per_seg = sum(ca.grad_sumsq_and_finite(g[a:b])[0] for a, b, c in segs if c)
+                s, finite = ca.grad_sumsq_and_finite_segments(g, segs)
+            assert isinstance(s, float) and finite is True, f"{path}: a gap's NaN was read"
+            assert abs(s - per_seg) <= 1e-12 * per_seg, f"{path} n={n}: {s} vs per-segment {per_seg}"
+            assert abs(s - ref) <= 1e-12 * ref, f"{path} n={n}: {s} vs float64 {ref}"
+        for counted in (False, True):
+            cands = [k for k, sg in enumerate(segs) if sg[2] == counted]
+            big = max(cands, key=lambda k: segs[k][1] - segs[k][0])
+            for k in {big, int(rng.choice(cands))}:
+                a, b, _ = segs[k]
+                for pos in {a, (a + b) // 2, b - 1}:
+                    bad = float(rng.choice([np.inf, -np.inf, np.nan]))
+                    gb = g.clone()
+                    gb[pos] = bad
+                    for path in PATHS:
+                        with use_path(path):
+                            s, finite = ca.grad_sumsq_and_finite_segments(gb, segs)
+                        where = f"{path} n={n} counted={counted} pos={pos} value={bad}"
+                        assert finite is False, where
+                        if not counted:  # the counted sum does not see it
+                            assert abs(s - ref) <= 1e-12 * ref, where
+
+
+@pytest.mark.skipif(EXT is None, reason="extension not built")
+def test_segments_threads_and_blocks_bitwise_identical():
+    """Chunks cut segments only 64k elements from their start: Adam's bits cannot depend on the
+    threads or the block size; the sum of squares is bit-identical across threads for one block size."""
+    rng = np.random.default_rng(fresh_seed("segments threads"))
+    segs, n = random_segments(rng, 300, 4, lambda r: float(r.choice(SEG_WDS)))
+    p0, m0, v0, grads = make_problem(n, "bf16", 10000, int(rng.integers(2 ** 31)), n_steps=1)
+    counted = [(a, b, wd != 0.05) for a, b, wd in segs]
+    old_block = EXT._get_block()
+    try:
+        for path in [p for p in PATHS if p != "torch-fallback"]:
+            res, sums = {}, {}
+            for block in (old_block, 0, 64, 4096):
+                for threads in (1, 2, 3):
+                    EXT._set_block(block)
+                    p, m, v = (torch.from_numpy(x.copy()) for x in (p0, m0, v0))
+                    g = grads[0].clone()
+                    with use_path(path, threads=threads):
+                        ca.adam_step_segments(p, g, m, v, segs, step=10000, lr=1e-3, adamw=False,
+                                              grad_scale=GRAD_SCALE, param16_out=g, **HP)
+                        sums[(block, threads)] = ca.grad_sumsq_and_finite_segments(grads[0], counted)[0]
+                    res[(block, threads)] = (p, m, v, g)
+            first = res[(old_block, 1)]
+            for key, r in res.items():
+                for x, y, name in zip(first, r, ("param", "exp_avg", "exp_avg_sq", "param16_out")):
+                    assert_same_bits(f"{path} block, threads = {key}: {name}", y, x)
+            for block in (old_block, 64, 4096):
+                assert sums[(block, 1)] == sums[(block, 2)] == sums[(block, 3)], f"{path} block {block}"
+            for s in sums.values():
+                assert abs(s - sums[(old_block, 1)]) <= 1e-12 * s
+    finally:
+        EXT._set_block(old_block)
+
+
+def _seg_call(a, segs, **kw):
+    ca.adam_step_segments(a["param"], a["grad"], a["exp_avg"], a["exp_avg_sq"], segs, step=kw.pop("step", 1),
+                          lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, param16_out=a.get("param16_out"), **kw)
+
+
+def test_segments_bad_inputs_are_errors():
+    bad = [  # (segments, message)
+        ([(10, 20, 0.0), (0, 5, 0.0)], r"segments\[1\] starts at 0, before segments\[0\].*sorted"),
+        ([(0, 10, 0.0), (5, 20, 0.0)], r"segments\[1\] = \(5, 20\) overlaps segments\[0\].*disjoint"),
+        ([(0, 10, 0.0), (20, 65, 0.0)], r"segments\[1\] = \(20, 65\) is outside the buffer of 64"),
+        ([(-1, 5, 0.0)], r"segments\[0\] = \(-1, 5\) is outside"),
+        ([(5, 5, 0.0)], r"segments\[0\] = \(5, 5\): end must be > start"),
+        ([(7, 3, 0.0)], r"end must be > start"),
+        ([(0, 5)], r"segments\[0\]: expected \(start, end, "),
+        ([(0.0, 5, 0.0)], r"integer start and end"),
+        ([None], r"segments\[0\]: expected"),
+    ]
+    for path in PATHS:
+        with use_path(path):
+            for segs, msg in bad:
+                a = _args(param16_out=torch.zeros(64, dtype=torch.bfloat16))
+                a["grad"].normal_()
+                before = {k: v.clone() for k, v in a.items()}
+                with pytest.raises(ValueError, match=msg.replace("start, end, ", "start, end, weight_decay")):
+                    _seg_call(a, segs)
+                for k, v in a.items():  # nothing was touched
+                    assert torch.equal(v, before[k]), f"{path} {segs}: {k} changed"
+                counted = [None if s is None else s[:2] + (True,) * (len(s) == 3) for s in segs]
+                with pytest.raises(ValueError, match=msg.replace("start, end, ", "start, end, counted")):
+                    ca.grad_sumsq_and_finite_segments(a["grad"], counted)
+            # the tensor checks of adam_step apply unchanged
+            with pytest.raises(ValueError, match="grad: has 63 elements"):
+                _seg_call(_args(grad=torch.zeros(63)), [(0, 10, 0.0)])
+            with pytest.raises(ValueError, match="step must be a 1-based integer"):
+                _seg_call(_args(), [(0, 10, 0.0)], step=0)
+            with pytest.raises(ValueError, match="betas must be in"):
+                ca.adam_step_segments(*_args().values(), [(0, 10, 0.0)], step=1, lr=1e-3, beta1=1.0,
+                                      beta2=0.999, eps=1e-8)
+            buf = torch.zeros(128)
+            with pytest.raises(ValueError, match="overlap in memory"):
+                _seg_call(_args(param=buf[:64], exp_avg=buf[32:96]), [(0, 10, 0.0)])
+            with pytest.raises(ValueError, match="grad: dtype float64"):
+                ca.grad_sumsq_and_finite_segments(torch.zeros(8, dtype=torch.float64), [(0, 8, True)])
+            # adjacent segments are fine; no segments is a no-op
+            a = _args()
+            a["grad"].normal_()
+            _seg_call(a, [(0, 10, 0.0), (10, 64, 0.1)])
+            assert (a["param"] != 0).all()
+            a = _args(grad=torch.ones(64))
+            _seg_call(a, [])
+            assert (a["param"] == 0).all()
+            assert ca.grad_sumsq_and_finite_segments(a["grad"], []) == (0.0, True)
+    if EXT is not None:  # the raw entry points check what they can without the buffers' sizes
+        t = torch.zeros(64)
+        ptrs = (t.data_ptr(), t.data_ptr(), 0, t.data_ptr(), t.data_ptr(), 0, 0, 3)
+        hyper = (1, 1e-3, 0.9, 0.999, 1e-8, True, True, 1.0)
+        with pytest.raises(ValueError, match="same length"):
+            EXT.adam_step_segments(*ptrs, [0, 10], [5], [0.0, 0.0], *hyper)
+        with pytest.raises(ValueError, match="sorted and disjoint"):
+            EXT.adam_step_segments(*ptrs, [10, 0], [20, 5], [0.0, 0.0], *hyper)
+        with pytest.raises(ValueError, match="end must be > start"):
+            EXT.grad_sumsq_and_finite_segments(t.data_ptr(), 0, [3], [3], [True])
+        with pytest.raises(ValueError, match="same length"):
+            EXT.grad_sumsq_and_finite_segments(t.data_ptr(), 0, [0], [3], [True, False])
+
+
+def test_segments_fallback_when_extension_missing(monkeypatch):
+    monkeypatch.setattr(ca, "_ext", None)
+    monkeypatch.setattr(ca, "_EXT_ERROR", "ImportError: simulated")
+    monkeypatch.setattr(ca, "_fallback_warned", False)
+    rng = np.random.default_rng(fresh_seed("segments fallback"))
+    segs, n = random_segments(rng, 40, 1, lambda r: float(r.choice(SEG_WDS)))
+    p0, m0, v0, grads = make_problem(n, "bf16", 1, int(rng.integers(2 ** 31)), n_steps=1)
+    res = []
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        for segmented in (True, False):
+            p, m, v, g = torch.from_numpy(p0.copy()), torch.zeros(n), torch.zeros(n), grads[0].clone()
+            kw = dict(step=1, lr=1e-3, adamw=False, **HP)
+            if segmented:
+                ca.adam_step_segments(p, g, m, v, segs, param16_out=g, **kw)
+            else:
+                for a, b, wd in segs:
+                    ca.adam_step(p[a:b], g[a:b], m[a:b], v[a:b], weight_decay=wd, param16_out=g[a:b], **kw)
+            res.append((p, m, v, g))
+        s, finite = ca.grad_sumsq_and_finite_segments(grads[0], [(a, b, True) for a, b, _ in segs])
+    assert len([w for w in rec if "torch fallback" in str(w.message)]) == 1
+    for x, y, name in zip(*res, ("param", "exp_avg", "exp_avg_sq", "param16_out")):
+        assert_same_bits(f"missing extension: {name} vs per-segment adam_step", x, y)
+    ref = sum(ca.grad_sumsq_and_finite(grads[0][a:b])[0] for a, b, _ in segs)
+    assert finite is True and abs(s - ref) <= 1e-12 * ref

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from tests.harness import run_world
+from tests.seeds import fresh_seed
 
 transformers = pytest.importorskip("transformers")
 
@@ -24,58 +25,76 @@ def _lr(step):
     return 2e-3 * (0.5 + 0.5 * step / STEPS)
 
 
-def _batches(seed, dp):
+def _batches(seed, dp, accum=ACCUM):
     """[step][micro] -> global (tokens, labels) of MICRO*dp samples."""
     gen = torch.Generator().manual_seed(seed)
     n = MICRO * dp
     return [[(torch.randint(0, VOCAB, (n, SEQ), generator=gen), torch.randint(0, VOCAB, (n, SEQ), generator=gen))
-             for _ in range(ACCUM)] for _ in range(STEPS)]
+             for _ in range(accum)] for _ in range(STEPS)]
 
 
-def _setup(tp, seed, precision, bucket_size=3000, **engine_kw):
+def _setup(tp, seed, precision, bucket_size=3000, backend=None, **engine_kw):
+    """The model is built on the host in fp32; the engine places it on the rank's device."""
     from zo_megatron.model import GPTConfig, build_gpt_model
     from zo_megatron.offload.engine import AdamConfig, ZeroOffloadEngine
     from zo_megatron.parallel import init_parallel
 
-    ps = init_parallel(tp, seed=seed, num_attention_heads=HEADS, hidden_size=HIDDEN)
+    ps = init_parallel(tp, seed=seed, num_attention_heads=HEADS, hidden_size=HIDDEN, backend=backend)
     cfg = GPTConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, vocab_size=VOCAB,
                     max_position_embeddings=SEQ, precision=precision)
     model = build_gpt_model(cfg, ps.tp_rank, ps.tp_size, seed)
     adam = AdamConfig(lr=_lr(0), beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WD)
     engine = ZeroOffloadEngine(model, precision=precision, adam=adam, clip_grad=CLIP, bucket_size=bucket_size,
-                               dp_group=ps.dp_group, tp_rank=ps.tp_rank, **engine_kw)
+                               dp_group=ps.dp_group, tp_rank=ps.tp_rank, device=ps.device, **engine_kw)
     return ps, cfg, model, engine
 
 
 def _full_params(model, ps):
     from zo_megatron.model.sharding import gather_full_params
 
-    return {n: t.float().clone() for n, t in gather_full_params(model, ps.tp_group, ps.tp_rank, ps.tp_size, VOCAB).items()}
+    return {n: t.float().cpu().clone()
+            for n, t in gather_full_params(model, ps.tp_group, ps.tp_rank, ps.tp_size, VOCAB).items()}
 
 
-def _train_world(rank, tp, precision, seed):
-    ps, cfg, model, engine = _setup(tp, seed, precision)
+def _train_world(rank, tp, precision, seed, accum=ACCUM, engine_kw=None, overflow_step=None, backend=None):
+    """Train STEPS steps; with `overflow_step`, rank 1 (or 0 in a 1-rank world) poisons one
+    gradient element with inf in that step's last micro-batch."""
+    from zo_megatron.parallel import collectives
+
+    ps, cfg, model, engine = _setup(tp, seed, precision, backend=backend, **(engine_kw or {}))
     init = _full_params(model, ps)
-    losses, norms, clips = [], [], []
-    for step, micro_batches in enumerate(_batches(seed + 7, ps.dp_size)):
+    losses, norms, clips, skipped, scales = [], [], [], [], []
+    victim = model.gpt.decoder.layers[0].mlp.linear_fc1.weight
+    poison_rank = min(1, dist.get_world_size() - 1)
+    for step, micro_batches in enumerate(_batches(seed + 7, ps.dp_size, accum)):
         total = torch.zeros(())
         for i, (tokens, labels) in enumerate(micro_batches):
             mine = slice(ps.dp_rank * MICRO, (ps.dp_rank + 1) * MICRO)
-            loss = model.loss(tokens[mine], labels[mine])
-            engine.backward(loss / ACCUM, last_micro_batch=i == ACCUM - 1)
-            total += loss.detach().float() / ACCUM
-        dist.all_reduce(total, group=ps.dp_group)
+            loss = model.loss(tokens[mine].to(ps.device), labels[mine].to(ps.device))
+            handle = None
+            if step == overflow_step and i == accum - 1 and dist.get_rank() == poison_rank:
+                handle = victim.register_hook(lambda g: g.index_fill(0, torch.tensor([3], device=g.device), float("inf")))
+            engine.backward(loss / accum, last_micro_batch=i == accum - 1)
+            if handle is not None:
+                handle.remove()
+            total += loss.detach().float().cpu() / accum
+        collectives.all_reduce(total, group=ps.dp_group)
         res = engine.step(lr=_lr(step))
-        assert not res.skipped
+        assert res.skipped == (step == overflow_step), (step, res)
         losses.append(total.item() / ps.dp_size)
         norms.append(res.grad_norm)
         clips.append(res.clip_coef)
+        skipped.append(res.skipped)
+        scales.append(res.loss_scale)
     final = _full_params(model, ps)
-    return dict(init=init, final=final, losses=losses, norms=norms, clips=clips) if rank == 0 else None
+    engine.close()
+    return dict(init=init, final=final, losses=losses, norms=norms, clips=clips, skipped=skipped,
+                scales=scales) if rank == 0 else None
 
 
-def _reference(init, seed, dp):
-    """Single process, fp32: HF GPT-2 + torch.optim.AdamW + clip_grad_norm_ on the global batch."""
+def _reference(init, seed, dp, accum=ACCUM, skip_step=None):
+    """Single process, fp32: HF GPT-2 + torch.optim.AdamW + clip_grad_norm_ on the global batch
+    (`skip_step`: that step's update is dropped, as an overflowing fp16 step is)."""
     from zo_megatron.checkpoint.hf_gpt2 import from_hf, to_hf
 
     hc = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
@@ -88,18 +107,19 @@ def _reference(init, seed, dp):
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=_lr(0), betas=BETAS, eps=EPS)
     losses, norms = [], []
-    for step, micro_batches in enumerate(_batches(seed + 7, dp)):
+    for step, micro_batches in enumerate(_batches(seed + 7, dp, accum)):
         opt.zero_grad()
         total = 0.0
         for tokens, labels in micro_batches:
             logits = model(tokens).logits
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
-            (loss / ACCUM).backward()
-            total += loss.item() / ACCUM
+            (loss / accum).backward()
+            total += loss.item() / accum
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
         for g in opt.param_groups:
             g["lr"] = _lr(step)
-        opt.step()
+        if step != skip_step:
+            opt.step()
         losses.append(total)
     sd = {n: p.detach() for n, p in model.named_parameters()}
     sd["lm_head.weight"] = sd["transformer.wte.weight"]
@@ -110,11 +130,15 @@ def _max_rel(a, b):
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
-@pytest.mark.parametrize("tp,world", [(1, 1), (1, 2), (2, 2), (2, 4), (1, 4)])
-def test_fp32_equals_torch_adamw(tp, world):
-    seed = int(torch.randint(0, 10_000, ()).item())
-    out = run_world(_train_world, world, tp, "fp32", seed)[0]
-    ref_losses, ref_norms, ref_final = _reference(out["init"], seed, world // tp)
+@pytest.mark.parametrize("tp,world,accum,engine_kw", [
+    (1, 1, ACCUM, {}), (1, 2, ACCUM, {}), (2, 2, ACCUM, {}), (2, 4, ACCUM, {}), (1, 4, ACCUM, {}),
+    # gradients accumulated on the host in fp32: every micro-batch is reduced and added there
+    (1, 2, 1, {"accumulate_on_host": True}), (2, 2, 4, {"accumulate_on_host": True})],
+    ids=["tp1dp1", "tp1dp2", "tp2dp1", "tp2dp2", "tp1dp4", "tp1dp2-hostacc1", "tp2dp1-hostacc4"])
+def test_fp32_equals_torch_adamw(tp, world, accum, engine_kw):
+    seed = fresh_seed(f"fp32 tp{tp} world{world} accum{accum} {engine_kw}")
+    out = run_world(_train_world, world, tp, "fp32", seed, accum, engine_kw)[0]
+    ref_losses, ref_norms, ref_final = _reference(out["init"], seed, world // tp, accum)
     assert min(out["clips"]) < 1.0, "the clip threshold must actually clip in this test"
     for ours, ref in zip(out["losses"], ref_losses):
         assert abs(ours - ref) / abs(ref) <= 1e-5
@@ -131,20 +155,86 @@ def test_fp32_equals_torch_adamw(tp, world):
         assert not torch.equal(ours, out["init"][name]), f"{name} never moved"
 
 
-def test_bf16_tracks_torch_adamw():
+@pytest.mark.parametrize("tp,world,accum,engine_kw", [
+    (2, 2, ACCUM, {}),                                            # default: reduced in fp32
+    (1, 2, ACCUM, {"grad_reduce_in_fp32": False}),                # reduced in bf16
+    (1, 2, 1, {"host_grad_dtype": "fp32"}),                       # fp32 all the way to the host
+    (1, 2, 4, {"accumulate_on_host": True}),                      # fp32 host accumulation
+    (1, 1, 4, {"accumulate_on_host": True, "host_grad_dtype": "fp32"})],
+    ids=["tp2dp1", "tp1dp2-reduce16", "tp1dp2-host32", "tp1dp2-hostacc4", "tp1dp1-hostacc4-host32"])
+def test_bf16_tracks_torch_adamw(tp, world, accum, engine_kw):
     """bf16 params/activations/gradients, fp32 master and moments, vs the fp32 single-process run.
     Tolerances: losses within 2%; final tensors within 2% in L2 (||ours - ref|| / ||ref||), except
     the zero-initialised biases (5%): they hold nothing but ~10 Adam steps of size ~lr, and Adam's
     m/sqrt(v) turns bf16 rounding of their small early gradients into whole-step differences."""
-    seed = int(torch.randint(0, 10_000, ()).item())
-    out = run_world(_train_world, 2, 2, "bf16", seed)[0]
-    ref_losses, _, ref_final = _reference(out["init"], seed, 1)
+    seed = fresh_seed(f"bf16 tp{tp} world{world} accum{accum} {engine_kw}")
+    out = run_world(_train_world, world, tp, "bf16", seed, accum, engine_kw)[0]
+    ref_losses, _, ref_final = _reference(out["init"], seed, world // tp, accum)
     for ours, ref in zip(out["losses"], ref_losses):
         assert abs(ours - ref) / abs(ref) <= 2e-2
     for name, ref in ref_final.items():
         err = ((out["final"][name] - ref).norm() / ref.norm()).item()
         zero_init = name.endswith(".bias")
         assert err <= (5e-2 if zero_init else 2e-2), (name, err)
+
+
+def test_fp16_with_a_real_dynamic_scale_tracks_torch_adamw():
+    """fp16 params with a live dynamic loss scale (2^14 growing every 3 clean steps: every gradient
+    is multiplied by it in backward and by its inverse in the CPU step, so a wrong 1/scale would
+    be off by orders of magnitude) and an overflow injected on one rank at step 4: that step is
+    skipped everywhere and the scale halves. Reference: fp32 torch AdamW with step 4 dropped.
+    Tolerances as for bf16 (fp16's 10-bit mantissa is finer than bf16's 7)."""
+    from zo_megatron.offload.loss_scaler import DynamicLossScaler
+
+    seed = fresh_seed("fp16 dynamic scale")
+    scaler = DynamicLossScaler(initial_scale=2.0**14, growth_interval=3, hysteresis=1)
+    out = run_world(_train_world, 2, 1, "fp16", seed, ACCUM, {"loss_scaler": scaler}, 4)[0]
+    ref_losses, _, ref_final = _reference(out["init"], seed, 2, ACCUM, skip_step=4)
+    assert out["skipped"] == [i == 4 for i in range(STEPS)]
+    # 2^14, grows after 3 clean steps, halves at the overflow, grows again 3 clean steps later
+    assert out["scales"] == [2.0**14] * 3 + [2.0**15] * 2 + [2.0**14] * 3 + [2.0**15] * 2, out["scales"]
+    for ours, ref in zip(out["losses"], ref_losses):
+        assert abs(ours - ref) / abs(ref) <= 1e-2, (ours, ref)
+    for name, ref in ref_final.items():
+        err = ((out["final"][name] - ref).norm() / ref.norm()).item()
+        assert err <= (5e-2 if name.endswith(".bias") else 2e-2), (name, err)
+
+
+def _host_grad_world(rank, seed, engine_kw):
+    """One bf16 step's reduced host gradients, and every rank's own bf16 gradients."""
+    ps, cfg, model, engine = _setup(1, seed, "bf16", **engine_kw)
+    (tokens, labels), = _batches(seed, ps.dp_size, 1)[0]
+    mine = slice(ps.dp_rank * MICRO, (ps.dp_rank + 1) * MICRO)
+    own = {}
+    handles = [p.register_hook(lambda g, n=n: own.__setitem__(n, g.detach().clone()))
+               for n, p in model.named_parameters()]
+    engine.backward(model.loss(tokens[mine], labels[mine]))
+    engine.finish_grad_sync()
+    for h in handles:
+        h.remove()
+    host = {}
+    for slot, start, pstart, n in engine.layout.host_fragments():
+        host[(slot.name, pstart)] = engine.host_grad[start:start + n].double().clone()
+    engine.close()
+    return dict(own=own, host=host)
+
+
+@pytest.mark.parametrize("engine_kw,max_rel", [({"host_grad_dtype": "fp32"}, 1e-6), ({}, 2.0**-8)],
+                         ids=["fp32-host", "bf16-host"])
+def test_bf16_gradients_are_reduced_in_fp32(engine_kw, max_rel):
+    """DP=4, bf16: the host gradient equals the float64 mean of the four ranks' bf16 gradients to
+    fp32 accuracy when copied home in fp32 (a bf16 reduction, three bf16 roundings deep, is off
+    by ~2^-8), and to one bf16 rounding (2^-8 relative) when narrowed for the copy home."""
+    seed = fresh_seed("fp32 reduction")
+    outs = run_world(_host_grad_world, 4, seed, engine_kw)
+    worst = 0.0
+    for r, out in enumerate(outs):
+        for (name, pstart), got in out["host"].items():
+            mean = sum(o["own"][name].reshape(-1).double() for o in outs) / 4
+            want = mean[pstart:pstart + got.numel()]
+            err = ((got - want).abs() / want.abs().clamp(min=1e-30))[want.abs() > 1e-6 * want.abs().max()]
+            worst = max(worst, err.max().item() if err.numel() else 0.0)
+    assert worst <= max_rel, worst
 
 
 def _overflow_world(rank, seed):
@@ -160,7 +250,7 @@ def _overflow_world(rank, seed):
     before = dict(flat=engine.flat.clone(), master=engine.master.clone(), m=engine.exp_avg.clone(),
                   v=engine.exp_avg_sq.clone(), step=engine.step_count)
     victim = model.gpt.decoder.layers[0].mlp.linear_fc1.weight
-    handle = victim.register_hook(lambda g: g.index_fill(0, torch.tensor([3]), float("inf"))) if rank == 1 else None
+    handle = victim.register_hook(lambda g: g.index_fill(0, torch.tensor([3], device=g.device), float("inf"))) if rank == 1 else None
     engine.backward(model.loss(tokens[mine], labels[mine]))
     res = engine.step()
     if handle:
@@ -176,7 +266,7 @@ def _overflow_world(rank, seed):
 
 
 def test_fp16_overflow_on_one_rank_skips_everywhere():
-    seed = int(torch.randint(0, 10_000, ()).item())
+    seed = fresh_seed("fp16 overflow")
     outs = run_world(_overflow_world, 2, seed)
     for out in outs:
         assert out["skipped"] and out["unchanged"]
@@ -184,14 +274,22 @@ def test_fp16_overflow_on_one_rank_skips_everywhere():
         assert not out["next_skipped"]
 
 
-def _accounting_world(rank, tp, seed):
-    from zo_megatron.offload import collectives
+def _accounting_world(rank, tp, seed, engine_kw):
+    import torch.distributed as tdist
 
-    calls = []
-    rs, ag = collectives._reduce_scatter, collectives._all_gather
-    collectives._reduce_scatter = lambda out, inp, group: (calls.append(inp.numel() * inp.element_size()), rs(out, inp, group=group))
-    collectives._all_gather = lambda out, inp, group: (calls.append(out.numel() * out.element_size()), ag(out, inp, group=group))
-    ps, cfg, model, engine = _setup(tp, seed, "bf16", bucket_size=2000)
+    calls = []   # bytes of the full tensor each collective moves, as torch.distributed received them
+    rs, ag = tdist.reduce_scatter_tensor, tdist.all_gather_into_tensor
+    for name in ("reduce_scatter_single", "reduce_scatter_tensor"):
+        if hasattr(tdist, name):
+            setattr(tdist, name, lambda out, inp, **kw: (calls.append(inp.numel() * inp.element_size()), rs(out, inp, **kw))[1])
+    for name in ("all_gather_single", "all_gather_into_tensor"):
+        if hasattr(tdist, name):
+            setattr(tdist, name, lambda out, inp, **kw: (calls.append(out.numel() * out.element_size()), ag(out, inp, **kw))[1])
+    import importlib
+
+    from zo_megatron.parallel import collectives
+    importlib.reload(collectives)   # it binds torch.distributed's functions at import
+    ps, cfg, model, engine = _setup(tp, seed, "bf16", bucket_size=2000, **engine_kw)
     (tokens, labels), = _batches(seed, ps.dp_size)[0][:1]
     mine = slice(ps.dp_rank * MICRO, (ps.dp_rank + 1) * MICRO)
     engine.backward(model.loss(tokens[mine], labels[mine]))
@@ -205,16 +303,21 @@ def _accounting_world(rank, tp, seed):
                 host_numel=engine.layout.host_numel)
 
 
-@pytest.mark.parametrize("tp,world", [(1, 2), (2, 4), (1, 4)])
-def test_accounting_matches_ddp_volume_and_memory_bound(tp, world):
-    seed = int(torch.randint(0, 10_000, ()).item())
-    for out in run_world(_accounting_world, world, tp, seed):
+@pytest.mark.parametrize("tp,world,reduce32", [(1, 2, False), (2, 4, False), (1, 4, False), (1, 2, True)])
+def test_accounting_matches_ddp_volume_and_memory_bound(tp, world, reduce32):
+    """Wire bytes are counted from the tensors torch.distributed actually received; with 16-bit
+    reduction they equal a DDP ring all-reduce of the 16-bit gradients, with fp32 reduction the
+    reduce-scatter half doubles."""
+    seed = fresh_seed("accounting")
+    for out in run_world(_accounting_world, world, tp, seed, {"grad_reduce_in_fp32": reduce32}):
         n, flat, acc = out["n"], out["flat"], out["acc"]
-        ddp_allreduce = 2 * (n - 1) * (2 * flat) // n          # ring all-reduce of the 16-bit gradients
-        assert acc["sent_bytes"] == ddp_allreduce == out["measured_ring"]
-        assert acc["received_bytes"] == ddp_allreduce
+        wg = 4 if reduce32 else 2
+        assert acc["sent_bytes"] == out["measured_ring"] == (n - 1) * (wg * flat) // n + (n - 1) * (2 * flat) // n
+        if not reduce32:
+            assert acc["sent_bytes"] == 2 * (n - 1) * (2 * flat) // n   # ring all-reduce of 16-bit gradients
+        assert acc["received_bytes"] == acc["sent_bytes"]
         assert flat - out["psi"] < out["buckets"] * n * 64    # padding only rounds buckets up
-        assert acc["device_model_state_bytes"] <= 2 * flat + 2 * 2 * out["max_bucket"]
+        assert acc["device_model_state_bytes"] <= 2 * flat + 2 * wg * out["max_bucket"]
         assert acc["device_param_bytes"] == 2 * flat
         assert acc["d2h_bytes"] == acc["h2d_bytes"] == 2 * out["host_numel"] == 2 * flat // n
         assert acc["host_bytes"] == (4 + 4 + 4 + 2) * flat // n
@@ -248,7 +351,7 @@ def _errors_world(rank, seed):
 
 
 def test_clear_errors():
-    seed = int(torch.randint(0, 10_000, ()).item())
+    seed = fresh_seed("errors")
     for msgs in run_world(_errors_world, 2, seed):
         assert "--bucket-size must be >= 1" in msgs["bucket"]
         assert "DP ranks disagree on the parameter partitioning" in msgs["dp"]

@@ -111,8 +111,21 @@ def test_zero_offload_line_items():
     psi, N = p.params_per_tp_rank_padded, 4
     assert psi % (N * base.partition_alignment) == 0 and psi - p.params_per_tp_rank < N * 128
     assert p.device_items["params_16bit"] == 2 * psi
-    assert p.device_items["grad_buckets_x2"] == 2 * 2 * 1_000_000
-    assert p.device_items["reduce_scatter_scratch"] == 2 * 1_000_000
+    # bf16 reduces gradients in fp32 by default (Megatron's rule); the host copy stays 16-bit
+    assert p.device_items["grad_buckets_x2"] == 2 * 4 * 1_000_000
+    assert p.device_items["reduce_scatter_scratch"] == 4 * 1_000_000
+    # two 16-bit scratch shards (a bucket / N each) where the GPU narrows fp32 shards for the copy home
+    _, max_bucket = P._bucket_layout(base, p.vocab_size_padded, base.seq_length, N * base.partition_alignment)
+    assert p.device_items["grad_narrow_scratch"] == 2 * 2 * (max_bucket // N)
+    r16 = plan(base.replace(grad_reduce_fp32=False))
+    assert r16.device_items["grad_buckets_x2"] == 2 * 2 * 1_000_000 and "grad_narrow_scratch" not in r16.device_items
+    h32 = plan(base.replace(host_grad_fp32=True))
+    assert h32.host_bytes_per_gpu == psi // N * (4 + 4 + 4 + 4 + 2) and "grad_narrow_scratch" not in h32.device_items
+    with pytest.raises(ValueError, match="host_grad_fp32 needs grad_reduce_fp32"):
+        plan(base.replace(grad_reduce_fp32=False, host_grad_fp32=True))
+    hacc = plan(base.replace(grad_accum_steps=4, accumulate_on_host=True))
+    assert "grads_kept_across_microbatches" not in hacc.device_items
+    assert hacc.host_bytes_per_gpu == psi // N * (4 + 4 + 4 + 2 + 4)
     assert "grads_kept_across_microbatches" not in p.device_items
     assert p.host_bytes_per_gpu == psi // N * (4 + 4 + 4 + 2)
     assert p.host_items["master_fp32"] == 4 * psi // N * p.ranks_per_node

@@ -87,6 +87,8 @@ class PlanInput:
     fragmentation: float = 0.10  # caching-allocator margin on the transient device bytes
     partition_alignment: int = 128  # elements; each DP partition is a multiple of this
     accumulate_on_host: bool = False  # True: fp32 host accumulator instead of device 16-bit grads
+    grad_reduce_fp32: bool | None = None  # fp32 bucket buffers + reduce-scatter; None: on for bf16 (Megatron)
+    host_grad_fp32: bool = False  # reduced gradients copied home in fp32 (needs grad_reduce_fp32)
     device_is_host: bool = False  # CPU runs: "device" bytes also live in host RAM
 
     def normalized_recompute(self) -> str | None:
@@ -98,6 +100,12 @@ class PlanInput:
         if r in ("full", "selective"):
             return r
         raise ValueError(f"recompute must be False, True, 'full' or 'selective', got {r!r}")
+
+    def reduces_in_fp32(self) -> bool:
+        """Bucket buffers and the reduce-scatter in fp32 (the engine's default rule)."""
+        if self.precision == "fp32":
+            return True
+        return self.precision == "bf16" if self.grad_reduce_fp32 is None else bool(self.grad_reduce_fp32)
 
     def replace(self, **changes) -> "PlanInput":
         return dataclasses.replace(self, **changes)
@@ -128,6 +136,8 @@ class PlanInput:
         if self.num_attention_heads % self.tensor_parallel:
             raise ValueError(f"num_attention_heads {self.num_attention_heads} is not divisible by "
                              f"tensor_parallel {self.tensor_parallel}")
+        if self.host_grad_fp32 and not self.reduces_in_fp32():
+            raise ValueError("host_grad_fp32 needs grad_reduce_fp32")
         if self.dpu and not self.zero_offload:
             raise ValueError("dpu (delayed parameter update) requires zero_offload")
         for name in ("gpu_memory_bytes", "host_memory_bytes_per_node"):
@@ -350,18 +360,26 @@ def _compute(inp: PlanInput) -> Plan:
         bucket = min(inp.bucket_size, psi_pad)
         n_buckets, max_bucket = _bucket_layout(inp, V_pad, S, chunk)
         buffers = min(2, n_buckets)       # the engine allocates one buffer when one bucket holds it all
+        wg = 4 if inp.reduces_in_fp32() else w    # bytes per gradient element in the buckets
+        wh = 4 if inp.host_grad_fp32 else w       # bytes per gradient element copied home
         dev[p16] = w * psi_pad
-        dev["grad_buckets_x2"] = buffers * w * bucket
+        dev["grad_buckets_x2"] = buffers * wg * bucket
         if max_bucket > bucket:           # a parameter never straddles buckets: the largest (the word
-            dev["grad_bucket_oversize"] = buffers * w * (max_bucket - bucket)   # embedding) may overfill one
+            dev["grad_bucket_oversize"] = buffers * wg * (max_bucket - bucket)   # embedding) may overfill one
+        if wg != wh and not inp.device_is_host:   # fp32 shards narrowed on the GPU before the copy home
+            dev["grad_narrow_scratch"] = buffers * wh * (max_bucket // N)
         if N > 1:
-            dev["reduce_scatter_scratch"] = w * bucket
+            dev["reduce_scatter_scratch"] = wg * bucket
         if inp.grad_accum_steps > 1 and not inp.accumulate_on_host:
             dev["grads_kept_across_microbatches"] = w * psi_pad
         host_gpu["master_fp32"] = 4 * part
         host_gpu["adam_exp_avg"] = opt_b * part
         host_gpu["adam_exp_avg_sq"] = opt_b * part
-        host_gpu["grad_param_staging" + ("_fp32" if w == 4 else "_16bit")] = w * part
+        if wh == w:                       # one buffer: gradients in, updated parameters out
+            host_gpu["grad_param_staging" + ("_fp32" if w == 4 else "_16bit")] = w * part
+        else:
+            host_gpu["grad_staging_fp32"] = 4 * part
+            host_gpu["param_staging_16bit"] = w * part
         if inp.grad_accum_steps > 1 and inp.accumulate_on_host:
             host_gpu["grad_accumulator_fp32"] = 4 * part
         if inp.dpu:

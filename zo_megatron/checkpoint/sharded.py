@@ -17,9 +17,9 @@ import os
 import shutil
 
 import torch
-import torch.distributed as dist
 
 from zo_megatron.errors import UserError
+from zo_megatron.parallel import collectives
 
 LATEST = "latest_checkpointed_iteration.txt"
 FORMAT_VERSION = 1
@@ -34,8 +34,7 @@ def _rank_file(d: str, tp_rank: int, dp_rank: int) -> str:
 
 
 def _barrier():
-    if dist.is_initialized():
-        dist.barrier()
+    collectives.barrier()
 
 
 def _atomic_write_text(path: str, text: str) -> None:

@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
+
+from zo_megatron.parallel import collectives
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 
@@ -64,9 +65,7 @@ def gather_full(local: torch.Tensor, info: ShardInfo, tp_group, tp_size: int) ->
     if info.replicated or tp_size == 1:
         out = local
     else:
-        parts = [torch.empty_like(local) for _ in range(tp_size)]
-        dist.all_gather(parts, local.contiguous(), group=tp_group)
-        out = torch.cat(parts, dim=info.tp_axis)
+        out = torch.cat(collectives.all_gather_list(local, tp_group), dim=info.tp_axis)
     if info.tp_axis is not None:
         out = out.narrow(info.tp_axis, 0, info.full_shape[info.tp_axis])
     return out

@@ -12,11 +12,13 @@ from dataclasses import asdict, dataclass
 @dataclass
 class Accounting:
     device_param_bytes: int = 0        # the flat 16-bit parameter buffer
-    device_bucket_bytes: int = 0       # the (at most two) gradient bucket buffers (baseline: all grads)
+    device_bucket_bytes: int = 0       # the (at most two) gradient bucket buffers + narrowing scratch
+                                       # (baseline: all grads)
     device_optimizer_bytes: int = 0    # baseline only: fp32 Adam moments on the device
     host_master_bytes: int = 0         # fp32 master partition
     host_optimizer_bytes: int = 0      # exp_avg + exp_avg_sq partitions
-    host_staging_bytes: int = 0        # 16-bit gradient/param partition (pinned on CUDA)
+    host_staging_bytes: int = 0        # gradient/param staging partition(s) (pinned on CUDA)
+    host_accumulator_bytes: int = 0    # fp32 gradient accumulator (accumulate_on_host only)
     # Per step (reset by the engine at the start of each step's gradient sync):
     sent_bytes: int = 0
     received_bytes: int = 0
@@ -29,7 +31,8 @@ class Accounting:
 
     @property
     def host_bytes(self) -> int:
-        return self.host_master_bytes + self.host_optimizer_bytes + self.host_staging_bytes
+        return (self.host_master_bytes + self.host_optimizer_bytes + self.host_staging_bytes
+                + self.host_accumulator_bytes)
 
     def ring(self, nbytes: int, group_size: int) -> None:
         moved = (group_size - 1) * nbytes // group_size

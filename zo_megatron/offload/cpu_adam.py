@@ -14,6 +14,12 @@ Semantics are exactly torch.optim.Adam / AdamW (single step, amsgrad=False, maxi
     bc1, bc2 = 1 - beta1**step, 1 - beta2**step   (both 1 when bias_correction=False)
     param = param - (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)
 
+``adam_step_segments`` / ``grad_sumsq_and_finite_segments`` do the same over a list of disjoint
+ranges of the buffers (each with its own weight decay / norm flag) in ONE kernel call, split over
+the threads by total size: the engine's partition is cut wherever weight decay changes (every bias
+and LayerNorm, several small segments per layer), and as separate calls each segment would pay a
+Python call and a thread fork, and one below the kernel's threading threshold runs on one thread.
+
 If the extension is missing (failed build) everything still works through torch ops
 (``torch._fused_adam_`` / ``torch._fused_adamw_`` when bias correction is on), with one warning.
 
@@ -28,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import operator
 import os
 import sys
 import warnings
@@ -36,7 +43,8 @@ import torch
 
 from zo_megatron.errors import UserError
 
-__all__ = ["adam_step", "grad_sumsq_and_finite", "set_num_threads", "get_num_threads", "info"]
+__all__ = ["adam_step", "adam_step_segments", "grad_sumsq_and_finite", "grad_sumsq_and_finite_segments",
+           "set_num_threads", "get_num_threads", "info"]
 
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _NONE_CODE = 3
@@ -178,19 +186,8 @@ def _check_overlaps(named: list[tuple[str, torch.Tensor]], allowed_alias: tuple[
                              "buffer as a 16-bit grad")
 
 
-# ----------------------------------------------------------------------------------------------
-# Public API
-# ----------------------------------------------------------------------------------------------
-def adam_step(param, grad, exp_avg, exp_avg_sq, *, step: int, lr: float, beta1: float, beta2: float,
-              eps: float, weight_decay: float = 0.0, adamw: bool = True, bias_correction: bool = True,
-              grad_scale: float = 1.0, param16_out=None) -> None:
-    """One Adam/AdamW step, in place on ``param``, ``exp_avg``, ``exp_avg_sq`` (and ``param16_out``).
-
-    param: fp32 contiguous CPU tensor (1-D expected; any contiguous shape is treated as flat).
-    grad: fp32/bf16/fp16, same numel. exp_avg/exp_avg_sq: both fp32 or both bf16.
-    param16_out: None or a bf16/fp16 tensor of the same numel; it may be the same tensor as grad.
-    step: 1-based step count of this update. Bad inputs raise ValueError naming the tensor.
-    """
+def _check_adam_args(param, grad, exp_avg, exp_avg_sq, param16_out, step, beta1, beta2) -> tuple[int, int]:
+    """Validates the tensors and hyper-parameters of an Adam step; returns (numel, step)."""
     _check("param", param, (torch.float32,), None)
     n = param.numel()
     _check("grad", grad, _GRAD_DTYPES, n)
@@ -206,9 +203,51 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, step: int, lr: float, beta1: 
     _check_overlaps(named, ("grad", "param16_out"))
     if isinstance(step, bool) or int(step) != step or step < 1:
         raise ValueError(f"step must be a 1-based integer, got {step!r}")
-    step = int(step)
     if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
         raise ValueError(f"betas must be in [0, 1), got ({beta1}, {beta2})")
+    return n, int(step)
+
+
+def _check_segments(segments, n: int, third: str) -> tuple[list[int], list[int], list]:
+    """Splits (start, end, x) triples into three lists; 0 <= start < end <= n, sorted, disjoint."""
+    starts, ends, xs = [], [], []
+    for i, seg in enumerate(segments):
+        try:
+            start, end, x = seg
+            start, end = operator.index(start), operator.index(end)
+        except (TypeError, ValueError):
+            raise ValueError(f"segments[{i}]: expected (start, end, {third}) with integer start and end, "
+                             f"got {seg!r}") from None
+        if end <= start:
+            raise ValueError(f"segments[{i}] = ({start}, {end}): end must be > start")
+        if start < 0 or end > n:
+            raise ValueError(f"segments[{i}] = ({start}, {end}) is outside the buffer of {n} elements")
+        if starts and start < starts[-1]:
+            raise ValueError(f"segments[{i}] starts at {start}, before segments[{i - 1}] ({starts[-1]}): "
+                             "segments must be sorted by start")
+        if ends and start < ends[-1]:
+            raise ValueError(f"segments[{i}] = ({start}, {end}) overlaps segments[{i - 1}] = "
+                             f"({starts[-1]}, {ends[-1]}): segments must be disjoint")
+        starts.append(start)
+        ends.append(end)
+        xs.append(x)
+    return starts, ends, xs
+
+
+# ----------------------------------------------------------------------------------------------
+# Public API
+# ----------------------------------------------------------------------------------------------
+def adam_step(param, grad, exp_avg, exp_avg_sq, *, step: int, lr: float, beta1: float, beta2: float,
+              eps: float, weight_decay: float = 0.0, adamw: bool = True, bias_correction: bool = True,
+              grad_scale: float = 1.0, param16_out=None) -> None:
+    """One Adam/AdamW step, in place on ``param``, ``exp_avg``, ``exp_avg_sq`` (and ``param16_out``).
+
+    param: fp32 contiguous CPU tensor (1-D expected; any contiguous shape is treated as flat).
+    grad: fp32/bf16/fp16, same numel. exp_avg/exp_avg_sq: both fp32 or both bf16.
+    param16_out: None or a bf16/fp16 tensor of the same numel; it may be the same tensor as grad.
+    step: 1-based step count of this update. Bad inputs raise ValueError naming the tensor.
+    """
+    n, step = _check_adam_args(param, grad, exp_avg, exp_avg_sq, param16_out, step, beta1, beta2)
     if n == 0:
         return
     if _use_fallback or _ext is None:
@@ -233,18 +272,80 @@ def grad_sumsq_and_finite(grad) -> tuple[float, bool]:
         return 0.0, True
     if _use_fallback or _ext is None:
         _warn_fallback_once()
-        flat = grad.view(-1)
-        s = 0.0
-        for a in range(0, n, _FALLBACK_CHUNK):
-            s += float(flat[a:a + _FALLBACK_CHUNK].to(torch.float64).square().sum())
+        s = _torch_sumsq(grad.view(-1))
         return s, math.isfinite(s)
     s, finite = _ext.grad_sumsq_and_finite(grad.data_ptr(), _DTYPE_CODE[grad.dtype], n)
+    return float(s), bool(finite)
+
+
+def adam_step_segments(param, grad, exp_avg, exp_avg_sq, segments, *, step: int, lr: float, beta1: float,
+                       beta2: float, eps: float, adamw: bool = True, bias_correction: bool = True,
+                       grad_scale: float = 1.0, param16_out=None) -> None:
+    """``adam_step`` on each segment of the (flat) buffers, in one kernel call.
+
+    segments: sequence of (start, end, weight_decay), sorted, disjoint, 0 <= start < end <= numel.
+    The result is bit-identical to one ``adam_step`` per segment on the slices [start:end] (same
+    arguments, that segment's weight_decay); elements outside every segment are not touched. The
+    tensors are checked as in ``adam_step``; a bad segment list raises ValueError naming the segment.
+    """
+    n, step = _check_adam_args(param, grad, exp_avg, exp_avg_sq, param16_out, step, beta1, beta2)
+    starts, ends, wds = _check_segments(segments, n, "weight_decay")
+    if not starts:
+        return
+    wds = [float(wd) for wd in wds]
+    if _use_fallback or _ext is None:
+        _warn_fallback_once()
+        p, g, m, v = param.view(-1), grad.view(-1), exp_avg.view(-1), exp_avg_sq.view(-1)
+        o = None if param16_out is None else param16_out.view(-1)
+        for a, b, wd in zip(starts, ends, wds):
+            _torch_adam_step(p[a:b], g[a:b], m[a:b], v[a:b], step, float(lr), float(beta1), float(beta2),
+                             float(eps), wd, bool(adamw), bool(bias_correction), float(grad_scale),
+                             None if o is None else o[a:b])
+        return
+    _ext.adam_step_segments(param.data_ptr(), grad.data_ptr(), _DTYPE_CODE[grad.dtype],
+                            exp_avg.data_ptr(), exp_avg_sq.data_ptr(), _DTYPE_CODE[exp_avg.dtype],
+                            0 if param16_out is None else param16_out.data_ptr(),
+                            _NONE_CODE if param16_out is None else _DTYPE_CODE[param16_out.dtype],
+                            starts, ends, wds, step, float(lr), float(beta1), float(beta2), float(eps),
+                            bool(adamw), bool(bias_correction), float(grad_scale))
+
+
+def grad_sumsq_and_finite_segments(grad, segments) -> tuple[float, bool]:
+    """(fp64 sum of squares over the segments flagged counted, every element of every segment finite).
+
+    segments: sequence of (start, end, counted), sorted, disjoint, 0 <= start < end <= numel of the
+    contiguous fp32/bf16/fp16 ``grad``. Elements outside every segment are not read.
+    """
+    _check("grad", grad, _GRAD_DTYPES, None)
+    starts, ends, counted = _check_segments(segments, grad.numel(), "counted")
+    if not starts:
+        return 0.0, True
+    counted = [bool(c) for c in counted]
+    if _use_fallback or _ext is None:
+        _warn_fallback_once()
+        flat = grad.view(-1)
+        s, finite = 0.0, True
+        for a, b, c in zip(starts, ends, counted):
+            x = _torch_sumsq(flat[a:b])
+            finite = finite and math.isfinite(x)
+            if c:
+                s += x
+        return s, finite
+    s, finite = _ext.grad_sumsq_and_finite_segments(grad.data_ptr(), _DTYPE_CODE[grad.dtype], starts, ends,
+                                                    counted)
     return float(s), bool(finite)
 
 
 # ----------------------------------------------------------------------------------------------
 # Torch fallback (also the reference for "what torch would do")
 # ----------------------------------------------------------------------------------------------
+def _torch_sumsq(flat) -> float:
+    s = 0.0
+    for a in range(0, flat.numel(), _FALLBACK_CHUNK):
+        s += float(flat[a:a + _FALLBACK_CHUNK].to(torch.float64).square().sum())
+    return s
+
+
 def _torch_adam_step(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, wd, adamw,
                      bias_correction, grad_scale, param16_out) -> None:
     p_all, g_all = param.view(-1), grad.view(-1)

@@ -1,18 +1,48 @@
-"""The only place that knows whether the "device" is a GPU: host buffers and async copies.
+"""The only place that knows whether the "device" is a GPU: host buffers, streams and copies.
 
-On CPU the host partition and the device are the same memory and every copy is a plain
-synchronous copy, so the CPU path runs the very same algorithm as the GPU path. On CUDA:
-- host buffers are pinned at their exact size with cudaHostRegister (torch's caching host
-  allocator rounds pinned blocks up to powers of two: ~1.8x host RAM for large models);
-- device->host gradient copies run on a side stream that first waits for the compute stream (the
-  reduce-scatter wrote the data there), and an event marks when the host may read them;
-- host->device parameter copies run on the same side stream; the compute stream waits for them
-  before the all-gather.
-NOT RUN HERE: this project's machines have no GPU; the CUDA branches below are untested.
+The engine runs one algorithm on both; this layer decides how each hand-off is ordered.
+
+    CUDA  host buffers are pinned at their exact size with cudaHostRegister (torch's caching host
+          allocator rounds pinned blocks up to powers of two: ~1.8x host RAM for large models) and
+          unregistered in close(), which a finalizer also runs if an error path skips it.
+          Device->host: a side stream waits for the bucket's reduce-scatter Work (a stream wait,
+          the host does not block), copies the shard home and records an event; the compute
+          stream waits on that event before it reuses the bucket buffer.
+          Host->device: the side stream first waits for the compute stream (kernels may still
+          read the parameters being overwritten), copies, and the compute stream waits for it.
+    CPU   "host" and "device" are the same memory. An async gloo collective runs on gloo's own
+          thread, so the copy home is deferred: it runs (after Work.wait()) when the bucket
+          buffer is needed again or when the host needs the gradients -- backward keeps going
+          meanwhile, which is the overlap bucketing is for.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
+
+
+def _unregister(ptrs: list[int]) -> None:
+    for ptr in ptrs:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    ptrs.clear()
+
+
+class _DeferredCopy:
+    """CPU: a copy home that waits for its collective first (run once, on demand)."""
+
+    __slots__ = ("work", "dst", "src")
+
+    def __init__(self, work, dst, src):
+        self.work, self.dst, self.src = work, dst, src
+
+    def run(self) -> None:
+        if self.src is None:
+            return
+        if self.work is not None:
+            self.work.wait()
+        self.dst.copy_(self.src)
+        self.work = self.dst = self.src = None
 
 
 class DeviceLayer:
@@ -20,58 +50,93 @@ class DeviceLayer:
         self.device = device
         self.is_cuda = device.type == "cuda"
         self.pin_memory = pin_memory and self.is_cuda
-        self._registered: list[torch.Tensor] = []
+        self._registered: list[int] = []          # data pointers registered with cudaHostRegister
+        self._keep: list[torch.Tensor] = []       # the tensors behind them stay alive until close()
+        self._finalizer = weakref.finalize(self, _unregister, self._registered)
         self._stream = torch.cuda.Stream(device=device) if self.is_cuda else None
-        self._pending: list = []
+        self._pending: list = []                  # CUDA events / CPU deferred copies not yet waited for
 
+    # ------------------------------------------------------------------------------ allocation
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         t = torch.empty(numel, dtype=dtype)
         if self.pin_memory and numel > 0:
-            err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+            nbytes = t.numel() * t.element_size()
+            err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0)
             if int(err) != 0:
-                raise RuntimeError(f"cudaHostRegister of {t.numel() * t.element_size()} bytes failed ({err}); "
-                                   "retry with --no-pin-memory")
-            self._registered.append(t)
+                raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed ({err}); retry with --no-pin-memory")
+            self._registered.append(t.data_ptr())
+            self._keep.append(t)
         return t
 
     def device_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, device=self.device)
 
-    def copy_to_host(self, dst: torch.Tensor, src: torch.Tensor):
-        """dst (host) <- src (device). Asynchronous on CUDA: `wait_host()` before the host reads
-        dst, and `before_reuse(event)` before the device overwrites src. Returns that event."""
+    # ------------------------------------------------------------------------- device -> host
+    def copy_home(self, work, dst: torch.Tensor, src: torch.Tensor, scratch: torch.Tensor | None = None):
+        """dst (host) <- src (device) once the collective `work` (or None) has produced src.
+
+        `scratch` (device, dst's dtype, src's size) is where CUDA narrows src to dst's dtype before
+        the copy, so only dst's bytes cross the bus. Returns a handle for `release()`."""
         if not self.is_cuda:
-            dst.copy_(src)
-            return None
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            handle = _DeferredCopy(work, dst, src)
+            self._pending.append(handle)
+            return handle
+        compute = torch.cuda.current_stream(self.device)
+        self._stream.wait_stream(compute)
         with torch.cuda.stream(self._stream):
+            if work is not None:
+                work.wait()                        # the side stream waits for the collective
+            if src.dtype != dst.dtype:
+                scratch.copy_(src)
+                src = scratch
             dst.copy_(src, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(self._stream)
         self._pending.append(ev)
         return ev
 
-    def before_reuse(self, event) -> None:
-        """Make the compute stream wait until a device->host copy has finished reading its source."""
-        if event is not None:
-            torch.cuda.current_stream(self.device).wait_event(event)
+    def release(self, handle) -> None:
+        """Before the device overwrites the source of a copy home: wait until it was read."""
+        if handle is None:
+            return
+        if self.is_cuda:
+            torch.cuda.current_stream(self.device).wait_event(handle)
+        else:
+            handle.run()
 
     def wait_host(self) -> None:
-        """Block the host until every queued device->host copy has landed."""
-        for ev in self._pending:
-            ev.synchronize()
+        """Block the host until every copy home has landed (and the side stream is idle)."""
+        if self.is_cuda:
+            self._stream.synchronize()
+        else:
+            for handle in self._pending:
+                handle.run()
         self._pending.clear()
 
+    # ------------------------------------------------------------------------- host -> device
     def copy_to_device(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """dst (device) <- src (host); later work on the compute stream sees the data."""
+        """dst (device) <- src (host); later work on the compute stream sees the data.
+
+        The side stream first waits for the compute stream: kernels queued there may still read
+        the parameters that dst overwrites (write-after-read)."""
         if not self.is_cuda:
             dst.copy_(src)
             return
+        compute = torch.cuda.current_stream(self.device)
+        self._stream.wait_stream(compute)
         with torch.cuda.stream(self._stream):
             dst.copy_(src, non_blocking=True)
-        torch.cuda.current_stream(self.device).wait_stream(self._stream)
+        compute.wait_stream(self._stream)
+
+    # ---------------------------------------------------------------------------------- close
+    @property
+    def registered_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._keep)
 
     def close(self) -> None:
-        for t in self._registered:
-            torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
-        self._registered.clear()
+        """Unregister pinned host memory (idempotent). Pending copies are waited for first."""
+        if self.is_cuda and self._stream is not None:
+            self._stream.synchronize()
+        self._pending.clear()
+        self._finalizer()
+        self._keep.clear()

@@ -2,19 +2,32 @@
 
 One step, per TP rank, DP group of N (paper sections 3-4):
 
-  backward   each parameter's gradient lands in one of two bucket buffers (device); a full bucket
-             is reduce-scattered over DP (averaged) and this rank's shard goes to the host as
-             16 bits: 2 bytes/param cross the bus, not DeepSpeed's fp32 4.
+  backward   each parameter's gradient lands in a bucket buffer on the device (at most two
+             buffers; fp32 with --accumulate-allreduce-grads-in-fp32); a complete bucket is
+             reduce-scattered over DP (averaged, async) and this rank's shard is copied home on a
+             side stream once the collective is done, as 16 bits unless fp32 host gradients were
+             asked for: the compute stream never waits for communication.
   step       overflow check + global grad norm (all TP and DP ranks, TP-replicated params once)
-             -> clip coefficient -> CPU Adam over the host partition: reads the 16-bit gradient,
-             updates fp32 master / exp_avg / exp_avg_sq, writes the new 16-bit param in the same
-             pass -> host->device -> all-gather over DP into the flat parameter buffer.
+             -> clip coefficient -> ONE CPU Adam call over the host partition's segments: reads
+             the gradient, updates fp32 master / exp_avg / exp_avg_sq, writes the new 16-bit param
+             in the same pass -> host->device -> async all-gather over DP into the flat buffer.
 
-The device keeps only the 16-bit parameters (a flat buffer the model's parameters view) and at
-most two gradient buckets; the host keeps Psi/N of fp32 master, exp_avg, exp_avg_sq and one 16-bit
-staging partition (gradients in, parameters out). Wire bytes per step equal a DDP all-reduce.
-Gradient accumulation: micro-batches before the last accumulate locally in `param.grad` with no
-communication; the last one streams through the buckets.
+Ordering rules (the collectives of all DP ranks must match one for one):
+  - buckets are reduce-scattered in bucket order 0, 1, 2, ... on every rank. A bucket that
+    completes early waits for its turn; a rank whose gradients arrive in another order (a branch
+    unused on this rank, a frozen path) still issues the same sequence.
+  - only buckets in the window [next to send, next + buffers) get a buffer, so the next bucket
+    can always be opened; gradients of later buckets stay in param.grad until their turn.
+  - at the end of backward every bucket not yet sent is completed from whatever its parameters
+    hold (what earlier micro-batches accumulated, or zero) and sent, in order.
+
+The device keeps the 16-bit parameters (a flat buffer the model's parameters view) and the bucket
+buffers; the host keeps Psi/N of fp32 master, exp_avg, exp_avg_sq and the staging partition(s).
+Gradient accumulation: by default micro-batches before the last accumulate in `param.grad` on the
+device (16 bits) with no communication and only the last one streams through the buckets; with
+accumulate_on_host every micro-batch is reduced and added into an fp32 host accumulator, so the
+device holds no gradient copy between micro-batches (the paper's large-model single-GPU mode),
+at the price of one reduce-scatter per micro-batch.
 """
 from __future__ import annotations
 
@@ -23,15 +36,14 @@ import math
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.distributed as dist
 
 from zo_megatron.errors import ConfigError
 from zo_megatron.offload import cpu_adam
 from zo_megatron.offload.accounting import Accounting
-from zo_megatron.offload.collectives import all_gather, reduce_scatter
 from zo_megatron.offload.device import DeviceLayer
 from zo_megatron.offload.flat_buffer import FlatLayout
 from zo_megatron.offload.loss_scaler import ConstantLossScaler, DynamicLossScaler
+from zo_megatron.parallel import collectives
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -56,11 +68,27 @@ class StepResult:
     loss_scale: float
 
 
+def default_grad_reduce_in_fp32(precision: str) -> bool:
+    """Megatron's rule: bf16 gradients are accumulated and all-reduced in fp32."""
+    return precision == "bf16"
+
+
 class ZeroOffloadEngine:
+    """The offload optimizer engine (see the module docstring). Use as a context manager, or call
+    close(): it unregisters pinned host memory and removes the gradient hooks.
+
+    The model may be built on the host in fp32 (recommended for large models): its parameters are
+    copied into the flat 16-bit buffer on `device` one at a time, so the device never holds more
+    than that buffer and the buckets. `grad_reduce_in_fp32` (None: Megatron's default for the
+    precision) puts the bucket buffers and the reduce-scatter in fp32; `host_grad_dtype` "fp32"
+    copies the reduced fp32 shards home in fp32 (default: the 16-bit parameter dtype).
+    """
+
     def __init__(self, model: torch.nn.Module, *, precision: str = "bf16", adam: AdamConfig | None = None,
                  clip_grad: float = 1.0, bucket_size: int = 40_000_000, dp_group=None, tp_rank: int = 0,
                  loss_scaler=None, no_decay_embeddings: bool = False, device: torch.device | None = None,
-                 pin_memory: bool = True):
+                 pin_memory: bool = True, grad_reduce_in_fp32: bool | None = None,
+                 host_grad_dtype: str | None = None, accumulate_on_host: bool = False):
         if precision not in _DTYPES:
             raise ConfigError(f"precision must be bf16, fp16 or fp32 (got {precision!r})")
         self.model = model
@@ -70,31 +98,51 @@ class ZeroOffloadEngine:
         self.clip_grad = clip_grad
         self.dp_group = dp_group
         self.tp_rank = tp_rank
-        self.dp_size = dist.get_world_size(dp_group) if dist.is_initialized() else 1
-        self.dp_rank = dist.get_rank(dp_group) if dist.is_initialized() else 0
+        self.dp_size = collectives.group_size(dp_group)
+        self.dp_rank = collectives.group_rank(dp_group)
         if loss_scaler is None:
             loss_scaler = DynamicLossScaler() if precision == "fp16" else ConstantLossScaler(1.0)
         self.loss_scaler = loss_scaler
+        if grad_reduce_in_fp32 is None:
+            grad_reduce_in_fp32 = default_grad_reduce_in_fp32(precision)
+        self.reduce_dtype = torch.float32 if grad_reduce_in_fp32 else self.dtype
+        if host_grad_dtype not in (None, "fp32", precision):
+            raise ConfigError(f"host gradient dtype must be fp32 or the parameter dtype {precision} "
+                              f"(got {host_grad_dtype!r})")
+        self.host_grad_dtype = torch.float32 if host_grad_dtype == "fp32" else self.dtype
+        if self.host_grad_dtype == torch.float32 and self.reduce_dtype != torch.float32:
+            raise ConfigError("fp32 host gradients need gradients reduced in fp32: add "
+                              "--accumulate-allreduce-grads-in-fp32")
+        self.accumulate_on_host = accumulate_on_host
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
             raise ConfigError("the model has no trainable parameters")
-        self.device = device or named[0][1].device
+        self.device = torch.device(device) if device is not None else named[0][1].device
         self.dev = DeviceLayer(self.device, pin_memory)
-        self.layout = FlatLayout(named, dp_size=self.dp_size, dp_rank=self.dp_rank, tp_rank=tp_rank,
-                                 bucket_size=bucket_size, no_decay_embeddings=no_decay_embeddings)
-        self._check_dp_group_agrees()
-        self._build_buffers()
-        self.check_params()
+        try:
+            self.layout = FlatLayout(named, dp_size=self.dp_size, dp_rank=self.dp_rank, tp_rank=tp_rank,
+                                     bucket_size=bucket_size, no_decay_embeddings=no_decay_embeddings)
+            self._check_dp_group_agrees()
+            self._build_buffers()
+            self._place_model_on_device()
+            self.check_params()
+        except BaseException:
+            self.dev.close()
+            raise
+        self._norm_segments = [(s.start, s.end, s.counted) for s in self.layout.segments]
         self.step_count = 0
-        self._sync = True
-        self._bucket_buf: dict[int, torch.Tensor] = {}   # bucket index -> its device buffer
-        self._free = list(self._grad_buffers)
-        self._copy_events: dict[int, object] = {}        # buffer -> its pending device->host copy
-        self._deferred: set[int] = set()                 # buckets waiting for a free buffer
-        self._waiting: list[list] = [[] for _ in self.layout.buckets]   # their ready slots
-        self._absorbed: list[list] = [[] for _ in self.layout.buckets]  # slots copied into their bucket
-        self._done = [False] * len(self.layout.buckets)
+        self._micro = 0                     # micro-batches of this step seen so far
+        self._sync = True                   # do the hooks stream gradients into buckets?
+        self._sync_pending = False          # a syncing backward ran and finish_grad_sync has not
+        self._slot_index = {id(s): i for i, s in enumerate(self.layout.slots)}
+        self._reset_bucket_state()
         self._hooks = [s.param.register_post_accumulate_grad_hook(self._make_hook(s)) for s in self.layout.slots]
+
+    def __enter__(self) -> "ZeroOffloadEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ----------------------------------------------------------------------------------- set-up
     def _check_dp_group_agrees(self) -> None:
@@ -103,9 +151,8 @@ class ZeroOffloadEngine:
             return
         sig = torch.tensor([self.layout.numel, len(self.layout.buckets), self.layout.max_bucket_numel],
                            dtype=torch.int64)
-        lo, hi = sig.clone(), sig.clone()
-        dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=self.dp_group)
-        dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=self.dp_group)
+        lo = collectives.all_reduce(sig.clone(), "min", self.dp_group)
+        hi = collectives.all_reduce(sig.clone(), "max", self.dp_group)
         if not torch.equal(lo, hi):
             raise ConfigError(
                 f"DP ranks disagree on the parameter partitioning (flat size/buckets/max bucket "
@@ -114,36 +161,66 @@ class ZeroOffloadEngine:
 
     def _build_buffers(self) -> None:
         L, acc = self.layout, Accounting()
-        self.flat = self.dev.device_empty(L.numel, self.dtype)
-        self.flat.zero_()
-        master = torch.zeros(L.host_numel, dtype=torch.float32)
-        with torch.no_grad():
-            for s in L.slots:
-                src = s.param.detach().reshape(-1)
-                self.flat[s.start:s.start + s.numel].copy_(src)
-            for s, host, pstart, n in L.host_fragments():
-                master[host:host + n].copy_(s.param.detach().reshape(-1)[pstart:pstart + n].float())
-            for s in L.slots:   # the model's parameters become views of the flat 16-bit buffer
-                s.param.data = self.flat[s.start:s.start + s.numel].view(s.param.shape)
-        self.master = master
         state_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(self.adam.state_dtype)
         if state_dtype is None:
             raise ConfigError(f"optimizer state dtype must be fp32 or bf16 (got {self.adam.state_dtype!r})")
+        self.flat = self.dev.device_empty(L.numel, self.dtype)
+        self.flat.zero_()                               # bucket padding stays zero forever
+        self.master = torch.zeros(L.host_numel, dtype=torch.float32)
         self.exp_avg = torch.zeros(L.host_numel, dtype=state_dtype)
         self.exp_avg_sq = torch.zeros(L.host_numel, dtype=state_dtype)
-        # One 16-bit host partition: the reduced gradients arrive here, the kernel overwrites them
-        # with the updated 16-bit parameters, which go back to the device.
-        self.host16 = self.dev.host_empty(L.host_numel, self.dtype)
-        self.host16.zero_()
-        self._grad_buffers = [self.dev.device_empty(L.max_bucket_numel, self.dtype)
-                              for _ in range(min(2, len(L.buckets)))]
+        # Reduced gradient shards arrive in host_grad. The kernel writes the updated 16-bit
+        # parameters into host_param, which goes back to the device; when both have the parameter
+        # dtype they are one buffer (the kernel reads the gradient before it writes the parameter).
+        self.host_grad = self.dev.host_empty(L.host_numel, self.host_grad_dtype)
+        self.host_grad.zero_()
+        if self.host_grad_dtype == self.dtype:
+            self.host_param = self.host_grad
+        else:
+            self.host_param = self.dev.host_empty(L.host_numel, self.dtype)
+            self.host_param.zero_()
+        self.host_acc = torch.zeros(L.host_numel, dtype=torch.float32) if self.accumulate_on_host else None
+        n_buffers = min(2, len(L.buckets))
+        self._grad_buffers = [self.dev.device_empty(L.max_bucket_numel, self.reduce_dtype) for _ in range(n_buffers)]
+        # On CUDA, fp32-reduced shards bound for 16-bit host gradients are narrowed on the device
+        # first (one scratch per buffer: a shard is at most a bucket / N).
+        narrow = self.dev.is_cuda and self.reduce_dtype != self.host_grad_dtype
+        max_shard = max(b.shard_numel for b in L.buckets)
+        self._scratch = [self.dev.device_empty(max_shard, self.host_grad_dtype) if narrow else None
+                         for _ in range(n_buffers)]
         esz = self.flat.element_size()
         acc.device_param_bytes = L.numel * esz
-        acc.device_bucket_bytes = sum(b.numel() * esz for b in self._grad_buffers)
+        acc.device_bucket_bytes = sum(b.numel() * b.element_size() for b in self._grad_buffers) + sum(
+            s.numel() * s.element_size() for s in self._scratch if s is not None)
         acc.host_master_bytes = self.master.numel() * 4
         acc.host_optimizer_bytes = 2 * self.exp_avg.numel() * self.exp_avg.element_size()
-        acc.host_staging_bytes = self.host16.numel() * self.host16.element_size()
+        acc.host_staging_bytes = self.host_grad.numel() * self.host_grad.element_size() + (
+            0 if self.host_param is self.host_grad else self.host_param.numel() * self.host_param.element_size())
+        acc.host_accumulator_bytes = 0 if self.host_acc is None else self.host_acc.numel() * 4
         self.accounting = acc
+
+    @torch.no_grad()
+    def _place_model_on_device(self) -> None:
+        """Copy every parameter into the flat buffer (narrowed on the host, one at a time), take
+        its fp32 master fragment, and make the parameter a view of the flat buffer. The model may
+        live on the host in fp32: its full-precision copy is never put on the device."""
+        L = self.layout
+        fragments: dict[int, list] = {}
+        for s, host, pstart, n in L.host_fragments():
+            fragments.setdefault(id(s), []).append((host, pstart, n))
+        for s in L.slots:
+            src = s.param.detach().reshape(-1)
+            for host, pstart, n in fragments.get(id(s), ()):
+                self.master[host:host + n].copy_(src[pstart:pstart + n])
+            self.flat[s.start:s.start + s.numel].copy_(src.to(self.dtype) if src.device.type == "cpu" else src)
+            s.param.data = self.flat[s.start:s.start + s.numel].view(s.param.shape)
+        for module in self.model.modules():     # buffers and frozen parameters follow the model
+            for key, buf in module._buffers.items():
+                if buf is not None and buf.device != self.device:
+                    module._buffers[key] = buf.to(self.device)
+            for p in module._parameters.values():
+                if p is not None and not p.requires_grad and p.device != self.device:
+                    p.data = p.data.to(self.device)
 
     def check_params(self) -> None:
         """Every trainable parameter must be a view of the flat buffer (none added or replaced)."""
@@ -161,11 +238,21 @@ class ZeroOffloadEngine:
         return contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor, *, last_micro_batch: bool = True) -> None:
-        """loss.backward() with loss scaling; only the last micro-batch communicates."""
-        self._sync = last_micro_batch
-        if last_micro_batch:
+        """loss.backward() with loss scaling. Only the last micro-batch communicates, unless
+        gradients accumulate on the host (then every micro-batch is reduced and added there)."""
+        if self._micro == 0:
             self.accounting.reset_step()
+        self._sync = last_micro_batch or self.accumulate_on_host
+        if self._sync:
+            self._sync_pending = True
         (loss * self.loss_scaler.scale).backward() if self.loss_scaler.scale != 1.0 else loss.backward()
+        if self.accumulate_on_host:
+            self.finish_grad_sync()
+            if self._micro == 0:
+                self.host_acc.copy_(self.host_grad)
+            else:
+                self.host_acc.add_(self.host_grad)
+        self._micro = 0 if last_micro_batch else self._micro + 1
 
     def _make_hook(self, slot):
         def hook(param: torch.Tensor) -> None:
@@ -173,146 +260,143 @@ class ZeroOffloadEngine:
                 self._grad_ready(slot)
         return hook
 
+    def _reset_bucket_state(self) -> None:
+        nb = len(self.layout.buckets)
+        self._next = 0                                   # the next bucket to reduce-scatter
+        self._open: dict[int, tuple[int, torch.Tensor]] = {}   # bucket -> (buffer index, view)
+        self._free = list(range(len(self._grad_buffers)))
+        self._in_use: dict[int, object] = {}            # buffer -> its pending copy home
+        self._waiting: list[list] = [[] for _ in range(nb)]   # slots ready before their bucket opened
+        self._absorbed = [False] * len(self.layout.slots)
+        self._count = [0] * nb                           # slots absorbed per bucket
+
     def _grad_ready(self, slot) -> None:
         b = slot.bucket
-        buf = self._bucket_buf.get(b)
-        if buf is not None:
-            self._absorb(slot, buf)
-            return
-        self._waiting[b].append(slot)   # param.grad is kept until its bucket has a buffer
-        if self._free:
-            self._open_bucket(b)
+        if b in self._open:
+            self._absorb(slot)
         else:
-            self._deferred.add(b)
+            self._waiting[b].append(slot)               # param.grad is kept until b has a buffer
+            if b < self._next + len(self._grad_buffers):
+                self._open_bucket(b)
+        self._send_ready()
 
     def _open_bucket(self, b: int) -> None:
-        bucket = self.layout.buckets[b]
-        base = self._free.pop()
-        self.dev.before_reuse(self._copy_events.pop(base.data_ptr(), None))
-        buf = base[: bucket.numel]
+        """Give bucket b (inside the window) a zeroed buffer and absorb its waiting gradients."""
+        i = self._free.pop(0)                            # the longest-free buffer: its copy is oldest
+        self.dev.release(self._in_use.pop(i, None))     # its last copy home has read it
+        buf = self._grad_buffers[i][: self.layout.buckets[b].numel]
         buf.zero_()
-        self._bucket_buf[b] = buf
+        self._open[b] = (i, buf)
         waiting, self._waiting[b] = self._waiting[b], []
         for s in waiting:
-            self._absorb(s, buf, flush=False)
-        self._deferred.discard(b)
-        if len(self._absorbed[b]) == len(bucket.slots):
-            self._flush(b)
+            self._absorb(s)
 
-    def _absorb(self, slot, buf: torch.Tensor, flush: bool = True) -> None:
+    def _absorb(self, slot) -> None:
+        i = self._slot_index[id(slot)]
+        if self._absorbed[i] or slot.param.grad is None:
+            return
         bucket = self.layout.buckets[slot.bucket]
         off = slot.start - bucket.start
-        buf[off:off + slot.numel].copy_(slot.param.grad.reshape(-1))
+        self._open[slot.bucket][1][off:off + slot.numel].copy_(slot.param.grad.reshape(-1))
         slot.param.grad = None
-        self._absorbed[slot.bucket].append(slot)
-        if flush and len(self._absorbed[slot.bucket]) == len(bucket.slots):
-            self._flush(slot.bucket)
+        self._absorbed[i] = True
+        self._count[slot.bucket] += 1
 
-    def _flush(self, b: int) -> None:
-        """Reduce-scatter a complete bucket (averaged over DP) and send this rank's shard home."""
-        bucket, buf = self.layout.buckets[b], self._bucket_buf.pop(b)
+    def _send_ready(self) -> None:
+        """Send every complete bucket whose turn it is; open the buckets the window reaches."""
+        buckets = self.layout.buckets
+        while self._next < len(buckets) and self._next in self._open \
+                and self._count[self._next] == len(buckets[self._next].slots):
+            self._send(self._next)
+            reach = self._next + len(self._grad_buffers) - 1
+            if reach < len(buckets) and self._waiting[reach] and reach not in self._open:
+                self._open_bucket(reach)
+
+    def _send(self, b: int) -> None:
+        """Reduce-scatter bucket b (averaged over DP, async) and queue its shard's copy home."""
+        bucket = self.layout.buckets[b]
+        i, buf = self._open.pop(b)
         n = bucket.shard_numel
         if self.dp_size > 1:
             buf.div_(self.dp_size)
         mine = buf[self.dp_rank * n:(self.dp_rank + 1) * n]
-        reduce_scatter(mine, buf, self.dp_group, self.dp_size)     # in place: the shard lands in `mine`
+        work = collectives.reduce_scatter(mine, buf, self.dp_group, async_op=True)   # in place
         self.accounting.ring(buf.numel() * buf.element_size(), self.dp_size)
-        ev = self.dev.copy_to_host(self.host16[bucket.host_start:bucket.host_start + n], mine)
-        self._copy_events[buf.data_ptr()] = ev   # the buffer is free once the copy has read it
-        self.accounting.d2h_bytes += n * buf.element_size()
-        self._done[b] = True
-        self._free.append(self._base_of(buf))
-        for nxt in sorted(self._deferred):
-            if self._free and nxt not in self._bucket_buf:
-                self._open_bucket(nxt)
-
-    def _base_of(self, view: torch.Tensor) -> torch.Tensor:
-        for base in self._grad_buffers:
-            if base.data_ptr() == view.data_ptr():
-                return base
-        raise AssertionError("bucket view of an unknown buffer")
+        dst = self.host_grad[bucket.host_start:bucket.host_start + n]
+        scratch = self._scratch[i][:n] if self._scratch[i] is not None else None
+        self._in_use[i] = self.dev.copy_home(work, dst, mine, scratch)
+        self.accounting.d2h_bytes += n * dst.element_size()
+        self._free.append(i)
+        self._next = b + 1
 
     def finish_grad_sync(self) -> None:
-        """Flush every bucket not yet sent, in order. Parameters that got no gradient in the last
-        micro-batch contribute what they accumulated earlier, or zero."""
-        for b in range(len(self.layout.buckets)):
-            if self._done[b]:
-                continue
-            if b not in self._bucket_buf:
-                while not self._free:        # both buffers hold later, incomplete buckets
-                    self._complete(next(iter(self._bucket_buf)))
-                self._open_bucket(b)
-            if not self._done[b]:
-                self._complete(b)
+        """End of a syncing backward: complete and send, in order, every bucket not yet sent --
+        parameters that got no gradient in this micro-batch contribute what they accumulated
+        earlier, or zero -- then wait until every shard is on the host."""
+        if not self._sync_pending:
+            return
+        buckets = self.layout.buckets
+        while self._next < len(buckets):
+            b = self._next
+            if b not in self._open:
+                self._open_bucket(b)                     # b is the window's first: a buffer is free
+            for s in buckets[b].slots:
+                self._absorb(s)
+            self._send(b)
         self.dev.wait_host()
-        self._done = [False] * len(self.layout.buckets)
-        self._absorbed = [[] for _ in self.layout.buckets]
-        self._deferred.clear()
-
-    def _complete(self, b: int) -> None:
-        """Absorb the gradients an open bucket is still missing (accumulated earlier), then flush."""
-        absorbed = {id(s) for s in self._absorbed[b]}
-        for s in self.layout.buckets[b].slots:
-            if id(s) not in absorbed and s.param.grad is not None:
-                self._absorb(s, self._bucket_buf[b], flush=False)
-        self._flush(b)
+        self._reset_bucket_state()
+        self._sync_pending = False
 
     # -------------------------------------------------------------------------------------- step
     def step(self, lr: float | None = None) -> StepResult:
         """Finish the gradient sync, then clip and update on the CPU; params return to the device."""
         self.check_params()
         self.finish_grad_sync()
+        grad = self.host_acc if self.accumulate_on_host else self.host_grad
         scale = self.loss_scaler.scale
-        sumsq, finite = self._local_sumsq_and_finite()
+        sumsq, finite = cpu_adam.grad_sumsq_and_finite_segments(grad, self._norm_segments)
         stats = torch.tensor([sumsq, 0.0 if finite else 1.0], dtype=torch.float64)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(stats)                     # over every TP and DP rank
+        collectives.all_reduce(stats)                    # over every TP and DP rank
         found_inf = bool(stats[1].item() > 0) or not math.isfinite(stats[0].item())
         grad_norm = math.sqrt(stats[0].item()) / scale if not found_inf else float("nan")
         self.loss_scaler.update(found_inf)
-        if found_inf:                                  # every rank agrees: skip, touch nothing
+        if found_inf:                                    # every rank agrees: skip, touch nothing
             return StepResult(True, grad_norm, 0.0, scale)
         clip_coef = 1.0
         if self.clip_grad and self.clip_grad > 0:
             clip_coef = min(1.0, self.clip_grad / (grad_norm + 1e-6))
         self.step_count += 1
         a = self.adam
-        lr = a.lr if lr is None else lr
-        for seg in self.layout.segments:
-            sl = slice(seg.start, seg.end)
-            cpu_adam.adam_step(self.master[sl], self.host16[sl], self.exp_avg[sl], self.exp_avg_sq[sl],
-                               step=self.step_count, lr=lr, beta1=a.beta1, beta2=a.beta2, eps=a.eps,
-                               weight_decay=a.weight_decay if seg.decay else 0.0, adamw=a.adamw,
-                               bias_correction=a.bias_correction, grad_scale=clip_coef / scale,
-                               param16_out=self.host16[sl] if self.dtype != torch.float32 else None)
-        if self.dtype == torch.float32:     # fp32 mode: the "16-bit" staging copy is the master itself
-            self.host16.copy_(self.master)
+        segments = [(s.start, s.end, a.weight_decay if s.decay else 0.0) for s in self.layout.segments]
+        cpu_adam.adam_step_segments(
+            self.master, grad, self.exp_avg, self.exp_avg_sq, segments, step=self.step_count,
+            lr=a.lr if lr is None else lr, beta1=a.beta1, beta2=a.beta2, eps=a.eps, adamw=a.adamw,
+            bias_correction=a.bias_correction, grad_scale=clip_coef / scale,
+            param16_out=self.host_param if self.dtype != torch.float32 else None)
+        if self.dtype == torch.float32:     # fp32 mode: the parameter copy is the master itself
+            self.host_param.copy_(self.master)
         self._params_to_device()
         return StepResult(False, grad_norm, clip_coef, scale)
 
-    def _local_sumsq_and_finite(self) -> tuple[float, bool]:
-        sumsq, finite = 0.0, True
-        for seg in self.layout.segments:
-            s, ok = cpu_adam.grad_sumsq_and_finite(self.host16[seg.start:seg.end])
-            finite &= ok
-            if seg.counted:
-                sumsq += s
-        return sumsq, finite
-
     def _params_to_device(self) -> None:
-        """Updated 16-bit shards -> device -> all-gather over DP into the flat buffer."""
+        """Updated shards -> device -> async all-gather over DP into the flat buffer; the next
+        forward is queued behind the gathers (on CUDA the host does not wait for them)."""
+        works = []
+        esz = self.flat.element_size()
         for bucket in self.layout.buckets:
             lo, hi = bucket.shard_range(self.dp_rank)
             n = hi - lo
-            self.dev.copy_to_device(self.flat[lo:hi], self.host16[bucket.host_start:bucket.host_start + n])
-            self.accounting.h2d_bytes += n * self.flat.element_size()
-            all_gather(self.flat[bucket.start:bucket.end], self.flat[lo:hi], self.dp_group, self.dp_size)
-            self.accounting.ring(bucket.numel * self.flat.element_size(), self.dp_size)
+            self.dev.copy_to_device(self.flat[lo:hi], self.host_param[bucket.host_start:bucket.host_start + n])
+            self.accounting.h2d_bytes += n * esz
+            works.append(collectives.all_gather(self.flat[bucket.start:bucket.end], self.flat[lo:hi],
+                                                self.dp_group, async_op=True))
+            self.accounting.ring(bucket.numel * esz, self.dp_size)
+        collectives.wait_all(works)
 
     @torch.no_grad()
     def reload_params_from_master(self) -> None:
         """Re-derive the 16-bit parameters from the fp32 master (after loading a checkpoint)."""
-        self.host16.copy_(self.master.to(self.dtype))
+        self.host_param.copy_(self.master.to(self.dtype))
         self._params_to_device()
 
     # ------------------------------------------------------------------------------------- state
@@ -359,6 +443,8 @@ class ZeroOffloadEngine:
         self.reload_params_from_master()
 
     def close(self) -> None:
+        """Remove the hooks and unregister pinned host memory (idempotent)."""
         for h in self._hooks:
             h.remove()
+        self._hooks = []
         self.dev.close()

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from zo_megatron.errors import ConfigError
+from zo_megatron.parallel.collectives import default_backend
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,10 @@ def init_parallel(tensor_parallel: int = 1, *, seed: int = 1234, num_attention_h
     """Initialise torch.distributed from the launcher's environment, then megatron's TP/DP groups.
 
     torchrun, Open MPI, MPICH/PMI and SLURM variables are all understood (parallel.launch_env).
-    Backend: nccl on CUDA, gloo on CPU. Validation happens before any group is created.
+    Backend: `collectives.default_backend` -- "cpu:gloo,cuda:nccl" on CUDA, so CPU tensors (the
+    small host-side agreements) and CUDA tensors (buckets, parameters) each have a backend in every
+    group; megatron-core's TP/DP subgroups inherit that map. Validation happens before any group
+    is created.
     """
     global _STATE
     from zo_megatron.parallel.launch_env import discover_launch_env, export_torch_env
@@ -95,7 +99,7 @@ def init_parallel(tensor_parallel: int = 1, *, seed: int = 1234, num_attention_h
     if not dist.is_initialized():
         export_torch_env(env)
         dist.init_process_group(
-            backend=backend or ("nccl" if device.type == "cuda" else "gloo"),
+            backend=backend or default_backend(device),
             init_method="env://", rank=env.rank, world_size=env.world_size,
             timeout=datetime.timedelta(seconds=timeout_s))
     if not mpu.model_parallel_is_initialized():

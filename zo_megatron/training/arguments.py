@@ -58,6 +58,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cpu-adam-threads", type=int, default=None,
                    help="OpenMP threads of the CPU Adam per rank (default: this rank's fair share of cores)")
     g.add_argument("--no-pin-memory", action="store_true", help="CUDA: do not pin host buffers")
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action=argparse.BooleanOptionalAction, default=None,
+                   help="gradient buckets and their reduce-scatter in fp32 (Megatron's name; default: on for "
+                        "bf16 as in Megatron, off for fp16; doubles the bytes on the wire)")
+    g.add_argument("--main-grads-dtype", choices=["fp32", "bf16", "fp16"], default=None,
+                   help="ZeRO-Offload: dtype of the reduced gradients copied to the host for the CPU Adam "
+                        "(default: the 16-bit parameter dtype, 2 bytes/param over PCIe; fp32 needs fp32 "
+                        "reduction and 4 more host bytes/param/DP)")
+    g.add_argument("--accumulate-grads-on-host", action="store_true",
+                   help="ZeRO-Offload with gradient accumulation: reduce every micro-batch and add it into an "
+                        "fp32 host accumulator, so the device keeps no gradient copy between micro-batches "
+                        "(one reduce-scatter per micro-batch)")
     g.add_argument("--dpu", action="store_true", help="delayed parameter update (not in this release)")
     g.add_argument("--dpu-warmup-steps", type=int, default=40, help="exact steps before DPU starts")
 
@@ -93,10 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("mixed precision")
     m = g.add_mutually_exclusive_group()
-    m.add_argument("--bf16", dest="precision", action="store_const", const="bf16", help="bf16 (default)")
+    m.add_argument("--bf16", dest="precision", action="store_const", const="bf16",
+                   help="bf16 (default on GPUs and on CPUs with native bf16: AVX512_BF16 or AMX)")
     m.add_argument("--fp16", dest="precision", action="store_const", const="fp16",
                    help="fp16 with dynamic loss scaling")
-    m.add_argument("--fp32", dest="precision", action="store_const", const="fp32")
+    m.add_argument("--fp32", dest="precision", action="store_const", const="fp32",
+                   help="fp32 (default on CPUs without native bf16, where bf16 matmuls are emulated)")
     g.add_argument("--loss-scale", type=float, default=None, help="static loss scale (fp16); default dynamic")
     g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
     g.add_argument("--min-loss-scale", type=float, default=1.0)
@@ -128,6 +141,32 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def default_precision() -> tuple[str, str]:
+    """(precision, why): bf16 on GPUs and on CPUs that run bf16 natively, fp32 on other CPUs.
+
+    Without AVX512_BF16 or AMX a CPU emulates bf16 matmuls (measured on an AVX2 EPYC: 26x slower
+    than fp32), so the CPU path defaults to fp32 there."""
+    import torch
+
+    if torch.cuda.is_available():
+        return "bf16", "GPU"
+    native = sorted(_cpu_flags() & {"avx512_bf16", "amx_bf16"})
+    if native:
+        return "bf16", f"CPU with native bf16 ({', '.join(native)})"
+    return "fp32", "CPU without native bf16 (no AVX512_BF16/AMX): bf16 would be emulated; --bf16 to force"
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
     finalize(args)
@@ -145,7 +184,10 @@ def finalize(args: argparse.Namespace) -> None:
     for k in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "train_iters", "lr"):
         if getattr(args, k) is None:
             raise ConfigError(f"--{k.replace('_', '-')} is required when the model shape is given")
-    args.precision = args.precision or "bf16"
+    if args.precision is None:
+        args.precision, args.precision_reason = default_precision()
+    else:
+        args.precision_reason = "chosen by flag"
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     if args.seq_length > args.max_position_embeddings:
@@ -172,6 +214,17 @@ def finalize(args: argparse.Namespace) -> None:
         raise ConfigError("--exp-avg-dtype bf16 applies to the CPU optimizer: add --zero-offload")
     if args.loss_scale is not None and args.precision != "fp16":
         raise ConfigError("--loss-scale only applies to --fp16")
+    if args.accumulate_allreduce_grads_in_fp32 is None:
+        args.accumulate_allreduce_grads_in_fp32 = args.precision == "bf16"
+    if args.main_grads_dtype is not None and args.main_grads_dtype not in ("fp32", args.precision):
+        raise ConfigError(f"--main-grads-dtype {args.main_grads_dtype} with --{args.precision} parameters: "
+                          f"use fp32 or {args.precision}")
+    if args.main_grads_dtype == "fp32" and args.precision != "fp32" and not args.accumulate_allreduce_grads_in_fp32:
+        raise ConfigError("--main-grads-dtype fp32 needs gradients reduced in fp32: add "
+                          "--accumulate-allreduce-grads-in-fp32")
+    if (args.main_grads_dtype or args.accumulate_grads_on_host) and not args.zero_offload:
+        raise ConfigError("--main-grads-dtype and --accumulate-grads-on-host apply to the offloaded optimizer: "
+                          "add --zero-offload")
 
 
 def check_batch_sizes(args: argparse.Namespace, dp_size: int) -> None:

@@ -6,14 +6,15 @@ mistake costs seconds and leaves nothing behind.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
 
 import torch
-import torch.distributed as dist
 
 from zo_megatron.errors import UserError
+from zo_megatron.parallel import collectives
 from zo_megatron.training.arguments import check_batch_sizes, parse_args
 from zo_megatron.training.metrics import Metrics, flops_per_token, host_rss_bytes, human_bytes
 from zo_megatron.training.schedule import learning_rate
@@ -40,7 +41,9 @@ def memory_check(args, env, dp: int, vocab_size: int) -> None:
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
         dropout=args.hidden_dropout > 0 or args.attention_dropout > 0, fused_softmax=False,
         device_is_host=not cuda, bf16_optimizer_states=args.exp_avg_dtype == "bf16",
-        device_overhead_bytes=GiB if cuda else 0,
+        device_overhead_bytes=GiB if cuda else 0, grad_reduce_fp32=args.accumulate_allreduce_grads_in_fp32,
+        host_grad_fp32=args.main_grads_dtype == "fp32" and args.precision != "fp32",
+        accumulate_on_host=args.accumulate_grads_on_host,
         host_reserve_bytes=min(32 * GiB, host // 10), host_overhead_bytes_per_rank=(3 if cuda else 1) * GiB)
     p = plan(inp)
     args.memory_plan = p
@@ -99,23 +102,25 @@ def _build_optimizer(args, model, ps):
     common = dict(precision=args.precision, adam=adam, clip_grad=args.clip_grad, dp_group=ps.dp_group,
                   tp_rank=ps.tp_rank, loss_scaler=scaler, no_decay_embeddings=args.no_weight_decay_embeddings)
     if args.zero_offload:
-        return ZeroOffloadEngine(model, bucket_size=args.bucket_size, pin_memory=not args.no_pin_memory, **common)
-    return PlainDDPOptimizer(model, **common)
+        return ZeroOffloadEngine(model, bucket_size=args.bucket_size, pin_memory=not args.no_pin_memory,
+                                 device=ps.device, grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
+                                 host_grad_dtype=args.main_grads_dtype,
+                                 accumulate_on_host=args.accumulate_grads_on_host, **common)
+    return PlainDDPOptimizer(model.to(ps.device), **common)
 
 
 def _evaluate(model, optimizer, batches, eval_iters: int, ps, device) -> float:
     model.eval()
-    total, count = torch.zeros((), dtype=torch.float64), 0
+    total, count = torch.zeros((), dtype=torch.float64, device=device), 0
     with torch.no_grad(), optimizer.forward_context():
         for _ in range(eval_iters):
             b = next(batches)
             loss = model.loss(b["tokens"].to(device), b["labels"].to(device), b["loss_mask"].to(device),
                               b["position_ids"].to(device))
-            total += loss.double()
+            total += loss.detach().double()
             count += 1
     model.train()
-    if ps.dp_size > 1:
-        dist.all_reduce(total, group=ps.dp_group)
+    collectives.all_reduce(total, group=ps.dp_group)
     return total.item() / (count * ps.dp_size)
 
 
@@ -144,6 +149,7 @@ def _train(args, env, tokenizer, data_path, cpu_adam_threads: int) -> int:
     cpu_adam.set_num_threads(args.cpu_adam_threads or cpu_adam_threads)
     metrics = Metrics(enabled=ps.rank == 0, total_iters=args.train_iters, jsonl_path=args.log_jsonl,
                       tensorboard_dir=args.tensorboard_dir, progress_bar=not args.no_progress_bar)
+    stack = contextlib.ExitStack()
     try:
         cfg = GPTConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
                         num_attention_heads=args.num_attention_heads, vocab_size=tokenizer.vocab_size,
@@ -157,8 +163,11 @@ def _train(args, env, tokenizer, data_path, cpu_adam_threads: int) -> int:
             data_path, args.split, args.seq_length, args.seed, tokenizer,
             train_samples=args.train_iters * gb, valid_samples=n_evals * args.eval_iters * gb,
             test_samples=0, cache_dir=args.data_cache_path)
-        model = build_gpt_model(cfg, ps.tp_rank, ps.tp_size, args.seed, device=ps.device)
+        # Built on the host in fp32: the offload engine moves it to the device as its flat 16-bit
+        # buffer (the device never holds the fp32 copy); the baseline moves it whole.
+        model = build_gpt_model(cfg, ps.tp_rank, ps.tp_size, args.seed)
         optimizer = _build_optimizer(args, model, ps)
+        stack.callback(optimizer.close)
         start_iter, consumed = 0, 0
         expected = {k: getattr(args, k) for k in ("num_layers", "hidden_size", "num_attention_heads",
                                                   "seq_length", "precision", "zero_offload")}
@@ -181,14 +190,14 @@ def _train(args, env, tokenizer, data_path, cpu_adam_threads: int) -> int:
         while iteration < args.train_iters:
             lr = learning_rate(iteration, lr=args.lr, min_lr=args.min_lr, warmup_iters=args.lr_warmup_iters,
                                decay_iters=args.lr_decay_iters, style=args.lr_decay_style)
-            step_loss = torch.zeros(())
+            step_loss = torch.zeros((), device=ps.device)
             for m in range(args.grad_accum_steps):
                 b = next(train_iter)
                 with optimizer.forward_context():
                     loss = model.loss(b["tokens"].to(ps.device), b["labels"].to(ps.device),
                                       b["loss_mask"].to(ps.device), b["position_ids"].to(ps.device))
                 optimizer.backward(loss / args.grad_accum_steps, last_micro_batch=m == args.grad_accum_steps - 1)
-                step_loss += loss.detach().float().cpu() / args.grad_accum_steps
+                step_loss += loss.detach().float() / args.grad_accum_steps
             res = optimizer.step(lr)
             iteration += 1
             consumed += gb
@@ -214,8 +223,8 @@ def _train(args, env, tokenizer, data_path, cpu_adam_threads: int) -> int:
         if last_val is not None:
             metrics.print(f" done: {iteration} iterations in {elapsed / 60:.1f} min; final validation loss "
                           f"{last_val:.4f} nats, perplexity {math.exp(min(last_val, 50)):.2f}")
-        optimizer.close()
     finally:
+        stack.close()                       # the optimizer first: pinned host memory is unregistered
         metrics.close()
         destroy_parallel()
     return 0
@@ -224,8 +233,7 @@ def _train(args, env, tokenizer, data_path, cpu_adam_threads: int) -> int:
 def _log(metrics, window, iteration, lr, res, optimizer, ps, args, fpt, done) -> None:
     # Mean over the window's finite losses of every DP rank.
     stats = torch.tensor([window["loss"], window["n"] - window["nan"]], dtype=torch.float64)
-    if ps.dp_size > 1:
-        dist.all_reduce(stats, group=ps.dp_group)
+    collectives.all_reduce(stats, group=ps.dp_group)
     dt = time.monotonic() - window["t"]
     tokens = window["n"] * args.global_batch_size * args.seq_length
     acc = optimizer.accounting
@@ -236,6 +244,7 @@ def _log(metrics, window, iteration, lr, res, optimizer, ps, args, fpt, done) ->
         "tflops_per_rank": fpt * tokens / dt / ps.world_size / 1e12,
         "device_model_state_bytes": acc.device_model_state_bytes, "host_model_state_bytes": acc.host_bytes,
         "host_rss_bytes": host_rss_bytes(), "comm_bytes_per_step": acc.sent_bytes,
+        "device_peak_bytes": torch.cuda.max_memory_allocated(ps.device) if ps.device.type == "cuda" else None,
         "_iters_done_this_run": done,
     })
     window.update(loss=0.0, n=0, skipped=0, nan=0, t=time.monotonic())
@@ -250,6 +259,10 @@ def _banner(metrics, args, ps, cfg, optimizer, data_path, setup_s) -> None:
     lines = [
         f"zo_megatron pretrain_gpt: {'DEMO defaults, ' if args.demo else ''}world {ps.world_size} = TP {ps.tp_size} x DP {ps.dp_size}, "
         f"device {ps.device.type}, {args.precision}, {'ZeRO-Offload (CPU Adam)' if args.zero_offload else 'plain DDP + AdamW baseline'}",
+        f" precision: {args.precision} ({args.precision_reason}); gradients reduced in "
+        f"{'fp32' if args.accumulate_allreduce_grads_in_fp32 or args.precision == 'fp32' else args.precision}"
+        + (f", copied home as {args.main_grads_dtype or args.precision}" if args.zero_offload else "")
+        + (", accumulated on the host in fp32" if args.accumulate_grads_on_host else ""),
         f" model: GPT-2 {cfg.num_layers} layers x {cfg.hidden_size} hidden x {cfg.num_attention_heads} heads, "
         f"seq {args.seq_length}, vocab {cfg.vocab_size} (padded {cfg.padded_vocab_size(ps.tp_size)}), "
         f"{total / 1e6:.1f}M params ({local / 1e6:.1f}M on this TP rank)",

@@ -89,7 +89,8 @@ class Metrics:
                 f"{row['tflops_per_rank']:.3f} TFLOP/s/rank | {row['step_time_s'] * 1000:.0f} ms/it | "
                 f"model states dev {human_bytes(row['device_model_state_bytes'])} "
                 f"host {human_bytes(row['host_model_state_bytes'])} | rss {human_bytes(row['host_rss_bytes'])} | "
-                f"elapsed {human_time(elapsed)} eta {human_time(eta)}")
+                + (f"device peak {human_bytes(row['device_peak_bytes'])} | " if row.get("device_peak_bytes") else "")
+                + f"elapsed {human_time(elapsed)} eta {human_time(eta)}")
         if self._bar is not None:
             self._bar.set_postfix(loss=f"{row['loss']:.3f}", refresh=False)
         self.print(line)

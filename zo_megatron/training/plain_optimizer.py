@@ -10,11 +10,11 @@ import contextlib
 import math
 
 import torch
-import torch.distributed as dist
 
 from zo_megatron.offload.accounting import Accounting
 from zo_megatron.offload.engine import AdamConfig, StepResult
 from zo_megatron.offload.loss_scaler import ConstantLossScaler, DynamicLossScaler
+from zo_megatron.parallel import collectives
 
 _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -27,7 +27,7 @@ class PlainDDPOptimizer:
         self.adam = adam or AdamConfig()
         self.clip_grad = clip_grad
         self.dp_group = dp_group
-        self.dp_size = dist.get_world_size(dp_group) if dist.is_initialized() else 1
+        self.dp_size = collectives.group_size(dp_group)
         self.loss_scaler = loss_scaler or (DynamicLossScaler() if precision == "fp16" else ConstantLossScaler())
         self.params = [p for p in model.parameters() if p.requires_grad]
         # Replicated-across-TP params are counted once in the global norm (on TP rank 0).
@@ -60,7 +60,7 @@ class PlainDDPOptimizer:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         if self.dp_size > 1:
             flat = torch.cat([g.reshape(-1) for g in grads]).div_(self.dp_size)
-            dist.all_reduce(flat, group=self.dp_group)
+            collectives.all_reduce(flat, group=self.dp_group)
             self.accounting.ring(2 * flat.numel() * flat.element_size(), self.dp_size)
             off = 0
             for g in grads:
@@ -72,11 +72,13 @@ class PlainDDPOptimizer:
     def step(self, lr: float | None = None) -> StepResult:
         self._allreduce_grads()
         scale = self.loss_scaler.scale
-        sumsq = sum(float(p.grad.double().square().sum()) for p, c in zip(self.params, self._counted) if c)
-        finite = all(bool(torch.isfinite(p.grad).all()) for p in self.params)
-        stats = torch.tensor([sumsq, 0.0 if finite else 1.0], dtype=torch.float64)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(stats)
+        # One device->host transfer for both numbers (not one sync per parameter).
+        zero = torch.zeros((), dtype=torch.float64, device=self.params[0].device)
+        sumsq = torch.stack([zero] + [p.grad.double().square().sum() for p, c in zip(self.params, self._counted) if c]).sum()
+        nonfinite = torch.stack([~torch.isfinite(p.grad).all() for p in self.params]).any().double()
+        stats = torch.stack([sumsq, nonfinite]).cpu()
+        collectives.all_reduce(stats)   # over the world: every DP replica adds the same sum
+        stats[0] /= self.dp_size           # after the all-reduce, so each is counted once
         found_inf = stats[1].item() > 0 or not math.isfinite(stats[0].item())
         self.loss_scaler.update(found_inf)
         if found_inf:

@@ -1,0 +1,94 @@
+"""The one-module rule for collectives, and the backend map every process group carries."""
+import ast
+from pathlib import Path
+
+import torch
+
+from tests.harness import run_world
+from zo_megatron.parallel.collectives import default_backend
+
+REPO = Path(__file__).resolve().parents[1]
+COLLECTIVES = {"all_reduce", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "all_gather",
+               "all_gather_into_tensor", "all_gather_single", "all_gather_object", "all_to_all",
+               "all_to_all_single", "broadcast", "broadcast_object_list", "barrier", "gather", "scatter",
+               "reduce", "send", "recv", "isend", "irecv", "monitored_barrier", "batch_isend_irecv"}
+HOME = REPO / "zo_megatron" / "parallel" / "collectives.py"
+
+
+def _name(path: Path) -> str:
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else path.name
+
+
+def _direct_calls(path: Path) -> list[str]:
+    """Calls of torch.distributed collectives, through any alias of the module or its functions."""
+    tree = ast.parse(path.read_text(), str(path))
+    module_aliases, function_aliases = set(), {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name == "torch.distributed":
+                    module_aliases.add(a.asname or "torch.distributed")
+        elif isinstance(node, ast.ImportFrom):
+            if node.module == "torch" and any(a.name == "distributed" for a in node.names):
+                module_aliases.update(a.asname or a.name for a in node.names if a.name == "distributed")
+            if node.module == "torch.distributed":
+                function_aliases.update({a.asname or a.name: a.name for a in node.names if a.name in COLLECTIVES})
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        if isinstance(f, ast.Attribute) and f.attr in COLLECTIVES:
+            base = ast.unparse(f.value)
+            if base in module_aliases or base == "torch.distributed":
+                found.append(f"{_name(path)}:{node.lineno} {base}.{f.attr}")
+        elif isinstance(f, ast.Name) and f.id in function_aliases:
+            found.append(f"{_name(path)}:{node.lineno} {f.id}")
+    return found
+
+
+def test_no_collective_outside_the_collectives_module():
+    files = [p for d in ("zo_megatron", "pretrain", "tools") for p in (REPO / d).rglob("*.py") if p != HOME]
+    assert len(files) > 20
+    offenders = [c for p in files for c in _direct_calls(p)]
+    assert not offenders, "call these through zo_megatron.parallel.collectives:\n" + "\n".join(offenders)
+
+
+def test_the_scanner_sees_every_spelling(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("import torch\nimport torch.distributed as dist\nimport torch.distributed\n"
+                     "from torch import distributed as D\nfrom torch.distributed import all_reduce as ar\n"
+                     "dist.all_reduce(x)\ntorch.distributed.barrier()\nD.all_gather_into_tensor(a, b)\nar(x)\n"
+                     "collectives.all_reduce(x)\ndist.get_rank()\n")
+    calls = _direct_calls(probe)
+    assert [c.split(" ")[1] for c in calls] == ["dist.all_reduce", "torch.distributed.barrier",
+                                                "D.all_gather_into_tensor", "ar"]
+
+
+def test_backend_map_per_device():
+    assert default_backend(torch.device("cuda", 0)) == "cpu:gloo,cuda:nccl"
+    assert default_backend(torch.device("cpu")) == "gloo"
+
+
+def _groups_world(rank):
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    from zo_megatron.parallel import collectives, init_parallel
+
+    ps = init_parallel(2, seed=1)
+    configs = [dist.get_backend_config(g) for g in (None, ps.tp_group, ps.dp_group)]
+    # CPU tensors through every group, the way the engine and the loop use them
+    t = collectives.all_reduce(torch.tensor([float(rank + 1)]), group=ps.tp_group)
+    m = collectives.all_reduce(torch.tensor([float(rank)]), "max")
+    parts = collectives.all_gather_list(torch.tensor([rank]), ps.tp_group)
+    return dict(configs=configs, tp_sum=t.item(), world_max=m.item(), parts=[p.item() for p in parts],
+                mpu_tp=mpu.get_tensor_model_parallel_world_size())
+
+
+def test_megatron_subgroups_inherit_the_backend_and_collectives_work():
+    for out in run_world(_groups_world, 4):
+        assert all("cpu:gloo" in c for c in out["configs"]), out["configs"]
+        assert out["tp_sum"] == 3.0 or out["tp_sum"] == 7.0
+        assert out["world_max"] == 3.0
+        assert out["mpu_tp"] == 2 and len(out["parts"]) == 2
