@@ -16,14 +16,18 @@
 // compiled with per-function target attributes, never -march=native. The AVX-512 source lives in
 // cpu_adam_avx512.inc, included twice (with and without AVX512_BF16 conversions).
 // Threads: OpenMP over contiguous 64-element-aligned blocks (see parallel_chunks), software
-// prefetch 512 elements ahead. Numerics: IEEE sqrt; the division m / denom is rcp14 + one Newton
-// step on AVX-512 (~1-2 ulp, keeps the divider free for sqrt), an IEEE division elsewhere.
+// prefetch 512 elements ahead. The *_segments entry points take a list of disjoint ranges of the
+// same buffers and cut their total into such blocks (see SegPlan): one call and one parallel
+// region per optimizer step, however many small segments (biases, LayerNorms) the partition has.
+// Numerics: IEEE sqrt; the division m / denom is rcp14 + one Newton step on AVX-512 (~1-2 ulp,
+// keeps the divider free for sqrt), an IEEE division elsewhere.
 // fp32 -> bf16 / fp16 conversions are round-to-nearest-even and bit-exact with torch's .to().
 //
 // Aliasing contract: `out16` may be exactly the same buffer as a 16-bit `grad` (the engine reuses
 // one pinned host buffer). Every code path loads grad[i] before it stores out16[i] and touches
 // only element i for both, so the alias is safe. Other overlaps are rejected by the wrapper.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <immintrin.h>
 #include <omp.h>
@@ -346,44 +350,126 @@ void parallel_chunks(size_t n, F&& f) {
   }
 }
 
+// ------------------------------------------------------------------------------------------
+// Segment lists: many disjoint ranges of the same buffers in one call (one OpenMP fork).
+// ------------------------------------------------------------------------------------------
+// The segments are laid end to end in a virtual range [0, N), N = their total length, and [0, N)
+// is cut the way parallel_chunks cuts [0, n) (blocks of block_of(N) elements claimed in order, or
+// one chunk per thread in static mode; one chunk on the calling thread below kMinParallel). Each
+// cut then moves up to the next multiple of 64 elements from the start of the segment it falls in
+// (or to that segment's end): a chunk batches tiny segments and splits big ones, so all threads
+// get work however small the segments are, and every piece of a segment starts 64k elements
+// from the segment's start, exactly where a chunk of a single adam_step call on that segment
+// could start. The vector body / scalar tail split of every element is then the one of that call
+// (on AVX2 the two round differently: FMA vs separate multiply and add), so the results are
+// bit-identical to one adam_step per segment. The plan depends on the segment list and the block
+// setting only (and on the thread count in static mode), so per-chunk partial sums added in chunk
+// order are deterministic like run_sumsq's.
+struct SegPlan {
+  std::vector<size_t> start;  // segment j = buffer elements [start[j], start[j] + len_j)
+  std::vector<size_t> cum;    // virtual offset of segment j; cum.back() = N
+  std::vector<size_t> cut;    // chunk k = virtual [cut[k], cut[k + 1])
+};
+
+SegPlan plan_segments(const std::vector<size_t>& start, const std::vector<size_t>& end) {
+  SegPlan s;
+  s.start = start;
+  s.cum.reserve(start.size() + 1);
+  s.cum.push_back(0);
+  for (size_t j = 0; j < start.size(); ++j) {
+    if (end[j] <= start[j]) throw std::invalid_argument("segment " + std::to_string(j) + ": end must be > start");
+    if (j && start[j] < end[j - 1]) throw std::invalid_argument("segments must be sorted and disjoint");
+    s.cum.push_back(s.cum.back() + (end[j] - start[j]));
+  }
+  const size_t n = s.cum.back();
+  size_t B = n < kMinParallel ? n : block_of(n);
+  if (!B) {
+    const size_t T = static_cast<size_t>(std::max(g_threads, 1));
+    B = (((n + T - 1) / T) + 63) & ~size_t(63);
+  }
+  s.cut.push_back(0);
+  for (size_t x = B; x < n; x += B) {
+    const size_t j = static_cast<size_t>(std::upper_bound(s.cum.begin(), s.cum.end(), x) - s.cum.begin()) - 1;
+    const size_t c = s.cum[j] + std::min(s.cum[j + 1] - s.cum[j], (x - s.cum[j] + 63) & ~size_t(63));
+    if (c > s.cut.back() && c < n) s.cut.push_back(c);  // tiny blocks (_set_block) may snap together
+  }
+  s.cut.push_back(n);
+  return s;
+}
+
+// f(j, b, e) for each piece of chunk k: elements [b, e) counted from the start of segment j.
+template <class F>
+void for_pieces(const SegPlan& s, size_t k, F&& f) {
+  size_t x = s.cut[k];
+  const size_t xe = s.cut[k + 1];
+  size_t j = static_cast<size_t>(std::upper_bound(s.cum.begin(), s.cum.end(), x) - s.cum.begin()) - 1;
+  for (; x < xe; ++j) {
+    const size_t pe = std::min(xe, s.cum[j + 1]);
+    f(j, x - s.cum[j], pe - s.cum[j]);
+    x = pe;
+  }
+}
+
+// f(k) for every chunk of the plan, in one parallel region; threads claim chunks in order.
+template <class F>
+void parallel_plan(const SegPlan& s, F&& f) {
+  const long long nc = static_cast<long long>(s.cut.size()) - 1;
+  const int T = static_cast<int>(std::min<long long>(g_threads, nc));
+  if (T <= 1) {
+    for (long long k = 0; k < nc; ++k) f(static_cast<size_t>(k));
+    return;
+  }
+#pragma omp parallel for num_threads(T) schedule(dynamic, 1)
+  for (long long k = 0; k < nc; ++k) f(static_cast<size_t>(k));
+}
+
+// ------------------------------------------------------------------------------------------
+// Adam entry points.
+// ------------------------------------------------------------------------------------------
 template <bool L2, class GT, class ST, class OT>
-void run_adam(const Hyper& h, float* p, const GT* g, ST* m, ST* v, OT* o, size_t n, int isa) {
-  parallel_chunks(n, [&](size_t b, size_t e, int) {
-    if (isa == kAvx512) {
-      if (g_hw_bf16) k512bf::adam_range<L2>(h, p, g, m, v, o, b, e);
-      else k512::adam_range<L2>(h, p, g, m, v, o, b, e);
-    }
-    else if (isa == kAvx2) adam_range_avx2<L2>(h, p, g, m, v, o, b, e);
-    else adam_range_scalar<L2>(h, p, g, m, v, o, b, e);
-  });
+inline void adam_range_isa(const Hyper& h, float* p, const GT* g, ST* m, ST* v, OT* o, size_t b,
+                           size_t e, int isa) {
+  if (isa == kAvx512) {
+    if (g_hw_bf16) k512bf::adam_range<L2>(h, p, g, m, v, o, b, e);
+    else k512::adam_range<L2>(h, p, g, m, v, o, b, e);
+  }
+  else if (isa == kAvx2) adam_range_avx2<L2>(h, p, g, m, v, o, b, e);
+  else adam_range_scalar<L2>(h, p, g, m, v, o, b, e);
 }
 
-template <bool L2, class GT, class ST>
-void dispatch_out(const Hyper& h, float* p, const GT* g, ST* m, ST* v, uintptr_t o, int od,
-                  size_t n, int isa) {
-  if (od == kNone || o == 0) run_adam<L2>(h, p, g, m, v, static_cast<no_out_t*>(nullptr), n, isa);
-  else if (od == kBF16) run_adam<L2>(h, p, g, m, v, reinterpret_cast<bf16_t*>(o), n, isa);
-  else if (od == kF16) run_adam<L2>(h, p, g, m, v, reinterpret_cast<f16_t*>(o), n, isa);
-  else throw std::invalid_argument("param16_out dtype must be bf16 or fp16");
+// Calls f with the typed pointers the dtype codes name: f(g) / f(m, v) / f(o), o a null
+// no_out_t* when there is no 16-bit output.
+template <class F>
+void dispatch_grad(uintptr_t g, int gd, F&& f) {
+  if (gd == kF32) f(reinterpret_cast<const float*>(g));
+  else if (gd == kBF16) f(reinterpret_cast<const bf16_t*>(g));
+  else if (gd == kF16) f(reinterpret_cast<const f16_t*>(g));
+  else throw std::invalid_argument("grad dtype must be fp32, bf16 or fp16");
 }
 
-template <bool L2, class GT>
-void dispatch_state(const Hyper& h, float* p, const GT* g, uintptr_t m, uintptr_t v, int sd,
-                    uintptr_t o, int od, size_t n, int isa) {
-  if (sd == kF32)
-    dispatch_out<L2>(h, p, g, reinterpret_cast<float*>(m), reinterpret_cast<float*>(v), o, od, n, isa);
-  else if (sd == kBF16)
-    dispatch_out<L2>(h, p, g, reinterpret_cast<bf16_t*>(m), reinterpret_cast<bf16_t*>(v), o, od, n, isa);
+template <class F>
+void dispatch_state(uintptr_t m, uintptr_t v, int sd, F&& f) {
+  if (sd == kF32) f(reinterpret_cast<float*>(m), reinterpret_cast<float*>(v));
+  else if (sd == kBF16) f(reinterpret_cast<bf16_t*>(m), reinterpret_cast<bf16_t*>(v));
   else throw std::invalid_argument("optimizer state dtype must be fp32 or bf16");
 }
 
-template <bool L2>
-void dispatch_grad(const Hyper& h, float* p, uintptr_t g, int gd, uintptr_t m, uintptr_t v, int sd,
-                   uintptr_t o, int od, size_t n, int isa) {
-  if (gd == kF32) dispatch_state<L2>(h, p, reinterpret_cast<const float*>(g), m, v, sd, o, od, n, isa);
-  else if (gd == kBF16) dispatch_state<L2>(h, p, reinterpret_cast<const bf16_t*>(g), m, v, sd, o, od, n, isa);
-  else if (gd == kF16) dispatch_state<L2>(h, p, reinterpret_cast<const f16_t*>(g), m, v, sd, o, od, n, isa);
-  else throw std::invalid_argument("grad dtype must be fp32, bf16 or fp16");
+template <class F>
+void dispatch_out(uintptr_t o, int od, F&& f) {
+  if (od == kNone || o == 0) f(static_cast<no_out_t*>(nullptr));
+  else if (od == kBF16) f(reinterpret_cast<bf16_t*>(o));
+  else if (od == kF16) f(reinterpret_cast<f16_t*>(o));
+  else throw std::invalid_argument("param16_out dtype must be bf16 or fp16");
+}
+
+// f(g, m, v, o), typed.
+template <class F>
+void dispatch_types(uintptr_t g, int gd, uintptr_t m, uintptr_t v, int sd, uintptr_t o, int od, F&& f) {
+  dispatch_grad(g, gd, [&](auto* gp) {
+    dispatch_state(m, v, sd, [&](auto* mp, auto* vp) {
+      dispatch_out(o, od, [&](auto* op) { f(gp, mp, vp, op); });
+    });
+  });
 }
 
 void adam_step(uintptr_t p, uintptr_t g, int gd, uintptr_t m, uintptr_t v, int sd, uintptr_t o,
@@ -393,11 +479,53 @@ void adam_step(uintptr_t p, uintptr_t g, int gd, uintptr_t m, uintptr_t v, int s
   if (!p || !g || !m || !v) throw std::invalid_argument("null data pointer");
   if (step < 1) throw std::invalid_argument("step must be >= 1 (1-based)");
   const Hyper h = make_hyper(step, lr, beta1, beta2, eps, wd, adamw, bias_correction, grad_scale);
+  const bool l2 = !adamw && wd != 0.0;
   const int isa = g_isa;
   float* pp = reinterpret_cast<float*>(p);
   py::gil_scoped_release nogil;
-  if (!adamw && wd != 0.0) dispatch_grad<true>(h, pp, g, gd, m, v, sd, o, od, n, isa);
-  else dispatch_grad<false>(h, pp, g, gd, m, v, sd, o, od, n, isa);
+  dispatch_types(g, gd, m, v, sd, o, od, [&](auto* gp, auto* mp, auto* vp, auto* op) {
+    parallel_chunks(n, [&](size_t b, size_t e, int) {
+      if (l2) adam_range_isa<true>(h, pp, gp, mp, vp, op, b, e, isa);
+      else adam_range_isa<false>(h, pp, gp, mp, vp, op, b, e, isa);
+    });
+  });
+}
+
+// adam_step over segments [seg_start[j], seg_end[j]) of the same buffers, each with its own weight
+// decay (its own Hyper, and L2 only where its decay is nonzero, as adam_step decides per call).
+void adam_step_segments(uintptr_t p, uintptr_t g, int gd, uintptr_t m, uintptr_t v, int sd, uintptr_t o,
+                        int od, const std::vector<size_t>& seg_start, const std::vector<size_t>& seg_end,
+                        const std::vector<double>& seg_wd, long long step, double lr, double beta1,
+                        double beta2, double eps, bool adamw, bool bias_correction, double grad_scale) {
+  if (seg_end.size() != seg_start.size() || seg_wd.size() != seg_start.size())
+    throw std::invalid_argument("seg_start, seg_end and seg_wd must have the same length");
+  if (seg_start.empty()) return;
+  if (!p || !g || !m || !v) throw std::invalid_argument("null data pointer");
+  if (step < 1) throw std::invalid_argument("step must be >= 1 (1-based)");
+  const SegPlan plan = plan_segments(seg_start, seg_end);
+  std::vector<Hyper> hyp;
+  std::vector<char> l2;
+  hyp.reserve(seg_wd.size());
+  l2.reserve(seg_wd.size());
+  for (const double wd : seg_wd) {
+    hyp.push_back(make_hyper(step, lr, beta1, beta2, eps, wd, adamw, bias_correction, grad_scale));
+    l2.push_back(!adamw && wd != 0.0);
+  }
+  const int isa = g_isa;
+  float* pp = reinterpret_cast<float*>(p);
+  py::gil_scoped_release nogil;
+  dispatch_types(g, gd, m, v, sd, o, od, [&](auto* gp, auto* mp, auto* vp, auto* op) {
+    parallel_plan(plan, [&](size_t k) {
+      for_pieces(plan, k, [&](size_t j, size_t b, size_t e) {
+        // Pointers at the segment's start, indices from it: exactly the call adam_step gets for
+        // a slice (also the AVX2 prefetch cadence, which counts from the range's origin).
+        const size_t s = plan.start[j];
+        const auto os = op ? op + s : op;  // no out16: stays null
+        if (l2[j]) adam_range_isa<true>(hyp[j], pp + s, gp + s, mp + s, vp + s, os, b, e, isa);
+        else adam_range_isa<false>(hyp[j], pp + s, gp + s, mp + s, vp + s, os, b, e, isa);
+      });
+    });
+  });
 }
 
 // ------------------------------------------------------------------------------------------
@@ -438,14 +566,17 @@ ZO_AVX2 double sumsq_avx2(const GT* g, size_t b, size_t e) {
 }
 
 template <class GT>
+double sumsq_range_isa(const GT* g, size_t b, size_t e, int isa) {
+  if (isa == kAvx512) return k512::sumsq_range(g, b, e);
+  if (isa == kAvx2) return sumsq_avx2(g, b, e);
+  return sumsq_scalar(g, b, e);
+}
+
+template <class GT>
 double run_sumsq(const GT* g, size_t n, int isa) {
   std::vector<double> part(n_slots(n) * 8, 0.0);  // one slot per chunk/block, 64 B apart
   parallel_chunks(n, [&](size_t b, size_t e, int t) {
-    double r;
-    if (isa == kAvx512) r = k512::sumsq_range(g, b, e);
-    else if (isa == kAvx2) r = sumsq_avx2(g, b, e);
-    else r = sumsq_scalar(g, b, e);
-    part[static_cast<size_t>(t) * 8] = r;
+    part[static_cast<size_t>(t) * 8] = sumsq_range_isa(g, b, e, isa);
   });
   double s = 0;
   for (size_t t = 0; t < part.size(); t += 8) s += part[t];  // fixed order: deterministic
@@ -458,12 +589,39 @@ py::tuple grad_sumsq_and_finite(uintptr_t g, int gd, size_t n) {
     if (!g) throw std::invalid_argument("null data pointer");
     const int isa = g_isa;
     py::gil_scoped_release nogil;
-    if (gd == kF32) s = run_sumsq(reinterpret_cast<const float*>(g), n, isa);
-    else if (gd == kBF16) s = run_sumsq(reinterpret_cast<const bf16_t*>(g), n, isa);
-    else if (gd == kF16) s = run_sumsq(reinterpret_cast<const f16_t*>(g), n, isa);
-    else throw std::invalid_argument("grad dtype must be fp32, bf16 or fp16");
+    dispatch_grad(g, gd, [&](auto* gp) { s = run_sumsq(gp, n, isa); });
   }
   return py::make_tuple(s, static_cast<bool>(std::isfinite(s)));
+}
+
+// (sum of squares of the counted segments, every element of every segment finite). Uncounted
+// segments are summed apart: their sum is finite iff all their elements are (see above).
+py::tuple grad_sumsq_and_finite_segments(uintptr_t g, int gd, const std::vector<size_t>& seg_start,
+                                         const std::vector<size_t>& seg_end,
+                                         const std::vector<bool>& seg_counted) {
+  if (seg_end.size() != seg_start.size() || seg_counted.size() != seg_start.size())
+    throw std::invalid_argument("seg_start, seg_end and seg_counted must have the same length");
+  double counted = 0.0, other = 0.0;
+  if (!seg_start.empty()) {
+    if (!g) throw std::invalid_argument("null data pointer");
+    const SegPlan plan = plan_segments(seg_start, seg_end);
+    const int isa = g_isa;
+    py::gil_scoped_release nogil;
+    std::vector<double> part((plan.cut.size() - 1) * 8, 0.0);  // chunk k: [counted, other], 64 B apart
+    dispatch_grad(g, gd, [&](auto* gp) {
+      parallel_plan(plan, [&](size_t k) {
+        for_pieces(plan, k, [&](size_t j, size_t b, size_t e) {
+          const size_t s = plan.start[j];
+          part[k * 8 + (seg_counted[j] ? 0 : 1)] += sumsq_range_isa(gp, s + b, s + e, isa);
+        });
+      });
+    });
+    for (size_t k = 0; k < part.size(); k += 8) {  // chunk order: deterministic
+      counted += part[k];
+      other += part[k + 1];
+    }
+  }
+  return py::make_tuple(counted, static_cast<bool>(std::isfinite(counted + other)));
 }
 
 // ------------------------------------------------------------------------------------------
@@ -642,8 +800,19 @@ PYBIND11_MODULE(_cpu_adam, mod) {
           py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("adamw"),
           py::arg("bias_correction"), py::arg("grad_scale"),
           "Fused Adam/AdamW step over n elements (integer data pointers; out16=0 for none).");
+  mod.def("adam_step_segments", &adam_step_segments, py::arg("param"), py::arg("grad"),
+          py::arg("grad_dtype"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("state_dtype"),
+          py::arg("out16"), py::arg("out_dtype"), py::arg("seg_start"), py::arg("seg_end"),
+          py::arg("seg_wd"), py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
+          py::arg("eps"), py::arg("adamw"), py::arg("bias_correction"), py::arg("grad_scale"),
+          "adam_step over the sorted, disjoint segments [seg_start[j], seg_end[j]) of the same "
+          "buffers, weight decay seg_wd[j], in one parallel pass; other elements are not touched.");
   mod.def("grad_sumsq_and_finite", &grad_sumsq_and_finite, py::arg("grad"), py::arg("grad_dtype"),
           py::arg("n"), "(sum of squares in fp64, all finite) of n elements.");
+  mod.def("grad_sumsq_and_finite_segments", &grad_sumsq_and_finite_segments, py::arg("grad"),
+          py::arg("grad_dtype"), py::arg("seg_start"), py::arg("seg_end"), py::arg("seg_counted"),
+          "(fp64 sum of squares of the counted segments, all elements of all segments finite); "
+          "segments [seg_start[j], seg_end[j]) sorted and disjoint.");
   mod.def("roofline", &roofline, py::arg("param"), py::arg("grad"), py::arg("grad_dtype"),
           py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("state_dtype"), py::arg("out16"),
           py::arg("out_dtype"), py::arg("n"), py::arg("zero") = 0u,

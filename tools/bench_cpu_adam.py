@@ -28,8 +28,15 @@ DeepSpeed is optional: with DS_ACCELERATOR=cpu (set here if unset) and `deepspee
 PYTHONPATH=DIR), its rows are added; otherwise they are skipped and the fused16 target is
 reported against torch_fused_plus_copy instead, labelled as such.
 
-  python tools/bench_cpu_adam.py                       # 10M, 100M, 500M; 1 and 2 threads
+Segment lists (last section): the engine's host partition is cut into runs wherever weight decay
+changes (every bias / LayerNorm). For GPT-like layouts (--seg-layouts LAYERSxHIDDEN,...) it times
+one optimizer step as (a) one adam_step call per segment vs (b) one adam_step_segments
+call, and the same for the grad-norm pass (grad_sumsq_and_finite per segment
+vs grad_sumsq_and_finite_segments); bf16 grad in + bf16 param out (same buffer), fp32 states.
+
+  python tools/bench_cpu_adam.py                       # 10M, 100M, 500M; 1 and 2 threads; segments
   python tools/bench_cpu_adam.py --sizes 10M --repeats 3 --json out.json
+  python tools/bench_cpu_adam.py --sizes "" --seg-layouts 12x768   # the segment section only
 """
 from __future__ import annotations
 
@@ -289,12 +296,97 @@ def print_targets(rows, have_ds: bool):
     return results
 
 
+# ----------------------------------------------------------------------------------------------
+# Segment lists: one kernel call per step vs one per segment
+# ----------------------------------------------------------------------------------------------
+def gpt_segments(layers: int, hidden: int) -> tuple[list[tuple[int, int, bool]], int]:
+    """(start, end, decay) runs of a GPT-like partition, as FlatLayout._segments cuts it: per layer
+    LN1 w/b, QKV w/b, proj w/b, LN2 w/b, FC1 w/b, FC2 w/b; matrices decay, vectors do not, and
+    neighbours with the same setting form one run. Returns (runs, total elements)."""
+    h = hidden
+    layer = [(h, False), (h, False), (3 * h * h, True), (3 * h, False), (h * h, True), (h, False), (h, False),
+             (h, False), (4 * h * h, True), (4 * h, False), (4 * h * h, True), (h, False)]
+    runs: list[list] = []
+    x = 0
+    for size, decay in layer * layers:
+        if runs and runs[-1][2] == decay:
+            runs[-1][1] += size
+        else:
+            runs.append([x, x + size, decay])
+        x += size
+    return [(a, b, d) for a, b, d in runs], x
+
+
+def bench_segments(layers: int, hidden: int, threads_list, repeats: int, omp: OmpThreads):
+    segs, n = gpt_segments(layers, hidden)
+    gen = torch.Generator().manual_seed(0)
+    p = torch.empty(n).normal_(generator=gen)
+    m = torch.empty(n).normal_(0, 0.1, generator=gen)
+    v = torch.empty(n).uniform_(1e-4, 1e-2, generator=gen)
+    g16 = torch.empty(n).normal_(0, 0.05, generator=gen).to(torch.bfloat16)  # grad in, param out
+    adam_segs = [(a, b, WD if d else 0.0) for a, b, d in segs]
+    norm_segs = [(a, b, True) for a, b, _ in segs]
+    hp = dict(lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS)
+    step = [0]
+
+    def adam_per_segment():
+        step[0] += 1
+        for a, b, wd in adam_segs:
+            ca.adam_step(p[a:b], g16[a:b], m[a:b], v[a:b], step=step[0], weight_decay=wd,
+                         param16_out=g16[a:b], **hp)
+
+    def adam_one_call():
+        step[0] += 1
+        ca.adam_step_segments(p, g16, m, v, adam_segs, step=step[0], param16_out=g16, **hp)
+
+    def sumsq_per_segment():
+        for a, b, _ in norm_segs:
+            ca.grad_sumsq_and_finite(g16[a:b])
+
+    def sumsq_one_call():
+        ca.grad_sumsq_and_finite_segments(g16, norm_segs)
+
+    variants = {("adam", "a"): adam_per_segment, ("adam", "b"): adam_one_call,
+                ("sumsq", "a"): sumsq_per_segment, ("sumsq", "b"): sumsq_one_call}
+    times = {(k, t): [] for k in variants for t in threads_list}
+    for t in threads_list:  # warm-up
+        set_threads(t, omp)
+        for f in variants.values():
+            f()
+    names = list(variants)
+    for r in range(repeats):
+        for t in (threads_list if r % 2 == 0 else threads_list[::-1]):
+            set_threads(t, omp)
+            shift = r % len(names)
+            for k in names[shift:] + names[:shift]:
+                t0 = time.perf_counter()
+                variants[k]()
+                times[(k, t)].append(time.perf_counter() - t0)
+    sizes = [b - a for a, b, _ in segs]
+    print(f"\n== segments: GPT-like {layers} layers x hidden {hidden}: {len(segs)} segments, {fmt_n(n)} params "
+          f"(segment sizes {min(sizes)} .. {fmt_n(max(sizes))}, median {statistics.median(sizes):g}), "
+          f"{repeats} repeats, medians")
+    print(f"{'thr':>3} {'pass':<6} {'(a) per-segment ms':>19} {'(b) one call ms':>16} {'(b)/(a)':>8}")
+    rows = []
+    for t in threads_list:
+        for what in ("adam", "sumsq"):
+            a, b = (statistics.median(times[((what, x), t)]) for x in ("a", "b"))
+            print(f"{t:>3} {what:<6} {a * 1e3:>19.3f} {b * 1e3:>16.3f} {b / a:>8.3f}")
+            rows.append({"section": "segments", "layout": f"{layers}x{hidden}", "pass": what, "threads": t,
+                         "n_params": n, "n_segments": len(segs), "per_segment_median_s": a,
+                         "one_call_median_s": b, "ratio": b / a, "repeats": repeats})
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="10M,100M,500M", help="comma list, e.g. 10M,100M,500M")
     ap.add_argument("--threads", default="1,2", help="comma list of thread counts")
-    ap.add_argument("--repeats", type=int, default=0, help="timed repeats per variant (default: 7, 5 above 200M params)")
+    ap.add_argument("--repeats", type=int, default=0,
+                    help="timed repeats per variant (default: 7, 5 above 200M params; 15 for segment lists)")
     ap.add_argument("--only", default="", help="comma list of impl keys to run (rooflines always run)")
+    ap.add_argument("--seg-layouts", default="12x768,12x256",
+                    help="GPT-like LAYERSxHIDDEN layouts for the segment-list section ('' to skip)")
     ap.add_argument("--json", default="", help="write the rows as a JSON list to this file")
     args = ap.parse_args(argv)
 
@@ -324,7 +416,11 @@ def main(argv=None) -> int:
               f"({time.time() - t0:.0f}s, load avg {os.getloadavg()[0]:.2f})")
         print_table(rows)
         all_rows += rows
-    print_targets(all_rows, DeepSpeedCPUAdam is not None)
+    if all_rows:
+        print_targets(all_rows, DeepSpeedCPUAdam is not None)
+    for layout in (x.strip() for x in args.seg_layouts.split(",") if x.strip()):
+        layers, hidden = (int(x) for x in layout.lower().split("x"))
+        all_rows += bench_segments(layers, hidden, threads_list, args.repeats or 15, omp)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(all_rows, f, indent=1)
