@@ -45,3 +45,39 @@ def test_model_config_errors():
 def test_vocab_padding_rule():
     cfg = GPTConfig(vocab_size=50257)
     assert [cfg.padded_vocab_size(t) for t in (1, 2, 4, 16)] == [50304, 50432, 50688, 51200]
+
+
+def test_cpu_default_precision_follows_native_bf16(monkeypatch):
+    """On CPU, bf16 only where the CPU runs it natively (AVX512_BF16 or AMX); fp32 otherwise.
+    A flag always wins."""
+    import torch
+
+    from zo_megatron.training import arguments
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(arguments, "_cpu_flags", lambda: {"avx2", "fma"})
+    assert arguments.parse_args([]).precision == "fp32"
+    assert "without native bf16" in arguments.parse_args([]).precision_reason
+    for native in ("avx512_bf16", "amx_bf16"):
+        monkeypatch.setattr(arguments, "_cpu_flags", lambda native=native: {"avx2", native})
+        args = arguments.parse_args([])
+        assert args.precision == "bf16" and native in args.precision_reason
+    monkeypatch.setattr(arguments, "_cpu_flags", lambda: {"avx2"})
+    assert arguments.parse_args(["--bf16"]).precision == "bf16"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert arguments.parse_args([]).precision == "bf16"
+
+
+def test_gradient_precision_flags():
+    from zo_megatron.errors import ConfigError
+    from zo_megatron.training.arguments import parse_args
+
+    assert parse_args(["--bf16"]).accumulate_allreduce_grads_in_fp32 is True       # Megatron's bf16 rule
+    assert parse_args(["--fp16"]).accumulate_allreduce_grads_in_fp32 is False
+    assert parse_args(["--bf16", "--no-accumulate-allreduce-grads-in-fp32"]).accumulate_allreduce_grads_in_fp32 is False
+    assert parse_args(["--bf16", "--zero-offload", "--main-grads-dtype", "fp32"]).main_grads_dtype == "fp32"
+    for argv, msg in [(["--fp16", "--zero-offload", "--main-grads-dtype", "bf16"], "use fp32 or fp16"),
+                      (["--fp16", "--zero-offload", "--main-grads-dtype", "fp32"], "--accumulate-allreduce-grads-in-fp32"),
+                      (["--bf16", "--accumulate-grads-on-host"], "add --zero-offload")]:
+        with pytest.raises(ConfigError, match=msg.replace("-", r"\-")):
+            parse_args(argv)

@@ -76,6 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--recompute-granularity", choices=["full", "selective"])
     g.add_argument("--bucket-size", type=int, default=50_000_000, help="elements per gradient bucket")
     g.add_argument("--bf16-optimizer-states", action="store_true")
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action=argparse.BooleanOptionalAction, default=None,
+                   help="fp32 gradient buckets + reduce-scatter (default: on for bf16, as pretrain_gpt.py)")
+    g.add_argument("--main-grads-dtype", choices=["fp32", "bf16", "fp16"],
+                   help="dtype of the gradients copied to the host (default: the parameter dtype)")
+    g.add_argument("--accumulate-grads-on-host", action="store_true",
+                   help="fp32 host gradient accumulator instead of 16-bit device gradients across micro-batches")
 
     g = ap.add_argument_group("hardware")
     g.add_argument("--preset", choices=list(P.HARDWARE_PRESETS),
@@ -144,6 +150,8 @@ def build_input(args) -> P.PlanInput:
         micro_batch_size=mb, grad_accum_steps=accum, zero_offload=args.zero_offload, dpu=args.dpu,
         recompute=recompute, bucket_size=args.bucket_size,
         bf16_optimizer_states=args.bf16_optimizer_states,
+        grad_reduce_fp32=args.accumulate_allreduce_grads_in_fp32, host_grad_fp32=args.main_grads_dtype == "fp32",
+        accumulate_on_host=args.accumulate_grads_on_host,
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
         dropout=(args.attention_dropout > 0 or args.hidden_dropout > 0))
     if args.preset:

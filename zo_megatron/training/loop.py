@@ -15,6 +15,7 @@ import torch
 
 from zo_megatron.errors import UserError
 from zo_megatron.parallel import collectives
+from zo_megatron.parallel.megatron_notices import SUMMARY as NOTICES
 from zo_megatron.training.arguments import check_batch_sizes, parse_args
 from zo_megatron.training.metrics import Metrics, flops_per_token, host_rss_bytes, human_bytes
 from zo_megatron.training.schedule import learning_rate
@@ -55,6 +56,9 @@ def memory_check(args, env, dp: int, vocab_size: int) -> None:
 
 
 def pretrain(argv=None) -> int:
+    from zo_megatron.parallel.megatron_notices import hide_known_megatron_notices
+
+    hide_known_megatron_notices()                # before megatron-core is first imported
     args = parse_args(argv)
     from zo_megatron.data import build_tokenizer, validate_data_prefix
     from zo_megatron.parallel import validate_parallel_config
@@ -273,7 +277,7 @@ def _banner(metrics, args, ps, cfg, optimizer, data_path, setup_s) -> None:
         f" model states per rank: device {human_bytes(acc.device_model_state_bytes)}, host {human_bytes(acc.host_bytes)}"
         + (f"; planner: device {human_bytes(plan.device_bytes_per_gpu)}/rank, host {human_bytes(plan.host_bytes_per_node)}/node"
            if plan is not None else ""),
-        f" set-up took {setup_s:.1f}s",
+        f" set-up took {setup_s:.1f}s; {NOTICES}",
     ]
     for line in lines:
         metrics.print(line)
