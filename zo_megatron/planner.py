@@ -6,14 +6,18 @@ The formulas are written out in docs/memory_planner.md; the short version, per T
 t = tensor parallel, N = data parallel, Ψ = parameters on this TP rank (padded to N partitions),
 b16 = 2 bytes (bf16/fp16) or 4 (fp32):
 
-  device, ZeRO-Offload   b16·Ψ params + b16·bucket gradient buckets x2 (x1 when one bucket holds every
+  device, ZeRO-Offload   b16·Ψ params + bg·bucket gradient buckets x2 (x1 when one bucket holds every
                          parameter; + grad_bucket_oversize when the largest bucket -- the one holding
-                         the word embedding, a parameter never straddles buckets -- exceeds bucket_size)
-                         (+ b16·bucket reduce-scatter scratch when N > 1: an allowance, the engine
-                         reduce-scatters in place) (+ b16·Ψ 16-bit gradients kept across micro-batches
-                         when grad_accum_steps > 1) + activations + fragmentation + CUDA overhead
+                         the word embedding, a parameter never straddles buckets -- exceeds bucket_size;
+                         bg = 4 when gradients are reduced in fp32, the bf16 default, else b16)
+                         (+ 2·largest bucket/N x2 narrowing scratch on a GPU when fp32-reduced shards
+                         go home as 16 bits) (+ bg·bucket reduce-scatter scratch when N > 1: an
+                         allowance, the engine reduce-scatters in place) (+ b16·Ψ 16-bit gradients
+                         kept across micro-batches when grad_accum_steps > 1, unless they accumulate
+                         on the host) + activations + fragmentation + CUDA overhead
   device, baseline       16 bytes/param (2 param + 2 grad + 4 master + 4 m + 4 v; fp32: 4+4+4+4)
-  host per GPU           Ψ/N · (4 master + 4|2 m + 4|2 v + b16 staging [+ b16 DPU pending grad])
+  host per GPU           Ψ/N · (4 master + 4|2 m + 4|2 v + b16 staging [+ 4 fp32 host gradients:
+                         staging 4 + 2 params] [+ 4 host accumulator] [+ b16 DPU pending grad])
   host per node          host per GPU x ranks on the node + per-process overhead x ranks + OS reserve
   activations            stored: Korthikanti et al. 2022, s·b·h·(10 + 24/t + 5·a·s/(h·t)) bytes per layer
                          (16-bit, dropout, no sequence parallel); full recompute stores b16·s·b·h per

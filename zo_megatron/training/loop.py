@@ -60,6 +60,10 @@ def pretrain(argv=None) -> int:
 
     hide_known_megatron_notices()                # before megatron-core is first imported
     args = parse_args(argv)
+    if args.tensor_parallel > 1:
+        # As Megatron-LM's launch scripts do: one hardware queue, so each TP layer's async
+        # all-reduce is scheduled before the weight-gradient GEMM it overlaps (set before CUDA starts).
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     from zo_megatron.data import build_tokenizer, validate_data_prefix
     from zo_megatron.parallel import validate_parallel_config
     from zo_megatron.parallel.launch_env import default_cpu_adam_threads, discover_launch_env
