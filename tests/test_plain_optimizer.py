@@ -1,0 +1,57 @@
+"""The DDP + AdamW baseline against single-process torch: the same reference as the engine's.
+
+Its gradients are averaged over DP before the norm, so every DP replica holds the same ones: the
+global norm must count them once (a sum over the whole world counted each replica again and
+reported sqrt(DP) times the true norm, clipping early).
+"""
+import pytest
+import torch
+
+from tests.harness import run_world
+from tests.seeds import fresh_seed
+from tests.test_offload_engine import ACCUM, BETAS, CLIP, EPS, HEADS, HIDDEN, LAYERS, MICRO, SEQ, VOCAB, WD, \
+    _batches, _full_params, _lr, _reference
+
+pytest.importorskip("transformers")
+
+
+def _baseline_world(rank, tp, seed):
+    from zo_megatron.model import GPTConfig, build_gpt_model
+    from zo_megatron.offload.engine import AdamConfig
+    from zo_megatron.parallel import collectives, init_parallel
+    from zo_megatron.training.plain_optimizer import PlainDDPOptimizer
+
+    ps = init_parallel(tp, seed=seed, num_attention_heads=HEADS, hidden_size=HIDDEN)
+    cfg = GPTConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, vocab_size=VOCAB,
+                    max_position_embeddings=SEQ, precision="fp32")
+    model = build_gpt_model(cfg, ps.tp_rank, ps.tp_size, seed)
+    opt = PlainDDPOptimizer(model, precision="fp32", clip_grad=CLIP, dp_group=ps.dp_group, tp_rank=ps.tp_rank,
+                            adam=AdamConfig(lr=_lr(0), beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WD))
+    init = _full_params(model, ps)
+    losses, norms = [], []
+    for step, micro_batches in enumerate(_batches(seed + 7, ps.dp_size)):
+        total = torch.zeros(())
+        for i, (tokens, labels) in enumerate(micro_batches):
+            mine = slice(ps.dp_rank * MICRO, (ps.dp_rank + 1) * MICRO)
+            loss = model.loss(tokens[mine], labels[mine])
+            opt.backward(loss / ACCUM, last_micro_batch=i == ACCUM - 1)
+            total += loss.detach() / ACCUM
+        collectives.all_reduce(total, group=ps.dp_group)
+        res = opt.step(lr=_lr(step))
+        losses.append(total.item() / ps.dp_size)
+        norms.append(res.grad_norm)
+    final = _full_params(model, ps)
+    return dict(init=init, final=final, losses=losses, norms=norms) if rank == 0 else None
+
+
+@pytest.mark.parametrize("tp,world", [(1, 2), (2, 4)])
+def test_baseline_grad_norm_and_weights_equal_torch(tp, world):
+    seed = fresh_seed(f"baseline tp{tp} world{world}")
+    out = run_world(_baseline_world, world, tp, seed)[0]
+    ref_losses, ref_norms, ref_final = _reference(out["init"], seed, world // tp)
+    for ours, ref in zip(out["norms"], ref_norms):
+        assert abs(ours - ref) <= 1e-5 * ref, (out["norms"], ref_norms)
+    for ours, ref in zip(out["losses"], ref_losses):
+        assert abs(ours - ref) <= 1e-5 * abs(ref)
+    for name, ref in ref_final.items():
+        assert ((out["final"][name] - ref).norm() / ref.norm()).item() <= 1e-5, name
