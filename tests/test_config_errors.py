@@ -81,3 +81,57 @@ def test_gradient_precision_flags():
                       (["--bf16", "--accumulate-grads-on-host"], "add --zero-offload")]:
         with pytest.raises(ConfigError, match=msg.replace("-", r"\-")):
             parse_args(argv)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--lr", "-0.001"], "--lr -0.001 is out of range: it must be > 0"),
+    (["--lr", "5e-5"], "--min-lr 0.0001 exceeds --lr 5e-05"),          # the demo's min_lr is 1e-4
+    (["--lr-warmup-iters", "400"], "--lr-warmup-iters 400 exceeds --train-iters 300"),
+    (["--hidden-dropout", "1.5"], "--hidden-dropout 1.5 is out of range: it must be in [0, 1)"),
+    (["--attention-dropout", "-0.1"], "--attention-dropout -0.1 is out of range"),
+    (["--adam-beta2", "1.5"], "--adam-beta2 1.5 is out of range: it must be in [0, 1)"),
+    (["--adam-eps", "0"], "--adam-eps 0.0 is out of range: it must be > 0"),
+    (["--global-batch-size", "0"], "--global-batch-size 0 is out of range: it must be >= 1"),
+    (["--weight-decay", "-1"], "--weight-decay -1.0 is out of range"),
+    (["--clip-grad", "nan"], "--clip-grad nan is out of range"),
+    (["--eval-iters", "-1"], "--eval-iters -1 is out of range"),
+    (["--fp16", "--loss-scale", "0"], "--loss-scale 0.0 is out of range: it must be > 0"),
+])
+def test_numeric_flags_are_range_checked_in_one_line(argv, needle):
+    from zo_megatron.training.arguments import parse_args
+
+    with pytest.raises(ConfigError) as e:
+        parse_args(argv)
+    assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_eval_iters_zero_is_allowed_as_in_megatron():
+    from zo_megatron.training.arguments import parse_args
+
+    assert parse_args(["--eval-iters", "0"]).eval_iters == 0
+
+
+def test_abbreviated_flags_are_refused_and_argparse_errors_print_on_rank_0_only(monkeypatch, capsys):
+    from zo_megatron.training.arguments import parse_args
+
+    for rank, printed in (("0", True), ("1", False)):
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(SystemExit) as e:
+            parse_args(["--seq", "128"])              # Megatron disables abbreviations too
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert ("unrecognized arguments: --seq 128" in err) == printed, err
+
+
+def test_save_must_be_a_creatable_directory(tmp_path):
+    from zo_megatron.errors import UserError
+    from zo_megatron.training.loop import check_save_dir
+
+    check_save_dir(str(tmp_path / "new" / "deeper"))          # creatable: fine, nothing created
+    assert not (tmp_path / "new").exists()
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(UserError, match="exists and is not a directory"):
+        check_save_dir(str(afile))
+    with pytest.raises(UserError, match="cannot be created"):
+        check_save_dir(str(afile / "sub"))

@@ -6,6 +6,8 @@ the Union corpus, sized to train on a 2-core CPU in minutes); Megatron requires 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 from zo_megatron.errors import ConfigError
 from zo_megatron.training.schedule import DECAY_STYLES
@@ -22,9 +24,20 @@ MEGATRON_DEFAULTS = dict(micro_batch_size=1, train_iters=None, lr=None, min_lr=0
                          weight_decay=0.01, adam_beta2=0.999)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad command line once per job (global rank 0), not once per rank."""
+
+    def error(self, message):
+        if os.environ.get("RANK", "0") == "0":
+            self.print_usage(sys.stderr)
+            sys.stderr.write(f"{self.prog}: error: {message}\n")
+        sys.exit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="pretrain_gpt.py",
+        allow_abbrev=False,     # as Megatron-LM: a typo must not select another flag
         description="Pretrain a GPT with Megatron tensor parallelism and ZeRO-Offload data parallelism. "
                     "Launch with torchrun, mpirun or srun; the world size is TP x DP.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -197,9 +210,10 @@ def finalize(args: argparse.Namespace) -> None:
         args.recompute_granularity = "selective"
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
-    for k in ("micro_batch_size", "train_iters", "eval_iters", "log_interval", "eval_interval", "tensor_parallel"):
+    for k in ("micro_batch_size", "train_iters", "log_interval", "eval_interval", "tensor_parallel"):
         if getattr(args, k) < 1:
             raise ConfigError(f"--{k.replace('_', '-')} must be >= 1 (got {getattr(args, k)})")
+    _check_ranges(args)
     if args.bucket_size < 1:
         raise ConfigError(f"--bucket-size must be >= 1 element (got {args.bucket_size})")
     if args.save_interval is not None and args.save_interval < 1:
@@ -225,6 +239,43 @@ def finalize(args: argparse.Namespace) -> None:
     if (args.main_grads_dtype or args.accumulate_grads_on_host) and not args.zero_offload:
         raise ConfigError("--main-grads-dtype and --accumulate-grads-on-host apply to the offloaded optimizer: "
                           "add --zero-offload")
+
+
+# (flag, test, what the value must be); None means "not given" and always passes.
+_RANGES = [
+    ("num_layers", lambda v: v >= 1, ">= 1"), ("hidden_size", lambda v: v >= 1, ">= 1"),
+    ("num_attention_heads", lambda v: v >= 1, ">= 1"), ("ffn_hidden_size", lambda v: v >= 1, ">= 1"),
+    ("seq_length", lambda v: v >= 1, ">= 1"), ("make_vocab_size_divisible_by", lambda v: v >= 1, ">= 1"),
+    ("hidden_dropout", lambda v: 0 <= v < 1, "in [0, 1)"), ("attention_dropout", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("init_method_std", lambda v: v > 0, "> 0"), ("global_batch_size", lambda v: v >= 1, ">= 1"),
+    ("eval_iters", lambda v: v >= 0, ">= 0 (0: no evaluation)"), ("seed", lambda v: v >= 0, ">= 0"),
+    ("lr", lambda v: v > 0, "> 0"), ("min_lr", lambda v: v >= 0, ">= 0"),
+    ("lr_warmup_iters", lambda v: v >= 0, ">= 0"), ("lr_decay_iters", lambda v: v >= 1, ">= 1"),
+    ("weight_decay", lambda v: v >= 0, ">= 0"), ("adam_beta1", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("adam_beta2", lambda v: 0 <= v < 1, "in [0, 1)"), ("adam_eps", lambda v: v > 0, "> 0"),
+    ("clip_grad", lambda v: v >= 0, ">= 0 (0: no clipping)"), ("loss_scale", lambda v: v > 0, "> 0"),
+    ("initial_loss_scale", lambda v: v > 0, "> 0"), ("min_loss_scale", lambda v: v > 0, "> 0"),
+    ("loss_scale_window", lambda v: v >= 1, ">= 1"), ("hysteresis", lambda v: v >= 1, ">= 1"),
+    ("cpu_adam_threads", lambda v: v >= 1, ">= 1"), ("dpu_warmup_steps", lambda v: v >= 1, ">= 1"),
+]
+
+
+def _check_ranges(args: argparse.Namespace) -> None:
+    """Every numeric flag in its range, and the learning-rate flags consistent: one line each."""
+    import math
+
+    for name, ok, want in _RANGES:
+        v = getattr(args, name, None)
+        if v is None:
+            continue
+        if isinstance(v, float) and not math.isfinite(v) or not ok(v):
+            raise ConfigError(f"--{name.replace('_', '-')} {v} is out of range: it must be {want}")
+    if args.min_lr > args.lr:
+        raise ConfigError(f"--min-lr {args.min_lr:g} exceeds --lr {args.lr:g}: the decay would climb; "
+                          f"use --min-lr <= --lr")
+    if args.lr_warmup_iters > args.train_iters:
+        raise ConfigError(f"--lr-warmup-iters {args.lr_warmup_iters} exceeds --train-iters {args.train_iters}: "
+                          f"the run would end before the warmup does; lower it")
 
 
 def check_batch_sizes(args: argparse.Namespace, dp_size: int) -> None:

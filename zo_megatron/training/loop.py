@@ -55,6 +55,22 @@ def memory_check(args, env, dp: int, vocab_size: int) -> None:
                         "(or --skip-memory-check)")
 
 
+def check_save_dir(path: str) -> None:
+    """--save must be a directory we can create or write, found now and not after training."""
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            raise UserError(f"--save {path} exists and is not a directory: point --save at a directory")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise UserError(f"--save {path} is not writable: fix its permissions or choose another directory")
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"--save {path} cannot be created ({parent} is not a writable directory): "
+                        f"choose a directory you can write")
+
+
 def pretrain(argv=None) -> int:
     from zo_megatron.parallel.megatron_notices import hide_known_megatron_notices
 
@@ -90,6 +106,8 @@ def pretrain(argv=None) -> int:
             raise UserError("--tensorboard-dir needs the tensorboard package: pip install tensorboard") from None
     if args.load and not os.path.isdir(args.load):
         raise UserError(f"--load {args.load}: no such directory")
+    if args.save:
+        check_save_dir(args.save)
     memory_check(args, env, dp, tokenizer.vocab_size)
     return _train(args, env, tokenizer, data_path, default_cpu_adam_threads(env.local_world_size))
 
@@ -219,7 +237,8 @@ def _train(args, env, tokenizer, data_path, cpu_adam_threads: int) -> int:
             window["norm"] = res.grad_norm
             if iteration % args.log_interval == 0 or iteration == args.train_iters:
                 _log(metrics, window, iteration, lr, res, optimizer, ps, args, fpt, iteration - start_iter)
-            if valid_iter is not None and (iteration % args.eval_interval == 0 or iteration == args.train_iters):
+            if valid_iter is not None and args.eval_iters > 0 and (
+                    iteration % args.eval_interval == 0 or iteration == args.train_iters):
                 last_val = _evaluate(model, optimizer, valid_iter, args.eval_iters, ps, ps.device)
                 metrics.log_eval(iteration, last_val)
             if args.save and ((args.save_interval and iteration % args.save_interval == 0)
