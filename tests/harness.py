@@ -92,7 +92,23 @@ def run_world(fn, world_size: int, *args, timeout: float = 180.0, **kwargs) -> l
                 outs[rank] = torch.load(io.BytesIO(val), weights_only=True)
             else:
                 errors.append(f"--- rank {rank} ---\n{val}")
-                break  # other ranks may now hang in a collective; fail fast
+                # Other ranks may now hang in a collective: fail fast, but give the rank that
+                # failed first (its peers often only report "connection closed") a moment to report.
+                grace = time.monotonic() + 5.0
+                while time.monotonic() < grace and len(errors) + len(outs) < world_size:
+                    try:
+                        r2, ok2, val2 = results.get(timeout=0.5)
+                    except queue.Empty:
+                        dead = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode not in (0, None)]
+                        if dead and len(dead) + len(errors) + len(outs) >= world_size:
+                            break
+                        continue
+                    if not ok2:
+                        errors.append(f"--- rank {r2} ---\n{val2}")
+                dead = [f"rank {i} exit code {p.exitcode}" for i, p in enumerate(procs) if p.exitcode not in (0, None)]
+                if dead:
+                    errors.append("--- exited: " + ", ".join(dead))
+                break
     finally:
         for p in procs:
             p.join(timeout=5)

@@ -10,6 +10,8 @@ Randomized over which parameters the last micro-batch uses and in what order (th
 order is the reverse of the forward order here), at DP=1 and DP=2 with several tiny buckets;
 every element of the updated parameters is compared with torch.
 """
+import os
+
 import pytest
 import torch
 
@@ -21,7 +23,7 @@ SHAPES = [("w0", (4,)), ("w1", (3, 4)), ("w2", (4,)), ("w3", (4, 5)), ("w4", (8,
           ("w6", (2, 8)), ("w7", (4,))]
 BUCKET = 8          # elements: five buckets, w7+w6 | w5+w4 | w3 | w2+w1 | w0
 LR, BETAS, EPS, WD, CLIP = 1e-2, (0.9, 0.95), 1e-8, 0.1, 2.0
-TRIALS = int(__import__("os").environ.get("ZO_BUCKET_TRIALS", "25"))
+TRIALS = int(os.environ.get("ZO_BUCKET_TRIALS", "25"))   # trials per test (more: a longer hunt)
 
 
 class Weights(torch.nn.Module):

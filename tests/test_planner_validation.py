@@ -136,6 +136,9 @@ def _measure_world(rank, tp, cases):
             with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
                 loss = model.loss(tokens, labels)
                 engine.backward(loss)   # recompute (inside backward) saves under the hooks too
+            # The reduce-scatters run on gloo's threads: let them finish before the profiler stops
+            # (a profiler torn down under a thread still allocating can crash the process).
+            engine.finish_grad_sync()
         for h in hooks:
             h.remove()
         engine.step()

@@ -16,6 +16,7 @@ import torch
 from zo_megatron.errors import UserError
 from zo_megatron.parallel import collectives
 from zo_megatron.parallel.megatron_notices import SUMMARY as NOTICES
+from zo_megatron.parallel.megatron_notices import hide_known_megatron_notices
 from zo_megatron.training.arguments import check_batch_sizes, parse_args
 from zo_megatron.training.metrics import Metrics, flops_per_token, host_rss_bytes, human_bytes
 from zo_megatron.training.schedule import learning_rate
@@ -72,8 +73,6 @@ def check_save_dir(path: str) -> None:
 
 
 def pretrain(argv=None) -> int:
-    from zo_megatron.parallel.megatron_notices import hide_known_megatron_notices
-
     hide_known_megatron_notices()                # before megatron-core is first imported
     args = parse_args(argv)
     if args.tensor_parallel > 1:
