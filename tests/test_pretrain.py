@@ -92,6 +92,12 @@ def test_tensorboard_events_are_written(sotu_prefix, tmp_path):
     assert [e.step for e in acc.Scalars("eval/val_loss")] == [4]
 
 
+def test_a_model_shape_without_data_path_says_loudly_it_trains_on_the_demo_corpus(tmp_path):
+    r = _single(["--train-iters", "2", "--eval-iters", "0", *TINY], tmp_path, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "NO --data-path GIVEN: training on the bundled demo corpus" in r.stdout
+
+
 def test_resume_continues_exactly(sotu_prefix, tmp_path):
     """6 iterations straight == 3 iterations, save, resume, 3 more: same losses bit for bit."""
     common = ["--tensor-parallel", "2", "--zero-offload", "--data-path", sotu_prefix, "--train-iters", "6",

@@ -143,6 +143,7 @@ def test_pretrain_gpt_20_iterations_with_eval_and_checkpoint(tmp_path, offload):
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     expect_device = "cuda" if torch.cuda.is_available() else "cpu"
     assert f"device {expect_device}" in r.stdout, r.stdout[:2000]
+    assert "NO --data-path GIVEN: training on the bundled demo corpus" in r.stdout
     rows = [json.loads(line) for line in open(log)]
     train = [x for x in rows if x["kind"] == "train"]
     evals = [x for x in rows if x["kind"] != "train"]

@@ -281,6 +281,9 @@ def _banner(metrics, args, ps, cfg, optimizer, data_path, setup_s) -> None:
     local = sum(p.numel() for p in optimizer.model.parameters()) if hasattr(optimizer, "model") else 0
     acc = optimizer.accounting
     src = "embedded State of the Union corpus (233 addresses, public domain)" if not args.data_path else " ".join(data_path)
+    if not args.data_path and not args.demo:     # a model shape was given but no data: say it loudly
+        src = ("!!! NO --data-path GIVEN: training on the bundled demo corpus (233 State of the Union "
+               "addresses), not your data; pass --data-path PREFIX !!!")
     plan = getattr(args, "memory_plan", None)
     lines = [
         f"zo_megatron pretrain_gpt: {'DEMO defaults, ' if args.demo else ''}world {ps.world_size} = TP {ps.tp_size} x DP {ps.dp_size}, "
