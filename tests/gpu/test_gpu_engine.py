@@ -100,10 +100,10 @@ def test_engine_on_cuda_fp32_equals_torch_adamw():
 @pytest.mark.parametrize("engine_kw", [{}, {"host_grad_dtype": "fp32"}, {"accumulate_on_host": True}],
                          ids=["default", "host32", "hostacc"])
 def test_engine_on_cuda_bf16_tracks_torch_adamw(engine_kw):
-    """Tolerances as on the CPU: 2% (5% for the zero-initialised biases)."""
+    """Tolerances as on the CPU: 2% (10% for the zero-initialised biases)."""
     seed = fresh_seed(f"gpu bf16 {engine_kw}")
     out = run_world(_train_world, 1, 1, "bf16", seed, ACCUM, engine_kw)[0]
-    _check_against_reference(out, seed, 1, 2e-2, 5e-2)
+    _check_against_reference(out, seed, 1, 2e-2, 1e-1)
 
 
 def test_engine_on_cuda_fp16_real_scale_and_overflow():
@@ -117,7 +117,7 @@ def test_engine_on_cuda_fp16_real_scale_and_overflow():
     _check_against_reference(out, seed, 1, 1e-2, 5e-2, skip_step=4)
 
 
-@pytest.mark.parametrize("precision,tol,bias_tol", [("fp32", 1e-5, 1e-5), ("bf16", 2e-2, 5e-2)])
+@pytest.mark.parametrize("precision,tol,bias_tol", [("fp32", 1e-5, 1e-5), ("bf16", 2e-2, 1e-1)])
 def test_two_ranks_on_one_gpu_equal_torch_adamw(precision, tol, bias_tol):
     """DP=2 on one GPU through gloo for CUDA tensors (see the module docstring for what it proves)."""
     seed = fresh_seed(f"gpu dp2 {precision}")
