@@ -20,7 +20,7 @@ import torch.distributed as dist
 from zo_megatron.errors import ConfigError
 
 __all__ = ["default_backend", "group_size", "group_rank", "all_reduce", "reduce_scatter", "all_gather",
-           "all_gather_list", "barrier", "broadcast_object", "wait_all"]
+           "all_gather_list", "barrier", "wait_all"]
 
 # torch >= 2.12 renamed the tensor forms; older torch (a cluster's CUDA build) has only the old names.
 _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -68,28 +68,28 @@ def all_reduce(t: torch.Tensor, op: str = "sum", group=None) -> torch.Tensor:
     return t
 
 
+def _flat_collective(fn, output: torch.Tensor, input: torch.Tensor, group, async_op: bool):
+    """A size-1 group only copies (nothing when in place); otherwise `fn` on the group."""
+    if group_size(group) == 1:
+        if output.data_ptr() != input.data_ptr():
+            output.copy_(input)
+        return None
+    _check_device(input, group)
+    return fn(output, input, group=group, async_op=async_op)
+
+
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, async_op: bool = False):
     """output (1/N of input) <- sum over ranks of this rank's shard of input.
 
     `output` may be this rank's own shard of `input` (in place, as NCCL allows). With
     async_op=True returns the torch Work handle (None when nothing was sent)."""
-    if group_size(group) == 1:
-        if output.data_ptr() != input.data_ptr():
-            output.copy_(input)
-        return None
-    _check_device(input, group)
-    return _reduce_scatter_tensor(output, input, group=group, async_op=async_op)
+    return _flat_collective(_reduce_scatter_tensor, output, input, group, async_op)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group, async_op: bool = False):
     """output (N x input) <- every rank's input, in rank order; `input` may be its own slot of
     `output` (in place). With async_op=True returns the Work handle (None when nothing was sent)."""
-    if group_size(group) == 1:
-        if output.data_ptr() != input.data_ptr():
-            output.copy_(input)
-        return None
-    _check_device(input, group)
-    return _all_gather_tensor(output, input, group=group, async_op=async_op)
+    return _flat_collective(_all_gather_tensor, output, input, group, async_op)
 
 
 def all_gather_list(t: torch.Tensor, group) -> list[torch.Tensor]:
@@ -106,15 +106,6 @@ def all_gather_list(t: torch.Tensor, group) -> list[torch.Tensor]:
 def barrier(group=None) -> None:
     if group_size(group) > 1:
         dist.barrier(group=group)
-
-
-def broadcast_object(obj, src: int = 0, group=None):
-    """A picklable object from global rank `src` to every rank of `group` (trusted, in-job data)."""
-    if group_size(group) == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src, group=group)
-    return box[0]
 
 
 def wait_all(works) -> None:
