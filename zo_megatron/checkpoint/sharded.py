@@ -61,7 +61,7 @@ def save_checkpoint(root: str, iteration: int, *, ps, model, optimizer, metadata
         "optimizer": optimizer.state_dict(),
         "rng": {"torch": torch.get_rng_state()},
     }
-    offload = hasattr(optimizer, "reload_params_from_master")
+    offload = optimizer.holds_master_weights
     # Offload: the fp32 master in the optimizer partition is the truth; DP rank 0 also keeps the
     # 16-bit shard for inference/conversion tools. Baseline: every rank needs its model copy.
     if ps.dp_rank == 0 or not offload:
@@ -132,7 +132,7 @@ def load_checkpoint(root: str, *, ps, model, optimizer, expected: dict) -> tuple
                         "the file is corrupt or not a zo_megatron checkpoint") from None
     if state.get("format_version") != FORMAT_VERSION:
         raise UserError(f"{path}: checkpoint format {state.get('format_version')} is not {FORMAT_VERSION}")
-    if not hasattr(optimizer, "reload_params_from_master"):
+    if not optimizer.holds_master_weights:
         if "model" not in state:
             raise UserError(f"{path} holds no model weights; it was not written by a baseline run")
         model.load_state_dict(state["model"], strict=True)

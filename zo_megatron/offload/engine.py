@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import torch
 
@@ -43,29 +43,10 @@ from zo_megatron.offload.accounting import Accounting
 from zo_megatron.offload.device import DeviceLayer
 from zo_megatron.offload.flat_buffer import FlatLayout
 from zo_megatron.offload.loss_scaler import ConstantLossScaler, DynamicLossScaler
+from zo_megatron.optimizer_api import AdamConfig, StepResult
 from zo_megatron.parallel import collectives
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-@dataclass
-class AdamConfig:
-    lr: float = 1e-3
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    adamw: bool = True              # decoupled weight decay (AdamW); False = L2 into the gradient (Adam)
-    bias_correction: bool = True
-    state_dtype: str = "fp32"       # exp_avg/exp_avg_sq precision: fp32 | bf16
-
-
-@dataclass
-class StepResult:
-    skipped: bool
-    grad_norm: float               # global, before clipping (nan/inf when the step overflowed)
-    clip_coef: float
-    loss_scale: float
 
 
 def default_grad_reduce_in_fp32(precision: str) -> bool:
@@ -75,7 +56,8 @@ def default_grad_reduce_in_fp32(precision: str) -> bool:
 
 class ZeroOffloadEngine:
     """The offload optimizer engine (see the module docstring). Use as a context manager, or call
-    close(): it unregisters pinned host memory and removes the gradient hooks.
+    close(): it unregisters pinned host memory and removes the gradient hooks. Implements
+    `optimizer_api.TrainingOptimizer`.
 
     The model may be built on the host in fp32 (recommended for large models): its parameters are
     copied into the flat 16-bit buffer on `device` one at a time, so the device never holds more
@@ -137,6 +119,8 @@ class ZeroOffloadEngine:
         self._slot_index = {id(s): i for i, s in enumerate(self.layout.slots)}
         self._reset_bucket_state()
         self._hooks = [s.param.register_post_accumulate_grad_hook(self._make_hook(s)) for s in self.layout.slots]
+
+    holds_master_weights = True             # the fp32 master on the host is the truth
 
     def __enter__(self) -> "ZeroOffloadEngine":
         return self
@@ -392,6 +376,10 @@ class ZeroOffloadEngine:
                                                 self.dp_group, async_op=True))
             self.accounting.ring(bucket.numel * esz, self.dp_size)
         collectives.wait_all(works)
+
+    def flush(self) -> StepResult | None:
+        """Nothing is ever pending without a delayed parameter update."""
+        return None
 
     @torch.no_grad()
     def reload_params_from_master(self) -> None:

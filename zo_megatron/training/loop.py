@@ -278,7 +278,7 @@ def _log(metrics, window, iteration, lr, res, optimizer, ps, args, fpt, done) ->
 
 def _banner(metrics, args, ps, cfg, optimizer, data_path, setup_s) -> None:
     total = cfg.num_parameters()
-    local = sum(p.numel() for p in optimizer.model.parameters()) if hasattr(optimizer, "model") else 0
+    local = sum(p.numel() for p in optimizer.model.parameters())
     acc = optimizer.accounting
     src = "embedded State of the Union corpus (233 addresses, public domain)" if not args.data_path else " ".join(data_path)
     if not args.data_path and not args.demo:     # a model shape was given but no data: say it loudly

@@ -1,7 +1,7 @@
 """The non-offloaded baseline: DDP-style gradient all-reduce + torch AdamW(fused=True) on the device.
 
-Same interface as ZeroOffloadEngine (backward / step / accounting / state_dict), so the training
-loop and the benchmarks compare the two on equal terms. Parameters, gradients and both Adam
+Implements `optimizer_api.TrainingOptimizer` like ZeroOffloadEngine, so the training loop and
+the benchmarks compare the two on equal terms. Parameters, gradients and both Adam
 moments live on the device in fp32 (16 bytes/param); bf16/fp16 run the forward under autocast.
 """
 from __future__ import annotations
@@ -12,14 +12,16 @@ import math
 import torch
 
 from zo_megatron.offload.accounting import Accounting
-from zo_megatron.offload.engine import AdamConfig, StepResult
 from zo_megatron.offload.loss_scaler import ConstantLossScaler, DynamicLossScaler
+from zo_megatron.optimizer_api import AdamConfig, StepResult
 from zo_megatron.parallel import collectives
 
 _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class PlainDDPOptimizer:
+    holds_master_weights = False            # the model's fp32 weights are the truth
+
     def __init__(self, model: torch.nn.Module, *, precision: str = "bf16", adam: AdamConfig | None = None,
                  clip_grad: float = 1.0, dp_group=None, tp_rank: int = 0, loss_scaler=None,
                  no_decay_embeddings: bool = False):
@@ -94,6 +96,12 @@ class PlainDDPOptimizer:
         self.opt.zero_grad(set_to_none=True)
         self.step_count += 1
         return StepResult(False, norm, clip, scale)
+
+    def flush(self) -> StepResult | None:
+        return None
+
+    def reload_params_from_master(self) -> None:
+        """The model's parameters are the master weights: nothing to derive."""
 
     def state_dict(self) -> dict:
         return {"step": self.step_count, "optimizer": self.opt.state_dict(),

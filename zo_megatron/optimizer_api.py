@@ -1,0 +1,67 @@
+"""The written interface every optimizer engine implements, and the types it speaks.
+
+Two engines implement it: `offload.engine.ZeroOffloadEngine` (fp32 master and Adam on the host,
+the product) and `training.plain_optimizer.PlainDDPOptimizer` (everything on the device, the
+baseline). The training loop, the checkpoint code and the benchmarks see only this Protocol.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ContextManager, Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass
+class AdamConfig:
+    lr: float = 1e-3
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    adamw: bool = True              # decoupled weight decay (AdamW); False = L2 into the gradient (Adam)
+    bias_correction: bool = True
+    state_dtype: str = "fp32"       # exp_avg/exp_avg_sq precision: fp32 | bf16
+
+
+@dataclass
+class StepResult:
+    skipped: bool
+    grad_norm: float               # global, before clipping (nan/inf when the step overflowed)
+    clip_coef: float
+    loss_scale: float
+
+
+@runtime_checkable
+class TrainingOptimizer(Protocol):
+    """One optimizer engine as the training loop drives it:
+
+        for each micro-batch:  with opt.forward_context(): loss = model(...)
+                               opt.backward(loss / A, last_micro_batch=...)
+        opt.step(lr)
+        ...
+        opt.flush()            before evaluation, a checkpoint, or the end of training
+    """
+
+    model: torch.nn.Module
+    accounting: object              # offload.accounting.Accounting: bytes held and moved
+    # True when the fp32 master in state_dict() is the truth and the model's 16-bit weights are
+    # derived from it (reload_params_from_master); False when the model's weights are the truth.
+    holds_master_weights: bool
+
+    def forward_context(self) -> ContextManager: ...
+
+    def backward(self, loss: torch.Tensor, *, last_micro_batch: bool = True) -> None: ...
+
+    def step(self, lr: float | None = None) -> StepResult: ...
+
+    def flush(self) -> StepResult | None:
+        """Apply any update still pending (delayed parameter update); None when nothing was."""
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, sd: dict) -> None: ...
+
+    def reload_params_from_master(self) -> None: ...
+
+    def close(self) -> None: ...
