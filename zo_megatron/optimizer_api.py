@@ -58,6 +58,9 @@ class TrainingOptimizer(Protocol):
     def flush(self) -> StepResult | None:
         """Apply any update still pending (delayed parameter update); None when nothing was."""
 
+    def drain_phases(self) -> list[tuple[str, float, float]]:
+        """(phase, start, end) in time.monotonic() seconds recorded since the last call."""
+
     def state_dict(self) -> dict: ...
 
     def load_state_dict(self, sd: dict) -> None: ...

@@ -28,11 +28,41 @@ device (16 bits) with no communication and only the last one streams through the
 accumulate_on_host every micro-batch is reduced and added into an fp32 host accumulator, so the
 device holds no gradient copy between micro-batches (the paper's large-model single-GPU mode),
 at the price of one reduce-scatter per micro-batch.
+
+Delayed parameter update (DPU, paper section 5.2; `dpu_warmup_steps=W`, off when None):
+
+  updates 1 .. W-1   exactly as above.
+  update W, W+1 ...  step(t) reduces g_t to the host, computes its norm / clip / overflow on the
+                     main thread (collectives), then hands the CPU Adam for g_t to a background
+                     worker and returns at once: forward/backward of step t+1 run on the
+                     parameters the device holds (one update behind) while the CPU updates.
+                     step(t+1) joins the worker, sends the updated 16-bit parameters home to the
+                     device and all-gathers them (only after step t+1's backward), and hands over
+                     g_{t+1}. Each update uses a gradient computed on parameters one update older.
+  flush()            joins a pending update and returns its parameters to the device: before
+                     evaluation, a checkpoint and the end of training, so nothing is pending
+                     there and a resume is exact. The next step() delays again.
+
+  - W counts applied updates (the Adam step counter, restored from checkpoints); a step skipped
+    for overflow does not count, as it does not update.
+  - The learning rate, clip coefficient and loss scale of an update are those of the step that
+    produced its gradient (fixed on the main thread before the worker starts). An overflowing
+    g_t is dropped on every rank and lowers the scale at step t, as without DPU; the pending
+    update of g_{t-1} is still applied.
+  - Collectives stay on the main thread (torch.distributed does not order collectives issued
+    from two threads on one group). The worker runs only the CPU Adam kernel (it releases the
+    GIL) on buffers nothing else touches meanwhile: the host gradient landing buffer is a pair
+    (g_{t+1} lands in one while the worker reads the other), so DPU costs one more landing
+    buffer (and fp32 accumulator, with accumulate_on_host) per DP partition.
+  - A worker exception is raised on the main thread at the next join, with its own message.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 
 import torch
@@ -70,7 +100,8 @@ class ZeroOffloadEngine:
                  clip_grad: float = 1.0, bucket_size: int = 40_000_000, dp_group=None, tp_rank: int = 0,
                  loss_scaler=None, no_decay_embeddings: bool = False, device: torch.device | None = None,
                  pin_memory: bool = True, grad_reduce_in_fp32: bool | None = None,
-                 host_grad_dtype: str | None = None, accumulate_on_host: bool = False):
+                 host_grad_dtype: str | None = None, accumulate_on_host: bool = False,
+                 dpu_warmup_steps: int | None = None, race_check: bool = False):
         if precision not in _DTYPES:
             raise ConfigError(f"precision must be bf16, fp16 or fp32 (got {precision!r})")
         self.model = model
@@ -96,6 +127,12 @@ class ZeroOffloadEngine:
             raise ConfigError("fp32 host gradients need gradients reduced in fp32: add "
                               "--accumulate-allreduce-grads-in-fp32")
         self.accumulate_on_host = accumulate_on_host
+        if dpu_warmup_steps is not None and dpu_warmup_steps < 1:
+            raise ConfigError(f"DPU warm-up must be >= 1 step (got {dpu_warmup_steps})")
+        self.dpu_warmup_steps = dpu_warmup_steps
+        # race_check (tests, debugging): snapshot the flat parameters at the first forward of a
+        # step that overlaps a CPU update and fail in step() if anything changed them meanwhile.
+        self.race_check = race_check
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
             raise ConfigError("the model has no trainable parameters")
@@ -113,6 +150,11 @@ class ZeroOffloadEngine:
             raise
         self._norm_segments = [(s.start, s.end, s.counted) for s in self.layout.segments]
         self.step_count = 0
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="zo-dpu") if dpu_warmup_steps else None
+        self._pending = None                # (future, landing set, StepResult) of the update in flight
+        self._race_ref = None
+        # (phase, start, end) since drain_phases(); bounded, as nobody may ever drain it
+        self._phases: collections.deque = collections.deque(maxlen=256)
         self._micro = 0                     # micro-batches of this step seen so far
         self._sync = True                   # do the hooks stream gradients into buckets?
         self._sync_pending = False          # a syncing backward ran and finish_grad_sync has not
@@ -156,14 +198,17 @@ class ZeroOffloadEngine:
         # Reduced gradient shards arrive in host_grad. The kernel writes the updated 16-bit
         # parameters into host_param, which goes back to the device; when both have the parameter
         # dtype they are one buffer (the kernel reads the gradient before it writes the parameter).
-        self.host_grad = self.dev.host_empty(L.host_numel, self.host_grad_dtype)
-        self.host_grad.zero_()
+        # With DPU there are two landing sets (gradient, parameter-out alias, accumulator): step
+        # t+1's gradients land in one while the worker updates from the other.
+        sets = 2 if self.dpu_warmup_steps else 1
+        self._grads = [self.dev.host_empty(L.host_numel, self.host_grad_dtype).zero_() for _ in range(sets)]
         if self.host_grad_dtype == self.dtype:
-            self.host_param = self.host_grad
-        else:
-            self.host_param = self.dev.host_empty(L.host_numel, self.dtype)
-            self.host_param.zero_()
-        self.host_acc = torch.zeros(L.host_numel, dtype=torch.float32) if self.accumulate_on_host else None
+            self._params = self._grads
+        else:   # a separate 16-bit output: one is enough (it is read back before the next update)
+            self._params = [self.dev.host_empty(L.host_numel, self.dtype).zero_()] * sets
+        self._accs = [torch.zeros(L.host_numel, dtype=torch.float32) for _ in range(sets)] \
+            if self.accumulate_on_host else [None] * sets
+        self._cur = 0                                   # the landing set of the current step
         n_buffers = min(2, len(L.buckets))
         self._grad_buffers = [self.dev.device_empty(L.max_bucket_numel, self.reduce_dtype) for _ in range(n_buffers)]
         # On CUDA, fp32-reduced shards bound for 16-bit host gradients are narrowed on the device
@@ -178,10 +223,17 @@ class ZeroOffloadEngine:
             s.numel() * s.element_size() for s in self._scratch if s is not None)
         acc.host_master_bytes = self.master.numel() * 4
         acc.host_optimizer_bytes = 2 * self.exp_avg.numel() * self.exp_avg.element_size()
-        acc.host_staging_bytes = self.host_grad.numel() * self.host_grad.element_size() + (
-            0 if self.host_param is self.host_grad else self.host_param.numel() * self.host_param.element_size())
-        acc.host_accumulator_bytes = 0 if self.host_acc is None else self.host_acc.numel() * 4
+        nbytes = lambda t: 0 if t is None else t.numel() * t.element_size()   # noqa: E731
+        acc.host_staging_bytes = nbytes(self._grads[0]) + (
+            0 if self._params[0] is self._grads[0] else nbytes(self._params[0]))
+        acc.host_accumulator_bytes = nbytes(self._accs[0])
+        acc.host_dpu_pending_bytes = sum(nbytes(g) + nbytes(a) for g, a in zip(self._grads[1:], self._accs[1:]))
         self.accounting = acc
+
+    # The current step's landing set.
+    host_grad = property(lambda self: self._grads[self._cur])
+    host_param = property(lambda self: self._params[self._cur])
+    host_acc = property(lambda self: self._accs[self._cur])
 
     @torch.no_grad()
     def _place_model_on_device(self) -> None:
@@ -219,6 +271,8 @@ class ZeroOffloadEngine:
     # ---------------------------------------------------------------------------------- backward
     def forward_context(self):
         """The model already runs in self.dtype (its parameters are views of the flat buffer)."""
+        if self.race_check and self._pending is not None and self._race_ref is None:
+            self._race_ref = self.flat.clone()
         return contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor, *, last_micro_batch: bool = True) -> None:
@@ -333,9 +387,14 @@ class ZeroOffloadEngine:
 
     # -------------------------------------------------------------------------------------- step
     def step(self, lr: float | None = None) -> StepResult:
-        """Finish the gradient sync, then clip and update on the CPU; params return to the device."""
+        """Finish the gradient sync, check and clip on the main thread, then update on the CPU:
+        at once (parameters return to the device before this returns), or, once DPU is past its
+        warm-up, in the background (see the module docstring)."""
         self.check_params()
+        t0 = time.monotonic()
         self.finish_grad_sync()
+        self._phases.append(("grad_sync", t0, time.monotonic()))
+        self._check_no_race()
         grad = self.host_acc if self.accumulate_on_host else self.host_grad
         scale = self.loss_scaler.scale
         sumsq, finite = cpu_adam.grad_sumsq_and_finite_segments(grad, self._norm_segments)
@@ -344,46 +403,96 @@ class ZeroOffloadEngine:
         found_inf = bool(stats[1].item() > 0) or not math.isfinite(stats[0].item())
         grad_norm = math.sqrt(stats[0].item()) / scale if not found_inf else float("nan")
         self.loss_scaler.update(found_inf)
+        self.flush()                                     # the update of g_{t-1}, if one is in flight
         if found_inf:                                    # every rank agrees: skip, touch nothing
             return StepResult(True, grad_norm, 0.0, scale)
         clip_coef = 1.0
         if self.clip_grad and self.clip_grad > 0:
             clip_coef = min(1.0, self.clip_grad / (grad_norm + 1e-6))
         self.step_count += 1
+        result = StepResult(False, grad_norm, clip_coef, scale)
+        k = self._cur
+        update = (k, grad, self.step_count, self.adam.lr if lr is None else lr, clip_coef / scale)
+        if self.dpu_warmup_steps and self.step_count >= self.dpu_warmup_steps:
+            self._pending = (self._worker.submit(self._cpu_update, *update), k, result)
+            self._cur = 1 - k                            # step t+1's gradients land in the other set
+        else:
+            self._cpu_update(*update)
+            self._params_to_device(k)
+        return result
+
+    def flush(self) -> StepResult | None:
+        """Apply the update in flight, if any: join the worker (its exception is raised here) and
+        return its parameters to the device. Returns that update's StepResult, or None."""
+        if self._pending is None:
+            return None
+        future, k, result = self._pending
+        self._pending = None
+        t0 = time.monotonic()
+        future.result()
+        self._phases.append(("cpu_step_wait", t0, time.monotonic()))
+        self._params_to_device(k)
+        if self._params[0] is self._params[-1] and len(self._params) > 1:
+            # One 16-bit output buffer shared by both sets: the next update may overwrite it only
+            # after these (async, on CUDA) copies to the device have read it.
+            self.dev.wait_host()
+        return result
+
+    def _check_no_race(self) -> None:
+        if self._race_ref is not None:
+            ref, self._race_ref = self._race_ref, None
+            if not torch.equal(ref, self.flat):
+                changed = (ref != self.flat).nonzero()
+                raise RuntimeError(f"DPU race: {changed.numel()} parameter elements changed between the "
+                                   f"first forward and the end of backward (first at flat index "
+                                   f"{changed[0].item()}) while an update was in flight")
+
+    @torch.no_grad()
+    def _cpu_update(self, k: int, grad: torch.Tensor, step: int, lr: float, grad_scale: float) -> None:
+        """ONE CPU Adam call over the partition's segments (on the worker thread under DPU):
+        reads `grad`, updates master and moments, writes the 16-bit parameters into set k."""
+        t0 = time.monotonic()
         a = self.adam
+        out = self._params[k]
         segments = [(s.start, s.end, a.weight_decay if s.decay else 0.0) for s in self.layout.segments]
         cpu_adam.adam_step_segments(
-            self.master, grad, self.exp_avg, self.exp_avg_sq, segments, step=self.step_count,
-            lr=a.lr if lr is None else lr, beta1=a.beta1, beta2=a.beta2, eps=a.eps, adamw=a.adamw,
-            bias_correction=a.bias_correction, grad_scale=clip_coef / scale,
-            param16_out=self.host_param if self.dtype != torch.float32 else None)
+            self.master, grad, self.exp_avg, self.exp_avg_sq, segments, step=step, lr=lr, beta1=a.beta1,
+            beta2=a.beta2, eps=a.eps, adamw=a.adamw, bias_correction=a.bias_correction, grad_scale=grad_scale,
+            param16_out=out if self.dtype != torch.float32 else None)
         if self.dtype == torch.float32:     # fp32 mode: the parameter copy is the master itself
-            self.host_param.copy_(self.master)
-        self._params_to_device()
-        return StepResult(False, grad_norm, clip_coef, scale)
+            out.copy_(self.master)
+        self._phases.append(("cpu_step", t0, time.monotonic()))
 
-    def _params_to_device(self) -> None:
-        """Updated shards -> device -> async all-gather over DP into the flat buffer; the next
-        forward is queued behind the gathers (on CUDA the host does not wait for them)."""
+    def drain_phases(self) -> list[tuple[str, float, float]]:
+        """(phase, start, end) in time.monotonic() seconds recorded since the last call: grad_sync,
+        cpu_step (the worker's, under DPU), cpu_step_wait (the main thread waiting for it),
+        param_return (host->device + all-gather)."""
+        out = list(self._phases)
+        self._phases.clear()
+        return out
+
+    def _params_to_device(self, k: int | None = None) -> None:
+        """Updated shards of set k -> device -> async all-gather over DP into the flat buffer; the
+        next forward is queued behind the gathers (on CUDA the host does not wait for them)."""
+        t0 = time.monotonic()
+        host_param = self._params[self._cur if k is None else k]
         works = []
         esz = self.flat.element_size()
         for bucket in self.layout.buckets:
             lo, hi = bucket.shard_range(self.dp_rank)
             n = hi - lo
-            self.dev.copy_to_device(self.flat[lo:hi], self.host_param[bucket.host_start:bucket.host_start + n])
+            self.dev.copy_to_device(self.flat[lo:hi], host_param[bucket.host_start:bucket.host_start + n])
             self.accounting.h2d_bytes += n * esz
             works.append(collectives.all_gather(self.flat[bucket.start:bucket.end], self.flat[lo:hi],
                                                 self.dp_group, async_op=True))
             self.accounting.ring(bucket.numel * esz, self.dp_size)
         collectives.wait_all(works)
-
-    def flush(self) -> StepResult | None:
-        """Nothing is ever pending without a delayed parameter update."""
-        return None
+        self._phases.append(("param_return", t0, time.monotonic()))
 
     @torch.no_grad()
     def reload_params_from_master(self) -> None:
         """Re-derive the 16-bit parameters from the fp32 master (after loading a checkpoint)."""
+        self.flush()
         self.host_param.copy_(self.master.to(self.dtype))
         self._params_to_device()
 
@@ -395,6 +504,7 @@ class ZeroOffloadEngine:
         `fragment` = (start, end) -- with the parameter's TP split axis and shard offset, so a
         resharder can place it in the full tensor for any TP x DP layout.
         """
+        self.flush()                       # a checkpoint holds nothing pending
         params: dict[str, dict] = {}
         for s, host, pstart, n in self.layout.host_fragments():
             p = s.param
@@ -431,8 +541,18 @@ class ZeroOffloadEngine:
         self.reload_params_from_master()
 
     def close(self) -> None:
-        """Remove the hooks and unregister pinned host memory (idempotent)."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-        self.dev.close()
+        """Join the worker, remove the hooks and unregister pinned host memory (idempotent).
+        An update still in flight is waited for (never freed under the kernel) but not returned
+        to the device: call flush() first to keep it. A worker error is raised here."""
+        pending, self._pending = self._pending, None
+        try:
+            if self._worker is not None:
+                self._worker.shutdown(wait=True)
+                self._worker = None
+            if pending is not None:
+                pending[0].result()
+        finally:
+            for h in self._hooks:
+                h.remove()
+            self._hooks = []
+            self.dev.close()

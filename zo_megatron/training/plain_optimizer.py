@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 
 import torch
 
@@ -46,6 +47,7 @@ class PlainDDPOptimizer:
         self.accounting = Accounting(device_param_bytes=4 * n, device_bucket_bytes=4 * n,
                                      device_optimizer_bytes=8 * n)
         self.step_count = 0
+        self._phases: list[tuple[str, float, float]] = []
 
     def forward_context(self):
         dtype = _AUTOCAST.get(self.precision)
@@ -72,6 +74,13 @@ class PlainDDPOptimizer:
             p.grad = g
 
     def step(self, lr: float | None = None) -> StepResult:
+        t0 = time.monotonic()
+        try:
+            return self._step(lr)
+        finally:
+            self._phases = [("optimizer_step", t0, time.monotonic())]
+
+    def _step(self, lr: float | None) -> StepResult:
         self._allreduce_grads()
         scale = self.loss_scaler.scale
         # One device->host transfer for both numbers (not one sync per parameter).
@@ -99,6 +108,11 @@ class PlainDDPOptimizer:
 
     def flush(self) -> StepResult | None:
         return None
+
+    def drain_phases(self) -> list[tuple[str, float, float]]:
+        """One phase: the all-reduce and the AdamW step together."""
+        out, self._phases = self._phases, []
+        return out
 
     def reload_params_from_master(self) -> None:
         """The model's parameters are the master weights: nothing to derive."""

@@ -1,0 +1,271 @@
+"""Delayed parameter update (DPU) against a single-process reference of the same schedule.
+
+The reference is HF GPT-2 + torch.optim.AdamW run on one process over the global batches, with
+the delayed schedule written out by hand: updates before the W-th are applied at once; from the
+W-th on, the gradient of step t is applied at step t+1, after step t+1's gradient was computed on
+the parameters of one update before; a flush applies what is pending. The worlds run with the
+engine's race check on: the flat parameter buffer must not change between the first forward and
+the end of backward of any step that overlaps a CPU update.
+"""
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.harness import run_world
+from tests.seeds import fresh_seed
+from tests.test_offload_engine import BETAS, CLIP, EPS, HEADS, HIDDEN, LAYERS, MICRO, SEQ, VOCAB, WD, \
+    _full_params, _setup
+
+transformers = pytest.importorskip("transformers")
+
+STEPS, WARMUP = 12, 3
+
+
+def _lr(step):
+    return 2e-3 * (0.5 + 0.5 * step / STEPS)
+
+
+def _batches(seed, dp, accum):
+    gen = torch.Generator().manual_seed(seed)
+    n = MICRO * dp
+    return [[(torch.randint(0, VOCAB, (n, SEQ), generator=gen), torch.randint(0, VOCAB, (n, SEQ), generator=gen))
+             for _ in range(accum)] for _ in range(STEPS)]
+
+
+def _dpu_world(rank, tp, precision, seed, accum, engine_kw, overflow_step=None, flush_at=None):
+    from zo_megatron.parallel import collectives
+
+    ps, cfg, model, engine = _setup(tp, seed, precision, dpu_warmup_steps=WARMUP, race_check=True, **engine_kw)
+    init = _full_params(model, ps)
+    victim = model.gpt.decoder.layers[0].mlp.linear_fc1.weight
+    poison_rank = min(1, dist.get_world_size() - 1)
+    losses, skipped, scales, in_flight = [], [], [], []
+    for step, micro_batches in enumerate(_batches(seed + 7, ps.dp_size, accum)):
+        total = torch.zeros(())
+        for i, (tokens, labels) in enumerate(micro_batches):
+            mine = slice(ps.dp_rank * MICRO, (ps.dp_rank + 1) * MICRO)
+            with engine.forward_context():
+                loss = model.loss(tokens[mine].to(ps.device), labels[mine].to(ps.device))
+            handle = None
+            if step == overflow_step and i == accum - 1 and dist.get_rank() == poison_rank:
+                handle = victim.register_hook(lambda g: g.index_fill(0, torch.tensor([3], device=g.device), float("inf")))
+            engine.backward(loss / accum, last_micro_batch=i == accum - 1)
+            if handle is not None:
+                handle.remove()
+            total += loss.detach().float().cpu() / accum
+        collectives.all_reduce(total, group=ps.dp_group)
+        res = engine.step(lr=_lr(step))
+        in_flight.append(engine._pending is not None)
+        if step == flush_at:
+            assert engine.flush() is not None
+        losses.append(total.item() / ps.dp_size)
+        skipped.append(res.skipped)
+        scales.append(res.loss_scale)
+    engine.flush()
+    final = _full_params(model, ps)
+    acc = engine.accounting
+    engine.close()
+    return dict(init=init, final=final, losses=losses, skipped=skipped, scales=scales, in_flight=in_flight,
+                pending_bytes=acc.host_dpu_pending_bytes, staging_bytes=acc.host_staging_bytes,
+                acc_bytes=acc.host_accumulator_bytes) if rank == 0 else None
+
+
+def _reference(init, seed, dp, accum, warmup, skip_step=None, flush_at=None):
+    """fp32, one process: the delayed schedule above with torch.optim.AdamW (warmup None: no delay)."""
+    from zo_megatron.checkpoint.hf_gpt2 import from_hf, to_hf
+
+    hc = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
+                                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                 activation_function="gelu_new", layer_norm_epsilon=1e-5)
+    model = transformers.GPT2LMHeadModel(hc).float()
+    model.load_state_dict(to_hf(init, LAYERS, HEADS), strict=True)
+    params = list(model.parameters())
+    decay = [p for p in params if p.dim() > 1]
+    no_decay = [p for p in params if p.dim() <= 1]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=_lr(0), betas=BETAS, eps=EPS)
+
+    def apply(update):
+        grads, lr = update
+        for p, g in zip(params, grads):
+            p.grad = g
+        for group in opt.param_groups:
+            group["lr"] = lr
+        opt.step()
+
+    losses, pending, updates = [], None, 0
+    for step, micro_batches in enumerate(_batches(seed + 7, dp, accum)):
+        opt.zero_grad()
+        total = 0.0
+        for tokens, labels in micro_batches:          # on the parameters the device holds now
+            logits = model(tokens).logits
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+            (loss / accum).backward()
+            total += loss.item() / accum
+        losses.append(total)
+        torch.nn.utils.clip_grad_norm_(params, CLIP)
+        update = ([p.grad.clone() for p in params], _lr(step))
+        if pending is not None:                       # g_{t-1} is applied after g_t was computed
+            apply(pending)
+            pending = None
+        if step == skip_step:
+            continue
+        updates += 1
+        if warmup is not None and updates >= warmup:
+            pending = update
+        else:
+            apply(update)
+        if step == flush_at and pending is not None:
+            apply(pending)
+            pending = None
+    if pending is not None:
+        apply(pending)
+    sd = {n: p.detach() for n, p in model.named_parameters()}
+    sd["lm_head.weight"] = sd["transformer.wte.weight"]
+    return losses, from_hf(sd, LAYERS, HEADS)
+
+
+@pytest.mark.parametrize("tp,world,accum,engine_kw,flush_at", [
+    (1, 1, 1, {}, 6),                       # a flush mid-run (as evaluation does), then delayed again
+    (1, 2, 2, {}, None),
+    (2, 2, 2, {}, None),
+    (2, 4, 1, {}, None),
+    (1, 2, 2, {"accumulate_on_host": True}, None)],
+    ids=["tp1dp1-flush", "tp1dp2-accum2", "tp2dp1-accum2", "tp2dp2", "tp1dp2-hostacc2"])
+def test_dpu_fp32_equals_the_delayed_reference(tp, world, accum, engine_kw, flush_at):
+    seed = fresh_seed(f"dpu fp32 tp{tp} world{world} accum{accum} {engine_kw}")
+    out = run_world(_dpu_world, world, tp, "fp32", seed, accum, engine_kw, None, flush_at)[0]
+    dp = world // tp
+    ref_losses, ref_final = _reference(out["init"], seed, dp, accum, WARMUP, flush_at=flush_at)
+    # in flight after every step from the W-th update on, except right after the flush
+    assert out["in_flight"] == [i >= WARMUP - 1 for i in range(STEPS)]
+    for ours, ref in zip(out["losses"], ref_losses):
+        assert abs(ours - ref) / abs(ref) <= 1e-5, (ours, ref)
+    exact_losses, exact_final = _reference(out["init"], seed, dp, accum, None)
+    assert max(abs(a - b) / abs(b) for a, b in zip(out["losses"], exact_losses)) > 1e-4, \
+        "DPU must change the trajectory (else this test would not tell delayed from exact)"
+    for name, ref in ref_final.items():
+        ours = out["final"][name]
+        assert ((ours - ref).norm() / ref.norm()).item() <= 1e-5, name
+        assert ((ours - ref).abs().max() / ref.abs().max()).item() <= 1e-4, name
+    # accounting: one more landing buffer (and accumulator) than without DPU
+    assert out["pending_bytes"] == out["staging_bytes"] + out["acc_bytes"] > 0
+
+
+def test_dpu_bf16_with_fp32_host_gradients_tracks_the_reference():
+    """bf16 with fp32 host gradients: the 16-bit output buffer is shared by both landing sets."""
+    seed = fresh_seed("dpu bf16 host32")
+    out = run_world(_dpu_world, 2, 1, "bf16", seed, 2, {"host_grad_dtype": "fp32"})[0]
+    ref_losses, ref_final = _reference(out["init"], seed, 2, 2, WARMUP)
+    for ours, ref in zip(out["losses"], ref_losses):
+        assert abs(ours - ref) / abs(ref) <= 2e-2
+    for name, ref in ref_final.items():
+        err = ((out["final"][name] - ref).norm() / ref.norm()).item()
+        assert err <= (1e-1 if name.endswith(".bias") else 2e-2), (name, err)
+
+
+def test_dpu_fp16_overflow_at_a_delayed_step():
+    """An inf injected at delayed step 6 on one rank: g_6 is dropped everywhere, the scale halves
+    at step 6 as without DPU, the pending g_5 is still applied."""
+    from zo_megatron.offload.loss_scaler import DynamicLossScaler
+
+    seed = fresh_seed("dpu fp16 overflow")
+    scaler = DynamicLossScaler(initial_scale=2.0**14, growth_interval=3, hysteresis=1)
+    out = run_world(_dpu_world, 2, 1, "fp16", seed, 2, {"loss_scaler": scaler}, 6)[0]
+    assert out["skipped"] == [i == 6 for i in range(STEPS)]
+    assert out["scales"] == [2.0**14] * 3 + [2.0**15] * 3 + [2.0**16] + [2.0**15] * 3 + [2.0**16] * 2, out["scales"]
+    ref_losses, ref_final = _reference(out["init"], seed, 2, 2, WARMUP, skip_step=6)
+    for ours, ref in zip(out["losses"], ref_losses):
+        assert abs(ours - ref) / abs(ref) <= 1e-2, (ours, ref)
+    for name, ref in ref_final.items():
+        err = ((out["final"][name] - ref).norm() / ref.norm()).item()
+        assert err <= (1e-1 if name.endswith(".bias") else 2e-2), (name, err)
+
+
+# ------------------------------------------------------------------ one process, no process group
+def _tiny_engine(**kw):
+    from zo_megatron.offload.engine import AdamConfig, ZeroOffloadEngine
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    return model, ZeroOffloadEngine(model, precision="fp32", adam=AdamConfig(lr=1e-2), pin_memory=False,
+                                    device="cpu", dpu_warmup_steps=2, **kw)
+
+
+def _one_step(model, engine, before_backward=None):
+    with engine.forward_context():
+        loss = model(torch.randn(5, 8)).square().mean()
+    if before_backward is not None:
+        before_backward()
+    engine.backward(loss)
+    return engine.step()
+
+
+def test_the_cpu_step_runs_while_the_next_forward_and_backward_run(monkeypatch):
+    """The kernel of update 2 blocks until the main thread is inside step 3's backward: a
+    synchronous update would never get there (the wait would time out)."""
+    from zo_megatron.offload import cpu_adam
+
+    model, engine = _tiny_engine()
+    real, inside_next_step = cpu_adam.adam_step_segments, threading.Event()
+
+    def kernel(*a, **kw):
+        if kw["step"] == 2:
+            assert inside_next_step.wait(timeout=30), "update 2 was not overlapped with step 3"
+        return real(*a, **kw)
+
+    monkeypatch.setattr(cpu_adam, "adam_step_segments", kernel)
+    with engine:
+        _one_step(model, engine)                       # update 1: at once
+        _one_step(model, engine)                       # update 2: handed to the worker
+        assert engine._pending is not None
+        _one_step(model, engine, inside_next_step.set)  # step 3 runs while update 2 waits
+        assert engine.flush() is not None
+        assert engine.step_count == 3
+
+
+def test_a_worker_error_surfaces_at_the_next_join_with_its_message(monkeypatch):
+    from zo_megatron.offload import cpu_adam
+
+    model, engine = _tiny_engine()
+    real = cpu_adam.adam_step_segments
+
+    def kernel(*a, **kw):
+        if kw["step"] == 2:
+            raise ValueError("injected kernel failure 42")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(cpu_adam, "adam_step_segments", kernel)
+    with engine:
+        _one_step(model, engine)
+        _one_step(model, engine)                       # the failure happens on the worker
+        with pytest.raises(ValueError, match="injected kernel failure 42"):
+            _one_step(model, engine)                   # ... and is raised here, at the join
+
+
+def test_close_joins_the_worker_and_raises_its_error(monkeypatch):
+    from zo_megatron.offload import cpu_adam
+
+    model, engine = _tiny_engine()
+    real = cpu_adam.adam_step_segments
+    monkeypatch.setattr(cpu_adam, "adam_step_segments",
+                        lambda *a, **kw: (_ for _ in ()).throw(OSError("late failure")) if kw["step"] == 2
+                        else real(*a, **kw))
+    _one_step(model, engine)
+    _one_step(model, engine)
+    with pytest.raises(OSError, match="late failure"):
+        engine.close()
+    assert engine._hooks == [] and engine._worker is None
+
+
+def test_the_race_check_catches_a_parameter_written_during_an_update():
+    model, engine = _tiny_engine(race_check=True)
+    with engine:
+        _one_step(model, engine)
+        _one_step(model, engine)
+        _one_step(model, engine)                       # clean delayed step: no error
+        sabotage = lambda: model[2].bias.data.add_(1.0)   # noqa: E731 - a write while an update is in flight
+        with pytest.raises(RuntimeError, match="DPU race: 4 parameter elements changed"):
+            _one_step(model, engine, sabotage)
