@@ -269,3 +269,99 @@ def test_the_race_check_catches_a_parameter_written_during_an_update():
         sabotage = lambda: model[2].bias.data.add_(1.0)   # noqa: E731 - a write while an update is in flight
         with pytest.raises(RuntimeError, match="DPU race: 4 parameter elements changed"):
             _one_step(model, engine, sabotage)
+
+
+# ------------------------------------------------------------------ memory: planner == accounting
+_MEM_CASES = [  # (precision, engine kwargs, grad_accum_steps as planned)
+    ("bf16", {}, 1),
+    ("bf16", {"host_grad_dtype": "fp32"}, 1),
+    ("fp16", {"accumulate_on_host": True}, 4),
+    ("fp32", {}, 1),
+]
+
+
+def _accounting_world(rank):
+    from zo_megatron.model import GPTConfig, build_gpt_model
+    from zo_megatron.offload.engine import ZeroOffloadEngine
+    from zo_megatron.parallel import init_parallel
+
+    ps = init_parallel(1, seed=5, num_attention_heads=HEADS, hidden_size=HIDDEN)
+    out = []
+    for precision, kw, _ in _MEM_CASES:
+        cfg = GPTConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, vocab_size=VOCAB,
+                        max_position_embeddings=SEQ, precision=precision)
+        for dpu in (None, WARMUP):
+            model = build_gpt_model(cfg, ps.tp_rank, ps.tp_size, 5)
+            with ZeroOffloadEngine(model, precision=precision, bucket_size=3000, dp_group=ps.dp_group,
+                                   dpu_warmup_steps=dpu, **kw) as engine:
+                out.append(engine.accounting.as_dict())
+    return out
+
+
+def test_planner_dpu_line_equals_the_engine_accounting():
+    """The planner's `dpu_pending_grad` item is exactly what DPU adds to the engine's host bytes,
+    for 16-bit and fp32 host gradients and with host accumulation (DP=2: per partition)."""
+    from zo_megatron.planner import PlanInput, plan
+
+    accounts = run_world(_accounting_world, 2)[0]
+    for c, (precision, kw, accum) in enumerate(_MEM_CASES):
+        off, on = accounts[2 * c], accounts[2 * c + 1]
+        added = on["host_bytes"] - off["host_bytes"]
+        assert added == on["host_dpu_pending_bytes"] > 0
+        p = plan(PlanInput(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, vocab_size=VOCAB,
+                           seq_length=SEQ, max_position_embeddings=SEQ, data_parallel=2, micro_batch_size=MICRO,
+                           grad_accum_steps=accum, precision=precision, bucket_size=3000, dpu=True,
+                           host_grad_fp32=kw.get("host_grad_dtype") == "fp32",
+                           accumulate_on_host=kw.get("accumulate_on_host", False), device_is_host=True))
+        planned = p.host_items["dpu_pending_grad"] // p.ranks_per_node
+        assert abs(planned - added) <= 0.01 * added, (precision, kw, planned, added)
+
+
+# ------------------------------------------------------------------ the job: flags, timeline, plot
+def test_the_job_trains_with_dpu_writes_a_timeline_and_it_plots(tmp_path):
+    import json
+    import os
+
+    from tests.test_pretrain import TINY, _rows, _torchrun
+    from zo_megatron.data import extract_corpus
+    from zo_megatron.data.preprocess import preprocess
+
+    files = extract_corpus(str(tmp_path / "txt"), limit=8)
+    preprocess(files, str(tmp_path / "sotu"), progress=False)
+    log, tl = tmp_path / "log.jsonl", tmp_path / "run.timeline"
+    r = _torchrun(["--zero-offload", "--dpu", "--dpu-warmup-steps", "3", "--data-path",
+                   str(tmp_path / "sotu_text_document"), "--train-iters", "8", "--log-jsonl", str(log),
+                   "--timeline", str(tl), *TINY], tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "delayed parameter update after 3 exact updates" in r.stdout
+    assert [e["iteration"] for e in _rows(log, "eval")] == [4, 8]
+    for rank in (0, 1):
+        rows = [json.loads(line) for line in open(f"{tl}.rank{rank}")]
+        by_iter = {}
+        for row in rows:
+            assert row["rank"] == rank and row["end"] >= row["start"]
+            by_iter.setdefault(row["iteration"], set()).add(row["phase"])
+        assert sorted(by_iter) == list(range(1, 9))
+        for it, phases in by_iter.items():
+            assert {"forward", "backward", "grad_sync"} <= phases, (it, phases)
+        assert sum(row["phase"] == "cpu_step" for row in rows) == 8          # every update ran once
+        # from the 3rd update on the parameters return at the next step (or the flush before eval)
+        assert sum(row["phase"] == "cpu_step_wait" for row in rows) == 8 - 2
+    import subprocess
+    import sys
+
+    from tests.test_pretrain import ROOT
+
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plot_timeline.py"), str(tl), "--out",
+                        str(tmp_path / "t.png")], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "rank 1: mean ms" in p.stdout and "CPU step overlapped with forward/backward" in p.stdout
+    assert os.path.getsize(tmp_path / "t.png") > 10_000
+
+
+def test_dpu_without_zero_offload_is_one_line(tmp_path):
+    from tests.test_pretrain import TINY, _single
+
+    r = _single(["--dpu", "--train-iters", "2", *TINY], tmp_path)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "error: --dpu delays the CPU optimizer's update: add --zero-offload"], r.stderr

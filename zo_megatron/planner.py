@@ -17,7 +17,8 @@ b16 = 2 bytes (bf16/fp16) or 4 (fp32):
                          on the host) + activations + fragmentation + CUDA overhead
   device, baseline       16 bytes/param (2 param + 2 grad + 4 master + 4 m + 4 v; fp32: 4+4+4+4)
   host per GPU           Ψ/N · (4 master + 4|2 m + 4|2 v + b16 staging [+ 4 fp32 host gradients:
-                         staging 4 + 2 params] [+ 4 host accumulator] [+ b16 DPU pending grad])
+                         staging 4 + 2 params] [+ 4 host accumulator] [+ DPU: another gradient staging
+                         [+ accumulator]])
   host per node          host per GPU x ranks on the node + per-process overhead x ranks + OS reserve
   activations            stored: Korthikanti et al. 2022, s·b·h·(10 + 24/t + 5·a·s/(h·t)) bytes per layer
                          (16-bit, dropout, no sequence parallel); full recompute stores b16·s·b·h per
@@ -386,8 +387,9 @@ def _compute(inp: PlanInput) -> Plan:
             host_gpu["param_staging_16bit"] = w * part
         if inp.grad_accum_steps > 1 and inp.accumulate_on_host:
             host_gpu["grad_accumulator_fp32"] = 4 * part
-        if inp.dpu:
-            host_gpu["dpu_pending_grad"] = w * part
+        if inp.dpu:                       # the second landing set: gradients [+ fp32 accumulator]
+            host_gpu["dpu_pending_grad"] = wh * part + (
+                4 * part if inp.grad_accum_steps > 1 and inp.accumulate_on_host else 0)
     else:
         dev[p16] = w * psi
         dev["grads_fp32" if w == 4 else "grads_16bit"] = w * psi

@@ -82,8 +82,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ZeRO-Offload with gradient accumulation: reduce every micro-batch and add it into an "
                         "fp32 host accumulator, so the device keeps no gradient copy between micro-batches "
                         "(one reduce-scatter per micro-batch)")
-    g.add_argument("--dpu", action="store_true", help="delayed parameter update (not in this release)")
-    g.add_argument("--dpu-warmup-steps", type=int, default=40, help="exact steps before DPU starts")
+    g.add_argument("--dpu", action="store_true",
+                   help="ZeRO-Offload: delayed parameter update (docs/dpu.md): after the warm-up, the CPU Adam "
+                        "of step t runs while the device computes step t+1 on parameters one update behind")
+    g.add_argument("--dpu-warmup-steps", type=int, default=40,
+                   help="exact (non-delayed) updates before DPU starts (default: 40, the paper's choice)")
+    g.add_argument("--dpu-adam-threads", type=int, default=None,
+                   help="with --dpu: CPU Adam threads while it overlaps forward/backward (default: all of "
+                        "--cpu-adam-threads on a GPU; half of them on a CPU-only run, where torch keeps the rest)")
+    g.add_argument("--timeline", default=None, metavar="FILE",
+                   help="write per-step phase times (forward, backward, grad sync, CPU step, parameter "
+                        "return) as JSON lines, one FILE per rank (FILE.rankN when world > 1); plot with "
+                        "tools/plot_timeline.py")
 
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=None, help="samples per rank per micro-batch")
@@ -218,9 +228,8 @@ def finalize(args: argparse.Namespace) -> None:
         raise ConfigError(f"--bucket-size must be >= 1 element (got {args.bucket_size})")
     if args.save_interval is not None and args.save_interval < 1:
         raise ConfigError(f"--save-interval must be >= 1 (got {args.save_interval})")
-    if args.dpu:
-        raise ConfigError("--dpu (delayed parameter update) is not available in this release yet: "
-                          "drop --dpu for exact updates")
+    if args.dpu and not args.zero_offload:
+        raise ConfigError("--dpu delays the CPU optimizer's update: add --zero-offload")
     if args.exp_avg_dtype != args.exp_avg_sq_dtype:
         raise ConfigError(f"--exp-avg-dtype {args.exp_avg_dtype} and --exp-avg-sq-dtype {args.exp_avg_sq_dtype} "
                           "must match (the CPU Adam kernel keeps both moments in one dtype)")
@@ -257,6 +266,7 @@ _RANGES = [
     ("initial_loss_scale", lambda v: v > 0, "> 0"), ("min_loss_scale", lambda v: v > 0, "> 0"),
     ("loss_scale_window", lambda v: v >= 1, ">= 1"), ("hysteresis", lambda v: v >= 1, ">= 1"),
     ("cpu_adam_threads", lambda v: v >= 1, ">= 1"), ("dpu_warmup_steps", lambda v: v >= 1, ">= 1"),
+    ("dpu_adam_threads", lambda v: v >= 1, ">= 1"),
 ]
 
 

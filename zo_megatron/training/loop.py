@@ -45,7 +45,7 @@ def memory_check(args, env, dp: int, vocab_size: int) -> None:
         device_is_host=not cuda, bf16_optimizer_states=args.exp_avg_dtype == "bf16",
         device_overhead_bytes=GiB if cuda else 0, grad_reduce_fp32=args.accumulate_allreduce_grads_in_fp32,
         host_grad_fp32=args.main_grads_dtype == "fp32" and args.precision != "fp32",
-        accumulate_on_host=args.accumulate_grads_on_host,
+        accumulate_on_host=args.accumulate_grads_on_host, dpu=args.dpu,
         host_reserve_bytes=min(32 * GiB, host // 10), host_overhead_bytes_per_rank=(3 if cuda else 1) * GiB)
     p = plan(inp)
     args.memory_plan = p
@@ -130,11 +130,13 @@ def _build_optimizer(args, model, ps):
         return ZeroOffloadEngine(model, bucket_size=args.bucket_size, pin_memory=not args.no_pin_memory,
                                  device=ps.device, grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
                                  host_grad_dtype=args.main_grads_dtype,
-                                 accumulate_on_host=args.accumulate_grads_on_host, **common)
+                                 accumulate_on_host=args.accumulate_grads_on_host and args.grad_accum_steps > 1,
+                                 dpu_warmup_steps=args.dpu_warmup_steps if args.dpu else None, **common)
     return PlainDDPOptimizer(model.to(ps.device), **common)
 
 
 def _evaluate(model, optimizer, batches, eval_iters: int, ps, device) -> float:
+    optimizer.flush()                       # evaluate the parameters with every update applied
     model.eval()
     total, count = torch.zeros((), dtype=torch.float64, device=device), 0
     with torch.no_grad(), optimizer.forward_context():
@@ -161,17 +163,32 @@ def _cycle(make):
                             "lower --micro-batch-size or give the split more documents")
 
 
+def _set_threads(args, ps, adam_threads: int) -> None:
+    """CPU Adam threads; with --dpu the CPU Adam overlaps forward/backward, so on a CPU-only run
+    the rank's threads are split between it and torch's intra-op pool (docs/dpu.md)."""
+    from zo_megatron.offload import cpu_adam
+
+    if args.dpu:
+        if ps.device.type == "cuda":        # the device computes: the host's cores are the Adam's
+            adam_threads = args.dpu_adam_threads or adam_threads
+        else:
+            total = adam_threads
+            adam_threads = args.dpu_adam_threads or max(1, total // 2)
+            torch.set_num_threads(max(1, total - adam_threads))
+    cpu_adam.set_num_threads(adam_threads)
+
+
 def _train(args, env, tokenizer, data_path, cpu_adam_threads: int) -> int:
     from zo_megatron.checkpoint.sharded import load_checkpoint, save_checkpoint
     from zo_megatron.data import DPBatches, build_gpt_datasets
     from zo_megatron.model import GPTConfig, build_gpt_model
-    from zo_megatron.offload import cpu_adam
     from zo_megatron.parallel import destroy_parallel, init_parallel
+    from zo_megatron.training.timeline import Timeline
 
     t_start = time.monotonic()
     ps = init_parallel(args.tensor_parallel, seed=args.seed, num_attention_heads=args.num_attention_heads,
                        hidden_size=args.hidden_size)
-    cpu_adam.set_num_threads(args.cpu_adam_threads or cpu_adam_threads)
+    _set_threads(args, ps, args.cpu_adam_threads or cpu_adam_threads)
     metrics = Metrics(enabled=ps.rank == 0, total_iters=args.train_iters, jsonl_path=args.log_jsonl,
                       tensorboard_dir=args.tensorboard_dir, progress_bar=not args.no_progress_bar)
     stack = contextlib.ExitStack()
@@ -193,6 +210,9 @@ def _train(args, env, tokenizer, data_path, cpu_adam_threads: int) -> int:
         model = build_gpt_model(cfg, ps.tp_rank, ps.tp_size, args.seed)
         optimizer = _build_optimizer(args, model, ps)
         stack.callback(optimizer.close)
+        timeline = Timeline(args.timeline, ps.rank, ps.world_size, ps.device) if args.timeline else None
+        if timeline is not None:
+            stack.callback(timeline.close)
         start_iter, consumed = 0, 0
         expected = {k: getattr(args, k) for k in ("num_layers", "hidden_size", "num_attention_heads",
                                                   "seq_length", "precision", "zero_offload")}
@@ -216,14 +236,20 @@ def _train(args, env, tokenizer, data_path, cpu_adam_threads: int) -> int:
             lr = learning_rate(iteration, lr=args.lr, min_lr=args.min_lr, warmup_iters=args.lr_warmup_iters,
                                decay_iters=args.lr_decay_iters, style=args.lr_decay_style)
             step_loss = torch.zeros((), device=ps.device)
+            phase = timeline.phase if timeline is not None else _no_phase
             for m in range(args.grad_accum_steps):
                 b = next(train_iter)
-                with optimizer.forward_context():
+                with phase("forward", iteration + 1, m), optimizer.forward_context():
                     loss = model.loss(b["tokens"].to(ps.device), b["labels"].to(ps.device),
                                       b["loss_mask"].to(ps.device), b["position_ids"].to(ps.device))
-                optimizer.backward(loss / args.grad_accum_steps, last_micro_batch=m == args.grad_accum_steps - 1)
+                with phase("backward", iteration + 1, m):
+                    optimizer.backward(loss / args.grad_accum_steps,
+                                       last_micro_batch=m == args.grad_accum_steps - 1)
                 step_loss += loss.detach().float() / args.grad_accum_steps
             res = optimizer.step(lr)
+            phases = optimizer.drain_phases()
+            if timeline is not None:
+                timeline.record_all(iteration + 1, phases)
             iteration += 1
             consumed += gb
             metrics.advance()
@@ -242,9 +268,13 @@ def _train(args, env, tokenizer, data_path, cpu_adam_threads: int) -> int:
                 metrics.log_eval(iteration, last_val)
             if args.save and ((args.save_interval and iteration % args.save_interval == 0)
                               or iteration == args.train_iters):
+                optimizer.flush()          # a checkpoint holds no pending update: resume is exact
                 path = save_checkpoint(args.save, iteration, ps=ps, model=model, optimizer=optimizer,
                                        metadata=expected, consumed_samples=consumed)
                 metrics.print(f" saved checkpoint {path}")
+        optimizer.flush()                  # the last delayed update belongs to the trained model
+        if timeline is not None:
+            timeline.record_all(iteration, optimizer.drain_phases())
         elapsed = time.monotonic() - t_start
         if last_val is not None:
             metrics.print(f" done: {iteration} iterations in {elapsed / 60:.1f} min; final validation loss "
@@ -254,6 +284,11 @@ def _train(args, env, tokenizer, data_path, cpu_adam_threads: int) -> int:
         metrics.close()
         destroy_parallel()
     return 0
+
+
+@contextlib.contextmanager
+def _no_phase(*_):
+    yield
 
 
 def _log(metrics, window, iteration, lr, res, optimizer, ps, args, fpt, done) -> None:
@@ -291,7 +326,8 @@ def _banner(metrics, args, ps, cfg, optimizer, data_path, setup_s) -> None:
         f" precision: {args.precision} ({args.precision_reason}); gradients reduced in "
         f"{'fp32' if args.accumulate_allreduce_grads_in_fp32 or args.precision == 'fp32' else args.precision}"
         + (f", copied home as {args.main_grads_dtype or args.precision}" if args.zero_offload else "")
-        + (", accumulated on the host in fp32" if args.accumulate_grads_on_host else ""),
+        + (", accumulated on the host in fp32" if args.accumulate_grads_on_host else "")
+        + (f"; delayed parameter update after {args.dpu_warmup_steps} exact updates" if args.dpu else ""),
         f" model: GPT-2 {cfg.num_layers} layers x {cfg.hidden_size} hidden x {cfg.num_attention_heads} heads, "
         f"seq {args.seq_length}, vocab {cfg.vocab_size} (padded {cfg.padded_vocab_size(ps.tp_size)}), "
         f"{total / 1e6:.1f}M params ({local / 1e6:.1f}M on this TP rank)",

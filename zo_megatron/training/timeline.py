@@ -1,0 +1,57 @@
+"""Per-step phase times of one rank, as JSON lines: what overlaps what (`--timeline FILE`).
+
+One line per phase:  {"rank": 0, "iteration": 12, "phase": "backward", "micro": 1,
+                      "start": 8123.41, "end": 8123.52}
+Times are time.monotonic() seconds: one clock for every process on a machine, so the ranks'
+files line up; tools/plot_timeline.py draws them. Phases: forward and backward (per
+micro-batch, from the loop) and the optimizer's own (drain_phases(): grad_sync, cpu_step on the
+DPU worker, cpu_step_wait, param_return; the baseline's optimizer_step). On a GPU the loop
+synchronises the device at the end of forward and backward while a timeline is written, so
+their times are the device's, not the time to queue the kernels.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+
+import torch
+
+
+def timeline_path(path: str, rank: int, world_size: int) -> str:
+    """FILE for a 1-rank run, FILE.rankN otherwise (each rank writes its own file)."""
+    return path if world_size == 1 else f"{path}.rank{rank}"
+
+
+class Timeline:
+    def __init__(self, path: str, rank: int, world_size: int, device: torch.device):
+        self.path = timeline_path(path, rank, world_size)
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        self._f = open(self.path, "w")
+        self.rank = rank
+        self._sync = device.type == "cuda"
+        self._device = device
+
+    @contextlib.contextmanager
+    def phase(self, name: str, iteration: int, micro: int | None = None):
+        t0 = time.monotonic()
+        yield
+        if self._sync:
+            torch.cuda.synchronize(self._device)
+        self.record(name, iteration, t0, time.monotonic(), micro)
+
+    def record(self, name: str, iteration: int, start: float, end: float, micro: int | None = None) -> None:
+        row = {"rank": self.rank, "iteration": iteration, "phase": name, "start": round(start, 6),
+               "end": round(end, 6)}
+        if micro is not None:
+            row["micro"] = micro
+        self._f.write(json.dumps(row) + "\n")
+
+    def record_all(self, iteration: int, phases) -> None:
+        for name, start, end in phases:
+            self.record(name, iteration, start, end)
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
