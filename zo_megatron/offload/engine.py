@@ -467,8 +467,9 @@ class ZeroOffloadEngine:
         """(phase, start, end) in time.monotonic() seconds recorded since the last call: grad_sync,
         cpu_step (the worker's, under DPU), cpu_step_wait (the main thread waiting for it),
         param_return (host->device + all-gather)."""
-        out = list(self._phases)
-        self._phases.clear()
+        out = []
+        while self._phases:          # popleft, not clear(): the worker may append meanwhile
+            out.append(self._phases.popleft())
         return out
 
     def _params_to_device(self, k: int | None = None) -> None:
