@@ -34,10 +34,11 @@ def _batches(seed, dp, accum):
              for _ in range(accum)] for _ in range(STEPS)]
 
 
-def _dpu_world(rank, tp, precision, seed, accum, engine_kw, overflow_step=None, flush_at=None):
+def _dpu_world(rank, tp, precision, seed, accum, engine_kw, overflow_step=None, flush_at=None, backend=None):
     from zo_megatron.parallel import collectives
 
-    ps, cfg, model, engine = _setup(tp, seed, precision, dpu_warmup_steps=WARMUP, race_check=True, **engine_kw)
+    ps, cfg, model, engine = _setup(tp, seed, precision, backend=backend, dpu_warmup_steps=WARMUP, race_check=True,
+                                    **engine_kw)
     init = _full_params(model, ps)
     victim = model.gpt.decoder.layers[0].mlp.linear_fc1.weight
     poison_rank = min(1, dist.get_world_size() - 1)

@@ -176,6 +176,7 @@ def _set_threads(args, ps, adam_threads: int) -> None:
             adam_threads = args.dpu_adam_threads or max(1, total // 2)
             torch.set_num_threads(max(1, total - adam_threads))
     cpu_adam.set_num_threads(adam_threads)
+    args.threads_line = f"CPU Adam {adam_threads} threads, torch {torch.get_num_threads()}"
 
 
 def _train(args, env, tokenizer, data_path, cpu_adam_threads: int) -> int:
@@ -327,7 +328,8 @@ def _banner(metrics, args, ps, cfg, optimizer, data_path, setup_s) -> None:
         f"{'fp32' if args.accumulate_allreduce_grads_in_fp32 or args.precision == 'fp32' else args.precision}"
         + (f", copied home as {args.main_grads_dtype or args.precision}" if args.zero_offload else "")
         + (", accumulated on the host in fp32" if args.accumulate_grads_on_host else "")
-        + (f"; delayed parameter update after {args.dpu_warmup_steps} exact updates" if args.dpu else ""),
+        + (f"; delayed parameter update after {args.dpu_warmup_steps} exact updates "
+           f"({args.threads_line} per rank)" if args.dpu else ""),
         f" model: GPT-2 {cfg.num_layers} layers x {cfg.hidden_size} hidden x {cfg.num_attention_heads} heads, "
         f"seq {args.seq_length}, vocab {cfg.vocab_size} (padded {cfg.padded_vocab_size(ps.tp_size)}), "
         f"{total / 1e6:.1f}M params ({local / 1e6:.1f}M on this TP rank)",

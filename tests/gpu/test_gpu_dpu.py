@@ -1,0 +1,41 @@
+"""Delayed parameter update on one CUDA GPU against the same delayed AdamW reference as
+tests/test_dpu.py: the worker's CPU Adam runs while CUDA kernels of the next step are queued and
+running, the parameters return through the side stream and pinned buffers, and the race check
+(the flat device buffer must not change between the first forward and the end of backward of an
+overlapped step) is on. DP=2 runs through gloo for CUDA tensors (NCCL refuses two ranks on one GPU;
+see test_gpu_engine.py for what that proves and what it does not)."""
+import pytest
+
+from tests.gpu.conftest import HAVE_CUDA
+from tests.harness import run_world
+from tests.seeds import fresh_seed
+from tests.test_dpu import STEPS, WARMUP, _dpu_world, _reference
+
+pytest.importorskip("transformers")
+
+
+def _check(out, seed, dp, accum, tol, bias_tol, **ref_kw):
+    ref_losses, ref_final = _reference(out["init"], seed, dp, accum, WARMUP, **ref_kw)
+    for ours, ref in zip(out["losses"], ref_losses):
+        assert abs(ours - ref) / abs(ref) <= max(tol, 1e-5), (ours, ref)
+    for name, ref in ref_final.items():
+        err = ((out["final"][name] - ref).norm() / ref.norm()).item()
+        assert err <= (bias_tol if name.endswith(".bias") else tol), (name, err)
+
+
+@pytest.mark.parametrize("precision,engine_kw,tol,bias_tol", [
+    ("fp32", {}, 1e-5, 1e-5),
+    ("bf16", {}, 2e-2, 1e-1),
+    ("bf16", {"host_grad_dtype": "fp32"}, 2e-2, 1e-1)], ids=["fp32", "bf16", "bf16-host32"])
+def test_dpu_on_cuda_equals_the_delayed_reference(precision, engine_kw, tol, bias_tol):
+    seed = fresh_seed(f"gpu dpu {precision} {engine_kw}")
+    out = run_world(_dpu_world, 1, 1, precision, seed, 2, engine_kw, None, 6)[0]
+    assert out["in_flight"] == [i >= WARMUP - 1 for i in range(STEPS)]
+    _check(out, seed, 1, 2, tol, bias_tol, flush_at=6)
+
+
+def test_dpu_two_ranks_on_one_gpu():
+    seed = fresh_seed("gpu dpu dp2")
+    backend = "cpu:gloo,cuda:gloo" if HAVE_CUDA else "gloo"
+    out = run_world(_dpu_world, 2, 1, "fp32", seed, 2, {}, None, None, backend)[0]
+    _check(out, seed, 2, 2, 1e-5, 1e-5)
