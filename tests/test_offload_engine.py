@@ -133,8 +133,12 @@ def _max_rel(a, b):
 @pytest.mark.parametrize("tp,world,accum,engine_kw", [
     (1, 1, ACCUM, {}), (1, 2, ACCUM, {}), (2, 2, ACCUM, {}), (2, 4, ACCUM, {}), (1, 4, ACCUM, {}),
     # gradients accumulated on the host in fp32: every micro-batch is reduced and added there
-    (1, 2, 1, {"accumulate_on_host": True}), (2, 2, 4, {"accumulate_on_host": True})],
-    ids=["tp1dp1", "tp1dp2", "tp2dp1", "tp2dp2", "tp1dp4", "tp1dp2-hostacc1", "tp2dp1-hostacc4"])
+    (1, 2, 1, {"accumulate_on_host": True}), (2, 2, 4, {"accumulate_on_host": True}),
+    # partial offload: the tail of each partition updated on the device by torch's fused Adam
+    (1, 1, ACCUM, {"optimizer_offload_fraction": 0.0}), (1, 2, ACCUM, {"optimizer_offload_fraction": 0.0}),
+    (1, 1, ACCUM, {"optimizer_offload_fraction": 0.3}), (1, 2, ACCUM, {"optimizer_offload_fraction": 0.3})],
+    ids=["tp1dp1", "tp1dp2", "tp2dp1", "tp2dp2", "tp1dp4", "tp1dp2-hostacc1", "tp2dp1-hostacc4",
+         "tp1dp1-offload0", "tp1dp2-offload0", "tp1dp1-offload0.3", "tp1dp2-offload0.3"])
 def test_fp32_equals_torch_adamw(tp, world, accum, engine_kw):
     seed = fresh_seed(f"fp32 tp{tp} world{world} accum{accum} {engine_kw}")
     out = run_world(_train_world, world, tp, "fp32", seed, accum, engine_kw)[0]
@@ -362,3 +366,67 @@ def test_clear_errors():
         assert "DP ranks disagree on the parameter partitioning" in msgs["dp"]
         assert "not covered by the flat buffer" in msgs["uncovered"]
         assert "decoder.final_layernorm.weight" in msgs["uncovered"]
+
+
+def _offload_fraction_state_world(rank, seed):
+    """Train 3 steps with 30% of each partition on the host, save the state, load it into engines
+    that keep 70% / all of it on the host, and take 2 more identical steps with each."""
+    ps, cfg, model, engine = _setup(1, seed, "fp32", optimizer_offload_fraction=0.3)
+    batches = _batches(seed + 7, ps.dp_size, 1)
+    mine = slice(ps.dp_rank * MICRO, (ps.dp_rank + 1) * MICRO)
+
+    def train(m, e, steps):
+        for step in steps:
+            tokens, labels = batches[step][0]
+            e.backward(m.loss(tokens[mine], labels[mine]))
+            e.step(lr=_lr(step))
+
+    train(model, engine, range(3))
+    sd = engine.state_dict()
+    out = {}
+    for f in (0.7, 1.0):
+        _, _, m2, e2 = _setup(1, seed + 1, "fp32", optimizer_offload_fraction=f)   # other initial weights
+        e2.load_state_dict(sd)
+        assert all(torch.equal(a, b) for a, b in zip(e2.state_dict()["params"].values(), sd["params"].values())
+                   for a, b in ((a["master"], b["master"]), (a["exp_avg"], b["exp_avg"])))
+        train(m2, e2, range(3, 5))
+        out[f] = _full_params(m2, ps)
+        e2.close()
+    train(model, engine, range(3, 5))
+    out[0.3] = _full_params(model, ps)
+    engine.close()
+    return out
+
+
+def test_optimizer_state_moves_between_offload_fractions():
+    seed = fresh_seed("offload fraction state")
+    out = run_world(_offload_fraction_state_world, 2, seed)[0]
+    for f in (0.7, 1.0):
+        for name, ref in out[0.3].items():
+            assert _max_rel(out[f][name], ref) <= 1e-5, (f, name)
+
+
+def _offload_accounting_world(rank, fractions):
+    out = []
+    for f in fractions:
+        ps, cfg, model, engine = _setup(1, 5, "bf16", bucket_size=40_000, optimizer_offload_fraction=f)
+        out.append(engine.accounting.as_dict())
+        engine.close()
+    return out
+
+
+def test_planner_and_accounting_agree_for_each_offload_fraction():
+    """Device optimizer bytes and host bytes of the engine vs the planner's items, F in {0, 0.3, 1}."""
+    from zo_megatron.planner import PlanInput, plan
+
+    fractions = (0.0, 0.3, 1.0)
+    accounts = run_world(_offload_accounting_world, 2, fractions)[0]
+    for f, acc in zip(fractions, accounts):
+        p = plan(PlanInput(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, vocab_size=VOCAB,
+                           seq_length=SEQ, max_position_embeddings=SEQ, data_parallel=2, micro_batch_size=MICRO,
+                           precision="bf16", bucket_size=40_000, optimizer_offload_fraction=f, device_is_host=True))
+        planned_dev = p.device_items.get("optimizer_on_device_fp32", 0)
+        assert abs(planned_dev - acc["device_optimizer_bytes"]) <= 0.02 * max(acc["device_optimizer_bytes"], 1), f
+        assert (planned_dev == 0) == (f == 1.0)
+        assert abs(p.host_bytes_per_gpu - acc["host_bytes"]) <= 0.02 * max(acc["host_bytes"], 1), \
+            (f, p.host_bytes_per_gpu, acc["host_bytes"])

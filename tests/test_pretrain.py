@@ -165,13 +165,19 @@ def test_offload_and_ddp_baseline_agree_in_fp32_and_baseline_runs_bf16(sotu_pref
     follow the same trajectory (same model, data and AdamW math), here at TP=1 x DP=2."""
     common = ["--data-path", sotu_prefix, "--train-iters", "5", *TINY, "--eval-interval", "100"]
     losses = {}
-    for name, extra in (("offload", ["--zero-offload", "--fp32"]), ("ddp", ["--fp32"]), ("ddp_bf16", ["--bf16"])):
+    out = {}
+    for name, extra in (("offload", ["--zero-offload", "--fp32"]), ("ddp", ["--fp32"]), ("ddp_bf16", ["--bf16"]),
+                        # the planner finds that the whole optimizer fits on the (CPU) device
+                        ("offload_auto", ["--zero-offload", "--fp32", "--optimizer-offload-fraction", "auto"])):
         log = tmp_path / f"{name}.jsonl"
         r = _torchrun([*common, *extra, "--log-jsonl", str(log)], tmp_path)
         assert r.returncode == 0, name + r.stderr[-3000:]
         losses[name] = [row["loss"] for row in _rows(log, "train")]
-    for a, b in zip(losses["offload"], losses["ddp"]):
-        assert abs(a - b) / abs(b) <= 1e-4, (losses["offload"], losses["ddp"])
+        out[name] = r.stdout
+    assert "optimizer 0% on the host, the rest on the device (auto)" in out["offload_auto"]
+    for variant in ("offload", "offload_auto"):
+        for a, b in zip(losses[variant], losses["ddp"]):
+            assert abs(a - b) / abs(b) <= 1e-4, (variant, losses[variant], losses["ddp"])
     assert losses["ddp_bf16"][-1] < losses["ddp_bf16"][0]
 
 

@@ -95,6 +95,7 @@ class PlanInput:
     grad_reduce_fp32: bool | None = None  # fp32 bucket buffers + reduce-scatter; None: on for bf16 (Megatron)
     host_grad_fp32: bool = False  # reduced gradients copied home in fp32 (needs grad_reduce_fp32)
     device_is_host: bool = False  # CPU runs: "device" bytes also live in host RAM
+    optimizer_offload_fraction: float = 1.0  # share of each partition's optimizer on the host (Megatron's name)
 
     def normalized_recompute(self) -> str | None:
         r = self.recompute
@@ -145,6 +146,8 @@ class PlanInput:
             raise ValueError("host_grad_fp32 needs grad_reduce_fp32")
         if self.dpu and not self.zero_offload:
             raise ValueError("dpu (delayed parameter update) requires zero_offload")
+        if not 0.0 <= self.optimizer_offload_fraction <= 1.0:
+            raise ValueError(f"optimizer_offload_fraction must be in [0, 1], got {self.optimizer_offload_fraction}")
         for name in ("gpu_memory_bytes", "host_memory_bytes_per_node"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
@@ -377,6 +380,13 @@ def _compute(inp: PlanInput) -> Plan:
             dev["reduce_scatter_scratch"] = wg * bucket
         if inp.grad_accum_steps > 1 and not inp.accumulate_on_host:
             dev["grads_kept_across_microbatches"] = w * psi_pad
+        # --optimizer-offload-fraction F: the engine keeps the partition's first F on the host
+        # (rounded to 64 elements) and the tail on the device: fp32 master, m, v and gradient there.
+        tail = 0 if inp.optimizer_offload_fraction >= 1 else \
+            part - min(part, round(inp.optimizer_offload_fraction * part / 64) * 64)
+        if tail:
+            dev["optimizer_on_device_fp32"] = 16 * tail
+        part -= tail
         host_gpu["master_fp32"] = 4 * part
         host_gpu["adam_exp_avg"] = opt_b * part
         host_gpu["adam_exp_avg_sq"] = opt_b * part
@@ -448,6 +458,18 @@ def _compute(inp: PlanInput) -> Plan:
                 replicated_params_per_tp_rank=counts["replicated_per_tp_rank"],
                 vocab_size_padded=V_pad, world_size=world, num_nodes=nodes,
                 ranks_per_node=per_node, fits_device=fits_device, fits_host=fits_host)
+
+
+def solve_offload_fraction(inp: PlanInput, step: float = 0.05) -> float | None:
+    """`--optimizer-offload-fraction auto`: the smallest host share F (so the largest device share
+    of the optimizer), on a grid of `step`, with which the run fits; None if not even F=1 fits."""
+    n = round(1 / step)
+    for i in range(n + 1):
+        f = i / n
+        p = _try(inp.replace(optimizer_offload_fraction=f))
+        if p is not None and p.fits:
+            return f
+    return None
 
 
 def _try(inp: PlanInput) -> Plan | None:

@@ -76,7 +76,8 @@ class DeviceLayer:
         """dst (host) <- src (device) once the collective `work` (or None) has produced src.
 
         `scratch` (device, dst's dtype, src's size) is where CUDA narrows src to dst's dtype before
-        the copy, so only dst's bytes cross the bus. Returns a handle for `release()`."""
+        the copy, so only dst's bytes cross the bus. dst may also be a device tensor (the device
+        tail of a partial offload): the same ordering, no bus. Returns a handle for `release()`."""
         if not self.is_cuda:
             handle = _DeferredCopy(work, dst, src)
             self._pending.append(handle)
@@ -86,7 +87,7 @@ class DeviceLayer:
         with torch.cuda.stream(self._stream):
             if work is not None:
                 work.wait()                        # the side stream waits for the collective
-            if src.dtype != dst.dtype:
+            if src.dtype != dst.dtype and scratch is not None:
                 scratch.copy_(src)
                 src = scratch
             dst.copy_(src, non_blocking=True)

@@ -71,7 +71,8 @@ from zo_megatron.errors import ConfigError
 from zo_megatron.offload import cpu_adam
 from zo_megatron.offload.accounting import Accounting
 from zo_megatron.offload.device import DeviceLayer
-from zo_megatron.offload.flat_buffer import FlatLayout
+from zo_megatron.offload.device_optimizer import DeviceOptimizerTail
+from zo_megatron.offload.flat_buffer import ALIGN, FlatLayout
 from zo_megatron.offload.loss_scaler import ConstantLossScaler, DynamicLossScaler
 from zo_megatron.optimizer_api import AdamConfig, StepResult
 from zo_megatron.parallel import collectives
@@ -101,7 +102,8 @@ class ZeroOffloadEngine:
                  loss_scaler=None, no_decay_embeddings: bool = False, device: torch.device | None = None,
                  pin_memory: bool = True, grad_reduce_in_fp32: bool | None = None,
                  host_grad_dtype: str | None = None, accumulate_on_host: bool = False,
-                 dpu_warmup_steps: int | None = None, race_check: bool = False):
+                 dpu_warmup_steps: int | None = None, race_check: bool = False,
+                 optimizer_offload_fraction: float = 1.0):
         if precision not in _DTYPES:
             raise ConfigError(f"precision must be bf16, fp16 or fp32 (got {precision!r})")
         self.model = model
@@ -130,6 +132,17 @@ class ZeroOffloadEngine:
         if dpu_warmup_steps is not None and dpu_warmup_steps < 1:
             raise ConfigError(f"DPU warm-up must be >= 1 step (got {dpu_warmup_steps})")
         self.dpu_warmup_steps = dpu_warmup_steps
+        f = optimizer_offload_fraction
+        if not (isinstance(f, (int, float)) and 0.0 <= f <= 1.0):
+            raise ConfigError(f"the optimizer offload fraction must be in [0, 1] (got {f!r})")
+        if f < 1.0:
+            for bad, why in ((dpu_warmup_steps is not None, "--dpu (the device tail would not be delayed)"),
+                             (accumulate_on_host, "--accumulate-grads-on-host (the tail has no host gradients)"),
+                             (not self.adam.bias_correction, "Adam without bias correction (torch's has it)")):
+                if bad:
+                    raise ConfigError(f"--optimizer-offload-fraction {f:g} < 1 cannot be combined with {why}: "
+                                      "use one or the other")
+        self.offload_fraction = float(f)
         # race_check (tests, debugging): snapshot the flat parameters at the first forward of a
         # step that overlaps a CPU update and fail in step() if anything changed them meanwhile.
         self.race_check = race_check
@@ -148,7 +161,10 @@ class ZeroOffloadEngine:
         except BaseException:
             self.dev.close()
             raise
-        self._norm_segments = [(s.start, s.end, s.counted) for s in self.layout.segments]
+        # The host's segments, cut where the device tail begins.
+        self._host_segments = [(s.start, min(s.end, self._cut), s.decay, s.counted)
+                               for s in self.layout.segments if s.start < self._cut]
+        self._norm_segments = [(a, e, c) for a, e, _, c in self._host_segments]
         self.step_count = 0
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="zo-dpu") if dpu_warmup_steps else None
         self._pending = None                # (future, landing set, StepResult) of the update in flight
@@ -192,21 +208,27 @@ class ZeroOffloadEngine:
             raise ConfigError(f"optimizer state dtype must be fp32 or bf16 (got {self.adam.state_dtype!r})")
         self.flat = self.dev.device_empty(L.numel, self.dtype)
         self.flat.zero_()                               # bucket padding stays zero forever
-        self.master = torch.zeros(L.host_numel, dtype=torch.float32)
-        self.exp_avg = torch.zeros(L.host_numel, dtype=state_dtype)
-        self.exp_avg_sq = torch.zeros(L.host_numel, dtype=state_dtype)
+        # Host elements [0, cut) of the partition are the CPU Adam's; the tail stays on the device
+        # (optimizer_offload_fraction < 1, see device_optimizer.py).
+        f = self.offload_fraction
+        self._cut = cut = L.host_numel if f >= 1.0 else min(L.host_numel, round(f * L.host_numel / ALIGN) * ALIGN)
+        self._tail = DeviceOptimizerTail(L, cut, self.device, self.adam, self.flat, self.dp_rank) \
+            if cut < L.host_numel else None
+        self.master = torch.zeros(cut, dtype=torch.float32)
+        self.exp_avg = torch.zeros(cut, dtype=state_dtype)
+        self.exp_avg_sq = torch.zeros(cut, dtype=state_dtype)
         # Reduced gradient shards arrive in host_grad. The kernel writes the updated 16-bit
         # parameters into host_param, which goes back to the device; when both have the parameter
         # dtype they are one buffer (the kernel reads the gradient before it writes the parameter).
         # With DPU there are two landing sets (gradient, parameter-out alias, accumulator): step
         # t+1's gradients land in one while the worker updates from the other.
         sets = 2 if self.dpu_warmup_steps else 1
-        self._grads = [self.dev.host_empty(L.host_numel, self.host_grad_dtype).zero_() for _ in range(sets)]
+        self._grads = [self.dev.host_empty(cut, self.host_grad_dtype).zero_() for _ in range(sets)]
         if self.host_grad_dtype == self.dtype:
             self._params = self._grads
         else:   # a separate 16-bit output: one is enough (it is read back before the next update)
-            self._params = [self.dev.host_empty(L.host_numel, self.dtype).zero_()] * sets
-        self._accs = [torch.zeros(L.host_numel, dtype=torch.float32) for _ in range(sets)] \
+            self._params = [self.dev.host_empty(cut, self.dtype).zero_()] * sets
+        self._accs = [torch.zeros(cut, dtype=torch.float32) for _ in range(sets)] \
             if self.accumulate_on_host else [None] * sets
         self._cur = 0                                   # the landing set of the current step
         n_buffers = min(2, len(L.buckets))
@@ -221,6 +243,7 @@ class ZeroOffloadEngine:
         acc.device_param_bytes = L.numel * esz
         acc.device_bucket_bytes = sum(b.numel() * b.element_size() for b in self._grad_buffers) + sum(
             s.numel() * s.element_size() for s in self._scratch if s is not None)
+        acc.device_optimizer_bytes = 0 if self._tail is None else self._tail.nbytes
         acc.host_master_bytes = self.master.numel() * 4
         acc.host_optimizer_bytes = 2 * self.exp_avg.numel() * self.exp_avg.element_size()
         nbytes = lambda t: 0 if t is None else t.numel() * t.element_size()   # noqa: E731
@@ -229,6 +252,18 @@ class ZeroOffloadEngine:
         acc.host_accumulator_bytes = nbytes(self._accs[0])
         acc.host_dpu_pending_bytes = sum(nbytes(g) + nbytes(a) for g, a in zip(self._grads[1:], self._accs[1:]))
         self.accounting = acc
+
+    def _state_pieces(self, host: int, n: int):
+        """Partition elements [host, host + n) as (offset, length, master, exp_avg, exp_avg_sq)
+        views: the part before the cut on the host, the rest in the device tail."""
+        cut = self._cut
+        if host < cut:
+            m = min(n, cut - host)
+            yield 0, m, self.master[host:host + m], self.exp_avg[host:host + m], self.exp_avg_sq[host:host + m]
+        if host + n > cut:
+            t, a = self._tail, max(host, cut) - cut
+            off, m = max(0, cut - host), host + n - max(host, cut)
+            yield off, m, t.master[a:a + m], t.exp_avg[a:a + m], t.exp_avg_sq[a:a + m]
 
     # The current step's landing set.
     host_grad = property(lambda self: self._grads[self._cur])
@@ -247,7 +282,8 @@ class ZeroOffloadEngine:
         for s in L.slots:
             src = s.param.detach().reshape(-1)
             for host, pstart, n in fragments.get(id(s), ()):
-                self.master[host:host + n].copy_(src[pstart:pstart + n])
+                for off, m, master, _, _ in self._state_pieces(host, n):
+                    master.copy_(src[pstart + off:pstart + off + m])
             self.flat[s.start:s.start + s.numel].copy_(src.to(self.dtype) if src.device.type == "cpu" else src)
             s.param.data = self.flat[s.start:s.start + s.numel].view(s.param.shape)
         for module in self.model.modules():     # buffers and frozen parameters follow the model
@@ -303,7 +339,7 @@ class ZeroOffloadEngine:
         self._next = 0                                   # the next bucket to reduce-scatter
         self._open: dict[int, tuple[int, torch.Tensor]] = {}   # bucket -> (buffer index, view)
         self._free = list(range(len(self._grad_buffers)))
-        self._in_use: dict[int, object] = {}            # buffer -> its pending copy home
+        self._in_use: dict[int, tuple] = {}             # buffer -> its pending copies home
         self._waiting: list[list] = [[] for _ in range(nb)]   # slots ready before their bucket opened
         self._absorbed = [False] * len(self.layout.slots)
         self._count = [0] * nb                           # slots absorbed per bucket
@@ -321,7 +357,8 @@ class ZeroOffloadEngine:
     def _open_bucket(self, b: int) -> None:
         """Give bucket b (inside the window) a zeroed buffer and absorb its waiting gradients."""
         i = self._free.pop(0)                            # the longest-free buffer: its copy is oldest
-        self.dev.release(self._in_use.pop(i, None))     # its last copy home has read it
+        for handle in self._in_use.pop(i, ()):          # its last copies home have read it
+            self.dev.release(handle)
         buf = self._grad_buffers[i][: self.layout.buckets[b].numel]
         buf.zero_()
         self._open[b] = (i, buf)
@@ -360,10 +397,17 @@ class ZeroOffloadEngine:
         mine = buf[self.dp_rank * n:(self.dp_rank + 1) * n]
         work = collectives.reduce_scatter(mine, buf, self.dp_group, async_op=True)   # in place
         self.accounting.ring(buf.numel() * buf.element_size(), self.dp_size)
-        dst = self.host_grad[bucket.host_start:bucket.host_start + n]
-        scratch = self._scratch[i][:n] if self._scratch[i] is not None else None
-        self._in_use[i] = self.dev.copy_home(work, dst, mine, scratch)
-        self.accounting.d2h_bytes += n * dst.element_size()
+        hs, m = bucket.host_start, min(n, max(0, self._cut - bucket.host_start))   # m: the host's part
+        handles = []
+        if m:
+            dst = self.host_grad[hs:hs + m]
+            scratch = self._scratch[i][:m] if self._scratch[i] is not None else None
+            handles.append(self.dev.copy_home(work, dst, mine[:m], scratch))
+            self.accounting.d2h_bytes += m * dst.element_size()
+        if m < n:                                        # the device tail's gradients stay on the device
+            t0 = hs + m - self._cut
+            handles.append(self.dev.copy_home(work, self._tail.grad[t0:t0 + n - m], mine[m:]))
+        self._in_use[i] = tuple(handles)
         self._free.append(i)
         self._next = b + 1
 
@@ -397,8 +441,11 @@ class ZeroOffloadEngine:
         self._check_no_race()
         grad = self.host_acc if self.accumulate_on_host else self.host_grad
         scale = self.loss_scaler.scale
-        sumsq, finite = cpu_adam.grad_sumsq_and_finite_segments(grad, self._norm_segments)
+        sumsq, finite = cpu_adam.grad_sumsq_and_finite_segments(grad, self._norm_segments) \
+            if self._norm_segments else (0.0, True)
         stats = torch.tensor([sumsq, 0.0 if finite else 1.0], dtype=torch.float64)
+        if self._tail is not None:                       # one device->host copy for both numbers
+            stats += self._tail.grad_sumsq_and_nonfinite().cpu()
         collectives.all_reduce(stats)                    # over every TP and DP rank
         found_inf = bool(stats[1].item() > 0) or not math.isfinite(stats[0].item())
         grad_norm = math.sqrt(stats[0].item()) / scale if not found_inf else float("nan")
@@ -417,6 +464,8 @@ class ZeroOffloadEngine:
             self._pending = (self._worker.submit(self._cpu_update, *update), k, result)
             self._cur = 1 - k                            # step t+1's gradients land in the other set
         else:
+            if self._tail is not None:     # queued first: on a GPU it runs while the CPU Adam does
+                self._tail.step(self.step_count, update[3], update[4])
             self._cpu_update(*update)
             self._params_to_device(k)
         return result
@@ -454,11 +503,12 @@ class ZeroOffloadEngine:
         t0 = time.monotonic()
         a = self.adam
         out = self._params[k]
-        segments = [(s.start, s.end, a.weight_decay if s.decay else 0.0) for s in self.layout.segments]
-        cpu_adam.adam_step_segments(
-            self.master, grad, self.exp_avg, self.exp_avg_sq, segments, step=step, lr=lr, beta1=a.beta1,
-            beta2=a.beta2, eps=a.eps, adamw=a.adamw, bias_correction=a.bias_correction, grad_scale=grad_scale,
-            param16_out=out if self.dtype != torch.float32 else None)
+        segments = [(s, e, a.weight_decay if decay else 0.0) for s, e, decay, _ in self._host_segments]
+        if segments:
+            cpu_adam.adam_step_segments(
+                self.master, grad, self.exp_avg, self.exp_avg_sq, segments, step=step, lr=lr, beta1=a.beta1,
+                beta2=a.beta2, eps=a.eps, adamw=a.adamw, bias_correction=a.bias_correction,
+                grad_scale=grad_scale, param16_out=out if self.dtype != torch.float32 else None)
         if self.dtype == torch.float32:     # fp32 mode: the parameter copy is the master itself
             out.copy_(self.master)
         self._phases.append(("cpu_step", t0, time.monotonic()))
@@ -481,9 +531,10 @@ class ZeroOffloadEngine:
         esz = self.flat.element_size()
         for bucket in self.layout.buckets:
             lo, hi = bucket.shard_range(self.dp_rank)
-            n = hi - lo
-            self.dev.copy_to_device(self.flat[lo:hi], host_param[bucket.host_start:bucket.host_start + n])
-            self.accounting.h2d_bytes += n * esz
+            n = min(hi - lo, max(0, self._cut - bucket.host_start))   # the device tail is already there
+            if n:
+                self.dev.copy_to_device(self.flat[lo:lo + n], host_param[bucket.host_start:bucket.host_start + n])
+                self.accounting.h2d_bytes += n * esz
             works.append(collectives.all_gather(self.flat[bucket.start:bucket.end], self.flat[lo:hi],
                                                 self.dp_group, async_op=True))
             self.accounting.ring(bucket.numel * esz, self.dp_size)
@@ -495,6 +546,8 @@ class ZeroOffloadEngine:
         """Re-derive the 16-bit parameters from the fp32 master (after loading a checkpoint)."""
         self.flush()
         self.host_param.copy_(self.master.to(self.dtype))
+        if self._tail is not None:
+            self._tail.write_params()
         self._params_to_device()
 
     # ------------------------------------------------------------------------------------- state
@@ -515,9 +568,8 @@ class ZeroOffloadEngine:
                 # where this TP shard starts along tp_axis in the full (vocab-padded) tensor
                 "tp_offset": 0 if axis is None else self.tp_rank * p.shape[axis],
                 "fragment": (pstart, pstart + n),
-                "master": self.master[host:host + n].clone(),
-                "exp_avg": self.exp_avg[host:host + n].clone(),
-                "exp_avg_sq": self.exp_avg_sq[host:host + n].clone(),
+                **{key: torch.cat([piece[2 + j].cpu() for piece in self._state_pieces(host, n)]).clone()
+                   for j, key in enumerate(("master", "exp_avg", "exp_avg_sq"))},
             }
         return {"step": self.step_count, "adam": asdict(self.adam), "precision": self.precision,
                 "dp_size": self.dp_size, "dp_rank": self.dp_rank, "tp_rank": self.tp_rank,
@@ -534,9 +586,9 @@ class ZeroOffloadEngine:
                 raise ConfigError(f"optimizer state for {s.name!r} was saved for another layout "
                                   f"(shape {tuple(entry['local_shape'])}, fragment {tuple(entry['fragment'])}; "
                                   f"here {tuple(s.param.shape)}, {(pstart, pstart + n)}): reshard it first")
-            self.master[host:host + n].copy_(entry["master"])
-            self.exp_avg[host:host + n].copy_(entry["exp_avg"])
-            self.exp_avg_sq[host:host + n].copy_(entry["exp_avg_sq"])
+            for off, m, *views in self._state_pieces(host, n):
+                for view, key in zip(views, ("master", "exp_avg", "exp_avg_sq")):
+                    view.copy_(entry[key][off:off + m])
         self.step_count = int(sd["step"])
         self.loss_scaler.load_state_dict(sd["loss_scaler"])
         self.reload_params_from_master()

@@ -90,6 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dpu-adam-threads", type=int, default=None,
                    help="with --dpu: CPU Adam threads while it overlaps forward/backward (default: all of "
                         "--cpu-adam-threads on a GPU; half of them on a CPU-only run, where torch keeps the rest)")
+    g.add_argument("--optimizer-offload-fraction", default="1.0", metavar="F|auto",
+                   help="ZeRO-Offload: share of each rank's optimizer partition updated by the CPU Adam on the "
+                        "host (Megatron's name; default 1.0: all of it). The rest keeps fp32 master and moments "
+                        "on the device (16 bytes/param) and is updated there by torch's fused Adam, "
+                        "concurrently on a GPU. auto: the smallest share with which the memory planner says "
+                        "the run fits")
     g.add_argument("--timeline", default=None, metavar="FILE",
                    help="write per-step phase times (forward, backward, grad sync, CPU step, parameter "
                         "return) as JSON lines, one FILE per rank (FILE.rankN when world > 1); plot with "
@@ -230,6 +236,7 @@ def finalize(args: argparse.Namespace) -> None:
         raise ConfigError(f"--save-interval must be >= 1 (got {args.save_interval})")
     if args.dpu and not args.zero_offload:
         raise ConfigError("--dpu delays the CPU optimizer's update: add --zero-offload")
+    _check_offload_fraction(args)
     if args.exp_avg_dtype != args.exp_avg_sq_dtype:
         raise ConfigError(f"--exp-avg-dtype {args.exp_avg_dtype} and --exp-avg-sq-dtype {args.exp_avg_sq_dtype} "
                           "must match (the CPU Adam kernel keeps both moments in one dtype)")
@@ -268,6 +275,31 @@ _RANGES = [
     ("cpu_adam_threads", lambda v: v >= 1, ">= 1"), ("dpu_warmup_steps", lambda v: v >= 1, ">= 1"),
     ("dpu_adam_threads", lambda v: v >= 1, ">= 1"),
 ]
+
+
+def _check_offload_fraction(args: argparse.Namespace) -> None:
+    """--optimizer-offload-fraction: a float in [0, 1] or "auto" (solved by the memory check)."""
+    v = str(args.optimizer_offload_fraction).strip().lower()
+    if v == "auto":
+        args.optimizer_offload_fraction = "auto"
+    else:
+        try:
+            f = float(v)
+        except ValueError:
+            f = float("nan")
+        if not 0.0 <= f <= 1.0:
+            raise ConfigError(f"--optimizer-offload-fraction {args.optimizer_offload_fraction} is not a number "
+                              "in [0, 1] or 'auto': e.g. 0.5 keeps half of the optimizer on the device")
+        args.optimizer_offload_fraction = f
+    if args.optimizer_offload_fraction != 1.0:
+        if not args.zero_offload:
+            raise ConfigError("--optimizer-offload-fraction splits the CPU optimizer: add --zero-offload")
+        if args.dpu:
+            raise ConfigError("--optimizer-offload-fraction below 1 cannot be combined with --dpu (the device "
+                              "part would not be delayed): use one or the other")
+        if args.accumulate_grads_on_host:
+            raise ConfigError("--optimizer-offload-fraction below 1 cannot be combined with "
+                              "--accumulate-grads-on-host: use one or the other")
 
 
 def _check_ranges(args: argparse.Namespace) -> None:

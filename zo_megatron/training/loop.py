@@ -46,7 +46,15 @@ def memory_check(args, env, dp: int, vocab_size: int) -> None:
         device_overhead_bytes=GiB if cuda else 0, grad_reduce_fp32=args.accumulate_allreduce_grads_in_fp32,
         host_grad_fp32=args.main_grads_dtype == "fp32" and args.precision != "fp32",
         accumulate_on_host=args.accumulate_grads_on_host, dpu=args.dpu,
-        host_reserve_bytes=min(32 * GiB, host // 10), host_overhead_bytes_per_rank=(3 if cuda else 1) * GiB)
+        host_reserve_bytes=min(32 * GiB, host // 10), host_overhead_bytes_per_rank=(3 if cuda else 1) * GiB,
+        optimizer_offload_fraction=1.0 if args.optimizer_offload_fraction == "auto" else args.optimizer_offload_fraction)
+    if args.optimizer_offload_fraction == "auto":
+        from zo_megatron.planner import solve_offload_fraction
+
+        f = solve_offload_fraction(inp)
+        args.optimizer_offload_fraction = 1.0 if f is None else f     # None: let the check below explain
+        args.offload_fraction_reason = "auto: the smallest host share that fits" if f is not None else "auto"
+        inp = inp.replace(optimizer_offload_fraction=args.optimizer_offload_fraction)
     p = plan(inp)
     args.memory_plan = p
     if not p.fits and not args.skip_memory_check:
@@ -131,7 +139,8 @@ def _build_optimizer(args, model, ps):
                                  device=ps.device, grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
                                  host_grad_dtype=args.main_grads_dtype,
                                  accumulate_on_host=args.accumulate_grads_on_host and args.grad_accum_steps > 1,
-                                 dpu_warmup_steps=args.dpu_warmup_steps if args.dpu else None, **common)
+                                 dpu_warmup_steps=args.dpu_warmup_steps if args.dpu else None,
+                                 optimizer_offload_fraction=args.optimizer_offload_fraction, **common)
     return PlainDDPOptimizer(model.to(ps.device), **common)
 
 
@@ -328,6 +337,9 @@ def _banner(metrics, args, ps, cfg, optimizer, data_path, setup_s) -> None:
         f"{'fp32' if args.accumulate_allreduce_grads_in_fp32 or args.precision == 'fp32' else args.precision}"
         + (f", copied home as {args.main_grads_dtype or args.precision}" if args.zero_offload else "")
         + (", accumulated on the host in fp32" if args.accumulate_grads_on_host else "")
+        + (f"; optimizer {args.optimizer_offload_fraction:.0%} on the host, the rest on the device"
+           + (" (auto)" if getattr(args, "offload_fraction_reason", "").startswith("auto") else "")
+           if args.zero_offload and args.optimizer_offload_fraction < 1 else "")
         + (f"; delayed parameter update after {args.dpu_warmup_steps} exact updates "
            f"({args.threads_line} per rank)" if args.dpu else ""),
         f" model: GPT-2 {cfg.num_layers} layers x {cfg.hidden_size} hidden x {cfg.num_attention_heads} heads, "

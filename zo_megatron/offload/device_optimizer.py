@@ -1,0 +1,75 @@
+"""Partial offload: the tail of a rank's partition whose optimizer stays on the device.
+
+    host partition of DP rank r (index space of FlatLayout.host_numel)
+    |<------------- cut: CPU Adam on the host -------------->|<-- device tail: torch Adam -->|
+    0                                                       cut                        host_numel
+
+`--optimizer-offload-fraction F` (Megatron-core's name) keeps the first F of every rank's
+partition on the host, as ZeRO-Offload does with all of it, and the contiguous tail 1 - F on the
+device: fp32 master, both Adam moments and an fp32 gradient buffer there (16 bytes per element),
+updated by torch's fused Adam(W) in two calls (with and without weight decay). The tail is a run
+of whole shards of the last buckets (and part of one), so its reduced gradients never leave the
+device and its updated parameters are written into the flat buffer directly, before the usual
+all-gather. On a GPU the device update's kernels are queued first and run while the CPU Adam
+updates the head; on a CPU-only machine the "device" is the CPU and they run one after the other.
+"""
+from __future__ import annotations
+
+import torch
+from torch.optim.adam import adam as torch_adam
+
+
+class DeviceOptimizerTail:
+    def __init__(self, layout, cut: int, device: torch.device, adam, flat: torch.Tensor, dp_rank: int):
+        self.cut, self.adam, self.flat = cut, adam, flat
+        n = layout.host_numel - cut
+        self.master = torch.zeros(n, dtype=torch.float32, device=device)
+        self.exp_avg = torch.zeros(n, dtype=torch.float32, device=device)
+        self.exp_avg_sq = torch.zeros(n, dtype=torch.float32, device=device)
+        self.grad = torch.zeros(n, dtype=torch.float32, device=device)
+        # Runs of the tail with one weight-decay setting / norm rule (offsets into the tail).
+        self.pieces = [(max(s.start, cut) - cut, s.end - cut, s.decay, s.counted)
+                       for s in layout.segments if s.end > cut]
+        # Where each piece of the tail lives in the flat parameter buffer.
+        self.flat_runs = []
+        for b in layout.buckets:
+            lo, _ = b.shard_range(dp_rank)
+            d0, d1 = max(b.host_start, cut), b.host_start + b.shard_numel
+            if d0 < d1:
+                self.flat_runs.append((lo + d0 - b.host_start, lo + d1 - b.host_start, d0 - cut, d1 - cut))
+        self._steps = [torch.zeros((), dtype=torch.float32, device=device) for _ in self.pieces]
+
+    @property
+    def nbytes(self) -> int:
+        return 4 * 4 * self.master.numel()
+
+    def grad_sumsq_and_nonfinite(self) -> torch.Tensor:
+        """[sum of squares over the counted pieces, 1 if any element is inf/nan] (fp64, on the device)."""
+        counted = [self.grad[a:e] for a, e, _, c in self.pieces if c]
+        sumsq = torch.stack([g.double().square().sum() for g in counted]).sum() if counted else \
+            torch.zeros((), dtype=torch.float64, device=self.grad.device)
+        bad = (~torch.isfinite(self.grad).all()).double()
+        return torch.stack([sumsq, bad])
+
+    @torch.no_grad()
+    def step(self, step: int, lr: float, grad_scale: float) -> None:
+        """One Adam(W) update of the tail (torch's fused kernel), then its parameters into `flat`."""
+        a = self.adam
+        for decay in (True, False):
+            idx = [i for i, p in enumerate(self.pieces) if p[2] == decay]
+            if not idx:
+                continue
+            sl = [slice(self.pieces[i][0], self.pieces[i][1]) for i in idx]
+            steps = [self._steps[i].fill_(step - 1) for i in idx]      # the kernel adds one
+            torch_adam(
+                [self.master[s] for s in sl], [self.grad[s] for s in sl], [self.exp_avg[s] for s in sl],
+                [self.exp_avg_sq[s] for s in sl], [], steps, fused=True,
+                grad_scale=torch.tensor(1.0 / grad_scale, dtype=torch.float32, device=self.grad.device),
+                decoupled_weight_decay=a.adamw, amsgrad=False, beta1=a.beta1, beta2=a.beta2, lr=lr,
+                weight_decay=a.weight_decay if decay else 0.0, eps=a.eps, maximize=False)
+        self.write_params()
+
+    @torch.no_grad()
+    def write_params(self) -> None:
+        for f0, f1, d0, d1 in self.flat_runs:
+            self.flat[f0:f1].copy_(self.master[d0:d1])
