@@ -97,8 +97,9 @@ def test_engine_on_cuda_fp32_equals_torch_adamw():
     _check_against_reference(out, seed, 1, 1e-5, 1e-5)
 
 
-@pytest.mark.parametrize("engine_kw", [{}, {"host_grad_dtype": "fp32"}, {"accumulate_on_host": True}],
-                         ids=["default", "host32", "hostacc"])
+@pytest.mark.parametrize("engine_kw", [{}, {"host_grad_dtype": "fp32"}, {"accumulate_on_host": True},
+                                       {"optimizer_offload_fraction": 0.5}],
+                         ids=["default", "host32", "hostacc", "offload-half"])
 def test_engine_on_cuda_bf16_tracks_torch_adamw(engine_kw):
     """Tolerances as on the CPU: 2% (10% for the zero-initialised biases)."""
     seed = fresh_seed(f"gpu bf16 {engine_kw}")
