@@ -88,8 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dpu-warmup-steps", type=int, default=40,
                    help="exact (non-delayed) updates before DPU starts (default: 40, the paper's choice)")
     g.add_argument("--dpu-adam-threads", type=int, default=None,
-                   help="with --dpu: CPU Adam threads while it overlaps forward/backward (default: all of "
-                        "--cpu-adam-threads on a GPU; half of them on a CPU-only run, where torch keeps the rest)")
+                   help="with --dpu: CPU Adam threads while it overlaps forward/backward (default: all but one "
+                        "of --cpu-adam-threads on a GPU, the one left launches the device's kernels; half of them "
+                        "on a CPU-only run, where torch keeps the rest)")
     g.add_argument("--optimizer-offload-fraction", default="1.0", metavar="F|auto",
                    help="ZeRO-Offload: share of each rank's optimizer partition updated by the CPU Adam on the "
                         "host (Megatron's name; default 1.0: all of it). The rest keeps fp32 master and moments "

@@ -178,8 +178,8 @@ def _set_threads(args, ps, adam_threads: int) -> None:
     from zo_megatron.offload import cpu_adam
 
     if args.dpu:
-        if ps.device.type == "cuda":        # the device computes: the host's cores are the Adam's
-            adam_threads = args.dpu_adam_threads or adam_threads
+        if ps.device.type == "cuda":        # the device computes; one core keeps launching its kernels
+            adam_threads = args.dpu_adam_threads or max(1, adam_threads - 1)
         else:
             total = adam_threads
             adam_threads = args.dpu_adam_threads or max(1, total // 2)
