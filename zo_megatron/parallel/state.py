@@ -103,7 +103,9 @@ def init_parallel(tensor_parallel: int = 1, *, seed: int = 1234, num_attention_h
             init_method="env://", rank=env.rank, world_size=env.world_size,
             timeout=datetime.timedelta(seconds=timeout_s))
     if not mpu.model_parallel_is_initialized():
-        mpu.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
+        # The subgroups get the same timeout (megatron-core's default would be 30 minutes).
+        mpu.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,
+                                      distributed_timeout_minutes=timeout_s / 60)
     _STATE = ParallelState(
         rank=dist.get_rank(), world_size=dist.get_world_size(),
         local_rank=env.local_rank, local_world_size=env.local_world_size,

@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", "--tensor-parallel", dest="tensor_parallel", type=int,
                    default=1, help="TP size; DP = world size / TP")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
+                   help="how long a collective waits for a peer before the rank gives up and exits 1 "
+                        "(Megatron's name and default: 10; fractions allowed)")
 
     g = p.add_argument_group("ZeRO-Offload")
     g.add_argument("--zero-offload", action="store_true",
@@ -110,6 +113,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--skip-memory-check", action="store_true",
                    help="launch even when the memory planner predicts the run does not fit")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on SIGTERM/SIGINT stop at the next iteration on every rank, save a checkpoint and "
+                        "exit 0; a second signal exits at once (Megatron's name; default: on when --save is "
+                        "set, off otherwise)")
+    g.add_argument("--max-skipped-iters", type=int, default=10,
+                   help="stop the run after this many consecutive steps skipped for a NaN/inf loss or "
+                        "gradient (fp16: at the minimum loss scale), saving a checkpoint with --save; "
+                        "0: never stop (default: 10)")
 
     g = p.add_argument_group("learning rate")
     g.add_argument("--lr", type=float, default=None, help="peak learning rate (demo: 1e-3)")
@@ -275,6 +286,7 @@ _RANGES = [
     ("loss_scale_window", lambda v: v >= 1, ">= 1"), ("hysteresis", lambda v: v >= 1, ">= 1"),
     ("cpu_adam_threads", lambda v: v >= 1, ">= 1"), ("dpu_warmup_steps", lambda v: v >= 1, ">= 1"),
     ("dpu_adam_threads", lambda v: v >= 1, ">= 1"),
+    ("distributed_timeout_minutes", lambda v: v > 0, "> 0"), ("max_skipped_iters", lambda v: v >= 0, ">= 0"),
 ]
 
 

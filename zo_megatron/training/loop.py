@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import signal
+import sys
 import time
 
 import torch
@@ -193,15 +195,21 @@ def _train(args, env, tokenizer, data_path, cpu_adam_threads: int) -> int:
     from zo_megatron.data import DPBatches, build_gpt_datasets
     from zo_megatron.model import GPTConfig, build_gpt_model
     from zo_megatron.parallel import destroy_parallel, init_parallel
+    from zo_megatron.offload.loss_scaler import DynamicLossScaler
+    from zo_megatron.training import faults
     from zo_megatron.training.timeline import Timeline
 
     t_start = time.monotonic()
     ps = init_parallel(args.tensor_parallel, seed=args.seed, num_attention_heads=args.num_attention_heads,
-                       hidden_size=args.hidden_size)
+                       hidden_size=args.hidden_size, timeout_s=args.distributed_timeout_minutes * 60)
     _set_threads(args, ps, args.cpu_adam_threads or cpu_adam_threads)
     metrics = Metrics(enabled=ps.rank == 0, total_iters=args.train_iters, jsonl_path=args.log_jsonl,
                       tensorboard_dir=args.tensorboard_dir, progress_bar=not args.no_progress_bar)
     stack = contextlib.ExitStack()
+    stop = faults.StopSignal(enabled=args.exit_signal_handler or bool(args.save))
+    stack.callback(stop.restore)
+    inject = faults.FaultInjection.from_env(ps.rank)
+    iteration = 0
     try:
         cfg = GPTConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
                         num_attention_heads=args.num_attention_heads, vocab_size=tokenizer.vocab_size,
@@ -242,7 +250,18 @@ def _train(args, env, tokenizer, data_path, cpu_adam_threads: int) -> int:
         window = dict(loss=0.0, n=0, skipped=0, nan=0, t=time.monotonic(), norm=0.0)
         iteration = start_iter
         last_val = None
+        saved_at, skips_in_a_row, stop_reason = None, 0, None
+
+        def save() -> None:
+            nonlocal saved_at
+            optimizer.flush()              # a checkpoint holds no pending update: resume is exact
+            path = save_checkpoint(args.save, iteration, ps=ps, model=model, optimizer=optimizer,
+                                   metadata=expected, consumed_samples=consumed)
+            saved_at = iteration
+            metrics.print(f" saved checkpoint {path}")
+
         while iteration < args.train_iters:
+            inject.at_iteration_start(iteration + 1)
             lr = learning_rate(iteration, lr=args.lr, min_lr=args.min_lr, warmup_iters=args.lr_warmup_iters,
                                decay_iters=args.lr_decay_iters, style=args.lr_decay_style)
             step_loss = torch.zeros((), device=ps.device)
@@ -252,6 +271,7 @@ def _train(args, env, tokenizer, data_path, cpu_adam_threads: int) -> int:
                 with phase("forward", iteration + 1, m), optimizer.forward_context():
                     loss = model.loss(b["tokens"].to(ps.device), b["labels"].to(ps.device),
                                       b["loss_mask"].to(ps.device), b["position_ids"].to(ps.device))
+                    loss = inject.loss(iteration + 1, loss)
                 with phase("backward", iteration + 1, m):
                     optimizer.backward(loss / args.grad_accum_steps,
                                        last_micro_batch=m == args.grad_accum_steps - 1)
@@ -269,6 +289,9 @@ def _train(args, env, tokenizer, data_path, cpu_adam_threads: int) -> int:
                 window["nan"] += 1
             window["n"] += 1
             window["skipped"] += int(res.skipped)
+            scaler = optimizer.loss_scaler          # fp16: skips while the scale searches do not count
+            at_floor = not isinstance(scaler, DynamicLossScaler) or res.loss_scale <= scaler.min_scale
+            skips_in_a_row = skips_in_a_row + 1 if res.skipped and at_floor else 0
             window["norm"] = res.grad_norm
             if iteration % args.log_interval == 0 or iteration == args.train_iters:
                 _log(metrics, window, iteration, lr, res, optimizer, ps, args, fpt, iteration - start_iter)
@@ -278,10 +301,25 @@ def _train(args, env, tokenizer, data_path, cpu_adam_threads: int) -> int:
                 metrics.log_eval(iteration, last_val)
             if args.save and ((args.save_interval and iteration % args.save_interval == 0)
                               or iteration == args.train_iters):
-                optimizer.flush()          # a checkpoint holds no pending update: resume is exact
-                path = save_checkpoint(args.save, iteration, ps=ps, model=model, optimizer=optimizer,
-                                       metadata=expected, consumed_samples=consumed)
-                metrics.print(f" saved checkpoint {path}")
+                save()
+            if args.max_skipped_iters and skips_in_a_row >= args.max_skipped_iters:
+                stop_reason = "skipped"
+                break
+            if stop.enabled and iteration < args.train_iters and (signum := stop.agreed()):
+                stop_reason = signal.Signals(signum).name
+                break
+        if stop_reason is not None:
+            if args.save and saved_at != iteration:
+                save()
+            where = f"; resume with --load {args.save}" if args.save else " (no --save: nothing was saved)"
+            if stop_reason == "skipped":
+                _rank0_error(ps, f"{skips_in_a_row} consecutive iterations (up to {iteration}) were skipped for "
+                              f"a NaN/inf loss or gradient; stopping (--max-skipped-iters "
+                              f"{args.max_skipped_iters}). The weights and optimizer state are those of the last "
+                              f"good step{where}; lower --lr or check the data")
+                return 1
+            metrics.print(f" stopped by {stop_reason} after iteration {iteration}{where}")
+            return 0
         optimizer.flush()                  # the last delayed update belongs to the trained model
         if timeline is not None:
             timeline.record_all(iteration, optimizer.drain_phases())
@@ -289,11 +327,20 @@ def _train(args, env, tokenizer, data_path, cpu_adam_threads: int) -> int:
         if last_val is not None:
             metrics.print(f" done: {iteration} iterations in {elapsed / 60:.1f} min; final validation loss "
                           f"{last_val:.4f} nats, perplexity {math.exp(min(last_val, 50)):.2f}")
+    except Exception as exc:  # noqa: BLE001 - only a lost peer is handled here; the rest re-raises
+        if faults.is_lost_peer(exc):
+            faults.exit_lost_peer(exc, ps.rank, iteration, args.distributed_timeout_minutes)
+        raise
     finally:
         stack.close()                       # the optimizer first: pinned host memory is unregistered
         metrics.close()
         destroy_parallel()
     return 0
+
+
+def _rank0_error(ps, msg: str) -> None:
+    if ps.rank == 0:
+        print(f"error: {msg}", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,162 @@
+"""Faults at run time: NaN steps, signals, a dead rank, a dead node. Each case is bounded in time,
+asserts the message and exit code, and that no process of the job is left running."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.test_pretrain import ROOT, SCRIPT, TINY, TORCHRUN, _clean_env, _rows, _torchrun
+from tests.harness import free_port
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    from zo_megatron.data import extract_corpus
+    from zo_megatron.data.preprocess import preprocess
+
+    d = tmp_path_factory.mktemp("faults")
+    preprocess(extract_corpus(str(d / "txt"), limit=8), str(d / "sotu"), progress=False)
+    return str(d / "sotu_text_document")
+
+
+def _env(tmp_path, **extra):
+    env = _clean_env(tmp_path)
+    env.update(extra)
+    return env
+
+
+def _leftovers(marker: str) -> list[str]:
+    """Processes whose command line still holds `marker` (a path unique to the test)."""
+    out = subprocess.run(["pgrep", "-af", marker], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if "pgrep" not in line]
+
+
+FP32 = ["--fp32", "--lr-decay-style", "constant", "--eval-interval", "100", "--eval-iters", "1"]
+
+
+def test_nan_steps_are_skipped_everywhere_and_a_run_of_them_stops_with_a_checkpoint(corpus, tmp_path):
+    """Rank 1's loss is NaN at iteration 2 (skipped on both ranks, training goes on) and at 4, 5, 6:
+    --max-skipped-iters 3 stops the run after 6 with a checkpoint of the last good state."""
+    save, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
+    args = ["--zero-offload", "--data-path", corpus, "--train-iters", "12", "--save", str(save),
+            "--log-jsonl", str(log), "--max-skipped-iters", "3", *TINY, *FP32]
+    r = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node=2", SCRIPT, *args], capture_output=True,
+                       text=True, timeout=300, env=_env(tmp_path, ZO_FAULT_INJECT="nan@1:2;nan@1:4,5,6"))
+    assert r.returncode != 0, r.stdout[-2000:]
+    assert "error: 3 consecutive iterations (up to 6) were skipped for a NaN/inf loss or gradient" in r.stderr
+    train = {row["iteration"]: row for row in _rows(log, "train")}
+    assert [i for i, row in sorted(train.items()) if row["skipped"]] == [2, 4, 5, 6]
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
+    # the checkpoint holds the state after iteration 3 (the last good step): it resumes, finite
+    r2 = _torchrun(["--zero-offload", "--data-path", corpus, "--train-iters", "8", "--load", str(save),
+                    "--log-jsonl", str(tmp_path / "resumed.jsonl"), *TINY, *FP32], tmp_path)
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    resumed = _rows(tmp_path / "resumed.jsonl", "train")
+    assert [row["iteration"] for row in resumed] == [7, 8]
+    assert all(row["skipped"] == 0 and row["loss"] < train[3]["loss"] + 0.5 for row in resumed), resumed
+
+
+def test_sigterm_on_one_rank_stops_every_rank_with_a_checkpoint_and_resume_is_exact(corpus, tmp_path):
+    common = ["--zero-offload", "--data-path", corpus, "--train-iters", "6", *TINY, *FP32]
+    straight = tmp_path / "straight.jsonl"
+    assert _torchrun([*common, "--log-jsonl", str(straight)], tmp_path).returncode == 0
+    save, log = tmp_path / "ckpt", tmp_path / "stopped.jsonl"
+    r = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node=2", SCRIPT, *common, "--save", str(save),
+                        "--log-jsonl", str(log)], capture_output=True, text=True, timeout=300,
+                       env=_env(tmp_path, ZO_FAULT_INJECT="term@1:3"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"stopped by SIGTERM after iteration 3; resume with --load {save}" in r.stdout
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    resumed = tmp_path / "resumed.jsonl"
+    r2 = _torchrun([*common, "--load", str(save), "--log-jsonl", str(resumed)], tmp_path)
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    ref = {row["iteration"]: row["loss"] for row in _rows(straight, "train")}
+    got = {row["iteration"]: row["loss"] for row in _rows(log, "train") + _rows(resumed, "train")}
+    assert got == ref                       # bitwise: fp32 on the CPU, same order of operations
+
+
+def test_a_second_signal_exits_at_once(tmp_path):
+    code = ("import os, signal, time\n"
+            "from zo_megatron.training.faults import StopSignal\n"
+            "s = StopSignal(True)\n"
+            "os.kill(os.getpid(), signal.SIGTERM)\n"
+            "assert s.received == signal.SIGTERM and s.agreed() == signal.SIGTERM\n"
+            "print('first signal noted', flush=True)\n"
+            "os.kill(os.getpid(), signal.SIGINT)\n"
+            "time.sleep(30)\n"
+            "print('not reached')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env=_env(tmp_path))
+    assert r.stdout.strip() == "first signal noted" and r.returncode == 128 + signal.SIGINT, (r.stdout, r.stderr)
+
+
+@pytest.mark.parametrize("nproc,victim,at", [(2, 1, 3), (4, 2, 2)])
+def test_a_rank_killed_under_torchrun_stops_the_job(corpus, tmp_path, nproc, victim, at):
+    t0 = time.monotonic()
+    r = subprocess.run([TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", SCRIPT, "--zero-offload",
+                        "--data-path", corpus, "--train-iters", "50", *TINY, *FP32],
+                       capture_output=True, text=True, timeout=240,
+                       env=_env(tmp_path, ZO_FAULT_INJECT=f"kill@{victim}:{at}"))
+    assert r.returncode != 0
+    out = r.stdout + r.stderr
+    assert f"rank      : {victim}" in out or f"rank: {victim}" in out, out[-3000:]     # torchrun names it
+    assert "Signal 9 (SIGKILL)" in out or "exitcode  : -9" in out, out[-3000:]
+    assert time.monotonic() - t0 < 200
+    assert not _leftovers(corpus), _leftovers(corpus)
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["node-dies", "node-hangs"])
+def test_a_lost_node_ends_the_survivors_within_the_timeout(corpus, tmp_path, how):
+    """Two torchrun agents as two nodes on localhost; node 1 (agent and worker) is SIGKILLed (its
+    sockets close) or SIGSTOPped (it hangs with its sockets open, as a frozen or unreachable node
+    does: only --distributed-timeout-minutes ends the wait). The survivor prints which rank lost
+    contact at which iteration and exits non-zero within the timeout plus a few seconds."""
+    port = free_port()
+    log = tmp_path / "log.jsonl"
+    agents = []
+    for node in (0, 1):
+        cmd = [TORCHRUN, "--nnodes=2", f"--node-rank={node}", "--nproc-per-node=1", "--master-addr=127.0.0.1",
+               f"--master-port={port}", SCRIPT, "--zero-offload", "--data-path", corpus, "--train-iters", "500",
+               "--distributed-timeout-minutes", "0.5", "--log-jsonl", str(log), *TINY, *FP32]
+        agents.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                       env=_env(tmp_path), start_new_session=True))
+    node1 = []
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:          # wait until training is under way
+            if log.exists() and any(json.loads(x).get("iteration", 0) >= 2 for x in log.read_text().splitlines()):
+                break
+            assert agents[0].poll() is None, agents[0].communicate()
+            time.sleep(0.5)
+        else:
+            pytest.fail("training never reached iteration 2")
+        # the agent and its worker (torchrun starts workers in their own sessions)
+        kids = subprocess.run(["pgrep", "-P", str(agents[1].pid)], capture_output=True, text=True).stdout.split()
+        node1 = [agents[1].pid, *map(int, kids)]
+        for pid in node1:
+            os.kill(pid, how)
+        t_lost = time.monotonic()
+        out, err = agents[0].communicate(timeout=30 + 60)
+        waited = time.monotonic() - t_lost
+    finally:
+        for pid in node1:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for a in agents:
+            if a.poll() is None:
+                os.killpg(a.pid, signal.SIGKILL)
+            a.wait()
+    assert agents[0].returncode != 0
+    assert waited < 30 + 30, waited
+    assert "error: rank 0 lost contact with its peers in a collective during iteration" in err, err[-3000:]
+    assert "resume from the last checkpoint with --load" in err
+    if how == signal.SIGSTOP:
+        assert 25 < waited, f"a hung peer must be waited for the timeout (30 s), not {waited:.0f} s"
+    time.sleep(1)
+    assert not _leftovers(corpus), _leftovers(corpus)

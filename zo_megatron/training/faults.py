@@ -1,0 +1,114 @@
+"""What the job does when things go wrong at run time: a signal, a lost peer, a run of bad steps.
+
+- Signals (`--exit-signal-handler`, Megatron's name; on by default with `--save`). The first
+  SIGTERM/SIGINT only sets a flag: SLURM's preemption sends SIGTERM and SIGKILL after a grace
+  period. At the next iteration boundary the ranks agree on the flag with one small all-reduce,
+  so a signal that reached only some ranks still stops all of them. They save a checkpoint and
+  exit 0. A second signal exits at once.
+- Lost peers. A collective that fails because a peer died or timed out
+  (`--distributed-timeout-minutes`) ends the rank: it prints one line (rank, iteration, the
+  error) and exits 1 without tearing down the process groups, which could block on the dead peer.
+- Runs of skipped steps. With a NaN/inf loss or gradient, every rank skips the step (the engine's
+  overflow rule). `--max-skipped-iters K` consecutive skips stop the run. With fp16 only skips at
+  the minimum loss scale count, because the dynamic scaler legitimately skips while it searches
+  for its scale.
+- Test hooks (ZO_FAULT_INJECT; off unless the variable is set): `nan@R:I,J` multiplies rank R's
+  loss by NaN in iterations I and J; `kill@R:I` SIGKILLs rank R at the start of iteration I;
+  `term@R:I` sends rank R a SIGTERM there. Several faults: separated by `;`.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+
+from zo_megatron.parallel import collectives
+
+_PEER_MARKERS = ("connection closed", "connection reset", "timed out", "timeout", "broken pipe",
+                 "socket", "gloo", "nccl", "peer")
+
+
+def is_lost_peer(exc: BaseException) -> bool:
+    """A collective failed because another rank is gone or never answered."""
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc).lower() for m in _PEER_MARKERS)
+
+
+def exit_lost_peer(exc: BaseException, rank: int, iteration: int, timeout_min: float) -> None:
+    """Print one line and leave now: destroying the groups could wait for the dead peer."""
+    first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+    print(f"error: rank {rank} lost contact with its peers in a collective during iteration {iteration + 1} "
+          f"(last completed iteration {iteration}; timeout {timeout_min:g} min): {first}. Another rank or "
+          "node died or hung; resume from the last checkpoint with --load", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(1)
+
+
+class StopSignal:
+    """SIGTERM/SIGINT -> stop at the next iteration boundary, agreed by every rank."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.received = 0
+        self._previous = {}
+        if enabled:
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.received:                   # the second signal: leave at once
+            os._exit(128 + signum)
+        self.received = signum
+
+    def agreed(self) -> int:
+        """The signal some rank received (0: none); one all-reduce over the world."""
+        flag = torch.tensor([self.received], dtype=torch.int64)
+        collectives.all_reduce(flag, "max")
+        return int(flag.item())
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+
+class FaultInjection:
+    """Test hooks from ZO_FAULT_INJECT (see the module docstring); inert when unset."""
+
+    def __init__(self, spec: str, rank: int):
+        self.nan_iters: set[int] = set()
+        self.kill_iter: int | None = None
+        self.term_iter: int | None = None
+        for part in filter(None, (p.strip() for p in spec.split(";"))):
+            kind, _, rest = part.partition("@")
+            who, _, iters = rest.partition(":")
+            if int(who) != rank:
+                continue
+            its = {int(i) for i in iters.split(",") if i}
+            if kind == "nan":
+                self.nan_iters |= its
+            elif kind == "kill":
+                self.kill_iter = min(its)
+            elif kind == "term":
+                self.term_iter = min(its)
+            else:
+                raise ValueError(f"ZO_FAULT_INJECT: unknown fault {kind!r}")
+
+    @classmethod
+    def from_env(cls, rank: int) -> "FaultInjection":
+        return cls(os.environ.get("ZO_FAULT_INJECT", ""), rank)
+
+    def at_iteration_start(self, iteration: int) -> None:
+        if self.kill_iter == iteration:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.term_iter == iteration:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def loss(self, iteration: int, loss: torch.Tensor) -> torch.Tensor:
+        return loss * float("nan") if iteration in self.nan_iters else loss
