@@ -160,3 +160,20 @@ def test_a_lost_node_ends_the_survivors_within_the_timeout(corpus, tmp_path, how
         assert 25 < waited, f"a hung peer must be waited for the timeout (30 s), not {waited:.0f} s"
     time.sleep(1)
     assert not _leftovers(corpus), _leftovers(corpus)
+
+
+def test_save_directory_without_room_for_a_checkpoint_is_refused_before_training(tmp_path, monkeypatch):
+    import shutil as sh
+    from collections import namedtuple
+
+    from zo_megatron.errors import UserError
+    from zo_megatron.training.loop import check_free_space, checkpoint_bytes
+
+    need = checkpoint_bytes(124_000_000, True, False)
+    assert need == 124_000_000 * 16                     # weights + master + two fp32 moments
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(sh, "disk_usage", lambda p: usage(10 * need, 9 * need, need - 1))
+    with pytest.raises(UserError, match=r"--save .*/new/dir: .* free on its filesystem, but one checkpoint"):
+        check_free_space(str(tmp_path / "new" / "dir"), need)
+    monkeypatch.setattr(sh, "disk_usage", lambda p: usage(10 * need, 8 * need, need))
+    check_free_space(str(tmp_path / "new" / "dir"), need)            # exactly enough: accepted

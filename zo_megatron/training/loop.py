@@ -82,6 +82,27 @@ def check_save_dir(path: str) -> None:
                         f"choose a directory you can write")
 
 
+def checkpoint_bytes(params_total: int, zero_offload: bool, bf16_states: bool) -> int:
+    """About what one checkpoint of the model takes on disk: fp32 weights + fp32 master (offload)
+    + both Adam moments."""
+    state = 2 if bf16_states and zero_offload else 4
+    return params_total * (4 + (4 if zero_offload else 0) + 2 * state)
+
+
+def check_free_space(path: str, need_bytes: int) -> None:
+    """--save must have room for one more checkpoint (the previous one stays until the new one is
+    complete), found now and not at the first save."""
+    import shutil
+
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    free = shutil.disk_usage(probe).free
+    if free < need_bytes:
+        raise UserError(f"--save {path}: {human_bytes(free)} free on its filesystem, but one checkpoint of this "
+                        f"model takes about {human_bytes(need_bytes)}: free space or choose another directory")
+
+
 def pretrain(argv=None) -> int:
     hide_known_megatron_notices()                # before megatron-core is first imported
     args = parse_args(argv)
@@ -118,6 +139,9 @@ def pretrain(argv=None) -> int:
     if args.save:
         check_save_dir(args.save)
     memory_check(args, env, dp, tokenizer.vocab_size)
+    if args.save:
+        check_free_space(args.save, checkpoint_bytes(args.memory_plan.params_total, args.zero_offload,
+                                                     args.exp_avg_dtype == "bf16"))
     return _train(args, env, tokenizer, data_path, default_cpu_adam_threads(env.local_world_size))
 
 
