@@ -412,6 +412,17 @@ class ZeroOffloadEngine:
                 "dp_size": self.dp_size, "dp_rank": self.dp_rank, "tp_rank": self.tp_rank,
                 "loss_scaler": self.loss_scaler.state_dict(), "params": params}
 
+    def host_state_views(self):
+        """(name, param, start, n, views) for every piece of a parameter this DP rank owns:
+        elements [start, start + n) of the flattened TP-local parameter, with `views` the matching
+        slices of the host "master", "exp_avg" and "exp_avg_sq" buffers. A checkpoint writes from
+        and reads into these views in place (no copy of the optimizer state); after reading, set
+        step_count and the loss scaler and call reload_params_from_master()."""
+        for s, host, pstart, n in self.layout.host_fragments():
+            yield s.name, s.param, pstart, n, {"master": self.master[host:host + n],
+                                               "exp_avg": self.exp_avg[host:host + n],
+                                               "exp_avg_sq": self.exp_avg_sq[host:host + n]}
+
     def load_state_dict(self, sd: dict) -> None:
         """Inverse of state_dict() for the same layout; refuses anything that does not match."""
         params = sd.get("params", {})

@@ -143,6 +143,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save", default=None, help="directory to save checkpoints to")
     g.add_argument("--load", default=None, help="directory to resume from (its latest checkpoint)")
     g.add_argument("--save-interval", type=int, default=None, help="iterations between checkpoints")
+    g.add_argument("--keep-last", type=int, default=None, metavar="K",
+                   help="keep only the K newest checkpoints (removed after the new one is committed; default: all)")
+    g.add_argument("--no-load-optim", action="store_true",
+                   help="--load only the weights (and iteration): fresh optimizer state and LR schedule")
+    g.add_argument("--no-load-rng", action="store_true", help="--load without the random-number-generator states")
+    g.add_argument("--finetune", action="store_true",
+                   help="--load only the weights and start at iteration 0 (no optimizer, RNG or sample counts)")
+    g.add_argument("--override-opt_param-scheduler", action="store_true",
+                   help="on --load, use this run's LR-schedule flags even if they differ from the checkpoint's")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+                   help="on --load, take the LR schedule (lr, min-lr, warmup, decay iters and style) from the checkpoint")
 
     g = p.add_argument_group("evaluation and logging")
     g.add_argument("--eval-interval", type=int, default=None)
@@ -218,6 +229,11 @@ def finalize(args: argparse.Namespace) -> None:
         raise ConfigError(f"--bucket-size must be >= 1 element (got {args.bucket_size})")
     if args.save_interval is not None and args.save_interval < 1:
         raise ConfigError(f"--save-interval must be >= 1 (got {args.save_interval})")
+    if args.keep_last is not None and args.keep_last < 1:
+        raise ConfigError(f"--keep-last must be >= 1 (got {args.keep_last})")
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        raise ConfigError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude each "
+                          "other: pick one")
     if args.dpu:
         raise ConfigError("--dpu (delayed parameter update) is not available in this release yet: "
                           "drop --dpu for exact updates")
