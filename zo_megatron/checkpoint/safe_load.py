@@ -59,9 +59,7 @@ def read_dcp_metadata(path: str):
 class SafeFileSystemReader(FileSystemReader):
     """DCP's file reader with the metadata read through the allow-list unpickler."""
 
-    def read_metadata(self, *args, **kwargs):
-        if kwargs.get("rank") is not None:
-            raise UserError(f"{self.path}: per-rank DCP metadata files are not part of this format")
+    def read_metadata(self, *args):     # no **kwargs: DCP then never tries per-rank metadata files
         md = read_dcp_metadata(str(self.path))
         md.storage_meta.load_id = self.load_id
         return md
