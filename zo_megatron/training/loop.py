@@ -209,6 +209,7 @@ def _train(args, env, tokenizer, data_path, cpu_adam_threads: int) -> int:
                           num_attention_heads=cfg.num_attention_heads, ffn_hidden_size=cfg.ffn_size,
                           max_position_embeddings=cfg.max_position_embeddings, vocab_size=tokenizer.vocab_size)
         if args.load:
+            t_load = time.monotonic()
             res = load_checkpoint(
                 args.load, ps=ps, model=model, optimizer=optimizer, vocab_size=tokenizer.vocab_size,
                 model_meta=model_meta, schedule=_schedule_state(args, 0), opts=LoadOptions(
@@ -224,7 +225,8 @@ def _train(args, env, tokenizer, data_path, cpu_adam_threads: int) -> int:
             if res.resharded_from is not None:
                 metrics.print(f" resharded from TP{res.resharded_from[0]} x DP{res.resharded_from[1]} to "
                               f"TP{ps.tp_size} x DP{ps.dp_size} (RNG: {res.rng_restored})")
-            metrics.print(f" resumed from {res.path} at iteration {start_iter} ({consumed} samples consumed)")
+            metrics.print(f" resumed from {res.path} at iteration {start_iter} ({consumed} samples consumed) "
+                          f"in {time.monotonic() - t_load:.2f}s")
         _banner(metrics, args, ps, cfg, optimizer, data_path, time.monotonic() - t_start)
 
         train_iter = iter(DPBatches(train_ds, args.micro_batch_size, ps.dp_rank, ps.dp_size,
@@ -268,12 +270,13 @@ def _train(args, env, tokenizer, data_path, cpu_adam_threads: int) -> int:
                 metrics.log_eval(iteration, last_val)
             if args.save and ((args.save_interval and iteration % args.save_interval == 0)
                               or iteration == args.train_iters):
+                t_save = time.monotonic()
                 path = save_checkpoint(
                     args.save, iteration, ps=ps, model=model, optimizer=optimizer, vocab_size=tokenizer.vocab_size,
                     train_state=dict(consumed_samples=consumed, consumed_valid_samples=consumed_valid,
                                      opt_param_scheduler=_schedule_state(args, iteration)),
                     model_meta=model_meta, args=vars(args), keep_last=args.keep_last)
-                metrics.print(f" saved checkpoint {path}")
+                metrics.print(f" saved checkpoint {path} in {time.monotonic() - t_save:.2f}s")
         elapsed = time.monotonic() - t_start
         if last_val is not None:
             metrics.print(f" done: {iteration} iterations in {elapsed / 60:.1f} min; final validation loss "
