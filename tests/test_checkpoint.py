@@ -1,8 +1,6 @@
 """Checkpoint format pieces in one process: flat ranges as boxes, the DCP planners resharding
 them, and the metadata unpickler's allow-list."""
-import io
 import math
-import os
 import pickle
 import random
 

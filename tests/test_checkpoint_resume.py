@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 
-import pytest
 
 from tests.harness import free_port, run_world
 from tests.seeds import fresh_seed
@@ -67,12 +66,15 @@ def _losses(path, key="loss"):
 def test_reshard_matrix_continues_the_trajectory_and_same_layout_resume_is_bitwise(tmp_path):
     """fp32, offload, fixed global batch: every TP x DP layout trains the same trajectory up to
     rounding. Saved at iteration 3 on one layout, loaded on another, iterations 4-6 must match
-    the straight run to 1e-6; on the same layout bit for bit."""
+    the straight run to 1e-6; on the same layout bit for bit. The 4-rank world also checks the
+    exact TP2 x DP2 resume with dropout on."""
     seed = str(fresh_seed("reshard matrix"))
     common = [*TINY, "--zero-offload", "--fp32", "--seed", seed, "--eval-iters", "0"]
-    ck = {k: str(tmp_path / k) for k in ("t2d2", "t2d1", "t1d2")}
+    ck = {k: str(tmp_path / k) for k in ("t2d2", "t2d1", "t1d2", "drop")}
     log = {k: str(tmp_path / f"{k}.jsonl") for k in
-           ("straight", "same", "t1d4", "t1d1", "t2d1", "t2d1_t1d2", "t1d2", "t1d2_t2d2")}
+           ("straight", "same", "t1d4", "t1d1", "t2d1", "t2d1_t1d2", "t1d2", "t1d2_t2d2", "drop_a", "drop_b")}
+    dropout = [*common, "--tensor-parallel", "2", "--train-iters", "4", "--lr-decay-iters", "4",
+               "--hidden-dropout", "0.2", "--attention-dropout", "0.2"]
 
     def run(tp, iters, name, *extra):
         return [*common, "--tensor-parallel", str(tp), "--train-iters", str(iters), "--log-jsonl", log[name], *extra]
@@ -84,7 +86,10 @@ def test_reshard_matrix_continues_the_trajectory_and_same_layout_resume_is_bitwi
                       ("reset", ck["t2d2"], 3),
                       run(2, 6, "same", "--load", ck["t2d2"]),            # TP2 x DP2 -> TP2 x DP2
                       run(1, 6, "t1d4", "--load", ck["t2d2"]),            # TP2 x DP2 -> TP1 x DP4
-                      run(2, 6, "t1d2_t2d2", "--load", ck["t1d2"])],      # TP1 x DP2 -> TP2 x DP2
+                      run(2, 6, "t1d2_t2d2", "--load", ck["t1d2"]),       # TP1 x DP2 -> TP2 x DP2
+                      [*dropout, "--save", ck["drop"], "--save-interval", "2", "--log-jsonl", log["drop_a"]],
+                      ("reset", ck["drop"], 2),
+                      [*dropout, "--load", ck["drop"], "--log-jsonl", log["drop_b"]]],
                   tmp_path)
     out1 = _world(1, [run(1, 6, "t1d1", "--load", ck["t2d2"])], tmp_path)  # TP2 x DP2 -> TP1 x DP1
     for o in out1 + out2 + out4:
@@ -108,6 +113,8 @@ def test_reshard_matrix_continues_the_trajectory_and_same_layout_resume_is_bitwi
         got = _losses(log[name])
         for i in (1, 2, 3):
             assert abs(got[i] - ref[i]) <= 1e-6 * abs(ref[i]), (name, i, got[i], ref[i])
+    drop_a, drop_b = _losses(log["drop_a"]), _losses(log["drop_b"])
+    assert drop_b == {3: drop_a[3], 4: drop_a[4]}
 
 
 def test_resume_with_dropout_is_exact_in_bf16_and_for_the_baseline_and_validation_continues(tmp_path):

@@ -34,7 +34,7 @@ def full_shapes(model, tp_rank: int, tp_size: int, vocab_size: int) -> dict[str,
     return {n: tuple(i.full_shape) for n, i in model_shard_infos(model, tp_rank, tp_size, vocab_size).items()}
 
 
-def _pieces_of(key: str, info, box: Box, flat: torch.Tensor) -> Piece | None:
+def _piece(key: str, info, box: Box, flat: torch.Tensor) -> Piece | None:
     """The Piece for `box` of a local tensor whose box elements start at flat[box.flat_start]."""
     if info.tp_axis is not None and info.valid < info.local_shape[info.tp_axis]:
         box = clip_box(box, info.tp_axis, info.valid)          # drop vocab padding rows
@@ -55,7 +55,7 @@ def offload_pieces(engine, ps, vocab_size: int, *, saving: bool, with_optimizer:
             for what, prefix in STATE_KEYS.items():
                 if what != "master" and not with_optimizer:
                     continue
-                piece = _pieces_of(prefix + name, info, box, views[what])
+                piece = _piece(prefix + name, info, box, views[what])
                 if piece is not None:
                     out.append(piece)
     return out
@@ -89,7 +89,7 @@ def baseline_pieces(optimizer, ps, vocab_size: int, *, saving: bool, with_optimi
             st = _ensure_adam_state(optimizer.opt, p)
             tensors.update(exp_avg=st["exp_avg"], exp_avg_sq=st["exp_avg_sq"])
         for what, t in tensors.items():
-            piece = _pieces_of(STATE_KEYS[what] + name, info, box, t.reshape(-1))
+            piece = _piece(STATE_KEYS[what] + name, info, box, t.reshape(-1))
             if piece is not None:
                 out.append(piece)
     return out

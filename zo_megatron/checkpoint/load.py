@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from zo_megatron.checkpoint import content
 from zo_megatron.checkpoint.layout import LATEST, MANIFEST, iter_dir, rng_file
 from zo_megatron.checkpoint.planner import BoxLoadPlanner
-from zo_megatron.checkpoint.safe_load import SafeFileSystemReader, _first_line, read_dcp_metadata, read_json
+from zo_megatron.checkpoint.safe_load import SafeFileSystemReader, first_line, read_dcp_metadata, read_json
 from zo_megatron.checkpoint.save import FORMAT, FORMAT_VERSION
 from zo_megatron.errors import UserError
 from zo_megatron.parallel.rng_state import restore_rng_state
@@ -187,7 +187,7 @@ def load_checkpoint(root: str, *, ps, model, optimizer, vocab_size: int, model_m
     except CheckpointException as exc:          # a BaseException, not an Exception
         failures = list(getattr(exc, "failures", {}).values())
         first = failures[0] if failures else exc
-        raise UserError(f"{d}: reading the tensors failed ({type(first).__name__}: {_first_line(first)}); "
+        raise UserError(f"{d}: reading the tensors failed ({type(first).__name__}: {first_line(first)}); "
                         "a data file is corrupt or was tampered with") from None
     opt_state = manifest["optimizer"]
     if with_optim:
@@ -203,7 +203,7 @@ def load_checkpoint(root: str, *, ps, model, optimizer, vocab_size: int, model_m
         try:
             restore_rng_state(rng_state, keep_model_parallel_stream=saved_tp != ps.tp_size)
         except (KeyError, TypeError, ValueError) as exc:
-            raise UserError(f"{os.path.join(d, rng_src)}: not a valid RNG state ({_first_line(exc)})") from None
+            raise UserError(f"{os.path.join(d, rng_src)}: not a valid RNG state ({first_line(exc)})") from None
         restored = "exact" if saved_tp == ps.tp_size else "shared streams"
     return Resumed(
         path=d, iteration=iteration,

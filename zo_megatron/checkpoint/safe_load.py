@@ -47,7 +47,7 @@ def read_dcp_metadata(path: str):
     except FileNotFoundError:
         raise UserError(f"{file} is missing: the checkpoint is incomplete; point --load at a complete one") from None
     except Exception as exc:  # noqa: BLE001 - a damaged or hostile pickle raises many types
-        raise UserError(f"{file} cannot be read safely ({type(exc).__name__}: {_first_line(exc)}); "
+        raise UserError(f"{file} cannot be read safely ({type(exc).__name__}: {first_line(exc)}); "
                         "the file is corrupt or was tampered with") from None
     if not isinstance(md, Metadata):
         raise UserError(f"{file} does not hold checkpoint metadata (found {type(md).__name__})")
@@ -72,13 +72,13 @@ def read_json(path: str, what: str) -> dict:
     except FileNotFoundError:
         raise UserError(f"{path} is missing: the checkpoint is incomplete; point --load at a complete one") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise UserError(f"{path} is not valid JSON ({_first_line(exc)}): the {what} is corrupt or was "
+        raise UserError(f"{path} is not valid JSON ({first_line(exc)}): the {what} is corrupt or was "
                         "tampered with") from None
     if not isinstance(data, dict):
         raise UserError(f"{path}: the {what} must be a JSON object, found {type(data).__name__}")
     return data
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[0][:200] if text else type(exc).__name__
