@@ -155,6 +155,31 @@ def _schedule_state(args, iteration: int) -> dict:
             "lr_decay_steps": args.lr_decay_iters, "lr_decay_style": args.lr_decay_style, "num_steps": iteration}
 
 
+def _resume(args, ps, model, optimizer, vocab_size: int, model_meta: dict, metrics) -> tuple[int, int, int]:
+    """--load: restore the checkpoint (docs/checkpoints.md); returns (iteration, consumed
+    training samples, consumed validation samples)."""
+    from zo_megatron.checkpoint import LoadOptions, load_checkpoint
+
+    t0 = time.monotonic()
+    res = load_checkpoint(
+        args.load, ps=ps, model=model, optimizer=optimizer, vocab_size=vocab_size, model_meta=model_meta,
+        schedule=_schedule_state(args, 0), opts=LoadOptions(
+            no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng, finetune=args.finetune,
+            override_opt_param_scheduler=args.override_opt_param_scheduler,
+            use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+            train_iters=args.train_iters))
+    if res.opt_param_scheduler is not None:             # --use-checkpoint-opt_param-scheduler
+        s = res.opt_param_scheduler
+        args.lr, args.min_lr, args.lr_warmup_iters = s["max_lr"], s["min_lr"], s["lr_warmup_steps"]
+        args.lr_decay_iters, args.lr_decay_style = s["lr_decay_steps"], s["lr_decay_style"]
+    if res.resharded_from is not None:
+        metrics.print(f" resharded from TP{res.resharded_from[0]} x DP{res.resharded_from[1]} to "
+                      f"TP{ps.tp_size} x DP{ps.dp_size} (RNG: {res.rng_restored})")
+    metrics.print(f" resumed from {res.path} at iteration {res.iteration} ({res.consumed_samples} samples "
+                  f"consumed) in {time.monotonic() - t0:.2f}s")
+    return res.iteration, res.consumed_samples, res.consumed_valid_samples
+
+
 def _cycle(make, consumed: int = 0):
     """Endless micro-batches from `make(start)` (a fresh DP iterator per pass over a split),
     continuing after `consumed` samples (all ranks together) as a resumed run must."""
@@ -173,7 +198,7 @@ def _cycle(make, consumed: int = 0):
 
 
 def _train(args, env, tokenizer, data_path, cpu_adam_threads: int) -> int:
-    from zo_megatron.checkpoint import LoadOptions, load_checkpoint, save_checkpoint
+    from zo_megatron.checkpoint import save_checkpoint
     from zo_megatron.data import DPBatches, build_gpt_datasets
     from zo_megatron.model import GPTConfig, build_gpt_model
     from zo_megatron.offload import cpu_adam
@@ -209,24 +234,8 @@ def _train(args, env, tokenizer, data_path, cpu_adam_threads: int) -> int:
                           num_attention_heads=cfg.num_attention_heads, ffn_hidden_size=cfg.ffn_size,
                           max_position_embeddings=cfg.max_position_embeddings, vocab_size=tokenizer.vocab_size)
         if args.load:
-            t_load = time.monotonic()
-            res = load_checkpoint(
-                args.load, ps=ps, model=model, optimizer=optimizer, vocab_size=tokenizer.vocab_size,
-                model_meta=model_meta, schedule=_schedule_state(args, 0), opts=LoadOptions(
-                    no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng, finetune=args.finetune,
-                    override_opt_param_scheduler=args.override_opt_param_scheduler,
-                    use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
-                    train_iters=args.train_iters))
-            start_iter, consumed, consumed_valid = res.iteration, res.consumed_samples, res.consumed_valid_samples
-            if res.opt_param_scheduler is not None:         # --use-checkpoint-opt_param-scheduler
-                s = res.opt_param_scheduler
-                args.lr, args.min_lr, args.lr_warmup_iters = s["max_lr"], s["min_lr"], s["lr_warmup_steps"]
-                args.lr_decay_iters, args.lr_decay_style = s["lr_decay_steps"], s["lr_decay_style"]
-            if res.resharded_from is not None:
-                metrics.print(f" resharded from TP{res.resharded_from[0]} x DP{res.resharded_from[1]} to "
-                              f"TP{ps.tp_size} x DP{ps.dp_size} (RNG: {res.rng_restored})")
-            metrics.print(f" resumed from {res.path} at iteration {start_iter} ({consumed} samples consumed) "
-                          f"in {time.monotonic() - t_load:.2f}s")
+            start_iter, consumed, consumed_valid = _resume(args, ps, model, optimizer, tokenizer.vocab_size,
+                                                           model_meta, metrics)
         _banner(metrics, args, ps, cfg, optimizer, data_path, time.monotonic() - t_start)
 
         train_iter = iter(DPBatches(train_ds, args.micro_batch_size, ps.dp_rank, ps.dp_size,
