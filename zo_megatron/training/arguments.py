@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--keep-last", type=int, default=None, metavar="K",
                    help="keep only the K newest checkpoints (removed after the new one is committed; default: all)")
     g.add_argument("--no-load-optim", action="store_true",
-                   help="--load only the weights (and iteration): fresh optimizer state and LR schedule")
+                   help="--load without the optimizer state (fresh Adam; the LR schedule is not checked)")
     g.add_argument("--no-load-rng", action="store_true", help="--load without the random-number-generator states")
     g.add_argument("--finetune", action="store_true",
                    help="--load only the weights and start at iteration 0 (no optimizer, RNG or sample counts)")
