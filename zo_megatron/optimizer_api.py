@@ -48,6 +48,8 @@ class TrainingOptimizer(Protocol):
     # True when the fp32 master in state_dict() is the truth and the model's 16-bit weights are
     # derived from it (reload_params_from_master); False when the model's weights are the truth.
     holds_master_weights: bool
+    step_count: int                 # updates applied (Adam's bias-correction step); checkpoints restore it
+    loss_scaler: object             # offload.loss_scaler: state_dict()/load_state_dict(), scale
 
     def forward_context(self) -> ContextManager: ...
 

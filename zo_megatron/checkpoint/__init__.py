@@ -1,1 +1,7 @@
-"""Checkpoint formats and conversions (sharded save/load and resharding land here next)."""
+"""Checkpoints: torch.distributed.checkpoint (DCP) with ZeRO fragments declared as boxes, saved
+atomically, loaded safely into any TP x DP layout (docs/checkpoints.md). hf_gpt2 maps weights to
+and from Hugging Face GPT-2."""
+from zo_megatron.checkpoint.load import LoadOptions, Resumed, load_checkpoint
+from zo_megatron.checkpoint.save import save_checkpoint
+
+__all__ = ["LoadOptions", "Resumed", "load_checkpoint", "save_checkpoint"]

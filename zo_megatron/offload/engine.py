@@ -138,7 +138,8 @@ class ZeroOffloadEngine:
         if f < 1.0:
             for bad, why in ((dpu_warmup_steps is not None, "--dpu (the device tail would not be delayed)"),
                              (accumulate_on_host, "--accumulate-grads-on-host (the tail has no host gradients)"),
-                             (not self.adam.bias_correction, "Adam without bias correction (torch's has it)")):
+                             (not self.adam.bias_correction, "Adam without bias correction (torch's has it)"),
+                             (self.adam.state_dtype != "fp32", "bf16 optimizer states (the device part keeps fp32)")):
                 if bad:
                     raise ConfigError(f"--optimizer-offload-fraction {f:g} < 1 cannot be combined with {why}: "
                                       "use one or the other")
@@ -574,6 +575,19 @@ class ZeroOffloadEngine:
         return {"step": self.step_count, "adam": asdict(self.adam), "precision": self.precision,
                 "dp_size": self.dp_size, "dp_rank": self.dp_rank, "tp_rank": self.tp_rank,
                 "loss_scaler": self.loss_scaler.state_dict(), "params": params}
+
+    def host_state_views(self):
+        """(name, param, start, n, views) for every piece of a parameter this DP rank owns:
+        elements [start, start + n) of the flattened TP-local parameter, with `views` the matching
+        slices of the host "master", "exp_avg" and "exp_avg_sq" buffers. A checkpoint writes from
+        and reads into these views in place (no copy of the optimizer state); after reading, set
+        step_count and the loss scaler and call reload_params_from_master()."""
+        self.flush()                       # nothing may be in flight while the state is read or written
+        for s, host, pstart, n in self.layout.host_fragments():
+            # with a partial offload a piece may be split: its tail's views live on the device
+            for off, m, master, exp_avg, exp_avg_sq in self._state_pieces(host, n):
+                yield s.name, s.param, pstart + off, m, {"master": master, "exp_avg": exp_avg,
+                                                         "exp_avg_sq": exp_avg_sq}
 
     def load_state_dict(self, sd: dict) -> None:
         """Inverse of state_dict() for the same layout; refuses anything that does not match."""

@@ -171,6 +171,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save", default=None, help="directory to save checkpoints to")
     g.add_argument("--load", default=None, help="directory to resume from (its latest checkpoint)")
     g.add_argument("--save-interval", type=int, default=None, help="iterations between checkpoints")
+    g.add_argument("--keep-last", type=int, default=None, metavar="K",
+                   help="keep only the K newest checkpoints (removed after the new one is committed; default: all)")
+    g.add_argument("--no-load-optim", action="store_true",
+                   help="--load without the optimizer state (fresh Adam; the LR schedule is not checked)")
+    g.add_argument("--no-load-rng", action="store_true", help="--load without the random-number-generator states")
+    g.add_argument("--finetune", action="store_true",
+                   help="--load only the weights and start at iteration 0 (no optimizer, RNG or sample counts)")
+    g.add_argument("--override-opt_param-scheduler", action="store_true",
+                   help="on --load, use this run's LR-schedule flags even if they differ from the checkpoint's")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+                   help="on --load, take the LR schedule (lr, min-lr, warmup, decay iters and style) from the checkpoint")
 
     g = p.add_argument_group("evaluation and logging")
     g.add_argument("--eval-interval", type=int, default=None)
@@ -249,6 +260,11 @@ def finalize(args: argparse.Namespace) -> None:
     if args.dpu and not args.zero_offload:
         raise ConfigError("--dpu delays the CPU optimizer's update: add --zero-offload")
     _check_offload_fraction(args)
+    if args.keep_last is not None and args.keep_last < 1:
+        raise ConfigError(f"--keep-last must be >= 1 (got {args.keep_last})")
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        raise ConfigError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude each "
+                          "other: pick one")
     if args.exp_avg_dtype != args.exp_avg_sq_dtype:
         raise ConfigError(f"--exp-avg-dtype {args.exp_avg_dtype} and --exp-avg-sq-dtype {args.exp_avg_sq_dtype} "
                           "must match (the CPU Adam kernel keeps both moments in one dtype)")
@@ -313,6 +329,9 @@ def _check_offload_fraction(args: argparse.Namespace) -> None:
         if args.accumulate_grads_on_host:
             raise ConfigError("--optimizer-offload-fraction below 1 cannot be combined with "
                               "--accumulate-grads-on-host: use one or the other")
+        if args.exp_avg_dtype != "fp32":
+            raise ConfigError("--optimizer-offload-fraction below 1 keeps fp32 moments on the device: drop "
+                              "--exp-avg-dtype/--exp-avg-sq-dtype bf16 or use --optimizer-offload-fraction 1")
 
 
 def _check_ranges(args: argparse.Namespace) -> None:

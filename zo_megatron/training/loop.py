@@ -186,13 +186,49 @@ def _evaluate(model, optimizer, batches, eval_iters: int, ps, device) -> float:
     return total.item() / (count * ps.dp_size)
 
 
-def _cycle(make):
-    """Endless micro-batches from `make()` (a fresh DP iterator per pass over a split)."""
+def _schedule_state(args, iteration: int) -> dict:
+    """The LR schedule as Megatron's OptimizerParamScheduler saves it (checked on resume)."""
+    return {"max_lr": args.lr, "min_lr": args.min_lr, "lr_warmup_steps": args.lr_warmup_iters,
+            "lr_decay_steps": args.lr_decay_iters, "lr_decay_style": args.lr_decay_style, "num_steps": iteration}
+
+
+def _resume(args, ps, model, optimizer, vocab_size: int, model_meta: dict, metrics) -> tuple[int, int, int]:
+    """--load: restore the checkpoint (docs/checkpoints.md); returns (iteration, consumed
+    training samples, consumed validation samples)."""
+    from zo_megatron.checkpoint import LoadOptions, load_checkpoint
+
+    t0 = time.monotonic()
+    res = load_checkpoint(
+        args.load, ps=ps, model=model, optimizer=optimizer, vocab_size=vocab_size, model_meta=model_meta,
+        schedule=_schedule_state(args, 0), opts=LoadOptions(
+            no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng, finetune=args.finetune,
+            override_opt_param_scheduler=args.override_opt_param_scheduler,
+            use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+            train_iters=args.train_iters))
+    if res.opt_param_scheduler is not None:             # --use-checkpoint-opt_param-scheduler
+        s = res.opt_param_scheduler
+        args.lr, args.min_lr, args.lr_warmup_iters = s["max_lr"], s["min_lr"], s["lr_warmup_steps"]
+        args.lr_decay_iters, args.lr_decay_style = s["lr_decay_steps"], s["lr_decay_style"]
+    if res.resharded_from is not None:
+        metrics.print(f" resharded from TP{res.resharded_from[0]} x DP{res.resharded_from[1]} to "
+                      f"TP{ps.tp_size} x DP{ps.dp_size} (RNG: {res.rng_restored})")
+    metrics.print(f" resumed from {res.path} at iteration {res.iteration} ({res.consumed_samples} samples "
+                  f"consumed) in {time.monotonic() - t0:.2f}s")
+    return res.iteration, res.consumed_samples, res.consumed_valid_samples
+
+
+def _cycle(make, consumed: int = 0):
+    """Endless micro-batches from `make(start)` (a fresh DP iterator per pass over a split),
+    continuing after `consumed` samples (all ranks together) as a resumed run must."""
+    first = make(0)
+    per_pass = (len(first.dataset) // first.global_micro_batch) * first.global_micro_batch
+    start = consumed % per_pass if per_pass else 0
     while True:
         produced = False
-        for b in make():
+        for b in make(start):
             produced = True
             yield b
+        start = 0
         if not produced:
             raise UserError("the validation split holds fewer samples than one micro-batch per DP rank: "
                             "lower --micro-batch-size or give the split more documents")
@@ -215,7 +251,7 @@ def _set_threads(args, ps, adam_threads: int) -> None:
 
 
 def _train(args, env, tokenizer, data_path, cpu_adam_threads: int) -> int:
-    from zo_megatron.checkpoint.sharded import load_checkpoint, save_checkpoint
+    from zo_megatron.checkpoint import save_checkpoint
     from zo_megatron.data import DPBatches, build_gpt_datasets
     from zo_megatron.model import GPTConfig, build_gpt_model
     from zo_megatron.parallel import destroy_parallel, init_parallel
@@ -255,19 +291,19 @@ def _train(args, env, tokenizer, data_path, cpu_adam_threads: int) -> int:
         timeline = Timeline(args.timeline, ps.rank, ps.world_size, ps.device) if args.timeline else None
         if timeline is not None:
             stack.callback(timeline.close)
-        start_iter, consumed = 0, 0
-        expected = {k: getattr(args, k) for k in ("num_layers", "hidden_size", "num_attention_heads",
-                                                  "seq_length", "precision", "zero_offload")}
-        expected["vocab_size"] = tokenizer.vocab_size
+        start_iter, consumed, consumed_valid = 0, 0, 0
+        model_meta = dict(num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
+                          num_attention_heads=cfg.num_attention_heads, ffn_hidden_size=cfg.ffn_size,
+                          max_position_embeddings=cfg.max_position_embeddings, vocab_size=tokenizer.vocab_size)
         if args.load:
-            start_iter, consumed = load_checkpoint(args.load, ps=ps, model=model, optimizer=optimizer,
-                                                   expected=expected)
-            metrics.print(f" resumed from {args.load} at iteration {start_iter} ({consumed} samples consumed)")
+            start_iter, consumed, consumed_valid = _resume(args, ps, model, optimizer, tokenizer.vocab_size,
+                                                           model_meta, metrics)
         _banner(metrics, args, ps, cfg, optimizer, data_path, time.monotonic() - t_start)
 
         train_iter = iter(DPBatches(train_ds, args.micro_batch_size, ps.dp_rank, ps.dp_size,
                                     consumed_samples=consumed))
-        valid_iter = _cycle(lambda: DPBatches(valid_ds, args.micro_batch_size, ps.dp_rank, ps.dp_size)) \
+        valid_iter = _cycle(lambda start: DPBatches(valid_ds, args.micro_batch_size, ps.dp_rank, ps.dp_size,
+                                                    consumed_samples=start), consumed_valid) \
             if valid_ds is not None else None
         fpt = flops_per_token(cfg.num_layers, cfg.hidden_size, args.seq_length,
                               cfg.padded_vocab_size(ps.tp_size), args.recompute_granularity)
@@ -279,10 +315,14 @@ def _train(args, env, tokenizer, data_path, cpu_adam_threads: int) -> int:
         def save() -> None:
             nonlocal saved_at
             optimizer.flush()              # a checkpoint holds no pending update: resume is exact
-            path = save_checkpoint(args.save, iteration, ps=ps, model=model, optimizer=optimizer,
-                                   metadata=expected, consumed_samples=consumed)
+            t_save = time.monotonic()
+            path = save_checkpoint(
+                args.save, iteration, ps=ps, model=model, optimizer=optimizer, vocab_size=tokenizer.vocab_size,
+                train_state=dict(consumed_samples=consumed, consumed_valid_samples=consumed_valid,
+                                 opt_param_scheduler=_schedule_state(args, iteration)),
+                model_meta=model_meta, args=vars(args), keep_last=args.keep_last)
             saved_at = iteration
-            metrics.print(f" saved checkpoint {path}")
+            metrics.print(f" saved checkpoint {path} in {time.monotonic() - t_save:.2f}s")
 
         while iteration < args.train_iters:
             inject.at_iteration_start(iteration + 1)
@@ -322,6 +362,7 @@ def _train(args, env, tokenizer, data_path, cpu_adam_threads: int) -> int:
             if valid_iter is not None and args.eval_iters > 0 and (
                     iteration % args.eval_interval == 0 or iteration == args.train_iters):
                 last_val = _evaluate(model, optimizer, valid_iter, args.eval_iters, ps, ps.device)
+                consumed_valid += args.eval_iters * args.micro_batch_size * ps.dp_size
                 metrics.log_eval(iteration, last_val)
             if args.save and ((args.save_interval and iteration % args.save_interval == 0)
                               or iteration == args.train_iters):

@@ -1,0 +1,108 @@
+"""What a checkpoint holds, as DCP keys over FULL (TP-merged, vocab-unpadded) tensors.
+
+    model/<param>             fp32 weights: the offload engine's fp32 master, the baseline's params
+    optim/exp_avg/<param>     Adam's first moment (its own dtype: fp32 or bf16)
+    optim/exp_avg_sq/<param>  Adam's second moment
+
+Both optimizer engines use the same keys, so weights move between them (--no-load-optim). Each
+rank declares the boxes it holds: the offload engine its DP partition's flat fragments of its TP
+shard (boxes.py), the baseline its whole TP shard (DP replicas hold copies: DP rank 0 writes
+them). Parameters replicated over TP (LayerNorms, biases of row-parallel layers, position
+embeddings) are written by TP rank 0 and read by every TP rank. Vocab padding rows, whose size
+depends on TP, are neither saved nor loaded: the logits of those rows are masked to -inf.
+"""
+from __future__ import annotations
+
+import torch
+
+from zo_megatron.checkpoint.boxes import Box, clip_box, flat_range_boxes, shifted
+from zo_megatron.checkpoint.planner import Piece
+from zo_megatron.model.sharding import model_shard_infos
+
+MODEL = "model/"
+EXP_AVG = "optim/exp_avg/"
+EXP_AVG_SQ = "optim/exp_avg_sq/"
+STATE_KEYS = {"master": MODEL, "exp_avg": EXP_AVG, "exp_avg_sq": EXP_AVG_SQ}
+
+
+def optimizer_kind(optimizer) -> str:
+    return "zero_offload" if optimizer.holds_master_weights else "baseline"
+
+
+def full_shapes(model, tp_rank: int, tp_size: int, vocab_size: int) -> dict[str, tuple[int, ...]]:
+    """Every parameter's full unpadded shape: the same at any TP x DP layout."""
+    return {n: tuple(i.full_shape) for n, i in model_shard_infos(model, tp_rank, tp_size, vocab_size).items()}
+
+
+def _piece(key: str, info, box: Box, flat: torch.Tensor) -> Piece | None:
+    """The Piece for `box` of a local tensor whose box elements start at flat[box.flat_start]."""
+    if info.tp_axis is not None and info.valid < info.local_shape[info.tp_axis]:
+        box = clip_box(box, info.tp_axis, info.valid)          # drop vocab padding rows
+        if box is None:
+            return None
+    view = flat[box.flat_start:box.flat_start + box.numel].view(box.sizes)
+    return Piece(key, tuple(info.full_shape), shifted(box, info.tp_axis, info.offset), view)
+
+
+def offload_pieces(engine, ps, vocab_size: int, *, saving: bool, with_optimizer: bool) -> list[Piece]:
+    infos = model_shard_infos(engine.model, ps.tp_rank, ps.tp_size, vocab_size)
+    out = []
+    for name, param, start, n, views in engine.host_state_views():
+        info = infos[name]
+        if saving and info.replicated and ps.tp_rank != 0:
+            continue
+        for box in flat_range_boxes(tuple(param.shape), start, start + n):
+            for what, prefix in STATE_KEYS.items():
+                if what != "master" and not with_optimizer:
+                    continue
+                piece = _piece(prefix + name, info, box, views[what])
+                if piece is not None:
+                    out.append(piece)
+    return out
+
+
+def _ensure_adam_state(opt: torch.optim.Optimizer, p: torch.Tensor) -> dict:
+    """torch AdamW's per-parameter state, created as a step would create it (to load into)."""
+    st = opt.state[p]
+    if not st:
+        st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+        st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return st
+
+
+def baseline_pieces(optimizer, ps, vocab_size: int, *, saving: bool, with_optimizer: bool) -> list[Piece]:
+    model = optimizer.model
+    infos = model_shard_infos(model, ps.tp_rank, ps.tp_size, vocab_size)
+    out = []
+    if saving and ps.dp_rank != 0:              # DP replicas hold the same tensors
+        return out
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        info = infos[name]
+        if saving and info.replicated and ps.tp_rank != 0:
+            continue
+        box = Box((0,) * p.dim(), tuple(p.shape), 0)
+        tensors = {"master": p.data}
+        if with_optimizer:
+            st = _ensure_adam_state(optimizer.opt, p)
+            tensors.update(exp_avg=st["exp_avg"], exp_avg_sq=st["exp_avg_sq"])
+        for what, t in tensors.items():
+            piece = _piece(STATE_KEYS[what] + name, info, box, t.reshape(-1))
+            if piece is not None:
+                out.append(piece)
+    return out
+
+
+def pieces(model, optimizer, ps, vocab_size: int, *, saving: bool, with_optimizer: bool = True) -> list[Piece]:
+    fn = offload_pieces if optimizer.holds_master_weights else baseline_pieces
+    return fn(optimizer, ps, vocab_size, saving=saving, with_optimizer=with_optimizer)
+
+
+def set_baseline_step(optimizer, step: int) -> None:
+    """torch AdamW counts steps per parameter: set them all after loading the moments."""
+    for p in optimizer.model.parameters():
+        st = optimizer.opt.state.get(p)
+        if st:
+            st["step"].fill_(float(step))

@@ -1,0 +1,213 @@
+"""Loading a checkpoint into any TP x DP layout, after checking everything that can be wrong.
+
+Order: (1) read `latest`, checkpoint.json and the DCP `.metadata` (allow-list unpickler) and
+refuse, with one line naming the file, anything that does not fit this run -- another
+architecture or vocabulary, the other optimizer engine, a missing or truncated file, a changed LR
+schedule, --train-iters below the checkpoint's iteration -- before any tensor is touched;
+(2) let DCP read this rank's boxes straight into the model / optimizer buffers (resharding is
+DCP intersecting this layout's boxes with the saved ones); (3) restore counters and RNG streams.
+Every rank runs the same checks on the same files, so all ranks refuse together.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from zo_megatron.checkpoint import content
+from zo_megatron.checkpoint.layout import LATEST, MANIFEST, iter_dir, rng_file
+from zo_megatron.checkpoint.planner import BoxLoadPlanner
+from zo_megatron.checkpoint.safe_load import SafeFileSystemReader, first_line, read_dcp_metadata, read_json
+from zo_megatron.checkpoint.save import FORMAT, FORMAT_VERSION
+from zo_megatron.errors import UserError
+from zo_megatron.parallel.rng_state import restore_rng_state
+
+# Megatron's OptimizerParamScheduler keys that must agree on resume (its _check_and_set).
+SCHEDULER_KEYS = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style")
+_SCHEDULER_FLAGS = {"max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": "--lr-warmup-iters",
+                    "lr_decay_steps": "--lr-decay-iters (default: --train-iters)",
+                    "lr_decay_style": "--lr-decay-style"}
+
+
+@dataclass
+class LoadOptions:
+    """Megatron's flags: what to take from the checkpoint."""
+
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    finetune: bool = False                     # weights only, iteration 0
+    override_opt_param_scheduler: bool = False
+    use_checkpoint_opt_param_scheduler: bool = False
+    train_iters: int | None = None
+
+    @property
+    def weights_only(self) -> bool:
+        return self.no_load_optim or self.finetune
+
+
+@dataclass
+class Resumed:
+    path: str
+    iteration: int
+    consumed_samples: int
+    consumed_valid_samples: int
+    opt_param_scheduler: dict | None           # the schedule to train with (None: keep this run's)
+    resharded_from: tuple[int, int] | None     # (TP, DP) of the checkpoint when it differs
+    rng_restored: str                          # "exact", "shared streams" or "no"
+
+
+def find_latest(root: str) -> int:
+    path = os.path.join(root, LATEST)
+    if not os.path.exists(path):
+        raise UserError(f"--load {root}: no {LATEST} there; nothing to resume (drop --load to start fresh)")
+    with open(path, "rb") as f:
+        raw = f.read(64)
+    text = raw.decode("ascii", errors="replace").strip()
+    if not text.isdigit():
+        raise UserError(f"{path}: expected an iteration number, found {text[:40]!r}; fix or delete the file")
+    return int(text)
+
+
+def read_manifest(root: str) -> tuple[str, dict]:
+    iteration = find_latest(root)
+    d = iter_dir(root, iteration)
+    if not os.path.isdir(d):
+        raise UserError(f"{os.path.join(root, LATEST)} names iteration {iteration} but {d} does not exist; "
+                        "point --load at a complete checkpoint")
+    manifest = read_json(os.path.join(d, MANIFEST), "checkpoint manifest")
+    where = os.path.join(d, MANIFEST)
+    if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
+        raise UserError(f"{where}: format {manifest.get('format')!r} version {manifest.get('format_version')!r} "
+                        f"is not {FORMAT} version {FORMAT_VERSION}; this checkpoint was not written by this release")
+    if manifest.get("iteration") != iteration:
+        raise UserError(f"{where} holds iteration {manifest.get('iteration')!r}, but {LATEST} says {iteration}")
+    return d, manifest
+
+
+def _check_model(manifest: dict, model_meta: dict, where: str) -> None:
+    saved = manifest.get("model", {})
+    if saved.get("vocab_size") != model_meta.get("vocab_size"):
+        raise UserError(f"{where}: the checkpoint's vocabulary has {saved.get('vocab_size')} tokens, this run's "
+                        f"tokenizer {model_meta.get('vocab_size')}: use the --vocab-file/--merge-file it was trained with")
+    diffs = [f"{k} {saved.get(k)!r} in the checkpoint, {v!r} here" for k, v in model_meta.items()
+             if k != "vocab_size" and saved.get(k) != v]
+    if diffs:
+        raise UserError(f"{where}: another architecture ({'; '.join(diffs)}): launch with the model flags "
+                        "the checkpoint was trained with")
+
+
+def _check_files(d: str, manifest: dict) -> None:
+    files = manifest.get("files")
+    if not isinstance(files, dict) or ".metadata" not in files:
+        raise UserError(f"{os.path.join(d, MANIFEST)}: no file list; the checkpoint is incomplete")
+    for name, size in files.items():
+        if os.path.basename(name) != name:
+            raise UserError(f"{os.path.join(d, MANIFEST)}: file name {name!r} is not a plain name")
+        path = os.path.join(d, name)
+        if not os.path.isfile(path):
+            raise UserError(f"{path} is missing: the checkpoint is incomplete (a shard was lost or not copied)")
+        actual = os.path.getsize(path)
+        if actual != size:
+            raise UserError(f"{path} is {'truncated' if actual < size else 'larger than written'} "
+                            f"({actual} bytes, {size} written): copy the checkpoint again or load another one")
+
+
+def _check_tensors(d: str, md, expected: dict[str, tuple[int, ...]]) -> None:
+    """Every key this rank reads exists with the full shape this run expects, and is complete."""
+    where = os.path.join(d, ".metadata")
+    for key, shape in expected.items():
+        entry = md.state_dict_metadata.get(key)
+        if entry is None:
+            raise UserError(f"{where}: no tensor {key!r}; the checkpoint does not hold this model's state")
+        if not isinstance(entry, TensorStorageMetadata):
+            raise UserError(f"{where}: {key!r} is not a tensor (non-tensor items are refused)")
+        if tuple(entry.size) != tuple(shape):
+            raise UserError(f"{where}: {key!r} has shape {tuple(entry.size)} in the checkpoint, {tuple(shape)} "
+                            "in this model: launch with the model flags the checkpoint was trained with")
+        covered = sum(math.prod(c.sizes) for c in entry.chunks)
+        if covered != math.prod(shape):
+            raise UserError(f"{where}: {key!r} covers {covered} of {math.prod(shape)} elements: shards are missing")
+
+
+def _check_scheduler(saved: dict | None, current: dict, opts: LoadOptions, where: str) -> dict | None:
+    if opts.override_opt_param_scheduler or saved is None:
+        return None
+    if opts.use_checkpoint_opt_param_scheduler:
+        return {k: saved[k] for k in SCHEDULER_KEYS}
+    diffs = [f"{k} {saved.get(k)!r} in the checkpoint, {current[k]!r} here ({_SCHEDULER_FLAGS[k]})"
+             for k in SCHEDULER_KEYS if saved.get(k) != current[k]]
+    if diffs:
+        raise UserError(f"{where}: the learning-rate schedule differs from the checkpoint's ({'; '.join(diffs)}): "
+                        "pass --override-opt_param-scheduler to use this run's, or "
+                        "--use-checkpoint-opt_param-scheduler to keep the checkpoint's")
+    return None
+
+
+def load_checkpoint(root: str, *, ps, model, optimizer, vocab_size: int, model_meta: dict, schedule: dict,
+                    opts: LoadOptions) -> Resumed:
+    """Validate, then restore model (+ optimizer, RNG, counters) from root's latest checkpoint."""
+    d, manifest = read_manifest(root)
+    where = os.path.join(d, MANIFEST)
+    _check_model(manifest, model_meta, where)
+    saved_kind = manifest.get("optimizer", {}).get("kind")
+    here_kind = content.optimizer_kind(optimizer)
+    if not opts.weights_only and saved_kind != here_kind:
+        flag = "--zero-offload" if saved_kind == "zero_offload" else "no --zero-offload"
+        raise UserError(f"{where}: written by the {saved_kind} optimizer, this run uses {here_kind}: launch with "
+                        f"{flag}, or take the weights only with --no-load-optim")
+    iteration = 0 if opts.finetune else int(manifest["iteration"])
+    if opts.train_iters is not None and iteration > opts.train_iters:
+        raise UserError(f"--train-iters {opts.train_iters} is below the checkpoint's iteration {iteration} ({d}): "
+                        f"raise --train-iters above {iteration}, or use --finetune to start counting from 0")
+    use_schedule = None
+    if not opts.weights_only:
+        use_schedule = _check_scheduler(manifest.get("opt_param_scheduler"), schedule, opts, where)
+    _check_files(d, manifest)
+    saved_layout = manifest["layout"]
+    saved_tp, saved_dp = int(saved_layout["tensor_parallel"]), int(saved_layout["data_parallel"])
+    same_layout = (saved_tp, saved_dp) == (ps.tp_size, ps.dp_size)
+    load_rng = not (opts.no_load_rng or opts.finetune)
+    rng_src = rng_file(ps.tp_rank, ps.dp_rank) if same_layout else \
+        rng_file(ps.tp_rank if saved_tp == ps.tp_size else 0, 0)
+    if load_rng and rng_src not in manifest["files"]:
+        raise UserError(f"{os.path.join(d, rng_src)} is not part of the checkpoint: it is incomplete")
+    rng_state = read_json(os.path.join(d, rng_src), "RNG state") if load_rng else None
+    md = read_dcp_metadata(d)
+    with_optim = not opts.weights_only
+    pcs = content.pieces(model, optimizer, ps, vocab_size, saving=False, with_optimizer=with_optim)
+    _check_tensors(d, md, {p.key: p.shape for p in pcs})
+
+    # -------- nothing was modified above this line; from here on, state is overwritten
+    try:
+        dcp.load({}, storage_reader=SafeFileSystemReader(d), planner=BoxLoadPlanner(pcs))
+    except CheckpointException as exc:          # a BaseException, not an Exception
+        failures = list(getattr(exc, "failures", {}).values())
+        first = failures[0] if failures else exc
+        raise UserError(f"{d}: reading the tensors failed ({type(first).__name__}: {first_line(first)}); "
+                        "a data file is corrupt or was tampered with") from None
+    opt_state = manifest["optimizer"]
+    if with_optim:
+        optimizer.step_count = int(opt_state["step"])
+        if set(opt_state["loss_scaler"]) == set(optimizer.loss_scaler.state_dict()):
+            optimizer.loss_scaler.load_state_dict(opt_state["loss_scaler"])
+        if not optimizer.holds_master_weights:
+            content.set_baseline_step(optimizer, optimizer.step_count)
+    if optimizer.holds_master_weights:
+        optimizer.reload_params_from_master()
+    restored = "no"
+    if rng_state is not None:
+        try:
+            restore_rng_state(rng_state, keep_model_parallel_stream=saved_tp != ps.tp_size)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise UserError(f"{os.path.join(d, rng_src)}: not a valid RNG state ({first_line(exc)})") from None
+        restored = "exact" if saved_tp == ps.tp_size else "shared streams"
+    return Resumed(
+        path=d, iteration=iteration,
+        consumed_samples=0 if opts.finetune else int(manifest.get("consumed_samples", 0)),
+        consumed_valid_samples=0 if opts.finetune else int(manifest.get("consumed_valid_samples", 0)),
+        opt_param_scheduler=use_schedule,
+        resharded_from=None if same_layout else (saved_tp, saved_dp), rng_restored=restored)

@@ -1,0 +1,116 @@
+"""Saving a checkpoint so that a crash at any moment leaves the previous one loadable.
+
+DCP writes data files under their final names and `.metadata` last, and re-saving into an
+existing directory silently mixes old and new data; atomicity is ours:
+  1. rank 0 removes leftovers of interrupted saves and creates a fresh iter_XXXXXXX.partial/;
+  2. every rank writes its boxes (DCP, fsynced) and its RNG file (fsynced);
+  3. rank 0 writes checkpoint.json (with every file's size), fsyncs the directory, renames it to
+     iter_XXXXXXX, fsyncs SAVE/, and only then replaces latest_checkpointed_iteration.txt;
+  4. with --keep-last K, older committed iterations are removed after that.
+A test hook (ZO_MEGATRON_TEST_KILL_SAVE=<point>@<iteration>, point = shards | before_rename |
+before_latest) kills the process at one of those moments; unset in normal runs, it costs nothing.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from zo_megatron.checkpoint import content
+from zo_megatron.checkpoint.layout import (LATEST, MANIFEST, PARTIAL, committed_iterations, fsync_dir, iter_dir,
+                                           rng_file, stale_dirs, write_durable)
+from zo_megatron.checkpoint.planner import BoxSavePlanner
+from zo_megatron.parallel import collectives
+from zo_megatron.parallel.rng_state import capture_rng_state
+
+FORMAT = "zo_megatron/dcp"
+FORMAT_VERSION = 2
+KILL_HOOK = "ZO_MEGATRON_TEST_KILL_SAVE"
+_POINTS = ("shards", "before_rename", "before_latest")
+
+
+def _kill_point(iteration: int) -> str | None:
+    spec = os.environ.get(KILL_HOOK)
+    if not spec:
+        return None
+    point, _, it = spec.partition("@")
+    if point not in _POINTS or not it.isdigit():
+        raise ValueError(f"{KILL_HOOK}={spec!r}: expected <{'|'.join(_POINTS)}>@<iteration>")
+    return point if int(it) == iteration else None
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def json_safe(d: dict) -> dict:
+    """The JSON-representable part of a flat dict (the run's arguments): no pickle anywhere."""
+    out = {}
+    for k, v in d.items():
+        try:
+            json.dumps(v)
+        except (TypeError, ValueError):
+            continue
+        out[k] = v
+    return out
+
+
+def save_checkpoint(root: str, iteration: int, *, ps, model, optimizer, vocab_size: int, train_state: dict,
+                    model_meta: dict, args: dict, keep_last: int | None = None) -> str:
+    """Write SAVE/iter_XXXXXXX atomically (see the module docstring); collective over all ranks.
+
+    train_state: iteration-independent counters and the LR schedule (consumed_samples,
+    consumed_valid_samples, opt_param_scheduler); model_meta: the architecture a loader must
+    match; args: the run's flags (stored as JSON)."""
+    optimizer.flush()                           # a pending delayed update belongs in the checkpoint
+    final = iter_dir(root, iteration)
+    partial = final + PARTIAL
+    kill = _kill_point(iteration)
+    if ps.rank == 0:
+        os.makedirs(root, exist_ok=True)
+        for d in stale_dirs(root):
+            shutil.rmtree(d, ignore_errors=True)
+        os.makedirs(partial)
+    collectives.barrier()
+    planner = BoxSavePlanner(content.pieces(model, optimizer, ps, vocab_size, saving=True),
+                             crash_after_items=1 if kill == "shards" else None)
+    writer = dcp.FileSystemWriter(partial, single_file_per_rank=True, sync_files=True, thread_count=1)
+    try:
+        dcp.save({}, storage_writer=writer, planner=planner)
+    except CheckpointException as exc:          # a BaseException: would escape `except Exception`
+        raise RuntimeError(f"saving {partial} failed: {exc}") from None
+    write_durable(os.path.join(partial, rng_file(ps.tp_rank, ps.dp_rank)), json.dumps(capture_rng_state()))
+    collectives.barrier()
+    if ps.rank == 0:
+        files = {n: os.path.getsize(os.path.join(partial, n)) for n in sorted(os.listdir(partial))
+                 if os.path.isfile(os.path.join(partial, n))}
+        manifest = {
+            "format": FORMAT, "format_version": FORMAT_VERSION, "iteration": iteration, **train_state,
+            "layout": {"tensor_parallel": ps.tp_size, "data_parallel": ps.dp_size},
+            "optimizer": {"kind": content.optimizer_kind(optimizer), "step": int(optimizer.step_count),
+                          "loss_scaler": optimizer.loss_scaler.state_dict()},
+            "model": model_meta, "params": content.full_shapes(model, ps.tp_rank, ps.tp_size, vocab_size),
+            "args": json_safe(args), "files": files,
+        }
+        write_durable(os.path.join(partial, MANIFEST), json.dumps(manifest, indent=1, sort_keys=True))
+        fsync_dir(partial)
+        if kill == "before_rename":
+            _die()
+        if os.path.exists(final):               # an uncommitted leftover (latest never reached it)
+            os.replace(final, final + ".old")
+        os.replace(partial, final)
+        fsync_dir(root)
+        if kill == "before_latest":
+            _die()
+        write_durable(os.path.join(root, LATEST), f"{iteration}\n")
+        shutil.rmtree(final + ".old", ignore_errors=True)
+        if keep_last:
+            # the K newest up to this one; newer directories belong to an abandoned run: left alone
+            for old in [i for i in committed_iterations(root) if i <= iteration][:-keep_last]:
+                shutil.rmtree(iter_dir(root, old), ignore_errors=True)
+    collectives.barrier()
+    return final
