@@ -52,7 +52,8 @@ def test_nan_steps_are_skipped_everywhere_and_a_run_of_them_stops_with_a_checkpo
     assert [i for i, row in sorted(train.items()) if row["skipped"]] == [2, 4, 5, 6]
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
     # the checkpoint holds the state after iteration 3 (the last good step): it resumes, finite
-    r2 = _torchrun(["--zero-offload", "--data-path", corpus, "--train-iters", "8", "--load", str(save),
+    r2 = _torchrun(["--zero-offload", "--data-path", corpus, "--train-iters", "8", "--lr-decay-iters", "12",
+                    "--load", str(save),
                     "--log-jsonl", str(tmp_path / "resumed.jsonl"), *TINY, *FP32], tmp_path)
     assert r2.returncode == 0, r2.stderr[-3000:]
     resumed = _rows(tmp_path / "resumed.jsonl", "train")
