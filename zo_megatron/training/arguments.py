@@ -10,7 +10,7 @@ import os
 import sys
 
 from zo_megatron.errors import ConfigError
-from zo_megatron.training.schedule import DECAY_STYLES
+from zo_megatron.training.schedule import DECAY_STYLES, WSD_DECAY_STYLES
 
 # What `pretrain_gpt.py --tensor-parallel 2 --zero-offload` trains when given no shape flags.
 DEMO_DEFAULTS = dict(num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=256,
@@ -100,6 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lr-decay-style", choices=DECAY_STYLES, default=None)
     g.add_argument("--lr-warmup-iters", type=int, default=None)
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
+    g.add_argument("--lr-warmup-fraction", type=float, default=None,
+                   help="warmup as a fraction of the decay (Megatron's; instead of --lr-warmup-iters)")
+    g.add_argument("--lr-warmup-init", type=float, default=0.0, help="rate of the first warmup update")
+    g.add_argument("--lr-wsd-decay-iters", type=int, default=None,
+                   help="WSD: iterations of the final anneal (required with --lr-decay-style WSD)")
+    g.add_argument("--lr-wsd-decay-style", choices=WSD_DECAY_STYLES, default="exponential",
+                   help="WSD: shape of the final anneal")
 
     g = p.add_argument_group("optimizer")
     g.add_argument("--optimizer", choices=["adam"], default="adam")
@@ -191,6 +198,10 @@ def finalize(args: argparse.Namespace) -> None:
     shape_given = any(getattr(args, k) is not None for k in ("num_layers", "hidden_size", "num_attention_heads"))
     args.demo = not shape_given
     defaults = MEGATRON_DEFAULTS if shape_given else DEMO_DEFAULTS
+    if args.lr_warmup_fraction is not None:
+        if args.lr_warmup_iters:
+            raise ConfigError("--lr-warmup-fraction and --lr-warmup-iters both set the warmup: give one")
+        args.lr_warmup_iters = 0
     for k in {**DEMO_DEFAULTS, **MEGATRON_DEFAULTS}:
         if getattr(args, k, None) is None:
             setattr(args, k, defaults.get(k))
@@ -251,6 +262,8 @@ _RANGES = [
     ("eval_iters", lambda v: v >= 0, ">= 0 (0: no evaluation)"), ("seed", lambda v: v >= 0, ">= 0"),
     ("lr", lambda v: v > 0, "> 0"), ("min_lr", lambda v: v >= 0, ">= 0"),
     ("lr_warmup_iters", lambda v: v >= 0, ">= 0"), ("lr_decay_iters", lambda v: v >= 1, ">= 1"),
+    ("lr_warmup_fraction", lambda v: 0 <= v < 1, "in [0, 1)"), ("lr_warmup_init", lambda v: v >= 0, ">= 0"),
+    ("lr_wsd_decay_iters", lambda v: v >= 1, ">= 1"),
     ("weight_decay", lambda v: v >= 0, ">= 0"), ("adam_beta1", lambda v: 0 <= v < 1, "in [0, 1)"),
     ("adam_beta2", lambda v: 0 <= v < 1, "in [0, 1)"), ("adam_eps", lambda v: v > 0, "> 0"),
     ("clip_grad", lambda v: v >= 0, ">= 0 (0: no clipping)"), ("loss_scale", lambda v: v > 0, "> 0"),

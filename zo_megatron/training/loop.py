@@ -19,7 +19,7 @@ from zo_megatron.parallel.megatron_notices import SUMMARY as NOTICES
 from zo_megatron.parallel.megatron_notices import hide_known_megatron_notices
 from zo_megatron.training.arguments import check_batch_sizes, parse_args
 from zo_megatron.training.metrics import Metrics, flops_per_token, host_rss_bytes, human_bytes
-from zo_megatron.training.schedule import learning_rate
+from zo_megatron.training.schedule import LRScheduler
 
 
 def _total_memory_bytes() -> int:
@@ -87,6 +87,7 @@ def pretrain(argv=None) -> int:
     validate_parallel_config(env.world_size, args.tensor_parallel, args.num_attention_heads, args.hidden_size)
     dp = env.world_size // args.tensor_parallel
     check_batch_sizes(args, dp)
+    LRScheduler.from_args(args)                  # its one-line errors now, before any process group
     tokenizer = build_tokenizer(args.vocab_file, args.merge_file, allow_custom_vocab=args.allow_custom_vocab)
     if args.data_path:
         from zo_megatron.data import parse_data_path
@@ -134,7 +135,8 @@ def _build_optimizer(args, model, ps):
     return PlainDDPOptimizer(model.to(ps.device), **common)
 
 
-def _evaluate(model, optimizer, batches, eval_iters: int, ps, device) -> float:
+def _evaluate(model, optimizer, batches, eval_iters: int, ps, device) -> tuple[float, int]:
+    """Mean loss over `eval_iters` micro-batches per rank, and the samples that covered (all DP ranks)."""
     model.eval()
     total, count = torch.zeros((), dtype=torch.float64, device=device), 0
     with torch.no_grad(), optimizer.forward_context():
@@ -144,9 +146,10 @@ def _evaluate(model, optimizer, batches, eval_iters: int, ps, device) -> float:
                               b["position_ids"].to(device))
             total += loss.detach().double()
             count += 1
+            samples = b["tokens"].shape[0]
     model.train()
     collectives.all_reduce(total, group=ps.dp_group)
-    return total.item() / (count * ps.dp_size)
+    return total.item() / (count * ps.dp_size), count * samples * ps.dp_size
 
 
 def _cycle(make):
@@ -212,9 +215,10 @@ def _train(args, env, tokenizer, data_path, cpu_adam_threads: int) -> int:
         window = dict(loss=0.0, n=0, skipped=0, nan=0, t=time.monotonic(), norm=0.0)
         iteration = start_iter
         last_val = None
+        scheduler = LRScheduler.from_args(args)
+        scheduler.step(consumed)            # TODO(checkpoint): load scheduler.state_dict() from the checkpoint
         while iteration < args.train_iters:
-            lr = learning_rate(iteration, lr=args.lr, min_lr=args.min_lr, warmup_iters=args.lr_warmup_iters,
-                               decay_iters=args.lr_decay_iters, style=args.lr_decay_style)
+            lr = scheduler.get_lr()
             step_loss = torch.zeros((), device=ps.device)
             for m in range(args.grad_accum_steps):
                 b = next(train_iter)
@@ -224,6 +228,8 @@ def _train(args, env, tokenizer, data_path, cpu_adam_threads: int) -> int:
                 optimizer.backward(loss / args.grad_accum_steps, last_micro_batch=m == args.grad_accum_steps - 1)
                 step_loss += loss.detach().float() / args.grad_accum_steps
             res = optimizer.step(lr)
+            if not res.skipped:             # as Megatron: a skipped (fp16 overflow) update does not advance it
+                scheduler.step(gb)
             iteration += 1
             consumed += gb
             metrics.advance()
@@ -238,13 +244,19 @@ def _train(args, env, tokenizer, data_path, cpu_adam_threads: int) -> int:
                 _log(metrics, window, iteration, lr, res, optimizer, ps, args, fpt, iteration - start_iter)
             if valid_iter is not None and args.eval_iters > 0 and (
                     iteration % args.eval_interval == 0 or iteration == args.train_iters):
-                last_val = _evaluate(model, optimizer, valid_iter, args.eval_iters, ps, ps.device)
-                metrics.log_eval(iteration, last_val)
+                paused = time.monotonic()   # as Megatron: evaluation stays out of the interval timer
+                # --eval-iters counts global batches, as Megatron's: accumulation x micro-batches per rank.
+                last_val, n_samples = _evaluate(model, optimizer, valid_iter, args.eval_iters * args.grad_accum_steps,
+                                                ps, ps.device)
+                metrics.log_eval(iteration, last_val, eval_samples=n_samples)
+                window["t"] += time.monotonic() - paused
             if args.save and ((args.save_interval and iteration % args.save_interval == 0)
                               or iteration == args.train_iters):
+                paused = time.monotonic()   # as Megatron: saving stays out of the interval timer
                 path = save_checkpoint(args.save, iteration, ps=ps, model=model, optimizer=optimizer,
                                        metadata=expected, consumed_samples=consumed)
                 metrics.print(f" saved checkpoint {path}")
+                window["t"] += time.monotonic() - paused
         elapsed = time.monotonic() - t_start
         if last_val is not None:
             metrics.print(f" done: {iteration} iterations in {elapsed / 60:.1f} min; final validation loss "

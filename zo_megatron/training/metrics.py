@@ -96,12 +96,16 @@ class Metrics:
         self.print(line)
         self._write({k: v for k, v in row.items() if not k.startswith("_")}, "train")
 
-    def log_eval(self, iteration: int, val_loss: float, split: str = "validation") -> None:
+    def log_eval(self, iteration: int, val_loss: float, split: str = "validation", eval_samples: int | None = None) -> None:
         if not self.enabled:
             return
         ppl = math.exp(min(val_loss, 50.0))
-        self.print(f" {split} loss at iteration {iteration} | lm loss {val_loss:.4f} | lm loss PPL {ppl:.3f}")
-        self._write({"iteration": iteration, "val_loss": val_loss, "val_ppl": ppl, "split": split}, "eval")
+        self.print(f" {split} loss at iteration {iteration} | lm loss {val_loss:.4f} | lm loss PPL {ppl:.3f}"
+                   + (f" | {eval_samples} samples" if eval_samples is not None else ""))
+        row = {"iteration": iteration, "val_loss": val_loss, "val_ppl": ppl, "split": split}
+        if eval_samples is not None:
+            row["eval_samples"] = eval_samples
+        self._write(row, "eval")
 
     def _write(self, row: dict, kind: str) -> None:
         if self._jsonl is not None:
