@@ -1,8 +1,10 @@
 """The training job: validate everything, build the components, run one loop that composes them.
 
 Order matters for users: every check that can fail on bad input (flags, tokenizer files, data
-files, memory plan) runs BEFORE any process group, model or checkpoint directory is created, so a
-mistake costs seconds and leaves nothing behind.
+files, memory plan) runs BEFORE any model or checkpoint directory is created, so a mistake costs
+seconds and leaves nothing behind. The checks that read files run on every rank (a file can differ
+between nodes) inside `collectives.all_ranks_agree`: the ranks agree on "ok or which rank failed
+why" before going on, so a failure on rank 3 is printed once, by rank 0, naming rank 3.
 """
 from __future__ import annotations
 
@@ -79,7 +81,6 @@ def pretrain(argv=None) -> int:
         # As Megatron-LM's launch scripts do: one hardware queue, so each TP layer's async
         # all-reduce is scheduled before the weight-gradient GEMM it overlaps (set before CUDA starts).
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    from zo_megatron.data import build_tokenizer, validate_data_prefix
     from zo_megatron.parallel import validate_parallel_config
     from zo_megatron.parallel.launch_env import default_cpu_adam_threads, discover_launch_env
 
@@ -88,6 +89,23 @@ def pretrain(argv=None) -> int:
     dp = env.world_size // args.tensor_parallel
     check_batch_sizes(args, dp)
     LRScheduler.from_args(args)                  # its one-line errors now, before any process group
+    from zo_megatron.parallel import destroy_parallel, init_parallel
+
+    ps = init_parallel(args.tensor_parallel, seed=args.seed, num_attention_heads=args.num_attention_heads,
+                       hidden_size=args.hidden_size)
+    try:
+        with collectives.all_ranks_agree():
+            tokenizer, data_path = _check_inputs(args, env, dp)
+    except BaseException:
+        destroy_parallel()
+        raise
+    return _train(args, env, ps, tokenizer, data_path, default_cpu_adam_threads(env.local_world_size))
+
+
+def _check_inputs(args, env, dp):
+    """Every check that reads files or this node's memory; returns (tokenizer, data path)."""
+    from zo_megatron.data import build_tokenizer, validate_data_prefix
+
     tokenizer = build_tokenizer(args.vocab_file, args.merge_file, allow_custom_vocab=args.allow_custom_vocab)
     if args.data_path:
         from zo_megatron.data import parse_data_path
@@ -109,7 +127,7 @@ def pretrain(argv=None) -> int:
     if args.save:
         check_save_dir(args.save)
     memory_check(args, env, dp, tokenizer.vocab_size)
-    return _train(args, env, tokenizer, data_path, default_cpu_adam_threads(env.local_world_size))
+    return tokenizer, data_path
 
 
 def _build_optimizer(args, model, ps):
@@ -133,6 +151,28 @@ def _build_optimizer(args, model, ps):
                                  host_grad_dtype=args.main_grads_dtype,
                                  accumulate_on_host=args.accumulate_grads_on_host, **common)
     return PlainDDPOptimizer(model.to(ps.device), **common)
+
+
+def _probe_checkpoint(root: str, ps, expected: dict) -> None:
+    """Read this rank's checkpoint file (memory-mapped, nothing applied) so that every rank can
+    agree it is readable BEFORE load_checkpoint, whose restore issues collectives a failed rank
+    would never join. TODO(checkpoint): move into load_checkpoint's read phase."""
+    from zo_megatron.checkpoint import sharded
+
+    iteration = sharded.find_latest(root)
+    if iteration is None:
+        return                                   # load_checkpoint says so, identically on every rank
+    d = sharded._iter_dir(root, iteration)
+    sharded.check_compatible(sharded.read_metadata(root, iteration),
+                             {"tensor_parallel": ps.tp_size, "data_parallel": ps.dp_size, **expected}, d)
+    path = sharded._rank_file(d, ps.tp_rank, ps.dp_rank)
+    try:
+        torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except FileNotFoundError:
+        raise UserError(f"{path} is missing: the checkpoint is incomplete") from None
+    except Exception as exc:  # noqa: BLE001 - torch raises many types for a damaged file
+        raise UserError(f"{path} cannot be read ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
+                        "the file is corrupt or not a zo_megatron checkpoint") from None
 
 
 def _evaluate(model, optimizer, batches, eval_iters: int, ps, device) -> tuple[float, int]:
@@ -164,16 +204,14 @@ def _cycle(make):
                             "lower --micro-batch-size or give the split more documents")
 
 
-def _train(args, env, tokenizer, data_path, cpu_adam_threads: int) -> int:
+def _train(args, env, ps, tokenizer, data_path, cpu_adam_threads: int) -> int:
     from zo_megatron.checkpoint.sharded import load_checkpoint, save_checkpoint
     from zo_megatron.data import DPBatches, build_gpt_datasets
     from zo_megatron.model import GPTConfig, build_gpt_model
     from zo_megatron.offload import cpu_adam
-    from zo_megatron.parallel import destroy_parallel, init_parallel
+    from zo_megatron.parallel import destroy_parallel
 
     t_start = time.monotonic()
-    ps = init_parallel(args.tensor_parallel, seed=args.seed, num_attention_heads=args.num_attention_heads,
-                       hidden_size=args.hidden_size)
     cpu_adam.set_num_threads(args.cpu_adam_threads or cpu_adam_threads)
     metrics = Metrics(enabled=ps.rank == 0, total_iters=args.train_iters, jsonl_path=args.log_jsonl,
                       tensorboard_dir=args.tensorboard_dir, progress_bar=not args.no_progress_bar)
@@ -187,10 +225,11 @@ def _train(args, env, tokenizer, data_path, cpu_adam_threads: int) -> int:
                         init_method_std=args.init_method_std, recompute=args.recompute_granularity)
         gb = args.global_batch_size
         n_evals = args.train_iters // args.eval_interval + 1
-        train_ds, valid_ds, _ = build_gpt_datasets(
-            data_path, args.split, args.seq_length, args.seed, tokenizer,
-            train_samples=args.train_iters * gb, valid_samples=n_evals * args.eval_iters * gb,
-            test_samples=0, cache_dir=args.data_cache_path)
+        with collectives.all_ranks_agree():
+            train_ds, valid_ds, _ = build_gpt_datasets(
+                data_path, args.split, args.seq_length, args.seed, tokenizer,
+                train_samples=args.train_iters * gb, valid_samples=n_evals * args.eval_iters * gb,
+                test_samples=0, cache_dir=args.data_cache_path)
         # Built on the host in fp32: the offload engine moves it to the device as its flat 16-bit
         # buffer (the device never holds the fp32 copy); the baseline moves it whole.
         model = build_gpt_model(cfg, ps.tp_rank, ps.tp_size, args.seed)
@@ -201,6 +240,8 @@ def _train(args, env, tokenizer, data_path, cpu_adam_threads: int) -> int:
                                                   "seq_length", "precision", "zero_offload")}
         expected["vocab_size"] = tokenizer.vocab_size
         if args.load:
+            with collectives.all_ranks_agree():      # a damaged file on rank 3 is reported, by rank
+                _probe_checkpoint(args.load, ps, expected)
             start_iter, consumed = load_checkpoint(args.load, ps=ps, model=model, optimizer=optimizer,
                                                    expected=expected)
             metrics.print(f" resumed from {args.load} at iteration {start_iter} ({consumed} samples consumed)")
