@@ -41,3 +41,26 @@ def megatron_get_lr(num_steps, *, init_lr, max_lr, min_lr, lr_warmup_steps, lr_d
             elif lr_wsd_decay_style == "minus_sqrt":
                 coeff = 1.0 - math.sqrt(wsd_decay_ratio)
     return min_lr + coeff * delta_lr
+
+
+def megatron_flops_per_token(*, num_layers, hidden_size, seq_length, ffn_hidden_size, padded_vocab_size,
+                             num_attention_heads, kv_channels=None, num_query_groups=None, swiglu=False):
+    """Megatron-LM's `num_floating_point_operations(args, batch_size)` (megatron/training/training.py,
+    dense GPT, no MoE) divided by batch_size x seq_length."""
+    kv_channels = kv_channels or hidden_size // num_attention_heads
+    query_projection_size = kv_channels * num_attention_heads
+    query_projection_to_hidden_size_ratio = query_projection_size / hidden_size
+    num_query_groups = num_query_groups or num_attention_heads
+    num_experts_routed_to = 1
+    gated_linear_multiplier = 3 / 2 if swiglu else 1
+    batch_size = 1
+    total = (
+        12 * batch_size * seq_length * num_layers * hidden_size * hidden_size
+        * (
+            ((1 + (num_query_groups / num_attention_heads) + (seq_length / hidden_size))
+             * query_projection_to_hidden_size_ratio)
+            + ((ffn_hidden_size / hidden_size) * num_experts_routed_to * gated_linear_multiplier)
+            + (padded_vocab_size / (2 * num_layers * hidden_size))
+        )
+    )
+    return total / (batch_size * seq_length)

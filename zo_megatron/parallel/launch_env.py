@@ -564,3 +564,66 @@ def default_cpu_adam_threads(local_world_size: int, environ: Mapping[str, str] |
         node_cpus = _cgroup_cpus() or os.cpu_count() or avail
     pool = max(node_cpus, 1)
     return max(1, min(avail, pool // local_world_size))
+
+
+# ----------------------------------------------------------------------------------------------
+# host memory the job may use
+
+_NO_LIMIT = 1 << 60   # cgroup v1 reports "no limit" as a huge page-rounded number
+
+
+def _cgroup_memory_limit(root: str = "/") -> int | None:
+    """The memory limit of this process's cgroup (v2 memory.max, v1 memory.limit_in_bytes), or
+    None when there is none or nothing can be read. Walks up the hierarchy: a parent's limit
+    binds too (SLURM puts the job's limit on the job cgroup, the step is below it)."""
+    lines = _read(os.path.join(root, "proc/self/cgroup"))
+    if not lines:
+        return None
+    limits = []
+    for line in lines.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        path = path.strip().rstrip("/") or ""
+        if controllers == "":
+            bases, fname = ("sys/fs/cgroup", "sys/fs/cgroup/unified"), "memory.max"
+        elif "memory" in controllers.split(","):
+            bases, fname = ("sys/fs/cgroup/memory",), "memory.limit_in_bytes"
+        else:
+            continue
+        for base in bases:
+            p = path
+            while True:
+                text = _read(os.path.join(root, base + p, fname))
+                if text and text != "max" and text.isdigit() and int(text) < _NO_LIMIT:
+                    limits.append(int(text))
+                if not p:
+                    break
+                p = p.rsplit("/", 1)[0]
+    return min(limits) if limits else None
+
+
+def _slurm_memory_limit(env: Mapping[str, str]) -> int | None:
+    """srun/sbatch --mem (SLURM_MEM_PER_NODE, MiB) or --mem-per-cpu (SLURM_MEM_PER_CPU, MiB, times
+    the CPUs of this node: SLURM_CPUS_ON_NODE) in bytes; None when neither is set."""
+    if env.get("SLURM_MEM_PER_NODE", "").strip():
+        mb = int(env["SLURM_MEM_PER_NODE"].strip().rstrip("M"))
+        return mb * 1024 ** 2 if mb > 0 else None      # --mem=0 means "all of the node"
+    if env.get("SLURM_MEM_PER_CPU", "").strip():
+        cpus = env.get("SLURM_CPUS_ON_NODE", "").strip()
+        n = _first_int(cpus, "SLURM_CPUS_ON_NODE") if cpus else 1
+        return int(env["SLURM_MEM_PER_CPU"].strip().rstrip("M")) * 1024 ** 2 * n
+    return None
+
+
+def memory_limit_bytes(environ: Mapping[str, str] | None = None, *, root: str = "/",
+                       physical_bytes: int | None = None) -> int:
+    """Host memory this node's ranks may use together: the smallest of physical RAM, the cgroup
+    limit (containers, SLURM's cgroup plugin) and SLURM's --mem / --mem-per-cpu. `root` and
+    `physical_bytes` are for tests (a fake /proc and /sys tree)."""
+    env = os.environ if environ is None else environ
+    if physical_bytes is None:
+        physical_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limits = [physical_bytes, _cgroup_memory_limit(root), _slurm_memory_limit(env)]
+    return min(v for v in limits if v is not None)

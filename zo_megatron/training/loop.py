@@ -24,31 +24,26 @@ from zo_megatron.training.metrics import Metrics, flops_per_token, host_rss_byte
 from zo_megatron.training.schedule import LRScheduler
 
 
-def _total_memory_bytes() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+def job_plan_input(args, env, dp: int, vocab_size: int):
+    """This run's PlanInput: its flags through the planner's one builder, and this machine."""
+    from zo_megatron.parallel.launch_env import memory_limit_bytes
+    from zo_megatron.planner import GiB, plan_input_from_flags
+
+    cuda = torch.cuda.is_available()
+    host = memory_limit_bytes()
+    return plan_input_from_flags(
+        args, data_parallel=dp, vocab_size=vocab_size,
+        gpu_memory_bytes=torch.cuda.get_device_properties(0).total_memory if cuda else host,
+        host_memory_bytes_per_node=host, gpus_per_node=env.local_world_size, device_is_host=not cuda,
+        device_overhead_bytes=GiB if cuda else 0, host_reserve_bytes=min(32 * GiB, host // 10),
+        host_overhead_bytes_per_rank=(3 if cuda else 1) * GiB)
 
 
 def memory_check(args, env, dp: int, vocab_size: int) -> None:
     """Refuse a run the planner says cannot fit the device or host memory this machine has."""
-    from zo_megatron.planner import GiB, PlanInput, plan
+    from zo_megatron.planner import plan
 
-    cuda = torch.cuda.is_available()
-    host = _total_memory_bytes()
-    inp = PlanInput(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-        vocab_size=vocab_size, seq_length=args.seq_length, max_position_embeddings=args.max_position_embeddings,
-        tensor_parallel=args.tensor_parallel, data_parallel=dp, micro_batch_size=args.micro_batch_size,
-        grad_accum_steps=args.grad_accum_steps, precision=args.precision, zero_offload=args.zero_offload,
-        recompute=args.recompute_granularity or False, bucket_size=args.bucket_size,
-        gpu_memory_bytes=torch.cuda.get_device_properties(0).total_memory if cuda else host,
-        host_memory_bytes_per_node=host, gpus_per_node=env.local_world_size,
-        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-        dropout=args.hidden_dropout > 0 or args.attention_dropout > 0, fused_softmax=False,
-        device_is_host=not cuda, bf16_optimizer_states=args.exp_avg_dtype == "bf16",
-        device_overhead_bytes=GiB if cuda else 0, grad_reduce_fp32=args.accumulate_allreduce_grads_in_fp32,
-        host_grad_fp32=args.main_grads_dtype == "fp32" and args.precision != "fp32",
-        accumulate_on_host=args.accumulate_grads_on_host,
-        host_reserve_bytes=min(32 * GiB, host // 10), host_overhead_bytes_per_rank=(3 if cuda else 1) * GiB)
+    inp = job_plan_input(args, env, dp, vocab_size)
     p = plan(inp)
     args.memory_plan = p
     if not p.fits and not args.skip_memory_check:
@@ -252,7 +247,7 @@ def _train(args, env, ps, tokenizer, data_path, cpu_adam_threads: int) -> int:
         valid_iter = _cycle(lambda: DPBatches(valid_ds, args.micro_batch_size, ps.dp_rank, ps.dp_size)) \
             if valid_ds is not None else None
         fpt = flops_per_token(cfg.num_layers, cfg.hidden_size, args.seq_length,
-                              cfg.padded_vocab_size(ps.tp_size), args.recompute_granularity)
+                              cfg.padded_vocab_size(ps.tp_size), args.recompute_granularity, cfg.ffn_size)
         window = dict(loss=0.0, n=0, skipped=0, nan=0, t=time.monotonic(), norm=0.0)
         iteration = start_iter
         last_val = None

@@ -22,11 +22,14 @@ def human_time(s: float) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
-def flops_per_token(num_layers: int, hidden: int, seq: int, vocab: int, recompute: str | None) -> float:
-    """Model FLOPs per trained token (forward + backward), Megatron's count: the dense matmuls
-    (24 L h^2 per token forward, x3 with backward), attention scores (4 L s h forward, x3) and the
-    LM head (2 V h forward, x3); full recompute adds one more forward of the layers."""
-    layer_fwd = 24 * num_layers * hidden * hidden + 4 * num_layers * seq * hidden
+def flops_per_token(num_layers: int, hidden: int, seq: int, vocab: int, recompute: str | None,
+                    ffn_hidden_size: int | None = None) -> float:
+    """Model FLOPs per trained token (forward + backward), Megatron's count
+    (`num_floating_point_operations`): per layer forward the QKV and output projections (8 h^2),
+    the MLP (4 h f, f = ffn size, 4h by default), attention scores and values (4 s h); the LM head
+    2 V h; backward twice the forward; full recompute adds one more forward of the layers."""
+    f = 4 * hidden if ffn_hidden_size is None else ffn_hidden_size
+    layer_fwd = num_layers * (8 * hidden * hidden + 4 * hidden * f + 4 * seq * hidden)
     head_fwd = 2 * vocab * hidden
     mult = 4 if recompute == "full" else 3
     return mult * layer_fwd + 3 * head_fwd
