@@ -324,7 +324,21 @@ def _from_pmi(env: Mapping[str, str], use_mpi: bool) -> LaunchEnv:
     world = _get_int(env, "PMI_SIZE", minimum=1)
     _check_pair(rank, world, "PMI_RANK", "PMI_SIZE")
     local = None
+    if "SLURM_PROCID" in env and "SLURM_LOCALID" in env:
+        # srun --mpi=pmi2: SLURM placed the tasks and knows the node-local rank; an MPI split can
+        # disagree (or be unavailable), and a wrong local rank puts every rank on cuda:0.
+        slurm = _from_slurm_local(env)
+        if slurm[0] != rank or slurm[1] != world:
+            raise ValueError(f"PMI_RANK={rank}/PMI_SIZE={world} disagree with SLURM's task {slurm[0]} of "
+                             f"{slurm[1]}: launch with one launcher (srun --mpi=pmi2 sets both consistently)")
+        local = (slurm[2], slurm[3], "SLURM_LOCALID", "tasks per node")
+        for r_name, s_name in (("MPI_LOCALRANKID", "MPI_LOCALNRANKS"), ("PMI_LOCAL_RANK", "PMI_LOCAL_SIZE")):
+            if r_name in env and s_name in env and (_get_int(env, r_name), _get_int(env, s_name)) != local[:2]:
+                raise ValueError(f"{r_name}={env[r_name]}/{s_name}={env[s_name]} disagree with SLURM_LOCALID="
+                                 f"{local[0]} of {local[1]} tasks on this node: check the srun/mpirun placement")
     for r_name, s_name in (("MPI_LOCALRANKID", "MPI_LOCALNRANKS"), ("PMI_LOCAL_RANK", "PMI_LOCAL_SIZE")):
+        if local is not None:
+            break
         if r_name in env and s_name in env:
             local = (_get_int(env, r_name), _get_int(env, s_name, minimum=1), r_name, s_name)
             break
@@ -368,6 +382,20 @@ def _slurm_local_world_size(env: Mapping[str, str], rank: int, world: int, nnode
     if nnodes >= 1 and world % nnodes == 0:
         return world // nnodes
     raise ValueError("cannot tell tasks per node: set SLURM_TASKS_PER_NODE or SLURM_NTASKS_PER_NODE")
+
+
+def _from_slurm_local(env: Mapping[str, str]) -> tuple[int, int, int, int]:
+    """(rank, world, local rank, local world) as SLURM's variables state them."""
+    size_name = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS"
+    _require(env, ("SLURM_PROCID", size_name, "SLURM_LOCALID"), "SLURM")
+    rank, world = _get_int(env, "SLURM_PROCID"), _get_int(env, size_name, minimum=1)
+    nodelist = next((env[n] for n in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+                     if env.get(n)), None)
+    hosts = parse_slurm_nodelist(nodelist) if nodelist else []
+    local_world = _slurm_local_world_size(env, rank, world, len(hosts))
+    local_rank = _get_int(env, "SLURM_LOCALID")
+    _check_pair(local_rank, local_world, "SLURM_LOCALID", "tasks per node")
+    return rank, world, local_rank, local_world
 
 
 def _from_slurm(env: Mapping[str, str]) -> LaunchEnv:

@@ -84,6 +84,9 @@ def pretrain(argv=None) -> int:
     dp = env.world_size // args.tensor_parallel
     check_batch_sizes(args, dp)
     LRScheduler.from_args(args)                  # its one-line errors now, before any process group
+    from zo_megatron.training.megatron_compat import check_backend
+
+    check_backend(args, torch.cuda.is_available())
     from zo_megatron.parallel import destroy_parallel, init_parallel
 
     ps = init_parallel(args.tensor_parallel, seed=args.seed, num_attention_heads=args.num_attention_heads,
@@ -117,6 +120,12 @@ def _check_inputs(args, env, dp):
             import torch.utils.tensorboard  # noqa: F401
         except ImportError:
             raise UserError("--tensorboard-dir needs the tensorboard package: pip install tensorboard") from None
+    if args.wandb_project:
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            raise UserError("--wandb-project needs the wandb package: pip install wandb "
+                            "(WANDB_MODE=offline logs without an account)") from None
     if args.load and not os.path.isdir(args.load):
         raise UserError(f"--load {args.load}: no such directory")
     if args.save:
@@ -146,6 +155,19 @@ def _build_optimizer(args, model, ps):
                                  host_grad_dtype=args.main_grads_dtype,
                                  accumulate_on_host=args.accumulate_grads_on_host, **common)
     return PlainDDPOptimizer(model.to(ps.device), **common)
+
+
+def _agreed_exit(args, iteration: int, elapsed_s: float) -> str | None:
+    """Megatron's --exit-interval / --exit-duration-in-mins; the clock-based one is agreed (max over
+    ranks) so every rank stops after the same iteration."""
+    from zo_megatron.training.megatron_compat import should_exit
+
+    reason = should_exit(args, iteration, elapsed_s)
+    if args.exit_duration_in_mins is not None:
+        flag = collectives.all_reduce(torch.tensor([1.0 if reason else 0.0]), "max")
+        if flag.item() and reason is None:
+            reason = f"--exit-duration-in-mins {args.exit_duration_in_mins:g} (on another rank)"
+    return reason
 
 
 def _probe_checkpoint(root: str, ps, expected: dict) -> None:
@@ -209,7 +231,9 @@ def _train(args, env, ps, tokenizer, data_path, cpu_adam_threads: int) -> int:
     t_start = time.monotonic()
     cpu_adam.set_num_threads(args.cpu_adam_threads or cpu_adam_threads)
     metrics = Metrics(enabled=ps.rank == 0, total_iters=args.train_iters, jsonl_path=args.log_jsonl,
-                      tensorboard_dir=args.tensorboard_dir, progress_bar=not args.no_progress_bar)
+                      tensorboard_dir=args.tensorboard_dir, progress_bar=not args.no_progress_bar,
+                      wandb=dict(project=args.wandb_project, name=args.wandb_exp_name, dir=args.wandb_save_dir,
+                                 config=vars(args)) if args.wandb_project else None)
     stack = contextlib.ExitStack()
     try:
         cfg = GPTConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
@@ -286,13 +310,17 @@ def _train(args, env, ps, tokenizer, data_path, cpu_adam_threads: int) -> int:
                                                 ps, ps.device)
                 metrics.log_eval(iteration, last_val, eval_samples=n_samples)
                 window["t"] += time.monotonic() - paused
+            stop = _agreed_exit(args, iteration, time.monotonic() - t_start)
             if args.save and ((args.save_interval and iteration % args.save_interval == 0)
-                              or iteration == args.train_iters):
+                              or iteration == args.train_iters or stop):
                 paused = time.monotonic()   # as Megatron: saving stays out of the interval timer
                 path = save_checkpoint(args.save, iteration, ps=ps, model=model, optimizer=optimizer,
                                        metadata=expected, consumed_samples=consumed)
                 metrics.print(f" saved checkpoint {path}")
                 window["t"] += time.monotonic() - paused
+            if stop:
+                metrics.print(f" exiting after iteration {iteration}: {stop}")
+                break
         elapsed = time.monotonic() - t_start
         if last_val is not None:
             metrics.print(f" done: {iteration} iterations in {elapsed / 60:.1f} min; final validation loss "
@@ -329,7 +357,9 @@ def _banner(metrics, args, ps, cfg, optimizer, data_path, setup_s) -> None:
     local = sum(p.numel() for p in optimizer.model.parameters())
     acc = optimizer.accounting
     src = "embedded State of the Union corpus (233 addresses, public domain)" if not args.data_path else " ".join(data_path)
-    if not args.data_path and not args.demo:     # a model shape was given but no data: say it loudly
+    if args.mock_data:
+        src = "bundled demo corpus (--mock-data)"
+    elif not args.data_path and not args.demo:   # a model shape was given but no data: say it loudly
         src = ("!!! NO --data-path GIVEN: training on the bundled demo corpus (233 State of the Union "
                "addresses), not your data; pass --data-path PREFIX !!!")
     plan = getattr(args, "memory_plan", None)

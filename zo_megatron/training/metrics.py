@@ -39,15 +39,18 @@ class Metrics:
     """Rank 0 writes; every other rank's calls are no-ops."""
 
     def __init__(self, *, enabled: bool, total_iters: int, jsonl_path: str | None = None,
-                 tensorboard_dir: str | None = None, progress_bar: bool = True):
+                 tensorboard_dir: str | None = None, progress_bar: bool = True, wandb: dict | None = None):
         self.enabled = enabled
         self.total_iters = total_iters
         self.start = time.monotonic()
         self._jsonl = None
         self._tb = None
         self._bar = None
+        self._wandb = None
         if not enabled:
             return
+        if wandb:
+            self._wandb = _start_wandb(**wandb)
         if jsonl_path:
             os.makedirs(os.path.dirname(os.path.abspath(jsonl_path)), exist_ok=True)
             self._jsonl = open(jsonl_path, "a", buffering=1)
@@ -118,11 +121,32 @@ class Metrics:
             for k, v in row.items():
                 if k != "iteration" and isinstance(v, (int, float)) and not isinstance(v, bool):
                     self._tb.add_scalar(f"{kind}/{k}", v, it)
+        if self._wandb is not None:
+            self._wandb.log({f"{kind}/{k}": v for k, v in row.items() if k != "iteration"
+                             and isinstance(v, (int, float)) and not isinstance(v, bool)}, step=row["iteration"])
 
     def close(self) -> None:
         for f in (self._bar, self._jsonl, self._tb):
             if f is not None:
                 f.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def _start_wandb(*, project: str, name: str | None, dir: str | None, config: dict):
+    """Megatron's --wandb-project/--wandb-exp-name/--wandb-save-dir. wandb itself honours
+    WANDB_MODE=offline (and WANDB_API_KEY); nothing here needs a network."""
+    try:
+        import wandb
+    except ImportError:
+        from zo_megatron.errors import UserError
+
+        raise UserError("--wandb-project needs the wandb package: pip install wandb "
+                        "(WANDB_MODE=offline logs without an account)") from None
+    if dir:
+        os.makedirs(dir, exist_ok=True)
+    plain = {k: v for k, v in config.items() if isinstance(v, (int, float, str, bool, type(None)))}
+    return wandb.init(project=project, name=name, dir=dir, config=plain)
 
 
 def host_rss_bytes() -> int:
