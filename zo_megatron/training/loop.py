@@ -244,11 +244,10 @@ def _train(args, env, ps, tokenizer, data_path, cpu_adam_threads: int) -> int:
                         init_method_std=args.init_method_std, recompute=args.recompute_granularity)
         gb = args.global_batch_size
         n_evals = args.train_iters // args.eval_interval + 1
-        with collectives.all_ranks_agree():
-            train_ds, valid_ds, _ = build_gpt_datasets(
-                data_path, args.split, args.seq_length, args.seed, tokenizer,
-                train_samples=args.train_iters * gb, valid_samples=n_evals * args.eval_iters * gb,
-                test_samples=0, cache_dir=args.data_cache_path)
+        train_ds, valid_ds, _ = build_gpt_datasets(   # collective (megatron's index-cache barrier)
+            data_path, args.split, args.seq_length, args.seed, tokenizer,
+            train_samples=args.train_iters * gb, valid_samples=n_evals * args.eval_iters * gb,
+            test_samples=0, cache_dir=args.data_cache_path)
         # Built on the host in fp32: the offload engine moves it to the device as its flat 16-bit
         # buffer (the device never holds the fp32 copy); the baseline moves it whole.
         model = build_gpt_model(cfg, ps.tp_rank, ps.tp_size, args.seed)
