@@ -129,7 +129,7 @@ def test_state_dict_round_trip_and_mismatch():
 
 @pytest.mark.parametrize("kw, match", [
     (dict(lr_decay_style="WSD"), "--lr-wsd-decay-iters"),
-    (dict(lr_warmup_iters=50, train_iters=50), "warmup"),
+    (dict(lr_warmup_iters=51, train_iters=50), "warmup"),
     (dict(min_lr=1e-2), "--min-lr"),
 ])
 def test_bad_settings_are_one_line(kw, match):

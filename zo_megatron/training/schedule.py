@@ -36,8 +36,10 @@ class LRScheduler:
             raise ConfigError(f"--lr-warmup-init {init_lr:g} must be in [0, --lr {max_lr:g}]")
         if decay_steps <= 0:
             raise ConfigError("--lr-decay-iters must be >= 1")
-        if not 0 <= warmup_steps < decay_steps:
-            raise ConfigError(f"the warmup ({warmup_steps} samples) must be shorter than the decay "
+        # Megatron asserts warmup < decay; warmup == decay (a run that is all warmup) is well defined
+        # in its formulas too, and short test runs use it, so only a longer warmup is refused.
+        if not 0 <= warmup_steps <= decay_steps:
+            raise ConfigError(f"the warmup ({warmup_steps} samples) is longer than the decay "
                               f"({decay_steps} samples): lower --lr-warmup-iters or raise --lr-decay-iters")
         if decay_style == "WSD":
             if wsd_decay_steps is None:
