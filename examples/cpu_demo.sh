@@ -7,7 +7,7 @@
 #            when present). Extra arguments are passed through to pretrain_gpt.py.
 # Model    : pretrain_gpt.py's demo defaults: GPT-2 4 layers x 256 hidden x 4 heads, seq 256,
 #            micro-batch 8, bf16, no dropout, 300 iterations (16.1M parameters, 8.1M per TP rank).
-# Planner  : python tools/estimate_memory.py --preset cpu --num-layers 4 --hidden-size 256 \
+# Planner  : python tools/estimate_memory.py --zero-offload --preset cpu --num-layers 4 --hidden-size 256 \
 #                --num-attention-heads 4 --seq-length 256 --micro-batch-size 8 --tensor-parallel 2 \
 #                --bf16 --attention-dropout 0 --hidden-dropout 0
 #   "device" per rank : 0.52 GiB (0.62 GiB with --fp32): params 0.015, grad buckets 0.015, layer

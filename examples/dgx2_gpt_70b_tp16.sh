@@ -7,7 +7,7 @@
 # Training : fp16 (V100 has no bf16) with dynamic loss scaling, full activation recompute,
 #            micro-batch 8 = global batch 8 (DP = 1, no accumulation: with ZeRO-Offload,
 #            accumulation keeps 16-bit gradients on the GPU, +8.3 GiB here).
-# Planner  : python tools/estimate_memory.py --preset dgx2 --model 70b --tensor-parallel 16 \
+# Planner  : python tools/estimate_memory.py --zero-offload --preset dgx2 --model 70b --tensor-parallel 16 \
 #                --micro-batch-size 8 --fp16 --recompute-granularity full
 #   device per GPU : 21.77 GiB of 31.75 GiB  (params 8.27, grad buckets 0.19 + 0.05 for the
 #                    word-embedding bucket, layer inputs 9.70, peak of backward on top 1.45 =

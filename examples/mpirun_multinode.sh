@@ -6,7 +6,7 @@
 #                dgx2-02 slots=16   ...
 # Model    : GPT-3 175B = 96 layers x 12288 hidden x 96 heads, seq 1024 (174.60B parameters).
 # Parallel : TP 16 inside a node x DP = NODES; micro-batch 2, global batch 2 x NODES.
-# Planner  : python tools/estimate_memory.py --preset dgx2 --model 175b --tensor-parallel 16 \
+# Planner  : python tools/estimate_memory.py --zero-offload --preset dgx2 --model 175b --tensor-parallel 16 \
 #                --data-parallel-size 4 --micro-batch-size 2 --global-batch-size 8 --fp16 \
 #                --recompute-granularity full
 #   4 nodes: device 27.29 GiB per GPU (of 31.75), host 650.10 GiB per node (of 1,536).

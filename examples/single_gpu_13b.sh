@@ -7,7 +7,7 @@
 # Training : fp16 (use --bf16 instead on A100/H100), full activation recompute,
 #            micro-batch 4 = global batch 4 (no gradient accumulation: with ZeRO-Offload,
 #            accumulation keeps 16-bit gradients on the GPU, +24.8 GiB here, which does not fit).
-# Planner  : python tools/estimate_memory.py --preset v100-32gb --model 13b \
+# Planner  : python tools/estimate_memory.py --zero-offload --preset v100-32gb --model 13b \
 #                --micro-batch-size 4 --fp16 --recompute-granularity full
 #   device per GPU : 30.89 GiB of 31.75 GiB  (params 24.77, grad buckets 0.19 + 0.66 for the
 #                    oversized bucket that holds the word embedding, layer inputs 2.03, peak of

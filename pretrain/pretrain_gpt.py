@@ -21,7 +21,7 @@ def main(argv=None) -> int:
 
         return pretrain(argv)
     except UserError as exc:
-        if os.environ.get("RANK", "0") == "0":
+        if os.environ.get("RANK", "0") == "0" and not getattr(exc, "reported", False):
             print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
     except KeyboardInterrupt:

@@ -430,3 +430,25 @@ def test_fake_slurm_two_tasks(tmp_path):
         assert r["launcher"] == "slurm" and r["sum"] == 3.0
         assert (r["addr"], r["port"]) == ("localhost", slurm_master_port(job_id))
         assert (r["world"], r["local_world"]) == (2, 2)
+
+
+def _srun_pmi2(**extra):
+    """What `srun --mpi=pmi2 -N2 --ntasks-per-node=4` exports to task 5 (node 1, local task 1)."""
+    return {"PMI_RANK": "5", "PMI_SIZE": "8", "SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
+            "SLURM_NODEID": "1", "SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_JOB_NODELIST": "n[1-2]",
+            "SLURM_STEP_ID": "0", "MASTER_ADDR": "n1", "MASTER_PORT": "29500", **extra}
+
+
+def test_srun_mpi_pmi2_takes_the_local_rank_from_slurm(monkeypatch):
+    """Issue 17 item 10: without SLURM_LOCALID every rank of a node could pick cuda:0."""
+    monkeypatch.setitem(sys.modules, "mpi4py", None)       # no MPI split to fall back on
+    e = discover_launch_env(_srun_pmi2())
+    assert (e.rank, e.world_size, e.local_rank, e.local_world_size) == (5, 8, 1, 4)
+    # an MPI library that also exports its node-local rank must agree with SLURM's placement
+    assert discover_launch_env(_srun_pmi2(MPI_LOCALRANKID="1", MPI_LOCALNRANKS="4")).local_rank == 1
+    with pytest.raises(ValueError, match="MPI_LOCALRANKID=0/MPI_LOCALNRANKS=4 disagree with SLURM_LOCALID=1"):
+        discover_launch_env(_srun_pmi2(MPI_LOCALRANKID="0", MPI_LOCALNRANKS="4"))
+    with pytest.raises(ValueError, match="PMI_RANK=4/PMI_SIZE=8 disagree with SLURM"):
+        discover_launch_env(_srun_pmi2(PMI_RANK="4"))
+    with pytest.raises(ValueError, match="SLURM_LOCALID"):
+        discover_launch_env(_srun_pmi2(SLURM_LOCALID="4"))

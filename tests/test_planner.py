@@ -240,7 +240,7 @@ def _cli(*args):
 
 
 def test_cli_json_and_exit_codes():
-    r = _cli("--preset", "dgx2", "--model", "70b", "--tensor-parallel", "16",
+    r = _cli("--preset", "dgx2", "--model", "70b", "--tensor-parallel", "16", "--zero-offload",
              "--micro-batch-size", "8", "--recompute-granularity", "full", "--json")
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
@@ -270,7 +270,8 @@ def test_cli_bad_input_exits_2_with_one_line(args):
 
 def test_cli_max_model_and_paper_check():
     r = _cli("--preset", "v100-32gb", "--hidden-size", "4096", "--num-attention-heads", "32",
-             "--recompute-granularity", "full", "--bf16-optimizer-states", "--max-model", "layers", "--json")
+             "--recompute-granularity", "full", "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16",
+             "--zero-offload", "--max-model", "layers", "--json")
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
     assert d["fits"] is True and d["max_params"] >= 15e9

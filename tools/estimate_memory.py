@@ -2,12 +2,15 @@
 """Will my model fit? Device memory per GPU and host memory per node for a zo_megatron job.
 
     python tools/estimate_memory.py --preset dgx2 --model 70b --tensor-model-parallel-size 16 \
-        --micro-batch-size 8 --recompute-granularity full
+        --zero-offload --micro-batch-size 8 --recompute-granularity full
     python tools/estimate_memory.py --preset v100-32gb --hidden-size 4096 --num-attention-heads 32 \
-        --recompute-granularity full --bf16-optimizer-states --max-model layers
+        --zero-offload --recompute-granularity full --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16 --max-model layers
     python tools/estimate_memory.py --paper-check
 
-Flags use Megatron-LM's names. Memory sizes are GiB (2^30 bytes).
+Model, batch and training flags are pretrain_gpt.py's, with its defaults (no --zero-offload: the DDP
+baseline; dropout 0; the model's unfused fp32 softmax), and the input is built by the same function
+as the job's pre-launch check (planner.plan_input_from_flags), so both give the same plan.
+Memory sizes are GiB (2^30 bytes).
 Exit status: 0 = fits (with --max-model: some model fits; with --paper-check: every reference
 point and goal holds), 1 = does not fit, 2 = bad input (one line on stderr).
 The memory model is described in docs/memory_planner.md.
@@ -49,13 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-attention-heads", type=int)
     g.add_argument("--seq-length", type=int, default=1024)
     g.add_argument("--max-position-embeddings", type=int)
+    g.add_argument("--ffn-hidden-size", type=int, help="MLP size (default 4 x hidden)")
     g.add_argument("--vocab-size", type=int, default=50257)
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    g.add_argument("--attention-dropout", type=float, default=0.1)
-    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--attention-dropout", type=float, default=0.0)
+    g.add_argument("--hidden-dropout", type=float, default=0.0)
 
     g = ap.add_argument_group("parallelism and batch")
-    g.add_argument("--tensor-model-parallel-size", "--tensor-parallel", dest="tp", type=int, default=1)
+    g.add_argument("--tensor-model-parallel-size", "--tensor-parallel", dest="tensor_parallel", type=int, default=1)
     g.add_argument("--data-parallel-size", dest="dp", type=int)
     g.add_argument("--world-size", type=int, help="TP x DP (alternative to --data-parallel-size)")
     g.add_argument("--micro-batch-size", type=int, default=1)
@@ -67,15 +71,19 @@ def build_parser() -> argparse.ArgumentParser:
     prec.add_argument("--bf16", dest="precision", action="store_const", const="bf16")
     prec.add_argument("--fp16", dest="precision", action="store_const", const="fp16")
     prec.add_argument("--fp32", dest="precision", action="store_const", const="fp32")
-    g.add_argument("--zero-offload", dest="zero_offload", action="store_true", default=True,
-                   help="(default) optimizer states and step on the host")
+    g.add_argument("--zero-offload", dest="zero_offload", action="store_true", default=False,
+                   help="optimizer states and step on the host (as pretrain_gpt.py: off by default)")
     g.add_argument("--no-zero-offload", dest="zero_offload", action="store_false",
-                   help="baseline: DDP + Adam on the device (16 bytes/param)")
+                   help="(default) baseline: DDP + Adam on the device (16 bytes/param)")
     g.add_argument("--dpu", action="store_true", help="delayed parameter update")
     g.add_argument("--recompute-activations", action="store_true", help="Megatron's shorthand for --recompute-granularity selective")
     g.add_argument("--recompute-granularity", choices=["full", "selective"])
-    g.add_argument("--bucket-size", type=int, default=50_000_000, help="elements per gradient bucket")
-    g.add_argument("--bf16-optimizer-states", action="store_true")
+    g.add_argument("--bucket-size", type=int, default=40_000_000, help="elements per gradient bucket")
+    g.add_argument("--exp-avg-dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="dtype of Adam's first moment on the host (pretrain_gpt.py's flag)")
+    g.add_argument("--exp-avg-sq-dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="dtype of Adam's second moment on the host (must match --exp-avg-dtype)")
+    g.add_argument("--bf16-optimizer-states", action="store_true", help=argparse.SUPPRESS)  # old name
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action=argparse.BooleanOptionalAction, default=None,
                    help="fp32 gradient buckets + reduce-scatter (default: on for bf16, as pretrain_gpt.py)")
     g.add_argument("--main-grads-dtype", choices=["fp32", "bf16", "fp16"],
@@ -121,7 +129,7 @@ def build_input(args) -> P.PlanInput:
     if missing:
         raise BadInput("give --model or --" + ", --".join(m.replace("_", "-") for m in missing))
 
-    tp = args.tp
+    tp = args.tensor_parallel
     if args.dp is not None and args.world_size is not None and args.dp * tp != args.world_size:
         raise BadInput(f"--world-size {args.world_size} != TP {tp} x --data-parallel-size {args.dp}")
     if args.dp is not None:
@@ -132,28 +140,15 @@ def build_input(args) -> P.PlanInput:
         dp = args.world_size // tp
     else:
         dp = 1
-    mb = args.micro_batch_size
-    if args.global_batch_size is None:
-        accum = 1
-    else:
-        if mb < 1 or dp < 1 or args.global_batch_size % (mb * dp):
-            raise BadInput(f"--global-batch-size {args.global_batch_size} is not a multiple of "
-                           f"micro-batch {mb} x DP {dp}")
-        accum = args.global_batch_size // (mb * dp)
-        if accum < 1:
-            raise BadInput("--global-batch-size must be >= micro-batch x DP")
-
-    recompute = args.recompute_granularity or ("selective" if args.recompute_activations else None)
-    inp = P.PlanInput(
-        **shape, vocab_size=args.vocab_size, seq_length=args.seq_length,
-        max_position_embeddings=args.max_position_embeddings, tensor_parallel=tp, data_parallel=dp,
-        micro_batch_size=mb, grad_accum_steps=accum, zero_offload=args.zero_offload, dpu=args.dpu,
-        recompute=recompute, bucket_size=args.bucket_size,
-        bf16_optimizer_states=args.bf16_optimizer_states,
-        grad_reduce_fp32=args.accumulate_allreduce_grads_in_fp32, host_grad_fp32=args.main_grads_dtype == "fp32",
-        accumulate_on_host=args.accumulate_grads_on_host,
-        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-        dropout=(args.attention_dropout > 0 or args.hidden_dropout > 0))
+    if args.bf16_optimizer_states:
+        args.exp_avg_dtype = args.exp_avg_sq_dtype = "bf16"
+    if args.exp_avg_dtype != args.exp_avg_sq_dtype:
+        raise BadInput("--exp-avg-dtype and --exp-avg-sq-dtype must match")
+    if args.micro_batch_size < 1 or dp < 1:
+        raise BadInput("--micro-batch-size and the data parallel size must be >= 1")
+    for key, value in shape.items():
+        setattr(args, key, value)
+    inp = P.plan_input_from_flags(args, data_parallel=dp, vocab_size=args.vocab_size)
     if args.preset:
         inp = P.apply_hardware_preset(inp, args.preset, keep_precision=args.precision is not None)
     overrides = {

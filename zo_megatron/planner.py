@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
-    "GiB", "PlanInput", "Plan", "plan", "max_model", "count_params", "pad_vocab_size",
+    "GiB", "PlanInput", "Plan", "plan", "plan_input_from_flags", "max_model", "count_params", "pad_vocab_size",
     "HARDWARE_PRESETS", "MODEL_PRESETS", "apply_hardware_preset", "model_preset", "paper_checks",
     "baseline_maxima", "our_maxima", "GOALS", "FAMILIES",
     "format_bytes", "format_params",
@@ -68,6 +68,7 @@ class PlanInput:
     vocab_size: int = 50257
     seq_length: int = 1024
     max_position_embeddings: int | None = None  # None: = seq_length
+    ffn_hidden_size: int | None = None  # None: 4 x hidden_size (Megatron's default)
     tensor_parallel: int = 1
     data_parallel: int = 1
     micro_batch_size: int = 1
@@ -96,6 +97,9 @@ class PlanInput:
     host_grad_fp32: bool = False  # reduced gradients copied home in fp32 (needs grad_reduce_fp32)
     device_is_host: bool = False  # CPU runs: "device" bytes also live in host RAM
     optimizer_offload_fraction: float = 1.0  # share of each partition's optimizer on the host (Megatron's name)
+
+    def ffn(self) -> int:
+        return 4 * self.hidden_size if self.ffn_hidden_size is None else self.ffn_hidden_size
 
     def normalized_recompute(self) -> str | None:
         r = self.recompute
@@ -142,6 +146,11 @@ class PlanInput:
         if self.num_attention_heads % self.tensor_parallel:
             raise ValueError(f"num_attention_heads {self.num_attention_heads} is not divisible by "
                              f"tensor_parallel {self.tensor_parallel}")
+        if self.ffn_hidden_size is not None:
+            pos("ffn_hidden_size")
+            if self.ffn_hidden_size % self.tensor_parallel:
+                raise ValueError(f"ffn_hidden_size {self.ffn_hidden_size} is not divisible by "
+                                 f"tensor_parallel {self.tensor_parallel}")
         if self.host_grad_fp32 and not self.reduces_in_fp32():
             raise ValueError("host_grad_fp32 needs grad_reduce_fp32")
         if self.dpu and not self.zero_offload:
@@ -197,17 +206,19 @@ def pad_vocab_size(vocab_size: int, tensor_parallel: int = 1, divisible_by: int 
 
 
 def count_params(num_layers: int, hidden_size: int, vocab_size_padded: int,
-                 max_position_embeddings: int, tensor_parallel: int = 1) -> dict[str, int]:
+                 max_position_embeddings: int, tensor_parallel: int = 1,
+                 ffn_hidden_size: int | None = None) -> dict[str, int]:
     """Parameters of the GPT-2-style model, total and on one TP rank (Megatron layout).
 
     Split over t: word embedding (vocab rows), qkv weight 3h x h + bias 3h (column parallel),
-    proj weight h x h (row parallel), fc1 4h x h + bias 4h (column), fc2 h x 4h (row).
+    proj weight h x h (row parallel), fc1 f x h + bias f (column), fc2 h x f (row); f = ffn size (4h).
     Replicated: position embedding S x h, proj bias h, fc2 bias h, two LayerNorms 2h each, final LN 2h.
     """
     L, h, V, S, t = num_layers, hidden_size, vocab_size_padded, max_position_embeddings, tensor_parallel
-    if h % t or V % t:
-        raise ValueError(f"hidden_size {h} and padded vocab {V} must be divisible by TP {t}")
-    split_per_layer = 3 * h * h + 3 * h + h * h + 4 * h * h + 4 * h + 4 * h * h  # 12h² + 7h
+    f = 4 * h if ffn_hidden_size is None else ffn_hidden_size
+    if h % t or V % t or f % t:
+        raise ValueError(f"hidden_size {h}, ffn size {f} and padded vocab {V} must be divisible by TP {t}")
+    split_per_layer = 3 * h * h + 3 * h + h * h + f * h + f + h * f  # 12h² + 7h at f = 4h
     rep_per_layer = 2 * h + h + 2 * h + h  # LN1, proj bias, LN2, fc2 bias = 6h
     total = V * h + S * h + L * (split_per_layer + rep_per_layer) + 2 * h
     replicated = S * h + L * rep_per_layer + 2 * h
@@ -243,14 +254,14 @@ def _activation_items(inp: PlanInput, vocab_padded: int) -> dict[str, int]:
     back what the phases would double count: the items sum to P + max(A1, A2, B).
     """
     s, b, h = inp.seq_length, inp.micro_batch_size, inp.hidden_size
-    a, t, L = inp.num_attention_heads, inp.tensor_parallel, inp.num_layers
+    a, t, L, f = inp.num_attention_heads, inp.tensor_parallel, inp.num_layers, inp.ffn()
     w = _bytes16(inp.precision)
     sbh = s * b * h
     mask = 1 if inp.dropout else 0
     # replicated over TP: inputs of LN1, qkv, LN2, fc1 (b16 each) + 2 dropout masks
     replicated = (4 * w + 2 * mask) * sbh
-    # split over TP: q, k, v, proj input (4 sbh) + fc1 out / gelu in (4 sbh) + fc2 in (4 sbh)
-    split = 12 * w * sbh // t
+    # split over TP: q, k, v, proj input (4 sbh) + fc1 out / gelu in (f/h sbh) + fc2 in (f/h sbh)
+    split = w * (4 * sbh + 2 * s * b * f) // t
     # attention scores a·s·s·b: probs saved by softmax (+ fp32 probs and a 16-bit copy if unfused)
     probs = w if (inp.fused_softmax or w == 4) else 4 + w
     scores_per_elem = probs + (mask + w if inp.dropout else 0)  # dropout mask + dropout output
@@ -281,7 +292,7 @@ def _activation_items(inp: PlanInput, vocab_padded: int) -> dict[str, int]:
     items["activations_tied_embedding_grad"] = emb_grad = w * vocab_padded * h // t
     phase_a2 = emb_final + 2 * w * logits + emb_grad
     # phase B: one layer's backward
-    items["activations_layer_backward_grads"] = layer_grads = 8 * w * sbh // t + 2 * w * sbh
+    items["activations_layer_backward_grads"] = layer_grads = 2 * w * s * b * f // t + 2 * w * sbh
     phase_b = working_set + layer_grads + emb_grad
     listed = sum(v for k, v in items.items()
                  if k not in ("activations_layers", "activations_layer_inputs"))
@@ -298,9 +309,9 @@ def _bucket_layout(inp: PlanInput, vocab_padded: int, max_positions: int, quantu
     close a bucket are skipped in one step and a repeating pattern of buckets over layers is jumped
     over, so this stays cheap for deep models and tiny buckets alike (checked against a
     parameter-by-parameter walk)."""
-    h, t, L, cap = inp.hidden_size, inp.tensor_parallel, inp.num_layers, inp.bucket_size
+    h, t, L, cap, f = inp.hidden_size, inp.tensor_parallel, inp.num_layers, inp.bucket_size, inp.ffn()
     # one layer, registration order: LN1 w/b, proj w/b, qkv w/b, LN2 w/b, fc1 w/b, fc2 w/b
-    layer = [h, h, h * h // t, h, 3 * h * h // t, 3 * h // t, h, h, 4 * h * h // t, 4 * h // t, 4 * h * h // t, h]
+    layer = [h, h, h * h // t, h, 3 * h * h // t, 3 * h // t, h, h, f * h // t, f // t, f * h // t, h]
     layer_bwd, layer_total = layer[::-1], sum(layer)
     count, largest, fill, open_ = 0, 0, 0, False
 
@@ -352,7 +363,7 @@ def _compute(inp: PlanInput) -> Plan:
     w = _bytes16(inp.precision)
     S = inp.max_position_embeddings or inp.seq_length
     V_pad = pad_vocab_size(inp.vocab_size, t, inp.make_vocab_size_divisible_by)
-    counts = count_params(inp.num_layers, inp.hidden_size, V_pad, S, t)
+    counts = count_params(inp.num_layers, inp.hidden_size, V_pad, S, t, inp.ffn_hidden_size)
     psi = counts["per_tp_rank"]
     chunk = N * inp.partition_alignment
     psi_pad = (psi + chunk - 1) // chunk * chunk
@@ -485,7 +496,12 @@ def _describe(p: Plan) -> str:
             f"{format_bytes(p.host_bytes_per_node)}/node -> {verdict}")
 
 
+BF16_STATES_FLAGS = "--exp-avg-dtype bf16 --exp-avg-sq-dtype bf16"
+
+
 def _suggest(base: Plan) -> list[str]:
+    """Changes that help, each re-planned. Every flag is written as pretrain_gpt.py takes it, inside
+    backticks, so it can be pasted (tests/test_planner_compat.py parses each one)."""
     inp = base.input
     out: list[str] = []
     global_batch = inp.micro_batch_size * inp.grad_accum_steps * inp.data_parallel
@@ -497,10 +513,10 @@ def _suggest(base: Plan) -> list[str]:
         return p
 
     if not inp.zero_offload:
-        add("enable ZeRO-Offload (--zero-offload)", inp.replace(zero_offload=True))
+        add("enable ZeRO-Offload (`--zero-offload`)", inp.replace(zero_offload=True))
     if not base.fits_device:
         if inp.normalized_recompute() != "full":
-            add("enable full activation recompute (--recompute-activations)",
+            add("enable full activation recompute (`--recompute-granularity full`)",
                 inp.replace(recompute="full"))
         if inp.micro_batch_size > 1:
             # a smaller global batch (same accumulation), and the same global batch (more
@@ -519,27 +535,28 @@ def _suggest(base: Plan) -> list[str]:
                     continue
                 what = ("same global batch" if keep_global else
                         f"global batch {mb * accum * inp.data_parallel}")
-                add(f"lower the micro-batch to {mb} (--micro-batch-size {mb}, grad accumulation "
-                    f"{accum}, {what})", inp.replace(micro_batch_size=mb, grad_accum_steps=accum))
+                add(f"lower the micro-batch to {mb} (`--micro-batch-size {mb} --global-batch-size "
+                    f"{mb * accum * inp.data_parallel}`: grad accumulation {accum}, {what})",
+                    inp.replace(micro_batch_size=mb, grad_accum_steps=accum))
         t = inp.tensor_parallel * 2
         limit = inp.gpus_per_node if inp.gpus_per_node and inp.gpus_per_node > 1 else 16
         while t <= min(limit, inp.num_attention_heads):
             if inp.num_attention_heads % t == 0:
-                p = add(f"raise tensor parallel to {t} (--tensor-model-parallel-size {t}, "
-                        f"world size {t * inp.data_parallel})", inp.replace(tensor_parallel=t))
+                p = add(f"raise tensor parallel to {t} (`--tensor-model-parallel-size {t}`, "
+                        f"launched on {t * inp.data_parallel} ranks)", inp.replace(tensor_parallel=t))
                 if p is not None and p.fits_device:
                     break
             t *= 2
         if inp.precision == "fp32":
-            add("train in bf16 (--bf16) or fp16 (--fp16)", inp.replace(precision="bf16"))
+            add("train in bf16 (`--bf16`; or `--fp16`)", inp.replace(precision="bf16"))
         if inp.zero_offload and inp.bucket_size > 5_000_000:
-            add("smaller gradient buckets (--bucket-size 5000000)", inp.replace(bucket_size=5_000_000))
+            add("smaller gradient buckets (`--bucket-size 5000000`)", inp.replace(bucket_size=5_000_000))
     if not base.fits_host:
         if inp.zero_offload and not inp.bf16_optimizer_states:
-            add("keep Adam moments in bf16 on the host (--bf16-optimizer-states)",
+            add(f"keep Adam moments in bf16 on the host (`{BF16_STATES_FLAGS}`)",
                 inp.replace(bf16_optimizer_states=True))
         if inp.dpu:
-            add("turn off DPU (no pending-gradient buffer)", inp.replace(dpu=False))
+            add("turn off DPU: drop --dpu (no pending-gradient buffer)", inp.replace(dpu=False))
         if inp.gpus_per_node is not None:
             dp = inp.data_parallel * 2
             for _ in range(8):
@@ -547,7 +564,7 @@ def _suggest(base: Plan) -> list[str]:
                 if p is not None and p.fits_host:
                     break
                 dp *= 2
-            add(f"spread over more nodes: data parallel {dp} "
+            add(f"spread over more nodes: launch {inp.tensor_parallel * dp} ranks for data parallel {dp} "
                 f"({math.ceil(inp.tensor_parallel * dp / inp.gpus_per_node)} nodes)",
                 inp.replace(data_parallel=dp))
     # all of the memory savers at once (micro-batch kept: with ZeRO-Offload, trading micro-batch
@@ -555,12 +572,43 @@ def _suggest(base: Plan) -> list[str]:
     combo = inp.replace(zero_offload=True, recompute="full", bf16_optimizer_states=True, dpu=False)
     p = None
     if combo != inp:
-        p = add("all savers together (ZeRO-Offload, full recompute, bf16 optimizer states, "
-                "no DPU)", combo)
+        p = add(f"all savers together (`--zero-offload --recompute-granularity full {BF16_STATES_FLAGS}`"
+                f"{', drop --dpu' if inp.dpu else ''})", combo)
     if (p is None or not p.fits) and inp.micro_batch_size > 1:
-        add("all savers together and micro-batch 1 (same accumulation)",
-            combo.replace(micro_batch_size=1))
+        add(f"all savers together and micro-batch 1 (`--zero-offload --recompute-granularity full "
+            f"{BF16_STATES_FLAGS} --micro-batch-size 1 --global-batch-size {inp.grad_accum_steps * inp.data_parallel}`"
+            f"{', drop --dpu' if inp.dpu else ''})", combo.replace(micro_batch_size=1))
     return out
+
+
+def plan_input_from_flags(flags: Any, *, data_parallel: int, vocab_size: int, **hardware: Any) -> PlanInput:
+    """The PlanInput of a pretrain_gpt.py run, built from its flags: the one builder behind both the
+    job's pre-launch check and tools/estimate_memory.py (which takes the same flag names and
+    defaults), so the two can never plan different models. `flags` has pretrain_gpt.py's argparse
+    attribute names; `hardware` the PlanInput fields of the machine (memory sizes, overheads)."""
+    precision = flags.precision or "bf16"
+    mb = flags.micro_batch_size
+    gbs = flags.global_batch_size
+    if gbs is None:
+        accum = 1
+    elif gbs < 1 or gbs % (mb * data_parallel):
+        raise ValueError(f"--global-batch-size {gbs} is not a multiple of --micro-batch-size {mb} x DP {data_parallel}")
+    else:
+        accum = gbs // (mb * data_parallel)
+    recompute = flags.recompute_granularity or ("selective" if flags.recompute_activations else None)
+    return PlanInput(
+        num_layers=flags.num_layers, hidden_size=flags.hidden_size, num_attention_heads=flags.num_attention_heads,
+        ffn_hidden_size=flags.ffn_hidden_size, vocab_size=vocab_size, seq_length=flags.seq_length,
+        max_position_embeddings=flags.max_position_embeddings or flags.seq_length, tensor_parallel=flags.tensor_parallel,
+        data_parallel=data_parallel, micro_batch_size=mb, grad_accum_steps=accum, precision=precision,
+        zero_offload=flags.zero_offload, dpu=bool(getattr(flags, "dpu", False)), recompute=recompute,
+        bucket_size=flags.bucket_size, make_vocab_size_divisible_by=flags.make_vocab_size_divisible_by,
+        # the model's attention is torch's softmax in fp32 (not a fused kernel) on every device
+        dropout=flags.hidden_dropout > 0 or flags.attention_dropout > 0, fused_softmax=False,
+        bf16_optimizer_states=flags.exp_avg_dtype == "bf16",
+        grad_reduce_fp32=flags.accumulate_allreduce_grads_in_fp32,
+        host_grad_fp32=flags.main_grads_dtype == "fp32" and precision != "fp32",
+        accumulate_on_host=flags.accumulate_grads_on_host, **hardware)
 
 
 def plan(inp: PlanInput) -> Plan:

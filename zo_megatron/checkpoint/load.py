@@ -10,6 +10,8 @@ Every rank runs the same checks on the same files, so all ranks refuse together.
 """
 from __future__ import annotations
 
+import contextlib
+
 import math
 import os
 from dataclasses import dataclass
@@ -148,38 +150,41 @@ def _check_scheduler(saved: dict | None, current: dict, opts: LoadOptions, where
 
 
 def load_checkpoint(root: str, *, ps, model, optimizer, vocab_size: int, model_meta: dict, schedule: dict,
-                    opts: LoadOptions) -> Resumed:
+                    opts: LoadOptions, agree=contextlib.nullcontext) -> Resumed:
     """Validate, then restore model (+ optimizer, RNG, counters) from root's latest checkpoint."""
-    d, manifest = read_manifest(root)
-    where = os.path.join(d, MANIFEST)
-    _check_model(manifest, model_meta, where)
-    saved_kind = manifest.get("optimizer", {}).get("kind")
-    here_kind = content.optimizer_kind(optimizer)
-    if not opts.weights_only and saved_kind != here_kind:
-        flag = "--zero-offload" if saved_kind == "zero_offload" else "no --zero-offload"
-        raise UserError(f"{where}: written by the {saved_kind} optimizer, this run uses {here_kind}: launch with "
-                        f"{flag}, or take the weights only with --no-load-optim")
-    iteration = 0 if opts.finetune else int(manifest["iteration"])
-    if opts.train_iters is not None and iteration > opts.train_iters:
-        raise UserError(f"--train-iters {opts.train_iters} is below the checkpoint's iteration {iteration} ({d}): "
-                        f"raise --train-iters above {iteration}, or use --finetune to start counting from 0")
-    use_schedule = None
-    if not opts.weights_only:
-        use_schedule = _check_scheduler(manifest.get("opt_param_scheduler"), schedule, opts, where)
-    _check_files(d, manifest)
-    saved_layout = manifest["layout"]
-    saved_tp, saved_dp = int(saved_layout["tensor_parallel"]), int(saved_layout["data_parallel"])
-    same_layout = (saved_tp, saved_dp) == (ps.tp_size, ps.dp_size)
-    load_rng = not (opts.no_load_rng or opts.finetune)
-    rng_src = rng_file(ps.tp_rank, ps.dp_rank) if same_layout else \
-        rng_file(ps.tp_rank if saved_tp == ps.tp_size else 0, 0)
-    if load_rng and rng_src not in manifest["files"]:
-        raise UserError(f"{os.path.join(d, rng_src)} is not part of the checkpoint: it is incomplete")
-    rng_state = read_json(os.path.join(d, rng_src), "RNG state") if load_rng else None
-    md = read_dcp_metadata(d)
-    with_optim = not opts.weights_only
-    pcs = content.pieces(model, optimizer, ps, vocab_size, saving=False, with_optimizer=with_optim)
-    _check_tensors(d, md, {p.key: p.shape for p in pcs})
+    # The checks read only files (no collectives): under `agree` (collectives.all_ranks_agree in
+    # the job) a problem one rank finds is reported, with its rank, by every rank.
+    with agree():
+        d, manifest = read_manifest(root)
+        where = os.path.join(d, MANIFEST)
+        _check_model(manifest, model_meta, where)
+        saved_kind = manifest.get("optimizer", {}).get("kind")
+        here_kind = content.optimizer_kind(optimizer)
+        if not opts.weights_only and saved_kind != here_kind:
+            flag = "--zero-offload" if saved_kind == "zero_offload" else "no --zero-offload"
+            raise UserError(f"{where}: written by the {saved_kind} optimizer, this run uses {here_kind}: launch with "
+                            f"{flag}, or take the weights only with --no-load-optim")
+        iteration = 0 if opts.finetune else int(manifest["iteration"])
+        if opts.train_iters is not None and iteration > opts.train_iters:
+            raise UserError(f"--train-iters {opts.train_iters} is below the checkpoint's iteration {iteration} ({d}): "
+                            f"raise --train-iters above {iteration}, or use --finetune to start counting from 0")
+        use_schedule = None
+        if not opts.weights_only:
+            use_schedule = _check_scheduler(manifest.get("opt_param_scheduler"), schedule, opts, where)
+        _check_files(d, manifest)
+        saved_layout = manifest["layout"]
+        saved_tp, saved_dp = int(saved_layout["tensor_parallel"]), int(saved_layout["data_parallel"])
+        same_layout = (saved_tp, saved_dp) == (ps.tp_size, ps.dp_size)
+        load_rng = not (opts.no_load_rng or opts.finetune)
+        rng_src = rng_file(ps.tp_rank, ps.dp_rank) if same_layout else \
+            rng_file(ps.tp_rank if saved_tp == ps.tp_size else 0, 0)
+        if load_rng and rng_src not in manifest["files"]:
+            raise UserError(f"{os.path.join(d, rng_src)} is not part of the checkpoint: it is incomplete")
+        rng_state = read_json(os.path.join(d, rng_src), "RNG state") if load_rng else None
+        md = read_dcp_metadata(d)
+        with_optim = not opts.weights_only
+        pcs = content.pieces(model, optimizer, ps, vocab_size, saving=False, with_optimizer=with_optim)
+        _check_tensors(d, md, {p.key: p.shape for p in pcs})
 
     # -------- nothing was modified above this line; from here on, state is overwritten
     try:

@@ -4,8 +4,11 @@
     python tools/preprocess_data.py --input docs.jsonl --json-keys text --output-prefix data/my
 
 Inputs (``--input``, repeatable): a text file (one document), a directory (every ``*.txt`` below it,
-sorted by relative path, one document each) or a JSONL file (``.jsonl``/``.json``/``.ndjson``: one
-document per non-blank line, its text under each of ``--json-keys``). Each document is encoded with
+sorted by relative path, one document each) or a JSON-lines file (one document per non-blank line,
+its text under each of ``--json-keys``). Megatron-LM reads every input as JSON lines; here a file is
+JSON lines when its name ends in ``.jsonl``/``.json``/``.ndjson``/``.jsonlines``, or -- whatever its
+name -- when its first non-blank line is a JSON object holding the first ``--json-keys`` key (the
+obvious case; a notice says so). Any other file is one plain-text document. Each document is encoded with
 the GPT-2 tokenizer and followed by EOD (``--append-eod``, on by default; ``--no-append-eod`` turns
 it off). One output dataset per JSON key: ``{output_prefix}_{key}_document.{bin,idx}``, written with
 megatron-core's IndexedDatasetBuilder, one sequence per document, token dtype uint16 when the
@@ -28,6 +31,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import sys
 import time
 import warnings
@@ -38,7 +42,8 @@ from zo_megatron.data.tokenizer import GPT2Tokenizer, build_tokenizer
 
 logger = logging.getLogger(__name__)
 
-JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
+JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson", ".jsonlines")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 _BATCH_BYTES = 1 << 20  # text per encode task
 _BATCH_DOCS = 512
 
@@ -70,7 +75,20 @@ class _Source:
     size: int
 
 
-def resolve_inputs(inputs: Sequence[str]) -> list[_Source]:
+def _looks_like_json_lines(path: str, key: str) -> bool:
+    """The first non-blank line (read up to 1 MiB) is a JSON object with `key`."""
+    try:
+        with open(path, "rb") as f:
+            for raw in f:
+                if raw.strip():
+                    obj = json.loads(raw[: 1 << 20])
+                    return isinstance(obj, dict) and key in obj
+    except (OSError, ValueError):
+        pass
+    return False
+
+
+def resolve_inputs(inputs: Sequence[str], json_key: str = "text") -> list[_Source]:
     """Expand --input values into files; DataError for anything that is not there."""
     if isinstance(inputs, (str, os.PathLike)):
         inputs = [inputs]
@@ -90,6 +108,10 @@ def resolve_inputs(inputs: Sequence[str]) -> list[_Source]:
                 sources.append(_Source(f, "text", os.path.getsize(f)))
         elif os.path.isfile(path):
             kind = "jsonl" if path.lower().endswith(JSONL_SUFFIXES) else "text"
+            if kind == "text" and _looks_like_json_lines(path, json_key):
+                kind = "jsonl"
+                logger.info("%s: read as JSON lines (its first line is a JSON object with key %r); "
+                            "name it .jsonl to say so", path, json_key)
             sources.append(_Source(path, kind, os.path.getsize(path)))
         else:
             raise DataError(f"--input {path}: no such file or directory")
@@ -126,6 +148,11 @@ def _iter_jsonl(path: str, keys: Sequence[str]) -> Iterator[tuple[list[str], int
                 if not isinstance(obj[key], str):
                     raise DataError(f"{path}:{lineno}: value of {key!r} is a "
                                     f"{type(obj[key]).__name__}, expected a string")
+                bad = _SURROGATE.search(obj[key])
+                if bad:
+                    raise DataError(f"{path}:{lineno}: value of {key!r} holds a lone UTF-16 surrogate "
+                                    f"(\\u{ord(bad.group()):04x} at character {bad.start()}), which is not text: "
+                                    f"fix the line's escapes (a pair \\ud83d\\ude00 is fine) or drop the line")
                 texts.append(obj[key])
             yield texts, nbytes
 
@@ -284,7 +311,7 @@ def preprocess(inputs: Sequence[str], output_prefix: str, json_keys: Sequence[st
     if len(set(keys)) != len(keys):
         raise DataError(f"--json-keys has duplicates: {' '.join(keys)}")
     if documents is None:
-        sources = resolve_inputs(inputs)
+        sources = resolve_inputs(inputs, keys[0])
         total_bytes = sum(s.size for s in sources)
         docs = _iter_documents(sources, keys)
     else:
@@ -374,8 +401,9 @@ def get_parser() -> argparse.ArgumentParser:
                     "(OUTPUT_PREFIX_<key>_document.bin/.idx) with the bundled GPT-2 tokenizer.")
     g = p.add_argument_group("input data")
     g.add_argument("--input", action="extend", nargs="+", required=True, metavar="PATH",
-                   help="a text file (one document), a directory of .txt files, or a JSONL file "
-                        "(.jsonl/.json/.ndjson, one document per line); repeatable")
+                   help="a text file (one document), a directory of .txt files, or a JSON-lines file "
+                        "(.jsonl/.json/.ndjson/.jsonlines, or any file whose first line is a JSON object "
+                        "with the --json-keys key; one document per line); repeatable")
     g.add_argument("--json-keys", nargs="+", default=["text"], metavar="KEY",
                    help="JSON fields to extract; one output dataset per key (default: text)")
     g.add_argument("--split-sentences", action="store_true", help=argparse.SUPPRESS)

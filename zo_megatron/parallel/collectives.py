@@ -14,13 +14,16 @@ outside this module calls a torch.distributed collective directly.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
-from zo_megatron.errors import ConfigError
+from zo_megatron.errors import ConfigError, UserError
 
 __all__ = ["default_backend", "group_size", "group_rank", "all_reduce", "reduce_scatter", "all_gather",
-           "all_gather_list", "barrier", "wait_all"]
+           "all_gather_list", "barrier", "wait_all",
+           "first_error", "all_ranks_agree"]
 
 # torch >= 2.12 renamed the tensor forms; older torch (a cluster's CUDA build) has only the old names.
 _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -113,3 +116,59 @@ def wait_all(works) -> None:
     for w in works:
         if w is not None:
             w.wait()
+
+
+_MESSAGE_BYTES = 2048
+
+
+def first_error(message: str | None, group=None) -> tuple[int, str] | None:
+    """Every rank says "ok" (None) or why it failed; every rank gets the same answer: the lowest
+    failing rank and its message (cut to 2 KiB), or None. One CPU all-gather, so that a check failing
+    on rank 3 is not a silent exit there and a hang or "connection closed" everywhere else."""
+    if group_size(group) == 1:
+        return None if message is None else (0, message)
+    raw = b"" if message is None else message.encode("utf-8", "replace")[:_MESSAGE_BYTES - 1]
+    t = torch.zeros(_MESSAGE_BYTES + 1, dtype=torch.uint8)
+    t[0] = message is not None
+    t[1:1 + len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+    for rank, part in enumerate(all_gather_list(t, group)):
+        if part[0]:
+            return rank, bytes(part[1:].tolist()).rstrip(b"\0").decode("utf-8", "replace")
+    return None
+
+
+@contextlib.contextmanager
+def all_ranks_agree(group=None):
+    """Run per-rank checks; at the end of the block the ranks agree on the outcome before going on.
+
+    If any rank failed, every rank raises the same `UserError("rank R: message")` (R the lowest
+    failing rank), printed once as `error: ...` by rank 0 of `group` before the ranks leave (the
+    exception carries `reported = True` so the CLI does not print it again). An unexpected exception keeps its traceback on
+    the rank it happened on. The block must not issue collectives itself: a rank that failed early
+    would never reach them."""
+    message, original = None, None
+    try:
+        yield
+    except UserError as exc:
+        message, original = str(exc), exc
+    except Exception as exc:  # noqa: BLE001 - a bug on one rank must not leave the others hanging
+        message, original = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} " \
+                            "(traceback on that rank)", exc
+    failed = first_error(message, group)
+    if failed is None:
+        return
+    rank, text = failed
+    if group_size(group) == 1:
+        raise original
+    err = UserError(f"rank {rank}: {text}")
+    if group_rank(group) == 0:
+        # Printed here, before the barrier: once a rank exits, launchers (torchrun, srun) kill the
+        # others, and rank 0 might otherwise die before its line is out. The CLI does not repeat it.
+        import sys
+
+        print(f"error: {err}", file=sys.stderr, flush=True)
+    err.reported = True
+    barrier(group)
+    if original is not None and not isinstance(original, UserError):
+        raise original
+    raise err from None

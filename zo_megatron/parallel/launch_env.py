@@ -324,7 +324,21 @@ def _from_pmi(env: Mapping[str, str], use_mpi: bool) -> LaunchEnv:
     world = _get_int(env, "PMI_SIZE", minimum=1)
     _check_pair(rank, world, "PMI_RANK", "PMI_SIZE")
     local = None
+    if "SLURM_PROCID" in env and "SLURM_LOCALID" in env:
+        # srun --mpi=pmi2: SLURM placed the tasks and knows the node-local rank; an MPI split can
+        # disagree (or be unavailable), and a wrong local rank puts every rank on cuda:0.
+        slurm = _from_slurm_local(env)
+        if slurm[0] != rank or slurm[1] != world:
+            raise ValueError(f"PMI_RANK={rank}/PMI_SIZE={world} disagree with SLURM's task {slurm[0]} of "
+                             f"{slurm[1]}: launch with one launcher (srun --mpi=pmi2 sets both consistently)")
+        local = (slurm[2], slurm[3], "SLURM_LOCALID", "tasks per node")
+        for r_name, s_name in (("MPI_LOCALRANKID", "MPI_LOCALNRANKS"), ("PMI_LOCAL_RANK", "PMI_LOCAL_SIZE")):
+            if r_name in env and s_name in env and (_get_int(env, r_name), _get_int(env, s_name)) != local[:2]:
+                raise ValueError(f"{r_name}={env[r_name]}/{s_name}={env[s_name]} disagree with SLURM_LOCALID="
+                                 f"{local[0]} of {local[1]} tasks on this node: check the srun/mpirun placement")
     for r_name, s_name in (("MPI_LOCALRANKID", "MPI_LOCALNRANKS"), ("PMI_LOCAL_RANK", "PMI_LOCAL_SIZE")):
+        if local is not None:
+            break
         if r_name in env and s_name in env:
             local = (_get_int(env, r_name), _get_int(env, s_name, minimum=1), r_name, s_name)
             break
@@ -368,6 +382,20 @@ def _slurm_local_world_size(env: Mapping[str, str], rank: int, world: int, nnode
     if nnodes >= 1 and world % nnodes == 0:
         return world // nnodes
     raise ValueError("cannot tell tasks per node: set SLURM_TASKS_PER_NODE or SLURM_NTASKS_PER_NODE")
+
+
+def _from_slurm_local(env: Mapping[str, str]) -> tuple[int, int, int, int]:
+    """(rank, world, local rank, local world) as SLURM's variables state them."""
+    size_name = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS"
+    _require(env, ("SLURM_PROCID", size_name, "SLURM_LOCALID"), "SLURM")
+    rank, world = _get_int(env, "SLURM_PROCID"), _get_int(env, size_name, minimum=1)
+    nodelist = next((env[n] for n in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+                     if env.get(n)), None)
+    hosts = parse_slurm_nodelist(nodelist) if nodelist else []
+    local_world = _slurm_local_world_size(env, rank, world, len(hosts))
+    local_rank = _get_int(env, "SLURM_LOCALID")
+    _check_pair(local_rank, local_world, "SLURM_LOCALID", "tasks per node")
+    return rank, world, local_rank, local_world
 
 
 def _from_slurm(env: Mapping[str, str]) -> LaunchEnv:
@@ -564,3 +592,66 @@ def default_cpu_adam_threads(local_world_size: int, environ: Mapping[str, str] |
         node_cpus = _cgroup_cpus() or os.cpu_count() or avail
     pool = max(node_cpus, 1)
     return max(1, min(avail, pool // local_world_size))
+
+
+# ----------------------------------------------------------------------------------------------
+# host memory the job may use
+
+_NO_LIMIT = 1 << 60   # cgroup v1 reports "no limit" as a huge page-rounded number
+
+
+def _cgroup_memory_limit(root: str = "/") -> int | None:
+    """The memory limit of this process's cgroup (v2 memory.max, v1 memory.limit_in_bytes), or
+    None when there is none or nothing can be read. Walks up the hierarchy: a parent's limit
+    binds too (SLURM puts the job's limit on the job cgroup, the step is below it)."""
+    lines = _read(os.path.join(root, "proc/self/cgroup"))
+    if not lines:
+        return None
+    limits = []
+    for line in lines.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        path = path.strip().rstrip("/") or ""
+        if controllers == "":
+            bases, fname = ("sys/fs/cgroup", "sys/fs/cgroup/unified"), "memory.max"
+        elif "memory" in controllers.split(","):
+            bases, fname = ("sys/fs/cgroup/memory",), "memory.limit_in_bytes"
+        else:
+            continue
+        for base in bases:
+            p = path
+            while True:
+                text = _read(os.path.join(root, base + p, fname))
+                if text and text != "max" and text.isdigit() and int(text) < _NO_LIMIT:
+                    limits.append(int(text))
+                if not p:
+                    break
+                p = p.rsplit("/", 1)[0]
+    return min(limits) if limits else None
+
+
+def _slurm_memory_limit(env: Mapping[str, str]) -> int | None:
+    """srun/sbatch --mem (SLURM_MEM_PER_NODE, MiB) or --mem-per-cpu (SLURM_MEM_PER_CPU, MiB, times
+    the CPUs of this node: SLURM_CPUS_ON_NODE) in bytes; None when neither is set."""
+    if env.get("SLURM_MEM_PER_NODE", "").strip():
+        mb = int(env["SLURM_MEM_PER_NODE"].strip().rstrip("M"))
+        return mb * 1024 ** 2 if mb > 0 else None      # --mem=0 means "all of the node"
+    if env.get("SLURM_MEM_PER_CPU", "").strip():
+        cpus = env.get("SLURM_CPUS_ON_NODE", "").strip()
+        n = _first_int(cpus, "SLURM_CPUS_ON_NODE") if cpus else 1
+        return int(env["SLURM_MEM_PER_CPU"].strip().rstrip("M")) * 1024 ** 2 * n
+    return None
+
+
+def memory_limit_bytes(environ: Mapping[str, str] | None = None, *, root: str = "/",
+                       physical_bytes: int | None = None) -> int:
+    """Host memory this node's ranks may use together: the smallest of physical RAM, the cgroup
+    limit (containers, SLURM's cgroup plugin) and SLURM's --mem / --mem-per-cpu. `root` and
+    `physical_bytes` are for tests (a fake /proc and /sys tree)."""
+    env = os.environ if environ is None else environ
+    if physical_bytes is None:
+        physical_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limits = [physical_bytes, _cgroup_memory_limit(root), _slurm_memory_limit(env)]
+    return min(v for v in limits if v is not None)

@@ -10,7 +10,8 @@ import os
 import sys
 
 from zo_megatron.errors import ConfigError
-from zo_megatron.training.schedule import DECAY_STYLES
+from zo_megatron.training.megatron_compat import add_megatron_compat_flags, check_megatron_compat
+from zo_megatron.training.schedule import DECAY_STYLES, WSD_DECAY_STYLES
 
 # What `pretrain_gpt.py --tensor-parallel 2 --zero-offload` trains when given no shape flags.
 DEMO_DEFAULTS = dict(num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=256,
@@ -22,6 +23,23 @@ DEMO_DEFAULTS = dict(num_layers=4, hidden_size=256, num_attention_heads=4, seq_l
 MEGATRON_DEFAULTS = dict(micro_batch_size=1, train_iters=None, lr=None, min_lr=0.0, lr_warmup_iters=0,
                          lr_decay_style="linear", eval_interval=1000, eval_iters=100, log_interval=100,
                          weight_decay=0.01, adam_beta2=0.999)
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows the default that applies: "demo: X / Megatron: Y" for the flags whose default
+    depends on whether a model shape is given, the real value otherwise, never "(default: None)"."""
+
+    def _get_help_string(self, action):
+        text = (action.help or "").strip()
+        if text.startswith("(default:"):
+            return text
+        if action.dest in DEMO_DEFAULTS:
+            meg = MEGATRON_DEFAULTS.get(action.dest)
+            return f"{text} (demo: {DEMO_DEFAULTS[action.dest]} / Megatron: {'required' if meg is None else meg})".strip()
+        if action.default is None or action.default is argparse.SUPPRESS or isinstance(action.default, bool) \
+                or "default" in text:
+            return text
+        return f"{text} (default: %(default)s)".strip()
 
 
 class _Parser(argparse.ArgumentParser):
@@ -40,15 +58,15 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,     # as Megatron-LM: a typo must not select another flag
         description="Pretrain a GPT with Megatron tensor parallelism and ZeRO-Offload data parallelism. "
                     "Launch with torchrun, mpirun or srun; the world size is TP x DP.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=_HelpFormatter)
     S = argparse.SUPPRESS
 
     g = p.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, default=None, help="transformer layers (demo: 4)")
-    g.add_argument("--hidden-size", type=int, default=None, help="hidden size (demo: 256)")
-    g.add_argument("--num-attention-heads", type=int, default=None, help="attention heads (demo: 4)")
+    g.add_argument("--num-layers", type=int, default=None, help="transformer layers")
+    g.add_argument("--hidden-size", type=int, default=None, help="hidden size")
+    g.add_argument("--num-attention-heads", type=int, default=None, help="attention heads")
     g.add_argument("--ffn-hidden-size", type=int, default=None, help="MLP size (default 4 x hidden)")
-    g.add_argument("--seq-length", type=int, default=None, help="tokens per sample (demo: 256)")
+    g.add_argument("--seq-length", type=int, default=None, help="tokens per sample")
     g.add_argument("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="pad the vocab to a multiple of this x TP")
@@ -109,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--micro-batch-size", type=int, default=None, help="samples per rank per micro-batch")
     g.add_argument("--global-batch-size", type=int, default=None,
                    help="samples per step = micro x DP x accumulation (default: micro x DP)")
-    g.add_argument("--train-iters", type=int, default=None, help="optimizer steps (demo: 300)")
+    g.add_argument("--train-iters", type=int, default=None, help="optimizer steps (or --train-samples)")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--skip-memory-check", action="store_true",
                    help="launch even when the memory planner predicts the run does not fit")
@@ -123,11 +141,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "0: never stop (default: 10)")
 
     g = p.add_argument_group("learning rate")
-    g.add_argument("--lr", type=float, default=None, help="peak learning rate (demo: 1e-3)")
-    g.add_argument("--min-lr", type=float, default=None)
-    g.add_argument("--lr-decay-style", choices=DECAY_STYLES, default=None)
-    g.add_argument("--lr-warmup-iters", type=int, default=None)
+    g.add_argument("--lr", type=float, default=None, help="peak learning rate")
+    g.add_argument("--min-lr", type=float, default=None, help="rate at the end of the decay")
+    g.add_argument("--lr-decay-style", choices=DECAY_STYLES, default=None, help="shape of the decay")
+    g.add_argument("--lr-warmup-iters", type=int, default=None, help="linear warmup iterations")
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
+    g.add_argument("--lr-warmup-fraction", type=float, default=None,
+                   help="warmup as a fraction of the decay (Megatron's; instead of --lr-warmup-iters)")
+    g.add_argument("--lr-warmup-init", type=float, default=0.0, help="rate of the first warmup update")
+    g.add_argument("--lr-wsd-decay-iters", type=int, default=None,
+                   help="WSD: iterations of the final anneal (required with --lr-decay-style WSD)")
+    g.add_argument("--lr-wsd-decay-style", choices=WSD_DECAY_STYLES, default="exponential",
+                   help="WSD: shape of the final anneal")
 
     g = p.add_argument_group("optimizer")
     g.add_argument("--optimizer", choices=["adam"], default="adam")
@@ -135,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-weight-decay-embeddings", action="store_true",
                    help="exclude embeddings from weight decay (biases and norms never decay)")
     g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=None)
+    g.add_argument("--adam-beta2", type=float, default=None, help="Adam's second-moment decay")
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--clip-grad", type=float, default=1.0, help="global grad-norm clip (0: off)")
     g.add_argument("--exp-avg-dtype", choices=["fp32", "bf16"], default="fp32",
@@ -184,12 +209,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on --load, take the LR schedule (lr, min-lr, warmup, decay iters and style) from the checkpoint")
 
     g = p.add_argument_group("evaluation and logging")
-    g.add_argument("--eval-interval", type=int, default=None)
-    g.add_argument("--eval-iters", type=int, default=None)
-    g.add_argument("--log-interval", type=int, default=None)
+    g.add_argument("--eval-interval", type=int, default=None, help="iterations between evaluations")
+    g.add_argument("--eval-iters", type=int, default=None,
+                   help="global batches per evaluation (0: no evaluation)")
+    g.add_argument("--log-interval", type=int, default=None, help="iterations per log line")
     g.add_argument("--log-jsonl", default=None, help="write one JSON object per logged iteration/evaluation")
     g.add_argument("--tensorboard-dir", default=None, help="write TensorBoard events (needs tensorboard)")
     g.add_argument("--no-progress-bar", action="store_true")
+    add_megatron_compat_flags(p)
+    for a in p._actions:          # argparse hides a flag's default when it has no help text
+        if a.help is None and a.default is not None and not isinstance(a.default, bool):
+            a.help = "(default: %(default)s)"
     return p
 
 
@@ -230,6 +260,14 @@ def finalize(args: argparse.Namespace) -> None:
     shape_given = any(getattr(args, k) is not None for k in ("num_layers", "hidden_size", "num_attention_heads"))
     args.demo = not shape_given
     defaults = MEGATRON_DEFAULTS if shape_given else DEMO_DEFAULTS
+    if args.lr_warmup_fraction is not None:
+        if args.lr_warmup_iters:
+            raise ConfigError("--lr-warmup-fraction and --lr-warmup-iters both set the warmup: give one")
+        args.lr_warmup_iters = 0
+    if args.train_samples is not None:
+        if args.train_iters is not None:
+            raise ConfigError("--train-samples and --train-iters both set the run's length: give one")
+        args.train_iters = args.train_samples        # provisional: // global batch once DP is known
     for k in {**DEMO_DEFAULTS, **MEGATRON_DEFAULTS}:
         if getattr(args, k, None) is None:
             setattr(args, k, defaults.get(k))
@@ -247,8 +285,9 @@ def finalize(args: argparse.Namespace) -> None:
                           f"{args.max_position_embeddings}")
     if args.recompute_activations and args.recompute_granularity is None:
         args.recompute_granularity = "selective"
-    if args.lr_decay_iters is None:
+    if args.lr_decay_iters is None and args.train_samples is None:
         args.lr_decay_iters = args.train_iters
+    check_megatron_compat(args)
     for k in ("micro_batch_size", "train_iters", "log_interval", "eval_interval", "tensor_parallel"):
         if getattr(args, k) < 1:
             raise ConfigError(f"--{k.replace('_', '-')} must be >= 1 (got {getattr(args, k)})")
@@ -295,6 +334,8 @@ _RANGES = [
     ("eval_iters", lambda v: v >= 0, ">= 0 (0: no evaluation)"), ("seed", lambda v: v >= 0, ">= 0"),
     ("lr", lambda v: v > 0, "> 0"), ("min_lr", lambda v: v >= 0, ">= 0"),
     ("lr_warmup_iters", lambda v: v >= 0, ">= 0"), ("lr_decay_iters", lambda v: v >= 1, ">= 1"),
+    ("lr_warmup_fraction", lambda v: 0 <= v < 1, "in [0, 1)"), ("lr_warmup_init", lambda v: v >= 0, ">= 0"),
+    ("lr_wsd_decay_iters", lambda v: v >= 1, ">= 1"),
     ("weight_decay", lambda v: v >= 0, ">= 0"), ("adam_beta1", lambda v: 0 <= v < 1, "in [0, 1)"),
     ("adam_beta2", lambda v: 0 <= v < 1, "in [0, 1)"), ("adam_eps", lambda v: v > 0, "> 0"),
     ("clip_grad", lambda v: v >= 0, ">= 0 (0: no clipping)"), ("loss_scale", lambda v: v > 0, "> 0"),
@@ -362,3 +403,8 @@ def check_batch_sizes(args: argparse.Namespace, dp_size: int) -> None:
             f"--global-batch-size {args.global_batch_size} is not a multiple of --micro-batch-size "
             f"{args.micro_batch_size} x DP {dp_size} = {per_step}: use a multiple of {per_step}")
     args.grad_accum_steps = args.global_batch_size // per_step
+    if args.train_samples is not None:                # Megatron: iterations = samples // global batch
+        args.train_iters = args.train_samples // args.global_batch_size
+        if args.train_iters < 1:
+            raise ConfigError(f"--train-samples {args.train_samples} is less than one global batch "
+                              f"({args.global_batch_size}): raise it")

@@ -1,8 +1,10 @@
 """The training job: validate everything, build the components, run one loop that composes them.
 
 Order matters for users: every check that can fail on bad input (flags, tokenizer files, data
-files, memory plan) runs BEFORE any process group, model or checkpoint directory is created, so a
-mistake costs seconds and leaves nothing behind.
+files, memory plan) runs BEFORE any model or checkpoint directory is created, so a mistake costs
+seconds and leaves nothing behind. The checks that read files run on every rank (a file can differ
+between nodes) inside `collectives.all_ranks_agree`: the ranks agree on "ok or which rank failed
+why" before going on, so a failure on rank 3 is printed once, by rank 0, naming rank 3.
 """
 from __future__ import annotations
 
@@ -21,35 +23,31 @@ from zo_megatron.parallel.megatron_notices import SUMMARY as NOTICES
 from zo_megatron.parallel.megatron_notices import hide_known_megatron_notices
 from zo_megatron.training.arguments import check_batch_sizes, parse_args
 from zo_megatron.training.metrics import Metrics, flops_per_token, host_rss_bytes, human_bytes
-from zo_megatron.training.schedule import learning_rate
+from zo_megatron.training.schedule import LRScheduler
 
 
-def _total_memory_bytes() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+def job_plan_input(args, env, dp: int, vocab_size: int):
+    """This run's PlanInput: its flags through the planner's one builder, and this machine."""
+    from zo_megatron.parallel.launch_env import memory_limit_bytes
+    from zo_megatron.planner import GiB, plan_input_from_flags
+
+    cuda = torch.cuda.is_available()
+    host = memory_limit_bytes()
+    return plan_input_from_flags(
+        args, data_parallel=dp, vocab_size=vocab_size,
+        gpu_memory_bytes=torch.cuda.get_device_properties(0).total_memory if cuda else host,
+        host_memory_bytes_per_node=host, gpus_per_node=env.local_world_size, device_is_host=not cuda,
+        device_overhead_bytes=GiB if cuda else 0, host_reserve_bytes=min(32 * GiB, host // 10),
+        host_overhead_bytes_per_rank=(3 if cuda else 1) * GiB)
 
 
 def memory_check(args, env, dp: int, vocab_size: int) -> None:
     """Refuse a run the planner says cannot fit the device or host memory this machine has."""
-    from zo_megatron.planner import GiB, PlanInput, plan
+    from zo_megatron.planner import plan
 
-    cuda = torch.cuda.is_available()
-    host = _total_memory_bytes()
-    inp = PlanInput(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-        vocab_size=vocab_size, seq_length=args.seq_length, max_position_embeddings=args.max_position_embeddings,
-        tensor_parallel=args.tensor_parallel, data_parallel=dp, micro_batch_size=args.micro_batch_size,
-        grad_accum_steps=args.grad_accum_steps, precision=args.precision, zero_offload=args.zero_offload,
-        recompute=args.recompute_granularity or False, bucket_size=args.bucket_size,
-        gpu_memory_bytes=torch.cuda.get_device_properties(0).total_memory if cuda else host,
-        host_memory_bytes_per_node=host, gpus_per_node=env.local_world_size,
-        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-        dropout=args.hidden_dropout > 0 or args.attention_dropout > 0, fused_softmax=False,
-        device_is_host=not cuda, bf16_optimizer_states=args.exp_avg_dtype == "bf16",
-        device_overhead_bytes=GiB if cuda else 0, grad_reduce_fp32=args.accumulate_allreduce_grads_in_fp32,
-        host_grad_fp32=args.main_grads_dtype == "fp32" and args.precision != "fp32",
-        accumulate_on_host=args.accumulate_grads_on_host, dpu=args.dpu,
-        host_reserve_bytes=min(32 * GiB, host // 10), host_overhead_bytes_per_rank=(3 if cuda else 1) * GiB,
-        optimizer_offload_fraction=1.0 if args.optimizer_offload_fraction == "auto" else args.optimizer_offload_fraction)
+    inp = job_plan_input(args, env, dp, vocab_size)
+    inp = inp.replace(dpu=args.dpu, optimizer_offload_fraction=1.0 if args.optimizer_offload_fraction == "auto"
+                      else args.optimizer_offload_fraction)
     if args.optimizer_offload_fraction == "auto":
         from zo_megatron.planner import solve_offload_fraction
 
@@ -110,7 +108,6 @@ def pretrain(argv=None) -> int:
         # As Megatron-LM's launch scripts do: one hardware queue, so each TP layer's async
         # all-reduce is scheduled before the weight-gradient GEMM it overlaps (set before CUDA starts).
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    from zo_megatron.data import build_tokenizer, validate_data_prefix
     from zo_megatron.parallel import validate_parallel_config
     from zo_megatron.parallel.launch_env import default_cpu_adam_threads, discover_launch_env
 
@@ -118,6 +115,27 @@ def pretrain(argv=None) -> int:
     validate_parallel_config(env.world_size, args.tensor_parallel, args.num_attention_heads, args.hidden_size)
     dp = env.world_size // args.tensor_parallel
     check_batch_sizes(args, dp)
+    LRScheduler.from_args(args)                  # its one-line errors now, before any process group
+    from zo_megatron.training.megatron_compat import check_backend
+
+    check_backend(args, torch.cuda.is_available())
+    from zo_megatron.parallel import destroy_parallel, init_parallel
+
+    ps = init_parallel(args.tensor_parallel, seed=args.seed, num_attention_heads=args.num_attention_heads,
+                       hidden_size=args.hidden_size, timeout_s=args.distributed_timeout_minutes * 60)
+    try:
+        with collectives.all_ranks_agree():
+            tokenizer, data_path = _check_inputs(args, env, dp)
+    except BaseException:
+        destroy_parallel()
+        raise
+    return _train(args, env, ps, tokenizer, data_path, default_cpu_adam_threads(env.local_world_size))
+
+
+def _check_inputs(args, env, dp):
+    """Every check that reads files or this node's memory; returns (tokenizer, data path)."""
+    from zo_megatron.data import build_tokenizer, validate_data_prefix
+
     tokenizer = build_tokenizer(args.vocab_file, args.merge_file, allow_custom_vocab=args.allow_custom_vocab)
     if args.data_path:
         from zo_megatron.data import parse_data_path
@@ -134,6 +152,12 @@ def pretrain(argv=None) -> int:
             import torch.utils.tensorboard  # noqa: F401
         except ImportError:
             raise UserError("--tensorboard-dir needs the tensorboard package: pip install tensorboard") from None
+    if args.wandb_project:
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            raise UserError("--wandb-project needs the wandb package: pip install wandb "
+                            "(WANDB_MODE=offline logs without an account)") from None
     if args.load and not os.path.isdir(args.load):
         raise UserError(f"--load {args.load}: no such directory")
     if args.save:
@@ -142,7 +166,7 @@ def pretrain(argv=None) -> int:
     if args.save:
         check_free_space(args.save, checkpoint_bytes(args.memory_plan.params_total, args.zero_offload,
                                                      args.exp_avg_dtype == "bf16"))
-    return _train(args, env, tokenizer, data_path, default_cpu_adam_threads(env.local_world_size))
+    return tokenizer, data_path
 
 
 def _build_optimizer(args, model, ps):
@@ -170,7 +194,21 @@ def _build_optimizer(args, model, ps):
     return PlainDDPOptimizer(model.to(ps.device), **common)
 
 
-def _evaluate(model, optimizer, batches, eval_iters: int, ps, device) -> float:
+def _agreed_exit(args, iteration: int, elapsed_s: float) -> str | None:
+    """Megatron's --exit-interval / --exit-duration-in-mins; the clock-based one is agreed (max over
+    ranks) so every rank stops after the same iteration."""
+    from zo_megatron.training.megatron_compat import should_exit
+
+    reason = should_exit(args, iteration, elapsed_s)
+    if args.exit_duration_in_mins is not None:
+        flag = collectives.all_reduce(torch.tensor([1.0 if reason else 0.0]), "max")
+        if flag.item() and reason is None:
+            reason = f"--exit-duration-in-mins {args.exit_duration_in_mins:g} (on another rank)"
+    return reason
+
+
+def _evaluate(model, optimizer, batches, eval_iters: int, ps, device) -> tuple[float, int]:
+    """Mean loss over `eval_iters` micro-batches per rank, and the samples that covered (all DP ranks)."""
     optimizer.flush()                       # evaluate the parameters with every update applied
     model.eval()
     total, count = torch.zeros((), dtype=torch.float64, device=device), 0
@@ -181,9 +219,10 @@ def _evaluate(model, optimizer, batches, eval_iters: int, ps, device) -> float:
                               b["position_ids"].to(device))
             total += loss.detach().double()
             count += 1
+            samples = b["tokens"].shape[0]
     model.train()
     collectives.all_reduce(total, group=ps.dp_group)
-    return total.item() / (count * ps.dp_size)
+    return total.item() / (count * ps.dp_size), count * samples * ps.dp_size
 
 
 def _schedule_state(args, iteration: int) -> dict:
@@ -204,7 +243,7 @@ def _resume(args, ps, model, optimizer, vocab_size: int, model_meta: dict, metri
             no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng, finetune=args.finetune,
             override_opt_param_scheduler=args.override_opt_param_scheduler,
             use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
-            train_iters=args.train_iters))
+            train_iters=args.train_iters), agree=collectives.all_ranks_agree)
     if res.opt_param_scheduler is not None:             # --use-checkpoint-opt_param-scheduler
         s = res.opt_param_scheduler
         args.lr, args.min_lr, args.lr_warmup_iters = s["max_lr"], s["min_lr"], s["lr_warmup_steps"]
@@ -250,21 +289,21 @@ def _set_threads(args, ps, adam_threads: int) -> None:
     args.threads_line = f"CPU Adam {adam_threads} threads, torch {torch.get_num_threads()}"
 
 
-def _train(args, env, tokenizer, data_path, cpu_adam_threads: int) -> int:
+def _train(args, env, ps, tokenizer, data_path, cpu_adam_threads: int) -> int:
     from zo_megatron.checkpoint import save_checkpoint
     from zo_megatron.data import DPBatches, build_gpt_datasets
     from zo_megatron.model import GPTConfig, build_gpt_model
-    from zo_megatron.parallel import destroy_parallel, init_parallel
+    from zo_megatron.parallel import destroy_parallel
     from zo_megatron.offload.loss_scaler import DynamicLossScaler
     from zo_megatron.training import faults
     from zo_megatron.training.timeline import Timeline
 
     t_start = time.monotonic()
-    ps = init_parallel(args.tensor_parallel, seed=args.seed, num_attention_heads=args.num_attention_heads,
-                       hidden_size=args.hidden_size, timeout_s=args.distributed_timeout_minutes * 60)
     _set_threads(args, ps, args.cpu_adam_threads or cpu_adam_threads)
     metrics = Metrics(enabled=ps.rank == 0, total_iters=args.train_iters, jsonl_path=args.log_jsonl,
-                      tensorboard_dir=args.tensorboard_dir, progress_bar=not args.no_progress_bar)
+                      tensorboard_dir=args.tensorboard_dir, progress_bar=not args.no_progress_bar,
+                      wandb=dict(project=args.wandb_project, name=args.wandb_exp_name, dir=args.wandb_save_dir,
+                                 config=vars(args)) if args.wandb_project else None)
     stack = contextlib.ExitStack()
     stop = faults.StopSignal(enabled=args.exit_signal_handler or bool(args.save))
     stack.callback(stop.restore)
@@ -279,7 +318,7 @@ def _train(args, env, tokenizer, data_path, cpu_adam_threads: int) -> int:
                         init_method_std=args.init_method_std, recompute=args.recompute_granularity)
         gb = args.global_batch_size
         n_evals = args.train_iters // args.eval_interval + 1
-        train_ds, valid_ds, _ = build_gpt_datasets(
+        train_ds, valid_ds, _ = build_gpt_datasets(   # collective (megatron's index-cache barrier)
             data_path, args.split, args.seq_length, args.seed, tokenizer,
             train_samples=args.train_iters * gb, valid_samples=n_evals * args.eval_iters * gb,
             test_samples=0, cache_dir=args.data_cache_path)
@@ -306,7 +345,7 @@ def _train(args, env, tokenizer, data_path, cpu_adam_threads: int) -> int:
                                                     consumed_samples=start), consumed_valid) \
             if valid_ds is not None else None
         fpt = flops_per_token(cfg.num_layers, cfg.hidden_size, args.seq_length,
-                              cfg.padded_vocab_size(ps.tp_size), args.recompute_granularity)
+                              cfg.padded_vocab_size(ps.tp_size), args.recompute_granularity, cfg.ffn_size)
         window = dict(loss=0.0, n=0, skipped=0, nan=0, t=time.monotonic(), norm=0.0)
         iteration = start_iter
         last_val = None
@@ -315,7 +354,7 @@ def _train(args, env, tokenizer, data_path, cpu_adam_threads: int) -> int:
         def save() -> None:
             nonlocal saved_at
             optimizer.flush()              # a checkpoint holds no pending update: resume is exact
-            t_save = time.monotonic()
+            t_save = paused = time.monotonic()   # as Megatron: saving stays out of the interval timer
             path = save_checkpoint(
                 args.save, iteration, ps=ps, model=model, optimizer=optimizer, vocab_size=tokenizer.vocab_size,
                 train_state=dict(consumed_samples=consumed, consumed_valid_samples=consumed_valid,
@@ -323,11 +362,13 @@ def _train(args, env, tokenizer, data_path, cpu_adam_threads: int) -> int:
                 model_meta=model_meta, args=vars(args), keep_last=args.keep_last)
             saved_at = iteration
             metrics.print(f" saved checkpoint {path} in {time.monotonic() - t_save:.2f}s")
+            window["t"] += time.monotonic() - paused
 
+        scheduler = LRScheduler.from_args(args)
+        scheduler.step(consumed)            # exact on resume unless fp16 skipped steps before the save
         while iteration < args.train_iters:
             inject.at_iteration_start(iteration + 1)
-            lr = learning_rate(iteration, lr=args.lr, min_lr=args.min_lr, warmup_iters=args.lr_warmup_iters,
-                               decay_iters=args.lr_decay_iters, style=args.lr_decay_style)
+            lr = scheduler.get_lr()
             step_loss = torch.zeros((), device=ps.device)
             phase = timeline.phase if timeline is not None else _no_phase
             for m in range(args.grad_accum_steps):
@@ -344,6 +385,8 @@ def _train(args, env, tokenizer, data_path, cpu_adam_threads: int) -> int:
             phases = optimizer.drain_phases()
             if timeline is not None:
                 timeline.record_all(iteration + 1, phases)
+            if not res.skipped:             # as Megatron: a skipped (fp16 overflow) update does not advance it
+                scheduler.step(gb)
             iteration += 1
             consumed += gb
             metrics.advance()
@@ -361,12 +404,20 @@ def _train(args, env, tokenizer, data_path, cpu_adam_threads: int) -> int:
                 _log(metrics, window, iteration, lr, res, optimizer, ps, args, fpt, iteration - start_iter)
             if valid_iter is not None and args.eval_iters > 0 and (
                     iteration % args.eval_interval == 0 or iteration == args.train_iters):
-                last_val = _evaluate(model, optimizer, valid_iter, args.eval_iters, ps, ps.device)
-                consumed_valid += args.eval_iters * args.micro_batch_size * ps.dp_size
-                metrics.log_eval(iteration, last_val)
+                paused = time.monotonic()   # as Megatron: evaluation stays out of the interval timer
+                # --eval-iters counts global batches, as Megatron's: accumulation x micro-batches per rank.
+                last_val, n_samples = _evaluate(model, optimizer, valid_iter, args.eval_iters * args.grad_accum_steps,
+                                                ps, ps.device)
+                consumed_valid += n_samples
+                metrics.log_eval(iteration, last_val, eval_samples=n_samples)
+                window["t"] += time.monotonic() - paused
+            exit_reason = _agreed_exit(args, iteration, time.monotonic() - t_start)
             if args.save and ((args.save_interval and iteration % args.save_interval == 0)
-                              or iteration == args.train_iters):
+                              or iteration == args.train_iters or exit_reason):
                 save()
+            if exit_reason:
+                metrics.print(f" exiting after iteration {iteration}: {exit_reason}")
+                break
             if args.max_skipped_iters and skips_in_a_row >= args.max_skipped_iters:
                 stop_reason = "skipped"
                 break
@@ -438,7 +489,9 @@ def _banner(metrics, args, ps, cfg, optimizer, data_path, setup_s) -> None:
     local = sum(p.numel() for p in optimizer.model.parameters())
     acc = optimizer.accounting
     src = "embedded State of the Union corpus (233 addresses, public domain)" if not args.data_path else " ".join(data_path)
-    if not args.data_path and not args.demo:     # a model shape was given but no data: say it loudly
+    if args.mock_data:
+        src = "bundled demo corpus (--mock-data)"
+    elif not args.data_path and not args.demo:   # a model shape was given but no data: say it loudly
         src = ("!!! NO --data-path GIVEN: training on the bundled demo corpus (233 State of the Union "
                "addresses), not your data; pass --data-path PREFIX !!!")
     plan = getattr(args, "memory_plan", None)

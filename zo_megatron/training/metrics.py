@@ -22,11 +22,14 @@ def human_time(s: float) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
-def flops_per_token(num_layers: int, hidden: int, seq: int, vocab: int, recompute: str | None) -> float:
-    """Model FLOPs per trained token (forward + backward), Megatron's count: the dense matmuls
-    (24 L h^2 per token forward, x3 with backward), attention scores (4 L s h forward, x3) and the
-    LM head (2 V h forward, x3); full recompute adds one more forward of the layers."""
-    layer_fwd = 24 * num_layers * hidden * hidden + 4 * num_layers * seq * hidden
+def flops_per_token(num_layers: int, hidden: int, seq: int, vocab: int, recompute: str | None,
+                    ffn_hidden_size: int | None = None) -> float:
+    """Model FLOPs per trained token (forward + backward), Megatron's count
+    (`num_floating_point_operations`): per layer forward the QKV and output projections (8 h^2),
+    the MLP (4 h f, f = ffn size, 4h by default), attention scores and values (4 s h); the LM head
+    2 V h; backward twice the forward; full recompute adds one more forward of the layers."""
+    f = 4 * hidden if ffn_hidden_size is None else ffn_hidden_size
+    layer_fwd = num_layers * (8 * hidden * hidden + 4 * hidden * f + 4 * seq * hidden)
     head_fwd = 2 * vocab * hidden
     mult = 4 if recompute == "full" else 3
     return mult * layer_fwd + 3 * head_fwd
@@ -36,15 +39,18 @@ class Metrics:
     """Rank 0 writes; every other rank's calls are no-ops."""
 
     def __init__(self, *, enabled: bool, total_iters: int, jsonl_path: str | None = None,
-                 tensorboard_dir: str | None = None, progress_bar: bool = True):
+                 tensorboard_dir: str | None = None, progress_bar: bool = True, wandb: dict | None = None):
         self.enabled = enabled
         self.total_iters = total_iters
         self.start = time.monotonic()
         self._jsonl = None
         self._tb = None
         self._bar = None
+        self._wandb = None
         if not enabled:
             return
+        if wandb:
+            self._wandb = _start_wandb(**wandb)
         if jsonl_path:
             os.makedirs(os.path.dirname(os.path.abspath(jsonl_path)), exist_ok=True)
             self._jsonl = open(jsonl_path, "a", buffering=1)
@@ -96,12 +102,16 @@ class Metrics:
         self.print(line)
         self._write({k: v for k, v in row.items() if not k.startswith("_")}, "train")
 
-    def log_eval(self, iteration: int, val_loss: float, split: str = "validation") -> None:
+    def log_eval(self, iteration: int, val_loss: float, split: str = "validation", eval_samples: int | None = None) -> None:
         if not self.enabled:
             return
         ppl = math.exp(min(val_loss, 50.0))
-        self.print(f" {split} loss at iteration {iteration} | lm loss {val_loss:.4f} | lm loss PPL {ppl:.3f}")
-        self._write({"iteration": iteration, "val_loss": val_loss, "val_ppl": ppl, "split": split}, "eval")
+        self.print(f" {split} loss at iteration {iteration} | lm loss {val_loss:.4f} | lm loss PPL {ppl:.3f}"
+                   + (f" | {eval_samples} samples" if eval_samples is not None else ""))
+        row = {"iteration": iteration, "val_loss": val_loss, "val_ppl": ppl, "split": split}
+        if eval_samples is not None:
+            row["eval_samples"] = eval_samples
+        self._write(row, "eval")
 
     def _write(self, row: dict, kind: str) -> None:
         if self._jsonl is not None:
@@ -111,11 +121,32 @@ class Metrics:
             for k, v in row.items():
                 if k != "iteration" and isinstance(v, (int, float)) and not isinstance(v, bool):
                     self._tb.add_scalar(f"{kind}/{k}", v, it)
+        if self._wandb is not None:
+            self._wandb.log({f"{kind}/{k}": v for k, v in row.items() if k != "iteration"
+                             and isinstance(v, (int, float)) and not isinstance(v, bool)}, step=row["iteration"])
 
     def close(self) -> None:
         for f in (self._bar, self._jsonl, self._tb):
             if f is not None:
                 f.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def _start_wandb(*, project: str, name: str | None, dir: str | None, config: dict):
+    """Megatron's --wandb-project/--wandb-exp-name/--wandb-save-dir. wandb itself honours
+    WANDB_MODE=offline (and WANDB_API_KEY); nothing here needs a network."""
+    try:
+        import wandb
+    except ImportError:
+        from zo_megatron.errors import UserError
+
+        raise UserError("--wandb-project needs the wandb package: pip install wandb "
+                        "(WANDB_MODE=offline logs without an account)") from None
+    if dir:
+        os.makedirs(dir, exist_ok=True)
+    plain = {k: v for k, v in config.items() if isinstance(v, (int, float, str, bool, type(None)))}
+    return wandb.init(project=project, name=name, dir=dir, config=plain)
 
 
 def host_rss_bytes() -> int:

@@ -1,0 +1,66 @@
+"""Megatron-LM's definitions, transcribed as test references (megatron-core 0.16.1)."""
+import math
+
+
+def megatron_get_lr(num_steps, *, init_lr, max_lr, min_lr, lr_warmup_steps, lr_decay_steps, lr_decay_style,
+                    wsd_decay_steps=None, lr_wsd_decay_style=None):
+    """Transcribed from OptimizerParamScheduler.get_lr (param_group without overrides)."""
+    if lr_warmup_steps > 0 and num_steps <= lr_warmup_steps:
+        return init_lr + ((max_lr - init_lr) * float(num_steps) / float(lr_warmup_steps))
+    if lr_decay_style == 'constant':
+        return max_lr
+    if num_steps > lr_decay_steps:
+        return min_lr
+    if lr_decay_style == 'inverse-square-root':
+        warmup_steps = max(lr_warmup_steps, 1)
+        num_steps = max(num_steps, 1)
+        lr = max_lr * warmup_steps**0.5 / (num_steps**0.5)
+        return max(min_lr, lr)
+    num_steps_ = num_steps - lr_warmup_steps
+    decay_steps_ = lr_decay_steps - lr_warmup_steps
+    decay_ratio = float(num_steps_) / float(decay_steps_)
+    assert 0.0 <= decay_ratio <= 1.0
+    delta_lr = max_lr - min_lr
+    if lr_decay_style == 'linear':
+        coeff = 1.0 - decay_ratio
+    elif lr_decay_style == 'cosine':
+        coeff = 0.5 * (math.cos(math.pi * decay_ratio) + 1.0)
+    elif lr_decay_style == 'WSD':
+        wsd_anneal_start_ = lr_decay_steps - wsd_decay_steps
+        if num_steps <= wsd_anneal_start_:
+            coeff = 1.0
+        else:
+            wsd_steps = num_steps - wsd_anneal_start_
+            wsd_decay_ratio = float(wsd_steps) / float(wsd_decay_steps)
+            if lr_wsd_decay_style == "linear":
+                coeff = 1.0 - wsd_decay_ratio
+            elif lr_wsd_decay_style == "cosine":
+                coeff = 0.5 * (math.cos(math.pi * wsd_decay_ratio) + 1.0)
+            elif lr_wsd_decay_style == "exponential":
+                coeff = (2.0 * math.pow(0.5, wsd_decay_ratio)) - 1.0
+            elif lr_wsd_decay_style == "minus_sqrt":
+                coeff = 1.0 - math.sqrt(wsd_decay_ratio)
+    return min_lr + coeff * delta_lr
+
+
+def megatron_flops_per_token(*, num_layers, hidden_size, seq_length, ffn_hidden_size, padded_vocab_size,
+                             num_attention_heads, kv_channels=None, num_query_groups=None, swiglu=False):
+    """Megatron-LM's `num_floating_point_operations(args, batch_size)` (megatron/training/training.py,
+    dense GPT, no MoE) divided by batch_size x seq_length."""
+    kv_channels = kv_channels or hidden_size // num_attention_heads
+    query_projection_size = kv_channels * num_attention_heads
+    query_projection_to_hidden_size_ratio = query_projection_size / hidden_size
+    num_query_groups = num_query_groups or num_attention_heads
+    num_experts_routed_to = 1
+    gated_linear_multiplier = 3 / 2 if swiglu else 1
+    batch_size = 1
+    total = (
+        12 * batch_size * seq_length * num_layers * hidden_size * hidden_size
+        * (
+            ((1 + (num_query_groups / num_attention_heads) + (seq_length / hidden_size))
+             * query_projection_to_hidden_size_ratio)
+            + ((ffn_hidden_size / hidden_size) * num_experts_routed_to * gated_linear_multiplier)
+            + (padded_vocab_size / (2 * num_layers * hidden_size))
+        )
+    )
+    return total / (batch_size * seq_length)

@@ -1,0 +1,104 @@
+"""Every Megatron-LM flag in docs/megatron_compat.md parses and behaves as the table says."""
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from zo_megatron.errors import ConfigError, UserError
+from zo_megatron.training.arguments import check_batch_sizes, parse_args
+from zo_megatron.training.megatron_compat import check_backend, should_exit
+from zo_megatron.training.schedule import LRScheduler
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "megatron_compat.md"
+SHAPE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+         "--lr", "1e-3", "--micro-batch-size", "2"]
+
+
+def _rows():
+    rows = []
+    for line in DOC.read_text().splitlines():
+        m = re.match(r"\|\s*`([^`]+)`\s*\|\s*(implemented|no-op|refused)\s*\|(.*)\|\s*$", line)
+        if m:
+            rows.append((m.group(1), m.group(2), m.group(3).strip()))
+    return rows
+
+
+def _job_args(flags, dp=2, cuda=False):
+    """What the job does with a command line before it starts: parse, batch sizes, schedule, backend."""
+    argv = [*SHAPE, *flags] + ([] if "--train-samples" in flags else ["--train-iters", "50"])
+    args = parse_args(argv)
+    check_batch_sizes(args, dp)
+    LRScheduler.from_args(args)
+    check_backend(args, cuda)
+    return args
+
+
+def test_the_table_covers_the_flags_the_issue_lists():
+    flags = {f for cell, _, _ in _rows() for f in shlex.split(cell) if f.startswith("--")}
+    issue = {"--use-flash-attn", "--sequence-parallel", "--pipeline-model-parallel-size", "--ckpt-format",
+             "--log-throughput", "--wandb-project", "--exit-duration-in-mins", "--exit-interval", "--train-samples",
+             "--mock-data", "--use-distributed-optimizer", "--distributed-backend", "--transformer-impl",
+             "--recompute-method", "--recompute-num-layers", "--lr-warmup-fraction", "--position-embedding-type",
+             "--normalization", "--swiglu", "--group-query-attention", "--num-query-groups",
+             "--untie-embeddings-and-output-weights", "--disable-bias-linear"}
+    assert issue <= flags, issue - flags
+
+
+@pytest.mark.parametrize("cell, status, text", _rows(), ids=[r[0] for r in _rows()])
+def test_every_flag_in_the_table_behaves_as_documented(cell, status, text):
+    flags = shlex.split(cell)
+    if status == "refused":
+        with pytest.raises(ConfigError) as e:
+            _job_args(flags)
+        msg = str(e.value)
+        assert "\n" not in msg and msg.split(" ")[0].rstrip(":") in flags, msg
+        assert "use " in msg or "drop it" in msg or "add " in msg, msg
+    else:
+        args = _job_args(flags)
+        for f in flags:
+            if f.startswith("--"):
+                assert hasattr(args, f[2:].replace("-", "_")), f
+
+
+def test_implemented_flags_do_what_the_table_says():
+    a = _job_args(["--train-samples", "4096", "--global-batch-size", "8"])
+    assert a.train_iters == 4096 // 8 and LRScheduler.from_args(a).lr_decay_steps == 4096
+    a = _job_args(["--lr-warmup-fraction", "0.1"])
+    assert LRScheduler.from_args(a).lr_warmup_steps == int(0.1 * 50 * 4)
+    a = _job_args(["--exit-interval", "100", "--exit-duration-in-mins", "30"])
+    assert should_exit(a, 100, 0.0) == "--exit-interval 100" and should_exit(a, 99, 0.0) is None
+    assert should_exit(a, 7, 30 * 60 + 1) == "--exit-duration-in-mins 30" and should_exit(a, 7, 29 * 60) is None
+    with pytest.raises(ConfigError, match="use --distributed-backend nccl"):
+        _job_args(["--distributed-backend", "gloo"], cuda=True)
+    with pytest.raises(ConfigError, match="use --distributed-backend gloo"):
+        _job_args(["--distributed-backend", "nccl"])
+    with pytest.raises(ConfigError, match="--train-samples and --train-iters"):
+        parse_args([*SHAPE, "--train-samples", "64", "--train-iters", "3"])
+    with pytest.raises(ConfigError, match="--mock-data and --data-path"):
+        _job_args(["--mock-data", "--data-path", "x"])
+
+
+def test_wandb_without_the_package_is_one_line():
+    try:
+        import wandb  # noqa: F401
+        pytest.skip("wandb is installed here")
+    except ImportError:
+        pass
+    from zo_megatron.training.metrics import Metrics
+
+    with pytest.raises(UserError, match="--wandb-project needs the wandb package"):
+        Metrics(enabled=True, total_iters=1, progress_bar=False, wandb=dict(project="p", name=None, dir=None, config={}))
+
+
+def test_help_shows_real_defaults_never_none():
+    from zo_megatron.training.arguments import DEMO_DEFAULTS, MEGATRON_DEFAULTS, build_parser
+
+    parser = build_parser()
+    text = " ".join(parser.format_help().split())
+    assert "default: None" not in text
+    for dest, demo in DEMO_DEFAULTS.items():
+        flag = next(a.option_strings[0] for a in parser._actions if a.dest == dest)
+        meg = MEGATRON_DEFAULTS.get(dest)
+        assert f"(demo: {demo} / Megatron: {'required' if meg is None else meg})" in text, flag
+    assert "--seed SEED (default: 1234)" in text or "(default: 1234)" in text

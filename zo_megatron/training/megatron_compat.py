@@ -1,0 +1,121 @@
+"""Megatron-LM flags users bring in their scripts: implemented, accepted where they already describe
+what this job does, or refused with one line that says why and what to use instead.
+
+docs/megatron_compat.md has the table; tests/test_megatron_compat.py parses that table and checks
+every row against this module, so the two cannot drift apart.
+"""
+from __future__ import annotations
+
+import argparse
+
+from zo_megatron.errors import ConfigError
+
+# Refused outright: flag -> (why, what to use instead). The message is "<flag>: <why>; <instead>".
+REFUSED = {
+    "--use-flash-attn": ("flash attention is not wired into this model (it runs megatron-core's local "
+                         "attention)", "drop it; --recompute-granularity selective saves the attention memory"),
+    "--sequence-parallel": ("sequence parallelism is not supported: this model keeps activations "
+                            "replicated over TP ranks", "drop it; use --recompute-granularity selective or full "
+                            "to save activation memory"),
+    "--swiglu": ("the model is GPT-2 (GELU MLP)", "drop it"),
+    "--group-query-attention": ("the model is GPT-2 (multi-head attention)", "drop it"),
+    "--untie-embeddings-and-output-weights": ("the model is GPT-2 (tied input/output embeddings)", "drop it"),
+    "--disable-bias-linear": ("the model is GPT-2 (biases in every linear layer)", "drop it"),
+}
+
+
+def add_megatron_compat_flags(p: argparse.ArgumentParser) -> None:
+    S = argparse.SUPPRESS
+    g = p.add_argument_group("Megatron-LM compatibility (docs/megatron_compat.md)")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                   help="only 1: pipeline parallelism is not supported (use --tensor-model-parallel-size)")
+    g.add_argument("--train-samples", type=int, default=None,
+                   help="train for this many samples: --train-iters = samples // global batch (Megatron's)")
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="stop (saving a checkpoint if --save) after an iteration that is a multiple of this")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="stop (saving a checkpoint if --save) once the job has run this many minutes")
+    g.add_argument("--mock-data", action="store_true",
+                   help="train without --data-path on the bundled demo corpus (Megatron: random tokens)")
+    g.add_argument("--log-throughput", action="store_true", help="no-op: tokens/s and TFLOP/s are always logged")
+    g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
+                   help="nccl on GPUs, gloo on CPUs (the only pairs supported; default: by device)")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="no-op with --zero-offload (the optimizer state is already partitioned over DP)")
+    g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local",
+                   help="only local (megatron-core's own layers)")
+    g.add_argument("--ckpt-format", choices=["torch", "torch_dist", "zarr"], default="torch",
+                   help="only torch (one torch.save file per rank)")
+    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None,
+                   help="with --recompute-granularity full: uniform (each layer is its own checkpoint)")
+    g.add_argument("--recompute-num-layers", type=int, default=None, help="only 1 (with --recompute-method uniform)")
+    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "none"],
+                   default="learned_absolute", help="only learned_absolute (GPT-2)")
+    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm", help="only LayerNorm")
+    g.add_argument("--num-query-groups", type=int, default=None, help="only = --num-attention-heads (no GQA)")
+    g.add_argument("--wandb-project", default=None,
+                   help="log to Weights & Biases (needs wandb; WANDB_MODE=offline is honoured)")
+    g.add_argument("--wandb-exp-name", default=None, help="W&B run name")
+    g.add_argument("--wandb-save-dir", default=None, help="W&B local directory")
+    for flag in REFUSED:
+        g.add_argument(flag, action="store_true", help=S)
+
+
+def check_megatron_compat(args: argparse.Namespace) -> None:
+    """One line per refused flag or value; called from arguments.finalize."""
+    for flag, (why, instead) in REFUSED.items():
+        if getattr(args, flag[2:].replace("-", "_")):
+            raise ConfigError(f"{flag}: {why}; {instead}")
+    if args.pipeline_model_parallel_size != 1:
+        raise ConfigError(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: pipeline parallelism "
+                          "is not supported; use --tensor-model-parallel-size (and ZeRO-Offload for memory)")
+    if args.transformer_impl != "local":
+        raise ConfigError("--transformer-impl transformer_engine: Transformer Engine is not used; "
+                          "use --transformer-impl local (the default)")
+    if args.ckpt_format != "torch":
+        raise ConfigError(f"--ckpt-format {args.ckpt_format}: checkpoints are one torch.save file per rank; "
+                          "use --ckpt-format torch (the default)")
+    if args.position_embedding_type != "learned_absolute":
+        raise ConfigError(f"--position-embedding-type {args.position_embedding_type}: the model is GPT-2 "
+                          "(learned absolute positions); drop it")
+    if args.normalization != "LayerNorm":
+        raise ConfigError(f"--normalization {args.normalization}: the model is GPT-2 (LayerNorm); drop it")
+    if args.num_query_groups is not None and args.num_query_groups != args.num_attention_heads:
+        raise ConfigError(f"--num-query-groups {args.num_query_groups}: the model is GPT-2 (multi-head attention, "
+                          f"query groups = --num-attention-heads {args.num_attention_heads}); drop it")
+    if args.use_distributed_optimizer and not args.zero_offload:
+        raise ConfigError("--use-distributed-optimizer: the partitioned optimizer here is ZeRO-Offload; "
+                          "add --zero-offload")
+    if args.recompute_method is not None or args.recompute_num_layers is not None:
+        if args.recompute_granularity != "full":
+            raise ConfigError("--recompute-method/--recompute-num-layers apply to --recompute-granularity full: add it")
+        if (args.recompute_method or "uniform") != "uniform" or (args.recompute_num_layers or 1) != 1:
+            raise ConfigError(f"--recompute-method {args.recompute_method} --recompute-num-layers "
+                              f"{args.recompute_num_layers}: only uniform with 1 layer per checkpoint is wired up; "
+                              "use --recompute-method uniform --recompute-num-layers 1")
+    for name in ("exit_interval", "recompute_num_layers", "train_samples"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} {v} is out of range: it must be >= 1")
+    if args.exit_duration_in_mins is not None and not args.exit_duration_in_mins > 0:
+        raise ConfigError(f"--exit-duration-in-mins {args.exit_duration_in_mins} is out of range: it must be > 0")
+    if args.mock_data and args.data_path:
+        raise ConfigError("--mock-data and --data-path contradict each other: give one")
+
+
+def check_backend(args: argparse.Namespace, cuda: bool) -> None:
+    """--distributed-backend must match the device: the process groups carry nccl for CUDA tensors
+    and gloo for CPU tensors (parallel/collectives.py)."""
+    want = "nccl" if cuda else "gloo"
+    if args.distributed_backend not in (None, want):
+        raise ConfigError(f"--distributed-backend {args.distributed_backend} on a {'GPU' if cuda else 'CPU'} "
+                          f"machine: use --distributed-backend {want} (or leave it out)")
+
+
+def should_exit(args: argparse.Namespace, iteration: int, elapsed_s: float) -> str | None:
+    """Megatron's early exits: the reason to stop after `iteration`, or None."""
+    if args.exit_interval and iteration % args.exit_interval == 0:
+        return f"--exit-interval {args.exit_interval}"
+    if args.exit_duration_in_mins is not None and elapsed_s / 60 > args.exit_duration_in_mins:
+        return f"--exit-duration-in-mins {args.exit_duration_in_mins:g}"
+    return None
