@@ -215,9 +215,10 @@ def gpt_params(layers: int, hidden: int, vocab: int, seq: int) -> int:
 
 def deepspeed_status() -> tuple[bool, str]:
     """(importable, version or the reason it is not)."""
+    if not _cuda_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")      # explicit: DeepSpeed's CPU accelerator
     try:
-        os.environ.setdefault("DS_ACCELERATOR", "cpu") if not _cuda_available() else None
-        import deepspeed  # noqa: F401
+        import deepspeed
         return True, deepspeed.__version__
     except Exception as e:       # ImportError, or a broken install raising anything at import
         return False, f"deepspeed not importable ({type(e).__name__}: {str(e).splitlines()[0][:120]}); " \
@@ -313,6 +314,7 @@ class _ZoVariant(_Variant):
             times["grad_sync"] = ph.get("grad_sync", 0.0)
             times["cpu_adam"] = ph.get("cpu_step", 0.0)
             times["param_return"] = ph.get("param_return", 0.0)
+            # the rest of step(): grad-norm pass + agreement, clip; with F < 1 also the device share's AdamW
             times["grad_norm"] = max(0.0, (t3 - t2) - times["grad_sync"] - times["cpu_adam"] - times["param_return"])
         else:
             times["optimizer"] = t3 - t2
