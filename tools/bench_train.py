@@ -58,8 +58,8 @@ A PNG bar chart of the step times is written next to the JSON (or to --plot).
 
 `--sweep` runs zo_offload and deepspeed_offload at one rank, fp32, optimizer-bound shape, over
 model sizes from ~10M parameters to the largest whose estimated host footprint fits this
-machine's available memory, each in a fresh process, and plots step time and peak host memory
-(max RSS) against parameters (PNG + JSON).
+machine's available memory, each in a fresh process, and plots step time and host memory (RSS
+after the steps; the peak, setup included, is in the JSON) against parameters (PNG + JSON).
 """
 from __future__ import annotations
 
@@ -513,6 +513,11 @@ def _rank_main(rank, job, port, out_path):
             variants[name] = _make(name, args, ps, cfg, mb, world)
         except _Skip as s:
             result["skipped"][name] = str(s)
+    global _FULL
+    _FULL = None            # the shared initial weights: not part of any engine's footprint
+    import gc
+
+    gc.collect()
     names = list(variants)
     total = args.warmup + args.steps
     # one batch stream per DP rank (zo variants); HF variants in a TP world: one per rank (pure DP)
@@ -571,6 +576,7 @@ def _rank_main(rank, job, port, out_path):
     result["backend"] = collectives.default_backend(dev)
     result["load_average_during"] = load
     result["maxrss_kib"] = _maxrss()
+    result["rss_end_bytes"] = _rss()
     for v in names:
         variants[v].close()
     collectives.barrier()
@@ -606,14 +612,26 @@ def _make(name, args, ps, cfg, mb, world):
     if name == "zo_baseline":
         return _ZoVariant(name, ctx, False)
     if name == "torch_ddp":
-        return _DDPVariant(ctx)
-    ok, why = deepspeed_status()
-    if not ok:
-        raise _Skip(why)
-    return _DeepSpeedVariant(ctx)
+        variant = _DDPVariant(ctx)
+    else:
+        ok, why = deepspeed_status()
+        if not ok:
+            raise _Skip(why)
+        variant = _DeepSpeedVariant(ctx)
+    ctx.full = None               # built: the variant keeps no reference to the initial weights
+    return variant
 
 
 _FULL = None
+
+
+def _rss() -> int:
+    """Resident bytes now (Linux /proc; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
 
 
 def _maxrss() -> int:
@@ -889,11 +907,13 @@ def sweep_main(args) -> int:
             row = res["rows"][0] if res.get("rows") else None
             pt = dict(variant=v, layers=layers, hidden=hidden, heads=heads, params=n,
                       median_step_s=_median(row["step_times_s"]["total"]) if row else None,
-                      peak_host_rss_bytes=res.get("maxrss_kib", 0) * 1024, wall_s=time.perf_counter() - t0,
+                      peak_host_rss_bytes=res.get("maxrss_kib", 0) * 1024,
+                      host_rss_after_steps_bytes=res.get("rss_end_bytes", 0), wall_s=time.perf_counter() - t0,
                       skipped=res.get("skipped", {}).get(v) or res.get("error"))
             points.append(pt)
             print(f"  {v:<18} {n / 1e6:8.1f}M params: step {pt['median_step_s'] or float('nan'):.3f}s, "
-                  f"peak host RSS {_fmt_bytes(pt['peak_host_rss_bytes'])}")
+                  f"host RSS after the steps {_fmt_bytes(pt['host_rss_after_steps_bytes'])} "
+                  f"(peak {_fmt_bytes(pt['peak_host_rss_bytes'])}, setup included)")
     png = args.plot or (os.path.splitext(args.json)[0] + ".png" if args.json else None)
     if png:
         _plot_sweep(points, png)
@@ -934,8 +954,9 @@ def _plot_sweep(points, path):
     for v in dict.fromkeys(p["variant"] for p in points):
         ps = [p for p in points if p["variant"] == v and p["median_step_s"]]
         a1.plot([p["params"] / 1e6 for p in ps], [p["median_step_s"] for p in ps], "o-", label=v)
-        a2.plot([p["params"] / 1e6 for p in ps], [p["peak_host_rss_bytes"] / 2**30 for p in ps], "o-", label=v)
-    for ax, lab in ((a1, "median step time (s)"), (a2, "peak host RSS (GiB)")):
+        a2.plot([p["params"] / 1e6 for p in ps], [p["host_rss_after_steps_bytes"] / 2**30 for p in ps], "o-",
+                 label=v)
+    for ax, lab in ((a1, "median step time (s)"), (a2, "host RSS after the steps (GiB)")):
         ax.set_xscale("log")
         ax.set_xlabel("parameters (M)")
         ax.set_ylabel(lab)
