@@ -46,7 +46,8 @@ Reported per variant (table + `--json FILE`, rows keyed `variant`): `tp`, `dp`, 
 `median_step_s` (+ min/max, the world's step = its slowest rank's), `tokens_per_s`,
 `model_tflops` (6 N T + 12 L s h T per step), `ratio_to_zo_offload`, `comm_bytes_per_rank`
 (bytes a rank sends per step in the ring model: the engines' own accounting for zo_megatron,
-the algorithm's volume for DDP's all-reduce and DeepSpeed's reduce-scatter + all-gather),
+the algorithm's volume for DDP's all-reduce and DeepSpeed's reduce-scatter + all-gather; DP
+traffic only: megatron-core's TP activation all-reduces are not counted),
 `device_state_bytes` / `host_state_bytes` (model states: params, grads, master, moments), the
 per-phase medians, `engine_overhead_s` (step minus forward and backward), `loss_after`, and the
 load average during the run. Phases: zo_offload: forward, backward (loss.backward with the
