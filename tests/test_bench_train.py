@@ -6,7 +6,8 @@ present, bytes on the wire are zero at one rank and positive at two, and every v
 `loss_after` (the loss on a held-out batch after the steps, all variants starting from the same
 weights) agrees with every other's to 1e-4 relative -- zo_megatron's engines against HF GPT-2
 under torch DDP and DeepSpeed are the independent references for each other. Timings are not
-asserted.
+asserted. The learning rate is 2e-3 (the tool's default is 1e-4) so that a variant that skips part
+of the update (e.g. the biases and LayerNorms, a 1e-4 move each) misses the 1e-4 check by far.
 
 DeepSpeed joins when it imports and its CPU Adam op is already built (building it takes
 minutes: `docs/performance.md`); without deepspeed its row must say skipped and why.
@@ -49,7 +50,7 @@ def test_bench_train_json_and_loss_agreement(tmp_path):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, os.path.join(REPO, "tools", "bench_train.py"), "--worlds", "1,dp2", "--precision", "fp32",
            "--regime", "optimizer-bound", "--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "512",
-           "--steps", "2", "--warmup", "0", "--seed", str(seed), "--variants", ",".join(variants),
+           "--steps", "2", "--warmup", "0", "--seed", str(seed), "--lr", "2e-3", "--variants", ",".join(variants),
            "--json", str(out)]
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), DS_ACCELERATOR="cpu")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)

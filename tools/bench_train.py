@@ -261,6 +261,7 @@ def _hf_loss(logits, labels):
 
 
 def _decay_groups(params_named):
+    params_named = list(params_named)          # named_parameters() is a generator: read it once
     decay = [p for _, p in params_named if p.dim() > 1]
     no_decay = [p for _, p in params_named if p.dim() <= 1]
     return [{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}]
