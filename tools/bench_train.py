@@ -135,7 +135,8 @@ def parse_args(argv=None):
     p.add_argument("--seq", type=int, default=None, help="override the regime's sequence length")
     p.add_argument("--micro-batch", type=int, default=None, help="override the regime's sequences per rank")
     p.add_argument("--bucket-size", type=int, default=40_000_000, help="zo_megatron gradient bucket (elements)")
-    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--lr", type=float, default=1e-4,
+                   help="AdamW lr of every variant (2e-3 makes the loss-agreement check sharper)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--threads", type=int, default=0, help="threads per rank (default: CPUs / ranks)")
     p.add_argument("--sweep", action="store_true", help="scaling sweep of zo_offload and deepspeed_offload")
