@@ -56,9 +56,12 @@ gpu-setup:
 	@$(GPU_PY) -m pip install -q --no-deps --no-build-isolation --no-index -e .
 	@$(GPU_PY) -c "import torch, megatron.core, zo_megatron.offload.cpu_adam as a; print('[gpu-setup] torch', torch.__version__, 'cuda', torch.cuda.is_available(), '| cpu adam', a.info()['isa'])"
 
+# bench_train.py's default is every world and both precisions (hours on a 2-core CPU): override BENCH_ARGS
+BENCH_ARGS ?= --worlds 1,dp2 --precision fp32 --json bench_train.json
+
 bench: setup
 	$(PY) tools/bench_cpu_adam.py
-	$(PY) tools/bench_train_step.py
+	$(PY) tools/bench_train.py $(BENCH_ARGS)
 
 clean:
 	rm -rf build *.egg-info zo_megatron/*.so $(GPU_VENV)
