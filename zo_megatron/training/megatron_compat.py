@@ -44,8 +44,8 @@ def add_megatron_compat_flags(p: argparse.ArgumentParser) -> None:
                    help="no-op with --zero-offload (the optimizer state is already partitioned over DP)")
     g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local",
                    help="only local (megatron-core's own layers)")
-    g.add_argument("--ckpt-format", choices=["torch", "torch_dist", "zarr"], default="torch",
-                   help="only torch (one torch.save file per rank)")
+    g.add_argument("--ckpt-format", choices=["torch", "torch_dist", "zarr"], default="torch_dist",
+                   help="only torch_dist: checkpoints are torch.distributed.checkpoint directories (docs/checkpoints.md)")
     g.add_argument("--recompute-method", choices=["uniform", "block"], default=None,
                    help="with --recompute-granularity full: uniform (each layer is its own checkpoint)")
     g.add_argument("--recompute-num-layers", type=int, default=None, help="only 1 (with --recompute-method uniform)")
@@ -72,9 +72,9 @@ def check_megatron_compat(args: argparse.Namespace) -> None:
     if args.transformer_impl != "local":
         raise ConfigError("--transformer-impl transformer_engine: Transformer Engine is not used; "
                           "use --transformer-impl local (the default)")
-    if args.ckpt_format != "torch":
-        raise ConfigError(f"--ckpt-format {args.ckpt_format}: checkpoints are one torch.save file per rank; "
-                          "use --ckpt-format torch (the default)")
+    if args.ckpt_format != "torch_dist":
+        raise ConfigError(f"--ckpt-format {args.ckpt_format}: checkpoints are torch.distributed.checkpoint "
+                          "directories (Megatron's torch_dist); use --ckpt-format torch_dist (the default)")
     if args.position_embedding_type != "learned_absolute":
         raise ConfigError(f"--position-embedding-type {args.position_embedding_type}: the model is GPT-2 "
                           "(learned absolute positions); drop it")
