@@ -178,3 +178,26 @@ def test_save_directory_without_room_for_a_checkpoint_is_refused_before_training
         check_free_space(str(tmp_path / "new" / "dir"), need)
     monkeypatch.setattr(sh, "disk_usage", lambda p: usage(10 * need, 8 * need, need))
     check_free_space(str(tmp_path / "new" / "dir"), need)            # exactly enough: accepted
+
+
+def test_a_save_that_fails_midway_keeps_the_previous_checkpoint_and_stops_with_one_line(corpus, tmp_path):
+    """Every fsync of the save at iteration 4 fails with ENOSPC (a full disk, on both ranks): the
+    run stops with one line naming the directory and the error; iteration 2 stays latest and
+    resumes; the failed save's partial directory is removed by the next save."""
+    save = tmp_path / "ckpt"
+    common = ["--zero-offload", "--data-path", corpus, "--save", str(save), "--save-interval", "2", *TINY, *FP32]
+    r = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node=2", SCRIPT, *common, "--train-iters", "6"],
+                       capture_output=True, text=True, timeout=300,
+                       env=_env(tmp_path, ZO_FAULT_INJECT="enospc@0:4;enospc@1:4"))
+    assert r.returncode != 0
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1, r.stderr[-3000:]
+    assert f"saving the checkpoint of iteration 4 to {save} failed" in errors[0], errors
+    assert "No space left on device" in errors[0] and "previous checkpoint (iteration 2) is intact" in errors[0], \
+        errors[0]
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    r2 = _torchrun([*common, "--train-iters", "6", "--load", str(save)], tmp_path)
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    assert "resumed from" in r2.stdout and "iteration 2" in r2.stdout
+    assert sorted(os.listdir(save)) == ["iter_0000002", "iter_0000004", "iter_0000006",
+                                        "latest_checkpointed_iteration.txt"], os.listdir(save)

@@ -82,7 +82,10 @@ def save_checkpoint(root: str, iteration: int, *, ps, model, optimizer, vocab_si
     try:
         dcp.save({}, storage_writer=writer, planner=planner)
     except CheckpointException as exc:          # a BaseException: would escape `except Exception`
-        raise RuntimeError(f"saving {partial} failed: {exc}") from None
+        failures = list(getattr(exc, "failures", {}).values())
+        first = failures[0] if failures else exc
+        first = first[0] if isinstance(first, tuple) else first      # DCP wraps (exception, traceback)
+        raise RuntimeError(f"saving {partial} failed: {type(first).__name__}: {first}") from None
     write_durable(os.path.join(partial, rng_file(ps.tp_rank, ps.dp_rank)), json.dumps(capture_rng_state()))
     collectives.barrier()
     if ps.rank == 0:

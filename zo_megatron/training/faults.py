@@ -14,10 +14,15 @@
   for its scale.
 - Test hooks (ZO_FAULT_INJECT; off unless the variable is set): `nan@R:I,J` multiplies rank R's
   loss by NaN in iterations I and J; `kill@R:I` SIGKILLs rank R at the start of iteration I;
-  `term@R:I` sends rank R a SIGTERM there. Several faults: separated by `;`.
+  `term@R:I` sends rank R a SIGTERM there; `enospc@R:I` makes every fsync of rank R's checkpoint
+  save at iteration I fail with "No space left on device". Several faults: separated by `;`.
+- A checkpoint save that fails (disk full, I/O error) stops the run with one line naming the
+  directory and the error; the previous checkpoint stays `latest` (saves are atomic).
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import signal
 import sys
@@ -46,6 +51,15 @@ def exit_lost_peer(exc: BaseException, rank: int, iteration: int, timeout_min: f
           "node died or hung; resume from the last checkpoint with --load", file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(1)
+
+
+class SaveFailed(Exception):
+    """A checkpoint could not be written: `message` is the one line to print; `everywhere` when
+    every rank got the failure (DCP gathers write results), so one rank prints it."""
+
+    def __init__(self, everywhere: bool, message: str):
+        super().__init__(message)
+        self.everywhere, self.message = everywhere, message
 
 
 class StopSignal:
@@ -85,6 +99,7 @@ class FaultInjection:
         self.nan_iters: set[int] = set()
         self.kill_iter: int | None = None
         self.term_iter: int | None = None
+        self.enospc_iters: set[int] = set()
         for part in filter(None, (p.strip() for p in spec.split(";"))):
             kind, _, rest = part.partition("@")
             who, _, iters = rest.partition(":")
@@ -97,6 +112,8 @@ class FaultInjection:
                 self.kill_iter = min(its)
             elif kind == "term":
                 self.term_iter = min(its)
+            elif kind == "enospc":
+                self.enospc_iters |= its
             else:
                 raise ValueError(f"ZO_FAULT_INJECT: unknown fault {kind!r}")
 
@@ -109,6 +126,23 @@ class FaultInjection:
             os.kill(os.getpid(), signal.SIGKILL)
         if self.term_iter == iteration:
             os.kill(os.getpid(), signal.SIGTERM)
+
+    @contextlib.contextmanager
+    def saving(self, iteration: int):
+        """Around a checkpoint save: with `enospc` at this iteration, every fsync fails."""
+        if iteration not in self.enospc_iters:
+            yield
+            return
+        real = os.fsync
+
+        def full(fd):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        os.fsync = full
+        try:
+            yield
+        finally:
+            os.fsync = real
 
     def loss(self, iteration: int, loss: torch.Tensor) -> torch.Tensor:
         return loss * float("nan") if iteration in self.nan_iters else loss

@@ -355,11 +355,25 @@ def _train(args, env, ps, tokenizer, data_path, cpu_adam_threads: int) -> int:
             nonlocal saved_at
             optimizer.flush()              # a checkpoint holds no pending update: resume is exact
             t_save = paused = time.monotonic()   # as Megatron: saving stays out of the interval timer
-            path = save_checkpoint(
-                args.save, iteration, ps=ps, model=model, optimizer=optimizer, vocab_size=tokenizer.vocab_size,
-                train_state=dict(consumed_samples=consumed, consumed_valid_samples=consumed_valid,
-                                 opt_param_scheduler=_schedule_state(args, iteration)),
-                model_meta=model_meta, args=vars(args), keep_last=args.keep_last)
+            try:
+                with inject.saving(iteration):
+                    path = save_checkpoint(
+                        args.save, iteration, ps=ps, model=model, optimizer=optimizer,
+                        vocab_size=tokenizer.vocab_size,
+                        train_state=dict(consumed_samples=consumed, consumed_valid_samples=consumed_valid,
+                                         opt_param_scheduler=_schedule_state(args, iteration)),
+                        model_meta=model_meta, args=vars(args), keep_last=args.keep_last)
+            except (OSError, RuntimeError) as exc:
+                if isinstance(exc, RuntimeError) and not str(exc).startswith("saving "):
+                    raise                          # not the save's own failure (e.g. a lost peer)
+                prev = f"iteration {saved_at}" if saved_at is not None else "the one --load started from, if any"
+                # DCP reports a failed write to every rank: then rank 0 alone says it
+                everywhere = isinstance(exc, RuntimeError)
+                raise faults.SaveFailed(everywhere,
+                    f"saving the checkpoint of iteration {iteration} to {args.save} failed "
+                    f"({str(exc).strip().splitlines()[0][:300]}); the previous checkpoint ({prev}) is intact "
+                    f"and stays latest: free space or fix the directory, then resume with --load {args.save}") \
+                    from None
             saved_at = iteration
             metrics.print(f" saved checkpoint {path} in {time.monotonic() - t_save:.2f}s")
             window["t"] += time.monotonic() - paused
@@ -443,6 +457,10 @@ def _train(args, env, ps, tokenizer, data_path, cpu_adam_threads: int) -> int:
         if last_val is not None:
             metrics.print(f" done: {iteration} iterations in {elapsed / 60:.1f} min; final validation loss "
                           f"{last_val:.4f} nats, perplexity {math.exp(min(last_val, 50)):.2f}")
+    except faults.SaveFailed as exc:
+        if ps.rank == 0 or not exc.everywhere:
+            print(f"error: {'' if exc.everywhere else f'rank {ps.rank}: '}{exc.message}", file=sys.stderr, flush=True)
+        return 1
     except Exception as exc:  # noqa: BLE001 - only a lost peer is handled here; the rest re-raises
         if faults.is_lost_peer(exc):
             faults.exit_lost_peer(exc, ps.rank, iteration, args.distributed_timeout_minutes)
