@@ -29,7 +29,7 @@ def run(tmp_path_factory):
     wrapper = d / "run.py"
     wrapper.write_text(textwrap.dedent(f"""
         import sys, time
-        import zo_megatron.checkpoint.sharded as ck
+        import zo_megatron.checkpoint as ck
         import zo_megatron.training.loop as loop
         class Clock:
             offset = 0.0

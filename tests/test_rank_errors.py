@@ -64,7 +64,7 @@ def test_a_damaged_checkpoint_file_of_rank_1_is_one_line_naming_it(tmp_path):
     env.update(PYTHONPATH=ROOT, ZO_MEGATRON_CACHE=str(tmp_path / "cache"))
     ck = tmp_path / "ck"
     common = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
-              "--micro-batch-size", "2", "--lr", "1e-3", "--eval-iters", "0", "--no-progress-bar", "--zero-offload",
+              "--micro-batch-size", "2", "--lr", "1e-3", "--lr-decay-iters", "4", "--eval-iters", "0", "--no-progress-bar", "--zero-offload",
               "--data-path", str(tmp_path / "sotu_text_document"), "--split", "100,0,0"]
 
     def job(*extra):
