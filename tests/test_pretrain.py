@@ -98,26 +98,6 @@ def test_a_model_shape_without_data_path_says_loudly_it_trains_on_the_demo_corpu
     assert "NO --data-path GIVEN: training on the bundled demo corpus" in r.stdout
 
 
-def test_resume_continues_exactly(sotu_prefix, tmp_path):
-    """6 iterations straight == 3 iterations, save, resume, 3 more: same losses bit for bit."""
-    common = ["--tensor-parallel", "2", "--zero-offload", "--data-path", sotu_prefix, "--train-iters", "6",
-              *TINY, "--eval-interval", "100"]
-    r = _torchrun([*common, "--log-jsonl", str(tmp_path / "straight.jsonl")], tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
-    ck = tmp_path / "ck"
-    r = _torchrun([*common, "--save", str(ck), "--save-interval", "3", "--log-jsonl", str(tmp_path / "a.jsonl")],
-                  tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
-    shutil.rmtree(ck / "iter_0000006")
-    (ck / "latest_checkpointed_iteration.txt").write_text("3\n")
-    r = _torchrun([*common, "--load", str(ck), "--log-jsonl", str(tmp_path / "b.jsonl")], tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
-    straight = [row["loss"] for row in _rows(tmp_path / "straight.jsonl", "train")]
-    resumed = [row["loss"] for row in _rows(tmp_path / "a.jsonl", "train")][:3] + \
-              [row["loss"] for row in _rows(tmp_path / "b.jsonl", "train")]
-    assert resumed == straight
-
-
 @pytest.mark.parametrize("case", ["missing_prefix", "truncated_idx", "vocab_mismatch", "vocab_hash", "batch"])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, sotu_prefix, tmp_path):
     prefix = sotu_prefix
