@@ -21,7 +21,8 @@ def main(argv=None) -> int:
 
         return pretrain(argv)
     except UserError as exc:
-        if os.environ.get("RANK", "0") == "0" and not getattr(exc, "reported", False):
+        rank0 = os.environ.get("RANK", "0") == "0" or getattr(exc, "every_rank", False)
+        if rank0 and not getattr(exc, "reported", False):
             print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
     except KeyboardInterrupt:

@@ -27,6 +27,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Mapping, MutableMapping
 
+from zo_megatron.errors import ConfigError
+
 __all__ = [
     "LaunchEnv",
     "discover_launch_env",
@@ -475,9 +477,9 @@ def _first_int(raw: str, name: str) -> int:
     try:
         value = int(head)
     except ValueError:
-        raise ValueError(f"{name}={raw!r} is not an integer") from None
+        raise ConfigError(f"{name}={raw!r} is not an integer: set it to a thread count or unset it") from None
     if value < 1:
-        raise ValueError(f"{name}={raw!r} must be >= 1")
+        raise ConfigError(f"{name}={raw!r} must be >= 1: set it to a thread count or unset it")
     return value
 
 

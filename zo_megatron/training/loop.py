@@ -111,7 +111,15 @@ def pretrain(argv=None) -> int:
     from zo_megatron.parallel import validate_parallel_config
     from zo_megatron.parallel.launch_env import default_cpu_adam_threads, discover_launch_env
 
-    env = discover_launch_env()
+    try:
+        env = discover_launch_env()
+    except ValueError as exc:           # an inconsistent launcher environment (RANK, WORLD_SIZE, ...)
+        if isinstance(exc, UserError):
+            raise
+        err = UserError(f"the launcher's environment is inconsistent: {exc}; launch with torchrun, mpirun or "
+                        "srun, or fix those variables")
+        err.every_rank = True           # which process is rank 0 is exactly what is unknown here
+        raise err from None
     validate_parallel_config(env.world_size, args.tensor_parallel, args.num_attention_heads, args.hidden_size)
     dp = env.world_size // args.tensor_parallel
     check_batch_sizes(args, dp)

@@ -1,0 +1,124 @@
+"""Bad input anywhere -- flags, data, tokenizer files, checkpoints, the launcher's environment --
+is one line naming the offending value or file and the fix, exit status 2, no traceback, and
+nothing written. One process runs the whole table through pretrain_gpt.py's main() in turn."""
+import contextlib
+import io
+import json
+import os
+import shutil
+
+from tests.harness import free_port, run_world
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+        "--micro-batch-size", "2", "--lr", "1e-3", "--train-iters", "2", "--eval-iters", "0",
+        "--no-progress-bar", "--split", "100,0,0"]
+
+
+def _cases(d):
+    """(name, extra argv, environment changes, text the one error line must hold)."""
+    data = ["--data-path", f"{d}/sotu_text_document"]
+    ck = f"{d}/ck"
+    return [
+        # flags
+        ("negative lr", ["--lr", "-0.001"], {}, "--lr -0.001 is out of range"),
+        ("min lr above lr", ["--min-lr", "0.1"], {}, "--min-lr 0.1 exceeds --lr"),
+        ("dropout above 1", ["--hidden-dropout", "1.5"], {}, "--hidden-dropout 1.5"),
+        ("beta2 above 1", ["--adam-beta2", "1.5"], {}, "--adam-beta2 1.5"),
+        ("global batch 0", ["--global-batch-size", "0"], {}, "--global-batch-size"),
+        ("batch not a multiple", ["--global-batch-size", "3"], {}, "--global-batch-size 3"),
+        ("TP does not divide heads", ["--tensor-parallel", "3"], {"WORLD_SIZE": "3"}, "--tensor-parallel 3"),
+        ("dpu without offload", ["--dpu"], {}, "--dpu delays the CPU optimizer's update: add --zero-offload"),
+        ("offload fraction 1.5", ["--zero-offload", "--optimizer-offload-fraction", "1.5"], {},
+         "--optimizer-offload-fraction 1.5"),
+        ("offload fraction with dpu", ["--zero-offload", "--dpu", "--optimizer-offload-fraction", "0.5"], {},
+         "cannot be combined with --dpu"),
+        ("timeout 0", ["--distributed-timeout-minutes", "0"], {}, "--distributed-timeout-minutes 0.0 is out of range"),
+        ("negative skip limit", ["--max-skipped-iters", "-1"], {}, "--max-skipped-iters -1"),
+        ("pipeline parallel", ["--pipeline-model-parallel-size", "2"], {}, "pipeline parallelism is not supported"),
+        ("ckpt format torch", ["--ckpt-format", "torch"], {}, "--ckpt-format torch"),
+        ("bf16 states without offload", ["--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"], {},
+         "add --zero-offload"),
+        # data
+        ("missing data prefix", ["--data-path", f"{d}/nope_text_document"], {}, f"{d}/nope_text_document"),
+        ("truncated index", ["--data-path", f"{d}/cut_text_document"], {}, f"{d}/cut_text_document.idx"),
+        # tokenizer
+        ("vocab with the wrong hash", [*data, "--vocab-file", f"{d}/vocab.json"], {}, f"{d}/vocab.json"),
+        ("missing merges file", [*data, "--merge-file", f"{d}/missing_merges.txt"], {}, "missing_merges.txt"),
+        # checkpoints
+        ("load a missing directory", [*data, "--load", f"{d}/no_such_ckpt"], {}, "no_such_ckpt"),
+        ("load without latest", [*data, "--load", f"{d}/empty_ckpt"], {}, "empty_ckpt"),
+        ("load a garbage latest", [*data, "--load", f"{d}/garbage_ckpt"], {}, "garbage_ckpt"),
+        ("load another architecture", [*data, "--load", ck, "--hidden-size", "64"], {}, "hidden_size"),
+        ("load a damaged manifest", [*data, "--load", f"{d}/damaged_ckpt"], {}, "checkpoint.json"),
+        ("load an offload checkpoint into the baseline", [*data, "--load", ck], {}, "--zero-offload"),
+        # --save
+        ("save onto a file", [*data, "--save", f"{d}/a_file"], {}, f"--save {d}/a_file"),
+        # the launcher's environment
+        ("rank outside the world", [*data], {"RANK": "5", "WORLD_SIZE": "2"}, "RANK=5"),
+        ("cpu adam threads not a number", [*data], {"ZO_CPU_ADAM_THREADS": "abc"}, "ZO_CPU_ADAM_THREADS='abc'"),
+    ]
+
+
+def _run_table(rank, d):
+    import sys
+
+    sys.path.insert(0, os.path.join(ROOT, "pretrain"))
+    import pretrain_gpt
+
+    def run(argv, env):
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        os.environ["MASTER_PORT"] = str(free_port())
+        err, out = io.StringIO(), io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+                try:
+                    rc = pretrain_gpt.main(argv)
+                except SystemExit as exc:           # argparse
+                    rc = exc.code
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        return rc, err.getvalue(), out.getvalue()
+
+    # a real offload checkpoint to load from
+    rc, err, _ = run([*TINY, "--zero-offload", "--data-path", f"{d}/sotu_text_document", "--save", f"{d}/ck"], {})
+    assert rc == 0, err
+    shutil.copytree(f"{d}/ck", f"{d}/damaged_ckpt")
+    (manifest,) = [os.path.join(r, "checkpoint.json") for r, _, f in os.walk(f"{d}/damaged_ckpt") if "checkpoint.json" in f]
+    with open(manifest, "r+b") as f:
+        f.truncate(os.path.getsize(manifest) // 2)
+    results = []
+    for name, extra, env, needle in _cases(d):
+        save = f"{d}/save_{len(results)}"
+        argv = [*TINY, *extra] + ([] if "--save" in extra else ["--save", save])
+        rc, err, out = run(argv, env)
+        results.append(dict(name=name, rc=rc, err=err, needle=needle, wrote=os.path.exists(save)))
+    return results
+
+
+def test_bad_input_table(tmp_path):
+    from zo_megatron.data import extract_corpus
+    from zo_megatron.data.preprocess import preprocess
+
+    d = str(tmp_path)
+    preprocess(extract_corpus(f"{d}/txt", limit=6), f"{d}/sotu", progress=False)
+    shutil.copy(f"{d}/sotu_text_document.bin", f"{d}/cut_text_document.bin")
+    idx = open(f"{d}/sotu_text_document.idx", "rb").read()
+    open(f"{d}/cut_text_document.idx", "wb").write(idx[: len(idx) // 2])
+    open(f"{d}/vocab.json", "w").write(json.dumps({"a": 0}))
+    os.makedirs(f"{d}/empty_ckpt")
+    os.makedirs(f"{d}/garbage_ckpt")
+    open(f"{d}/garbage_ckpt/latest_checkpointed_iteration.txt", "w").write("not a number\n")
+    open(f"{d}/a_file", "w").write("x")
+    results = run_world(_run_table, 1, d, timeout=500)[0]
+    assert len(results) >= 25
+    failures = []
+    for r in results:
+        errors = [ln for ln in r["err"].splitlines() if "error:" in ln]
+        ok = (r["rc"] == 2 and len(errors) == 1 and r["needle"] in errors[0] and "Traceback" not in r["err"]
+              and not r["wrote"])
+        if not ok:
+            failures.append(f"{r['name']}: rc={r['rc']} wrote={r['wrote']} stderr={r['err'][-600:]!r}")
+    assert not failures, "\n".join(failures)
