@@ -82,3 +82,51 @@ def from_hf(hf_sd: dict[str, torch.Tensor], num_layers: int, num_heads: int) -> 
             t = t.t()
         out[ours] = t.contiguous()
     return out
+
+
+# ---- the model's shape, both ways (transformers' GPT2Config)
+
+_TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")     # the same function: GPT-2's tanh approximation
+
+
+def hf_config(meta: dict, *, dtype: str = "float32", hidden_dropout: float = 0.0, attention_dropout: float = 0.0):
+    """A GPT2Config for a zo_megatron model (meta: num_layers, hidden_size, ...)."""
+    from transformers import GPT2Config
+
+    ffn = meta["ffn_hidden_size"]
+    return GPT2Config(
+        vocab_size=meta["vocab_size"], n_positions=meta["max_position_embeddings"], n_embd=meta["hidden_size"],
+        n_layer=meta["num_layers"], n_head=meta["num_attention_heads"],
+        n_inner=None if ffn == 4 * meta["hidden_size"] else ffn, activation_function="gelu_new",
+        resid_pdrop=hidden_dropout, embd_pdrop=hidden_dropout, attn_pdrop=attention_dropout,
+        layer_norm_epsilon=1e-5, tie_word_embeddings=True, architectures=["GPT2LMHeadModel"],
+        bos_token_id=50256 if meta["vocab_size"] > 50256 else None,
+        eos_token_id=50256 if meta["vocab_size"] > 50256 else None, dtype=dtype)
+
+
+def meta_from_hf_config(cfg, where: str) -> dict:
+    """zo_megatron's model meta from a GPT2Config; refuses anything that is not GPT-2-shaped,
+    naming the field (our GPT is GPT-2's architecture, nothing else)."""
+    from zo_megatron.errors import UserError
+
+    def refuse(field, value, why):
+        raise UserError(f"{where}: {field}={value!r}: {why}; zo_megatron converts GPT-2-architecture models only")
+
+    if getattr(cfg, "model_type", None) != "gpt2":
+        refuse("model_type", getattr(cfg, "model_type", None), "not a GPT-2 model (learned positions, LayerNorm, "
+               "tanh GELU, tied embeddings)")
+    if cfg.activation_function not in _TANH_GELU:
+        refuse("activation_function", cfg.activation_function, "GPT-2 uses the tanh GELU ('gelu_new')")
+    if not getattr(cfg, "tie_word_embeddings", True):
+        refuse("tie_word_embeddings", False, "untied input and output embeddings")
+    for field, want in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
+                        ("add_cross_attention", False)):
+        if getattr(cfg, field, want) != want:
+            refuse(field, getattr(cfg, field), f"the attention differs from GPT-2's ({field}={want})")
+    if abs(cfg.layer_norm_epsilon - 1e-5) > 1e-12:
+        refuse("layer_norm_epsilon", cfg.layer_norm_epsilon, "zo_megatron's LayerNorm epsilon is GPT-2's 1e-5")
+    if cfg.n_embd % cfg.n_head:
+        refuse("n_embd", cfg.n_embd, f"not divisible by n_head={cfg.n_head}")
+    return dict(num_layers=cfg.n_layer, hidden_size=cfg.n_embd, num_attention_heads=cfg.n_head,
+                ffn_hidden_size=cfg.n_inner or 4 * cfg.n_embd, max_position_embeddings=cfg.n_positions,
+                vocab_size=cfg.vocab_size)

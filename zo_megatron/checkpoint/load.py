@@ -11,20 +11,18 @@ Every rank runs the same checks on the same files, so all ranks refuse together.
 from __future__ import annotations
 
 import contextlib
-
-import math
+import dataclasses
 import os
 from dataclasses import dataclass
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from zo_megatron.checkpoint import content
-from zo_megatron.checkpoint.layout import LATEST, MANIFEST, iter_dir, rng_file
+from zo_megatron.checkpoint.layout import MANIFEST, rng_file
 from zo_megatron.checkpoint.planner import BoxLoadPlanner
 from zo_megatron.checkpoint.safe_load import SafeFileSystemReader, first_line, read_dcp_metadata, read_json
-from zo_megatron.checkpoint.save import FORMAT, FORMAT_VERSION
+from zo_megatron.checkpoint.verify import check_files, check_tensors, read_manifest
 from zo_megatron.errors import UserError
 from zo_megatron.parallel.rng_state import restore_rng_state
 
@@ -60,34 +58,7 @@ class Resumed:
     opt_param_scheduler: dict | None           # the schedule to train with (None: keep this run's)
     resharded_from: tuple[int, int] | None     # (TP, DP) of the checkpoint when it differs
     rng_restored: str                          # "exact", "shared streams" or "no"
-
-
-def find_latest(root: str) -> int:
-    path = os.path.join(root, LATEST)
-    if not os.path.exists(path):
-        raise UserError(f"--load {root}: no {LATEST} there; nothing to resume (drop --load to start fresh)")
-    with open(path, "rb") as f:
-        raw = f.read(64)
-    text = raw.decode("ascii", errors="replace").strip()
-    if not text.isdigit():
-        raise UserError(f"{path}: expected an iteration number, found {text[:40]!r}; fix or delete the file")
-    return int(text)
-
-
-def read_manifest(root: str) -> tuple[str, dict]:
-    iteration = find_latest(root)
-    d = iter_dir(root, iteration)
-    if not os.path.isdir(d):
-        raise UserError(f"{os.path.join(root, LATEST)} names iteration {iteration} but {d} does not exist; "
-                        "point --load at a complete checkpoint")
-    manifest = read_json(os.path.join(d, MANIFEST), "checkpoint manifest")
-    where = os.path.join(d, MANIFEST)
-    if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
-        raise UserError(f"{where}: format {manifest.get('format')!r} version {manifest.get('format_version')!r} "
-                        f"is not {FORMAT} version {FORMAT_VERSION}; this checkpoint was not written by this release")
-    if manifest.get("iteration") != iteration:
-        raise UserError(f"{where} holds iteration {manifest.get('iteration')!r}, but {LATEST} says {iteration}")
-    return d, manifest
+    converted_from: str | None = None          # weights-only checkpoint from tools/convert_checkpoint.py
 
 
 def _check_model(manifest: dict, model_meta: dict, where: str) -> None:
@@ -100,39 +71,6 @@ def _check_model(manifest: dict, model_meta: dict, where: str) -> None:
     if diffs:
         raise UserError(f"{where}: another architecture ({'; '.join(diffs)}): launch with the model flags "
                         "the checkpoint was trained with")
-
-
-def _check_files(d: str, manifest: dict) -> None:
-    files = manifest.get("files")
-    if not isinstance(files, dict) or ".metadata" not in files:
-        raise UserError(f"{os.path.join(d, MANIFEST)}: no file list; the checkpoint is incomplete")
-    for name, size in files.items():
-        if os.path.basename(name) != name:
-            raise UserError(f"{os.path.join(d, MANIFEST)}: file name {name!r} is not a plain name")
-        path = os.path.join(d, name)
-        if not os.path.isfile(path):
-            raise UserError(f"{path} is missing: the checkpoint is incomplete (a shard was lost or not copied)")
-        actual = os.path.getsize(path)
-        if actual != size:
-            raise UserError(f"{path} is {'truncated' if actual < size else 'larger than written'} "
-                            f"({actual} bytes, {size} written): copy the checkpoint again or load another one")
-
-
-def _check_tensors(d: str, md, expected: dict[str, tuple[int, ...]]) -> None:
-    """Every key this rank reads exists with the full shape this run expects, and is complete."""
-    where = os.path.join(d, ".metadata")
-    for key, shape in expected.items():
-        entry = md.state_dict_metadata.get(key)
-        if entry is None:
-            raise UserError(f"{where}: no tensor {key!r}; the checkpoint does not hold this model's state")
-        if not isinstance(entry, TensorStorageMetadata):
-            raise UserError(f"{where}: {key!r} is not a tensor (non-tensor items are refused)")
-        if tuple(entry.size) != tuple(shape):
-            raise UserError(f"{where}: {key!r} has shape {tuple(entry.size)} in the checkpoint, {tuple(shape)} "
-                            "in this model: launch with the model flags the checkpoint was trained with")
-        covered = sum(math.prod(c.sizes) for c in entry.chunks)
-        if covered != math.prod(shape):
-            raise UserError(f"{where}: {key!r} covers {covered} of {math.prod(shape)} elements: shards are missing")
 
 
 def _check_scheduler(saved: dict | None, current: dict, opts: LoadOptions, where: str) -> dict | None:
@@ -158,6 +96,9 @@ def load_checkpoint(root: str, *, ps, model, optimizer, vocab_size: int, model_m
         d, manifest = read_manifest(root)
         where = os.path.join(d, MANIFEST)
         _check_model(manifest, model_meta, where)
+        converted_from = manifest.get("converted_from") if manifest.get("weights_only") else None
+        if converted_from is not None:          # from-hf / from-megatron: weights and nothing else
+            opts = dataclasses.replace(opts, finetune=True, no_load_rng=True)
         saved_kind = manifest.get("optimizer", {}).get("kind")
         here_kind = content.optimizer_kind(optimizer)
         if not opts.weights_only and saved_kind != here_kind:
@@ -171,7 +112,7 @@ def load_checkpoint(root: str, *, ps, model, optimizer, vocab_size: int, model_m
         use_schedule = None
         if not opts.weights_only:
             use_schedule = _check_scheduler(manifest.get("opt_param_scheduler"), schedule, opts, where)
-        _check_files(d, manifest)
+        check_files(d, manifest, checksum_share=(ps.rank, ps.world_size))
         saved_layout = manifest["layout"]
         saved_tp, saved_dp = int(saved_layout["tensor_parallel"]), int(saved_layout["data_parallel"])
         same_layout = (saved_tp, saved_dp) == (ps.tp_size, ps.dp_size)
@@ -181,10 +122,12 @@ def load_checkpoint(root: str, *, ps, model, optimizer, vocab_size: int, model_m
         if load_rng and rng_src not in manifest["files"]:
             raise UserError(f"{os.path.join(d, rng_src)} is not part of the checkpoint: it is incomplete")
         rng_state = read_json(os.path.join(d, rng_src), "RNG state") if load_rng else None
+        # An offline reshard to another TP size keeps only the streams shared by all TP ranks.
+        tp_streams_valid = saved_tp == ps.tp_size and manifest.get("rng_model_parallel_streams", True)
         md = read_dcp_metadata(d)
         with_optim = not opts.weights_only
         pcs = content.pieces(model, optimizer, ps, vocab_size, saving=False, with_optimizer=with_optim)
-        _check_tensors(d, md, {p.key: p.shape for p in pcs})
+        check_tensors(d, md, {p.key: p.shape for p in pcs})
 
     # -------- nothing was modified above this line; from here on, state is overwritten
     try:
@@ -206,13 +149,14 @@ def load_checkpoint(root: str, *, ps, model, optimizer, vocab_size: int, model_m
     restored = "no"
     if rng_state is not None:
         try:
-            restore_rng_state(rng_state, keep_model_parallel_stream=saved_tp != ps.tp_size)
+            restore_rng_state(rng_state, keep_model_parallel_stream=not tp_streams_valid)
         except (KeyError, TypeError, ValueError) as exc:
             raise UserError(f"{os.path.join(d, rng_src)}: not a valid RNG state ({first_line(exc)})") from None
-        restored = "exact" if saved_tp == ps.tp_size else "shared streams"
+        restored = "exact" if tp_streams_valid else "shared streams"
     return Resumed(
         path=d, iteration=iteration,
         consumed_samples=0 if opts.finetune else int(manifest.get("consumed_samples", 0)),
         consumed_valid_samples=0 if opts.finetune else int(manifest.get("consumed_valid_samples", 0)),
         opt_param_scheduler=use_schedule,
-        resharded_from=None if same_layout else (saved_tp, saved_dp), rng_restored=restored)
+        resharded_from=None if same_layout or converted_from else (saved_tp, saved_dp), rng_restored=restored,
+        converted_from=converted_from)

@@ -24,11 +24,10 @@ from zo_megatron.checkpoint import content
 from zo_megatron.checkpoint.layout import (LATEST, MANIFEST, PARTIAL, committed_iterations, fsync_dir, iter_dir,
                                            rng_file, stale_dirs, write_durable)
 from zo_megatron.checkpoint.planner import BoxSavePlanner
+from zo_megatron.checkpoint.verify import FORMAT, FORMAT_VERSION, crc32_file
 from zo_megatron.parallel import collectives
 from zo_megatron.parallel.rng_state import capture_rng_state
 
-FORMAT = "zo_megatron/dcp"
-FORMAT_VERSION = 2
 KILL_HOOK = "ZO_MEGATRON_TEST_KILL_SAVE"
 _POINTS = ("shards", "before_rename", "before_latest")
 
@@ -41,6 +40,20 @@ def _kill_point(iteration: int) -> str | None:
     if point not in _POINTS or not it.isdigit():
         raise ValueError(f"{KILL_HOOK}={spec!r}: expected <{'|'.join(_POINTS)}>@<iteration>")
     return point if int(it) == iteration else None
+
+
+_CRC_PREFIX = "checksums_rank"
+
+
+def _collect_checksums(partial: str) -> dict[str, str]:
+    """Merge and remove the ranks' checksum files (they are not part of the checkpoint)."""
+    out: dict[str, str] = {}
+    for name in sorted(os.listdir(partial)):
+        if name.startswith(_CRC_PREFIX):
+            with open(os.path.join(partial, name)) as f:
+                out.update(json.load(f))
+            os.remove(os.path.join(partial, name))
+    return out
 
 
 def _die() -> None:
@@ -86,18 +99,25 @@ def save_checkpoint(root: str, iteration: int, *, ps, model, optimizer, vocab_si
         first = failures[0] if failures else exc
         first = first[0] if isinstance(first, tuple) else first      # DCP wraps (exception, traceback)
         raise RuntimeError(f"saving {partial} failed: {type(first).__name__}: {first}") from None
-    write_durable(os.path.join(partial, rng_file(ps.tp_rank, ps.dp_rank)), json.dumps(capture_rng_state()))
+    rng_name = rng_file(ps.tp_rank, ps.dp_rank)
+    write_durable(os.path.join(partial, rng_name), json.dumps(capture_rng_state()))
+    # Each rank checksums what it wrote (read back from the page cache), so no rank reads it all.
+    mine = [n for n in os.listdir(partial) if n.startswith(f"__{ps.rank}_") or n == rng_name]
+    write_durable(os.path.join(partial, f"{_CRC_PREFIX}{ps.rank}.json"),
+                  json.dumps({n: crc32_file(os.path.join(partial, n)) for n in mine}))
     collectives.barrier()
     if ps.rank == 0:
+        checksums = _collect_checksums(partial)
         files = {n: os.path.getsize(os.path.join(partial, n)) for n in sorted(os.listdir(partial))
                  if os.path.isfile(os.path.join(partial, n))}
+        checksums[".metadata"] = crc32_file(os.path.join(partial, ".metadata"))
         manifest = {
             "format": FORMAT, "format_version": FORMAT_VERSION, "iteration": iteration, **train_state,
             "layout": {"tensor_parallel": ps.tp_size, "data_parallel": ps.dp_size},
             "optimizer": {"kind": content.optimizer_kind(optimizer), "step": int(optimizer.step_count),
                           "loss_scaler": optimizer.loss_scaler.state_dict()},
             "model": model_meta, "params": content.full_shapes(model, ps.tp_rank, ps.tp_size, vocab_size),
-            "args": json_safe(args), "files": files,
+            "args": json_safe(args), "files": files, "checksums": checksums,
         }
         write_durable(os.path.join(partial, MANIFEST), json.dumps(manifest, indent=1, sort_keys=True))
         fsync_dir(partial)

@@ -259,8 +259,12 @@ def _resume(args, ps, model, optimizer, vocab_size: int, model_meta: dict, metri
     if res.resharded_from is not None:
         metrics.print(f" resharded from TP{res.resharded_from[0]} x DP{res.resharded_from[1]} to "
                       f"TP{ps.tp_size} x DP{ps.dp_size} (RNG: {res.rng_restored})")
-    metrics.print(f" resumed from {res.path} at iteration {res.iteration} ({res.consumed_samples} samples "
-                  f"consumed) in {time.monotonic() - t0:.2f}s")
+    if res.converted_from is not None:
+        metrics.print(f" loaded weights only from {res.path} (converted from {res.converted_from}): fresh optimizer "
+                      f"state, iteration 0, in {time.monotonic() - t0:.2f}s")
+    else:
+        metrics.print(f" resumed from {res.path} at iteration {res.iteration} ({res.consumed_samples} samples "
+                      f"consumed) in {time.monotonic() - t0:.2f}s")
     return res.iteration, res.consumed_samples, res.consumed_valid_samples
 
 

@@ -1,0 +1,114 @@
+#!/usr/bin/env python
+"""Convert checkpoints: Hugging Face and Megatron-LM both ways, consolidated fp32, offline reshard.
+
+    python tools/convert_checkpoint.py to-hf --load CKPT [--iteration N] --output DIR [--dtype fp32|bf16|fp16]
+    python tools/convert_checkpoint.py from-hf --input DIR --output CKPT --tensor-parallel N
+    python tools/convert_checkpoint.py to-megatron --load CKPT --output DIR
+    python tools/convert_checkpoint.py from-megatron --input DIR --output CKPT --tensor-parallel N
+    python tools/convert_checkpoint.py to-fp32 --load CKPT --output PATH [--max-shard-size 5GB]
+    python tools/convert_checkpoint.py reshard --load CKPT --output CKPT2 --target-tensor-parallel-size N
+                                               [--target-data-parallel-size M]
+
+CKPT is a `pretrain_gpt.py --save` directory. Outputs are written under a temporary name and
+renamed when complete; an existing non-empty output is refused unless --force. Wrong input gets
+one `error:` line and exit 2. See docs/checkpoints.md.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+try:
+    from zo_megatron.checkpoint import convert
+except ImportError:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from zo_megatron.checkpoint import convert
+
+from zo_megatron.errors import UserError  # noqa: E402
+
+PROG = "convert_checkpoint.py"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (argparse would print the usage too)
+        raise UserError(f"{message} (see {PROG} {{to-hf,from-hf,to-megatron,from-megatron,to-fp32,reshard}} --help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog=PROG, description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    def common(p, source: str):
+        if source == "load":
+            p.add_argument("--load", required=True, help="zo_megatron checkpoint directory (pretrain_gpt.py --save)")
+            p.add_argument("--iteration", type=int, default=None, help="default: the one latest_checkpointed_iteration.txt names")
+        else:
+            p.add_argument("--input", required=True, help="directory to convert")
+        p.add_argument("--output", required=True)
+        p.add_argument("--force", action="store_true", help="replace an existing non-empty output")
+
+    p = sub.add_parser("to-hf", help="a Hugging Face GPT2LMHeadModel directory with its tokenizer")
+    common(p, "load")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+    p.add_argument("--vocab-file", help="the tokenizer's vocab.json, for a checkpoint trained with --allow-custom-vocab")
+    p.add_argument("--merge-file", help="the tokenizer's merges.txt (with --vocab-file)")
+    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
+
+    p = sub.add_parser("from-hf", help="a weights-only zo_megatron checkpoint from a Hugging Face GPT-2 directory")
+    common(p, "input")
+    p.add_argument("--tensor-parallel", "--tensor-model-parallel-size", dest="tensor_parallel", type=int, required=True)
+
+    p = sub.add_parser("to-megatron", help="Megatron-LM's torch checkpoint format (mp_rank_XX/model_optim_rng.pt)")
+    common(p, "load")
+    p.add_argument("--tensor-parallel", "--tensor-model-parallel-size", dest="tensor_parallel", type=int,
+                   help="TP ranks to write (default: the checkpoint's)")
+
+    p = sub.add_parser("from-megatron", help="a weights-only zo_megatron checkpoint from a Megatron-LM torch checkpoint")
+    common(p, "input")
+    p.add_argument("--tensor-parallel", "--tensor-model-parallel-size", dest="tensor_parallel", type=int, required=True)
+
+    p = sub.add_parser("to-fp32", help="consolidated fp32 master weights as safetensors (zero_to_fp32's job)")
+    common(p, "load")
+    p.add_argument("--max-shard-size", default="5GB",
+                   help="largest file when PATH is a directory (default 5GB); PATH.safetensors is always one file")
+
+    p = sub.add_parser("reshard", help="the checkpoint laid out for another TP x DP, optimizer state included")
+    common(p, "load")
+    p.add_argument("--target-tensor-parallel-size", type=int, required=True)
+    p.add_argument("--target-data-parallel-size", type=int, default=None, help="default: the checkpoint's")
+    return ap
+
+
+def run(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    if a.command == "to-hf":
+        convert.to_hf(a.load, a.output, iteration=a.iteration, dtype=a.dtype, vocab_file=a.vocab_file,
+                      merge_file=a.merge_file, max_shard_size=a.max_shard_size, force=a.force)
+    elif a.command == "from-hf":
+        convert.from_hf(a.input, a.output, tensor_parallel=a.tensor_parallel, force=a.force)
+    elif a.command == "to-megatron":
+        convert.to_megatron(a.load, a.output, iteration=a.iteration, tensor_parallel=a.tensor_parallel, force=a.force)
+    elif a.command == "from-megatron":
+        convert.from_megatron(a.input, a.output, tensor_parallel=a.tensor_parallel, force=a.force)
+    elif a.command == "to-fp32":
+        convert.to_fp32(a.load, a.output, iteration=a.iteration, max_shard_size=a.max_shard_size, force=a.force)
+    elif a.command == "reshard":
+        convert.reshard(a.load, a.output, target_tp=a.target_tensor_parallel_size,
+                        target_dp=a.target_data_parallel_size, iteration=a.iteration, force=a.force)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        return run(argv)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted; nothing was written (outputs appear only when complete)", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

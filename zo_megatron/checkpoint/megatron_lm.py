@@ -1,0 +1,250 @@
+"""Megatron-LM's `torch` checkpoint format for its megatron-core GPT model, both ways.
+
+    DIR/latest_checkpointed_iteration.txt            "N", or "release" for iteration 0
+    DIR/iter_000000N/mp_rank_XX/model_optim_rng.pt   one file per TP rank (no pipeline parallelism)
+        {"args": argparse.Namespace, "checkpoint_version": 3.0, "iteration": N,
+         "model": {megatron-core parameter name: this TP rank's shard, "<linear>._extra_state": None}}
+
+Megatron-LM's loader (`megatron/training/checkpointing.py`) reads `checkpoint_version`,
+`iteration`, `model` (load_state_dict, strict) and `args` (check_checkpoint_args: num_layers,
+hidden_size, num_attention_heads, max_position_embeddings, make_vocab_size_divisible_by,
+padded_vocab_size, tokenizer_type, tensor/pipeline_model_parallel_size; with
+--use-checkpoint-args the model-shape fields). Its 'release' convention is used for iteration 0
+because its tracker parser refuses "0". Files written here hold no optimizer or RNG state: load
+them in Megatron-LM with `--finetune` (or `--no-load-optim --no-load-rng`).
+
+Reading never runs pickled code: `torch.load(weights_only=True)` with only plain-data classes
+allowed (argparse.Namespace, NumPy arrays for Megatron's saved RNG states, io.BytesIO for
+Transformer Engine's extra state, and megatron-core's own Enum types); anything else is refused
+with the class named. Both the local layer names and Transformer Engine's fused-LayerNorm names
+(`linear_qkv.layer_norm_weight`, ...) are read.
+"""
+from __future__ import annotations
+
+import argparse
+import enum
+import importlib
+import os
+import pickle
+import re
+
+import torch
+
+from zo_megatron.checkpoint.tp_layout import (EXTRA_STATE_LAYERS, WORD_EMBEDDING, padded_vocab_size, tp_axis,
+                                              tp_shard_box)
+from zo_megatron.errors import UserError
+
+TRACKER = "latest_checkpointed_iteration.txt"
+FILE = "model_optim_rng.pt"
+CHECKPOINT_VERSION = 3.0
+GPT2_VOCAB = 50257
+_OURS = "gpt."                                  # our module wraps megatron-core's GPTModel as .gpt
+_PLAIN_GLOBALS = {"argparse.Namespace", "_io.BytesIO", "numpy.ndarray", "numpy.dtype",
+                  "numpy.core.multiarray._reconstruct", "numpy._core.multiarray._reconstruct",
+                  "numpy.core.multiarray.scalar", "numpy._core.multiarray.scalar"}
+_TE_NAMES = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+             "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
+             "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+             "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias"}
+_MP_DIR = re.compile(r"^mp_rank_(\d{2})(_\d{3})?$")
+
+
+def megatron_args(meta: dict, *, tp: int, iteration: int, divisible_by: int, seq_length: int | None,
+                  precision: str | None, consumed_samples: int = 0, consumed_valid_samples: int = 0) -> argparse.Namespace:
+    """The args Megatron-LM reads from a checkpoint, for our GPT-2-architecture model."""
+    h, heads = meta["hidden_size"], meta["num_attention_heads"]
+    return argparse.Namespace(
+        num_layers=meta["num_layers"], hidden_size=h, ffn_hidden_size=meta["ffn_hidden_size"],
+        num_attention_heads=heads, kv_channels=h // heads, group_query_attention=False, num_query_groups=heads,
+        max_position_embeddings=meta["max_position_embeddings"], seq_length=seq_length or meta["max_position_embeddings"],
+        position_embedding_type="learned_absolute", add_position_embedding=True, use_rotary_position_embeddings=False,
+        make_vocab_size_divisible_by=divisible_by, vocab_size=meta["vocab_size"],
+        padded_vocab_size=padded_vocab_size(meta["vocab_size"], divisible_by, tp), tokenizer_type="GPT2BPETokenizer",
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, untie_embeddings_and_output_weights=False,
+        normalization="LayerNorm", norm_epsilon=1e-5, apply_layernorm_1p=False, add_bias_linear=True, add_qkv_bias=True,
+        swiglu=False, squared_relu=False, openai_gelu=True, transformer_impl="local", ckpt_format="torch",
+        bf16=precision == "bf16", fp16=precision == "fp16", iteration=iteration,
+        consumed_train_samples=consumed_samples, consumed_valid_samples=consumed_valid_samples)
+
+
+def _local_name(key: str) -> str:
+    """Transformer Engine's fused-LayerNorm parameter names -> the local spec's (ours)."""
+    for te, local in _TE_NAMES.items():
+        if key.endswith("." + te):
+            return key[: -len(te)] + local
+    return key
+
+
+def _ours_to_megatron(name: str) -> str:
+    return name.removeprefix(_OURS)
+
+
+def write(out_dir: str, weights: dict[str, torch.Tensor], args: argparse.Namespace, *, progress=None) -> list[str]:
+    """One model_optim_rng.pt per TP rank from full unpadded weights (our names); returns the files."""
+    tp, it = args.tensor_model_parallel_size, args.iteration
+    sub = "release" if it == 0 else f"iter_{it:07d}"
+    files = []
+    for r in range(tp):
+        model = {}
+        for name, full in weights.items():
+            box = tp_shard_box(name, tuple(full.shape), r, tp, args.padded_vocab_size)
+            axis = tp_axis(name)
+            if axis is None or tp == 1 and not name.endswith(WORD_EMBEDDING):
+                shard = full.clone()
+            else:
+                rows = (args.padded_vocab_size if name.endswith(WORD_EMBEDDING) else full.shape[axis]) // tp
+                shape = list(full.shape)
+                shape[axis] = rows
+                shard = full.new_zeros(shape)                # vocab padding rows stay zero
+                if box is not None:
+                    n = box.sizes[axis]
+                    shard.narrow(axis, 0, n).copy_(full.narrow(axis, box.offsets[axis], n))
+            model[_ours_to_megatron(name)] = shard
+        for i in range(args.num_layers):
+            for layer in EXTRA_STATE_LAYERS:
+                model[f"decoder.layers.{i}.{layer}._extra_state"] = None
+        model["output_layer._extra_state"] = None
+        path = os.path.join(out_dir, sub, f"mp_rank_{r:02d}", FILE)
+        os.makedirs(os.path.dirname(path))
+        torch.save({"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": it, "model": model}, path)
+        files.append(path)
+        if progress is not None:
+            progress(r + 1, tp)
+    with open(os.path.join(out_dir, TRACKER), "w") as f:
+        f.write("release" if it == 0 else str(it))
+    return files
+
+
+def _allowed_global(name: str):
+    """The object for a pickled global that is plain data, or None."""
+    module, _, attr = name.rpartition(".")
+    if name in _PLAIN_GLOBALS or module.startswith(("numpy.dtypes", "megatron.core.")):
+        try:
+            obj = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError):
+            return None
+        if name in _PLAIN_GLOBALS or module.startswith("numpy.dtypes"):
+            return obj
+        if isinstance(obj, type) and issubclass(obj, enum.Enum):   # megatron-core enums in args
+            return obj
+    return None
+
+
+def safe_load(path: str) -> dict:
+    """torch.load(weights_only=True) with the plain-data allow-list; one-line refusal otherwise."""
+    try:
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except Exception as exc:  # noqa: BLE001 - a damaged archive raises many types
+        raise UserError(f"{path}: not a readable torch checkpoint ({type(exc).__name__}: "
+                        f"{str(exc).splitlines()[0][:160] if str(exc) else ''}); the file is damaged or not a Megatron-LM checkpoint") from None
+    allowed = []
+    for name in names:
+        obj = _allowed_global(name)
+        if obj is None:
+            raise UserError(f"{path}: refusing to load: it references {name}, which is not plain data (loading it "
+                            "could run code); only tensors, argparse.Namespace and NumPy arrays are read")
+        allowed.append(obj)
+    try:
+        with torch.serialization.safe_globals(allowed):
+            sd = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as exc:
+        raise UserError(f"{path}: cannot be read safely ({type(exc).__name__}: "
+                        f"{str(exc).splitlines()[0][:160] if str(exc) else ''}); the file is damaged or was tampered with") from None
+    if not isinstance(sd, dict) or not isinstance(sd.get("model"), dict):
+        raise UserError(f"{path}: no 'model' state dict: not a Megatron-LM checkpoint of one model (no virtual pipeline)")
+    return sd
+
+
+def find_iteration_dir(in_dir: str) -> tuple[str, int]:
+    tracker = os.path.join(in_dir, TRACKER)
+    if not os.path.isfile(tracker):
+        raise UserError(f"{in_dir}: no {TRACKER}; point --input at a Megatron-LM checkpoint directory (--save of a run)")
+    text = open(tracker).read(64).strip()
+    if text == "release":
+        d, it = os.path.join(in_dir, "release"), 0
+    elif text.isdigit():
+        d, it = os.path.join(in_dir, f"iter_{int(text):07d}"), int(text)
+    else:
+        raise UserError(f"{tracker}: expected an iteration number or 'release', found {text[:40]!r}")
+    if not os.path.isdir(d):
+        raise UserError(f"{tracker} names {os.path.basename(d)}, which does not exist under {in_dir}")
+    return d, it
+
+
+_SHAPE_REFUSALS = (
+    ("untie_embeddings_and_output_weights", True, "untied input and output embeddings (GPT-2 ties them)"),
+    ("position_embedding_type", "rope", "rotary position embeddings (GPT-2 learns absolute positions)"),
+    ("use_rotary_position_embeddings", True, "rotary position embeddings (GPT-2 learns absolute positions)"),
+    ("normalization", "RMSNorm", "RMSNorm (GPT-2 uses LayerNorm)"),
+    ("swiglu", True, "SwiGLU (GPT-2's MLP is GELU)"),
+    ("squared_relu", True, "squared ReLU (GPT-2's MLP is GELU)"),
+    ("group_query_attention", True, "grouped-query attention (GPT-2 has one K/V head per query head)"),
+    ("add_bias_linear", False, "linear layers without biases (GPT-2 has biases)"),
+    ("apply_layernorm_1p", True, "LayerNorm with the 1+gamma parametrisation"),
+    ("openai_gelu", False, "erf GELU (GPT-2 and zo_megatron use the tanh approximation, Megatron-LM's --openai-gelu)"),
+)
+
+
+def check_gpt2_shaped(args, where: str) -> None:
+    for field, bad, what in _SHAPE_REFUSALS:
+        if getattr(args, field, None) == bad:
+            raise UserError(f"{where}: args.{field}={bad!r}: the model uses {what}; zo_megatron trains the "
+                            "GPT-2 architecture only")
+    if getattr(args, "pipeline_model_parallel_size", 1) not in (None, 1):
+        raise UserError(f"{where}: pipeline_model_parallel_size={args.pipeline_model_parallel_size}: "
+                        "merge the pipeline stages first (Megatron-LM's tools/checkpoint/convert.py --target-pipeline-parallel-size 1)")
+
+
+def read(in_dir: str, *, progress=None) -> tuple[dict[str, torch.Tensor], argparse.Namespace, int, int]:
+    """(full unpadded weights by our names, args, iteration, vocab size) of a Megatron-LM checkpoint."""
+    d, it = find_iteration_dir(in_dir)
+    ranks = sorted(n for n in os.listdir(d) if _MP_DIR.match(n))
+    if not ranks:
+        raise UserError(f"{d}: no mp_rank_XX directories: not a Megatron-LM 'torch' checkpoint "
+                        "(a torch_dist one must be converted with Megatron-LM's tools first)")
+    if any(_MP_DIR.match(n).group(2) for n in ranks):
+        raise UserError(f"{d}: pipeline-parallel ranks (mp_rank_XX_YYY): merge the pipeline stages first "
+                        "(Megatron-LM's tools/checkpoint/convert.py --target-pipeline-parallel-size 1)")
+    tp = len(ranks)
+    if ranks != [f"mp_rank_{r:02d}" for r in range(tp)]:
+        raise UserError(f"{d}: TP rank directories {ranks} are not mp_rank_00..mp_rank_{tp - 1:02d}: some are missing")
+    shards, args = [], None
+    for r, name in enumerate(ranks):
+        path = os.path.join(d, name, FILE)
+        if not os.path.isfile(path):
+            raise UserError(f"{path} is missing: the checkpoint is incomplete")
+        sd = safe_load(path)
+        args = sd.get("args") if args is None else args
+        shards.append({_local_name(k): v for k, v in sd["model"].items() if not k.endswith("_extra_state")})
+        if progress is not None:
+            progress(r + 1, tp)
+    if not isinstance(args, argparse.Namespace):
+        raise UserError(f"{d}: the checkpoint has no 'args' (argparse.Namespace): its model shape is unknown")
+    where = os.path.join(d, ranks[0], FILE)
+    check_gpt2_shaped(args, where)
+    saved_tp = getattr(args, "tensor_model_parallel_size", tp)
+    if saved_tp != tp:
+        raise UserError(f"{d}: args say tensor_model_parallel_size={saved_tp} but there are {tp} mp_rank directories")
+    vocab = getattr(args, "vocab_size", None)
+    if vocab is None:
+        if getattr(args, "tokenizer_type", None) != "GPT2BPETokenizer":
+            raise UserError(f"{where}: tokenizer_type={getattr(args, 'tokenizer_type', None)!r} and no vocab_size: "
+                            "zo_megatron trains with the GPT-2 BPE vocabulary (GPT2BPETokenizer)")
+        vocab = GPT2_VOCAB
+    keys = set(shards[0])
+    for r, sh in enumerate(shards[1:], 1):
+        if set(sh) != keys:
+            raise UserError(f"{os.path.join(d, ranks[r], FILE)}: holds other parameters than {ranks[0]}: "
+                            "the TP ranks come from different models")
+    full = {}
+    for k in sorted(keys):
+        if k.startswith("output_layer."):
+            raise UserError(f"{where}: holds {k}: untied output embeddings (GPT-2 ties them)")
+        axis = tp_axis(k)
+        t = shards[0][k] if axis is None else torch.cat([sh[k] for sh in shards], dim=axis)
+        if k.endswith(WORD_EMBEDDING):
+            if t.shape[0] < vocab:
+                raise UserError(f"{where}: {k} has {t.shape[0]} rows for a vocabulary of {vocab}")
+            t = t[:vocab]
+        full[_OURS + k] = t.float().contiguous()
+    return full, args, it, vocab
