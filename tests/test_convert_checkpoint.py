@@ -350,3 +350,130 @@ def _our_logits(rank, ck, tokens):
                                       max_position_embeddings=64, precision="fp32"), 0, 1, 1)
     load_full_params(model, CheckpointReader(ck).read_weights(), 0, 1, VOCAB)
     return _full_logits(model, ps, tokens)
+
+
+class _Payload:
+    """A pickled object whose unpickling would create a file: it must never run."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _bad_inputs(d, ck):
+    """(case, argv, what the error line must say); `d` is a scratch directory, `ck` a good checkpoint."""
+    import argparse
+    import shutil
+
+    def copy(name):
+        dst = os.path.join(d, name)
+        shutil.copytree(ck, dst)
+        return dst, os.path.join(dst, f"iter_{STEPS:07d}")
+
+    missing, it = copy("missing")
+    os.remove(os.path.join(it, "__1_0.distcp"))
+    truncated, it = copy("truncated")
+    with open(os.path.join(it, "__0_0.distcp"), "r+b") as f:
+        f.truncate(os.path.getsize(f.name) - 7)
+    flipped, it = copy("flipped")
+    with open(os.path.join(it, "__0_0.distcp"), "r+b") as f:
+        f.seek(os.path.getsize(f.name) // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    hf_dirs = {}
+    for name, change in (("relu", dict(activation_function="relu")), ("untied", dict(tie_word_embeddings=False))):
+        cfg = _hf_config()
+        for k, v in change.items():
+            setattr(cfg, k, v)
+        hf_dirs[name] = os.path.join(d, f"hf_{name}")
+        transformers.GPT2LMHeadModel(cfg).save_pretrained(hf_dirs[name])
+    llama = os.path.join(d, "hf_llama")
+    os.makedirs(llama)
+    json.dump({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
+               "intermediate_size": 128, "vocab_size": 100}, open(os.path.join(llama, "config.json"), "w"))
+    small_vocab_hf = os.path.join(d, "hf_small_vocab")
+    cfg = _hf_config()
+    cfg.vocab_size = 1000
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(small_vocab_hf)
+    from zo_megatron.checkpoint import convert
+
+    custom_vocab = os.path.join(d, "ck_custom_vocab")
+    convert.from_hf(small_vocab_hf, custom_vocab, tensor_parallel=1, log=lambda s: None)
+    planted = os.path.join(d, "megatron_planted")
+    os.makedirs(os.path.join(planted, "iter_0000002", "mp_rank_00"))
+    open(os.path.join(planted, "latest_checkpointed_iteration.txt"), "w").write("2")
+    torch.save({"args": argparse.Namespace(num_layers=1), "model": {}, "x": _Payload(os.path.join(d, "PWNED"))},
+               os.path.join(planted, "iter_0000002", "mp_rank_00", "model_optim_rng.pt"))
+    nonempty = os.path.join(d, "nonempty")
+    os.makedirs(nonempty)
+    open(os.path.join(nonempty, "keep.txt"), "w").write("mine")
+    out = os.path.join(d, "out")
+    return [
+        ("missing shard", ["to-fp32", "--load", missing, "--output", out], "is missing"),
+        ("truncated shard", ["to-hf", "--load", truncated, "--output", out], "truncated"),
+        ("checksum mismatch", ["reshard", "--load", flipped, "--output", out, "--target-tensor-parallel-size", "1"],
+         "checksum mismatch"),
+        ("no checkpoint", ["to-megatron", "--load", os.path.join(d, "nowhere"), "--output", out], "no such directory"),
+        ("relu GPT-2", ["from-hf", "--input", hf_dirs["relu"], "--output", out, "--tensor-parallel", "1"],
+         "activation_function='relu'"),
+        ("untied GPT-2", ["from-hf", "--input", hf_dirs["untied"], "--output", out, "--tensor-parallel", "1"],
+         "tie_word_embeddings"),
+        ("llama", ["from-hf", "--input", llama, "--output", out, "--tensor-parallel", "1"], "model_type='llama'"),
+        ("TP not dividing heads", ["reshard", "--load", ck, "--output", out, "--target-tensor-parallel-size", "3"],
+         "does not divide"),
+        ("custom vocab, no tokenizer", ["to-hf", "--load", custom_vocab, "--output", out], "--vocab-file"),
+        ("planted pickle", ["from-megatron", "--input", planted, "--output", out, "--tensor-parallel", "1"],
+         ".open, which is not plain data"),
+        ("output not empty", ["to-fp32", "--load", ck, "--output", nonempty], "--force"),
+        ("bad shard size", ["to-fp32", "--load", ck, "--output", out, "--max-shard-size", "lots"], "--max-shard-size"),
+        ("no subcommand", [], "required"),
+        ("missing flag", ["from-hf", "--input", hf_dirs["relu"], "--output", out], "--tensor-parallel"),
+    ]
+
+
+def test_wrong_input_is_one_error_line_exit_2_and_nothing_written(converted, tmp_path, capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("convert_checkpoint_cli", os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "convert_checkpoint.py"))
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    ck = os.path.join(converted["d"], "tp2dp1", "ck")
+    cases = _bad_inputs(str(tmp_path), ck)
+    capsys.readouterr()
+    for case, argv, says in cases:
+        before = sorted(os.listdir(tmp_path))
+        rc = cli.main(argv)
+        err = capsys.readouterr().err
+        lines = [ln for ln in err.splitlines() if ln.strip() and "%" not in ln]
+        assert rc == 2, (case, rc, err)
+        assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], (case, err)
+        assert "Traceback" not in err, case
+        assert sorted(os.listdir(tmp_path)) == before, (case, set(os.listdir(tmp_path)) ^ set(before))
+    assert not os.path.exists(tmp_path / "PWNED")
+    assert open(tmp_path / "nonempty" / "keep.txt").read() == "mine"
+    # --force replaces it, atomically
+    assert cli.main(["to-fp32", "--load", ck, "--output", str(tmp_path / "nonempty"), "--force"]) == 0
+    assert os.listdir(tmp_path / "nonempty") == ["model.safetensors"]
+
+
+def test_an_interrupted_conversion_leaves_nothing(converted, tmp_path, monkeypatch):
+    from zo_megatron.checkpoint import convert
+
+    calls = []
+
+    def dying_slice(t, box):
+        calls.append(box)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return convert_slice(t, box)
+
+    convert_slice = convert._slice
+    monkeypatch.setattr(convert, "_slice", dying_slice)
+    with pytest.raises(KeyboardInterrupt):
+        convert.reshard(os.path.join(converted["d"], "tp2dp1", "ck"), str(tmp_path / "out"), target_tp=1,
+                        log=lambda s: None)
+    assert len(calls) == 5 and os.listdir(tmp_path) == []

@@ -141,6 +141,10 @@ def write_checkpoint(root: str, *, iteration: int, specs: list[TensorSpec],
         failures = list(getattr(exc, "failures", {}).values())
         first = failures[0] if failures else exc
         first = first[0] if isinstance(first, tuple) else first
+        if isinstance(first, KeyboardInterrupt):
+            raise KeyboardInterrupt from None
+        if isinstance(first, OSError):          # disk full, permissions: the user's to fix
+            raise UserError(f"writing {d} failed: {type(first).__name__}: {first}") from None
         raise RuntimeError(f"writing {d} failed: {type(first).__name__}: {first}") from None
     for name, state in (rng_files or {}).items():
         write_durable(os.path.join(d, name), json.dumps(state))
