@@ -22,8 +22,6 @@ from zo_megatron.checkpoint.safe_load import SafeFileSystemReader, first_line, r
 from zo_megatron.checkpoint.verify import check_files, check_tensors, read_manifest
 from zo_megatron.errors import UserError
 
-_DTYPES = {"torch.float32": torch.float32, "torch.bfloat16": torch.bfloat16, "torch.float16": torch.float16}
-
 
 class CheckpointReader:
     """One committed iteration of a zo_megatron checkpoint, checked on open."""
@@ -71,10 +69,13 @@ class CheckpointReader:
 
     def describe(self) -> str:
         tp, dp = self.layout
-        kind = self.manifest.get("optimizer", {}).get("kind", "?")
+        if self.manifest.get("weights_only"):
+            origin = f"converted from {self.manifest.get('converted_from')}, stored at TP{tp}"
+        else:
+            origin = f"saved at TP{tp} x DP{dp} by the {self.manifest.get('optimizer', {}).get('kind', '?')} optimizer"
         state = "weights and optimizer state" if self.has_optimizer_state else "weights only"
-        return (f"read {self.dir}: iteration {self.iteration}, saved at TP{tp} x DP{dp} by the {kind} optimizer, "
-                f"{self.num_parameters():,} parameters ({state})")
+        return (f"read {self.dir}: iteration {self.iteration}, {origin}, {self.num_parameters():,} parameters "
+                f"({state})")
 
     # ---- reading
     def read_boxes(self, wanted: list[tuple[str, Box]]) -> list[torch.Tensor]:
