@@ -51,6 +51,8 @@ def _cases(d):
         ("load a garbage latest", [*data, "--load", f"{d}/garbage_ckpt"], {}, "garbage_ckpt"),
         ("load another architecture", [*data, "--load", ck, "--hidden-size", "64"], {}, "hidden_size"),
         ("load a damaged manifest", [*data, "--load", f"{d}/damaged_ckpt"], {}, "checkpoint.json"),
+        ("load a data file damaged in place", [*data, "--zero-offload", "--load", f"{d}/flipped_ckpt"], {},
+         "checksum mismatch"),
         ("load an offload checkpoint into the baseline", [*data, "--load", ck], {}, "--zero-offload"),
         # --save
         ("save onto a file", [*data, "--save", f"{d}/a_file"], {}, f"--save {d}/a_file"),
@@ -89,6 +91,13 @@ def _run_table(rank, d):
     (manifest,) = [os.path.join(r, "checkpoint.json") for r, _, f in os.walk(f"{d}/damaged_ckpt") if "checkpoint.json" in f]
     with open(manifest, "r+b") as f:
         f.truncate(os.path.getsize(manifest) // 2)
+    shutil.copytree(f"{d}/ck", f"{d}/flipped_ckpt")     # a data file damaged in place, size unchanged
+    (data,) = [os.path.join(r, n) for r, _, fs in os.walk(f"{d}/flipped_ckpt") for n in fs if n == "__0_0.distcp"]
+    with open(data, "r+b") as f:
+        f.seek(os.path.getsize(data) // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x5A]))
     results = []
     for name, extra, env, needle in _cases(d):
         save = f"{d}/save_{len(results)}"
