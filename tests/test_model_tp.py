@@ -128,3 +128,49 @@ def test_init_is_layout_independent():
         assert set(full[tp]) == set(full[1])
         for name, t in full[1].items():
             assert torch.equal(full[tp][name], t), (tp, name)
+
+
+def _recompute_world(rank, seed):
+    """One forward/backward per recompute setting from the same weights and batch: the loss and
+    every gradient, and how many times each layer ran forward."""
+    from zo_megatron.model import GPTConfig, build_gpt_model
+    from zo_megatron.parallel import init_parallel
+
+    ps = init_parallel(2, seed=seed, num_attention_heads=HEADS, hidden_size=HIDDEN)
+    gen = torch.Generator().manual_seed(seed + 1)
+    tokens = torch.randint(0, 300, (2, SEQ), generator=gen)
+    labels = torch.randint(0, 300, (2, SEQ), generator=gen)
+    out = {}
+    for name, kw in (("none", {}), ("uniform1", dict(recompute="full")),
+                     ("uniform2", dict(recompute="full", recompute_method="uniform", recompute_num_layers=2)),
+                     ("block1", dict(recompute="full", recompute_method="block", recompute_num_layers=1)),
+                     ("block3", dict(recompute="full", recompute_method="block", recompute_num_layers=3))):
+        cfg = GPTConfig(num_layers=4, hidden_size=HIDDEN, num_attention_heads=HEADS, vocab_size=300,
+                        max_position_embeddings=SEQ, precision="fp32", **kw)
+        model = build_gpt_model(cfg, ps.tp_rank, ps.tp_size, seed)
+        calls = [0] * 4
+        for i, layer in enumerate(model.gpt.decoder.layers):
+            layer.register_forward_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+        loss = model.loss(tokens, labels)
+        loss.backward()
+        out[name] = dict(loss=loss.item(), calls=calls,
+                         grads={n: p.grad.clone() for n, p in model.named_parameters()})
+    return out if rank == 0 else None
+
+
+def test_full_recompute_methods_recompute_the_layers_they_say_and_change_nothing():
+    """--recompute-method uniform N / block N (megatron-core's own): the same loss and gradients as
+    no recompute, bit for bit; uniform runs every layer forward twice, block N only the first N."""
+    from tests.seeds import fresh_seed
+
+    out = run_world(_recompute_world, 2, fresh_seed("recompute methods"))[0]
+    ref = out["none"]
+    assert ref["calls"] == [1, 1, 1, 1]
+    expected_calls = {"uniform1": [2, 2, 2, 2], "uniform2": [2, 2, 2, 2], "block1": [2, 1, 1, 1],
+                      "block3": [2, 2, 2, 1]}
+    for name, calls in expected_calls.items():
+        got = out[name]
+        assert got["calls"] == calls, (name, got["calls"])
+        assert got["loss"] == ref["loss"], name
+        for n, g in ref["grads"].items():
+            assert torch.equal(got["grads"][n], g), (name, n)

@@ -291,3 +291,42 @@ def test_cli_cpu_preset_small_model():
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
     assert d["input"]["device_is_host"] is True and d["world_size"] == 4
+
+
+def test_recompute_method_uniform_and_block_activation_lines():
+    """Full recompute, uniform N: ceil(L/N) stored layer inputs and N layers live while a group is
+    recomputed; block N: N stored inputs, the other L-N layers keep everything (the per-layer
+    bytes of the no-recompute plan), one layer recomputed at a time."""
+    L, s, b, h = 12, 1024, 4, 2048
+    base = PlanInput(num_layers=L, hidden_size=h, num_attention_heads=16, seq_length=s, micro_batch_size=b,
+                     precision="bf16")
+    per_layer = plan(base).device_items["activations_layers"] // L
+    inputs_one = 2 * s * b * h
+    u1 = plan(base.replace(recompute="full")).device_items
+    assert u1["activations_layer_inputs"] == L * inputs_one
+    assert u1["activations_recompute_working_set"] == per_layer
+    for n in (2, 4, 12):
+        u = plan(base.replace(recompute="full", recompute_method="uniform", recompute_num_layers=n)).device_items
+        assert u["activations_layer_inputs"] == L // n * inputs_one, n
+        assert u["activations_recompute_working_set"] == n * per_layer, n
+        blk = plan(base.replace(recompute="full", recompute_method="block", recompute_num_layers=n)).device_items
+        assert blk["activations_layer_inputs"] == n * inputs_one, n
+        assert blk.get("activations_layers", 0) == (L - n) * per_layer, n
+        assert blk["activations_recompute_working_set"] == per_layer, n
+    # block L is uniform 1; fewer recomputed layers cost more memory
+    assert plan(base.replace(recompute="full", recompute_method="block", recompute_num_layers=L)).device_bytes_per_gpu \
+        == plan(base.replace(recompute="full")).device_bytes_per_gpu
+    sizes = [plan(base.replace(recompute="full", recompute_method="block", recompute_num_layers=n)).device_bytes_per_gpu
+             for n in (12, 8, 4, 1)]
+    assert sizes == sorted(sizes) and len(set(sizes)) == 4
+    with pytest.raises(ValueError, match="recompute_method"):
+        plan(base.replace(recompute="full", recompute_method="blocks"))
+    with pytest.raises(ValueError, match="does not divide"):
+        plan(base.replace(recompute="full", recompute_method="uniform", recompute_num_layers=5))
+    # TFLOP/s: full recompute runs one more forward of the layers it recomputes, block N only N of them
+    from zo_megatron.training.metrics import flops_per_token
+
+    none, full = flops_per_token(L, h, s, 50304, None), flops_per_token(L, h, s, 50304, "full")
+    for n in (1, 5, 12):
+        blk = flops_per_token(L, h, s, 50304, "full", recomputed_layers=n)
+        assert blk - none == pytest.approx((full - none) * n / L, rel=1e-12), n

@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dpu", action="store_true", help="delayed parameter update")
     g.add_argument("--recompute-activations", action="store_true", help="Megatron's shorthand for --recompute-granularity selective")
     g.add_argument("--recompute-granularity", choices=["full", "selective"])
+    g.add_argument("--recompute-method", choices=["uniform", "block"],
+                   help="with full: checkpoints of N layers (uniform, default) or only the first N layers (block)")
+    g.add_argument("--recompute-num-layers", type=int, help="N for --recompute-method (default 1)")
     g.add_argument("--bucket-size", type=int, default=40_000_000, help="elements per gradient bucket")
     g.add_argument("--exp-avg-dtype", choices=["fp32", "bf16"], default="fp32",
                    help="dtype of Adam's first moment on the host (pretrain_gpt.py's flag)")
@@ -178,6 +181,8 @@ def _g(n) -> str:
 def print_plan(p: P.Plan, title: str = "zo_megatron memory plan") -> None:
     i = p.input
     rc = i.normalized_recompute() or "off"
+    if rc == "full" and (i.recompute_method, i.recompute_num_layers) != ("uniform", 1):
+        rc = f"full ({i.recompute_method} {i.recompute_num_layers})"
     print(title)
     print(f"  model      GPT {i.num_layers} layers x {i.hidden_size} hidden x "
           f"{i.num_attention_heads} heads, seq {i.seq_length}, vocab {i.vocab_size} -> "

@@ -77,6 +77,8 @@ class PlanInput:
     zero_offload: bool = True
     dpu: bool = False
     recompute: bool | str | None = False  # False/None, True/"full", "selective"
+    recompute_method: str = "uniform"  # full only: "uniform" (checkpoints of N layers) | "block" (first N layers)
+    recompute_num_layers: int = 1  # full only: N
     bucket_size: int = 50_000_000  # elements per gradient bucket (two are allocated)
     bf16_optimizer_states: bool = False  # exp_avg/exp_avg_sq stored as bf16 on the host
     gpu_memory_bytes: int = 32510 * MiB  # V100-SXM3-32GB as torch reports it
@@ -140,6 +142,13 @@ class PlanInput:
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         self.normalized_recompute()
+        if self.recompute_method not in ("uniform", "block"):
+            raise ValueError(f"recompute_method must be 'uniform' or 'block', got {self.recompute_method!r}")
+        pos("recompute_num_layers")
+        if self.normalized_recompute() == "full" and self.recompute_method == "uniform" and \
+                self.num_layers % self.recompute_num_layers:
+            raise ValueError(f"recompute_num_layers {self.recompute_num_layers} does not divide num_layers "
+                             f"{self.num_layers} (uniform recompute checkpoints whole groups)")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(f"hidden_size {self.hidden_size} is not divisible by "
                              f"num_attention_heads {self.num_attention_heads}")
@@ -276,8 +285,20 @@ def _activation_items(inp: PlanInput, vocab_padded: int) -> dict[str, int]:
     elif rc == "selective":
         items["activations_layers"] = L * (replicated + split)
         working_set = items["activations_recompute_working_set"] = scores  # one layer's attention core
-    else:  # full: keep each layer's input, recompute one layer at a time
-        items["activations_layer_inputs"] = L * w * sbh
+    elif inp.recompute_method == "uniform":
+        # full, uniform N: keep the input of each group of N layers; backward recomputes one group
+        # at a time, so a whole group's activations are live at once
+        n = min(inp.recompute_num_layers, L)
+        items["activations_layer_inputs"] = (L // n) * w * sbh
+        working_set = items["activations_recompute_working_set"] = n * per_layer_full
+    else:
+        # full, block N: the first N layers keep only their input and are recomputed one at a time;
+        # the others store everything (an upper bound: by the time backward reaches the recomputed
+        # layers the others' activations are freed, so this overstates the peak by <= one layer)
+        n = min(inp.recompute_num_layers, L)
+        items["activations_layer_inputs"] = n * w * sbh
+        if L > n:
+            items["activations_layers"] = (L - n) * per_layer_full
         working_set = items["activations_recompute_working_set"] = per_layer_full
     # phase A1: embedding dropout mask, final LayerNorm input, output-layer input; the logits
     items["activations_embedding_final"] = emb_final = (mask + 2 * w) * sbh
@@ -602,6 +623,8 @@ def plan_input_from_flags(flags: Any, *, data_parallel: int, vocab_size: int, **
         max_position_embeddings=flags.max_position_embeddings or flags.seq_length, tensor_parallel=flags.tensor_parallel,
         data_parallel=data_parallel, micro_batch_size=mb, grad_accum_steps=accum, precision=precision,
         zero_offload=flags.zero_offload, dpu=bool(getattr(flags, "dpu", False)), recompute=recompute,
+        recompute_method=getattr(flags, "recompute_method", None) or "uniform",
+        recompute_num_layers=getattr(flags, "recompute_num_layers", None) or 1,
         bucket_size=flags.bucket_size, make_vocab_size_divisible_by=flags.make_vocab_size_divisible_by,
         # the model's attention is torch's softmax in fp32 (not a fused kernel) on every device
         dropout=flags.hidden_dropout > 0 or flags.attention_dropout > 0, fused_softmax=False,

@@ -27,6 +27,8 @@ class GPTConfig:
     init_method_std: float = 0.02
     layernorm_epsilon: float = 1e-5
     recompute: str | None = None                # None | "full" (whole layers) | "selective" (attention core)
+    recompute_method: str = "uniform"           # full only: "uniform" (groups of N layers) | "block" (first N)
+    recompute_num_layers: int = 1               # full only: N (megatron's --recompute-num-layers)
     label_smoothing: float = 0.0
 
     def __post_init__(self):
@@ -45,6 +47,14 @@ class GPTConfig:
         if self.recompute not in (None, False, "full", "selective"):
             raise ConfigError(f"recompute must be 'full' or 'selective' (got {self.recompute!r})")
         self.recompute = self.recompute or None
+        if self.recompute_method not in ("uniform", "block"):
+            raise ConfigError(f"recompute_method must be 'uniform' or 'block' (got {self.recompute_method!r})")
+        if not 1 <= self.recompute_num_layers <= self.num_layers:
+            raise ConfigError(f"--recompute-num-layers {self.recompute_num_layers} must be between 1 and "
+                              f"--num-layers {self.num_layers}")
+        if self.recompute == "full" and self.recompute_method == "uniform" and self.num_layers % self.recompute_num_layers:
+            raise ConfigError(f"--recompute-num-layers {self.recompute_num_layers} does not divide --num-layers "
+                              f"{self.num_layers} (megatron-core's uniform method checkpoints whole groups): use a divisor")
         if self.label_smoothing != 0.0:
             # megatron-core's vocab_parallel_cross_entropy smooths over the local vocab shard only,
             # which is wrong at TP > 1; refuse rather than train on a silently wrong loss.

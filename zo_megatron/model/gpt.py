@@ -33,7 +33,8 @@ def transformer_config(cfg: GPTConfig, tensor_parallel: int):
 
     recompute = {}
     if cfg.recompute == "full":
-        recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        recompute = dict(recompute_granularity="full", recompute_method=cfg.recompute_method,
+                         recompute_num_layers=cfg.recompute_num_layers)
     elif cfg.recompute == "selective":
         recompute = dict(recompute_granularity="selective")
     return TransformerConfig(

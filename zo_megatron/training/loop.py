@@ -327,7 +327,9 @@ def _train(args, env, ps, tokenizer, data_path, cpu_adam_threads: int) -> int:
                         max_position_embeddings=args.max_position_embeddings, ffn_hidden_size=args.ffn_hidden_size,
                         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, precision=args.precision,
                         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
-                        init_method_std=args.init_method_std, recompute=args.recompute_granularity)
+                        init_method_std=args.init_method_std, recompute=args.recompute_granularity,
+                        recompute_method=args.recompute_method or "uniform",
+                        recompute_num_layers=args.recompute_num_layers or 1)
         gb = args.global_batch_size
         n_evals = args.train_iters // args.eval_interval + 1
         train_ds, valid_ds, _ = build_gpt_datasets(   # collective (megatron's index-cache barrier)
@@ -357,7 +359,8 @@ def _train(args, env, ps, tokenizer, data_path, cpu_adam_threads: int) -> int:
                                                     consumed_samples=start), consumed_valid) \
             if valid_ds is not None else None
         fpt = flops_per_token(cfg.num_layers, cfg.hidden_size, args.seq_length,
-                              cfg.padded_vocab_size(ps.tp_size), args.recompute_granularity, cfg.ffn_size)
+                              cfg.padded_vocab_size(ps.tp_size), args.recompute_granularity, cfg.ffn_size,
+                              recomputed_layers=_recomputed_layers(cfg))
         window = dict(loss=0.0, n=0, skipped=0, nan=0, t=time.monotonic(), norm=0.0)
         iteration = start_iter
         last_val = None
@@ -482,6 +485,13 @@ def _train(args, env, ps, tokenizer, data_path, cpu_adam_threads: int) -> int:
         metrics.close()
         destroy_parallel()
     return 0
+
+
+def _recomputed_layers(cfg) -> int:
+    """How many layers full recompute runs forward twice (block N: only the first N)."""
+    if cfg.recompute != "full":
+        return 0
+    return min(cfg.recompute_num_layers, cfg.num_layers) if cfg.recompute_method == "block" else cfg.num_layers
 
 
 def _rank0_error(ps, msg: str) -> None:

@@ -47,8 +47,11 @@ def add_megatron_compat_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ckpt-format", choices=["torch", "torch_dist", "zarr"], default="torch_dist",
                    help="only torch_dist: checkpoints are torch.distributed.checkpoint directories (docs/checkpoints.md)")
     g.add_argument("--recompute-method", choices=["uniform", "block"], default=None,
-                   help="with --recompute-granularity full: uniform (each layer is its own checkpoint)")
-    g.add_argument("--recompute-num-layers", type=int, default=None, help="only 1 (with --recompute-method uniform)")
+                   help="with --recompute-granularity full: uniform (checkpoints of --recompute-num-layers layers "
+                   "each; default) or block (only the first --recompute-num-layers layers are recomputed)")
+    g.add_argument("--recompute-num-layers", type=int, default=None,
+                   help="with --recompute-granularity full: layers per checkpoint (uniform) or layers recomputed "
+                   "(block); default 1")
     g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "none"],
                    default="learned_absolute", help="only learned_absolute (GPT-2)")
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm", help="only LayerNorm")
@@ -88,11 +91,17 @@ def check_megatron_compat(args: argparse.Namespace) -> None:
                           "add --zero-offload")
     if args.recompute_method is not None or args.recompute_num_layers is not None:
         if args.recompute_granularity != "full":
-            raise ConfigError("--recompute-method/--recompute-num-layers apply to --recompute-granularity full: add it")
-        if (args.recompute_method or "uniform") != "uniform" or (args.recompute_num_layers or 1) != 1:
-            raise ConfigError(f"--recompute-method {args.recompute_method} --recompute-num-layers "
-                              f"{args.recompute_num_layers}: only uniform with 1 layer per checkpoint is wired up; "
-                              "use --recompute-method uniform --recompute-num-layers 1")
+            flag = "--recompute-method" if args.recompute_method is not None else "--recompute-num-layers"
+            raise ConfigError(f"{flag} applies to --recompute-granularity full (megatron's rule): add it")
+        if args.recompute_num_layers is not None and args.num_layers is not None and \
+                args.recompute_num_layers > args.num_layers:
+            raise ConfigError(f"--recompute-num-layers {args.recompute_num_layers} exceeds --num-layers "
+                              f"{args.num_layers}: use at most {args.num_layers}")
+        if (args.recompute_method or "uniform") == "uniform" and args.recompute_num_layers and \
+                args.num_layers is not None and args.num_layers % args.recompute_num_layers:
+            raise ConfigError(f"--recompute-num-layers {args.recompute_num_layers} does not divide --num-layers "
+                              f"{args.num_layers} (megatron-core's uniform method checkpoints whole groups): "
+                              "use a divisor, or --recompute-method block")
     for name in ("exit_interval", "recompute_num_layers", "train_samples"):
         v = getattr(args, name)
         if v is not None and v < 1:

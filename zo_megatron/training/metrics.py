@@ -23,16 +23,17 @@ def human_time(s: float) -> str:
 
 
 def flops_per_token(num_layers: int, hidden: int, seq: int, vocab: int, recompute: str | None,
-                    ffn_hidden_size: int | None = None) -> float:
+                    ffn_hidden_size: int | None = None, recomputed_layers: int | None = None) -> float:
     """Model FLOPs per trained token (forward + backward), Megatron's count
     (`num_floating_point_operations`): per layer forward the QKV and output projections (8 h^2),
     the MLP (4 h f, f = ffn size, 4h by default), attention scores and values (4 s h); the LM head
-    2 V h; backward twice the forward; full recompute adds one more forward of the layers."""
+    2 V h; backward twice the forward; full recompute adds one more forward of the layers it
+    recomputes (`recomputed_layers`, default all; --recompute-method block N: the first N)."""
     f = 4 * hidden if ffn_hidden_size is None else ffn_hidden_size
-    layer_fwd = num_layers * (8 * hidden * hidden + 4 * hidden * f + 4 * seq * hidden)
+    per_layer = 8 * hidden * hidden + 4 * hidden * f + 4 * seq * hidden
     head_fwd = 2 * vocab * hidden
-    mult = 4 if recompute == "full" else 3
-    return mult * layer_fwd + 3 * head_fwd
+    again = 0 if recompute != "full" else (num_layers if recomputed_layers is None else recomputed_layers)
+    return 3 * num_layers * per_layer + again * per_layer + 3 * head_fwd
 
 
 class Metrics:
