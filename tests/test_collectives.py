@@ -92,3 +92,67 @@ def test_megatron_subgroups_inherit_the_backend_and_collectives_work():
         assert out["tp_sum"] == 3.0 or out["tp_sum"] == 7.0
         assert out["world_max"] == 3.0
         assert out["mpu_tp"] == 2 and len(out["parts"]) == 2
+
+
+def _flat_collectives_world(rank, seed):
+    """reduce_scatter / all_gather on both sides of the gloo all_reduce threshold, in place and
+    not, sync and async, fp32 and bf16: every rank returns what it got."""
+    import torch.distributed as dist
+
+    from zo_megatron.parallel import collectives
+
+    dist.init_process_group("gloo")
+    n, r = dist.get_world_size(), dist.get_rank()
+    big = collectives.GLOO_ALL_REDUCE_MIN_NUMEL
+    out = {}
+    for numel in (4 * 1000, 4 * big // 2 + 4 * 1000):       # below / above the threshold (x4 ranks)
+        for dtype in (torch.float32, torch.bfloat16):
+            gen = torch.Generator().manual_seed(seed + 31 * r + numel)
+            x = torch.randn(numel, generator=gen).to(dtype)
+            k = numel // n
+            for mode in ("inplace_sync", "inplace_async", "copy_sync", "copy_async"):
+                buf = x.clone()
+                dst = buf.narrow(0, r * k, k) if mode.startswith("inplace") else torch.empty(k, dtype=dtype)
+                w = collectives.reduce_scatter(dst, buf, None, async_op=mode.endswith("async"))
+                if w is not None:
+                    w.wait()
+                out[("rs", numel, str(dtype), mode)] = dst.clone()
+                full = torch.full((numel,), 7.0, dtype=dtype)     # garbage the gather must replace
+                src = full.narrow(0, r * k, k) if mode.startswith("inplace") else torch.empty(k, dtype=dtype)
+                src.copy_(x[:k])
+                w = collectives.all_gather(full, src, None, async_op=mode.endswith("async"))
+                if w is not None:
+                    w.wait()
+                out[("ag", numel, str(dtype), mode)] = full
+            out[("x", numel, str(dtype))] = x
+    dist.destroy_process_group()
+    return out
+
+
+def test_flat_collectives_are_exact_on_both_paths_of_the_gloo_rule():
+    """Large CPU reduce-scatters (and 4-byte all-gathers) run as one all_reduce on gloo: the
+    results must be exactly those of the collectives they replace."""
+    from tests.seeds import fresh_seed
+    from zo_megatron.parallel import collectives
+
+    outs = run_world(_flat_collectives_world, 4, fresh_seed("flat collectives"), timeout=240)
+    n = len(outs)
+    for key in [k for k in outs[0] if k[0] == "rs"]:
+        _, numel, dtype, mode = key
+        xs = [o[("x", numel, dtype)] for o in outs]
+        k = numel // n
+        for r, o in enumerate(outs):
+            # the summation order is gloo's own on either path: fp32 within fp32 rounding of the
+            # float64 sum, bf16 within one bf16 rounding
+            ref = sum(x.narrow(0, r * k, k).double() for x in xs)
+            got = o[key].double()
+            tol = 0 if dtype == "torch.float32" else 2 ** -7
+            assert torch.allclose(got, ref, rtol=tol, atol=1e-6 if tol == 0 else 2 ** -7 * ref.abs().max().item()), key
+        for r, o in enumerate(outs):
+            full = o[("ag", numel, dtype, mode)]
+            for q in range(n):
+                assert torch.equal(full.narrow(0, q * k, k), xs[q][:k]), (key, r, q)
+    big = collectives.GLOO_ALL_REDUCE_MIN_NUMEL
+    assert collectives.wire_bytes("reduce_scatter", torch.empty(2 * big)) == 2 * 8 * big
+    assert collectives.wire_bytes("reduce_scatter", torch.empty(100)) == 400
+    assert collectives.wire_bytes("all_gather", torch.empty(2 * big, dtype=torch.bfloat16)) == 4 * big

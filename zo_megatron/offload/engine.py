@@ -397,7 +397,7 @@ class ZeroOffloadEngine:
             buf.div_(self.dp_size)
         mine = buf[self.dp_rank * n:(self.dp_rank + 1) * n]
         work = collectives.reduce_scatter(mine, buf, self.dp_group, async_op=True)   # in place
-        self.accounting.ring(buf.numel() * buf.element_size(), self.dp_size)
+        self.accounting.ring(collectives.wire_bytes("reduce_scatter", buf), self.dp_size)
         hs, m = bucket.host_start, min(n, max(0, self._cut - bucket.host_start))   # m: the host's part
         handles = []
         if m:
@@ -538,7 +538,7 @@ class ZeroOffloadEngine:
                 self.accounting.h2d_bytes += n * esz
             works.append(collectives.all_gather(self.flat[bucket.start:bucket.end], self.flat[lo:hi],
                                                 self.dp_group, async_op=True))
-            self.accounting.ring(bucket.numel * esz, self.dp_size)
+            self.accounting.ring(collectives.wire_bytes("all_gather", self.flat[bucket.start:bucket.end]), self.dp_size)
         collectives.wait_all(works)
         self._phases.append(("param_return", t0, time.monotonic()))
 

@@ -8,6 +8,14 @@ host-side agreements (overflow flag + grad norm, layout checks, logged losses) s
 tensors and go through gloo, and no tensor is moved just to satisfy a backend. A tensor whose
 device type the group has no backend for is refused with one line here, not deep inside torch.
 
+gloo (every CPU tensor) runs all_reduce as a pipelined ring but reduce_scatter and all_gather
+with slower algorithms: on the 2-core EPYC, 2 ranks, 10M fp32 elements, all_reduce took 0.07 s,
+reduce_scatter 0.19 s and all_gather 0.18 s (at 45M: 0.13 / 0.51 / 0.33 s). So large CPU
+reduce-scatters, and large all-gathers of 4-byte elements, run as one all_reduce of the whole
+buffer: twice the bytes on the wire, a third of the time (``wire_bytes`` reports what is really
+sent). The results are the same sums (an all-gather adds zeros to the other ranks' shards, which
+is exact; a -0.0 becomes +0.0). NCCL (CUDA tensors) keeps the real collectives.
+
 A size-1 group never communicates. Without an initialised process group every call acts as a
 size-1 group (single-process tools and tests). ``tests/test_collectives.py`` fails if code
 outside this module calls a torch.distributed collective directly.
@@ -22,7 +30,7 @@ import torch.distributed as dist
 from zo_megatron.errors import ConfigError, UserError
 
 __all__ = ["default_backend", "group_size", "group_rank", "all_reduce", "reduce_scatter", "all_gather",
-           "all_gather_list", "barrier", "wait_all",
+           "all_gather_list", "barrier", "wait_all", "wire_bytes",
            "first_error", "all_ranks_agree"]
 
 # torch >= 2.12 renamed the tensor forms; older torch (a cluster's CUDA build) has only the old names.
@@ -81,17 +89,68 @@ def _flat_collective(fn, output: torch.Tensor, input: torch.Tensor, group, async
     return fn(output, input, group=group, async_op=async_op)
 
 
+GLOO_ALL_REDUCE_MIN_NUMEL = 1 << 20     # below this gloo's own reduce_scatter/all_gather are as fast
+
+
+def _as_all_reduce(kind: str, t: torch.Tensor) -> bool:
+    """Whether this reduce_scatter / all_gather over gloo runs as one all_reduce (module docstring)."""
+    if t.device.type != "cpu" or t.numel() < GLOO_ALL_REDUCE_MIN_NUMEL:
+        return False
+    return kind == "reduce_scatter" or t.element_size() >= 4
+
+
+def wire_bytes(kind: str, full: torch.Tensor) -> int:
+    """Bytes a ring sends for collective `kind` over the whole buffer `full` (the reduce-scatter's
+    input, the all-gather's output): an all_reduce moves twice a reduce-scatter's or all-gather's."""
+    nbytes = full.numel() * full.element_size()
+    return 2 * nbytes if kind == "all_reduce" or _as_all_reduce(kind, full) else nbytes
+
+
+class _ThenCopy:
+    """A Work whose wait() also copies this rank's reduced shard to a separate output."""
+
+    def __init__(self, work, dst: torch.Tensor, src: torch.Tensor):
+        self._work, self._dst, self._src = work, dst, src
+
+    def wait(self) -> bool:
+        if self._work is not None:
+            self._work.wait()
+            self._dst.copy_(self._src)
+            self._work = None
+        return True
+
+
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, async_op: bool = False):
     """output (1/N of input) <- sum over ranks of this rank's shard of input.
 
-    `output` may be this rank's own shard of `input` (in place, as NCCL allows). With
-    async_op=True returns the torch Work handle (None when nothing was sent)."""
+    `output` may be this rank's own shard of `input` (in place, as NCCL allows); the rest of
+    `input` is left undefined. With async_op=True returns a Work handle to wait() on (None when
+    nothing was sent)."""
+    if group_size(group) > 1 and _as_all_reduce("reduce_scatter", input):
+        _check_device(input, group)
+        work = dist.all_reduce(input, group=group, async_op=async_op)
+        shard = input.narrow(0, group_rank(group) * output.numel(), output.numel())
+        if shard.data_ptr() == output.data_ptr():
+            return work
+        if not async_op:
+            output.copy_(shard)
+            return None
+        return _ThenCopy(work, output, shard)
     return _flat_collective(_reduce_scatter_tensor, output, input, group, async_op)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group, async_op: bool = False):
     """output (N x input) <- every rank's input, in rank order; `input` may be its own slot of
     `output` (in place). With async_op=True returns the Work handle (None when nothing was sent)."""
+    if group_size(group) > 1 and _as_all_reduce("all_gather", output):
+        _check_device(output, group)
+        k, r = input.numel(), group_rank(group)
+        own = output.narrow(0, r * k, k)
+        if own.data_ptr() != input.data_ptr():
+            own.copy_(input)
+        output.narrow(0, 0, r * k).zero_()                  # the others' slots: zeros to add to
+        output.narrow(0, (r + 1) * k, output.numel() - (r + 1) * k).zero_()
+        return dist.all_reduce(output, group=group, async_op=async_op)
     return _flat_collective(_all_gather_tensor, output, input, group, async_op)
 
 

@@ -65,7 +65,7 @@ class PlainDDPOptimizer:
         if self.dp_size > 1:
             flat = torch.cat([g.reshape(-1) for g in grads]).div_(self.dp_size)
             collectives.all_reduce(flat, group=self.dp_group)
-            self.accounting.ring(2 * flat.numel() * flat.element_size(), self.dp_size)
+            self.accounting.ring(collectives.wire_bytes("all_reduce", flat), self.dp_size)
             off = 0
             for g in grads:
                 g.copy_(flat[off:off + g.numel()].view_as(g))
