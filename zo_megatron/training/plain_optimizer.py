@@ -83,11 +83,16 @@ class PlainDDPOptimizer:
     def _step(self, lr: float | None) -> StepResult:
         self._allreduce_grads()
         scale = self.loss_scaler.scale
-        # One device->host transfer for both numbers (not one sync per parameter).
-        zero = torch.zeros((), dtype=torch.float64, device=self.params[0].device)
-        sumsq = torch.stack([zero] + [p.grad.double().square().sum() for p, c in zip(self.params, self._counted) if c]).sum()
-        nonfinite = torch.stack([~torch.isfinite(p.grad).all() for p in self.params]).any().double()
-        stats = torch.stack([sumsq, nonfinite]).cpu()
+        # Per-tensor fp32 norms in one multi-tensor call (as Megatron's multi_tensor_l2norm), their
+        # squares summed in float64; a NaN/inf in any gradient makes its norm, and so the sum,
+        # non-finite. One device->host transfer, one small all-reduce.
+        grads = [p.grad for p in self.params]
+        counted = [g for g, c in zip(grads, self._counted) if c]
+        norms = torch._foreach_norm(counted) if counted else []
+        sumsq = torch.stack(norms).double().square().sum() if norms else torch.zeros((), dtype=torch.float64)
+        uncounted = [g for g, c in zip(grads, self._counted) if not c]    # TP copies: only their finiteness
+        bad = torch.stack(torch._foreach_norm(uncounted)).sum().double() if uncounted else torch.zeros(())
+        stats = torch.stack([sumsq.to(torch.float64), (~torch.isfinite(bad)).double().reshape(())]).cpu()
         collectives.all_reduce(stats)   # over the world: every DP replica adds the same sum
         stats[0] /= self.dp_size           # after the all-reduce, so each is counted once
         found_inf = stats[1].item() > 0 or not math.isfinite(stats[0].item())
@@ -97,8 +102,8 @@ class PlainDDPOptimizer:
             return StepResult(True, float("nan"), 0.0, scale)
         norm = math.sqrt(stats[0].item()) / scale
         clip = min(1.0, self.clip_grad / (norm + 1e-6)) if self.clip_grad and self.clip_grad > 0 else 1.0
-        for p in self.params:
-            p.grad.mul_(clip / scale)
+        if clip / scale != 1.0:
+            torch._foreach_mul_(grads, clip / scale)
         for g in self.opt.param_groups:
             g["lr"] = self.adam.lr if lr is None else lr
         self.opt.step()
