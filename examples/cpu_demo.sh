@@ -10,13 +10,13 @@
 # Planner  : python tools/estimate_memory.py --zero-offload --preset cpu --num-layers 4 --hidden-size 256 \
 #                --num-attention-heads 4 --seq-length 256 --micro-batch-size 8 --tensor-parallel 2 \
 #                --bf16 --attention-dropout 0 --hidden-dropout 0
-#   "device" per rank : 0.52 GiB (0.62 GiB with --fp32): params 0.015, grad buckets 0.015, layer
+#   "device" per rank : 0.54 GiB (0.62 GiB with --fp32): params 0.015, grad buckets 0.03, layer
 #                       activations 0.06, logits phase 0.39 (the 50257-wide output layer
 #                       dominates: 16-bit logits 0.10 + fp32 cross-entropy copy 0.19 + pad-column
 #                       mask 0.10), fragmentation 0.04
 #   host per machine  : 3.21 GiB (model states 2 x 108.2 MiB = 0.21 GiB, the engine reports the
 #                       same 108.2 MiB per rank; 2 processes x 1 GiB; 1 GiB reserve);
-#                       everything together 2 x 0.52 + 3.21 = ~4.3 GiB of RAM.
+#                       everything together 2 x 0.54 + 3.21 = ~4.3 GiB of RAM.
 set -euo pipefail
 cd "${ZO_ROOT:-$(dirname "$0")/..}"
 TORCHRUN="${TORCHRUN:-torchrun}"

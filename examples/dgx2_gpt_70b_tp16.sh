@@ -9,13 +9,13 @@
 #            accumulation keeps 16-bit gradients on the GPU, +8.3 GiB here).
 # Planner  : python tools/estimate_memory.py --zero-offload --preset dgx2 --model 70b --tensor-parallel 16 \
 #                --micro-batch-size 8 --fp16 --recompute-granularity full
-#   device per GPU : 21.77 GiB of 31.75 GiB  (params 8.27, grad buckets 0.19 + 0.05 for the
-#                    word-embedding bucket, layer inputs 9.70, peak of backward on top 1.45 =
-#                    recompute working set 1.04 + layer gradients 0.35 + tied-embedding
-#                    gradient 0.05, fragmentation 1.12, CUDA context 1.00)
+#   device per GPU : 21.66 GiB of 31.75 GiB  (params 8.27, grad buckets 0.15 + 0.08 for the
+#                    word-embedding bucket, layer inputs 9.70, peak of backward on top 1.35 =
+#                    recompute working set 0.95 + layer gradients 0.35 + tied-embedding
+#                    gradient 0.05, fragmentation 1.11, CUDA context 1.00)
 #   host per node  : 1,005.92 GiB of 1,536 GiB (fp32 master + Adam m + v 793.6, 16-bit staging
 #                    132.3, 16 processes x 3 GiB, 32 GiB OS reserve)
-#   The same model WITHOUT --zero-offload needs 79.41 GiB per GPU (does not fit).
+#   The same model WITHOUT --zero-offload needs 79.30 GiB per GPU (does not fit).
 #
 # CPU Adam threads: zo_megatron divides the cores each rank may use among the 16 local ranks
 # (96 hardware threads -> 6 per rank); override with --cpu-adam-threads or ZO_CPU_ADAM_THREADS.

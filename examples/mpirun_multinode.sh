@@ -9,7 +9,7 @@
 # Planner  : python tools/estimate_memory.py --zero-offload --preset dgx2 --model 175b --tensor-parallel 16 \
 #                --data-parallel-size 4 --micro-batch-size 2 --global-batch-size 8 --fp16 \
 #                --recompute-granularity full
-#   4 nodes: device 27.29 GiB per GPU (of 31.75), host 650.10 GiB per node (of 1,536).
+#   4 nodes: device 27.20 GiB per GPU (of 31.75), host 650.10 GiB per node (of 1,536).
 #
 # Rendezvous: zo_megatron reads OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK/LOCAL_SIZE; with MASTER_ADDR
 # unset, rank 0 picks its address and a free port and broadcasts them with mpi4py

@@ -9,15 +9,15 @@
 #            accumulation keeps 16-bit gradients on the GPU, +24.8 GiB here, which does not fit).
 # Planner  : python tools/estimate_memory.py --zero-offload --preset v100-32gb --model 13b \
 #                --micro-batch-size 4 --fp16 --recompute-granularity full
-#   device per GPU : 30.89 GiB of 31.75 GiB  (params 24.77, grad buckets 0.19 + 0.66 for the
+#   device per GPU : 30.99 GiB of 31.75 GiB  (params 24.77, grad buckets 0.15 + 0.70 for the
 #                    oversized bucket that holds the word embedding, layer inputs 2.03, peak of
-#                    backward on top 1.85 = recompute working set 1.16 + layer gradients 0.31 +
-#                    tied-embedding gradient 0.38 (the logits phase, 1.61, is smaller),
-#                    fragmentation 0.39, CUDA context 1.00) -- tight: if it OOMs, use
-#                    --micro-batch-size 2 --global-batch-size 2 (28.97 GiB).
+#                    backward on top 1.94 = recompute working set 1.25 + layer gradients 0.31 +
+#                    tied-embedding gradient 0.38 (the logits phase, 1.59, is smaller),
+#                    fragmentation 0.40, CUDA context 1.00) -- tight: if it OOMs, use
+#                    --micro-batch-size 2 --global-batch-size 2 (29.02 GiB).
 #   host per node  : 208.41 GiB (fp32 master + Adam m + v 148.6, 16-bit staging 24.8,
 #                    3 GiB process, 32 GiB OS reserve); --host-memory-gb 256 still fits.
-#   The same model WITHOUT --zero-offload needs 203.46 GiB on the GPU.
+#   The same model WITHOUT --zero-offload needs 203.56 GiB on the GPU.
 set -euo pipefail
 cd "${ZO_ROOT:-$(dirname "$0")/..}"
 

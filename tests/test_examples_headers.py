@@ -1,0 +1,50 @@
+"""The memory figures in the headers of examples/ are what the planner says today.
+
+Each example's header names the planner command it was computed with ("Planner  : python
+tools/estimate_memory.py ...", continued over `#` lines ending in a backslash) and quotes its two
+totals (device per GPU and host per node, in GiB, two decimals). The command is re-run here
+in-process; a planner change that moves a total fails this test until the header is updated.
+"""
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = sorted(p for p in (ROOT / "examples").iterdir() if p.suffix in (".sh", ".sbatch"))
+# (device total, host total) as each header words them
+_DEVICE = re.compile(r'(?:device per GPU :|"device" per rank :|device) ([\d,]+\.\d\d) GiB')
+_HOST = re.compile(r"(?:host per node  :|host per machine  :|host) ([\d,]+\.\d\d) GiB")
+
+
+def _header(path: Path) -> tuple[list[str], str]:
+    lines = [ln[1:].strip() for ln in path.read_text().splitlines() if ln.startswith("#") and not ln.startswith("#!")]
+    text = "\n".join(lines)
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("Planner") and "estimate_memory.py" in ln)
+    cmd = lines[start].split(":", 1)[1].strip()
+    i = start
+    while cmd.endswith("\\"):
+        i += 1
+        cmd = cmd[:-1].strip() + " " + lines[i].strip()
+    argv = shlex.split(cmd)
+    return argv[argv.index("tools/estimate_memory.py") + 1:], text
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_header_totals_are_the_planners(path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("estimate_memory", ROOT / "tools" / "estimate_memory.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    from zo_megatron import planner as P
+
+    argv, text = _header(path)
+    p = P.plan(tool.build_input(tool.build_parser().parse_args(argv)))
+    device, host = _DEVICE.search(text), _HOST.search(text)
+    assert device and host, f"{path.name}: no device/host totals in the header"
+    assert float(device.group(1).replace(",", "")) == round(p.device_bytes_per_gpu / P.GiB, 2), \
+        (path.name, device.group(1), p.device_bytes_per_gpu / P.GiB)
+    assert float(host.group(1).replace(",", "")) == round(p.host_bytes_per_node / P.GiB, 2), \
+        (path.name, host.group(1), p.host_bytes_per_node / P.GiB)
