@@ -1,6 +1,6 @@
 """tools/convert_checkpoint.py against the libraries that read its outputs.
 
-Two gloo worlds (4 ranks: TP4 x DP1 and TP2 x DP2; 2 ranks: TP2 x DP1 and TP1 x DP2) train an
+Gloo worlds (4 ranks: TP4 x DP1, TP2 x DP2, TP1 x DP4; 2 ranks: TP2 x DP1, TP1 x DP2; 1 rank) train an
 odd-shaped GPT with the offload engine (GPT-2's real vocabulary, 50257 tokens, so the vocab is
 padded differently at each TP), save a checkpoint, and keep what the live engine holds: its fp32
 master fragments and the full logits on fixed tokens. Inside the world rank 0 converts; every rank
@@ -200,15 +200,16 @@ def _close(ours, ref):
 def converted(tmp_path_factory):
     seed = fresh_seed("convert_checkpoint")
     d = str(tmp_path_factory.mktemp("convert"))
-    four = run_world(_worker, 4, [4, 2], seed, d, [free_port() for _ in range(2)], timeout=400)
-    two = run_world(_worker, 2, [2, 1], seed, d, [free_port() for _ in range(3)], timeout=400)
-    # layouts: {name: per-rank results}
-    res = {}
-    for world in (four, two):
-        for i in range(2):
+    worlds = [(4, [4, 2, 1]), (2, [2, 1]), (1, [1])]       # the 4-rank world writes the reshard first
+    res, reshard_load = {}, None
+    for n, layouts in worlds:
+        world = run_world(_worker, n, layouts, seed, d, [free_port() for _ in range(len(layouts) + 1)], timeout=400)
+        for i in range(len(layouts)):           # layouts: {name: per-rank results}
             o = [w[i] for w in world]
             res[f"tp{o[0]['tp']}dp{o[0]['dp']}"] = o
-    return dict(seed=seed, d=d, layouts=res, reshard_load=[w[2] for w in two])
+        if n == 2:
+            reshard_load = [w[len(layouts)] for w in world]
+    return dict(seed=seed, d=d, layouts=res, reshard_load=reshard_load)
 
 
 def test_tp_table_of_the_offline_tools_is_the_model_s_own_split(converted):
