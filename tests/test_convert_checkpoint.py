@@ -132,14 +132,13 @@ def _layout(rank, tp, seed, d):
     out["megatron_logits"] = _full_logits(fresh, ps, tokens)
     engine.close()
     # the from-hf checkpoint through the job's loader (weights only: a fresh optimizer, iteration 0)
-    ps2, model2, engine2 = ps, fresh, None
     from zo_megatron.offload.engine import AdamConfig, ZeroOffloadEngine
 
-    engine2 = ZeroOffloadEngine(model2, precision="fp32", adam=AdamConfig(lr=1e-3), bucket_size=20000,
-                                dp_group=ps2.dp_group, tp_rank=ps2.tp_rank, device=ps2.device)
-    res = load_checkpoint(ck_hf, ps=ps2, model=model2, optimizer=engine2, vocab_size=VOCAB, model_meta=META,
+    engine2 = ZeroOffloadEngine(fresh, precision="fp32", adam=AdamConfig(lr=1e-3), bucket_size=20000,
+                                dp_group=ps.dp_group, tp_rank=ps.tp_rank, device=ps.device)
+    res = load_checkpoint(ck_hf, ps=ps, model=fresh, optimizer=engine2, vocab_size=VOCAB, model_meta=META,
                           schedule={}, opts=LoadOptions())
-    out["from_hf_logits"] = _full_logits(model2, ps2, tokens)
+    out["from_hf_logits"] = _full_logits(fresh, ps, tokens)
     out["from_hf_resumed"] = (res.iteration, res.converted_from is not None, engine2.step_count)
     engine2.close()
     destroy_parallel()

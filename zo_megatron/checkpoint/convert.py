@@ -137,7 +137,7 @@ def _tokenizer(reader: CheckpointReader, vocab_file: str | None, merge_file: str
     if bool(vocab_file) != bool(merge_file):
         raise UserError("give both --vocab-file and --merge-file (the tokenizer the checkpoint was trained with)")
     if not vocab_file:
-        if reader.args.get("allow_custom_vocab") or vocab != hf_gpt2_vocab():
+        if reader.args.get("allow_custom_vocab") or vocab != megatron_lm.GPT2_VOCAB:
             raise UserError(f"{reader.dir}: trained with a vocabulary that is not GPT-2's ({vocab} tokens, "
                             "--allow-custom-vocab): pass its --vocab-file and --merge-file")
         vocab_file, merge_file = BUNDLED_VOCAB_FILE, BUNDLED_MERGE_FILE
@@ -157,10 +157,6 @@ def _tokenizer(reader: CheckpointReader, vocab_file: str | None, merge_file: str
         raise UserError(f"{vocab_file}: {len(tok)} tokens, the checkpoint's vocabulary has {vocab}: give the "
                         "tokenizer files it was trained with")
     return tok
-
-
-def hf_gpt2_vocab() -> int:
-    return megatron_lm.GPT2_VOCAB
 
 
 def to_hf(load: str, output: str, *, iteration: int | None = None, dtype: str = "fp32", vocab_file: str | None = None,

@@ -78,13 +78,16 @@ class CheckpointReader:
                 f"({state})")
 
     # ---- reading
+    def _require(self, key: str) -> None:
+        if key not in self.metadata.state_dict_metadata:
+            raise UserError(f"{os.path.join(self.dir, '.metadata')}: no tensor {key!r}; the checkpoint does "
+                            "not hold it (weights-only checkpoints have no optimizer state)")
+
     def read_boxes(self, wanted: list[tuple[str, Box]]) -> list[torch.Tensor]:
         """The tensors of `wanted` (key, box of the full tensor), in their saved dtypes."""
         pieces = []
         for key, box in wanted:
-            if key not in self.metadata.state_dict_metadata:
-                raise UserError(f"{os.path.join(self.dir, '.metadata')}: no tensor {key!r}; the checkpoint does "
-                                "not hold it (weights-only checkpoints have no optimizer state)")
+            self._require(key)
             t = torch.empty(box.sizes, dtype=self.dtype(key))
             shape = tuple(self.metadata.state_dict_metadata[key].size)
             pieces.append(Piece(key, shape, box, t))
@@ -101,10 +104,10 @@ class CheckpointReader:
         return [p.tensor for p in pieces]
 
     def read_full(self, keys: list[str]) -> dict[str, torch.Tensor]:
-        wanted = []
+        known = self.metadata.state_dict_metadata
         for k in keys:
-            shape = tuple(self.metadata.state_dict_metadata[k].size) if k in self.metadata.state_dict_metadata else ()
-            wanted.append((k, Box((0,) * len(shape), shape, 0)))
+            self._require(k)
+        wanted = [(k, Box((0,) * len(known[k].size), tuple(known[k].size), 0)) for k in keys]
         return dict(zip(keys, self.read_boxes(wanted)))
 
     def read_weights(self, names: list[str] | None = None) -> dict[str, torch.Tensor]:
