@@ -460,6 +460,21 @@ def test_wrong_input_is_one_error_line_exit_2_and_nothing_written(converted, tmp
     assert os.listdir(tmp_path / "nonempty") == ["model.safetensors"]
 
 
+def test_a_tensor_the_checkpoint_lacks_is_one_user_error_naming_it(converted):
+    from zo_megatron.checkpoint.boxes import Box
+    from zo_megatron.checkpoint.content import EXP_AVG, MODEL
+    from zo_megatron.checkpoint.reader import CheckpointReader
+    from zo_megatron.errors import UserError
+
+    reader = CheckpointReader(os.path.join(converted["d"], "tp1dp1", "ck_from_hf"))   # weights only
+    name = next(iter(reader.shapes))
+    assert not reader.has_optimizer_state and reader.read_full([MODEL + name])[MODEL + name].shape == reader.shapes[name]
+    for read in (lambda k: reader.read_full([MODEL + name, k]),
+                 lambda k: reader.read_boxes([(k, Box((0,), (1,), 0))])):
+        with pytest.raises(UserError, match=r"no tensor .*exp_avg.*weights-only checkpoints have no optimizer state"):
+            read(EXP_AVG + name)
+
+
 def test_an_interrupted_conversion_leaves_nothing(converted, tmp_path, monkeypatch):
     from zo_megatron.checkpoint import convert
 

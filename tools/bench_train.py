@@ -555,6 +555,10 @@ def _rank_main(rank, job, port, out_path):
             records[v].append(times)
             losses[v].append(loss)
         load.append(os.getloadavg()[0])
+        if rank == 0:       # a world can take many minutes (emulated bf16): show where it is
+            done = "  ".join(f"{v} {records[v][-1]['total']:.2f}s" for v in names)
+            print(f"  step {i + 1}/{total}{' (warm-up)' if i < args.warmup else ''}, rank 0: {done}",
+                  file=sys.stderr, flush=True)
     infos = {v: variants[v].info() for v in names}
     evals = {v: variants[v].eval_loss(*eval_batch) for v in names}
     # the world's step is its slowest rank's: MAX over ranks, per step and phase
@@ -657,12 +661,11 @@ def run_world(job) -> dict:
     fd, out_path = tempfile.mkstemp(prefix="bench_train_", suffix=".json")
     os.close(fd)
     try:
-        if world == 1:
-            _rank_main(0, job, port, out_path)
-        else:
-            import torch.multiprocessing as mp
+        # every world in fresh processes, one rank too: DeepSpeed keeps its process groups in
+        # module globals, which would outlive this world's destroyed groups in the next one
+        import torch.multiprocessing as mp
 
-            mp.spawn(_spawn_entry, args=(job, port, out_path), nprocs=world, join=True)
+        mp.spawn(_spawn_entry, args=(job, port, out_path), nprocs=world, join=True)
         with open(out_path) as f:
             return json.load(f)
     finally:
