@@ -932,22 +932,14 @@ def sweep_main(args) -> int:
 
 
 def _run_isolated(job) -> dict:
-    """One single-rank job in a fresh process, so its peak RSS is its own."""
-    import multiprocessing as mp
+    """One single-rank sweep job in its own process (run_world), so its peak RSS is its own; a
+    rank that dies (out of memory?) is an `error` entry, and the sweep goes on."""
+    import torch.multiprocessing as mp
 
-    ctx = mp.get_context("spawn")
-    fd, out_path = tempfile.mkstemp(prefix="bench_train_sweep_", suffix=".json")
-    os.close(fd)
     try:
-        p = ctx.Process(target=_rank_main, args=(0, job, _free_port(), out_path))
-        p.start()
-        p.join()
-        if p.exitcode != 0:
-            return dict(error=f"rank exited with {p.exitcode} (out of memory?)")
-        with open(out_path) as f:
-            return json.load(f)
-    finally:
-        os.unlink(out_path)
+        return run_world(job)
+    except (mp.ProcessExitedException, mp.ProcessRaisedException) as exc:
+        return dict(error=f"rank failed: {str(exc).strip().splitlines()[-1]} (out of memory?)")
 
 
 def _plot_sweep(points, path):

@@ -64,8 +64,7 @@ class CheckpointReader:
         return sum(math.prod(s) for s in self.shapes.values())
 
     def dtype(self, key: str) -> torch.dtype:
-        entry = self.metadata.state_dict_metadata[key]
-        return entry.properties.dtype
+        return self._entry(key).properties.dtype
 
     def describe(self) -> str:
         tp, dp = self.layout
@@ -78,19 +77,20 @@ class CheckpointReader:
                 f"({state})")
 
     # ---- reading
-    def _require(self, key: str) -> None:
-        if key not in self.metadata.state_dict_metadata:
+    def _entry(self, key: str):
+        """The saved tensor's metadata (size, dtype); a key the checkpoint lacks is one UserError."""
+        entry = self.metadata.state_dict_metadata.get(key)
+        if entry is None:
             raise UserError(f"{os.path.join(self.dir, '.metadata')}: no tensor {key!r}; the checkpoint does "
                             "not hold it (weights-only checkpoints have no optimizer state)")
+        return entry
 
     def read_boxes(self, wanted: list[tuple[str, Box]]) -> list[torch.Tensor]:
         """The tensors of `wanted` (key, box of the full tensor), in their saved dtypes."""
         pieces = []
         for key, box in wanted:
-            self._require(key)
-            t = torch.empty(box.sizes, dtype=self.dtype(key))
-            shape = tuple(self.metadata.state_dict_metadata[key].size)
-            pieces.append(Piece(key, shape, box, t))
+            entry = self._entry(key)
+            pieces.append(Piece(key, tuple(entry.size), box, torch.empty(box.sizes, dtype=entry.properties.dtype)))
         try:
             with warnings.catch_warnings():       # "assuming the intent is to load in a single process"
                 warnings.simplefilter("ignore", UserWarning)
@@ -104,11 +104,8 @@ class CheckpointReader:
         return [p.tensor for p in pieces]
 
     def read_full(self, keys: list[str]) -> dict[str, torch.Tensor]:
-        known = self.metadata.state_dict_metadata
-        for k in keys:
-            self._require(k)
-        wanted = [(k, Box((0,) * len(known[k].size), tuple(known[k].size), 0)) for k in keys]
-        return dict(zip(keys, self.read_boxes(wanted)))
+        sizes = [tuple(self._entry(k).size) for k in keys]
+        return dict(zip(keys, self.read_boxes([(k, Box((0,) * len(s), s, 0)) for k, s in zip(keys, sizes)])))
 
     def read_weights(self, names: list[str] | None = None) -> dict[str, torch.Tensor]:
         """fp32 master weights by parameter name (full, unpadded)."""
