@@ -163,6 +163,21 @@ class GPTConfig:
     def head_dim(self) -> int:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
 
+    def architecture_name(self) -> str:
+        """"GPT-2", or the parts that differ from it, e.g. "RoPE+RMSNorm+SwiGLU+GQA(8 groups)+untied"."""
+        parts = [("RoPE" + (f"(base {self.rotary_base}" + (f", scaled x{self.rope_scaling_factor:g}" if
+                                                           self.use_rope_scaling else "") + ")"))
+                 if self.position_embedding_type == "rope" else "",
+                 "RMSNorm" if self.normalization == "RMSNorm" else "",
+                 "SwiGLU" if self.swiglu else "",
+                 f"GQA({self.query_groups} groups)" if self.query_groups != self.num_attention_heads else "",
+                 "untied" if self.untie_embeddings_and_output_weights else "",
+                 "no-bias" if not self.add_bias_linear else "",
+                 "qkv-bias" if self.add_qkv_bias and not self.add_bias_linear else "",
+                 "qk-norm" if self.qk_layernorm else ""]
+        parts = [p for p in parts if p]
+        return "+".join(parts) if parts else "GPT-2"
+
     def arch_meta(self) -> dict:
         """The ARCH_FIELDS with defaults resolved (FFN size, G, head dim): what a checkpoint records."""
         meta = {name: getattr(self, name) for name in ARCH_FIELDS}
