@@ -1,0 +1,346 @@
+"""tools/convert_checkpoint.py for Llama, Mistral and Qwen2, against transformers and megatron-core.
+
+Small random models that transformers builds itself (odd sizes: hidden 96, 8 heads, 4 KV groups,
+FFN 200, rope theta 500000; every weight random, RMSNorm gains and biases included), each with a
+byte-level BPE tokenizer trained here and a config vocabulary larger than the tokenizer (as Qwen2's):
+  - HF -> ours (TP 1, 2, 4) -> HF is bit-exact: every tensor, the architecture's config fields, the
+    tokenizer files; both config schemas (transformers 4.x rope_theta/rope_scaling, 5.x
+    rope_parameters) give the same checkpoint;
+  - to-megatron files load strictly into megatron-core's own GPTModel, built here from a
+    TransformerConfig (not through zo_megatron's model), on every TP rank, and its logits equal
+    transformers' (fp32, 1e-5 relative, every element); from-megatron gives the weights back bit
+    for bit;
+  - wrong input is one `error:` line, exit 2, nothing written.
+"""
+import json
+import os
+
+import pytest
+import torch
+
+from tests.harness import free_port, run_world
+from tests.seeds import fresh_seed
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+HIDDEN, HEADS, GROUPS, FFN, LAYERS, POS, VOCAB, TOKENIZER_VOCAB = 96, 8, 4, 200, 2, 64, 384, 300
+SEQ = 11
+TPS = (1, 2, 4)
+# the architectures' fields that must survive HF -> ours -> HF
+CONFIG_FIELDS = ("architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings",
+                 "rms_norm_eps", "tie_word_embeddings", "rope_parameters", "attention_bias", "mlp_bias",
+                 "bos_token_id", "eos_token_id", "use_sliding_window", "sliding_window")
+
+
+def make_tokenizer(directory) -> str:
+    """A byte-level BPE tokenizer (TOKENIZER_VOCAB entries, <s> = BOS, </s> = EOS) trained offline."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from zo_megatron.data.corpus import iter_corpus_documents
+
+    texts = [text for _, (_, text) in zip(range(3), iter_corpus_documents())]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB, special_tokens=["<s>", "</s>"],
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                       show_progress=False))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(str(directory))
+    return str(directory)
+
+
+def hf_configs():
+    """name -> transformers config: untied Llama with Llama-3.1 rope scaling, tied Qwen2 (QKV
+    biases), untied Mistral (full attention), all GQA with odd sizes."""
+    common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+                  num_attention_heads=HEADS, num_key_value_heads=GROUPS, max_position_embeddings=POS,
+                  rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=1, attention_dropout=0.0)
+    return {
+        "llama": transformers.LlamaConfig(**{**common, "max_position_embeddings": 16384}, tie_word_embeddings=False,
+                                          rope_parameters=dict(
+            rope_type="llama3", rope_theta=500000.0, factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0,
+            original_max_position_embeddings=8192)),
+        "qwen2": transformers.Qwen2Config(**common, tie_word_embeddings=True, use_sliding_window=False,
+                                          rope_parameters=dict(rope_type="default", rope_theta=500000.0)),
+        "mistral": transformers.MistralConfig(**common, tie_word_embeddings=False, sliding_window=None,
+                                              rope_parameters=dict(rope_type="default", rope_theta=500000.0)),
+    }
+
+
+def make_hf_model(directory, cfg, seed: int, tokenizer: bool = True) -> str:
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.05)
+    model.save_pretrained(str(directory))
+    if tokenizer:
+        make_tokenizer(directory)
+    return str(directory)
+
+
+def hf_logits(directory, tokens) -> torch.Tensor:
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=torch.float32,
+                                                              attn_implementation="eager").eval()
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def close(ours, ref):
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+def quiet(_line):
+    pass
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """Every model through from-hf at TP 1, 2, 4 and back through to-hf and to-megatron."""
+    from zo_megatron.checkpoint import convert
+
+    seed = fresh_seed("convert llama")
+    d = tmp_path_factory.mktemp("convert_llama")
+    out = {"seed": seed, "d": str(d), "names": list(hf_configs())}
+    for i, (name, cfg) in enumerate(hf_configs().items()):
+        src = make_hf_model(d / name, cfg, seed + i)
+        for tp in TPS:
+            ck = str(d / f"{name}_ck_tp{tp}")
+            convert.from_hf(src, ck, tensor_parallel=tp, log=quiet)
+            convert.to_hf(ck, str(d / f"{name}_back_tp{tp}"), log=quiet)
+            convert.to_megatron(ck, str(d / f"{name}_megatron_tp{tp}"), log=quiet)
+            convert.from_megatron(str(d / f"{name}_megatron_tp{tp}"), str(d / f"{name}_from_megatron_tp{tp}"),
+                                  tensor_parallel=tp, log=quiet)
+    return out
+
+
+def test_hf_ours_hf_is_bit_exact_at_every_tp(models):
+    for name in models["names"]:
+        src = os.path.join(models["d"], name)
+        a = safetensors_torch.load_file(os.path.join(src, "model.safetensors"))
+        cfg_a = json.load(open(os.path.join(src, "config.json")))
+        for tp in TPS:
+            back = os.path.join(models["d"], f"{name}_back_tp{tp}")
+            b = safetensors_torch.load_file(os.path.join(back, "model.safetensors"))
+            assert set(a) == set(b), (name, tp, set(a) ^ set(b))
+            for k in a:
+                assert a[k].dtype == b[k].dtype == torch.float32 and torch.equal(a[k], b[k]), (name, tp, k)
+            cfg_b = json.load(open(os.path.join(back, "config.json")))
+            for field in CONFIG_FIELDS:
+                assert cfg_a.get(field) == cfg_b.get(field), (name, tp, field, cfg_a.get(field), cfg_b.get(field))
+            for f in ("tokenizer.json", "tokenizer_config.json"):      # the tokenizer, through ck/tokenizer/
+                ck_tok = os.path.join(models["d"], f"{name}_ck_tp{tp}", "tokenizer", f)
+                for copy in (ck_tok, os.path.join(back, f)):
+                    assert open(copy, "rb").read() == open(os.path.join(src, f), "rb").read(), (name, tp, copy)
+            assert type(transformers.AutoModelForCausalLM.from_pretrained(back, local_files_only=True)).__name__ == \
+                cfg_a["architectures"][0]
+
+
+def test_the_checkpoint_records_the_architecture_as_the_job_s_flags(models):
+    from zo_megatron.checkpoint.reader import CheckpointReader
+
+    expect = {"llama": dict(position_embedding_type="rope", rotary_base=500000, use_rope_scaling=True,
+                            rope_scaling_factor=4.0, normalization="RMSNorm", swiglu=True, num_query_groups=GROUPS,
+                            untie_embeddings_and_output_weights=True, add_bias_linear=False, add_qkv_bias=False,
+                            ffn_hidden_size=FFN, vocab_size=VOCAB, layernorm_epsilon=1e-5),
+              "qwen2": dict(use_rope_scaling=False, untie_embeddings_and_output_weights=False, add_bias_linear=False,
+                            add_qkv_bias=True, num_query_groups=GROUPS),
+              "mistral": dict(untie_embeddings_and_output_weights=True, add_bias_linear=False, add_qkv_bias=False)}
+    for name, fields in expect.items():
+        for tp in TPS:
+            reader = CheckpointReader(os.path.join(models["d"], f"{name}_ck_tp{tp}"))
+            meta = reader.model_meta
+            for k, v in fields.items():
+                assert meta[k] == v, (name, tp, k, meta[k], v)
+            assert reader.layout == (tp, 1) and not reader.has_optimizer_state
+            assert ("gpt.output_layer.weight" in reader.shapes) == meta["untie_embeddings_and_output_weights"]
+            assert reader.shapes["gpt.decoder.layers.0.mlp.linear_fc1.weight"] == (2 * FFN, HIDDEN)
+            assert reader.shapes["gpt.decoder.layers.0.self_attention.linear_qkv.weight"] == \
+                ((HEADS + 2 * GROUPS) * HIDDEN // HEADS, HIDDEN)
+
+
+def test_both_config_schemas_give_the_same_checkpoint(models, tmp_path):
+    """transformers 4.x wrote rope_theta + rope_scaling, 5.x writes rope_parameters: both are read."""
+    from zo_megatron.checkpoint import convert
+    from zo_megatron.checkpoint.reader import CheckpointReader
+
+    src = os.path.join(models["d"], "llama")
+    old = tmp_path / "llama_4x"
+    os.makedirs(old)
+    cfg = json.load(open(os.path.join(src, "config.json")))
+    rope = cfg.pop("rope_parameters")
+    cfg["rope_theta"] = rope.pop("rope_theta")
+    cfg["rope_scaling"] = {("type" if k == "rope_type" else k): v for k, v in rope.items()}
+    cfg["transformers_version"] = "4.45.0"
+    json.dump(cfg, open(old / "config.json", "w"))
+    for f in os.listdir(src):
+        if f != "config.json":
+            os.symlink(os.path.join(src, f), old / f)
+    convert.from_hf(str(old), str(tmp_path / "ck"), tensor_parallel=2, log=quiet)
+    a = CheckpointReader(str(tmp_path / "ck"))
+    b = CheckpointReader(os.path.join(models["d"], "llama_ck_tp2"))
+    assert a.model_meta == b.model_meta
+    wa, wb = a.read_weights(), b.read_weights()
+    assert set(wa) == set(wb) and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_megatron_round_trip_is_bit_exact(models):
+    from zo_megatron.checkpoint.reader import CheckpointReader
+
+    for name in models["names"]:
+        for tp in TPS:
+            ref = CheckpointReader(os.path.join(models["d"], f"{name}_ck_tp{tp}"))
+            back = CheckpointReader(os.path.join(models["d"], f"{name}_from_megatron_tp{tp}"))
+            assert back.model_meta == {**ref.model_meta}, (name, tp)
+            wa, wb = ref.read_weights(), back.read_weights()
+            assert set(wa) == set(wb), (name, tp, set(wa) ^ set(wb))
+            for k in wa:
+                assert torch.equal(wa[k], wb[k]), (name, tp, k)
+
+
+# ---------------------------------------------------------------- megatron-core loads the files
+
+def _megatron_core_gpt(args, tp):
+    """megatron-core's GPTModel from a TransformerConfig built from Megatron-LM's saved args
+    (independent of zo_megatron.model), as Megatron-LM's own loader would build it."""
+    import torch.nn.functional as F
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups, kv_channels=args.kv_channels, ffn_hidden_size=args.ffn_hidden_size,
+        gated_linear_unit=args.swiglu, activation_func=F.silu, normalization=args.normalization,
+        layernorm_epsilon=args.norm_epsilon, add_bias_linear=args.add_bias_linear, add_qkv_bias=args.add_qkv_bias,
+        hidden_dropout=0.0, attention_dropout=0.0, apply_query_key_layer_scaling=False, attention_softmax_in_fp32=True,
+        tensor_model_parallel_size=tp, params_dtype=torch.float32, use_cpu_initialization=True,
+        perform_initialization=False, gradient_accumulation_fusion=False, masked_softmax_fusion=False,
+        bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False)
+    return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization=args.normalization),
+                    vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
+                    share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                    position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
+                    rotary_percent=args.rotary_percent, rope_scaling=args.use_rope_scaling,
+                    rope_scaling_factor=args.rope_scaling_factor, parallel_output=True)
+
+
+def _load_megatron_files(rank, d, names, tokens, ports):
+    from zo_megatron.checkpoint import megatron_lm
+    from zo_megatron.parallel import collectives, destroy_parallel, init_parallel
+
+    out = {}
+    for tp, port in zip(TPS[::-1], ports):
+        os.environ["MASTER_PORT"] = str(port)
+        ps = init_parallel(tp, num_attention_heads=HEADS, hidden_size=HIDDEN)
+        for name in names:
+            sd = megatron_lm.safe_load(os.path.join(d, f"{name}_megatron_tp{tp}", "release",
+                                                    f"mp_rank_{ps.tp_rank:02d}", megatron_lm.FILE))
+            model = _megatron_core_gpt(sd["args"], tp)
+            model.load_state_dict(sd["model"], strict=True)
+            model.eval()
+            b, s = tokens.shape
+            mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)[None, None]
+            with torch.no_grad():
+                local = model(tokens, torch.arange(s).expand(b, s), mask)
+            full = torch.cat(collectives.all_gather_list(local.contiguous(), ps.tp_group), -1) if tp > 1 else local
+            out[(name, tp)] = (full[..., :VOCAB].clone(), vars(sd["args"]))
+        collectives.barrier()
+        destroy_parallel()
+    return out
+
+
+def test_megatron_core_loads_the_files_strictly_on_every_tp_rank_with_transformers_logits(models):
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(models["seed"] + 7))
+    world = run_world(_load_megatron_files, 4, models["d"], models["names"], tokens,
+                      [free_port() for _ in TPS], timeout=400)
+    for name in models["names"]:
+        ref = hf_logits(os.path.join(models["d"], name), tokens)
+        for tp in TPS:
+            for rank_out in world:
+                logits, args = rank_out[(name, tp)]
+                close(logits, ref)
+                assert args["tensor_model_parallel_size"] == tp and args["swiglu"] and args["normalization"] == "RMSNorm"
+                assert args["group_query_attention"] and args["num_query_groups"] == GROUPS
+                assert args["position_embedding_type"] == "rope" and args["rotary_base"] == 500000
+                assert args["padded_vocab_size"] == -(-VOCAB // (128 * tp)) * 128 * tp
+                assert args["tokenizer_type"] == "HuggingFaceTokenizer"
+
+
+# ---------------------------------------------------------------- wrong input
+
+def _cli():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("convert_checkpoint_cli", os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "convert_checkpoint.py"))
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    return cli
+
+
+def _edited_copy(src, dst, **changes):
+    """A copy of the HF directory `src` whose config.json has `changes` (None deletes a key)."""
+    os.makedirs(dst)
+    for f in os.listdir(src):
+        if f != "config.json":
+            os.symlink(os.path.join(src, f), os.path.join(dst, f))
+    cfg = json.load(open(os.path.join(src, "config.json")))
+    for k, v in changes.items():
+        if v is None:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    json.dump(cfg, open(os.path.join(dst, "config.json"), "w"))
+    return str(dst)
+
+
+def test_wrong_input_is_one_error_line_exit_2_and_nothing_written(models, tmp_path, capsys):
+    cli = _cli()
+    llama, mistral, qwen2 = (os.path.join(models["d"], n) for n in ("llama", "mistral", "qwen2"))
+    scratch = tmp_path / "inputs"
+    os.makedirs(scratch)
+    no_weights = scratch / "no_weights"
+    os.makedirs(no_weights)
+    json.dump(json.load(open(os.path.join(llama, "config.json"))), open(no_weights / "config.json", "w"))
+    rope = json.load(open(os.path.join(llama, "config.json")))["rope_parameters"]
+    cases = [
+        ("unknown architecture", _edited_copy(llama, scratch / "phi", architectures=["PhiForCausalLM"]),
+         "PhiForCausalLM is not supported; supported architectures: GPT2LMHeadModel, LlamaForCausalLM, "
+         "MistralForCausalLM, Qwen2ForCausalLM"),
+        ("Mistral sliding window", _edited_copy(mistral, scratch / "swa", sliding_window=16),
+         "sliding_window=16"),
+        ("Qwen2 sliding window", _edited_copy(qwen2, scratch / "qswa", use_sliding_window=True, sliding_window=16,
+                                              max_window_layers=0, layer_types=None), "sliding_window=16"),
+        ("a hub id", "meta-llama/Llama-3.2-1B", "no such directory"),
+        ("config without weights", str(no_weights), "no weights (model.safetensors"),
+        ("llama3 rope with other fixed values", _edited_copy(llama, scratch / "rope", rope_parameters={
+            **rope, "high_freq_factor": 2.0}), "high_freq_factor=2.0"),
+        ("yarn rope", _edited_copy(llama, scratch / "yarn", rope_parameters={
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0}), "rope_type='yarn'"),
+        ("GELU Llama", _edited_copy(llama, scratch / "gelu", hidden_act="gelu"), "hidden_act='gelu'"),
+        ("attention bias without MLP bias", _edited_copy(llama, scratch / "bias", attention_bias=True),
+         "attention_bias=True, mlp_bias=False"),
+    ]
+    out = str(tmp_path / "out")
+    capsys.readouterr()
+    for case, src, says in cases:
+        before = sorted(os.listdir(tmp_path))
+        rc = cli.main(["from-hf", "--input", src, "--output", out, "--tensor-parallel", "1"])
+        err = capsys.readouterr().err
+        lines = [ln for ln in err.splitlines() if ln.strip() and "%" not in ln]
+        assert rc == 2, (case, rc, err)
+        assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], (case, err)
+        assert sorted(os.listdir(tmp_path)) == before, case
+    # TP that does not divide the KV groups; a Qwen2 config (QKV biases only) written as Llama
+    for argv, says in (
+            (["from-hf", "--input", llama, "--output", out, "--tensor-parallel", "8"], "query groups 4"),
+            (["to-hf", "--load", os.path.join(models["d"], "qwen2_ck_tp1"), "--output", out,
+              "--architecture", "LlamaForCausalLM"], "cannot be written as LlamaForCausalLM")):
+        rc = cli.main(argv)
+        err = capsys.readouterr().err
+        assert rc == 2 and err.count("\n") == 1 and says in err, (argv, err)
+        assert not os.path.exists(out)

@@ -1,0 +1,88 @@
+"""A checkpoint's model architecture (`meta`: GPTConfig field values) for the offline tools.
+
+Checkpoints record the architecture fields (manifest "model"); those written before the Llama
+family existed record only the GPT-2 shape, and the other fields then take GPT-2's values. From
+the fields alone the tools know every parameter's full shape (`param_shapes`, checked against
+the built model by the tests) and which TP sizes can hold the model.
+"""
+from __future__ import annotations
+
+from zo_megatron.errors import UserError
+
+# GPT-2's values (GPTConfig's defaults) of the fields an old checkpoint does not record
+DEFAULTS = dict(make_vocab_size_divisible_by=128, position_embedding_type="learned_absolute", rotary_base=10000,
+                rotary_percent=1.0, use_rope_scaling=False, rope_scaling_factor=8.0, normalization="LayerNorm",
+                layernorm_epsilon=1e-5, swiglu=False, num_query_groups=None, kv_channels=None,
+                untie_embeddings_and_output_weights=False, add_bias_linear=True, add_qkv_bias=False,
+                qk_layernorm=False)
+_PREFIX = "gpt."
+
+
+def full_meta(meta: dict) -> dict:
+    """Every architecture field, the unrecorded ones at GPT-2's values; None for the defaults
+    (num_query_groups = heads, kv_channels = hidden / heads), so equal models compare equal."""
+    out = {**DEFAULTS, **meta}
+    if out["num_query_groups"] == out["num_attention_heads"]:
+        out["num_query_groups"] = None
+    if out["kv_channels"] == out["hidden_size"] // out["num_attention_heads"]:
+        out["kv_channels"] = None
+    return out
+
+
+def query_groups(meta: dict) -> int:
+    return meta.get("num_query_groups") or meta["num_attention_heads"]
+
+
+def head_dim(meta: dict) -> int:
+    return meta.get("kv_channels") or meta["hidden_size"] // meta["num_attention_heads"]
+
+
+def param_shapes(meta: dict) -> dict[str, tuple[int, ...]]:
+    """Full unpadded shape of every parameter of the GPTModel `meta` describes (our names)."""
+    meta = full_meta(meta)
+    h, f, v = meta["hidden_size"], meta["ffn_hidden_size"], meta["vocab_size"]
+    q, kv = meta["num_attention_heads"] * head_dim(meta), query_groups(meta) * head_dim(meta)
+    layer_norm = meta["normalization"] == "LayerNorm"
+    bias, qkv_bias = meta["add_bias_linear"], meta["add_bias_linear"] or meta["add_qkv_bias"]
+    fc1 = 2 * f if meta["swiglu"] else f
+
+    def norm(name):
+        return {name + ".weight": (h,), **({name + ".bias": (h,)} if layer_norm else {})}
+
+    out = {_PREFIX + "embedding.word_embeddings.weight": (v, h)}
+    if meta["position_embedding_type"] == "learned_absolute":
+        out[_PREFIX + "embedding.position_embeddings.weight"] = (meta["max_position_embeddings"], h)
+    for i in range(meta["num_layers"]):
+        m = f"{_PREFIX}decoder.layers.{i}."
+        out.update(norm(m + "input_layernorm"))
+        out[m + "self_attention.linear_qkv.weight"] = (q + 2 * kv, h)
+        if qkv_bias:
+            out[m + "self_attention.linear_qkv.bias"] = (q + 2 * kv,)
+        if meta["qk_layernorm"]:
+            out.update({m + "self_attention.q_layernorm.weight": (head_dim(meta),),
+                        m + "self_attention.k_layernorm.weight": (head_dim(meta),)})
+            if layer_norm:
+                out.update({m + "self_attention.q_layernorm.bias": (head_dim(meta),),
+                            m + "self_attention.k_layernorm.bias": (head_dim(meta),)})
+        out[m + "self_attention.linear_proj.weight"] = (h, q)
+        out.update(norm(m + "pre_mlp_layernorm"))
+        out[m + "mlp.linear_fc1.weight"] = (fc1, h)
+        out[m + "mlp.linear_fc2.weight"] = (h, f)
+        if bias:
+            out.update({m + "self_attention.linear_proj.bias": (h,), m + "mlp.linear_fc1.bias": (fc1,),
+                        m + "mlp.linear_fc2.bias": (h,)})
+    out.update(norm(_PREFIX + "decoder.final_layernorm"))
+    if meta["untie_embeddings_and_output_weights"]:
+        out[_PREFIX + "output_layer.weight"] = (v, h)
+    return out
+
+
+def check_tensor_parallel(meta: dict, tp: int, flag: str = "--tensor-parallel") -> None:
+    """TP splits whole query groups (so whole heads) and whole MLP columns."""
+    if tp < 1:
+        raise UserError(f"{flag} {tp}: must be >= 1")
+    for what, n in (("num_attention_heads", meta["num_attention_heads"]), ("query groups", query_groups(meta)),
+                    ("ffn_hidden_size", meta["ffn_hidden_size"])):
+        if n % tp:
+            raise UserError(f"{flag} {tp} does not divide the model's {what} {n}: TP splits whole query groups, "
+                            f"heads and MLP columns; choose a TP size that divides {n}")
