@@ -344,3 +344,158 @@ def test_wrong_input_is_one_error_line_exit_2_and_nothing_written(models, tmp_pa
         err = capsys.readouterr().err
         assert rc == 2 and err.count("\n") == 1 and says in err, (argv, err)
         assert not os.path.exists(out)
+
+
+# ---------------------------------------------------------------- our model, the engine, reshard
+
+STEPS, MICRO = 2, 2
+
+
+def _our_config(meta):
+    from zo_megatron.model import GPTConfig
+    from zo_megatron.model.config import ARCH_FIELDS
+
+    return GPTConfig(**{k: meta[k] for k in ARCH_FIELDS}, precision="fp32")
+
+
+def _gathered_logits(model, ps, tokens):
+    from zo_megatron.parallel import collectives
+
+    with torch.no_grad():
+        local = model(tokens).float()
+    full = torch.cat(collectives.all_gather_list(local.contiguous(), ps.tp_group), -1) if ps.tp_size > 1 else local
+    return full[..., :VOCAB].clone()
+
+
+def _live_state(model, engine, ps):
+    """This rank's fp32 master / first-moment fragments as the live engine holds them, with the
+    model's own shard layout (pieces), for an assembly independent of the checkpoint code."""
+    from zo_megatron.model.sharding import model_shard_infos
+
+    return {"tp_rank": ps.tp_rank,
+            "fragments": [(n, start, views["master"].clone(), views["exp_avg"].clone())
+                          for n, _, start, _, views in engine.host_state_views()],
+            "infos": {n: (i.tp_axis, i.local_shape, i.full_shape, i.pieces)
+                      for n, i in model_shard_infos(model, ps.tp_rank, ps.tp_size, VOCAB).items()}}
+
+
+def assemble(outs, which):
+    """Full tensors from every rank's flat fragments (DP ranks each own a part of their TP
+    shard), each shard placed by its pieces."""
+    locals_, layout = {}, {}
+    for o in outs:
+        for name, start, master, exp_avg in o["fragments"]:
+            axis, local_shape, full_shape, pieces = o["infos"][name]
+            local = locals_.setdefault((name, o["tp_rank"]), torch.full(local_shape, float("nan")))
+            src = master if which == "master" else exp_avg
+            local.view(-1)[start:start + src.numel()] = src
+            layout[(name, o["tp_rank"])] = (axis, full_shape, pieces)
+    full = {}
+    for (name, _), local in locals_.items():
+        axis, full_shape, pieces = layout[(name, _)]
+        t = full.setdefault(name, torch.full(full_shape, float("nan")))
+        if axis is None:
+            t.copy_(local)
+        for f, lo, n in (pieces if axis is not None else ()):
+            t.narrow(axis, f, n).copy_(local.narrow(axis, lo, n))
+    for name, t in full.items():
+        assert not torch.isnan(t).any(), (name, which)
+    return full
+
+
+def _engine_world(rank, d, tokens, seed, ports):
+    """Per layout: our model loads the from-hf checkpoint through the job's loader (its logits come
+    back); at TP4 it trains and saves; rank 0 converts; each reshard loads as a same-layout resume."""
+    from zo_megatron.checkpoint import LoadOptions, load_checkpoint, save_checkpoint
+    from zo_megatron.checkpoint import convert
+    from zo_megatron.checkpoint.arch import param_shapes
+    from zo_megatron.checkpoint.content import full_shapes
+    from zo_megatron.checkpoint.reader import CheckpointReader
+    from zo_megatron.model import build_gpt_model
+    from zo_megatron.offload.engine import AdamConfig, ZeroOffloadEngine
+    from zo_megatron.parallel import collectives, destroy_parallel, init_parallel
+
+    out = {}
+    ports = iter(ports)
+
+    def world(tp, name, ck, train=False, resume=False):
+        os.environ["MASTER_PORT"] = str(next(ports))
+        meta = CheckpointReader(ck).model_meta
+        cfg = _our_config(meta)
+        ps = init_parallel(tp, seed=seed, num_attention_heads=HEADS, hidden_size=HIDDEN)
+        model = build_gpt_model(cfg, ps.tp_rank, ps.tp_size, seed + 11)
+        engine = ZeroOffloadEngine(model, precision="fp32", adam=AdamConfig(lr=1e-2, weight_decay=0.1), clip_grad=1.0,
+                                   bucket_size=20000, dp_group=ps.dp_group, tp_rank=ps.tp_rank, device=ps.device)
+        res = load_checkpoint(ck, ps=ps, model=model, optimizer=engine, vocab_size=VOCAB, model_meta=cfg.arch_meta(),
+                              schedule={}, opts=LoadOptions(override_opt_param_scheduler=True))
+        o = {"tp": tp, "logits": _gathered_logits(model, ps, tokens), "resharded_from": res.resharded_from,
+             "step": engine.step_count, "shapes_ok": full_shapes(model, ps.tp_rank, tp, VOCAB) == param_shapes(meta)}
+        if train:
+            gen = torch.Generator().manual_seed(seed + 1)
+            for _ in range(STEPS):
+                batch = torch.randint(0, VOCAB, (MICRO * ps.dp_size, SEQ), generator=gen)
+                mine = batch[ps.dp_rank * MICRO:(ps.dp_rank + 1) * MICRO]
+                engine.backward(model.loss(mine, torch.roll(mine, -1, 1)))
+                engine.step()
+            o["logits"] = _gathered_logits(model, ps, tokens)        # the trained model's
+            save_checkpoint(os.path.join(d, "trained"), STEPS, ps=ps, model=model, optimizer=engine, vocab_size=VOCAB,
+                            train_state={"consumed_samples": 0, "consumed_valid_samples": 0,
+                                         "opt_param_scheduler": None},
+                            model_meta=cfg.arch_meta(), args={"make_vocab_size_divisible_by": 128})
+        if train or resume:
+            o.update(_live_state(model, engine, ps))
+        engine.close()
+        collectives.barrier()
+        destroy_parallel()
+        out[name] = o
+
+    for tp in TPS[::-1]:                        # the from-hf checkpoints, at TP x DP = 4 x 1, 2 x 2, 1 x 4
+        world(tp, f"from_hf_tp{tp}", os.path.join(d, f"llama_ck_tp{tp}"))
+    world(4, "trained", os.path.join(d, "llama_ck_tp4"), train=True)
+    if rank == 0:
+        convert.to_fp32(os.path.join(d, "trained"), os.path.join(d, "trained_fp32.safetensors"), log=quiet)
+        convert.reshard(os.path.join(d, "trained"), os.path.join(d, "tp2"), target_tp=2, target_dp=2, log=quiet)
+        convert.reshard(os.path.join(d, "tp2"), os.path.join(d, "tp1"), target_tp=1, target_dp=4, log=quiet)
+    os.environ["MASTER_PORT"] = str(next(ports))
+    init_parallel(1)
+    collectives.barrier()
+    destroy_parallel()
+    world(2, "tp2", os.path.join(d, "tp2"), resume=True)
+    world(1, "tp1", os.path.join(d, "tp1"), resume=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def engine_runs(models):
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(models["seed"] + 5))
+    world = run_world(_engine_world, 4, models["d"], tokens, models["seed"], [free_port() for _ in range(7)],
+                      timeout=500)
+    return {"tokens": tokens, "world": world}
+
+
+def test_our_model_from_a_from_hf_checkpoint_equals_transformers(models, engine_runs):
+    ref = hf_logits(os.path.join(models["d"], "llama"), engine_runs["tokens"])
+    for rank_out in engine_runs["world"]:
+        for tp in TPS:
+            o = rank_out[f"from_hf_tp{tp}"]
+            close(o["logits"], ref)
+            assert o["shapes_ok"] and o["step"] == 0, tp
+
+
+def test_to_fp32_and_reshard_tp4_tp2_tp1_are_exact_for_swiglu(models, engine_runs):
+    world = engine_runs["world"]
+    trained = [w["trained"] for w in world]
+    ref = {which: assemble(trained, which) for which in ("master", "exp_avg")}
+    got = safetensors_torch.load_file(os.path.join(models["d"], "trained_fp32.safetensors"))
+    assert set(got) == set(ref["master"])
+    for k, t in ref["master"].items():
+        assert torch.equal(got[k], t), k
+    for name in ("tp2", "tp1"):
+        outs = [w[name] for w in world]
+        for which in ("master", "exp_avg"):
+            back = assemble(outs, which)
+            for k, t in ref[which].items():
+                assert torch.equal(back[k], t), (name, which, k)
+        for o in outs:
+            assert o["resharded_from"] is None and o["step"] == STEPS, (name, o["resharded_from"], o["step"])
+            torch.testing.assert_close(o["logits"], trained[0]["logits"], rtol=1e-5, atol=1e-5)

@@ -7,26 +7,24 @@ the built model by the tests) and which TP sizes can hold the model.
 """
 from __future__ import annotations
 
-from zo_megatron.errors import UserError
+import dataclasses
 
-# GPT-2's values (GPTConfig's defaults) of the fields an old checkpoint does not record
-DEFAULTS = dict(make_vocab_size_divisible_by=128, position_embedding_type="learned_absolute", rotary_base=10000,
-                rotary_percent=1.0, use_rope_scaling=False, rope_scaling_factor=8.0, normalization="LayerNorm",
-                layernorm_epsilon=1e-5, swiglu=False, num_query_groups=None, kv_channels=None,
-                untie_embeddings_and_output_weights=False, add_bias_linear=True, add_qkv_bias=False,
-                qk_layernorm=False)
+from zo_megatron.errors import UserError
+from zo_megatron.model.config import ARCH_FIELDS, GPTConfig
+
+# GPTConfig's defaults (GPT-2) for the fields an old checkpoint does not record
+DEFAULTS = {f.name: f.default for f in dataclasses.fields(GPTConfig)
+            if f.name in ARCH_FIELDS and f.name not in ("num_layers", "hidden_size", "num_attention_heads",
+                                                         "vocab_size", "max_position_embeddings", "ffn_hidden_size")}
 _PREFIX = "gpt."
 
 
 def full_meta(meta: dict) -> dict:
-    """Every architecture field, the unrecorded ones at GPT-2's values; None for the defaults
-    (num_query_groups = heads, kv_channels = hidden / heads), so equal models compare equal."""
-    out = {**DEFAULTS, **meta}
-    if out["num_query_groups"] == out["num_attention_heads"]:
-        out["num_query_groups"] = None
-    if out["kv_channels"] == out["hidden_size"] // out["num_attention_heads"]:
-        out["kv_channels"] = None
-    return out
+    """Every ARCH_FIELDS field as the job records it (GPTConfig.arch_meta: FFN size, query groups
+    and head dim resolved), the unrecorded ones at GPT-2's values; an impossible architecture is
+    GPTConfig's one-line ConfigError."""
+    known = {k: v for k, v in {**DEFAULTS, **meta}.items() if k in ARCH_FIELDS}
+    return GPTConfig(**known, precision="fp32").arch_meta()
 
 
 def query_groups(meta: dict) -> int:

@@ -32,7 +32,7 @@ from zo_megatron.checkpoint.boxes import Box
 from zo_megatron.checkpoint.content import EXP_AVG, EXP_AVG_SQ, MODEL
 from zo_megatron.checkpoint.layout import rng_file
 from zo_megatron.checkpoint.reader import CheckpointReader
-from zo_megatron.checkpoint.tp_layout import padded_vocab_size, tp_axis, tp_shard_box
+from zo_megatron.checkpoint.tp_layout import padded_vocab_size, tp_axis, tp_shard_boxes
 from zo_megatron.checkpoint.writer import TensorSpec, atomic_output, tree_bytes, write_checkpoint
 from zo_megatron.errors import UserError
 
@@ -85,13 +85,15 @@ def _divisible_by(args: dict) -> int:
 
 
 def _tp_specs(shapes: dict[str, tuple[int, ...]], prefixes: list[str], dtypes: dict[str, torch.dtype],
-              tp: int, padded_vocab: int) -> list[TensorSpec]:
-    """Each key stored as the boxes its TP shards hold at `tp` (vocab padding rows are not stored)."""
+              tp: int, padded_vocab: int, swiglu: bool) -> list[TensorSpec]:
+    """Each key stored as the boxes its TP shards hold at `tp` (two per rank for SwiGLU's fc1;
+    vocab padding rows are not stored)."""
     out = []
     for prefix in prefixes:
         for name, shape in shapes.items():
-            boxes = [tp_shard_box(name, shape, r, tp, padded_vocab) for r in (range(tp) if tp_axis(name) is not None else [0])]
-            out.append(TensorSpec(prefix + name, shape, dtypes[prefix], tuple(b for b in boxes if b is not None)))
+            ranks = range(tp) if tp_axis(name) is not None else [0]
+            boxes = [b for r in ranks for b in tp_shard_boxes(name, shape, r, tp, padded_vocab, swiglu)]
+            out.append(TensorSpec(prefix + name, shape, dtypes[prefix], tuple(boxes)))
     return out
 
 
@@ -113,7 +115,7 @@ def _write_weights_checkpoint(output: str, weights: dict[str, torch.Tensor], met
         bad = sorted(set(shapes) ^ set(expected)) or sorted(k for k in shapes if shapes[k] != expected[k])
         raise RuntimeError(f"converted weights do not match the architecture (first: {bad[0]})")
     specs = _tp_specs(shapes, [MODEL], {MODEL: torch.float32}, tp,
-                      padded_vocab_size(meta["vocab_size"], _divisible_by(args), tp))
+                      padded_vocab_size(meta["vocab_size"], _divisible_by(args), tp), meta["swiglu"])
     manifest = {"weights_only": True, "converted_from": converted_from, "model": meta, "params": shapes,
                 "layout": {"tensor_parallel": tp, "data_parallel": 1},
                 "optimizer": {"kind": "none", "step": 0, "loss_scaler": {}}, "args": args,
@@ -349,12 +351,12 @@ def reshard(load: str, output: str, *, target_tp: int, target_dp: int | None = N
     dp = target_dp or src_dp
     if dp < 1:
         raise UserError(f"--target-data-parallel-size {dp}: must be >= 1")
-    meta, args = reader.model_meta, reader.args
+    meta, args = full_meta(reader.model_meta), reader.args
     check_tensor_parallel(meta, target_tp, "--target-tensor-parallel-size")
     prefixes = [MODEL] + ([EXP_AVG, EXP_AVG_SQ] if reader.has_optimizer_state else [])
     dtypes = {p: reader.dtype(p + next(iter(reader.shapes))) for p in prefixes}
     specs = _tp_specs(reader.shapes, prefixes, dtypes, target_tp,
-                      padded_vocab_size(meta["vocab_size"], _divisible_by(args), target_tp))
+                      padded_vocab_size(meta["vocab_size"], _divisible_by(args), target_tp), meta["swiglu"])
     cache: dict[str, torch.Tensor] = {}
 
     def fetch(key: str, box: Box) -> torch.Tensor:

@@ -31,16 +31,16 @@ import re
 import torch
 
 from zo_megatron.checkpoint.arch import full_meta, head_dim, query_groups
-from zo_megatron.checkpoint.tp_layout import EXTRA_STATE_LAYERS, WORD_EMBEDDING, padded_vocab_size, tp_axis
+from zo_megatron.checkpoint.tp_layout import (EXTRA_STATE_LAYERS, OUTPUT_LAYER, WORD_EMBEDDING, local_rows,
+                                              padded_vocab_size, partition_stride, tp_axis)
+from zo_megatron.model.sharding import split_pieces
 from zo_megatron.errors import UserError
 
 TRACKER = "latest_checkpointed_iteration.txt"
 FILE = "model_optim_rng.pt"
 CHECKPOINT_VERSION = 3.0
 GPT2_VOCAB = 50257
-_OURS = "gpt."
-OUTPUT_LAYER = "output_layer.weight"
-_FC1 = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias")                                  # our module wraps megatron-core's GPTModel as .gpt
+_OURS = "gpt."                                  # our module wraps megatron-core's GPTModel as .gpt
 _PLAIN_GLOBALS = {"argparse.Namespace", "_io.BytesIO", "numpy.ndarray", "numpy.dtype",
                   "numpy.core.multiarray._reconstruct", "numpy._core.multiarray._reconstruct",
                   "numpy.core.multiarray.scalar", "numpy._core.multiarray.scalar"}
@@ -154,23 +154,14 @@ def _ours_to_megatron(name: str) -> str:
 
 def rank_layout(name: str, full_shape: tuple[int, ...], rank: int, tp: int, padded_vocab: int, swiglu: bool):
     """(axis, local rows, [(full offset, local offset, rows)]) of TP rank `rank`'s shard along the
-    split axis; None for a replicated parameter. Vocab-parallel weights cover padding rows (zero
-    in the files); SwiGLU's fc1 rank holds [gate_r; up_r] (two pieces)."""
+    split axis (the layout of checkpoint/tp_layout.py); None for a replicated parameter. Vocab
+    rows past the full tensor are padding (zero in the files); SwiGLU's fc1 rank holds
+    [gate_r; up_r] (two pieces)."""
     axis = tp_axis(name)
-    vocab_rows = name.endswith((WORD_EMBEDDING, OUTPUT_LAYER))
-    if vocab_rows:
-        axis = 0
     if axis is None:
         return None
-    if vocab_rows:
-        local = padded_vocab // tp
-        n = min(local, full_shape[0] - rank * local)
-        return axis, local, [(rank * local, 0, n)] if n > 0 else []
-    local = full_shape[axis] // tp
-    if swiglu and name.endswith(_FC1):
-        half, f = local // 2, full_shape[axis] // 2
-        return axis, local, [(rank * half, 0, half), (f + rank * half, half, half)]
-    return axis, local, [(rank * local, 0, local)]
+    local = local_rows(name, full_shape, tp, padded_vocab)
+    return axis, local, split_pieces(full_shape[axis], local, rank, tp, partition_stride(name, swiglu))
 
 
 def write(out_dir: str, weights: dict[str, torch.Tensor], args: argparse.Namespace, *, progress=None) -> list[str]:
@@ -317,7 +308,7 @@ def read(in_dir: str, *, progress=None) -> tuple[dict[str, torch.Tensor], argpar
                 raise UserError(f"{os.path.join(d, ranks[r], FILE)}: {k} has shape {tuple(sh[k].shape)}, "
                                 f"{ranks[0]}'s has {tuple(t0.shape)}: the TP ranks come from different models")
         vocab_rows = k.endswith((WORD_EMBEDDING, OUTPUT_LAYER))
-        axis = 0 if vocab_rows else tp_axis(k)
+        axis = tp_axis(k)
         t = t0
         if axis is not None:
             shape = list(t0.shape)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from zo_megatron.checkpoint.arch import DEFAULTS, full_meta
+from zo_megatron.checkpoint.arch import full_meta
 from zo_megatron.checkpoint.hf.family import HFFamily
 from zo_megatron.errors import UserError
 
@@ -132,10 +132,11 @@ def meta_from_hf_config(cfg, where: str) -> dict:
         refuse("n_embd", cfg.n_embd, f"not divisible by n_head={cfg.n_head}")
     return dict(num_layers=cfg.n_layer, hidden_size=cfg.n_embd, num_attention_heads=cfg.n_head,
                 ffn_hidden_size=cfg.n_inner or 4 * cfg.n_embd, max_position_embeddings=cfg.n_positions,
-                vocab_size=cfg.vocab_size, **{**DEFAULTS, "layernorm_epsilon": float(cfg.layer_norm_epsilon)})
+                vocab_size=cfg.vocab_size, layernorm_epsilon=float(cfg.layer_norm_epsilon))
 
 
-# architecture fields a GPT2Config can hold any value of, or that do not apply to it
+# architecture fields a GPT2Config holds, or that do not apply to it (any value)
+_SHAPE = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size", "max_position_embeddings")
 _FREE = ("layernorm_epsilon", "make_vocab_size_divisible_by", "rotary_base", "rope_scaling_factor")
 
 
@@ -152,7 +153,7 @@ class GPT2Family(HFFamily):
                             f"{str(exc).splitlines()[0][:160] if str(exc) else ''})") from None
 
     def meta_from_config(self, cfg, where: str) -> tuple[dict, dict]:
-        return meta_from_hf_config(cfg, where), {"hidden_dropout": cfg.resid_pdrop, "attention_dropout": cfg.attn_pdrop}
+        return full_meta(meta_from_hf_config(cfg, where)), {"hidden_dropout": cfg.resid_pdrop, "attention_dropout": cfg.attn_pdrop}
 
     def read_state(self, input_dir: str, cfg, meta: dict) -> dict[str, torch.Tensor]:
         # transformers' own loader: it also reads the original GPT-2 files' legacy names (no
@@ -170,8 +171,9 @@ class GPT2Family(HFFamily):
 
     def why_not(self, meta: dict) -> str | None:
         meta = full_meta(meta)
-        for key, want in DEFAULTS.items():
-            if key not in _FREE and meta[key] != want:
+        gpt2 = full_meta({k: meta[k] for k in _SHAPE + _FREE})       # the same shape as GPT-2
+        for key, want in gpt2.items():
+            if meta[key] != want:
                 return f"GPT-2 has {key}={want!r} (the model has {meta[key]!r})"
         return None
 

@@ -329,7 +329,8 @@ class LlamaFamily(HFFamily):
         ours = _our_biases(meta)
         extra = {name: set(lin) <= ours for name, lin in self.variant.bias_fields.items()}
         # Qwen2's config has no head_dim field (its attention reads one if present): only when needed
-        if "head_dim" in getattr(cls, "__dataclass_fields__", {}) or meta.get("kv_channels"):
+        if "head_dim" in getattr(cls, "__dataclass_fields__", {}) or \
+                head_dim(meta) != meta["hidden_size"] // meta["num_attention_heads"]:
             extra["head_dim"] = head_dim(meta)
         return cls(vocab_size=meta["vocab_size"], hidden_size=meta["hidden_size"],
                    intermediate_size=meta["ffn_hidden_size"], num_hidden_layers=meta["num_layers"],
