@@ -75,6 +75,42 @@ def param_shapes(meta: dict) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def job_flags(meta: dict) -> str:
+    """pretrain_gpt.py's flags (Megatron-LM's names) for the architecture `meta`: what a run that
+    loads the checkpoint must be given (a resume with other values is refused)."""
+    m = full_meta(meta)
+    flags = [f"--num-layers {m['num_layers']}", f"--hidden-size {m['hidden_size']}",
+             f"--num-attention-heads {m['num_attention_heads']}", f"--ffn-hidden-size {m['ffn_hidden_size']}",
+             f"--max-position-embeddings {m['max_position_embeddings']}"]
+    if m["position_embedding_type"] == "rope":
+        flags += ["--position-embedding-type rope", f"--rotary-base {m['rotary_base']}"]
+        if m["rotary_percent"] != 1.0:
+            flags.append(f"--rotary-percent {m['rotary_percent']:g}")
+        if m["use_rope_scaling"]:
+            flags += ["--use-rope-scaling", f"--rope-scaling-factor {m['rope_scaling_factor']:g}"]
+    if m["normalization"] != "LayerNorm":
+        flags.append(f"--normalization {m['normalization']}")
+    if m["layernorm_epsilon"] != DEFAULTS["layernorm_epsilon"]:
+        flags.append(f"--norm-epsilon {m['layernorm_epsilon']:g}")
+    if m["swiglu"]:
+        flags.append("--swiglu")
+    if m["num_query_groups"] != m["num_attention_heads"]:
+        flags += ["--group-query-attention", f"--num-query-groups {m['num_query_groups']}"]
+    if m["kv_channels"] != m["hidden_size"] // m["num_attention_heads"]:
+        flags.append(f"--kv-channels {m['kv_channels']}")
+    if m["untie_embeddings_and_output_weights"]:
+        flags.append("--untie-embeddings-and-output-weights")
+    if not m["add_bias_linear"]:
+        flags.append("--disable-bias-linear")
+        if m["add_qkv_bias"]:
+            flags.append("--add-qkv-bias")
+    if m["qk_layernorm"]:
+        flags.append("--qk-layernorm")
+    if m["make_vocab_size_divisible_by"] != DEFAULTS["make_vocab_size_divisible_by"]:
+        flags.append(f"--make-vocab-size-divisible-by {m['make_vocab_size_divisible_by']}")
+    return " ".join(flags)
+
+
 def check_tensor_parallel(meta: dict, tp: int, flag: str = "--tensor-parallel") -> None:
     """TP splits whole query groups (so whole heads) and whole MLP columns."""
     if tp < 1:
