@@ -8,7 +8,7 @@ the functions that need them.
 """
 
 from zo_megatron.data.errors import DataError
-from zo_megatron.data.tokenizer import GPT2Tokenizer, build_tokenizer
+from zo_megatron.data.tokenizer import GPT2Tokenizer, HuggingFaceTokenizer, Tokenizer, build_tokenizer
 
 _LAZY = {
     "PreprocessResult": "zo_megatron.data.preprocess",
@@ -24,7 +24,7 @@ _LAZY = {
     "dp_batches": "zo_megatron.data.datasets",
 }
 
-__all__ = ["DataError", "GPT2Tokenizer", "build_tokenizer", *_LAZY]
+__all__ = ["DataError", "GPT2Tokenizer", "HuggingFaceTokenizer", "Tokenizer", "build_tokenizer", *_LAZY]
 
 
 def __getattr__(name):

@@ -144,7 +144,8 @@ def _check_inputs(args, env, dp):
     """Every check that reads files or this node's memory; returns (tokenizer, data path)."""
     from zo_megatron.data import build_tokenizer, validate_data_prefix
 
-    tokenizer = build_tokenizer(args.vocab_file, args.merge_file, allow_custom_vocab=args.allow_custom_vocab)
+    tokenizer = build_tokenizer(args.vocab_file, args.merge_file, allow_custom_vocab=args.allow_custom_vocab,
+                                tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model)
     if args.data_path:
         from zo_megatron.data import parse_data_path
 
@@ -154,7 +155,7 @@ def _check_inputs(args, env, dp):
     else:
         from zo_megatron.data import default_data_prefix
 
-        data_path = [default_data_prefix()]
+        data_path = [default_data_prefix(tokenizer=tokenizer)]
     if args.tensorboard_dir:
         try:
             import torch.utils.tensorboard  # noqa: F401
@@ -377,7 +378,7 @@ def _train(args, env, ps, tokenizer, data_path, cpu_adam_threads: int) -> int:
                         vocab_size=tokenizer.vocab_size,
                         train_state=dict(consumed_samples=consumed, consumed_valid_samples=consumed_valid,
                                          opt_param_scheduler=_schedule_state(args, iteration)),
-                        model_meta=model_meta, args=vars(args), keep_last=args.keep_last)
+                        model_meta=model_meta, args=vars(args), keep_last=args.keep_last, tokenizer=tokenizer)
             except (OSError, RuntimeError) as exc:
                 if isinstance(exc, RuntimeError) and not str(exc).startswith("saving "):
                     raise                          # not the save's own failure (e.g. a lost peer)
