@@ -230,3 +230,41 @@ def test_preprocess_cli_bad_tokenizer_exits_2(hf_tokenizer_dir, tmp_path):
         errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
         assert rc == 2 and len(errors) == 1 and needle in errors[0] and "Traceback" not in err, (extra, err)
     assert not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------- the training job
+def test_pretrain_with_hf_tokenizer_saves_it(hf_tokenizer_dir, tmp_path):
+    """pretrain_gpt.py trains on data preprocessed with the HF tokenizer; the model's vocabulary is
+    len(tokenizer), and the checkpoint carries the tokenizer's files."""
+    from zo_megatron.data.preprocess import preprocess
+    from zo_megatron.data.tokenizer import hf_tokenizer_files
+
+    hf = build_tokenizer(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=hf_tokenizer_dir)
+    prefix = preprocess(extract_corpus(str(tmp_path / "txt"), limit=4), str(tmp_path / "d"), progress=False,
+                        tokenizer=hf).prefixes["text"]
+    save, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
+    argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+            "--micro-batch-size", "4", "--lr", "3e-3", "--train-iters", "6", "--log-interval", "1",
+            "--eval-iters", "0", "--no-progress-bar", "--split", "100,0,0", "--fp32", "--data-path", prefix,
+            "--save", str(save), "--log-jsonl", str(log), *HF, hf_tokenizer_dir]
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "OMPI_", "PMI_", "SLURM_", "TORCHELASTIC"))}
+    env.update(ZO_MEGATRON_CACHE=str(tmp_path / "cache"), PYTHONPATH=ROOT)
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain", "pretrain_gpt.py"), *argv], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    losses = [row["loss"] for row in map(json.loads, open(log)) if row["kind"] == "train"]
+    assert len(losses) == 6 and losses[0] < np.log(HF_VOCAB_SIZE) + 0.5   # a 2000-way start, not GPT-2's 50257
+    it = save / "iter_0000006"
+    manifest = json.load(open(it / "checkpoint.json"))
+    assert manifest["tokenizer_type"] == "HuggingFaceTokenizer"
+    assert manifest["model"]["vocab_size"] == HF_VOCAB_SIZE
+    (emb,) = [v for k, v in manifest["params"].items() if k.endswith("word_embeddings.weight")]
+    assert list(emb) == [HF_VOCAB_SIZE, 64]              # saved unpadded (the model pads to 2048)
+    names = sorted(os.path.basename(f) for f in hf_tokenizer_files(hf_tokenizer_dir))
+    assert sorted(os.listdir(it / "tokenizer")) == names and manifest["tokenizer_files"] == \
+        [f"tokenizer/{n}" for n in names]
+    for n in names:
+        assert (it / "tokenizer" / n).read_bytes() == open(os.path.join(hf_tokenizer_dir, n), "rb").read()
+    ref = _reference(str(it / "tokenizer"))                # the copy loads as the same tokenizer
+    assert ref("Fellow citizens").input_ids == hf.encode("Fellow citizens")
