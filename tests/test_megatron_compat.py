@@ -102,3 +102,15 @@ def test_help_shows_real_defaults_never_none():
         meg = MEGATRON_DEFAULTS.get(dest)
         assert f"(demo: {demo} / Megatron: {'required' if meg is None else meg})" in text, flag
     assert "--seed SEED (default: 1234)" in text or "(default: 1234)" in text
+
+
+def test_the_table_lists_the_tokenizer_flags():
+    rows = {(cell, status) for cell, status, _ in _rows()}
+    flags = {f for cell, _ in rows for f in shlex.split(cell) if f.startswith("--")}
+    assert {"--tokenizer-type", "--tokenizer-model"} <= flags
+    a = _job_args(["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "/some/dir"])
+    assert (a.tokenizer_type, a.tokenizer_model) == ("HuggingFaceTokenizer", "/some/dir")
+    with pytest.raises(ConfigError, match="--vocab-file belong to GPT2BPETokenizer"):
+        _job_args(["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "d", "--vocab-file", "v.json"])
+    with pytest.raises(SystemExit):                      # argparse: not one of the two choices
+        _job_args(["--tokenizer-type", "SentencePieceTokenizer"])

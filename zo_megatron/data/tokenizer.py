@@ -248,7 +248,6 @@ class HuggingFaceTokenizer(Tokenizer):
         for f in self.files:
             h.update(f"{os.path.basename(f)}\n{sha256_file(f)}\n".encode())
         self.fingerprint = h.hexdigest()
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # before tokenizers spawns threads
         try:
             from transformers import AutoTokenizer
             from transformers.utils import logging as hf_logging
@@ -311,7 +310,7 @@ def check_tokenizer_flags(tokenizer_type: str, tokenizer_model: str | None, voca
         raise DataError(f"--tokenizer-type {tokenizer_type}: supported are {', '.join(TOKENIZER_TYPES)}")
     if tokenizer_type == HF_TOKENIZER:
         if not tokenizer_model:
-            raise DataError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model DIR (a local "
+            raise DataError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model DIR: add it (a local "
                             "directory with tokenizer.json and tokenizer_config.json)")
         given = [f for f, v in (("--vocab-file", vocab_file), ("--merge-file", merge_file),
                                 ("--allow-custom-vocab", allow_custom_vocab)) if v]

@@ -294,10 +294,14 @@ def finalize(args: argparse.Namespace) -> None:
     if args.lr_decay_iters is None and args.train_samples is None:
         args.lr_decay_iters = args.train_iters
     check_megatron_compat(args)
+    from zo_megatron.data.errors import DataError
     from zo_megatron.data.tokenizer import check_tokenizer_flags
 
-    check_tokenizer_flags(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file,
-                          args.allow_custom_vocab)
+    try:
+        check_tokenizer_flags(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file,
+                              args.allow_custom_vocab)
+    except DataError as e:                       # a flag conflict, reported before any file is read
+        raise ConfigError(str(e)) from None
     for k in ("micro_batch_size", "train_iters", "log_interval", "eval_interval", "tensor_parallel"):
         if getattr(args, k) < 1:
             raise ConfigError(f"--{k.replace('_', '-')} must be >= 1 (got {getattr(args, k)})")
