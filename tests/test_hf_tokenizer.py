@@ -18,7 +18,6 @@ from zo_megatron.data import DataError, build_tokenizer
 from zo_megatron.data.corpus import extract_corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PREPROCESS = os.path.join(ROOT, "tools", "preprocess_data.py")
 HF = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model"]
 
 
@@ -88,10 +87,10 @@ def test_preprocess_ids_equal_autotokenizer(hf_tokenizer_dir, tmp_path, workers)
     with open(path, "w", encoding="utf-8") as f:
         for t in texts:
             f.write(json.dumps({"text": t}) + "\n")
-    r = subprocess.run([sys.executable, PREPROCESS, "--input", str(path), "--output-prefix", str(tmp_path / "o"),
-                        "--workers", str(workers), *HF, hf_tokenizer_dir],
-                       capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
-    assert r.returncode == 0, r.stderr[-2000:]
+    from zo_megatron.data.preprocess import main
+
+    assert main(["--input", str(path), "--output-prefix", str(tmp_path / "o"), "--workers", str(workers),
+                 *HF, hf_tokenizer_dir]) == 0                # the CLI's code path, in this process
     prefix = str(tmp_path / "o_text_document")
     docs = _read_docs(prefix)
     assert len(docs) == len(texts)
@@ -106,7 +105,7 @@ def test_preprocess_ids_equal_autotokenizer(hf_tokenizer_dir, tmp_path, workers)
                                                             tokenizer_model=hf_tokenizer_dir).fingerprint
 
 
-def test_dataset_record_and_vocabulary_check(hf_tokenizer_dir, tmp_path, caplog):
+def test_dataset_record_and_vocabulary_check(hf_tokenizer_dir, tmp_path):
     """The job's cheap check uses the recorded max id while the record matches the pair, and
     reads the tokens once it does not; data from another tokenizer is refused in one line."""
     from zo_megatron.data import validate_data_prefix
@@ -125,9 +124,18 @@ def test_dataset_record_and_vocabulary_check(hf_tokenizer_dir, tmp_path, caplog)
         validate_data_prefix(g, hf)
     msg = _one_line(e)
     assert g + ".bin" in msg and "GPT2BPETokenizer" in msg and f"[0, {HF_VOCAB_SIZE})" in msg
-    with caplog.at_level("WARNING"):                      # fits, but another tokenizer made it
-        validate_data_prefix(h, gpt2)
-    assert "HuggingFaceTokenizer" in caplog.text and "not this run's tokenizer" in caplog.text
+    import logging
+
+    seen = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: seen.append(record.getMessage())
+    log = logging.getLogger("zo_megatron.data.datasets")
+    log.addHandler(handler)
+    try:
+        validate_data_prefix(h, gpt2)                    # fits, but another tokenizer made it: a warning
+    finally:
+        log.removeHandler(handler)
+    assert len(seen) == 1 and "HuggingFaceTokenizer" in seen[0] and "not this run's tokenizer" in seen[0]
     validate_data_prefix(h, hf)
 
     # a .bin rewritten in place (same size, new mtime): the record no longer describes it
