@@ -261,11 +261,12 @@ def test_pretrain_with_hf_tokenizer_saves_it(hf_tokenizer_dir, tmp_path):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain", "pretrain_gpt.py"), *argv], env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert f"tokenizer: HuggingFaceTokenizer {hf_tokenizer_dir}" in r.stdout and "vocab 2000 (padded 2048)" in r.stdout
     losses = [row["loss"] for row in map(json.loads, open(log)) if row["kind"] == "train"]
     assert len(losses) == 6 and losses[0] < np.log(HF_VOCAB_SIZE) + 0.5   # a 2000-way start, not GPT-2's 50257
     it = save / "iter_0000006"
     manifest = json.load(open(it / "checkpoint.json"))
-    assert manifest["tokenizer_type"] == "HuggingFaceTokenizer"
+    assert (manifest["tokenizer_type"], manifest["tokenizer_fingerprint"]) == ("HuggingFaceTokenizer", hf.fingerprint)
     assert manifest["model"]["vocab_size"] == HF_VOCAB_SIZE
     (emb,) = [v for k, v in manifest["params"].items() if k.endswith("word_embeddings.weight")]
     assert list(emb) == [HF_VOCAB_SIZE, 64]              # saved unpadded (the model pads to 2048)

@@ -124,6 +124,7 @@ def save_checkpoint(root: str, iteration: int, *, ps, model, optimizer, vocab_si
             "model": model_meta, "params": content.full_shapes(model, ps.tp_rank, ps.tp_size, vocab_size),
             "args": json_safe(args), "files": files, "checksums": checksums,
             "tokenizer_type": getattr(tokenizer, "tokenizer_type", None),
+            "tokenizer_fingerprint": getattr(tokenizer, "fingerprint", None),
         }
         if tokenizer_files:
             manifest["tokenizer_files"] = [f"{CHECKPOINT_TOKENIZER_DIR}/{n}" for n in tokenizer_files]

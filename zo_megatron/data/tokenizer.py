@@ -355,7 +355,8 @@ CHECKPOINT_TOKENIZER_DIR = "tokenizer"
 
 def copy_tokenizer_files(tokenizer, dest_dir: str) -> list[str]:
     """Copy the tokenizer's own files (HF_TOKENIZER_FILES present in its directory) into
-    `dest_dir`; returns the copied names (none for the bundled GPT-2, which converters know)."""
+    `dest_dir`, fsynced; returns the copied names (none for the bundled GPT-2, which converters
+    know). A checkpoint keeps them in CHECKPOINT_TOKENIZER_DIR beside checkpoint.json."""
     import shutil
 
     files = list(getattr(tokenizer, "files", ()) or ())
@@ -363,5 +364,13 @@ def copy_tokenizer_files(tokenizer, dest_dir: str) -> list[str]:
         return []
     os.makedirs(dest_dir, exist_ok=True)
     for f in files:
-        shutil.copyfile(f, os.path.join(dest_dir, os.path.basename(f)))
+        dst = os.path.join(dest_dir, os.path.basename(f))
+        shutil.copyfile(f, dst)
+        with open(dst, "rb") as fh:          # durable before the checkpoint is committed by rename
+            os.fsync(fh.fileno())
+    fd = os.open(dest_dir, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     return [os.path.basename(f) for f in files]

@@ -554,7 +554,8 @@ def _banner(metrics, args, ps, cfg, optimizer, data_path, setup_s) -> None:
         f" batch: global {args.global_batch_size} = micro {args.micro_batch_size} x DP {ps.dp_size} x accumulation "
         f"{args.grad_accum_steps}; {args.train_iters} iterations, lr {args.lr:g} {args.lr_decay_style} "
         f"(warmup {args.lr_warmup_iters}, min {args.min_lr:g})",
-        f" data: {src}",
+        f" data: {src}" + (f"; tokenizer: HuggingFaceTokenizer {args.tokenizer_model}"
+                           if args.tokenizer_type == "HuggingFaceTokenizer" else ""),
         f" model states per rank: device {human_bytes(acc.device_model_state_bytes)}, host {human_bytes(acc.host_bytes)}"
         + (f"; planner: device {human_bytes(plan.device_bytes_per_gpu)}/rank, host {human_bytes(plan.host_bytes_per_node)}/node"
            if plan is not None else ""),
