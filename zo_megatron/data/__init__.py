@@ -1,4 +1,4 @@
-"""zo_megatron's data layer: GPT-2 tokenizer (bundled BPE files), text -> Megatron indexed dataset
+"""zo_megatron's data layer: tokenizers (bundled GPT-2 BPE, Hugging Face directories), text -> Megatron indexed dataset
 preprocessing, the embedded SOTU corpus, megatron-core GPT datasets and data-parallel batching.
 
     from zo_megatron.data import build_tokenizer, default_data_prefix, build_gpt_datasets, dp_batches
