@@ -2,7 +2,8 @@
 
 Small random models that transformers builds itself (odd sizes: hidden 96, 8 heads, 4 KV groups,
 FFN 200, rope theta 500000; every weight random, RMSNorm gains and biases included), each with a
-byte-level BPE tokenizer trained here and a config vocabulary larger than the tokenizer (as Qwen2's):
+byte-level BPE tokenizer trained offline (tests/hf_tokenizer.py) and a config vocabulary larger than
+the tokenizer's (as Qwen2's):
   - HF -> ours (TP 1, 2, 4) -> HF is bit-exact: every tensor, the architecture's config fields, the
     tokenizer files; both config schemas (transformers 4.x rope_theta/rope_scaling, 5.x
     rope_parameters) give the same checkpoint;
@@ -19,12 +20,14 @@ import pytest
 import torch
 
 from tests.harness import free_port, run_world
+from tests.hf_tokenizer import HF_VOCAB_SIZE, make_hf_tokenizer
 from tests.seeds import fresh_seed
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-HIDDEN, HEADS, GROUPS, FFN, LAYERS, POS, VOCAB, TOKENIZER_VOCAB = 96, 8, 4, 200, 2, 64, 384, 300
+HIDDEN, HEADS, GROUPS, FFN, LAYERS, POS = 96, 8, 4, 200, 2, 64
+VOCAB = HF_VOCAB_SIZE + 37              # the config's vocabulary exceeds the tokenizer's, as Qwen2's does
 SEQ = 11
 TPS = (1, 2, 4)
 # the architectures' fields that must survive HF -> ours -> HF
@@ -32,24 +35,6 @@ CONFIG_FIELDS = ("architectures", "model_type", "vocab_size", "hidden_size", "in
                  "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings",
                  "rms_norm_eps", "tie_word_embeddings", "rope_parameters", "attention_bias", "mlp_bias",
                  "bos_token_id", "eos_token_id", "use_sliding_window", "sliding_window")
-
-
-def make_tokenizer(directory) -> str:
-    """A byte-level BPE tokenizer (TOKENIZER_VOCAB entries, <s> = BOS, </s> = EOS) trained offline."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    from zo_megatron.data.corpus import iter_corpus_documents
-
-    texts = [text for _, (_, text) in zip(range(3), iter_corpus_documents())]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB, special_tokens=["<s>", "</s>"],
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                                       show_progress=False))
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
-    fast.save_pretrained(str(directory))
-    return str(directory)
 
 
 def hf_configs():
@@ -78,7 +63,7 @@ def make_hf_model(directory, cfg, seed: int, tokenizer: bool = True) -> str:
             p.normal_(0.0, 0.05)
     model.save_pretrained(str(directory))
     if tokenizer:
-        make_tokenizer(directory)
+        make_hf_tokenizer(directory)
     return str(directory)
 
 
@@ -132,7 +117,7 @@ def test_hf_ours_hf_is_bit_exact_at_every_tp(models):
             for field in CONFIG_FIELDS:
                 assert cfg_a.get(field) == cfg_b.get(field), (name, tp, field, cfg_a.get(field), cfg_b.get(field))
             for f in ("tokenizer.json", "tokenizer_config.json"):      # the tokenizer, through ck/tokenizer/
-                ck_tok = os.path.join(models["d"], f"{name}_ck_tp{tp}", "tokenizer", f)
+                ck_tok = os.path.join(models["d"], f"{name}_ck_tp{tp}", "iter_0000000", "tokenizer", f)
                 for copy in (ck_tok, os.path.join(back, f)):
                     assert open(copy, "rb").read() == open(os.path.join(src, f), "rb").read(), (name, tp, copy)
             assert type(transformers.AutoModelForCausalLM.from_pretrained(back, local_files_only=True)).__name__ == \
@@ -268,6 +253,30 @@ def test_megatron_core_loads_the_files_strictly_on_every_tp_rank_with_transforme
                 assert args["position_embedding_type"] == "rope" and args["rotary_base"] == 500000
                 assert args["padded_vocab_size"] == -(-VOCAB // (128 * tp)) * 128 * tp
                 assert args["tokenizer_type"] == "HuggingFaceTokenizer"
+
+
+def _built_shapes(rank, metas):
+    from zo_megatron.checkpoint.content import full_shapes
+    from zo_megatron.model import build_gpt_model
+    from zo_megatron.parallel import init_parallel
+
+    init_parallel(1)
+    return [full_shapes(build_gpt_model(_our_config(m), 0, 1, 1), 0, 1, m["vocab_size"]) for m in metas]
+
+
+def test_the_tools_shapes_of_an_architecture_are_the_built_model_s():
+    """arch.param_shapes (what from-megatron / from-hf check against) equals the model the job builds,
+    for GPT-2 and for every architecture field switched on (q/k norms, kv-channels, qkv bias)."""
+    from zo_megatron.checkpoint.arch import full_meta, param_shapes
+
+    base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=1000, max_position_embeddings=32)
+    metas = [full_meta(base),
+             full_meta({**base, "position_embedding_type": "rope", "normalization": "RMSNorm", "swiglu": True,
+                        "num_query_groups": 2, "kv_channels": 24, "untie_embeddings_and_output_weights": True,
+                        "add_bias_linear": False, "add_qkv_bias": True, "qk_layernorm": True}),
+             full_meta({**base, "qk_layernorm": True, "ffn_hidden_size": 72})]
+    for meta, built in zip(metas, run_world(_built_shapes, 1, metas, timeout=120)[0]):
+        assert param_shapes(meta) == built, set(param_shapes(meta).items()) ^ set(built.items())
 
 
 # ---------------------------------------------------------------- wrong input
@@ -499,3 +508,77 @@ def test_to_fp32_and_reshard_tp4_tp2_tp1_are_exact_for_swiglu(models, engine_run
         for o in outs:
             assert o["resharded_from"] is None and o["step"] == STEPS, (name, o["resharded_from"], o["step"])
             torch.testing.assert_close(o["logits"], trained[0]["logits"], rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- the user flow
+
+def _our_logits(rank, ck, tokens):
+    from zo_megatron.checkpoint.reader import CheckpointReader
+    from zo_megatron.model import build_gpt_model
+    from zo_megatron.model.sharding import load_full_params
+    from zo_megatron.parallel import init_parallel
+
+    reader = CheckpointReader(ck)
+    cfg = _our_config(reader.model_meta)
+    ps = init_parallel(1)
+    model = build_gpt_model(cfg, 0, 1, 1)
+    load_full_params(model, reader.read_weights(), 0, 1, cfg.vocab_size)
+    with torch.no_grad():
+        return model(tokens).float()[..., :cfg.vocab_size].clone(), ps.tp_size
+
+
+def test_user_flow_llama_from_hf_trains_under_torchrun_at_tp2_then_to_hf_generates(tmp_path):
+    """from-hf a tiny Llama with its HF tokenizer; pretrain_gpt.py continues it for 5 iterations under
+    torchrun at TP2 with --zero-offload, --tokenizer-type HuggingFaceTokenizer and the flags from-hf
+    printed; to-hf of the result generates in transformers, and its logits equal our model's."""
+    import subprocess
+
+    from tests.test_pretrain import _clean_env, _rows, SCRIPT, TORCHRUN
+    from zo_megatron.checkpoint import convert
+    from zo_megatron.checkpoint.arch import job_flags
+    from zo_megatron.checkpoint.reader import CheckpointReader
+    from zo_megatron.data import extract_corpus
+    from zo_megatron.data.preprocess import preprocess
+    from zo_megatron.data.tokenizer import build_tokenizer
+
+    seed = fresh_seed("convert llama user flow")
+    cfg = transformers.LlamaConfig(vocab_size=HF_VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1,
+                                   rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+    torch.manual_seed(seed)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "hf_in")
+    make_hf_tokenizer(tmp_path / "hf_in")
+    lines = []
+    convert.from_hf(str(tmp_path / "hf_in"), str(tmp_path / "ck_in"), tensor_parallel=2, log=lines.append)
+    (flag_line,) = [ln for ln in lines if ln.startswith("  model flags: ")]
+    assert flag_line.removeprefix("  model flags: ") == job_flags(CheckpointReader(str(tmp_path / "ck_in")).model_meta)
+    tok_dir = str(tmp_path / "ck_in" / "iter_0000000" / "tokenizer")
+    hf_tok = build_tokenizer(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=tok_dir)
+    prefix = preprocess(extract_corpus(str(tmp_path / "txt"), limit=4), str(tmp_path / "data"), progress=False,
+                        tokenizer=hf_tok).prefixes["text"]
+    argv = [*flag_line.removeprefix("  model flags: ").split(), "--seq-length", "64", "--micro-batch-size", "2",
+            "--global-batch-size", "2", "--lr", "3e-3", "--lr-warmup-iters", "0", "--train-iters", "5",
+            "--log-interval", "1", "--eval-iters", "0", "--no-progress-bar", "--split", "100,0,0", "--fp32",
+            "--skip-memory-check", "--zero-offload", "--tensor-model-parallel-size", "2", "--seed", str(seed),
+            "--data-path", prefix, "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", tok_dir,
+            "--load", str(tmp_path / "ck_in"), "--save", str(tmp_path / "out"),
+            "--log-jsonl", str(tmp_path / "log.jsonl")]
+    r = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node=2", SCRIPT, *argv], env=_clean_env(tmp_path),
+                       capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "loaded weights only" in r.stdout and "fresh optimizer state, iteration 0" in r.stdout
+    losses = {row["iteration"]: row["loss"] for row in _rows(tmp_path / "log.jsonl", "train")}
+    assert sorted(losses) == [1, 2, 3, 4, 5] and all(torch.isfinite(torch.tensor(v)) for v in losses.values())
+    assert losses[5] < losses[1], losses
+    convert.to_hf(str(tmp_path / "out"), str(tmp_path / "hf_out"), log=quiet)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf_out", local_files_only=True,
+                                                           attn_implementation="eager").eval()
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf_out", local_files_only=True)
+    assert type(hf).__name__ == "LlamaForCausalLM" and len(tok) == HF_VOCAB_SIZE
+    prompt = tok("The state of the union is", return_tensors="pt")
+    gen = hf.generate(**prompt, max_new_tokens=8, do_sample=False, pad_token_id=tok.eos_token_id)
+    assert gen.shape[1] == prompt["input_ids"].shape[1] + 8 and isinstance(tok.decode(gen[0]), str)
+    ours, _ = run_world(_our_logits, 1, str(tmp_path / "out"), gen, timeout=120)[0]
+    with torch.no_grad():
+        close(ours, hf(gen).logits)

@@ -11,7 +11,8 @@
 Everything goes through FULL unpadded tensors (the checkpoint's own keys, content.py), read with
 reader.py and written with writer.py, so there is one reader and one writer of our format. The
 weights always come from the fp32 master copy. A checkpoint's Hugging Face tokenizer lives in
-its `tokenizer/` folder (from-hf copies it there, to-hf copies it out). Every output is written under a temporary name
+its iteration's `tokenizer/` folder, as the job's saves keep it (from-hf copies it there, to-hf
+copies it out). Every output is written under a temporary name
 and renamed when complete (writer.atomic_output).
 """
 from __future__ import annotations
@@ -27,17 +28,18 @@ from typing import Callable
 import torch
 
 from zo_megatron.checkpoint import hf, megatron_lm
-from zo_megatron.checkpoint.arch import check_tensor_parallel, full_meta, param_shapes, query_groups
+from zo_megatron.checkpoint.arch import check_tensor_parallel, full_meta, job_flags, param_shapes, query_groups
 from zo_megatron.checkpoint.boxes import Box
 from zo_megatron.checkpoint.content import EXP_AVG, EXP_AVG_SQ, MODEL
 from zo_megatron.checkpoint.layout import rng_file
 from zo_megatron.checkpoint.reader import CheckpointReader
 from zo_megatron.checkpoint.tp_layout import padded_vocab_size, tp_axis, tp_shard_boxes
-from zo_megatron.checkpoint.writer import TensorSpec, atomic_output, tree_bytes, write_checkpoint
+from zo_megatron.checkpoint.writer import TensorSpec, atomic_output, copy_hf_tokenizer, tree_bytes, write_checkpoint
+from zo_megatron.data.tokenizer import CHECKPOINT_TOKENIZER_DIR as TOKENIZER_DIR
+from zo_megatron.data.tokenizer import HF_TOKENIZER_FILES, check_hf_tokenizer_dir
 from zo_megatron.errors import UserError
 
 Log = Callable[[str], None]
-TOKENIZER_DIR = "tokenizer"                     # CKPT/tokenizer/: the Hugging Face tokenizer the model uses
 DEFAULT_DIVISIBLE_BY = 128                      # Megatron's --make-vocab-size-divisible-by default
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _HF_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -107,7 +109,7 @@ def _write_weights_checkpoint(output: str, weights: dict[str, torch.Tensor], met
                               converted_from: str, args: dict, force: bool, log: Log, extra: dict | None = None,
                               tokenizer_from: str | None = None) -> None:
     """A weights-only zo_megatron checkpoint (iteration 0) for `pretrain_gpt.py --load`; the
-    tokenizer files found in `tokenizer_from` go to its tokenizer/ folder."""
+    Hugging Face tokenizer files found in `tokenizer_from` go to its iter_0000000/tokenizer/."""
     check_tensor_parallel(meta, tp)
     shapes = {n: tuple(t.shape) for n, t in weights.items()}
     expected = param_shapes(meta)
@@ -116,23 +118,25 @@ def _write_weights_checkpoint(output: str, weights: dict[str, torch.Tensor], met
         raise RuntimeError(f"converted weights do not match the architecture (first: {bad[0]})")
     specs = _tp_specs(shapes, [MODEL], {MODEL: torch.float32}, tp,
                       padded_vocab_size(meta["vocab_size"], _divisible_by(args), tp), meta["swiglu"])
+    has_tokenizer = tokenizer_from is not None and any(
+        os.path.isfile(os.path.join(tokenizer_from, n)) for n in HF_TOKENIZER_FILES)
     manifest = {"weights_only": True, "converted_from": converted_from, "model": meta, "params": shapes,
                 "layout": {"tensor_parallel": tp, "data_parallel": 1},
                 "optimizer": {"kind": "none", "step": 0, "loss_scaler": {}}, "args": args,
-                "consumed_samples": 0, "consumed_valid_samples": 0, **(extra or {})}
-    tokenizer = []
+                "consumed_samples": 0, "consumed_valid_samples": 0, **(extra or {}),
+                **({"tokenizer_type": "HuggingFaceTokenizer"} if has_tokenizer else {})}
     with atomic_output(output, force=force) as tmp:
-        write_checkpoint(tmp, iteration=0, specs=specs, manifest=manifest,
-                         fetch=lambda key, box: _slice(weights[key.removeprefix(MODEL)], box).float(),
-                         progress=Progress("writing tensors"))
-        if tokenizer_from is not None:
-            tokenizer = hf.copy_tokenizer(tokenizer_from, os.path.join(tmp, TOKENIZER_DIR))
+        d = write_checkpoint(tmp, iteration=0, specs=specs, manifest=manifest,
+                             fetch=lambda key, box: _slice(weights[key.removeprefix(MODEL)], box).float(),
+                             progress=Progress("writing tensors"), tokenizer_from=tokenizer_from)
+        tok_dir = os.path.join(output, os.path.relpath(d, tmp), TOKENIZER_DIR)
     _wrote(log, output)
-    if tokenizer:
-        log(f"  tokenizer: {', '.join(tokenizer)} in {os.path.join(output, TOKENIZER_DIR)} "
-            f"(--tokenizer-type HuggingFaceTokenizer --tokenizer-model {os.path.join(output, TOKENIZER_DIR)})")
+    if has_tokenizer:
+        log(f"  tokenizer: --tokenizer-type HuggingFaceTokenizer --tokenizer-model {tok_dir}")
     elif tokenizer_from is not None:
-        log(f"  no tokenizer files in {tokenizer_from}: to-hf will need --tokenizer-model DIR")
+        log(f"  no tokenizer files in {tokenizer_from}: give the job the model's tokenizer (--tokenizer-model DIR); "
+            "to-hf will need --tokenizer-model DIR")
+    log(f"  model flags: {job_flags(meta)}")
     log(f"  weights only at TP{tp}: `pretrain_gpt.py --load {output}` starts from them at iteration 0 with a fresh "
         "optimizer (any DP size)")
 
@@ -176,8 +180,7 @@ def _hf_tokenizer(tok_dir: str, vocab: int):
     """A Hugging Face tokenizer directory (never trust_remote_code); it must fit the vocabulary."""
     from transformers import AutoTokenizer
 
-    if not os.path.isdir(tok_dir):
-        raise UserError(f"--tokenizer-model {tok_dir}: no such directory")
+    check_hf_tokenizer_dir(tok_dir)             # the job's checks: tokenizer.json, no remote code
     try:
         tok = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True, trust_remote_code=False)
     except Exception as exc:  # noqa: BLE001 - transformers/tokenizers raise many types on bad files
@@ -200,8 +203,8 @@ def to_hf(load: str, output: str, *, iteration: int | None = None, dtype: str = 
     meta, args = full_meta(reader.model_meta), reader.args
     family = hf.family_for_model(meta, architecture or reader.manifest.get("hf_architecture"), reader.dir)
     shard = parse_size(max_shard_size)
-    tok_dir = tokenizer_model or (os.path.join(load, TOKENIZER_DIR) if os.path.isdir(os.path.join(load, TOKENIZER_DIR))
-                                  else None)
+    saved_tok = os.path.join(reader.dir, TOKENIZER_DIR)         # the tokenizer the run trained with
+    tok_dir = tokenizer_model or (saved_tok if os.path.isdir(saved_tok) else None)
     if tok_dir is not None:
         tok = _hf_tokenizer(tok_dir, meta["vocab_size"])
         special = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
@@ -218,7 +221,7 @@ def to_hf(load: str, output: str, *, iteration: int | None = None, dtype: str = 
         config.save_pretrained(tmp)
         GenerationConfig.from_model_config(config).save_pretrained(tmp)
         if tok_dir is not None:                 # the tokenizer's own files, as they are
-            hf.copy_tokenizer(tok_dir, tmp)
+            copy_hf_tokenizer(tok_dir, tmp)
         else:
             tok.save_pretrained(tmp)
             # the slow-tokenizer files too: older transformers and other BPE readers use them
@@ -258,11 +261,12 @@ def to_megatron(load: str, output: str, *, iteration: int | None = None, tensor_
     tp = tensor_parallel or reader.layout[0]
     check_tensor_parallel(meta, tp)
     weights = reader.read_weights()
-    has_tokenizer = os.path.isdir(os.path.join(load, TOKENIZER_DIR))
+    saved_tok = os.path.join(reader.dir, TOKENIZER_DIR)
+    has_tokenizer = os.path.isdir(saved_tok)
     ns = megatron_lm.megatron_args(meta, tp=tp, iteration=reader.iteration, divisible_by=_divisible_by(args),
                                    seq_length=args.get("seq_length"), precision=args.get("precision"),
-                                   tokenizer_type=args.get("tokenizer_type") or
-                                   ("HuggingFaceTokenizer" if has_tokenizer else "GPT2BPETokenizer"),
+                                   tokenizer_type=reader.manifest.get("tokenizer_type") or args.get("tokenizer_type")
+                                   or ("HuggingFaceTokenizer" if has_tokenizer else "GPT2BPETokenizer"),
                                    consumed_samples=int(reader.manifest.get("consumed_samples", 0)),
                                    consumed_valid_samples=int(reader.manifest.get("consumed_valid_samples", 0)))
     with atomic_output(output, force=force) as tmp:
@@ -270,7 +274,7 @@ def to_megatron(load: str, output: str, *, iteration: int | None = None, tensor_
     _wrote(log, output)
     log(f"  Megatron-LM torch format, TP{tp}, iteration {reader.iteration}: load it in Megatron-LM with "
         "--finetune (no optimizer or RNG state is included)"
-        + (f"; its tokenizer: --tokenizer-model {os.path.join(load, TOKENIZER_DIR)}" if has_tokenizer else ""))
+        + (f"; its tokenizer: --tokenizer-model {saved_tok}" if has_tokenizer else ""))
 
 
 def from_megatron(input_dir: str, output: str, *, tensor_parallel: int, force: bool = False, log: Log = print) -> None:
@@ -372,7 +376,7 @@ def reshard(load: str, output: str, *, target_tp: int, target_dp: int | None = N
             if state is not None:
                 rng[rng_file(t, d)] = state
     manifest = {k: v for k, v in reader.manifest.items()
-                if k not in ("files", "checksums", "format", "format_version", "iteration")}
+                if k not in ("files", "checksums", "format", "format_version", "iteration", "tokenizer_files")}
     manifest["layout"] = {"tensor_parallel": target_tp, "data_parallel": dp}
     manifest["resharded_offline_from"] = {"tensor_parallel": src_tp, "data_parallel": src_dp}
     if not same_tp:
@@ -380,9 +384,8 @@ def reshard(load: str, output: str, *, target_tp: int, target_dp: int | None = N
         manifest["rng_model_parallel_streams"] = False
     with atomic_output(output, force=force) as tmp:
         write_checkpoint(tmp, iteration=reader.iteration, specs=specs, fetch=fetch, manifest=manifest,
-                         rng_files=rng, progress=Progress("writing tensors"))
-        if os.path.isdir(os.path.join(load, TOKENIZER_DIR)):
-            hf.copy_tokenizer(os.path.join(load, TOKENIZER_DIR), os.path.join(tmp, TOKENIZER_DIR))
+                         rng_files=rng, progress=Progress("writing tensors"),
+                         tokenizer_from=os.path.join(reader.dir, TOKENIZER_DIR))
     _wrote(log, output)
     log(f"  resharded TP{src_tp} x DP{src_dp} -> TP{target_tp} x DP{dp}: "
         f"{'weights and optimizer state' if len(prefixes) == 3 else 'weights'}, iteration {reader.iteration}"

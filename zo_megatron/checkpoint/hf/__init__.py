@@ -14,13 +14,13 @@ from __future__ import annotations
 import os
 
 from zo_megatron.checkpoint.hf import gpt2, llama
-from zo_megatron.checkpoint.hf.family import CONFIG, HFFamily, copy_tokenizer, read_config_json, weight_files
+from zo_megatron.checkpoint.hf.family import CONFIG, HFFamily, read_config_json, weight_files
 from zo_megatron.errors import UserError
 
 FAMILIES: dict[str, HFFamily] = {f.architecture: f for f in (gpt2.FAMILY, *llama.FAMILIES)}
 SUPPORTED = tuple(FAMILIES)
-__all__ = ["CONFIG", "FAMILIES", "SUPPORTED", "HFFamily", "copy_tokenizer", "family_for_config", "family_for_model",
-           "read_config_json", "weight_files"]
+__all__ = ["CONFIG", "FAMILIES", "SUPPORTED", "HFFamily", "family_for_config", "family_for_model", "read_config_json",
+           "weight_files"]
 
 
 def family_for_config(cfg_json: dict, input_dir: str) -> HFFamily:

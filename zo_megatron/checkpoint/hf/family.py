@@ -8,53 +8,49 @@ read by transformers' own config classes (no trust_remote_code), weights come fr
 """
 from __future__ import annotations
 
+import abc
 import json
 import os
-import shutil
 
 import torch
 
 from zo_megatron.errors import UserError
 
 CONFIG = "config.json"
-# a tokenizer directory's files (fast and slow tokenizers, sentencepiece, chat template)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja",
-                   "chat_template.json")
 _SAFETENSORS, _SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
 _BIN, _BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
 
 
-class HFFamily:
+class HFFamily(abc.ABC):
     """One Hugging Face architecture <-> zo_megatron. Subclasses fill in the mapping."""
 
     architecture: str = ""                     # config.json's `architectures[0]`
     model_type: str = ""                       # config.json's `model_type`
 
+    @abc.abstractmethod
     def read_config(self, cfg_json: dict, where: str):
         """The transformers config object of this family from config.json's contents."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def meta_from_config(self, cfg, where: str) -> tuple[dict, dict]:
         """(meta, args): GPTConfig architecture fields, and run args (dropouts) for the checkpoint;
         refuses with one line what the model cannot express."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def read_state(self, input_dir: str, cfg, meta: dict) -> dict[str, torch.Tensor]:
         """Full fp32 weights under our parameter names, read from the HF directory."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def why_not(self, meta: dict) -> str | None:
         """None if this HF architecture expresses the model `meta` exactly, else why not (a phrase)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def to_hf_state(self, weights: dict[str, torch.Tensor], meta: dict) -> dict[str, torch.Tensor]:
         """HF state dict (a tied lm_head left out: transformers re-ties it on load)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def hf_config(self, meta: dict, *, dtype: str, args: dict, bos_token_id, eos_token_id):
         """The transformers config object to save next to the weights."""
-        raise NotImplementedError
 
 
 def read_config_json(input_dir: str) -> dict:
@@ -117,13 +113,3 @@ def read_state_dict(input_dir: str) -> dict[str, torch.Tensor]:
             raise UserError(f"{path}: not a state dict of tensors")
         out.update(part)
     return out
-
-
-def copy_tokenizer(src: str, dst: str) -> list[str]:
-    """Copy the tokenizer files found in `src` into `dst` (created if any); returns their names."""
-    names = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(src, n))]
-    if names:
-        os.makedirs(dst, exist_ok=True)
-        for n in names:
-            shutil.copyfile(os.path.join(src, n), os.path.join(dst, n))
-    return names
