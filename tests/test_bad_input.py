@@ -18,6 +18,7 @@ TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
 def _cases(d):
     """(name, extra argv, environment changes, text the one error line must hold)."""
     data = ["--data-path", f"{d}/sotu_text_document"]
+    hf = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model"]
     ck = f"{d}/ck"
     return [
         # flags
@@ -49,6 +50,14 @@ def _cases(d):
         # tokenizer
         ("vocab with the wrong hash", [*data, "--vocab-file", f"{d}/vocab.json"], {}, f"{d}/vocab.json"),
         ("missing merges file", [*data, "--merge-file", f"{d}/missing_merges.txt"], {}, "missing_merges.txt"),
+        ("HF tokenizer without --tokenizer-model", [*data, "--tokenizer-type", "HuggingFaceTokenizer"], {},
+         "needs --tokenizer-model"),
+        ("--tokenizer-model with GPT-2's BPE", [*data, "--tokenizer-model", f"{d}/hf"], {},
+         "only read with --tokenizer-type HuggingFaceTokenizer"),
+        ("HF tokenizer dir without tokenizer.json", [*data, *hf, f"{d}/hf_no_json"], {}, "has no tokenizer.json"),
+        ("HF tokenizer needing remote code", [*data, *hf, f"{d}/hf_remote"], {}, "trust_remote_code"),
+        ("data ids beyond the vocabulary (another tokenizer)", [*data, *hf, f"{d}/hf"], {},
+         "preprocessed with GPT2BPETokenizer"),
         # checkpoints
         ("load a missing directory", [*data, "--load", f"{d}/no_such_ckpt"], {}, "no_such_ckpt"),
         ("load without latest", [*data, "--load", f"{d}/empty_ckpt"], {}, "empty_ckpt"),
@@ -127,6 +136,11 @@ def test_bad_input_table(tmp_path):
     os.makedirs(f"{d}/garbage_ckpt")
     open(f"{d}/garbage_ckpt/latest_checkpointed_iteration.txt", "w").write("not a number\n")
     open(f"{d}/a_file", "w").write("x")
+    from tests.hf_tokenizer import make_hf_tokenizer
+
+    make_hf_tokenizer(f"{d}/hf")
+    make_hf_tokenizer(f"{d}/hf_no_json", without=("tokenizer.json",))
+    make_hf_tokenizer(f"{d}/hf_remote", config_update={"auto_map": {"AutoTokenizer": ["t.Tok", None]}})
     results = run_world(_run_table, 1, d, timeout=500)[0]
     assert len(results) >= 25
     failures = []

@@ -390,10 +390,10 @@ def _bad_inputs(d, ck):
             setattr(cfg, k, v)
         hf_dirs[name] = os.path.join(d, f"hf_{name}")
         transformers.GPT2LMHeadModel(cfg).save_pretrained(hf_dirs[name])
-    llama = os.path.join(d, "hf_llama")
-    os.makedirs(llama)
-    json.dump({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
-               "intermediate_size": 128, "vocab_size": 100}, open(os.path.join(llama, "config.json"), "w"))
+    neox = os.path.join(d, "hf_neox")
+    os.makedirs(neox)
+    json.dump({"model_type": "gpt_neox", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
+               "intermediate_size": 128, "vocab_size": 100}, open(os.path.join(neox, "config.json"), "w"))
     small_vocab_hf = os.path.join(d, "hf_small_vocab")
     cfg = _hf_config()
     cfg.vocab_size = 1000
@@ -421,7 +421,8 @@ def _bad_inputs(d, ck):
          "activation_function='relu'"),
         ("untied GPT-2", ["from-hf", "--input", hf_dirs["untied"], "--output", out, "--tensor-parallel", "1"],
          "tie_word_embeddings"),
-        ("llama", ["from-hf", "--input", llama, "--output", out, "--tensor-parallel", "1"], "model_type='llama'"),
+        ("GPT-NeoX", ["from-hf", "--input", neox, "--output", out, "--tensor-parallel", "1"],
+         "model_type='gpt_neox' is not supported; supported architectures: GPT2LMHeadModel, LlamaForCausalLM"),
         ("TP not dividing heads", ["reshard", "--load", ck, "--output", out, "--target-tensor-parallel-size", "3"],
          "does not divide"),
         ("custom vocab, no tokenizer", ["to-hf", "--load", custom_vocab, "--output", out], "--vocab-file"),

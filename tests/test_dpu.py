@@ -75,7 +75,7 @@ def _dpu_world(rank, tp, precision, seed, accum, engine_kw, overflow_step=None, 
 
 def _reference(init, seed, dp, accum, warmup, skip_step=None, flush_at=None):
     """fp32, one process: the delayed schedule above with torch.optim.AdamW (warmup None: no delay)."""
-    from zo_megatron.checkpoint.hf_gpt2 import from_hf, to_hf
+    from zo_megatron.checkpoint.hf.gpt2 import from_hf, to_hf
 
     hc = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,

@@ -128,3 +128,15 @@ def test_architecture_flags_reach_the_model_config():
     assert plain.query_groups == 4 and plain.architecture_name() == "GPT-2"
     assert _job_args(["--layernorm-epsilon", "1e-6"]).layernorm_epsilon == 1e-6
     assert _job_args(["--window-size=-1,-1"]).window_size == "-1,-1"       # full attention is accepted
+
+
+def test_the_table_lists_the_tokenizer_flags():
+    rows = {(cell, status) for cell, status, _ in _rows()}
+    flags = {f for cell, _ in rows for f in shlex.split(cell) if f.startswith("--")}
+    assert {"--tokenizer-type", "--tokenizer-model"} <= flags
+    a = _job_args(["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "/some/dir"])
+    assert (a.tokenizer_type, a.tokenizer_model) == ("HuggingFaceTokenizer", "/some/dir")
+    with pytest.raises(ConfigError, match="--vocab-file belong to GPT2BPETokenizer"):
+        _job_args(["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "d", "--vocab-file", "v.json"])
+    with pytest.raises(SystemExit):                      # argparse: not one of the two choices
+        _job_args(["--tokenizer-type", "SentencePieceTokenizer"])

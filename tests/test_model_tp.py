@@ -63,7 +63,7 @@ def _world(rank, tp, precision, vocab, divisible_by, seed, batch_seed):
 
 def _reference(out, vocab):
     """Single-process HF GPT-2 (fp32) on the same weights and batch."""
-    from zo_megatron.checkpoint.hf_gpt2 import from_hf, to_hf
+    from zo_megatron.checkpoint.hf.gpt2 import from_hf, to_hf
 
     hc = transformers.GPT2Config(vocab_size=vocab, n_positions=SEQ, n_embd=HIDDEN, n_layer=LAYERS,
                                  n_head=HEADS, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,

@@ -95,7 +95,7 @@ def _train_world(rank, tp, precision, seed, accum=ACCUM, engine_kw=None, overflo
 def _reference(init, seed, dp, accum=ACCUM, skip_step=None):
     """Single process, fp32: HF GPT-2 + torch.optim.AdamW + clip_grad_norm_ on the global batch
     (`skip_step`: that step's update is dropped, as an overflowing fp16 step is)."""
-    from zo_megatron.checkpoint.hf_gpt2 import from_hf, to_hf
+    from zo_megatron.checkpoint.hf.gpt2 import from_hf, to_hf
 
     hc = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,

@@ -21,7 +21,7 @@ processes, the variants:
                      imports (otherwise the row says skipped and why)
 
 Fairness: every variant starts from the same weights (zo_megatron's layout-independent init,
-mapped to HF names with zo_megatron/checkpoint/hf_gpt2.py), sees the same batches (random tokens,
+mapped to HF names with zo_megatron/checkpoint/hf/gpt2.py), sees the same batches (random tokens,
 one stream per DP rank), clips the global gradient norm at 1.0 and uses the same AdamW
 (betas 0.9/0.95, eps 1e-8, weight decay 0.1 on matrices only, the same lr). After the steps each
 variant's loss on a fixed held-out batch is reported (`loss_after`): in fp32 all variants must
@@ -466,7 +466,7 @@ class _Ctx:
     def hf_model(self):
         import transformers
 
-        from zo_megatron.checkpoint.hf_gpt2 import to_hf
+        from zo_megatron.checkpoint.hf.gpt2 import to_hf
 
         a, cfg = self.args, self.cfg
         hc = transformers.GPT2Config(vocab_size=a.vocab, n_positions=cfg.max_position_embeddings, n_embd=a.hidden,

@@ -2,6 +2,7 @@
 """Convert checkpoints: Hugging Face and Megatron-LM both ways, consolidated fp32, offline reshard.
 
     python tools/convert_checkpoint.py to-hf --load CKPT [--iteration N] --output DIR [--dtype fp32|bf16|fp16]
+                                             [--architecture NAME] [--tokenizer-model DIR]
     python tools/convert_checkpoint.py from-hf --input DIR --output CKPT --tensor-parallel N
     python tools/convert_checkpoint.py to-megatron --load CKPT --output DIR
     python tools/convert_checkpoint.py from-megatron --input DIR --output CKPT --tensor-parallel N
@@ -9,7 +10,8 @@
     python tools/convert_checkpoint.py reshard --load CKPT --output CKPT2 --target-tensor-parallel-size N
                                                [--target-data-parallel-size M]
 
-CKPT is a `pretrain_gpt.py --save` directory. Outputs are written under a temporary name and
+Hugging Face architectures: GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM (full attention),
+Qwen2ForCausalLM. CKPT is a `pretrain_gpt.py --save` directory. Outputs are written under a temporary name and
 renamed when complete; an existing non-empty output is refused unless --force. Wrong input gets
 one `error:` line and exit 2. See docs/checkpoints.md.
 """
@@ -20,10 +22,10 @@ import os
 import sys
 
 try:
-    from zo_megatron.checkpoint import convert
+    from zo_megatron.checkpoint import convert, hf
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from zo_megatron.checkpoint import convert
+    from zo_megatron.checkpoint import convert, hf
 
 from zo_megatron.errors import UserError  # noqa: E402
 
@@ -48,14 +50,20 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--output", required=True)
         p.add_argument("--force", action="store_true", help="replace an existing non-empty output")
 
-    p = sub.add_parser("to-hf", help="a Hugging Face GPT2LMHeadModel directory with its tokenizer")
+    p = sub.add_parser("to-hf", help="a Hugging Face model directory (GPT-2, Llama, Mistral or Qwen2) with its tokenizer")
     common(p, "load")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+    p.add_argument("--architecture", choices=list(hf.SUPPORTED),
+                   help="the Hugging Face class to write (default: the one the checkpoint was converted from, else "
+                        "the first that expresses the model: GPT-2, Llama, Mistral, Qwen2)")
+    p.add_argument("--tokenizer-model", help="Hugging Face tokenizer directory to ship (default: the checkpoint's "
+                                             "tokenizer/ folder, else GPT-2's BPE files)")
     p.add_argument("--vocab-file", help="the tokenizer's vocab.json, for a checkpoint trained with --allow-custom-vocab")
     p.add_argument("--merge-file", help="the tokenizer's merges.txt (with --vocab-file)")
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
 
-    p = sub.add_parser("from-hf", help="a weights-only zo_megatron checkpoint from a Hugging Face GPT-2 directory")
+    p = sub.add_parser("from-hf", help="a weights-only zo_megatron checkpoint (+ tokenizer/) from a Hugging Face "
+                                       "GPT-2, Llama, Mistral or Qwen2 directory")
     common(p, "input")
     p.add_argument("--tensor-parallel", "--tensor-model-parallel-size", dest="tensor_parallel", type=int, required=True)
 
@@ -84,7 +92,8 @@ def run(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     if a.command == "to-hf":
         convert.to_hf(a.load, a.output, iteration=a.iteration, dtype=a.dtype, vocab_file=a.vocab_file,
-                      merge_file=a.merge_file, max_shard_size=a.max_shard_size, force=a.force)
+                      merge_file=a.merge_file, tokenizer_model=a.tokenizer_model, architecture=a.architecture,
+                      max_shard_size=a.max_shard_size, force=a.force)
     elif a.command == "from-hf":
         convert.from_hf(a.input, a.output, tensor_parallel=a.tensor_parallel, force=a.force)
     elif a.command == "to-megatron":

@@ -27,7 +27,7 @@ LAYERS, HIDDEN, HEADS, SEQ, VOCAB, BATCH = 2, 64, 4, 32, 500, 4
 
 
 def _hf_world(rank, seed):
-    from zo_megatron.checkpoint.hf_gpt2 import to_hf
+    from zo_megatron.checkpoint.hf.gpt2 import to_hf
     from zo_megatron.model import GPTConfig, build_gpt_model
     from zo_megatron.model.sharding import gather_full_params
     from zo_megatron.parallel import init_parallel
@@ -52,7 +52,7 @@ def _hf_world(rank, seed):
     ref_logits = hf(tokens).logits
     ref_loss = torch.nn.functional.cross_entropy(ref_logits.reshape(-1, VOCAB), labels.reshape(-1))
     ref_loss.backward()
-    from zo_megatron.checkpoint.hf_gpt2 import from_hf
+    from zo_megatron.checkpoint.hf.gpt2 import from_hf
 
     hf_grads = {n: p.grad for n, p in hf.named_parameters()}
     hf_grads["lm_head.weight"] = hf_grads["transformer.wte.weight"]

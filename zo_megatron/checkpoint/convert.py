@@ -1,7 +1,8 @@
 """Checkpoint conversion: the library behind tools/convert_checkpoint.py (docs/checkpoints.md).
 
-    to-hf          zo_megatron checkpoint -> Hugging Face GPT2LMHeadModel directory (+ tokenizer)
-    from-hf        Hugging Face GPT-2 directory -> zo_megatron checkpoint (weights only) at TP=N
+    to-hf          zo_megatron checkpoint -> Hugging Face model directory (+ tokenizer)
+    from-hf        Hugging Face model directory -> zo_megatron checkpoint (weights only) at TP=N
+                   (GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM: checkpoint/hf/)
     to-megatron    zo_megatron checkpoint -> Megatron-LM `torch` checkpoint (megatron_lm.py)
     from-megatron  Megatron-LM `torch` checkpoint -> zo_megatron checkpoint (weights only) at TP=N
     to-fp32        zo_megatron checkpoint -> consolidated fp32 master weights (safetensors)
@@ -9,7 +10,9 @@
 
 Everything goes through FULL unpadded tensors (the checkpoint's own keys, content.py), read with
 reader.py and written with writer.py, so there is one reader and one writer of our format. The
-weights always come from the fp32 master copy. Every output is written under a temporary name
+weights always come from the fp32 master copy. A checkpoint's Hugging Face tokenizer lives in
+its iteration's `tokenizer/` folder, as the job's saves keep it (from-hf copies it there, to-hf
+copies it out). Every output is written under a temporary name
 and renamed when complete (writer.atomic_output).
 """
 from __future__ import annotations
@@ -24,13 +27,16 @@ from typing import Callable
 
 import torch
 
-from zo_megatron.checkpoint import hf_gpt2, megatron_lm
+from zo_megatron.checkpoint import hf, megatron_lm
+from zo_megatron.checkpoint.arch import check_tensor_parallel, full_meta, job_flags, param_shapes, query_groups
 from zo_megatron.checkpoint.boxes import Box
 from zo_megatron.checkpoint.content import EXP_AVG, EXP_AVG_SQ, MODEL
 from zo_megatron.checkpoint.layout import rng_file
 from zo_megatron.checkpoint.reader import CheckpointReader
-from zo_megatron.checkpoint.tp_layout import padded_vocab_size, tp_axis, tp_shard_box
-from zo_megatron.checkpoint.writer import TensorSpec, atomic_output, tree_bytes, write_checkpoint
+from zo_megatron.checkpoint.tp_layout import padded_vocab_size, tp_axis, tp_shard_boxes
+from zo_megatron.checkpoint.writer import TensorSpec, atomic_output, copy_hf_tokenizer, tree_bytes, write_checkpoint
+from zo_megatron.data.tokenizer import CHECKPOINT_TOKENIZER_DIR as TOKENIZER_DIR
+from zo_megatron.data.tokenizer import HF_TOKENIZER_FILES, check_hf_tokenizer_dir
 from zo_megatron.errors import UserError
 
 Log = Callable[[str], None]
@@ -76,27 +82,20 @@ def _wrote(log: Log, path: str) -> None:
     log(f"wrote {path}: {n} file{'s' if n != 1 else ''}, {size:,} bytes ({size / 1e9:.2f} GB)")
 
 
-def check_tensor_parallel(meta: dict, tp: int, flag: str = "--tensor-parallel") -> None:
-    if tp < 1:
-        raise UserError(f"{flag} {tp}: must be >= 1")
-    for what, n in (("num_attention_heads", meta["num_attention_heads"]), ("ffn_hidden_size", meta["ffn_hidden_size"])):
-        if n % tp:
-            raise UserError(f"{flag} {tp} does not divide the model's {what} {n}: TP splits whole heads and MLP "
-                            f"columns; choose a TP size that divides {n}")
-
-
 def _divisible_by(args: dict) -> int:
     return int(args.get("make_vocab_size_divisible_by") or DEFAULT_DIVISIBLE_BY)
 
 
 def _tp_specs(shapes: dict[str, tuple[int, ...]], prefixes: list[str], dtypes: dict[str, torch.dtype],
-              tp: int, padded_vocab: int) -> list[TensorSpec]:
-    """Each key stored as the boxes its TP shards hold at `tp` (vocab padding rows are not stored)."""
+              tp: int, padded_vocab: int, swiglu: bool) -> list[TensorSpec]:
+    """Each key stored as the boxes its TP shards hold at `tp` (two per rank for SwiGLU's fc1;
+    vocab padding rows are not stored)."""
     out = []
     for prefix in prefixes:
         for name, shape in shapes.items():
-            boxes = [tp_shard_box(name, shape, r, tp, padded_vocab) for r in (range(tp) if tp_axis(name) is not None else [0])]
-            out.append(TensorSpec(prefix + name, shape, dtypes[prefix], tuple(b for b in boxes if b is not None)))
+            ranks = range(tp) if tp_axis(name) is not None else [0]
+            boxes = [b for r in ranks for b in tp_shard_boxes(name, shape, r, tp, padded_vocab, swiglu)]
+            out.append(TensorSpec(prefix + name, shape, dtypes[prefix], tuple(boxes)))
     return out
 
 
@@ -107,28 +106,45 @@ def _slice(t: torch.Tensor, box: Box) -> torch.Tensor:
 
 
 def _write_weights_checkpoint(output: str, weights: dict[str, torch.Tensor], meta: dict, *, tp: int,
-                              converted_from: str, args: dict, force: bool, log: Log) -> None:
-    """A weights-only zo_megatron checkpoint (iteration 0) for `pretrain_gpt.py --load`."""
+                              converted_from: str, args: dict, force: bool, log: Log, extra: dict | None = None,
+                              tokenizer_from: str | None = None) -> None:
+    """A weights-only zo_megatron checkpoint (iteration 0) for `pretrain_gpt.py --load`; the
+    Hugging Face tokenizer files found in `tokenizer_from` go to its iter_0000000/tokenizer/."""
     check_tensor_parallel(meta, tp)
     shapes = {n: tuple(t.shape) for n, t in weights.items()}
+    expected = param_shapes(meta)
+    if shapes != expected:                      # a mapping bug, never the user's input
+        bad = sorted(set(shapes) ^ set(expected)) or sorted(k for k in shapes if shapes[k] != expected[k])
+        raise RuntimeError(f"converted weights do not match the architecture (first: {bad[0]})")
     specs = _tp_specs(shapes, [MODEL], {MODEL: torch.float32}, tp,
-                      padded_vocab_size(meta["vocab_size"], _divisible_by(args), tp))
+                      padded_vocab_size(meta["vocab_size"], _divisible_by(args), tp), meta["swiglu"])
+    has_tokenizer = tokenizer_from is not None and any(
+        os.path.isfile(os.path.join(tokenizer_from, n)) for n in HF_TOKENIZER_FILES)
     manifest = {"weights_only": True, "converted_from": converted_from, "model": meta, "params": shapes,
                 "layout": {"tensor_parallel": tp, "data_parallel": 1},
                 "optimizer": {"kind": "none", "step": 0, "loss_scaler": {}}, "args": args,
-                "consumed_samples": 0, "consumed_valid_samples": 0}
+                "consumed_samples": 0, "consumed_valid_samples": 0, **(extra or {}),
+                **({"tokenizer_type": "HuggingFaceTokenizer"} if has_tokenizer else {})}
     with atomic_output(output, force=force) as tmp:
-        write_checkpoint(tmp, iteration=0, specs=specs, manifest=manifest,
-                         fetch=lambda key, box: _slice(weights[key.removeprefix(MODEL)], box).float(),
-                         progress=Progress("writing tensors"))
+        d = write_checkpoint(tmp, iteration=0, specs=specs, manifest=manifest,
+                             fetch=lambda key, box: _slice(weights[key.removeprefix(MODEL)], box).float(),
+                             progress=Progress("writing tensors"), tokenizer_from=tokenizer_from)
+        tok_dir = os.path.join(output, os.path.relpath(d, tmp), TOKENIZER_DIR)
     _wrote(log, output)
+    if has_tokenizer:
+        log(f"  tokenizer: --tokenizer-type HuggingFaceTokenizer --tokenizer-model {tok_dir}")
+    elif tokenizer_from is not None:
+        log(f"  no tokenizer files in {tokenizer_from}: give the job the model's tokenizer (--tokenizer-model DIR); "
+            "to-hf will need --tokenizer-model DIR")
+    log(f"  model flags: {job_flags(meta)}")
     log(f"  weights only at TP{tp}: `pretrain_gpt.py --load {output}` starts from them at iteration 0 with a fresh "
         "optimizer (any DP size)")
 
 
 # ---------------------------------------------------------------- Hugging Face
 
-def _tokenizer(reader: CheckpointReader, vocab_file: str | None, merge_file: str | None):
+def _gpt2_tokenizer(reader: CheckpointReader, vocab_file: str | None, merge_file: str | None):
+    """The GPT-2 BPE tokenizer a checkpoint without a tokenizer/ folder was trained with."""
     from transformers import GPT2TokenizerFast
 
     from zo_megatron.data.tokenizer import BUNDLED_MERGE_FILE, BUNDLED_VOCAB_FILE
@@ -138,8 +154,9 @@ def _tokenizer(reader: CheckpointReader, vocab_file: str | None, merge_file: str
         raise UserError("give both --vocab-file and --merge-file (the tokenizer the checkpoint was trained with)")
     if not vocab_file:
         if reader.args.get("allow_custom_vocab") or vocab != megatron_lm.GPT2_VOCAB:
-            raise UserError(f"{reader.dir}: trained with a vocabulary that is not GPT-2's ({vocab} tokens, "
-                            "--allow-custom-vocab): pass its --vocab-file and --merge-file")
+            raise UserError(f"{reader.dir}: trained with a vocabulary that is not GPT-2's ({vocab} tokens) and no "
+                            f"{TOKENIZER_DIR}/ folder: pass --tokenizer-model DIR (a Hugging Face tokenizer) or "
+                            "its --vocab-file and --merge-file")
         vocab_file, merge_file = BUNDLED_VOCAB_FILE, BUNDLED_MERGE_FILE
     for f in (vocab_file, merge_file):
         if not os.path.isfile(f):
@@ -159,67 +176,79 @@ def _tokenizer(reader: CheckpointReader, vocab_file: str | None, merge_file: str
     return tok
 
 
+def _hf_tokenizer(tok_dir: str, vocab: int):
+    """A Hugging Face tokenizer directory (never trust_remote_code); it must fit the vocabulary."""
+    from transformers import AutoTokenizer
+
+    check_hf_tokenizer_dir(tok_dir)             # the job's checks: tokenizer.json, no remote code
+    try:
+        tok = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True, trust_remote_code=False)
+    except Exception as exc:  # noqa: BLE001 - transformers/tokenizers raise many types on bad files
+        raise UserError(f"{tok_dir}: not a Hugging Face tokenizer directory ({type(exc).__name__}: "
+                        f"{str(exc).splitlines()[0][:160] if str(exc) else ''})") from None
+    if len(tok) > vocab:
+        raise UserError(f"{tok_dir}: the tokenizer has {len(tok)} tokens, more than the model's vocabulary "
+                        f"({vocab}): it is not the tokenizer the model was trained with")
+    return tok
+
+
 def to_hf(load: str, output: str, *, iteration: int | None = None, dtype: str = "fp32", vocab_file: str | None = None,
-          merge_file: str | None = None, max_shard_size: str = "5GB", force: bool = False, log: Log = print) -> None:
+          merge_file: str | None = None, tokenizer_model: str | None = None, architecture: str | None = None,
+          max_shard_size: str = "5GB", force: bool = False, log: Log = print) -> None:
     from huggingface_hub import save_torch_state_dict
     from transformers import GenerationConfig
 
     reader = CheckpointReader(load, iteration)
     log(reader.describe())
-    meta, args = reader.model_meta, reader.args
-    tok = _tokenizer(reader, vocab_file, merge_file)
+    meta, args = full_meta(reader.model_meta), reader.args
+    family = hf.family_for_model(meta, architecture or reader.manifest.get("hf_architecture"), reader.dir)
     shard = parse_size(max_shard_size)
+    saved_tok = os.path.join(reader.dir, TOKENIZER_DIR)         # the tokenizer the run trained with
+    tok_dir = tokenizer_model or (saved_tok if os.path.isdir(saved_tok) else None)
+    if tok_dir is not None:
+        tok = _hf_tokenizer(tok_dir, meta["vocab_size"])
+        special = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    else:
+        tok = _gpt2_tokenizer(reader, vocab_file, merge_file)
+        special = dict(bos_token_id=None, eos_token_id=None)
     weights = reader.read_weights()
-    sd = hf_gpt2.to_hf(weights, meta["num_layers"], meta["num_attention_heads"])
+    sd = family.to_hf_state(weights, meta)
     del weights
-    sd.pop("lm_head.weight")                    # tied to transformer.wte.weight: HF re-ties it on load
     sd = {k: v.to(_DTYPES[dtype]).contiguous() for k, v in sd.items()}
-    config = hf_config_for(meta, args, dtype)
+    config = family.hf_config(meta, dtype=_HF_DTYPE_NAMES[dtype], args=args, **special)
     with atomic_output(output, force=force) as tmp:
         save_torch_state_dict(sd, tmp, max_shard_size=shard)
         config.save_pretrained(tmp)
         GenerationConfig.from_model_config(config).save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        # the slow-tokenizer files too: older transformers and other BPE readers use them
-        shutil.copyfile(tok.source_files[0], os.path.join(tmp, "vocab.json"))
-        shutil.copyfile(tok.source_files[1], os.path.join(tmp, "merges.txt"))
+        if tok_dir is not None:                 # the tokenizer's own files, as they are
+            copy_hf_tokenizer(tok_dir, tmp)
+        else:
+            tok.save_pretrained(tmp)
+            # the slow-tokenizer files too: older transformers and other BPE readers use them
+            shutil.copyfile(tok.source_files[0], os.path.join(tmp, "vocab.json"))
+            shutil.copyfile(tok.source_files[1], os.path.join(tmp, "merges.txt"))
     _wrote(log, output)
-    log(f"  GPT2LMHeadModel, {dtype}, from the fp32 master weights: AutoModelForCausalLM.from_pretrained({output!r})")
-
-
-def hf_config_for(meta: dict, args: dict, dtype: str = "fp32"):
-    return hf_gpt2.hf_config(meta, dtype=_HF_DTYPE_NAMES[dtype], hidden_dropout=float(args.get("hidden_dropout") or 0.0),
-                             attention_dropout=float(args.get("attention_dropout") or 0.0))
+    log(f"  {family.architecture}, {dtype}, from the fp32 master weights: "
+        f"AutoModelForCausalLM.from_pretrained({output!r})")
 
 
 def from_hf(input_dir: str, output: str, *, tensor_parallel: int, force: bool = False, log: Log = print) -> None:
-    from transformers import AutoConfig, GPT2LMHeadModel
-
-    if not os.path.isdir(input_dir):
-        raise UserError(f"--input {input_dir}: no such directory; point it at a Hugging Face model directory")
-    if not os.path.isfile(os.path.join(input_dir, "config.json")):
-        raise UserError(f"{input_dir}: no config.json: not a Hugging Face model directory")
-    try:
-        cfg = AutoConfig.from_pretrained(input_dir, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise UserError(f"{input_dir}/config.json: cannot be read ({str(exc).splitlines()[0][:160]})") from None
-    meta = hf_gpt2.meta_from_hf_config(cfg, os.path.join(input_dir, "config.json"))
+    cfg_json = hf.read_config_json(input_dir)
+    family = hf.family_for_config(cfg_json, input_dir)
+    where = os.path.join(input_dir, hf.CONFIG)
+    cfg = family.read_config(cfg_json, where)
+    meta, run_args = family.meta_from_config(cfg, where)
     check_tensor_parallel(meta, tensor_parallel)
-    try:
-        model = GPT2LMHeadModel.from_pretrained(input_dir, local_files_only=True, dtype=torch.float32,
-                                                use_safetensors=None)
-    except (OSError, ValueError, RuntimeError) as exc:
-        raise UserError(f"{input_dir}: the weights cannot be loaded ({type(exc).__name__}: "
-                        f"{str(exc).splitlines()[0][:200] if str(exc) else ''})") from None
-    sd = {k: v.detach() for k, v in model.state_dict().items()}
-    weights = hf_gpt2.from_hf(sd, meta["num_layers"], meta["num_attention_heads"])
+    hf.weight_files(input_dir)                  # no weights: one line before anything is read
+    weights = family.read_state(input_dir, cfg, meta)
     n = sum(t.numel() for t in weights.values())
-    log(f"read {input_dir}: Hugging Face GPT2LMHeadModel, {meta['num_layers']} layers x {meta['hidden_size']} "
-        f"hidden, {meta['num_attention_heads']} heads, vocab {meta['vocab_size']}, {n:,} parameters")
-    args = {"make_vocab_size_divisible_by": DEFAULT_DIVISIBLE_BY,
-            "hidden_dropout": cfg.resid_pdrop, "attention_dropout": cfg.attn_pdrop}
+    groups = f", {query_groups(meta)} KV groups" if query_groups(meta) != meta["num_attention_heads"] else ""
+    log(f"read {input_dir}: Hugging Face {family.architecture}, {meta['num_layers']} layers x {meta['hidden_size']} "
+        f"hidden, {meta['num_attention_heads']} heads{groups}, vocab {meta['vocab_size']}, {n:,} parameters")
+    args = {"make_vocab_size_divisible_by": meta["make_vocab_size_divisible_by"], **run_args}
     _write_weights_checkpoint(output, weights, meta, tp=tensor_parallel, args=args, force=force, log=log,
-                              converted_from=f"Hugging Face GPT2LMHeadModel {os.path.abspath(input_dir)}")
+                              converted_from=f"Hugging Face {family.architecture} {os.path.abspath(input_dir)}",
+                              extra={"hf_architecture": family.architecture}, tokenizer_from=input_dir)
 
 
 # ---------------------------------------------------------------- Megatron-LM
@@ -228,57 +257,45 @@ def to_megatron(load: str, output: str, *, iteration: int | None = None, tensor_
                 force: bool = False, log: Log = print) -> None:
     reader = CheckpointReader(load, iteration)
     log(reader.describe())
-    meta, args = reader.model_meta, reader.args
+    meta, args = full_meta(reader.model_meta), reader.args
     tp = tensor_parallel or reader.layout[0]
     check_tensor_parallel(meta, tp)
     weights = reader.read_weights()
+    saved_tok = os.path.join(reader.dir, TOKENIZER_DIR)
+    has_tokenizer = os.path.isdir(saved_tok)
     ns = megatron_lm.megatron_args(meta, tp=tp, iteration=reader.iteration, divisible_by=_divisible_by(args),
                                    seq_length=args.get("seq_length"), precision=args.get("precision"),
+                                   tokenizer_type=reader.manifest.get("tokenizer_type") or args.get("tokenizer_type")
+                                   or ("HuggingFaceTokenizer" if has_tokenizer else "GPT2BPETokenizer"),
                                    consumed_samples=int(reader.manifest.get("consumed_samples", 0)),
                                    consumed_valid_samples=int(reader.manifest.get("consumed_valid_samples", 0)))
     with atomic_output(output, force=force) as tmp:
         megatron_lm.write(tmp, weights, ns, progress=Progress("writing TP ranks"))
     _wrote(log, output)
     log(f"  Megatron-LM torch format, TP{tp}, iteration {reader.iteration}: load it in Megatron-LM with "
-        "--finetune (no optimizer or RNG state is included)")
+        "--finetune (no optimizer or RNG state is included)"
+        + (f"; its tokenizer: --tokenizer-model {saved_tok}" if has_tokenizer else ""))
 
 
 def from_megatron(input_dir: str, output: str, *, tensor_parallel: int, force: bool = False, log: Log = print) -> None:
     if not os.path.isdir(input_dir):
         raise UserError(f"--input {input_dir}: no such directory; point it at a Megatron-LM checkpoint directory")
     weights, ns, it, vocab = megatron_lm.read(input_dir, progress=Progress("reading TP ranks"))
-    meta = dict(num_layers=ns.num_layers, hidden_size=ns.hidden_size, num_attention_heads=ns.num_attention_heads,
-                ffn_hidden_size=getattr(ns, "ffn_hidden_size", None) or 4 * ns.hidden_size,
-                max_position_embeddings=ns.max_position_embeddings, vocab_size=vocab)
-    expected = _expected_shapes(meta)
+    meta = megatron_lm.meta_from_args(ns, vocab, os.path.join(input_dir, megatron_lm.TRACKER))
+    expected = param_shapes(meta)
     got = {k: tuple(v.shape) for k, v in weights.items()}
     if got != expected:
-        missing = sorted(set(expected) - set(got)) or sorted(k for k in got if got[k] != expected.get(k))
+        missing = sorted(set(expected) - set(got)) or sorted(set(got) - set(expected)) or \
+            sorted(k for k in got if got[k] != expected.get(k))
         raise UserError(f"{input_dir}: the weights do not match the model its args describe (first: "
-                        f"{missing[0]!r}): not a GPT-2-architecture megatron-core model")
+                        f"{missing[0]!r}): not a megatron-core GPT model zo_megatron builds")
     n = sum(t.numel() for t in weights.values())
     log(f"read {input_dir}: Megatron-LM iteration {it}, TP{ns.tensor_model_parallel_size}, {meta['num_layers']} "
         f"layers x {meta['hidden_size']} hidden, vocab {vocab}, {n:,} parameters")
-    args = {"make_vocab_size_divisible_by": int(getattr(ns, "make_vocab_size_divisible_by", DEFAULT_DIVISIBLE_BY)),
+    args = {"make_vocab_size_divisible_by": meta["make_vocab_size_divisible_by"],
             "seq_length": getattr(ns, "seq_length", None)}
     _write_weights_checkpoint(output, weights, meta, tp=tensor_parallel, args=args, force=force, log=log,
                               converted_from=f"Megatron-LM {os.path.abspath(input_dir)} iteration {it}")
-
-
-def _expected_shapes(meta: dict) -> dict[str, tuple[int, ...]]:
-    """Full unpadded shapes of every parameter of the GPT described by meta (our names)."""
-    h, f, v, p = meta["hidden_size"], meta["ffn_hidden_size"], meta["vocab_size"], meta["max_position_embeddings"]
-    out = {"gpt.embedding.word_embeddings.weight": (v, h), "gpt.embedding.position_embeddings.weight": (p, h),
-           "gpt.decoder.final_layernorm.weight": (h,), "gpt.decoder.final_layernorm.bias": (h,)}
-    for i in range(meta["num_layers"]):
-        m = f"gpt.decoder.layers.{i}."
-        out.update({m + "input_layernorm.weight": (h,), m + "input_layernorm.bias": (h,),
-                    m + "self_attention.linear_qkv.weight": (3 * h, h), m + "self_attention.linear_qkv.bias": (3 * h,),
-                    m + "self_attention.linear_proj.weight": (h, h), m + "self_attention.linear_proj.bias": (h,),
-                    m + "pre_mlp_layernorm.weight": (h,), m + "pre_mlp_layernorm.bias": (h,),
-                    m + "mlp.linear_fc1.weight": (f, h), m + "mlp.linear_fc1.bias": (f,),
-                    m + "mlp.linear_fc2.weight": (h, f), m + "mlp.linear_fc2.bias": (h,)})
-    return out
 
 
 # ---------------------------------------------------------------- consolidated fp32
@@ -338,12 +355,12 @@ def reshard(load: str, output: str, *, target_tp: int, target_dp: int | None = N
     dp = target_dp or src_dp
     if dp < 1:
         raise UserError(f"--target-data-parallel-size {dp}: must be >= 1")
-    meta, args = reader.model_meta, reader.args
+    meta, args = full_meta(reader.model_meta), reader.args
     check_tensor_parallel(meta, target_tp, "--target-tensor-parallel-size")
     prefixes = [MODEL] + ([EXP_AVG, EXP_AVG_SQ] if reader.has_optimizer_state else [])
     dtypes = {p: reader.dtype(p + next(iter(reader.shapes))) for p in prefixes}
     specs = _tp_specs(reader.shapes, prefixes, dtypes, target_tp,
-                      padded_vocab_size(meta["vocab_size"], _divisible_by(args), target_tp))
+                      padded_vocab_size(meta["vocab_size"], _divisible_by(args), target_tp), meta["swiglu"])
     cache: dict[str, torch.Tensor] = {}
 
     def fetch(key: str, box: Box) -> torch.Tensor:
@@ -359,7 +376,7 @@ def reshard(load: str, output: str, *, target_tp: int, target_dp: int | None = N
             if state is not None:
                 rng[rng_file(t, d)] = state
     manifest = {k: v for k, v in reader.manifest.items()
-                if k not in ("files", "checksums", "format", "format_version", "iteration")}
+                if k not in ("files", "checksums", "format", "format_version", "iteration", "tokenizer_files")}
     manifest["layout"] = {"tensor_parallel": target_tp, "data_parallel": dp}
     manifest["resharded_offline_from"] = {"tensor_parallel": src_tp, "data_parallel": src_dp}
     if not same_tp:
@@ -367,7 +384,8 @@ def reshard(load: str, output: str, *, target_tp: int, target_dp: int | None = N
         manifest["rng_model_parallel_streams"] = False
     with atomic_output(output, force=force) as tmp:
         write_checkpoint(tmp, iteration=reader.iteration, specs=specs, fetch=fetch, manifest=manifest,
-                         rng_files=rng, progress=Progress("writing tensors"))
+                         rng_files=rng, progress=Progress("writing tensors"),
+                         tokenizer_from=os.path.join(reader.dir, TOKENIZER_DIR))
     _wrote(log, output)
     log(f"  resharded TP{src_tp} x DP{src_dp} -> TP{target_tp} x DP{dp}: "
         f"{'weights and optimizer state' if len(prefixes) == 3 else 'weights'}, iteration {reader.iteration}"

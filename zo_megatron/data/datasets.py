@@ -28,6 +28,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import hashlib
+import logging
 import os
 import re
 import struct
@@ -35,7 +36,10 @@ import tempfile
 import warnings
 from typing import Iterator, NamedTuple, Sequence
 
+from zo_megatron.data.dataset_meta import read_dataset_meta
 from zo_megatron.data.errors import DataError
+
+logger = logging.getLogger(__name__)
 
 # The on-disk format of megatron-core's indexed dataset (megatron/core/datasets/indexed_dataset.py):
 # header: magic(9) version<Q>=1 dtype<B> sequence_count<Q> document_count<Q>  = 34 bytes, then
@@ -66,7 +70,10 @@ def validate_data_prefix(prefix: str, tokenizer=None) -> DatasetInfo:
     Raises DataError (one line naming the file and the fix) for: missing files, an .idx that is
     truncated, corrupt or not an index, a .bin whose size disagrees with the index, and — given a
     tokenizer (anything with .vocab_size) — a token dtype that cannot hold the vocabulary or a token
-    id >= vocab_size (all tokens checked up to 256 MB of .bin, evenly spread windows beyond).
+    id >= vocab_size. The ids are checked against the largest id recorded by the preprocessing in
+    PREFIX.meta.json when that record still matches the pair (dataset_meta.py), else by reading
+    the tokens (all of them up to 256 MB of .bin, evenly spread windows beyond). A record naming
+    another tokenizer whose ids fit is only warned about.
     """
     import numpy as np
 
@@ -135,6 +142,24 @@ def validate_data_prefix(prefix: str, tokenizer=None) -> DatasetInfo:
             raise DataError(f"{idx_path} stores tokens as {dtype.name}, which cannot hold the "
                             f"tokenizer's {vocab}-token vocabulary: the dataset was made for another "
                             f"tokenizer; {_preprocess_hint(prefix)}")
+        meta = read_dataset_meta(prefix)
+        if meta is not None:
+            lo, hi = int(meta["min_token_id"]), int(meta["max_token_id"])
+            made_by = (f"{meta.get('tokenizer_type')}"
+                       f"{' ' + str(meta['tokenizer_model']) if meta.get('tokenizer_model') else ''}"
+                       f" with {meta['vocab_size']} tokens")
+            if hi >= vocab or lo < 0:
+                bad = hi if hi >= vocab else lo
+                raise DataError(f"{bin_path} holds token id {bad}, outside this run's vocabulary [0, {vocab}): it "
+                                f"was preprocessed with {made_by}; re-run tools/preprocess_data.py with this "
+                                f"run's tokenizer (--tokenizer-type/--tokenizer-model), or train with that one")
+            fp = getattr(tokenizer, "fingerprint", None)
+            if fp is not None and meta.get("tokenizer_fingerprint") != fp:
+                logger.warning("%s was preprocessed with %s, not this run's tokenizer (%s); its ids fit the "
+                               "vocabulary, but they mean other text: re-run tools/preprocess_data.py with this "
+                               "run's tokenizer unless that is intended", prefix, made_by,
+                               getattr(tokenizer, "tokenizer_type", type(tokenizer).__name__))
+            return DatasetInfo(prefix, dtype.name, int(n_seq), int(n_doc - 1), n_tokens)
         data = np.memmap(bin_path, dtype=dtype, mode="r")
         if bin_size <= _FULL_SCAN_BYTES:
             lo, hi = int(data.min()), int(data.max())
@@ -207,17 +232,20 @@ def _idx_fingerprint(prefix: str) -> str:
 
 class _MegatronTokenizer:
     """What megatron-core's GPTDataset needs from a tokenizer: .eod, .vocab_size and
-    .unique_identifiers (part of the index cache key: tokenizer and data content)."""
+    .unique_identifiers (part of the index cache key: the tokenizer actually used and the data
+    content). GPT-2's identifiers are its files' hashes (unchanged, so existing caches stay valid);
+    any other tokenizer adds its fingerprint (a hash of all its files)."""
 
     def __init__(self, tokenizer, data_fingerprints: dict):
         self._tokenizer = tokenizer
         self.eod = int(tokenizer.eod)
         self.vocab_size = int(tokenizer.vocab_size)
-        self.unique_identifiers = collections.OrderedDict(
-            [("class", type(tokenizer).__name__), ("vocab_size", self.vocab_size),
-             ("eod", self.eod), ("vocab_sha256", getattr(tokenizer, "vocab_sha256", None)),
-             ("merges_sha256", getattr(tokenizer, "merges_sha256", None)),
-             ("data", data_fingerprints)])
+        ids = [("class", type(tokenizer).__name__), ("vocab_size", self.vocab_size),
+               ("eod", self.eod), ("vocab_sha256", getattr(tokenizer, "vocab_sha256", None)),
+               ("merges_sha256", getattr(tokenizer, "merges_sha256", None))]
+        if getattr(tokenizer, "vocab_sha256", None) is None:
+            ids.append(("fingerprint", getattr(tokenizer, "fingerprint", None)))
+        self.unique_identifiers = collections.OrderedDict([*ids, ("data", data_fingerprints)])
 
     def tokenize(self, text):
         return self._tokenizer.encode(text)

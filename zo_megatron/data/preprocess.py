@@ -9,10 +9,15 @@ its text under each of ``--json-keys``). Megatron-LM reads every input as JSON l
 JSON lines when its name ends in ``.jsonl``/``.json``/``.ndjson``/``.jsonlines``, or -- whatever its
 name -- when its first non-blank line is a JSON object holding the first ``--json-keys`` key (the
 obvious case; a notice says so). Any other file is one plain-text document. Each document is encoded with
-the GPT-2 tokenizer and followed by EOD (``--append-eod``, on by default; ``--no-append-eod`` turns
-it off). One output dataset per JSON key: ``{output_prefix}_{key}_document.{bin,idx}``, written with
+the tokenizer (``--tokenizer-type GPT2BPETokenizer``, the default: the bundled GPT-2 BPE;
+``--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR``: ``AutoTokenizer(DIR)(text).input_ids``,
+BOS as its config says) and followed by EOD, the tokenizer's end-of-text / eos token (``--append-eod``,
+on by default; ``--no-append-eod`` turns it off). One output dataset per JSON key: ``{output_prefix}_{key}_document.{bin,idx}``, written with
 megatron-core's IndexedDatasetBuilder, one sequence per document, token dtype uint16 when the
 vocabulary has fewer than 65500 entries (megatron's rule), else int32. Empty documents are skipped.
+Beside each pair, ``PREFIX.meta.json`` records the tokenizer (type, directory, fingerprint, vocabulary
+size) and the largest id written, so training refuses a dataset made with another vocabulary
+without reading all of it (zo_megatron/data/dataset_meta.py).
 
 Files are written under temporary names and renamed at the end (.idx last), so an interrupted run
 never leaves a half-written dataset under the final name. Bad input is a one-line ``error:`` and exit
@@ -38,7 +43,8 @@ import warnings
 from typing import Iterable, Iterator, Sequence
 
 from zo_megatron.data.errors import DataError
-from zo_megatron.data.tokenizer import GPT2Tokenizer, build_tokenizer
+from zo_megatron.data.dataset_meta import dataset_meta, meta_path
+from zo_megatron.data.tokenizer import GPT2_TOKENIZER, TOKENIZER_TYPES, Tokenizer, build_tokenizer, tokenizer_from_spec
 
 logger = logging.getLogger(__name__)
 
@@ -186,7 +192,7 @@ def _iter_batches(docs: Iterable[tuple[list[str] | None, int]]):
 
 
 # ----------------------------------------------------------------------------- encoding
-def _encode_batch(tokenizer: GPT2Tokenizer, batch: list[list[str]], dtype) -> list[list]:
+def _encode_batch(tokenizer: Tokenizer, batch: list[list[str]], dtype) -> list[list]:
     """batch[doc][key] text -> [doc][key] numpy token array (EOD not yet appended)."""
     import numpy as np
 
@@ -203,20 +209,30 @@ _WORKER_TOKENIZER = None
 _WORKER_DTYPE = None
 
 
-def _worker_init(vocab_file, merge_file, dtype_name):
+def _worker_init(spec, fingerprint, dtype_name):
     global _WORKER_TOKENIZER, _WORKER_DTYPE
     import numpy as np
 
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker process
-    _WORKER_TOKENIZER = build_tokenizer(vocab_file, merge_file, allow_custom_vocab=True)
     _WORKER_DTYPE = np.dtype(dtype_name)
+    # An initializer that raises makes the pool respawn workers forever: keep the error for the
+    # first task instead, which hands it back to the parent.
+    try:
+        tok = tokenizer_from_spec(spec)
+        if tok.fingerprint != fingerprint:   # the files changed since the parent read them
+            raise DataError(f"the tokenizer files of {spec[1:]} changed while preprocessing: run again")
+        _WORKER_TOKENIZER = tok
+    except DataError as e:
+        _WORKER_TOKENIZER = e
 
 
 def _worker_encode(batch):
+    if isinstance(_WORKER_TOKENIZER, DataError):
+        raise _WORKER_TOKENIZER
     return _encode_batch(_WORKER_TOKENIZER, batch, _WORKER_DTYPE)
 
 
-def _encoded_stream(batches, tokenizer: GPT2Tokenizer, dtype, workers: int):
+def _encoded_stream(batches, tokenizer: Tokenizer, dtype, workers: int):
     """Yield (encoded batch, bytes) in input order; with workers > 1, a bounded-window process pool
     (spawned, so no forked tokenizer threads; at most 2 tasks per worker in flight)."""
     if workers <= 1:
@@ -227,7 +243,7 @@ def _encoded_stream(batches, tokenizer: GPT2Tokenizer, dtype, workers: int):
 
     ctx = mp.get_context("spawn")
     with ctx.Pool(workers, initializer=_worker_init,
-                  initargs=(tokenizer.vocab_file, tokenizer.merge_file, dtype.name)) as pool:
+                  initargs=(tokenizer.spec(), tokenizer.fingerprint, dtype.name)) as pool:
         pending = collections.deque()
         for batch, nbytes in batches:
             pending.append((pool.apply_async(_worker_encode, (batch,)), nbytes))
@@ -297,8 +313,9 @@ def preprocess(inputs: Sequence[str], output_prefix: str, json_keys: Sequence[st
                vocab_file: str | None = None, merge_file: str | None = None,
                allow_custom_vocab: bool = False, append_eod: bool = True, workers: int = 1,
                log_interval: float = 10.0, progress: bool = True,
-               tokenizer: GPT2Tokenizer | None = None,
-               documents: Iterable[tuple[str, int]] | None = None) -> PreprocessResult:
+               tokenizer: Tokenizer | None = None,
+               documents: Iterable[tuple[str, int]] | None = None, *,
+               tokenizer_type: str = GPT2_TOKENIZER, tokenizer_model: str | None = None) -> PreprocessResult:
     """Tokenize `inputs` into ``{output_prefix}_{key}_document.{bin,idx}`` per json key.
 
     `documents` (internal, used by the embedded corpus): an iterable of (text, nbytes) used instead
@@ -323,7 +340,8 @@ def preprocess(inputs: Sequence[str], output_prefix: str, json_keys: Sequence[st
     if workers < 1:
         raise DataError(f"--workers {workers}: must be >= 1")
     if tokenizer is None:
-        tokenizer = build_tokenizer(vocab_file, merge_file, allow_custom_vocab)
+        tokenizer = build_tokenizer(vocab_file, merge_file, allow_custom_vocab, tokenizer_type=tokenizer_type,
+                                    tokenizer_model=tokenizer_model)
     output_prefix = os.path.abspath(os.path.expanduser(str(output_prefix)))
     out_dir = os.path.dirname(output_prefix)
     os.makedirs(out_dir, exist_ok=True)
@@ -334,10 +352,13 @@ def preprocess(inputs: Sequence[str], output_prefix: str, json_keys: Sequence[st
     dtype = np.dtype(idx_mod.DType.optimal_dtype(tokenizer.vocab_size))
     prefixes = {k: output_prefix_for(output_prefix, k) for k in keys}
     tag = f".tmp-{os.getpid()}-{int(time.time() * 1000) % 10**9}"
-    tmp = {k: (p + tag + ".bin", p + tag + ".idx") for k, p in prefixes.items()}
+    tmp = {k: (p + tag + ".bin", p + tag + ".idx", p + tag + ".meta") for k, p in prefixes.items()}
     builders = {}
     progress_ = _Progress(total_bytes, progress, log_interval)
     n_docs = n_tokens = n_empty = 0
+    id_range = {k: [None, None] for k in keys}    # min, max id written per key
+    n_key_docs = {k: 0 for k in keys}
+    n_key_tokens = {k: 0 for k in keys}
     eod = np.asarray([tokenizer.eod], dtype=dtype)
     try:
         for k in keys:
@@ -354,6 +375,12 @@ def preprocess(inputs: Sequence[str], output_prefix: str, json_keys: Sequence[st
                         continue
                     if append_eod:
                         arr = np.concatenate([arr, eod])
+                    lo, hi = int(arr.min()), int(arr.max())
+                    rng = id_range[k]
+                    rng[0] = lo if rng[0] is None else min(rng[0], lo)
+                    rng[1] = hi if rng[1] is None else max(rng[1], hi)
+                    n_key_docs[k] += 1
+                    n_key_tokens[k] += arr.size
                     builders[k].add_document(arr, [arr.size])
                     b_tokens += arr.size
                     written = True
@@ -370,21 +397,29 @@ def preprocess(inputs: Sequence[str], output_prefix: str, json_keys: Sequence[st
             builders[k].finalize(tmp[k][1])
             _fsync(tmp[k][0])
             _fsync(tmp[k][1])
-        # Commit: the .idx appears last, so a dataset is either complete or absent by its final name.
+            meta = dataset_meta(tokenizer, idx_path=tmp[k][1], bin_path=tmp[k][0], min_token_id=id_range[k][0],
+                                max_token_id=id_range[k][1], documents=n_key_docs[k], tokens=n_key_tokens[k])
+            with open(tmp[k][2], "w", encoding="utf-8") as f:
+                json.dump(meta, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+        # Commit: the .idx appears last, so a dataset is either complete or absent by its final name
+        # (a leftover .meta.json of an older pair no longer matches the new .idx and is ignored).
         for k, p in prefixes.items():
             if os.path.exists(p + ".idx"):
                 os.unlink(p + ".idx")
             os.replace(tmp[k][0], p + ".bin")
+            os.replace(tmp[k][2], meta_path(p))
             os.replace(tmp[k][1], p + ".idx")
     except BaseException:
         progress_.close()
-        for k, (b, i) in tmp.items():
+        for k, (b, i, m) in tmp.items():
             if k in builders:
                 try:
                     builders[k].data_file.close()
                 except Exception:
                     pass
-            for f in (b, i):
+            for f in (b, i, m):
                 if os.path.exists(f):
                     os.unlink(f)
         raise
@@ -398,7 +433,8 @@ def get_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="preprocess_data.py",
         description="Tokenize text / JSONL into a Megatron indexed dataset "
-                    "(OUTPUT_PREFIX_<key>_document.bin/.idx) with the bundled GPT-2 tokenizer.")
+                    "(OUTPUT_PREFIX_<key>_document.bin/.idx, plus .meta.json naming the tokenizer) with the "
+                    "bundled GPT-2 tokenizer or a Hugging Face tokenizer directory.")
     g = p.add_argument_group("input data")
     g.add_argument("--input", action="extend", nargs="+", required=True, metavar="PATH",
                    help="a text file (one document), a directory of .txt files, or a JSON-lines file "
@@ -409,14 +445,18 @@ def get_parser() -> argparse.ArgumentParser:
     g.add_argument("--split-sentences", action="store_true", help=argparse.SUPPRESS)
     g.add_argument("--keep-newlines", action="store_true", help=argparse.SUPPRESS)
     g = p.add_argument_group("tokenizer")
-    g.add_argument("--tokenizer-type", default="GPT2BPETokenizer",
-                   help="only GPT2BPETokenizer (the default) is supported")
+    g.add_argument("--tokenizer-type", default=GPT2_TOKENIZER, choices=TOKENIZER_TYPES,
+                   help="GPT2BPETokenizer (default: the bundled GPT-2 BPE) or HuggingFaceTokenizer "
+                        "(AutoTokenizer from --tokenizer-model, offline, no remote code)")
+    g.add_argument("--tokenizer-model", default=None, metavar="DIR",
+                   help="HuggingFaceTokenizer: a local directory with tokenizer.json and tokenizer_config.json")
     g.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json (default: bundled copy)")
     g.add_argument("--merge-file", default=None, help="GPT-2 merges.txt (default: bundled copy)")
     g.add_argument("--allow-custom-vocab", action="store_true",
                    help="accept --vocab-file/--merge-file that are not GPT-2's (hash is logged)")
     g.add_argument("--append-eod", action=argparse.BooleanOptionalAction, default=True,
-                   help="append <|endoftext|> after each document (default: on)")
+                   help="append the end-of-document token after each document: GPT-2's <|endoftext|>, a "
+                        "Hugging Face tokenizer's eos token (default: on)")
     g = p.add_argument_group("output data")
     g.add_argument("--output-prefix", required=True, help="path prefix of the output dataset(s)")
     g = p.add_argument_group("runtime")
@@ -438,16 +478,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.propagate = False
     log.setLevel(logging.INFO)
     try:
-        if args.tokenizer_type != "GPT2BPETokenizer":
-            raise DataError(f"--tokenizer-type {args.tokenizer_type}: only GPT2BPETokenizer is "
-                            f"supported")
         if args.split_sentences:
             raise DataError("--split-sentences is not supported (GPT pretraining wants whole "
                             "documents): drop the flag")
         res = preprocess(args.input, args.output_prefix, json_keys=args.json_keys,
                          vocab_file=args.vocab_file, merge_file=args.merge_file,
                          allow_custom_vocab=args.allow_custom_vocab, append_eod=args.append_eod,
-                         workers=args.workers, log_interval=args.log_interval)
+                         workers=args.workers, log_interval=args.log_interval,
+                         tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model)
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

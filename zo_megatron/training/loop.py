@@ -146,7 +146,8 @@ def _check_inputs(args, env, dp):
     """Every check that reads files or this node's memory; returns (tokenizer, data path)."""
     from zo_megatron.data import build_tokenizer, validate_data_prefix
 
-    tokenizer = build_tokenizer(args.vocab_file, args.merge_file, allow_custom_vocab=args.allow_custom_vocab)
+    tokenizer = build_tokenizer(args.vocab_file, args.merge_file, allow_custom_vocab=args.allow_custom_vocab,
+                                tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model)
     if args.data_path:
         from zo_megatron.data import parse_data_path
 
@@ -156,7 +157,7 @@ def _check_inputs(args, env, dp):
     else:
         from zo_megatron.data import default_data_prefix
 
-        data_path = [default_data_prefix()]
+        data_path = [default_data_prefix(tokenizer=tokenizer)]
     if args.tensorboard_dir:
         try:
             import torch.utils.tensorboard  # noqa: F401
@@ -374,7 +375,7 @@ def _train(args, env, ps, tokenizer, data_path, cpu_adam_threads: int) -> int:
                         vocab_size=tokenizer.vocab_size,
                         train_state=dict(consumed_samples=consumed, consumed_valid_samples=consumed_valid,
                                          opt_param_scheduler=_schedule_state(args, iteration)),
-                        model_meta=model_meta, args=vars(args), keep_last=args.keep_last)
+                        model_meta=model_meta, args=vars(args), keep_last=args.keep_last, tokenizer=tokenizer)
             except (OSError, RuntimeError) as exc:
                 if isinstance(exc, RuntimeError) and not str(exc).startswith("saving "):
                     raise                          # not the save's own failure (e.g. a lost peer)
@@ -550,7 +551,8 @@ def _banner(metrics, args, ps, cfg, optimizer, data_path, setup_s) -> None:
         f" batch: global {args.global_batch_size} = micro {args.micro_batch_size} x DP {ps.dp_size} x accumulation "
         f"{args.grad_accum_steps}; {args.train_iters} iterations, lr {args.lr:g} {args.lr_decay_style} "
         f"(warmup {args.lr_warmup_iters}, min {args.min_lr:g})",
-        f" data: {src}",
+        f" data: {src}" + (f"; tokenizer: HuggingFaceTokenizer {args.tokenizer_model}"
+                           if args.tokenizer_type == "HuggingFaceTokenizer" else ""),
         f" model states per rank: device {human_bytes(acc.device_model_state_bytes)}, host {human_bytes(acc.host_bytes)}"
         + (f"; planner: device {human_bytes(plan.device_bytes_per_gpu)}/rank, host {human_bytes(plan.host_bytes_per_node)}/node"
            if plan is not None else ""),

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import torch
 
+from zo_megatron.checkpoint.arch import full_meta
+from zo_megatron.checkpoint.hf.family import HFFamily
+from zo_megatron.errors import UserError
+
 _PREFIX = "gpt."
 
 
@@ -89,7 +93,8 @@ def from_hf(hf_sd: dict[str, torch.Tensor], num_layers: int, num_heads: int) -> 
 _TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")     # the same function: GPT-2's tanh approximation
 
 
-def hf_config(meta: dict, *, dtype: str = "float32", hidden_dropout: float = 0.0, attention_dropout: float = 0.0):
+def hf_config(meta: dict, *, dtype: str = "float32", hidden_dropout: float = 0.0, attention_dropout: float = 0.0,
+              bos_token_id=None, eos_token_id=None):
     """A GPT2Config for a zo_megatron model (meta: num_layers, hidden_size, ...)."""
     from transformers import GPT2Config
 
@@ -99,18 +104,18 @@ def hf_config(meta: dict, *, dtype: str = "float32", hidden_dropout: float = 0.0
         n_layer=meta["num_layers"], n_head=meta["num_attention_heads"],
         n_inner=None if ffn == 4 * meta["hidden_size"] else ffn, activation_function="gelu_new",
         resid_pdrop=hidden_dropout, embd_pdrop=hidden_dropout, attn_pdrop=attention_dropout,
-        layer_norm_epsilon=1e-5, tie_word_embeddings=True, architectures=["GPT2LMHeadModel"],
-        bos_token_id=50256 if meta["vocab_size"] > 50256 else None,
-        eos_token_id=50256 if meta["vocab_size"] > 50256 else None, dtype=dtype)
+        layer_norm_epsilon=meta.get("layernorm_epsilon", 1e-5), tie_word_embeddings=True,
+        architectures=["GPT2LMHeadModel"],
+        bos_token_id=bos_token_id if bos_token_id is not None else 50256 if meta["vocab_size"] > 50256 else None,
+        eos_token_id=eos_token_id if eos_token_id is not None else 50256 if meta["vocab_size"] > 50256 else None,
+        dtype=dtype)
 
 
 def meta_from_hf_config(cfg, where: str) -> dict:
     """zo_megatron's model meta from a GPT2Config; refuses anything that is not GPT-2-shaped,
-    naming the field (our GPT is GPT-2's architecture, nothing else)."""
-    from zo_megatron.errors import UserError
-
+    naming the field."""
     def refuse(field, value, why):
-        raise UserError(f"{where}: {field}={value!r}: {why}; zo_megatron converts GPT-2-architecture models only")
+        raise UserError(f"{where}: {field}={value!r}: {why}; a GPT2LMHeadModel converts only with GPT-2's own architecture")
 
     if getattr(cfg, "model_type", None) != "gpt2":
         refuse("model_type", getattr(cfg, "model_type", None), "not a GPT-2 model (learned positions, LayerNorm, "
@@ -123,10 +128,64 @@ def meta_from_hf_config(cfg, where: str) -> dict:
                         ("add_cross_attention", False)):
         if getattr(cfg, field, want) != want:
             refuse(field, getattr(cfg, field), f"the attention differs from GPT-2's ({field}={want})")
-    if abs(cfg.layer_norm_epsilon - 1e-5) > 1e-12:
-        refuse("layer_norm_epsilon", cfg.layer_norm_epsilon, "zo_megatron's LayerNorm epsilon is GPT-2's 1e-5")
     if cfg.n_embd % cfg.n_head:
         refuse("n_embd", cfg.n_embd, f"not divisible by n_head={cfg.n_head}")
     return dict(num_layers=cfg.n_layer, hidden_size=cfg.n_embd, num_attention_heads=cfg.n_head,
                 ffn_hidden_size=cfg.n_inner or 4 * cfg.n_embd, max_position_embeddings=cfg.n_positions,
-                vocab_size=cfg.vocab_size)
+                vocab_size=cfg.vocab_size, layernorm_epsilon=float(cfg.layer_norm_epsilon))
+
+
+# architecture fields a GPT2Config holds, or that do not apply to it (any value)
+_SHAPE = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size", "max_position_embeddings")
+_FREE = ("layernorm_epsilon", "make_vocab_size_divisible_by", "rotary_base", "rope_scaling_factor")
+
+
+class GPT2Family(HFFamily):
+    architecture, model_type = "GPT2LMHeadModel", "gpt2"
+
+    def read_config(self, cfg_json: dict, where: str):
+        from transformers import GPT2Config
+
+        try:
+            return GPT2Config.from_dict({k: v for k, v in cfg_json.items() if k != "auto_map"})
+        except (TypeError, ValueError, KeyError) as exc:
+            raise UserError(f"{where}: not a valid GPT2Config ({type(exc).__name__}: "
+                            f"{str(exc).splitlines()[0][:160] if str(exc) else ''})") from None
+
+    def meta_from_config(self, cfg, where: str) -> tuple[dict, dict]:
+        return full_meta(meta_from_hf_config(cfg, where)), {"hidden_dropout": cfg.resid_pdrop, "attention_dropout": cfg.attn_pdrop}
+
+    def read_state(self, input_dir: str, cfg, meta: dict) -> dict[str, torch.Tensor]:
+        # transformers' own loader: it also reads the original GPT-2 files' legacy names (no
+        # "transformer." prefix, attention-mask buffers); safetensors, or .bin with weights_only
+        from transformers import GPT2LMHeadModel
+
+        try:
+            model = GPT2LMHeadModel.from_pretrained(input_dir, local_files_only=True, dtype=torch.float32,
+                                                    use_safetensors=None)
+        except (OSError, ValueError, RuntimeError) as exc:
+            raise UserError(f"{input_dir}: the weights cannot be loaded ({type(exc).__name__}: "
+                            f"{str(exc).splitlines()[0][:200] if str(exc) else ''})") from None
+        sd = {k: v.detach() for k, v in model.state_dict().items()}
+        return from_hf(sd, meta["num_layers"], meta["num_attention_heads"])
+
+    def why_not(self, meta: dict) -> str | None:
+        meta = full_meta(meta)
+        gpt2 = full_meta({k: meta[k] for k in _SHAPE + _FREE})       # the same shape as GPT-2
+        for key, want in gpt2.items():
+            if meta[key] != want:
+                return f"GPT-2 has {key}={want!r} (the model has {meta[key]!r})"
+        return None
+
+    def to_hf_state(self, weights: dict[str, torch.Tensor], meta: dict) -> dict[str, torch.Tensor]:
+        sd = to_hf(weights, meta["num_layers"], meta["num_attention_heads"])
+        sd.pop("lm_head.weight")                # tied to transformer.wte.weight: HF re-ties it on load
+        return sd
+
+    def hf_config(self, meta: dict, *, dtype: str, args: dict, bos_token_id, eos_token_id):
+        return hf_config(meta, dtype=dtype, hidden_dropout=float(args.get("hidden_dropout") or 0.0),
+                         attention_dropout=float(args.get("attention_dropout") or 0.0),
+                         bos_token_id=bos_token_id, eos_token_id=eos_token_id)
+
+
+FAMILY = GPT2Family()

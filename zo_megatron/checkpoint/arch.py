@@ -1,0 +1,122 @@
+"""A checkpoint's model architecture (`meta`: GPTConfig field values) for the offline tools.
+
+Checkpoints record the architecture fields (manifest "model"); those written before the Llama
+family existed record only the GPT-2 shape, and the other fields then take GPT-2's values. From
+the fields alone the tools know every parameter's full shape (`param_shapes`, checked against
+the built model by the tests) and which TP sizes can hold the model.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from zo_megatron.errors import UserError
+from zo_megatron.model.config import ARCH_FIELDS, GPTConfig
+
+# GPTConfig's defaults (GPT-2) for the fields an old checkpoint does not record
+DEFAULTS = {f.name: f.default for f in dataclasses.fields(GPTConfig)
+            if f.name in ARCH_FIELDS and f.name not in ("num_layers", "hidden_size", "num_attention_heads",
+                                                         "vocab_size", "max_position_embeddings", "ffn_hidden_size")}
+_PREFIX = "gpt."
+
+
+def full_meta(meta: dict) -> dict:
+    """Every ARCH_FIELDS field as the job records it (GPTConfig.arch_meta: FFN size, query groups
+    and head dim resolved), the unrecorded ones at GPT-2's values; an impossible architecture is
+    GPTConfig's one-line ConfigError."""
+    known = {k: v for k, v in {**DEFAULTS, **meta}.items() if k in ARCH_FIELDS}
+    return GPTConfig(**known, precision="fp32").arch_meta()
+
+
+def query_groups(meta: dict) -> int:
+    return meta.get("num_query_groups") or meta["num_attention_heads"]
+
+
+def head_dim(meta: dict) -> int:
+    return meta.get("kv_channels") or meta["hidden_size"] // meta["num_attention_heads"]
+
+
+def param_shapes(meta: dict) -> dict[str, tuple[int, ...]]:
+    """Full unpadded shape of every parameter of the GPTModel `meta` describes (our names)."""
+    meta = full_meta(meta)
+    h, f, v = meta["hidden_size"], meta["ffn_hidden_size"], meta["vocab_size"]
+    q, kv = meta["num_attention_heads"] * head_dim(meta), query_groups(meta) * head_dim(meta)
+    layer_norm = meta["normalization"] == "LayerNorm"
+    bias, qkv_bias = meta["add_bias_linear"], meta["add_bias_linear"] or meta["add_qkv_bias"]
+    fc1 = 2 * f if meta["swiglu"] else f
+
+    def norm(name):
+        return {name + ".weight": (h,), **({name + ".bias": (h,)} if layer_norm else {})}
+
+    out = {_PREFIX + "embedding.word_embeddings.weight": (v, h)}
+    if meta["position_embedding_type"] == "learned_absolute":
+        out[_PREFIX + "embedding.position_embeddings.weight"] = (meta["max_position_embeddings"], h)
+    for i in range(meta["num_layers"]):
+        m = f"{_PREFIX}decoder.layers.{i}."
+        out.update(norm(m + "input_layernorm"))
+        out[m + "self_attention.linear_qkv.weight"] = (q + 2 * kv, h)
+        if qkv_bias:
+            out[m + "self_attention.linear_qkv.bias"] = (q + 2 * kv,)
+        if meta["qk_layernorm"]:
+            out.update({m + "self_attention.q_layernorm.weight": (head_dim(meta),),
+                        m + "self_attention.k_layernorm.weight": (head_dim(meta),)})
+            if layer_norm:
+                out.update({m + "self_attention.q_layernorm.bias": (head_dim(meta),),
+                            m + "self_attention.k_layernorm.bias": (head_dim(meta),)})
+        out[m + "self_attention.linear_proj.weight"] = (h, q)
+        out.update(norm(m + "pre_mlp_layernorm"))
+        out[m + "mlp.linear_fc1.weight"] = (fc1, h)
+        out[m + "mlp.linear_fc2.weight"] = (h, f)
+        if bias:
+            out.update({m + "self_attention.linear_proj.bias": (h,), m + "mlp.linear_fc1.bias": (fc1,),
+                        m + "mlp.linear_fc2.bias": (h,)})
+    out.update(norm(_PREFIX + "decoder.final_layernorm"))
+    if meta["untie_embeddings_and_output_weights"]:
+        out[_PREFIX + "output_layer.weight"] = (v, h)
+    return out
+
+
+def job_flags(meta: dict) -> str:
+    """pretrain_gpt.py's flags (Megatron-LM's names) for the architecture `meta`: what a run that
+    loads the checkpoint must be given (a resume with other values is refused)."""
+    m = full_meta(meta)
+    flags = [f"--num-layers {m['num_layers']}", f"--hidden-size {m['hidden_size']}",
+             f"--num-attention-heads {m['num_attention_heads']}", f"--ffn-hidden-size {m['ffn_hidden_size']}",
+             f"--max-position-embeddings {m['max_position_embeddings']}"]
+    if m["position_embedding_type"] == "rope":
+        flags += ["--position-embedding-type rope", f"--rotary-base {m['rotary_base']}"]
+        if m["rotary_percent"] != 1.0:
+            flags.append(f"--rotary-percent {m['rotary_percent']:g}")
+        if m["use_rope_scaling"]:
+            flags += ["--use-rope-scaling", f"--rope-scaling-factor {m['rope_scaling_factor']:g}"]
+    if m["normalization"] != "LayerNorm":
+        flags.append(f"--normalization {m['normalization']}")
+    if m["layernorm_epsilon"] != DEFAULTS["layernorm_epsilon"]:
+        flags.append(f"--norm-epsilon {m['layernorm_epsilon']:g}")
+    if m["swiglu"]:
+        flags.append("--swiglu")
+    if m["num_query_groups"] != m["num_attention_heads"]:
+        flags += ["--group-query-attention", f"--num-query-groups {m['num_query_groups']}"]
+    if m["kv_channels"] != m["hidden_size"] // m["num_attention_heads"]:
+        flags.append(f"--kv-channels {m['kv_channels']}")
+    if m["untie_embeddings_and_output_weights"]:
+        flags.append("--untie-embeddings-and-output-weights")
+    if not m["add_bias_linear"]:
+        flags.append("--disable-bias-linear")
+        if m["add_qkv_bias"]:
+            flags.append("--add-qkv-bias")
+    if m["qk_layernorm"]:
+        flags.append("--qk-layernorm")
+    if m["make_vocab_size_divisible_by"] != DEFAULTS["make_vocab_size_divisible_by"]:
+        flags.append(f"--make-vocab-size-divisible-by {m['make_vocab_size_divisible_by']}")
+    return " ".join(flags)
+
+
+def check_tensor_parallel(meta: dict, tp: int, flag: str = "--tensor-parallel") -> None:
+    """TP splits whole query groups (so whole heads) and whole MLP columns."""
+    if tp < 1:
+        raise UserError(f"{flag} {tp}: must be >= 1")
+    for what, n in (("num_attention_heads", meta["num_attention_heads"]), ("query groups", query_groups(meta)),
+                    ("ffn_hidden_size", meta["ffn_hidden_size"])):
+        if n % tp:
+            raise UserError(f"{flag} {tp} does not divide the model's {what} {n}: TP splits whole query groups, "
+                            f"heads and MLP columns; choose a TP size that divides {n}")

@@ -1,0 +1,56 @@
+"""Hugging Face model families <-> zo_megatron: one mapping module per family, chosen here.
+
+    gpt2.py    GPT2LMHeadModel
+    llama.py   LlamaForCausalLM, MistralForCausalLM (full attention), Qwen2ForCausalLM (their
+               differences are data: llama.VARIANTS)
+
+from-hf picks the family from config.json's `architectures` (or, when a config has none, its
+`model_type`); to-hf from the architecture the checkpoint was converted from, a name given by
+the user, or else the first family that expresses the model exactly (GPT-2, then Llama, Mistral,
+Qwen2: a Llama-shaped model with QKV biases only is a Qwen2).
+"""
+from __future__ import annotations
+
+import os
+
+from zo_megatron.checkpoint.hf import gpt2, llama
+from zo_megatron.checkpoint.hf.family import CONFIG, HFFamily, read_config_json, weight_files
+from zo_megatron.errors import UserError
+
+FAMILIES: dict[str, HFFamily] = {f.architecture: f for f in (gpt2.FAMILY, *llama.FAMILIES)}
+SUPPORTED = tuple(FAMILIES)
+__all__ = ["CONFIG", "FAMILIES", "SUPPORTED", "HFFamily", "family_for_config", "family_for_model", "read_config_json",
+           "weight_files"]
+
+
+def family_for_config(cfg_json: dict, input_dir: str) -> HFFamily:
+    where = os.path.join(input_dir, CONFIG)
+    archs = cfg_json.get("architectures")
+    if isinstance(archs, list) and archs:
+        name = archs[0]
+        family = FAMILIES.get(name)
+    else:
+        name = f"model_type={cfg_json.get('model_type')!r}"
+        family = next((f for f in FAMILIES.values() if f.model_type == cfg_json.get("model_type")), None)
+    if family is None:
+        raise UserError(f"{where}: {name} is not supported; supported architectures: {', '.join(SUPPORTED)}")
+    return family
+
+
+def family_for_model(meta: dict, architecture: str | None, where: str) -> HFFamily:
+    """The HF architecture to write the model `meta` as (see the module docstring)."""
+    if architecture is not None:
+        family = FAMILIES.get(architecture)
+        if family is None:
+            raise UserError(f"--architecture {architecture}: not supported; supported: {', '.join(SUPPORTED)}")
+        why = family.why_not(meta)
+        if why is not None:
+            raise UserError(f"{where}: the model cannot be written as {architecture}: {why}")
+        return family
+    reasons = []
+    for family in FAMILIES.values():
+        why = family.why_not(meta)
+        if why is None:
+            return family
+        reasons.append(why)
+    raise UserError(f"{where}: no supported Hugging Face architecture expresses this model ({'; '.join(reasons)})")

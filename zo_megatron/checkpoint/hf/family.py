@@ -1,0 +1,115 @@
+"""What every Hugging Face family module provides, and the file handling they share.
+
+A family maps one or more HF `architectures` to megatron-core's GPTModel. It works on FULL
+unpadded tensors (TP is the layout code's business) and on `meta`, the model's architecture as
+GPTConfig field values (model/config.py ARCH_FIELDS). Reading never runs code: configs are JSON
+read by transformers' own config classes (no trust_remote_code), weights come from safetensors or
+`torch.load(weights_only=True)`.
+"""
+from __future__ import annotations
+
+import abc
+import json
+import os
+
+import torch
+
+from zo_megatron.errors import UserError
+
+CONFIG = "config.json"
+_SAFETENSORS, _SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
+_BIN, _BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
+
+
+class HFFamily(abc.ABC):
+    """One Hugging Face architecture <-> zo_megatron. Subclasses fill in the mapping."""
+
+    architecture: str = ""                     # config.json's `architectures[0]`
+    model_type: str = ""                       # config.json's `model_type`
+
+    @abc.abstractmethod
+    def read_config(self, cfg_json: dict, where: str):
+        """The transformers config object of this family from config.json's contents."""
+
+    @abc.abstractmethod
+    def meta_from_config(self, cfg, where: str) -> tuple[dict, dict]:
+        """(meta, args): GPTConfig architecture fields, and run args (dropouts) for the checkpoint;
+        refuses with one line what the model cannot express."""
+
+    @abc.abstractmethod
+    def read_state(self, input_dir: str, cfg, meta: dict) -> dict[str, torch.Tensor]:
+        """Full fp32 weights under our parameter names, read from the HF directory."""
+
+    @abc.abstractmethod
+    def why_not(self, meta: dict) -> str | None:
+        """None if this HF architecture expresses the model `meta` exactly, else why not (a phrase)."""
+
+    @abc.abstractmethod
+    def to_hf_state(self, weights: dict[str, torch.Tensor], meta: dict) -> dict[str, torch.Tensor]:
+        """HF state dict (a tied lm_head left out: transformers re-ties it on load)."""
+
+    @abc.abstractmethod
+    def hf_config(self, meta: dict, *, dtype: str, args: dict, bos_token_id, eos_token_id):
+        """The transformers config object to save next to the weights."""
+
+
+def read_config_json(input_dir: str) -> dict:
+    """config.json of a HF model directory; a hub id or a missing file is one line."""
+    if not os.path.isdir(input_dir):
+        raise UserError(f"--input {input_dir}: no such directory; point it at a Hugging Face model directory "
+                        "(download hub models first, e.g. `huggingface-cli download ID --local-dir DIR`)")
+    path = os.path.join(input_dir, CONFIG)
+    if not os.path.isfile(path):
+        raise UserError(f"{input_dir}: no {CONFIG}: not a Hugging Face model directory")
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{path}: cannot be read as JSON ({str(exc).splitlines()[0][:160]})") from None
+    if not isinstance(cfg, dict):
+        raise UserError(f"{path}: not a JSON object")
+    return cfg
+
+
+def weight_files(input_dir: str) -> list[str]:
+    """The weight files of a HF directory: safetensors preferred (one file or an index), else
+    pytorch_model.bin (one file or an index)."""
+    for single, index in ((_SAFETENSORS, _SAFETENSORS_INDEX), (_BIN, _BIN_INDEX)):
+        if os.path.isfile(os.path.join(input_dir, single)):
+            return [os.path.join(input_dir, single)]
+        ipath = os.path.join(input_dir, index)
+        if os.path.isfile(ipath):
+            try:
+                with open(ipath) as f:
+                    weight_map = json.load(f)["weight_map"]
+                names = sorted(set(weight_map.values()))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                raise UserError(f"{ipath}: not a weight index (no 'weight_map')") from None
+            files = [os.path.join(input_dir, n) for n in names]
+            for f in files:
+                if os.path.dirname(os.path.abspath(f)) != os.path.abspath(input_dir) or not os.path.isfile(f):
+                    raise UserError(f"{ipath} names {os.path.basename(f)!r}, which is not a file in {input_dir}")
+            return files
+    raise UserError(f"{input_dir}: no weights ({_SAFETENSORS}, {_SAFETENSORS_INDEX}, {_BIN} or {_BIN_INDEX}): "
+                    "download the model's weight files too")
+
+
+def read_state_dict(input_dir: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the HF directory's weight files, as saved (HF names, their dtypes)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for path in weight_files(input_dir):
+        try:
+            if path.endswith(".safetensors"):
+                part = load_file(path)
+            else:                                 # never unpickle code from a user's file
+                part = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except (SafetensorError, OSError, RuntimeError, ValueError, EOFError) as exc:
+            raise UserError(f"{path}: cannot be read ({type(exc).__name__}: "
+                            f"{str(exc).splitlines()[0][:160] if str(exc) else ''})") from None
+        if not isinstance(part, dict) or not all(isinstance(v, torch.Tensor) for v in part.values()):
+            raise UserError(f"{path}: not a state dict of tensors")
+        out.update(part)
+    return out

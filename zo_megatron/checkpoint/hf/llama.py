@@ -1,0 +1,346 @@
+"""Hugging Face Llama, Mistral and Qwen2 <-> zo_megatron (megatron-core GPTModel, local spec).
+
+The three are one decoder (RoPE, RMSNorm, SwiGLU MLP, grouped-query attention, optionally untied
+output layer); they differ only in a few config fields, written here as data (`VARIANTS`):
+which linear layers carry biases and which config field says so, and what a full-attention
+config must say about the sliding window.
+
+    HF (model.layers.{i}.)                     megatron-core (decoder.layers.{i}.)
+    input_layernorm                         -> input_layernorm
+    self_attn.q_proj, k_proj, v_proj        -> self_attention.linear_qkv   rows grouped per query group g:
+                                               [q heads of g (heads/G x d rows); k_g (d); v_g (d)]
+    self_attn.o_proj                        -> self_attention.linear_proj
+    post_attention_layernorm                -> pre_mlp_layernorm
+    mlp.gate_proj, mlp.up_proj              -> mlp.linear_fc1              [gate; up] (full tensor)
+    mlp.down_proj                           -> mlp.linear_fc2
+    model.embed_tokens / model.norm / lm_head -> embedding.word_embeddings / decoder.final_layernorm / output_layer
+
+HF's rotate_half RoPE is megatron's non-interleaved RoPE: q and k need no permutation. nn.Linear
+and megatron both store [out, in]: nothing is transposed. How [gate; up] splits over TP (stride 2)
+is the TP layout's business (checkpoint/tp_layout.py), not this file's.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from zo_megatron.checkpoint.arch import full_meta, head_dim, query_groups
+from zo_megatron.checkpoint.hf.family import HFFamily, read_state_dict
+from zo_megatron.errors import UserError
+
+_OURS = "gpt."
+_LINEARS = ("qkv", "proj", "fc1", "fc2")
+# megatron-core's hard-coded Llama-3.1 rope scaling (rotary_pos_embedding._apply_scaling): only
+# the factor is a flag (--rope-scaling-factor)
+LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+@dataclass(frozen=True)
+class Variant:
+    architecture: str
+    model_type: str
+    config_class: str                                       # transformers' config class
+    bias_fields: dict = field(default_factory=dict)         # config field -> the linears it gives biases
+    fixed_biases: tuple = ()                                # linears that always have biases
+    full_attention: dict = field(default_factory=dict)      # what to write for full attention
+
+
+VARIANTS = (
+    Variant("LlamaForCausalLM", "llama", "LlamaConfig",
+            bias_fields={"attention_bias": ("qkv", "proj"), "mlp_bias": ("fc1", "fc2")}),
+    Variant("MistralForCausalLM", "mistral", "MistralConfig", full_attention={"sliding_window": None}),
+    Variant("Qwen2ForCausalLM", "qwen2", "Qwen2Config", fixed_biases=("qkv",),
+            full_attention={"use_sliding_window": False}),
+)
+
+
+# ---- the model's architecture in our terms
+
+def _our_biases(meta: dict) -> frozenset:
+    """The linears with biases: megatron's add_bias_linear gives all of them one, add_qkv_bias linear_qkv."""
+    if meta.get("add_bias_linear", True):
+        return frozenset(_LINEARS)
+    return frozenset({"qkv"} if meta.get("add_qkv_bias") else ())
+
+
+def _bias_flags(biases: frozenset) -> tuple[bool, bool] | None:
+    """(add_bias_linear, add_qkv_bias) for a set of linears with biases; None if megatron cannot."""
+    return {frozenset(_LINEARS): (True, False), frozenset({"qkv"}): (False, True), frozenset(): (False, False)}.get(biases)
+
+
+# ---- rope, both config schemas
+
+def _rope_params(cfg) -> dict:
+    """{'rope_type', 'rope_theta', ...}: transformers 5's `rope_parameters`, or 4.x's `rope_theta` +
+    `rope_scaling` (a config file of either schema is read by the installed transformers' class,
+    which converts the other one)."""
+    params = getattr(cfg, "rope_parameters", None)
+    if params is None:
+        params = dict(getattr(cfg, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+    params = dict(params)
+    if "rope_theta" not in params and params and all(isinstance(v, dict) for v in params.values()):
+        return {"per_layer_type": sorted(params)}         # one rope per layer type: not a single RoPE
+    params.setdefault("rope_type", params.pop("type", "default"))
+    return params
+
+
+def _rope_meta(cfg, where: str) -> dict:
+    def refuse(what, fix):
+        raise UserError(f"{where}: {what}: megatron-core's RoPE cannot express it ({fix})")
+
+    p = _rope_params(cfg)
+    if "per_layer_type" in p:
+        refuse(f"rope_parameters per layer type {p['per_layer_type']}", "one RoPE for every layer is supported")
+    partial = p.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None))
+    if partial not in (None, 1, 1.0):
+        refuse(f"partial_rotary_factor={partial}", "this family rotates the whole head")
+    theta = float(p.get("rope_theta", 10000.0))
+    if theta != int(theta):
+        refuse(f"rope_theta={theta}", "--rotary-base is an integer, as in Megatron-LM")
+    out = dict(position_embedding_type="rope", rotary_base=int(theta), rotary_percent=1.0,
+               use_rope_scaling=False, rope_scaling_factor=8.0)
+    kind = p["rope_type"]
+    if kind == "llama3":
+        for k, want in LLAMA3_FIXED.items():
+            if float(p.get(k, want)) != want:
+                refuse(f"llama3 rope scaling with {k}={p.get(k)}", f"only the factor is configurable; {k} is {want}")
+        out.update(use_rope_scaling=True, rope_scaling_factor=float(p["factor"]))
+    elif kind != "default":
+        refuse(f"rope_type={kind!r}", "supported: 'default' and 'llama3' (--use-rope-scaling --rope-scaling-factor)")
+    return out
+
+
+def _rope_config(cls, meta: dict) -> dict:
+    """The rope kwargs of a transformers config class, in the schema the installed version reads."""
+    params = {"rope_type": "default", "rope_theta": float(meta.get("rotary_base", 10000))}
+    if meta.get("use_rope_scaling"):
+        params.update(rope_type="llama3", factor=float(meta.get("rope_scaling_factor", 8.0)), **LLAMA3_FIXED)
+    if "rope_parameters" in getattr(cls, "__dataclass_fields__", {}) or hasattr(cls, "rope_parameters"):
+        return {"rope_parameters": params}                        # transformers >= 5
+    scaling = None if params["rope_type"] == "default" else {k: v for k, v in params.items() if k != "rope_theta"}
+    return {"rope_theta": params["rope_theta"], "rope_scaling": scaling}   # transformers 4.x
+
+
+# ---- names and shapes
+
+def hf_shapes(meta: dict, biases: frozenset) -> dict[str, tuple[int, ...]]:
+    h, f, v = meta["hidden_size"], meta["ffn_hidden_size"], meta["vocab_size"]
+    q, kv = meta["num_attention_heads"] * head_dim(meta), query_groups(meta) * head_dim(meta)
+    out = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+    if meta.get("untie_embeddings_and_output_weights"):
+        out["lm_head.weight"] = (v, h)
+    for i in range(meta["num_layers"]):
+        m = f"model.layers.{i}."
+        lin = {"qkv": {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h)},
+               "proj": {"self_attn.o_proj": (h, q)},
+               "fc1": {"mlp.gate_proj": (f, h), "mlp.up_proj": (f, h)}, "fc2": {"mlp.down_proj": (h, f)}}
+        out[m + "input_layernorm.weight"] = (h,)
+        out[m + "post_attention_layernorm.weight"] = (h,)
+        for which, mods in lin.items():
+            for mod, shape in mods.items():
+                out[m + mod + ".weight"] = shape
+                if which in biases:
+                    out[m + mod + ".bias"] = shape[:1]
+    return out
+
+
+def _pack_qkv(q, k, v, heads: int, groups: int) -> torch.Tensor:
+    rest = q.shape[1:]
+    q = q.reshape(groups, -1, *rest)                             # each group's query heads, whole
+    return torch.cat([q, k.reshape(groups, -1, *rest), v.reshape(groups, -1, *rest)], dim=1).reshape(-1, *rest)
+
+
+def _unpack_qkv(t, heads: int, groups: int, d: int):
+    rest = t.shape[1:]
+    q, k, v = t.reshape(groups, -1, *rest).split([heads // groups * d, d, d], dim=1)
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+
+
+def _layer_pairs(i: int) -> list[tuple[str, str]]:
+    """(ours, HF) for the one-to-one tensors of layer i (weights and biases)."""
+    m, h = f"{_OURS}decoder.layers.{i}.", f"model.layers.{i}."
+    return [(m + "input_layernorm.weight", h + "input_layernorm.weight"),
+            (m + "pre_mlp_layernorm.weight", h + "post_attention_layernorm.weight"),
+            (m + "self_attention.linear_proj.weight", h + "self_attn.o_proj.weight"),
+            (m + "self_attention.linear_proj.bias", h + "self_attn.o_proj.bias"),
+            (m + "mlp.linear_fc2.weight", h + "mlp.down_proj.weight"),
+            (m + "mlp.linear_fc2.bias", h + "mlp.down_proj.bias")]
+
+
+def from_hf(sd: dict[str, torch.Tensor], meta: dict) -> dict[str, torch.Tensor]:
+    """HF state dict (full) -> our full tensors (fp32)."""
+    heads, groups = meta["num_attention_heads"], query_groups(meta)
+    sd = {k: v.float() for k, v in sd.items()}
+    out = {_OURS + "embedding.word_embeddings.weight": sd["model.embed_tokens.weight"],
+           _OURS + "decoder.final_layernorm.weight": sd["model.norm.weight"]}
+    if "lm_head.weight" in sd and meta.get("untie_embeddings_and_output_weights"):
+        out[_OURS + "output_layer.weight"] = sd["lm_head.weight"]
+    for i in range(meta["num_layers"]):
+        m, h = f"{_OURS}decoder.layers.{i}.", f"model.layers.{i}."
+        for ours, hf in _layer_pairs(i):
+            if hf in sd:
+                out[ours] = sd[hf]
+        for kind in ("weight", "bias"):
+            if h + f"self_attn.q_proj.{kind}" in sd:
+                out[m + f"self_attention.linear_qkv.{kind}"] = _pack_qkv(
+                    *(sd[h + f"self_attn.{p}_proj.{kind}"] for p in "qkv"), heads, groups)
+            if h + f"mlp.gate_proj.{kind}" in sd:
+                out[m + f"mlp.linear_fc1.{kind}"] = torch.cat([sd[h + f"mlp.gate_proj.{kind}"],
+                                                               sd[h + f"mlp.up_proj.{kind}"]])
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def to_hf(weights: dict[str, torch.Tensor], meta: dict) -> dict[str, torch.Tensor]:
+    """Our full tensors -> HF state dict (no lm_head when tied)."""
+    heads, groups, d, f = meta["num_attention_heads"], query_groups(meta), head_dim(meta), meta["ffn_hidden_size"]
+    out = {"model.embed_tokens.weight": weights[_OURS + "embedding.word_embeddings.weight"],
+           "model.norm.weight": weights[_OURS + "decoder.final_layernorm.weight"]}
+    if _OURS + "output_layer.weight" in weights:
+        out["lm_head.weight"] = weights[_OURS + "output_layer.weight"]
+    for i in range(meta["num_layers"]):
+        m, h = f"{_OURS}decoder.layers.{i}.", f"model.layers.{i}."
+        for ours, hf in _layer_pairs(i):
+            if ours in weights:
+                out[hf] = weights[ours]
+        for kind in ("weight", "bias"):
+            if m + f"self_attention.linear_qkv.{kind}" in weights:
+                q, k, v = _unpack_qkv(weights[m + f"self_attention.linear_qkv.{kind}"], heads, groups, d)
+                out.update({h + f"self_attn.q_proj.{kind}": q, h + f"self_attn.k_proj.{kind}": k,
+                            h + f"self_attn.v_proj.{kind}": v})
+            if m + f"mlp.linear_fc1.{kind}" in weights:
+                gate, up = weights[m + f"mlp.linear_fc1.{kind}"].split([f, f])
+                out.update({h + f"mlp.gate_proj.{kind}": gate, h + f"mlp.up_proj.{kind}": up})
+    # own storage each (views of one tensor cannot be saved as separate safetensors entries)
+    return {k: v.clone(memory_format=torch.contiguous_format) for k, v in out.items()}
+
+
+# ---- the family object
+
+class LlamaFamily(HFFamily):
+    def __init__(self, variant: Variant):
+        self.variant = variant
+        self.architecture, self.model_type = variant.architecture, variant.model_type
+
+    def _config_class(self):
+        import transformers
+
+        return getattr(transformers, self.variant.config_class)
+
+    def _hf_biases(self, cfg) -> frozenset:
+        on = set(self.variant.fixed_biases)
+        for name, linears in self.variant.bias_fields.items():
+            if getattr(cfg, name, False):
+                on.update(linears)
+        return frozenset(on)
+
+    def _expressible_biases(self) -> set[frozenset]:
+        names = list(self.variant.bias_fields)
+        return {frozenset(self.variant.fixed_biases).union(*(self.variant.bias_fields[n] for n, on in zip(names, ons) if on))
+                for ons in itertools.product((False, True), repeat=len(names))}
+
+    def read_config(self, cfg_json: dict, where: str):
+        try:
+            return self._config_class().from_dict({k: v for k, v in cfg_json.items() if k != "auto_map"})
+        except (TypeError, ValueError, KeyError) as exc:
+            raise UserError(f"{where}: not a valid {self.variant.config_class} ({type(exc).__name__}: "
+                            f"{str(exc).splitlines()[0][:160] if str(exc) else ''})") from None
+
+    def meta_from_config(self, cfg, where: str) -> tuple[dict, dict]:
+        def refuse(what, why):
+            raise UserError(f"{where}: {what}: {why}")
+
+        if cfg.hidden_act != "silu":
+            refuse(f"hidden_act={cfg.hidden_act!r}", "the MLP must be SwiGLU (silu), megatron's --swiglu")
+        window, max_pos = getattr(cfg, "sliding_window", None), cfg.max_position_embeddings
+        layer_types = getattr(cfg, "layer_types", None)
+        if window is not None and window < max_pos and (layer_types is None or "sliding_attention" in layer_types):
+            refuse(f"sliding_window={window} (max_position_embeddings {max_pos})",
+                   "sliding-window attention is not supported (megatron-core's window mask is CUDA-only); "
+                   "only full-attention models convert (sliding_window null"
+                   + (", use_sliding_window false)" if "use_sliding_window" in self.variant.full_attention else ")"))
+        biases = self._hf_biases(cfg)
+        flags = _bias_flags(biases)
+        if flags is None:
+            fields = {n: getattr(cfg, n) for n in self.variant.bias_fields}
+            refuse(", ".join(f"{k}={v}" for k, v in fields.items()),
+                   "megatron-core gives biases to all linear layers (--add-bias-linear) or only to QKV "
+                   "(--add-qkv-bias), not to this mix")
+        heads = cfg.num_attention_heads
+        groups = cfg.num_key_value_heads or heads
+        if heads % groups:
+            refuse(f"num_key_value_heads={groups}", f"does not divide num_attention_heads={heads}")
+        d = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        meta = dict(num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, num_attention_heads=heads,
+                    ffn_hidden_size=cfg.intermediate_size, vocab_size=cfg.vocab_size,
+                    max_position_embeddings=max_pos, make_vocab_size_divisible_by=128, **_rope_meta(cfg, where),
+                    normalization="RMSNorm", layernorm_epsilon=float(cfg.rms_norm_eps), swiglu=True,
+                    num_query_groups=groups, kv_channels=d,
+                    untie_embeddings_and_output_weights=not cfg.tie_word_embeddings,
+                    add_bias_linear=flags[0], add_qkv_bias=flags[1], qk_layernorm=False)
+        meta = full_meta(meta)
+        args = {"hidden_dropout": 0.0, "attention_dropout": float(getattr(cfg, "attention_dropout", 0.0) or 0.0)}
+        return meta, args
+
+    def read_state(self, input_dir: str, cfg, meta: dict) -> dict[str, torch.Tensor]:
+        sd = read_state_dict(input_dir)
+        where = input_dir
+        expected = hf_shapes(meta, _our_biases(meta))
+        sd = {k: v for k, v in sd.items() if not k.endswith("rotary_emb.inv_freq")}   # old files' RoPE buffers
+        if not meta["untie_embeddings_and_output_weights"] and "lm_head.weight" in sd:
+            if not torch.equal(sd["lm_head.weight"], sd.get("model.embed_tokens.weight", torch.empty(0))):
+                raise UserError(f"{where}: lm_head.weight differs from model.embed_tokens.weight but config.json "
+                                "says tie_word_embeddings=true: the weights and the config disagree")
+            del sd["lm_head.weight"]
+        missing = [k for k in expected if k not in sd]
+        if missing:
+            raise UserError(f"{where}: no tensor {missing[0]!r} ({len(missing)} missing) in the weight files: they "
+                            "do not match config.json")
+        extra = sorted(k for k in sd if k not in expected)
+        if extra:
+            raise UserError(f"{where}: the weight files hold {extra[0]!r} ({len(extra)} unexpected), which config.json's "
+                            f"{self.architecture} does not have (biases, tying and layers must agree)")
+        for k, shape in expected.items():
+            if tuple(sd[k].shape) != shape:
+                raise UserError(f"{where}: {k} has shape {tuple(sd[k].shape)}, config.json implies {shape}")
+        return from_hf(sd, meta)
+
+    def why_not(self, meta: dict) -> str | None:
+        meta = full_meta(meta)
+        needs = (("position_embedding_type", "rope", "rotary positions"), ("normalization", "RMSNorm", "RMSNorm"),
+                 ("swiglu", True, "a SwiGLU MLP"), ("qk_layernorm", False, "no QK LayerNorm"),
+                 ("rotary_percent", 1.0, "RoPE on the whole head (--rotary-percent 1)"))
+        for key, want, what in needs:
+            if meta.get(key) != want:
+                return f"{self.architecture} has {what} ({key}={meta.get(key)!r})"
+        if _our_biases(meta) not in self._expressible_biases():
+            return f"{self.architecture} cannot have biases on exactly {sorted(_our_biases(meta)) or 'no linear layer'}"
+        if meta["num_attention_heads"] % query_groups(meta):
+            return f"num_query_groups {query_groups(meta)} does not divide the heads"
+        return None
+
+    def to_hf_state(self, weights: dict[str, torch.Tensor], meta: dict) -> dict[str, torch.Tensor]:
+        return to_hf(weights, meta)
+
+    def hf_config(self, meta: dict, *, dtype: str, args: dict, bos_token_id, eos_token_id):
+        cls = self._config_class()
+        ours = _our_biases(meta)
+        extra = {name: set(lin) <= ours for name, lin in self.variant.bias_fields.items()}
+        # Qwen2's config has no head_dim field (its attention reads one if present): only when needed
+        if "head_dim" in getattr(cls, "__dataclass_fields__", {}) or \
+                head_dim(meta) != meta["hidden_size"] // meta["num_attention_heads"]:
+            extra["head_dim"] = head_dim(meta)
+        return cls(vocab_size=meta["vocab_size"], hidden_size=meta["hidden_size"],
+                   intermediate_size=meta["ffn_hidden_size"], num_hidden_layers=meta["num_layers"],
+                   num_attention_heads=meta["num_attention_heads"], num_key_value_heads=query_groups(meta),
+                   hidden_act="silu", max_position_embeddings=meta["max_position_embeddings"],
+                   rms_norm_eps=meta["layernorm_epsilon"],
+                   tie_word_embeddings=not meta.get("untie_embeddings_and_output_weights", False),
+                   attention_dropout=float(args.get("attention_dropout") or 0.0), bos_token_id=bos_token_id,
+                   eos_token_id=eos_token_id, architectures=[self.architecture], dtype=dtype,
+                   **_rope_config(cls, meta), **extra, **self.variant.full_attention)
+
+
+FAMILIES = tuple(LlamaFamily(v) for v in VARIANTS)
