@@ -150,10 +150,11 @@ def test_dataset_record_and_vocabulary_check(hf_tokenizer_dir, tmp_path):
     assert str(HF_VOCAB_SIZE + 5) in _one_line(e)
 
 
-def test_cache_keys_follow_the_tokenizer(hf_tokenizer_dir, tmp_path):
+def test_cache_keys_follow_the_tokenizer(hf_tokenizer_dir, tmp_path, monkeypatch):
     """The same corpus with two tokenizers: two corpus cache entries and two index caches."""
-    from zo_megatron.data import build_gpt_datasets
-    from zo_megatron.data.corpus import corpus_key
+    from zo_megatron.data import build_gpt_datasets, corpus
+    from zo_megatron.data.corpus import corpus_key, default_data_prefix
+    from zo_megatron.data.dataset_meta import read_dataset_meta
     from zo_megatron.data.preprocess import preprocess
 
     hf = build_tokenizer(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=hf_tokenizer_dir)
@@ -163,6 +164,17 @@ def test_cache_keys_follow_the_tokenizer(hf_tokenizer_dir, tmp_path):
     other = make_hf_tokenizer(tmp_path / "other", config_update={"eos_token": "<s>"})
     hf2 = build_tokenizer(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=other)
     assert len({corpus_key(tokenizer=t) for t in (gpt2, hf, hf2)}) == 3
+
+    # the embedded corpus (cut to 3 addresses to keep it fast) under each tokenizer: its own entry
+    few = list(corpus.iter_corpus_documents())[:3]
+    monkeypatch.setattr(corpus, "iter_corpus_documents", lambda *a, **k: iter(few))
+    entries = {name: default_data_prefix(str(tmp_path / "corpus_cache"), tokenizer=t)
+               for name, t in (("gpt2", gpt2), ("hf", hf), ("hf2", hf2))}
+    assert len(set(entries.values())) == 3
+    assert default_data_prefix(str(tmp_path / "corpus_cache")) == entries["gpt2"]
+    for name, t in (("gpt2", gpt2), ("hf", hf), ("hf2", hf2)):
+        meta = read_dataset_meta(entries[name])
+        assert (meta["tokenizer_fingerprint"], meta["documents"]) == (t.fingerprint, 3)
 
     files = extract_corpus(str(tmp_path / "txt"), limit=2)
     prefix = preprocess(files, str(tmp_path / "d"), progress=False, tokenizer=hf).prefixes["text"]

@@ -82,11 +82,22 @@ def _is_bundled_gpt2(tokenizer) -> bool:
 
 def corpus_key(archive: str = SOTU_ARCHIVE, tokenizer=None) -> str:
     """Hash of everything that determines the cached dataset's bytes: the archive, the tokenizer
-    (GPT-2's pinned file hashes, as always, for the bundled one; else its fingerprint), the format."""
+    (GPT-2's pinned file hashes, as always, for the bundled one; else its fingerprint and the
+    tokenizers/transformers versions), the format."""
     from zo_megatron.data.tokenizer import GPT2_MERGES_SHA256, GPT2_VOCAB_SHA256, sha256_file
 
-    tok_parts = ((GPT2_VOCAB_SHA256, GPT2_MERGES_SHA256) if _is_bundled_gpt2(tokenizer)
-                 else (f"{tokenizer.tokenizer_type}={tokenizer.fingerprint}",))
+    if _is_bundled_gpt2(tokenizer):
+        tok_parts = (GPT2_VOCAB_SHA256, GPT2_MERGES_SHA256)
+    else:  # the libraries' versions too: the same files may encode differently after an upgrade
+        import importlib.metadata as md
+
+        versions = []
+        for lib in ("tokenizers", "transformers"):
+            try:
+                versions.append(f"{lib}={md.version(lib)}")
+            except md.PackageNotFoundError:
+                pass
+        tok_parts = (f"{tokenizer.tokenizer_type}={tokenizer.fingerprint}", *versions)
     h = hashlib.sha256()
     for part in (sha256_file(archive), *tok_parts,
                  f"format={_FORMAT_VERSION}", "append_eod=1", f"doc_order_seed={_DOC_ORDER_SEED}"):

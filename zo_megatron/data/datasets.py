@@ -154,7 +154,8 @@ def validate_data_prefix(prefix: str, tokenizer=None) -> DatasetInfo:
                                 f"was preprocessed with {made_by}; re-run tools/preprocess_data.py with this "
                                 f"run's tokenizer (--tokenizer-type/--tokenizer-model), or train with that one")
             fp = getattr(tokenizer, "fingerprint", None)
-            if fp is not None and meta.get("tokenizer_fingerprint") != fp:
+            if (fp is not None and meta.get("tokenizer_fingerprint") != fp
+                    and os.environ.get("RANK", "0") == "0"):      # once per job, not once per rank
                 logger.warning("%s was preprocessed with %s, not this run's tokenizer (%s); its ids fit the "
                                "vocabulary, but they mean other text: re-run tools/preprocess_data.py with this "
                                "run's tokenizer unless that is intended", prefix, made_by,

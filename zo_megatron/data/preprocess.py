@@ -11,8 +11,9 @@ name -- when its first non-blank line is a JSON object holding the first ``--jso
 obvious case; a notice says so). Any other file is one plain-text document. Each document is encoded with
 the tokenizer (``--tokenizer-type GPT2BPETokenizer``, the default: the bundled GPT-2 BPE;
 ``--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR``: ``AutoTokenizer(DIR)(text).input_ids``,
-BOS as its config says) and followed by EOD, the tokenizer's end-of-text / eos token (``--append-eod``,
-on by default; ``--no-append-eod`` turns it off). One output dataset per JSON key: ``{output_prefix}_{key}_document.{bin,idx}``, written with
+BOS as its config says) and followed by EOD, the tokenizer's end-of-text / eos token
+(``--append-eod``, on by default; ``--no-append-eod`` turns it off). One output dataset per JSON
+key: ``{output_prefix}_{key}_document.{bin,idx}``, written with
 megatron-core's IndexedDatasetBuilder, one sequence per document, token dtype uint16 when the
 vocabulary has fewer than 65500 entries (megatron's rule), else int32. Empty documents are skipped.
 Beside each pair, ``PREFIX.meta.json`` records the tokenizer (type, directory, fingerprint, vocabulary
