@@ -1,0 +1,285 @@
+"""The memory model: device bytes per GPU and host bytes per node, one function per component.
+
+The formulas are written out in docs/memory_planner.md and in the package docstring
+(zo_megatron/planner/__init__.py)."""
+from __future__ import annotations
+
+import math
+
+from zo_megatron.planner.inputs import Plan, PlanInput
+from zo_megatron.planner.params import count_params, pad_vocab_size
+from zo_megatron.planner.units import format_bytes
+
+
+def _bytes16(precision: str) -> int:
+    return 4 if precision == "fp32" else 2
+
+
+def _activation_items(inp: PlanInput, vocab_padded: int) -> dict[str, int]:
+    """Activation bytes on one GPU at the peak of forward + backward (Korthikanti et al. 2022, no SP).
+
+    Stored activations P (all layers, or each layer's input with full recompute) stay live through
+    backward. On top of P the peak is the largest of three phases that never coexist:
+
+      A1  end of forward / loss backward: final-LN and output-layer inputs + the logits: the 16-bit
+          logits (w) next to their fp32 copy that the vocab-parallel cross-entropy keeps (4); in
+          backward that fp32 softmax becomes the gradient in place, and with a padded vocabulary
+          the pad-column mask (GPTModelTP.forward) clones it in fp32 (4 more instead of w);
+      A2  output-layer backward: the fp32/16-bit logits gradient + its contiguous copy (2·w) + the
+          output layer's weight gradient, which (tied to the word embedding) is held until the
+          embedding lookup's gradient is added at the very end of backward (w·V_pad·h/t);
+      B   backward of the last layer: its activations (recomputed with recompute: the working
+          set) + its gradients (fc1-output sized 4h/t twice, residual stream twice) + that held
+          embedding gradient.
+
+    Line items: P, each phase's parts, and `activations_phases_not_coexisting` (<= 0), which takes
+    back what the phases would double count: the items sum to P + max(A1, A2, B).
+    """
+    s, b, h = inp.seq_length, inp.micro_batch_size, inp.hidden_size
+    a, t, L, f = inp.num_attention_heads, inp.tensor_parallel, inp.num_layers, inp.ffn()
+    w = _bytes16(inp.precision)
+    sbh = s * b * h
+    mask = 1 if inp.dropout else 0
+    # replicated over TP: inputs of LN1, qkv, LN2, fc1 (b16 each) + 2 dropout masks
+    replicated = (4 * w + 2 * mask) * sbh
+    # split over TP: q, k, v, proj input (4 sbh) + fc1 out / gelu in (f/h sbh) + fc2 in (f/h sbh)
+    split = w * (4 * sbh + 2 * s * b * f) // t
+    # attention scores a·s·s·b: probs saved by softmax (+ fp32 probs and a 16-bit copy if unfused)
+    probs = w if (inp.fused_softmax or w == 4) else 4 + w
+    scores_per_elem = probs + (mask + w if inp.dropout else 0)  # dropout mask + dropout output
+    scores = scores_per_elem * a * s * s * b // t
+    per_layer_full = replicated + split + scores
+
+    items: dict[str, int] = {}
+    rc = inp.normalized_recompute()
+    working_set = 0
+    if rc is None:
+        items["activations_layers"] = L * per_layer_full
+    elif rc == "selective":
+        items["activations_layers"] = L * (replicated + split)
+        working_set = items["activations_recompute_working_set"] = scores  # one layer's attention core
+    elif inp.recompute_method == "uniform":
+        # full, uniform N: keep the input of each group of N layers; backward recomputes one group
+        # at a time, so a whole group's activations are live at once
+        n = min(inp.recompute_num_layers, L)
+        items["activations_layer_inputs"] = (L // n) * w * sbh
+        working_set = items["activations_recompute_working_set"] = n * per_layer_full
+    else:
+        # full, block N: the first N layers keep only their input and are recomputed one at a time;
+        # the others store everything (an upper bound: by the time backward reaches the recomputed
+        # layers the others' activations are freed, so this overstates the peak by <= one layer)
+        n = min(inp.recompute_num_layers, L)
+        items["activations_layer_inputs"] = n * w * sbh
+        if L > n:
+            items["activations_layers"] = (L - n) * per_layer_full
+        working_set = items["activations_recompute_working_set"] = per_layer_full
+    # phase A1: embedding dropout mask, final LayerNorm input, output-layer input; the logits
+    items["activations_embedding_final"] = emb_final = (mask + 2 * w) * sbh
+    logits = s * b * vocab_padded // t
+    items["logits" if w == 4 else "logits_16bit"] = w * logits
+    items["logits_fp32_cross_entropy"] = 4 * logits
+    pad_mask = (4 - w) * logits if vocab_padded > inp.vocab_size else 0
+    if pad_mask:
+        items["logits_grad_vocab_pad_mask"] = pad_mask
+    phase_a1 = emb_final + (w + 4) * logits + pad_mask
+    # held from the output layer's backward to the embedding's (phases A2 and B)
+    items["activations_tied_embedding_grad"] = emb_grad = w * vocab_padded * h // t
+    phase_a2 = emb_final + 2 * w * logits + emb_grad
+    # phase B: one layer's backward
+    items["activations_layer_backward_grads"] = layer_grads = 2 * w * s * b * f // t + 2 * w * sbh
+    phase_b = working_set + layer_grads + emb_grad
+    listed = sum(v for k, v in items.items()
+                 if k not in ("activations_layers", "activations_layer_inputs"))
+    items["activations_phases_not_coexisting"] = max(phase_a1, phase_a2, phase_b) - listed
+    return items
+
+
+def _bucket_layout(inp: PlanInput, vocab_padded: int, max_positions: int, quantum: int) -> tuple[int, int]:
+    """(number of buckets, largest bucket in elements) of the engine's flat layout on one TP rank.
+
+    The engine (offload/flat_buffer.py) walks the parameters in backward order (reverse
+    registration order) and closes a bucket as soon as it holds >= bucket_size elements, padded to
+    a multiple of N x alignment; a parameter never straddles two buckets. Whole layers that cannot
+    close a bucket are skipped in one step and a repeating pattern of buckets over layers is jumped
+    over, so this stays cheap for deep models and tiny buckets alike (checked against a
+    parameter-by-parameter walk)."""
+    h, t, L, cap, f = inp.hidden_size, inp.tensor_parallel, inp.num_layers, inp.bucket_size, inp.ffn()
+    # one layer, registration order: LN1 w/b, proj w/b, qkv w/b, LN2 w/b, fc1 w/b, fc2 w/b
+    layer = [h, h, h * h // t, h, 3 * h * h // t, 3 * h // t, h, h, f * h // t, f // t, f * h // t, h]
+    layer_bwd, layer_total = layer[::-1], sum(layer)
+    count, largest, fill, open_ = 0, 0, 0, False
+
+    def add(n: int) -> None:
+        nonlocal count, largest, fill, open_
+        fill, open_ = fill + n, True
+        if fill >= cap:
+            count, largest = count + 1, max(largest, -(-fill // quantum) * quantum)
+            fill, open_ = 0, False
+
+    for n in (h, h):                      # final LayerNorm bias, weight
+        add(n)
+    left = L
+    seen: dict[int, tuple[int, int]] | None = {}   # fill at a layer boundary -> (left, count)
+    while left:
+        k = min(left, (cap - 1 - fill) // layer_total) if fill + layer_total < cap else 0
+        if k:
+            fill, open_, left = fill + k * layer_total, True, left - k
+            continue
+        if seen is not None:              # the walk only depends on `fill` here: jump over cycles
+            if fill in seen:
+                left0, count0 = seen[fill]
+                period = left0 - left
+                cycles = left // period
+                count, left, seen = count + cycles * (count - count0), left - cycles * period, None
+                continue
+            seen[fill] = (left, count)
+        for n in layer_bwd:
+            add(n)
+        left -= 1
+    add(max_positions * h)                # position embedding
+    add(vocab_padded * h // t)            # word embedding (also the output layer)
+    if open_:
+        count, largest = count + 1, max(largest, -(-fill // quantum) * quantum)
+    return count, largest
+
+
+def _ranks_layout(inp: PlanInput) -> tuple[int, int, int]:
+    world = inp.tensor_parallel * inp.data_parallel
+    per_node = world if inp.gpus_per_node is None else min(inp.gpus_per_node, world)
+    nodes = math.ceil(world / per_node)
+    return world, nodes, per_node
+
+
+def _compute(inp: PlanInput) -> Plan:
+    """The numbers, without suggestions."""
+    inp.validate()
+    t, N = inp.tensor_parallel, inp.data_parallel
+    w = _bytes16(inp.precision)
+    S = inp.max_position_embeddings or inp.seq_length
+    V_pad = pad_vocab_size(inp.vocab_size, t, inp.make_vocab_size_divisible_by)
+    counts = count_params(inp.num_layers, inp.hidden_size, V_pad, S, t, inp.ffn_hidden_size)
+    psi = counts["per_tp_rank"]
+    chunk = N * inp.partition_alignment
+    psi_pad = (psi + chunk - 1) // chunk * chunk
+    part = psi_pad // N
+    world, nodes, per_node = _ranks_layout(inp)
+    warnings: list[str] = []
+
+    dev: dict[str, int] = {}
+    host_gpu: dict[str, int] = {}
+    opt_b = 2 if inp.bf16_optimizer_states else 4
+    p16 = "params_fp32" if w == 4 else "params_16bit"
+    if inp.zero_offload:
+        bucket = min(inp.bucket_size, psi_pad)
+        n_buckets, max_bucket = _bucket_layout(inp, V_pad, S, chunk)
+        buffers = min(2, n_buckets)       # the engine allocates one buffer when one bucket holds it all
+        wg = 4 if inp.reduces_in_fp32() else w    # bytes per gradient element in the buckets
+        wh = 4 if inp.host_grad_fp32 else w       # bytes per gradient element copied home
+        dev[p16] = w * psi_pad
+        dev["grad_buckets_x2"] = buffers * wg * bucket
+        if max_bucket > bucket:           # a parameter never straddles buckets: the largest (the word
+            dev["grad_bucket_oversize"] = buffers * wg * (max_bucket - bucket)   # embedding) may overfill one
+        if wg != wh and not inp.device_is_host:   # fp32 shards narrowed on the GPU before the copy home
+            dev["grad_narrow_scratch"] = buffers * wh * (max_bucket // N)
+        if N > 1:
+            dev["reduce_scatter_scratch"] = wg * bucket
+        if inp.grad_accum_steps > 1 and not inp.accumulate_on_host:
+            dev["grads_kept_across_microbatches"] = w * psi_pad
+        # --optimizer-offload-fraction F: the engine keeps the partition's first F on the host
+        # (rounded to 64 elements) and the tail on the device: fp32 master, m, v and gradient there.
+        tail = 0 if inp.optimizer_offload_fraction >= 1 else \
+            part - min(part, round(inp.optimizer_offload_fraction * part / 64) * 64)
+        if tail:
+            dev["optimizer_on_device_fp32"] = 16 * tail
+        part -= tail
+        host_gpu["master_fp32"] = 4 * part
+        host_gpu["adam_exp_avg"] = opt_b * part
+        host_gpu["adam_exp_avg_sq"] = opt_b * part
+        if wh == w:                       # one buffer: gradients in, updated parameters out
+            host_gpu["grad_param_staging" + ("_fp32" if w == 4 else "_16bit")] = w * part
+        else:
+            host_gpu["grad_staging_fp32"] = 4 * part
+            host_gpu["param_staging_16bit"] = w * part
+        if inp.grad_accum_steps > 1 and inp.accumulate_on_host:
+            host_gpu["grad_accumulator_fp32"] = 4 * part
+        if inp.dpu:                       # the second landing set: gradients [+ fp32 accumulator]
+            host_gpu["dpu_pending_grad"] = wh * part + (
+                4 * part if inp.grad_accum_steps > 1 and inp.accumulate_on_host else 0)
+    else:
+        dev[p16] = w * psi
+        dev["grads_fp32" if w == 4 else "grads_16bit"] = w * psi
+        if w == 2:
+            dev["master_fp32"] = 4 * psi
+        dev["adam_exp_avg"] = opt_b * psi
+        dev["adam_exp_avg_sq"] = opt_b * psi
+    act = _activation_items(inp, V_pad)
+    dev.update(act)
+    dev["allocator_fragmentation"] = int(inp.fragmentation * sum(act.values()))
+    dev["framework_overhead"] = inp.device_overhead_bytes
+
+    host_per_gpu = sum(host_gpu.values())
+    host_node = {k: v * per_node for k, v in host_gpu.items()}
+    host_node["process_overhead"] = inp.host_overhead_bytes_per_rank * per_node
+    host_node["os_reserve"] = inp.host_reserve_bytes
+    device_total = sum(dev.values())
+    host_total = sum(host_node.values())
+
+    fits_device = device_total <= inp.gpu_memory_bytes
+    fits_host = host_total <= inp.host_memory_bytes_per_node
+    reasons = [
+        f"device: {format_bytes(device_total)} per GPU of {format_bytes(inp.gpu_memory_bytes)} "
+        + ("(OK)" if fits_device else
+           f"(OVER by {format_bytes(device_total - inp.gpu_memory_bytes)}; largest item "
+           f"{max(dev, key=dev.get)} = {format_bytes(max(dev.values()))})"),
+        f"host: {format_bytes(host_total)} per node of {format_bytes(inp.host_memory_bytes_per_node)} "
+        + ("(OK)" if fits_host else
+           f"(OVER by {format_bytes(host_total - inp.host_memory_bytes_per_node)}; "
+           f"{per_node} ranks x {format_bytes(host_per_gpu)} model states)"),
+    ]
+    fits = fits_device and fits_host
+    if inp.device_is_host:
+        unified = device_total * per_node + host_total
+        ok = unified <= inp.host_memory_bytes_per_node
+        reasons.append(f"unified (device bytes live in host RAM): {per_node} x "
+                       f"{format_bytes(device_total)} + {format_bytes(host_total)} = "
+                       f"{format_bytes(unified)} of {format_bytes(inp.host_memory_bytes_per_node)} "
+                       + ("(OK)" if ok else "(OVER)"))
+        fits = fits and ok
+        fits_host = fits_host and ok
+
+    if inp.gpus_per_node is not None and t > inp.gpus_per_node:
+        warnings.append(f"tensor parallel {t} spans nodes ({inp.gpus_per_node} GPUs per node): "
+                        "TP collectives would cross the network")
+    if inp.gpus_per_node is not None and world % inp.gpus_per_node and nodes > 1:
+        warnings.append(f"world size {world} does not fill {nodes} nodes of {inp.gpus_per_node}")
+    if inp.dpu and inp.grad_accum_steps > 1:
+        warnings.append("DPU with gradient accumulation: the pending gradient is the accumulated one")
+
+    return Plan(input=inp, fits=fits, reasons=reasons, suggestions=[], warnings=warnings,
+                device_bytes_per_gpu=device_total, host_bytes_per_gpu=host_per_gpu,
+                host_bytes_per_node=host_total, device_items=dev, host_items=host_node,
+                params_total=counts["total"], params_per_tp_rank=psi,
+                params_per_tp_rank_padded=psi_pad,
+                replicated_params_per_tp_rank=counts["replicated_per_tp_rank"],
+                vocab_size_padded=V_pad, world_size=world, num_nodes=nodes,
+                ranks_per_node=per_node, fits_device=fits_device, fits_host=fits_host)
+
+
+def solve_offload_fraction(inp: PlanInput, step: float = 0.05) -> float | None:
+    """`--optimizer-offload-fraction auto`: the smallest host share F (so the largest device share
+    of the optimizer), on a grid of `step`, with which the run fits; None if not even F=1 fits."""
+    n = round(1 / step)
+    for i in range(n + 1):
+        f = i / n
+        p = _try(inp.replace(optimizer_offload_fraction=f))
+        if p is not None and p.fits:
+            return f
+    return None
+
+
+def _try(inp: PlanInput) -> Plan | None:
+    try:
+        return _compute(inp)
+    except ValueError:
+        return None
+
