@@ -5,9 +5,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from zo_megatron.planner.params import Architecture, default_ffn_size
 from zo_megatron.planner.units import GiB, MiB
 
 PRECISIONS = ("bf16", "fp16", "fp32")
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 RECOMPUTE = (None, "full", "selective")
 
 
@@ -23,7 +26,18 @@ class PlanInput:
     vocab_size: int = 50257
     seq_length: int = 1024
     max_position_embeddings: int | None = None  # None: = seq_length
-    ffn_hidden_size: int | None = None  # None: 4 x hidden_size (Megatron's default)
+    ffn_hidden_size: int | None = None  # None: Megatron's default (4h; int(4h·2/3/64)·64 with swiglu)
+    # architecture: GPTConfig's field names (the job's flags), defaults = GPT-2
+    position_embedding_type: str = "learned_absolute"  # "learned_absolute" | "rope"
+    rotary_percent: float = 1.0
+    normalization: str = "LayerNorm"  # "LayerNorm" | "RMSNorm"
+    swiglu: bool = False
+    num_query_groups: int | None = None  # None: = num_attention_heads
+    kv_channels: int | None = None  # None: hidden_size // num_attention_heads
+    untie_embeddings_and_output_weights: bool = False
+    add_bias_linear: bool = True
+    add_qkv_bias: bool = False
+    qk_layernorm: bool = False
     tensor_parallel: int = 1
     data_parallel: int = 1
     micro_batch_size: int = 1
@@ -56,7 +70,33 @@ class PlanInput:
     optimizer_offload_fraction: float = 1.0  # share of each partition's optimizer on the host (Megatron's name)
 
     def ffn(self) -> int:
-        return 4 * self.hidden_size if self.ffn_hidden_size is None else self.ffn_hidden_size
+        return default_ffn_size(self.hidden_size, self.swiglu) if self.ffn_hidden_size is None \
+            else self.ffn_hidden_size
+
+    def arch(self) -> Architecture:
+        return Architecture(**{k: getattr(self, k) for k in Architecture.__dataclass_fields__})
+
+    def query_groups(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    def architecture_name(self) -> str:
+        """One line naming the architecture, e.g. "GPT-2 (learned positions, LayerNorm, GELU, tied)"."""
+        gpt2 = self.arch() == Architecture()
+        parts = ["learned positions" if self.position_embedding_type == "learned_absolute" else "rope",
+                 self.normalization, "SwiGLU" if self.swiglu else "GELU"]
+        if self.query_groups() != self.num_attention_heads:
+            parts.append(f"GQA {self.query_groups()}")
+        if self.kv_channels is not None and self.kv_channels * self.num_attention_heads != self.hidden_size:
+            parts.append(f"kv channels {self.kv_channels}")
+        parts.append("untied" if self.untie_embeddings_and_output_weights else "tied")
+        if not gpt2:
+            parts.append("biases" if self.add_bias_linear else "qkv bias only" if self.add_qkv_bias else "no biases")
+        if self.qk_layernorm:
+            parts.append("qk norm")
+        return f"{'GPT-2' if gpt2 else 'Llama-family'} ({', '.join(parts)})"
 
     def normalized_recompute(self) -> str | None:
         r = self.recompute
@@ -104,7 +144,27 @@ class PlanInput:
                 self.num_layers % self.recompute_num_layers:
             raise ValueError(f"recompute_num_layers {self.recompute_num_layers} does not divide num_layers "
                              f"{self.num_layers} (uniform recompute checkpoints whole groups)")
-        if self.hidden_size % self.num_attention_heads:
+        if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
+            raise ValueError(f"position_embedding_type must be one of {POSITION_EMBEDDING_TYPES}, "
+                             f"got {self.position_embedding_type!r}")
+        if self.normalization not in NORMALIZATIONS:
+            raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {self.normalization!r}")
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise ValueError(f"rotary_percent must be in (0, 1], got {self.rotary_percent}")
+        if self.num_query_groups is not None:
+            pos("num_query_groups")
+            if self.num_attention_heads % self.num_query_groups:
+                raise ValueError(f"num_attention_heads {self.num_attention_heads} is not divisible by "
+                                 f"num_query_groups {self.num_query_groups}")
+        if self.kv_channels is not None:
+            pos("kv_channels")
+        if self.query_groups() % self.tensor_parallel:
+            largest = max(t for t in range(1, self.query_groups() + 1) if self.query_groups() % t == 0
+                          and self.num_attention_heads % t == 0 and t <= self.tensor_parallel)
+            raise ValueError(f"num_query_groups {self.query_groups()} is not divisible by tensor_parallel "
+                             f"{self.tensor_parallel} (the local attention splits whole query groups): "
+                             f"use TP {largest} or another divisor of {self.query_groups()}")
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(f"hidden_size {self.hidden_size} is not divisible by "
                              f"num_attention_heads {self.num_attention_heads}")
         if self.num_attention_heads % self.tensor_parallel:
@@ -175,7 +235,16 @@ def plan_input_from_flags(flags: Any, *, data_parallel: int, vocab_size: int, **
     else:
         accum = gbs // (mb * data_parallel)
     recompute = flags.recompute_granularity or ("selective" if flags.recompute_activations else None)
-    return PlanInput(
+    window = getattr(flags, "window_size", None)
+    if window not in (None, -1, (-1, -1), [-1, -1]):
+        raise ValueError(f"--window-size {window}: sliding-window attention is not modelled by the planner "
+                         "(nor supported by the job); drop --window-size")
+    # the architecture flags (GPTConfig's field names; absent on an older namespace: GPT-2)
+    arch = {name: getattr(flags, name) for name in Architecture.__dataclass_fields__
+            if getattr(flags, name, None) is not None}
+    if not getattr(flags, "group_query_attention", True):
+        arch.pop("num_query_groups", None)      # Megatron-LM: --num-query-groups counts only with GQA on
+    return PlanInput(**arch,
         num_layers=flags.num_layers, hidden_size=flags.hidden_size, num_attention_heads=flags.num_attention_heads,
         ffn_hidden_size=flags.ffn_hidden_size, vocab_size=vocab_size, seq_length=flags.seq_length,
         max_position_embeddings=flags.max_position_embeddings or flags.seq_length, tensor_parallel=flags.tensor_parallel,

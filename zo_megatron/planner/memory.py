@@ -7,12 +7,85 @@ from __future__ import annotations
 import math
 
 from zo_megatron.planner.inputs import Plan, PlanInput
-from zo_megatron.planner.params import count_params, pad_vocab_size
+from zo_megatron.planner.params import count_params, layer_parameters, model_parameters, pad_vocab_size
 from zo_megatron.planner.units import format_bytes
 
 
 def _bytes16(precision: str) -> int:
     return 4 if precision == "fp32" else 2
+
+
+def _norm_saved(inp: PlanInput, elements: int, rows: int) -> int:
+    """Bytes one norm keeps for backward beyond its (already counted) input.
+
+    LayerNorm (one native op) keeps its input (counted by the caller) and per-row statistics
+    (ignored, as in Korthikanti's count). RMSNorm is torch.nn.RMSNorm (megatron-core's
+    WrappedTorchNorm), a composite that computes in fp32: it keeps the fp32 input (a copy in
+    16-bit modes, the input itself in fp32), the fp32 normalized tensor and the fp32 1/rms per row."""
+    w = _bytes16(inp.precision)
+    if inp.normalization == "LayerNorm":
+        return 0
+    return (4 - w) * elements + 4 * elements + 4 * rows
+
+
+def _attention_saved(inp: PlanInput) -> int:
+    """Bytes the attention block of one layer keeps per token on one TP rank (besides the scores and
+    its input, counted by the caller): what the core attention's matmuls save, with aliasing.
+
+    q, k, v come out of linear_qkv as views of one fused tensor of (heads + 2G)·head_dim per token
+    (per query group: its q heads, its k, its v). The core attention saves q, k and v at full head
+    count (GQA's k/v are repeat_interleaved to every head: new tensors); RoPE (the unfused path,
+    rope_utils._apply_rotary_pos_emb_bshd) returns new rotated q and k and keeps only its cos/sin
+    tables (counted per layer by the caller); q is reshaped to heads, a copy unless each group holds
+    one head or there is one group. The fused tensor stays alive as long as any saved tensor is a
+    view of it (GPT-2: all three; MHA + RoPE: v). qk_layernorm normalizes q and k per head first
+    (its input: q's reshape, k's view of the fused tensor)."""
+    w = _bytes16(inp.precision)
+    t = inp.tensor_parallel
+    a, g, d = inp.num_attention_heads // t, inp.query_groups() // t, inp.head_dim()
+    rope, qk_norm = inp.position_embedding_type == "rope", inp.qk_layernorm
+    q_is_view = g == a or g == 1
+    q_new = rope or qk_norm or not q_is_view
+    k_new = rope or qk_norm or g < a
+    v_new = g < a
+    saved = sum(a * d for new in (q_new, k_new, v_new) if new)   # the core attention's new inputs
+    fused_kept = not (q_new and k_new and v_new)
+    saved_bytes = w * saved
+    if qk_norm:                                         # per token: a·d and g·d elements, a and g rows
+        if inp.normalization == "LayerNorm" or w == 4:  # the norm keeps its input itself: q's reshape
+            saved_bytes += w * a * d if not q_is_view else 0    # copy, and k's view of the fused tensor
+            fused_kept = True
+        saved_bytes += _norm_saved(inp, a * d, a) + _norm_saved(inp, g * d, g)
+    if fused_kept:
+        saved_bytes += w * (a + 2 * g) * d
+    return saved_bytes
+
+
+def _layer_saved(inp: PlanInput) -> tuple[int, int, int]:
+    """(replicated, split, scores) bytes one transformer layer keeps for backward on one TP rank.
+
+    Korthikanti et al. 2022 for GPT-2 (16-bit, dropout, no SP): s·b·h·(10 + 24/t + 5·a·s/(h·t));
+    here built from its parts so precision, options and the architecture change it consistently."""
+    s, b, h = inp.seq_length, inp.micro_batch_size, inp.hidden_size
+    a, t, f = inp.num_attention_heads, inp.tensor_parallel, inp.ffn()
+    w = _bytes16(inp.precision)
+    sb, sbh = s * b, s * b * h
+    mask = 1 if inp.dropout else 0
+    # replicated over TP: inputs of the two norms, of qkv and of fc1 (b16 each) + 2 dropout masks,
+    # + what an RMSNorm keeps on top (fp32 input copy, normalized, 1/rms)
+    replicated = (4 * w + 2 * mask) * sbh + 2 * _norm_saved(inp, sbh, sb)
+    # split over TP: q, k, v (+ the fused qkv output they may be views of), proj input, the MLP:
+    # GELU keeps fc1's output and fc2's input (2f); SwiGLU keeps fc1's [gate; up] output (2f), silu(gate),
+    # up + 0 (megatron's glu_linear_offset makes it a new tensor) and their product, fc2's input (5f)
+    mlp = (5 if inp.swiglu else 2) * f // t
+    split = sb * (_attention_saved(inp) + w * (inp.num_attention_heads * inp.head_dim() // t + mlp))
+    if inp.position_embedding_type == "rope":    # cos and sin tables for q and for k, per layer
+        replicated += 4 * w * s * int(inp.head_dim() * inp.rotary_percent)
+    # attention scores a·s·s·b: probs saved by softmax (+ fp32 probs and a 16-bit copy if unfused)
+    probs = w if (inp.fused_softmax or w == 4) else 4 + w
+    scores_per_elem = probs + (mask + w if inp.dropout else 0)  # dropout mask + dropout output
+    scores = scores_per_elem * a * s * s * b // t
+    return replicated, split, scores
 
 
 def _activation_items(inp: PlanInput, vocab_padded: int) -> dict[str, int]:
@@ -21,33 +94,27 @@ def _activation_items(inp: PlanInput, vocab_padded: int) -> dict[str, int]:
     Stored activations P (all layers, or each layer's input with full recompute) stay live through
     backward. On top of P the peak is the largest of three phases that never coexist:
 
-      A1  end of forward / loss backward: final-LN and output-layer inputs + the logits: the 16-bit
+      A1  end of forward / loss backward: final-norm and output-layer inputs + the logits: the 16-bit
           logits (w) next to their fp32 copy that the vocab-parallel cross-entropy keeps (4); in
           backward that fp32 softmax becomes the gradient in place, and with a padded vocabulary
           the pad-column mask (GPTModelTP.forward) clones it in fp32 (4 more instead of w);
       A2  output-layer backward: the fp32/16-bit logits gradient + its contiguous copy (2·w) + the
-          output layer's weight gradient, which (tied to the word embedding) is held until the
-          embedding lookup's gradient is added at the very end of backward (w·V_pad·h/t);
+          output layer's weight gradient (w·V_pad·h/t): tied to the word embedding it is held until
+          the embedding lookup's gradient is added at the very end of backward; untied it is its
+          own parameter, first in backward order, and goes to its bucket at once;
       B   backward of the last layer: its activations (recomputed with recompute: the working
-          set) + its gradients (fc1-output sized 4h/t twice, residual stream twice) + that held
+          set) + its gradients (fc1-output sized twice, residual stream twice) + the held tied
           embedding gradient.
 
     Line items: P, each phase's parts, and `activations_phases_not_coexisting` (<= 0), which takes
     back what the phases would double count: the items sum to P + max(A1, A2, B).
     """
     s, b, h = inp.seq_length, inp.micro_batch_size, inp.hidden_size
-    a, t, L, f = inp.num_attention_heads, inp.tensor_parallel, inp.num_layers, inp.ffn()
+    t, L, f = inp.tensor_parallel, inp.num_layers, inp.ffn()
     w = _bytes16(inp.precision)
     sbh = s * b * h
     mask = 1 if inp.dropout else 0
-    # replicated over TP: inputs of LN1, qkv, LN2, fc1 (b16 each) + 2 dropout masks
-    replicated = (4 * w + 2 * mask) * sbh
-    # split over TP: q, k, v, proj input (4 sbh) + fc1 out / gelu in (f/h sbh) + fc2 in (f/h sbh)
-    split = w * (4 * sbh + 2 * s * b * f) // t
-    # attention scores a·s·s·b: probs saved by softmax (+ fp32 probs and a 16-bit copy if unfused)
-    probs = w if (inp.fused_softmax or w == 4) else 4 + w
-    scores_per_elem = probs + (mask + w if inp.dropout else 0)  # dropout mask + dropout output
-    scores = scores_per_elem * a * s * s * b // t
+    replicated, split, scores = _layer_saved(inp)
     per_layer_full = replicated + split + scores
 
     items: dict[str, int] = {}
@@ -73,8 +140,8 @@ def _activation_items(inp: PlanInput, vocab_padded: int) -> dict[str, int]:
         if L > n:
             items["activations_layers"] = (L - n) * per_layer_full
         working_set = items["activations_recompute_working_set"] = per_layer_full
-    # phase A1: embedding dropout mask, final LayerNorm input, output-layer input; the logits
-    items["activations_embedding_final"] = emb_final = (mask + 2 * w) * sbh
+    # phase A1: embedding dropout mask, final norm input (+ RMSNorm's own), output-layer input; the logits
+    items["activations_embedding_final"] = emb_final = (mask + 2 * w) * sbh + _norm_saved(inp, sbh, s * b)
     logits = s * b * vocab_padded // t
     items["logits" if w == 4 else "logits_16bit"] = w * logits
     items["logits_fp32_cross_entropy"] = 4 * logits
@@ -82,11 +149,18 @@ def _activation_items(inp: PlanInput, vocab_padded: int) -> dict[str, int]:
     if pad_mask:
         items["logits_grad_vocab_pad_mask"] = pad_mask
     phase_a1 = emb_final + (w + 4) * logits + pad_mask
-    # held from the output layer's backward to the embedding's (phases A2 and B)
-    items["activations_tied_embedding_grad"] = emb_grad = w * vocab_padded * h // t
-    phase_a2 = emb_final + 2 * w * logits + emb_grad
+    out_grad = w * vocab_padded * h // t
+    if inp.untie_embeddings_and_output_weights:
+        # the output layer's own weight gradient, moved to its bucket as soon as it is complete
+        items["activations_output_layer_weight_grad"] = out_grad
+        emb_grad = 0
+    else:
+        # held from the output layer's backward to the embedding's (phases A2 and B)
+        items["activations_tied_embedding_grad"] = emb_grad = out_grad
+    phase_a2 = emb_final + 2 * w * logits + out_grad
     # phase B: one layer's backward
-    items["activations_layer_backward_grads"] = layer_grads = 2 * w * s * b * f // t + 2 * w * sbh
+    fc1_out = 2 * f if inp.swiglu else f
+    items["activations_layer_backward_grads"] = layer_grads = 2 * w * s * b * fc1_out // t + 2 * w * sbh
     phase_b = working_set + layer_grads + emb_grad
     listed = sum(v for k, v in items.items()
                  if k not in ("activations_layers", "activations_layer_inputs"))
@@ -98,14 +172,19 @@ def _bucket_layout(inp: PlanInput, vocab_padded: int, max_positions: int, quantu
     """(number of buckets, largest bucket in elements) of the engine's flat layout on one TP rank.
 
     The engine (offload/flat_buffer.py) walks the parameters in backward order (reverse
-    registration order) and closes a bucket as soon as it holds >= bucket_size elements, padded to
-    a multiple of N x alignment; a parameter never straddles two buckets. Whole layers that cannot
-    close a bucket are skipped in one step and a repeating pattern of buckets over layers is jumped
-    over, so this stays cheap for deep models and tiny buckets alike (checked against a
-    parameter-by-parameter walk)."""
+    registration order: the untied output layer, the final norm, the layers from last to first,
+    the position and word embeddings) and closes a bucket as soon as it holds >= bucket_size
+    elements, padded to a multiple of N x alignment; a parameter never straddles two buckets. Whole
+    layers that cannot close a bucket are skipped in one step and a repeating pattern of buckets
+    over layers is jumped over, so this stays cheap for deep models and tiny buckets alike (checked
+    against a parameter-by-parameter walk)."""
     h, t, L, cap, f = inp.hidden_size, inp.tensor_parallel, inp.num_layers, inp.bucket_size, inp.ffn()
-    # one layer, registration order: LN1 w/b, proj w/b, qkv w/b, LN2 w/b, fc1 w/b, fc2 w/b
-    layer = [h, h, h * h // t, h, 3 * h * h // t, 3 * h // t, h, h, f * h // t, f // t, f * h // t, h]
+    arch, a = inp.arch(), inp.num_attention_heads
+    layer = [n // t if split else n for _, n, split in layer_parameters(h, f, a, arch)]
+    outside = model_parameters(0, h, f, a, vocab_padded, max_positions, arch)
+    first_after = next(i for i, (name, _, _) in enumerate(outside) if name.startswith("decoder.final"))
+    before = [n // t if split else n for _, n, split in outside[:first_after]]   # embeddings
+    after = [n // t if split else n for _, n, split in outside[first_after:]]    # final norm, output layer
     layer_bwd, layer_total = layer[::-1], sum(layer)
     count, largest, fill, open_ = 0, 0, 0, False
 
@@ -116,7 +195,7 @@ def _bucket_layout(inp: PlanInput, vocab_padded: int, max_positions: int, quantu
             count, largest = count + 1, max(largest, -(-fill // quantum) * quantum)
             fill, open_ = 0, False
 
-    for n in (h, h):                      # final LayerNorm bias, weight
+    for n in after[::-1]:                 # (untied output layer,) final norm bias, weight
         add(n)
     left = L
     seen: dict[int, tuple[int, int]] | None = {}   # fill at a layer boundary -> (left, count)
@@ -136,8 +215,8 @@ def _bucket_layout(inp: PlanInput, vocab_padded: int, max_positions: int, quantu
         for n in layer_bwd:
             add(n)
         left -= 1
-    add(max_positions * h)                # position embedding
-    add(vocab_padded * h // t)            # word embedding (also the output layer)
+    for n in before[::-1]:                # (position embedding,) word embedding (tied: the output layer)
+        add(n)
     if open_:
         count, largest = count + 1, max(largest, -(-fill // quantum) * quantum)
     return count, largest
@@ -157,7 +236,8 @@ def _compute(inp: PlanInput) -> Plan:
     w = _bytes16(inp.precision)
     S = inp.max_position_embeddings or inp.seq_length
     V_pad = pad_vocab_size(inp.vocab_size, t, inp.make_vocab_size_divisible_by)
-    counts = count_params(inp.num_layers, inp.hidden_size, V_pad, S, t, inp.ffn_hidden_size)
+    counts = count_params(inp.num_layers, inp.hidden_size, V_pad, S, t, inp.ffn(),
+                          num_attention_heads=inp.num_attention_heads, arch=inp.arch())
     psi = counts["per_tp_rank"]
     chunk = N * inp.partition_alignment
     psi_pad = (psi + chunk - 1) // chunk * chunk

@@ -59,27 +59,51 @@ def apply_hardware_preset(inp: PlanInput, name: str, *, keep_precision: bool = F
     return inp.replace(**fields)
 
 
-# name -> (num_layers, hidden_size, num_attention_heads)
-MODEL_PRESETS: dict[str, tuple[int, int, int]] = {
-    "gpt2-small": (12, 768, 12),
-    "gpt2-medium": (24, 1024, 16),
-    "gpt2-large": (36, 1280, 20),
-    "gpt2-xl": (48, 1600, 25),
-    "1.3b": (24, 2048, 16),
-    "2.7b": (32, 2560, 32),
-    "6.7b": (32, 4096, 32),
-    "10b": (50, 4096, 32),  # paper-style shapes: 12·L·h² at h = 4096
-    "13b": (65, 4096, 32),
-    "15b": (78, 4096, 32),
-    "70b": (69, 9216, 96),  # 12·69·9216² = 70.3B; 96 heads (head dim 96) so TP=16 divides them
-    "100b": (80, 10240, 80),
-    "175b": (96, 12288, 96),  # GPT-3
+def _gpt2_shape(layers: int, hidden: int, heads: int) -> dict[str, Any]:
+    return {"num_layers": layers, "hidden_size": hidden, "num_attention_heads": heads}
+
+
+# Llama-family shapes: the fields of their public Hugging Face config.json, in GPTConfig's names
+# (rope theta and the norm epsilon do not change memory; they are kept for the job's flags)
+_LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+              untie_embeddings_and_output_weights=True, add_bias_linear=False)
+
+# name -> PlanInput fields (shape, vocabulary, architecture); GPT-2 architecture unless given
+MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    "gpt2-small": _gpt2_shape(12, 768, 12),
+    "gpt2-medium": _gpt2_shape(24, 1024, 16),
+    "gpt2-large": _gpt2_shape(36, 1280, 20),
+    "gpt2-xl": _gpt2_shape(48, 1600, 25),
+    "1.3b": _gpt2_shape(24, 2048, 16),
+    "2.7b": _gpt2_shape(32, 2560, 32),
+    "6.7b": _gpt2_shape(32, 4096, 32),
+    "10b": _gpt2_shape(50, 4096, 32),  # paper-style shapes: 12·L·h² at h = 4096
+    "13b": _gpt2_shape(65, 4096, 32),
+    "15b": _gpt2_shape(78, 4096, 32),
+    "70b": _gpt2_shape(69, 9216, 96),  # 12·69·9216² = 70.3B; 96 heads (head dim 96) so TP=16 divides them
+    "100b": _gpt2_shape(80, 10240, 80),
+    "175b": _gpt2_shape(96, 12288, 96),  # GPT-3
+    # meta-llama/Meta-Llama-3-8B: 8,030,261,248 parameters
+    "llama3-8b": dict(_gpt2_shape(32, 4096, 32), num_query_groups=8, ffn_hidden_size=14336, vocab_size=128256,
+                      **_LLAMA),
+    # meta-llama/Meta-Llama-3-70B: 70,553,706,496 parameters
+    "llama3-70b": dict(_gpt2_shape(80, 8192, 64), num_query_groups=8, ffn_hidden_size=28672, vocab_size=128256,
+                       **_LLAMA),
+    # Qwen/Qwen2-7B: 7,615,616,512 parameters (qkv bias, no other bias)
+    "qwen2-7b": dict(_gpt2_shape(28, 3584, 28), num_query_groups=4, ffn_hidden_size=18944, vocab_size=152064,
+                     add_qkv_bias=True, **_LLAMA),
+}
+
+# The numerics of those presets that do not change memory, as the job's flags want them.
+MODEL_PRESET_NUMERICS: dict[str, dict[str, Any]] = {
+    "llama3-8b": {"rotary_base": 500000, "layernorm_epsilon": 1e-5},
+    "llama3-70b": {"rotary_base": 500000, "layernorm_epsilon": 1e-5},
+    "qwen2-7b": {"rotary_base": 1000000, "layernorm_epsilon": 1e-6},
 }
 
 
-def model_preset(name: str) -> dict[str, int]:
+def model_preset(name: str) -> dict[str, Any]:
+    """The PlanInput fields of a model preset (shape; vocabulary and architecture where not GPT-2)."""
     if name not in MODEL_PRESETS:
         raise ValueError(f"unknown model preset {name!r}; one of {list(MODEL_PRESETS)}")
-    L, h, a = MODEL_PRESETS[name]
-    return {"num_layers": L, "hidden_size": h, "num_attention_heads": a}
-
+    return dict(MODEL_PRESETS[name])
