@@ -15,17 +15,25 @@ def _bytes16(precision: str) -> int:
     return 4 if precision == "fp32" else 2
 
 
-def _norm_saved(inp: PlanInput, elements: int, rows: int) -> int:
-    """Bytes one norm keeps for backward beyond its (already counted) input.
+def _norm_saved(inp: PlanInput, elements: int, rows: int) -> tuple[int, bool]:
+    """(bytes one norm keeps for backward, its input included when it keeps it; whether the tensor
+    it keeps is its input itself, which may be a view of something larger).
 
-    LayerNorm (one native op) keeps its input (counted by the caller) and per-row statistics
-    (ignored, as in Korthikanti's count). RMSNorm is torch.nn.RMSNorm (megatron-core's
-    WrappedTorchNorm), a composite that computes in fp32: it keeps the fp32 input (a copy in
-    16-bit modes, the input itself in fp32), the fp32 normalized tensor and the fp32 1/rms per row."""
+    LayerNorm (one native op) keeps its input and per-row statistics (ignored, as in Korthikanti's
+    count). RMSNorm is torch.nn.RMSNorm (megatron-core's WrappedTorchNorm), a composite computing in
+    fp32: it keeps the fp32 input (the input itself in fp32 mode, an fp32 copy in 16-bit modes),
+    the fp32 normalized tensor and the fp32 1/rms per row."""
     w = _bytes16(inp.precision)
     if inp.normalization == "LayerNorm":
-        return 0
-    return (4 - w) * elements + 4 * elements + 4 * rows
+        return w * elements, True
+    return 8 * elements + 4 * rows, w == 4
+
+
+def _qk_norm_saved(inp: PlanInput, elements: int, rows: int) -> tuple[int, bool]:
+    """`_norm_saved` of a q/k norm (one row per head): with LayerNorm also its mean and 1/std per row
+    (2 x 16 bits), not negligible next to a row of head_dim elements."""
+    b, keeps = _norm_saved(inp, elements, rows)
+    return b + (2 * _bytes16(inp.precision) * rows if inp.normalization == "LayerNorm" else 0), keeps
 
 
 def _attention_saved(inp: PlanInput) -> int:
@@ -36,26 +44,30 @@ def _attention_saved(inp: PlanInput) -> int:
     (per query group: its q heads, its k, its v). The core attention saves q, k and v at full head
     count (GQA's k/v are repeat_interleaved to every head: new tensors); RoPE (the unfused path,
     rope_utils._apply_rotary_pos_emb_bshd) returns new rotated q and k and keeps only its cos/sin
-    tables (counted per layer by the caller); q is reshaped to heads, a copy unless each group holds
-    one head or there is one group. The fused tensor stays alive as long as any saved tensor is a
-    view of it (GPT-2: all three; MHA + RoPE: v). qk_layernorm normalizes q and k per head first
-    (its input: q's reshape, k's view of the fused tensor)."""
+    tables (counted per layer by the caller); q is reshaped to heads (a view with MHA or one group)
+    and flattened by the core attention (a view only with MHA). The fused tensor stays alive as long as any saved tensor is a view of it
+    (GPT-2: all three; MHA + RoPE: v). qk_layernorm normalizes q and k per head first (its inputs:
+    q's reshape, k's view of the fused tensor)."""
     w = _bytes16(inp.precision)
     t = inp.tensor_parallel
     a, g, d = inp.num_attention_heads // t, inp.query_groups() // t, inp.head_dim()
     rope, qk_norm = inp.position_embedding_type == "rope", inp.qk_layernorm
-    q_is_view = g == a or g == 1
-    q_new = rope or qk_norm or not q_is_view
+    q_is_view = g == a or g == 1                  # q's reshape to heads needs no copy
+    # the core attention flattens q to [s, b·heads, d]: a view of the fused tensor with MHA, or with
+    # one group at micro-batch 1 (merging a size-1 dimension needs no copy)
+    q_new = rope or qk_norm or not (g == a or (g == 1 and inp.micro_batch_size == 1))
     k_new = rope or qk_norm or g < a
     v_new = g < a
-    saved = sum(a * d for new in (q_new, k_new, v_new) if new)   # the core attention's new inputs
+    saved_bytes = w * sum(a * d for new in (q_new, k_new, v_new) if new)   # the core attention's new inputs
     fused_kept = not (q_new and k_new and v_new)
-    saved_bytes = w * saved
-    if qk_norm:                                         # per token: a·d and g·d elements, a and g rows
-        if inp.normalization == "LayerNorm" or w == 4:  # the norm keeps its input itself: q's reshape
-            saved_bytes += w * a * d if not q_is_view else 0    # copy, and k's view of the fused tensor
-            fused_kept = True
-        saved_bytes += _norm_saved(inp, a * d, a) + _norm_saved(inp, g * d, g)
+    if qk_norm:                                   # per token: a·d and g·d elements, a and g rows
+        q_bytes, keeps_input = _qk_norm_saved(inp, a * d, a)
+        k_bytes, _ = _qk_norm_saved(inp, g * d, g)
+        if keeps_input:                           # k's input, a view of the fused tensor, keeps it alive
+            fused_kept = True                     # (and q's too when q is a view)
+            k_bytes -= w * g * d
+            q_bytes -= w * a * d if q_is_view else 0
+        saved_bytes += q_bytes + k_bytes
     if fused_kept:
         saved_bytes += w * (a + 2 * g) * d
     return saved_bytes
@@ -71,9 +83,9 @@ def _layer_saved(inp: PlanInput) -> tuple[int, int, int]:
     w = _bytes16(inp.precision)
     sb, sbh = s * b, s * b * h
     mask = 1 if inp.dropout else 0
-    # replicated over TP: inputs of the two norms, of qkv and of fc1 (b16 each) + 2 dropout masks,
-    # + what an RMSNorm keeps on top (fp32 input copy, normalized, 1/rms)
-    replicated = (4 * w + 2 * mask) * sbh + 2 * _norm_saved(inp, sbh, sb)
+    # replicated over TP: what the two norms keep (LayerNorm: its 16-bit input; RMSNorm: fp32 input,
+    # fp32 normalized, 1/rms), the inputs of qkv and of fc1 (b16 each) + 2 dropout masks
+    replicated = 2 * _norm_saved(inp, sbh, sb)[0] + (2 * w + 2 * mask) * sbh
     # split over TP: q, k, v (+ the fused qkv output they may be views of), proj input, the MLP:
     # GELU keeps fc1's output and fc2's input (2f); SwiGLU keeps fc1's [gate; up] output (2f), silu(gate),
     # up + 0 (megatron's glu_linear_offset makes it a new tensor) and their product, fc2's input (5f)
@@ -141,7 +153,7 @@ def _activation_items(inp: PlanInput, vocab_padded: int) -> dict[str, int]:
             items["activations_layers"] = (L - n) * per_layer_full
         working_set = items["activations_recompute_working_set"] = per_layer_full
     # phase A1: embedding dropout mask, final norm input (+ RMSNorm's own), output-layer input; the logits
-    items["activations_embedding_final"] = emb_final = (mask + 2 * w) * sbh + _norm_saved(inp, sbh, s * b)
+    items["activations_embedding_final"] = emb_final = (mask + w) * sbh + _norm_saved(inp, sbh, s * b)[0]
     logits = s * b * vocab_padded // t
     items["logits" if w == 4 else "logits_16bit"] = w * logits
     items["logits_fp32_cross_entropy"] = 4 * logits
