@@ -134,6 +134,11 @@ def _job_input(argv, dp, **env):
      "--zero-offload", "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16", "--accumulate-grads-on-host"],
     ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "128",
      "--train-iters", "10", "--lr", "1e-4", "--fp32", "--recompute-granularity", "full", "--bucket-size", "1000"],
+    ["--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length", "512",
+     "--train-iters", "10", "--lr", "1e-4", "--bf16", "--zero-offload", "--tensor-model-parallel-size", "2",
+     "--position-embedding-type", "rope", "--rotary-base", "500000", "--normalization", "RMSNorm",
+     "--norm-epsilon", "1e-6", "--swiglu", "--group-query-attention", "--num-query-groups", "2",
+     "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--add-qkv-bias", "--qk-layernorm"],
 ])
 def test_job_and_tool_plan_the_same_run(argv):
     dp = 2
@@ -148,6 +153,10 @@ def test_job_and_tool_plan_the_same_run(argv):
     tool, job = (i.replace(grad_reduce_fp32=i.reduces_in_fp32()) for i in (tool, job))
     assert tool == job
     assert P.plan(tool).device_bytes_per_gpu == P.plan(job).device_bytes_per_gpu
+    if "--swiglu" in argv:          # the architecture flags reached both
+        assert job.swiglu and job.query_groups() == 2 and job.untie_embeddings_and_output_weights
+        assert job.position_embedding_type == "rope" and job.normalization == "RMSNorm" and job.qk_layernorm
+        assert not job.add_bias_linear and job.add_qkv_bias
 
 
 def _suggestion_cases():

@@ -237,3 +237,40 @@ def test_cli_llama_presets_and_architecture_line():
     r = _cli("--model", "llama3-8b", "--seq-length", "8192", "--preset", "h100-80gb", "--zero-offload")
     assert "architecture: Llama-family (rope, RMSNorm, SwiGLU, GQA 8, untied, no biases)" in r.stdout, r.stdout
     assert "8.03B" in r.stdout
+
+
+LLAMA3_70B_SHAPE = ["--num-layers", "80", "--hidden-size", "8192", "--num-attention-heads", "64",
+                    "--ffn-hidden-size", "28672", "--vocab-size", "128256", "--json"]
+LLAMA_FLAGS = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+               "--group-query-attention", "--num-query-groups", "8", "--untie-embeddings-and-output-weights",
+               "--disable-bias-linear"]
+
+
+def test_cli_architecture_flags_change_the_answer():
+    """Issue 24: the Llama-3-70B shape without its architecture flags is a GPT-2 (60.1B) and says
+    so; with them it is 70.55B, the public count."""
+    gpt2 = json.loads(_cli(*LLAMA3_70B_SHAPE).stdout)
+    llama = json.loads(_cli(*LLAMA3_70B_SHAPE, *LLAMA_FLAGS).stdout)
+    assert gpt2["architecture"] == "GPT-2 (learned positions, LayerNorm, GELU, tied)"
+    assert llama["architecture"] == "Llama-family (rope, RMSNorm, SwiGLU, GQA 8, untied, no biases)"
+    L, h, f, V, S = 80, 8192, 28672, 128256, 1024
+    gpt2_count = V * h + S * h + L * ((3 * h * h + 3 * h) + (h * h + h) + (f * h + f) + (h * f + h) + 4 * h) + 2 * h
+    assert gpt2["params_total"] == gpt2_count
+    assert llama["params_total"] == PUBLIC_COUNTS["llama3-70b"]
+    assert llama["device_bytes_per_gpu"] != gpt2["device_bytes_per_gpu"]
+    # the preset equals the flags
+    assert json.loads(_cli("--model", "llama3-70b", "--json").stdout)["device_bytes_per_gpu"] == \
+        llama["device_bytes_per_gpu"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "llama3-70b", "--window-size", "4096,0"], "sliding-window attention is not supported"),
+    (["--model", "llama3-70b", "--tensor-model-parallel-size", "16"], "use TP 8"),
+    (["--model", "llama3-8b", "--num-query-groups", "5"], "not divisible by num_query_groups 5"),
+    (["--model", "llama3-8b", "--normalization", "ScaleNorm"], "invalid choice"),
+])
+def test_cli_refuses_what_it_cannot_model_in_one_line(args, message):
+    r = _cli(*args)
+    assert r.returncode == 2 and r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in r.stderr, r.stderr

@@ -48,7 +48,8 @@ from zo_megatron.planner.memory import (_activation_items, _bucket_layout, _byte
                                         solve_offload_fraction)
 from zo_megatron.planner.paper import GOALS, baseline_maxima, our_maxima, paper_checks
 from zo_megatron.planner.params import count_params, pad_vocab_size
-from zo_megatron.planner.presets import HARDWARE_PRESETS, MODEL_PRESETS, apply_hardware_preset, model_preset
+from zo_megatron.planner.presets import (HARDWARE_PRESETS, MODEL_PRESET_NUMERICS, MODEL_PRESETS, apply_hardware_preset,
+                                         model_preset)
 from zo_megatron.planner.search import BF16_STATES_FLAGS, FAMILIES, _describe, _suggest, max_model, plan
 from zo_megatron.planner.units import GiB, MiB, format_bytes, format_params
 
@@ -56,7 +57,7 @@ from typing import Any
 
 __all__ = [
     "GiB", "PlanInput", "Plan", "plan", "plan_input_from_flags", "max_model", "count_params", "pad_vocab_size",
-    "HARDWARE_PRESETS", "MODEL_PRESETS", "apply_hardware_preset", "model_preset", "paper_checks",
+    "HARDWARE_PRESETS", "MODEL_PRESETS", "MODEL_PRESET_NUMERICS", "apply_hardware_preset", "model_preset", "paper_checks",
     "baseline_maxima", "our_maxima", "GOALS", "FAMILIES",
     "format_bytes", "format_params", "solve_offload_fraction",
 ]

@@ -217,6 +217,7 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["input"] = dataclasses.asdict(self.input)
+        d["architecture"] = self.input.architecture_name()
         return d
 
 
