@@ -115,8 +115,8 @@ def _activation_items(inp: PlanInput, vocab_padded: int) -> dict[str, int]:
           the embedding lookup's gradient is added at the very end of backward; untied it is its
           own parameter, first in backward order, and goes to its bucket at once;
       B   backward of the last layer: its activations (recomputed with recompute: the working
-          set) + its gradients (fc1-output sized twice, residual stream twice) + the held tied
-          embedding gradient.
+          set) + its gradients (2f wide: fc1-output sized twice with GELU, fc1's [gate; up] output
+          once with SwiGLU; the residual stream twice) + the held tied embedding gradient.
 
     Line items: P, each phase's parts, and `activations_phases_not_coexisting` (<= 0), which takes
     back what the phases would double count: the items sum to P + max(A1, A2, B).
@@ -171,8 +171,9 @@ def _activation_items(inp: PlanInput, vocab_padded: int) -> dict[str, int]:
         items["activations_tied_embedding_grad"] = emb_grad = out_grad
     phase_a2 = emb_final + 2 * w * logits + out_grad
     # phase B: one layer's backward
-    fc1_out = 2 * f if inp.swiglu else f
-    items["activations_layer_backward_grads"] = layer_grads = 2 * w * s * b * fc1_out // t + 2 * w * sbh
+    # two fc1-output-sized gradients with GELU (fc2's input, fc1's output); with SwiGLU the same 2f
+    # bytes are one gradient of fc1's [gate; up] output (measured: tests/test_planner_validation.py)
+    items["activations_layer_backward_grads"] = layer_grads = 2 * w * s * b * f // t + 2 * w * sbh
     phase_b = working_set + layer_grads + emb_grad
     listed = sum(v for k, v in items.items()
                  if k not in ("activations_layers", "activations_layer_inputs"))
