@@ -32,10 +32,14 @@ Parameter count of the GPT-2-style model (learned positions, tied embeddings, bi
   P = V_pad·h + S·h + L·(12h² + 13h) + 2h,   V_pad = V rounded up to a multiple of 128·t
   Ψ_tp = V_pad·h/t + S·h + L·((12h² + 7h)/t + 6h) + 2h
 
+Llama-family shapes (rope, RMSNorm, SwiGLU, GQA, untied output layer, no biases / qkv bias,
+q/k norm; GPTConfig's field names in PlanInput): parameters in params.py, activations in memory.py
+(_layer_saved), both described in docs/memory_planner.md.
+
 Layers (each module imports only those above it):
   units    GiB, formatting
+  params   the parameter list (Architecture, registration order) and its counts
   inputs   PlanInput (the question), Plan (the answer), plan_input_from_flags
-  params   parameter counts
   memory   the memory model, one function per component (_compute assembles them)
   search   plan() with suggestions, max_model()
   presets  hardware and model-shape presets
@@ -47,7 +51,8 @@ from zo_megatron.planner.inputs import PRECISIONS, RECOMPUTE, Plan, PlanInput, p
 from zo_megatron.planner.memory import (_activation_items, _bucket_layout, _bytes16, _compute, _ranks_layout, _try,
                                         solve_offload_fraction)
 from zo_megatron.planner.paper import GOALS, baseline_maxima, our_maxima, paper_checks
-from zo_megatron.planner.params import count_params, pad_vocab_size
+from zo_megatron.planner.params import (Architecture, count_params, default_ffn_size, layer_parameters,
+                                        model_parameters, pad_vocab_size)
 from zo_megatron.planner.presets import (HARDWARE_PRESETS, MODEL_PRESET_NUMERICS, MODEL_PRESETS, apply_hardware_preset,
                                          model_preset)
 from zo_megatron.planner.search import BF16_STATES_FLAGS, FAMILIES, _describe, _suggest, max_model, plan
@@ -59,5 +64,6 @@ __all__ = [
     "GiB", "PlanInput", "Plan", "plan", "plan_input_from_flags", "max_model", "count_params", "pad_vocab_size",
     "HARDWARE_PRESETS", "MODEL_PRESETS", "MODEL_PRESET_NUMERICS", "apply_hardware_preset", "model_preset", "paper_checks",
     "baseline_maxima", "our_maxima", "GOALS", "FAMILIES",
-    "format_bytes", "format_params", "solve_offload_fraction",
+    "format_bytes", "format_params", "solve_offload_fraction", "Architecture", "default_ffn_size",
+    "layer_parameters", "model_parameters",
 ]

@@ -27,7 +27,6 @@ class Architecture:
     qk_layernorm: bool = False
 
 
-ARCH_FIELDS = tuple(Architecture.__dataclass_fields__)
 GPT2 = Architecture()
 
 
