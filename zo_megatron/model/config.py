@@ -130,15 +130,19 @@ class GPTConfig:
             raise ConfigError(f"--swiglu with --hidden-size {self.hidden_size} gives an FFN size of 0 "
                               "(int(4h*2/3/64)*64): give --ffn-hidden-size")
 
-    def check_tensor_parallel(self, tensor_parallel: int) -> None:
-        """What a TP size needs: whole query groups (megatron-core's local attention splits
-        num_query_groups over TP, so G % TP == 0), whole heads and whole MLP columns per rank."""
+    def check_query_groups_tp(self, tensor_parallel: int) -> None:
+        """Grouped-query attention: megatron-core's local attention splits num_query_groups over
+        TP, so each rank must hold whole key/value groups (G % TP == 0)."""
         g = self.query_groups
-        if g % tensor_parallel:
+        if g != self.num_attention_heads and g % tensor_parallel:
             raise ConfigError(
                 f"--tensor-model-parallel-size {tensor_parallel} does not divide --num-query-groups {g}: "
                 f"each TP rank holds whole key/value groups; use --tensor-model-parallel-size <= "
                 f"{largest_divisor_at_most(g, tensor_parallel)} that divides {g}")
+
+    def check_tensor_parallel(self, tensor_parallel: int) -> None:
+        """What a TP size needs: whole query groups, whole heads and whole MLP columns per rank."""
+        self.check_query_groups_tp(tensor_parallel)
         for flag, n in (("--num-attention-heads", self.num_attention_heads), ("--ffn-hidden-size", self.ffn_size)):
             if n % tensor_parallel:
                 raise ConfigError(f"--tensor-model-parallel-size {tensor_parallel} does not divide {flag} {n}: "
