@@ -158,7 +158,7 @@ class PlanInput:
                                  f"num_query_groups {self.num_query_groups}")
         if self.kv_channels is not None:
             pos("kv_channels")
-        if self.query_groups() % self.tensor_parallel:
+        if self.num_query_groups is not None and self.num_query_groups % self.tensor_parallel:
             largest = max(t for t in range(1, self.query_groups() + 1) if self.query_groups() % t == 0
                           and self.num_attention_heads % t == 0 and t <= self.tensor_parallel)
             raise ValueError(f"num_query_groups {self.query_groups()} is not divisible by tensor_parallel "
