@@ -5,9 +5,15 @@
         --zero-offload --micro-batch-size 8 --recompute-granularity full
     python tools/estimate_memory.py --preset v100-32gb --hidden-size 4096 --num-attention-heads 32 \
         --zero-offload --recompute-granularity full --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16 --max-model layers
+    python tools/estimate_memory.py --preset h100-80gb --model llama3-8b --seq-length 8192 --zero-offload
+    python tools/estimate_memory.py --num-layers 80 --hidden-size 8192 --num-attention-heads 64 \
+        --ffn-hidden-size 28672 --vocab-size 128256 --swiglu --group-query-attention --num-query-groups 8 \
+        --position-embedding-type rope --normalization RMSNorm --disable-bias-linear \
+        --untie-embeddings-and-output-weights          # Llama-3-70B by hand: the job's architecture flags
     python tools/estimate_memory.py --paper-check
 
-Model, batch and training flags are pretrain_gpt.py's, with its defaults (no --zero-offload: the DDP
+Model, architecture, batch and training flags are pretrain_gpt.py's, with its defaults (the
+architecture: GPT-2 unless its flags say otherwise; the output names the architecture planned) (no --zero-offload: the DDP
 baseline; dropout 0; the model's unfused fp32 softmax), and the input is built by the same function
 as the job's pre-launch check (planner.plan_input_from_flags), so both give the same plan.
 Memory sizes are GiB (2^30 bytes).
