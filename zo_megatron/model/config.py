@@ -7,7 +7,7 @@ q/k LayerNorm), with Megatron-LM's flag names and defaults (docs/models.md).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -210,3 +210,26 @@ class GPTConfig:
         positions = self.max_position_embeddings * h if self.position_embedding_type == "learned_absolute" else 0
         output = V * h if self.untie_embeddings_and_output_weights else 0
         return V * h + positions + L * per_layer + norm * h + output
+
+
+def complete_arch_meta(meta: dict, args: dict | None = None) -> dict:
+    """A checkpoint's recorded architecture with the ARCH_FIELDS it predates filled in.
+
+    Checkpoints written before the Llama-family fields existed are GPT-2 (learned positions,
+    LayerNorm 1e-5, GELU, biases, tied, one key/value head per head); their vocabulary divisor is
+    in their stored args (Megatron's default 128 otherwise)."""
+    out = dict(meta)
+    if "num_attention_heads" in out and "hidden_size" in out:
+        out.setdefault("num_query_groups", out["num_attention_heads"])
+        out.setdefault("kv_channels", out["hidden_size"] // out["num_attention_heads"])
+    out.setdefault("make_vocab_size_divisible_by", int((args or {}).get("make_vocab_size_divisible_by") or 128))
+    defaults = {f.name: f.default for f in fields(GPTConfig)}
+    for name in ARCH_FIELDS:
+        if name not in _RECORDED_FROM_THE_START:
+            out.setdefault(name, defaults[name])
+    return out
+
+
+# What checkpoints have recorded since the first format (never filled in: a shape is never guessed).
+_RECORDED_FROM_THE_START = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
+                            "max_position_embeddings", "num_query_groups", "kv_channels")
