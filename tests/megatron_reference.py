@@ -45,22 +45,40 @@ def megatron_get_lr(num_steps, *, init_lr, max_lr, min_lr, lr_warmup_steps, lr_d
 
 def megatron_flops_per_token(*, num_layers, hidden_size, seq_length, ffn_hidden_size, padded_vocab_size,
                              num_attention_heads, kv_channels=None, num_query_groups=None, swiglu=False):
-    """Megatron-LM's `num_floating_point_operations(args, batch_size)` (megatron/training/training.py,
-    dense GPT, no MoE) divided by batch_size x seq_length."""
+    """Megatron-LM's `num_floating_point_operations(args, batch_size)` (megatron/training/training.py at
+    core_v0.16.1, transformer_flops: dense GPT, no MoE, no MTP, no MLA, no linear attention, no attention
+    output gate) divided by batch_size x seq_length."""
+    group_query_attention = num_query_groups is not None
     kv_channels = kv_channels or hidden_size // num_attention_heads
-    query_projection_size = kv_channels * num_attention_heads
-    query_projection_to_hidden_size_ratio = query_projection_size / hidden_size
-    num_query_groups = num_query_groups or num_attention_heads
-    num_experts_routed_to = 1
-    gated_linear_multiplier = 3 / 2 if swiglu else 1
+    if not group_query_attention:
+        num_query_groups = num_attention_heads
     batch_size = 1
-    total = (
-        12 * batch_size * seq_length * num_layers * hidden_size * hidden_size
+    num_dense_layers, num_moe_layers, mtp_num_layers = num_layers, 0, 0
+    forward_backward_expansion_factor = 3
+    fma_expansion_factor = 2
+    ffn_expansion_factor = 3 if swiglu else 2
+    query_projection_size = kv_channels * num_attention_heads
+    key_projection_size = kv_channels * num_query_groups
+    value_projection_size = kv_channels * num_query_groups
+    gate_projection_size = 0
+    standard_self_attn_term = (
+        forward_backward_expansion_factor
+        * fma_expansion_factor
         * (
-            ((1 + (num_query_groups / num_attention_heads) + (seq_length / hidden_size))
-             * query_projection_to_hidden_size_ratio)
-            + ((ffn_hidden_size / hidden_size) * num_experts_routed_to * gated_linear_multiplier)
-            + (padded_vocab_size / (2 * num_layers * hidden_size))
+            hidden_size * (query_projection_size + key_projection_size + value_projection_size
+                           + gate_projection_size)
+            + query_projection_size * seq_length / 2 * 2
+            + query_projection_size * hidden_size
+        )
+    )
+    self_attn_term = standard_self_attn_term * num_layers
+    total = (
+        batch_size * seq_length * (
+            forward_backward_expansion_factor * fma_expansion_factor * hidden_size
+            * (ffn_hidden_size * ffn_expansion_factor * num_dense_layers + 0 * num_moe_layers)
+            + self_attn_term
+            + forward_backward_expansion_factor * fma_expansion_factor * hidden_size * padded_vocab_size
+            * (mtp_num_layers + 1)
         )
     )
     return total / (batch_size * seq_length)

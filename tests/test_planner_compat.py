@@ -49,18 +49,71 @@ def test_ffn_hidden_size_in_activations_and_buckets():
     assert wide.params_total - narrow.params_total == 2 * (2 * h * 4 * h + 4 * h)
 
 
-def test_flops_per_token_follows_megatron_with_any_ffn():
+def test_flops_per_token_follows_megatron_with_any_ffn_and_architecture():
+    """Megatron-LM core_v0.16.1's count (transcribed in tests/megatron_reference.py) for random shapes,
+    GPT-2 (MHA, GELU) and Llama-family (GQA, SwiGLU, kv_channels)."""
     from zo_megatron.training.metrics import flops_per_token
 
     rng = random.Random(fresh_seed("flops"))
-    for _ in range(50):
+    for _ in range(100):
         heads = rng.choice([1, 2, 4, 8, 16])
         h = heads * rng.randint(1, 64)
         L, s, V = rng.randint(1, 48), rng.choice([128, 1024, 4096]), rng.randint(1000, 60000)
         f = rng.choice([None, rng.randint(1, 16 * h)])
-        want = megatron_flops_per_token(num_layers=L, hidden_size=h, seq_length=s, ffn_hidden_size=f or 4 * h,
-                                        padded_vocab_size=V, num_attention_heads=heads)
-        assert flops_per_token(L, h, s, V, None, f) == pytest.approx(want, rel=1e-12)
+        llama = rng.random() < 0.5
+        groups = rng.choice([g for g in range(1, heads + 1) if heads % g == 0]) if llama else None
+        kv = rng.choice([None, rng.randint(1, 128)]) if llama else None
+        swiglu = llama and rng.random() < 0.8
+        ffn = f or (int(4 * h * 2 / 3 / 64) * 64 if swiglu else 4 * h)
+        want = megatron_flops_per_token(num_layers=L, hidden_size=h, seq_length=s, ffn_hidden_size=ffn,
+                                        padded_vocab_size=V, num_attention_heads=heads, kv_channels=kv,
+                                        num_query_groups=groups, swiglu=swiglu)
+        got = flops_per_token(L, h, s, V, None, f, num_attention_heads=heads, num_query_groups=groups,
+                              kv_channels=kv, swiglu=swiglu)
+        assert got == pytest.approx(want, rel=1e-12), (L, h, s, V, f, heads, groups, kv, swiglu)
+        if not llama:      # GPT-2 needs no head count
+            assert flops_per_token(L, h, s, V, None, f) == got
+
+
+def _matmul_flops_by_hand(L, h, a, s, V, f, groups=None, d=None, swiglu=False):
+    """FLOPs of one sequence's forward + backward, counted GEMM by GEMM (2mnk each; backward = 2 x
+    forward). Causal attention: Megatron counts half of the s x s score and probs @ V products.
+    Independent of the formula's algebra: a list of GEMMs."""
+    d = d or h // a
+    g = groups or a
+    gemms = [(s, (a + 2 * g) * d, h, False)]               # linear_qkv (m, n, k, causal)
+    gemms += [(s, s, d, True)] * a                         # scores Q K^T, per head
+    gemms += [(s, d, s, True)] * a                         # probs @ V, per head
+    gemms.append((s, h, a * d, False))                     # linear_proj
+    gemms.append((s, 2 * f if swiglu else f, h, False))    # linear_fc1 ([gate; up] with SwiGLU)
+    gemms.append((s, h, f, False))                         # linear_fc2
+    per_layer = sum(2 * m * n * k // (2 if causal else 1) for m, n, k, causal in gemms)
+    head = 2 * s * V * h                                   # the LM head
+    return 3 * (L * per_layer + head)
+
+
+@pytest.mark.parametrize("shape", [
+    dict(L=2, h=64, a=4, s=16, V=128, f=256),                                        # GPT-2 shape
+    dict(L=3, h=96, a=6, s=32, V=256, f=384),                                        # GPT-2, odd sizes
+    dict(L=2, h=64, a=8, s=16, V=128, f=192, groups=2, swiglu=True),                 # Llama: GQA + SwiGLU
+    dict(L=2, h=64, a=4, s=24, V=384, f=160, groups=1, d=32, swiglu=True),           # MQA, kv_channels != h/a
+])
+def test_flops_per_token_equals_a_gemm_by_gemm_count(shape):
+    """Exact integers for small shapes: the GEMMs of one sequence, counted one by one, / seq."""
+    from zo_megatron.training.metrics import flops_per_token
+
+    want = _matmul_flops_by_hand(**shape)
+    s = shape["s"]
+    assert want % s == 0
+    got = flops_per_token(shape["L"], shape["h"], s, shape["V"], None, shape["f"], num_attention_heads=shape["a"],
+                          num_query_groups=shape.get("groups"), kv_channels=shape.get("d"),
+                          swiglu=shape.get("swiglu", False))
+    assert isinstance(got, int) and got == want // s
+    # GPT-2 before this fix counted the attention products in full: 4sh more per layer-forward
+    if "groups" not in shape:
+        L, h = shape["L"], shape["h"]
+        full = want + 3 * L * 2 * s * s * h                # the other half of the s x s products
+        assert full // s - got == 3 * L * 2 * s * h
 
 
 def _job_input(argv, dp, **env):
@@ -81,6 +134,11 @@ def _job_input(argv, dp, **env):
      "--zero-offload", "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16", "--accumulate-grads-on-host"],
     ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "128",
      "--train-iters", "10", "--lr", "1e-4", "--fp32", "--recompute-granularity", "full", "--bucket-size", "1000"],
+    ["--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length", "512",
+     "--train-iters", "10", "--lr", "1e-4", "--bf16", "--zero-offload", "--tensor-model-parallel-size", "2",
+     "--position-embedding-type", "rope", "--rotary-base", "500000", "--normalization", "RMSNorm",
+     "--norm-epsilon", "1e-6", "--swiglu", "--group-query-attention", "--num-query-groups", "2",
+     "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--add-qkv-bias", "--qk-layernorm"],
 ])
 def test_job_and_tool_plan_the_same_run(argv):
     dp = 2
@@ -95,6 +153,10 @@ def test_job_and_tool_plan_the_same_run(argv):
     tool, job = (i.replace(grad_reduce_fp32=i.reduces_in_fp32()) for i in (tool, job))
     assert tool == job
     assert P.plan(tool).device_bytes_per_gpu == P.plan(job).device_bytes_per_gpu
+    if "--swiglu" in argv:          # the architecture flags reached both
+        assert job.swiglu and job.query_groups() == 2 and job.untie_embeddings_and_output_weights
+        assert job.position_embedding_type == "rope" and job.normalization == "RMSNorm" and job.qk_layernorm
+        assert not job.add_bias_linear and job.add_qkv_bias
 
 
 def _suggestion_cases():

@@ -2,7 +2,8 @@
 
 For TP x DP in {1x1, 2x1, 1x2, 2x2} each rank builds the GPT, wraps it in the ZeRO-Offload engine,
 runs one warm-up step and then one measured forward + engine.backward + step, for several cases
-(bf16/fp32, with and without full recompute, GPT-2's padded vocabulary and a small one). The parent
+(bf16/fp32, with and without full recompute, GPT-2's padded vocabulary and a small one; GPT-2 and a
+Llama shape: rope, RMSNorm, SwiGLU, GQA, untied output layer, no biases). The parent
 plans the same configuration (exactly the engine's bucket size and precision; dropout off, unfused
 fp32 softmax: the CPU path) and compares:
 
@@ -38,7 +39,16 @@ CASES = [
     ("bf16-smallvocab", "bf16", False, 1000, 40_000_000),
     ("bf16-smallvocab-recompute", "bf16", True, 1000, 200_000),
     ("fp32-unpadded", "fp32", False, 1024, 300_000),
+    ("bf16-llama", "bf16", False, 1000, 200_000),
+    ("fp32-llama-recompute", "fp32", True, 1024, 40_000_000),   # one bucket: no DP-timing-dependent waits
 ]
+# Llama-shaped cases (issue 24): rope, RMSNorm, SwiGLU (ffn 320), GQA 2 groups, untied output layer, no biases
+LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, num_query_groups=2,
+             untie_embeddings_and_output_weights=True, add_bias_linear=False)
+
+
+def _arch(name):
+    return LLAMA if "llama" in name else {}
 WORLDS = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (TP, DP)
 
 
@@ -115,7 +125,7 @@ def _measure_world(rank, tp, cases):
     out = []
     for name, precision, recompute, vocab, bucket_size in cases:
         cfg = GPTConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, vocab_size=vocab,
-                        max_position_embeddings=SEQ, precision=precision, recompute=recompute)
+                        max_position_embeddings=SEQ, precision=precision, recompute=recompute, **_arch(name))
         model = build_gpt_model(cfg, ps.tp_rank, ps.tp_size, SEED)
         engine = ZeroOffloadEngine(model, precision=precision, bucket_size=bucket_size, dp_group=ps.dp_group,
                                    tp_rank=ps.tp_rank)
@@ -151,8 +161,8 @@ def _measure_world(rank, tp, cases):
 # ------------------------------------------------------------------------------------------------
 # the comparison (parent)
 
-def _plan(tp, dp, precision, recompute, vocab, bucket_size):
-    return plan(PlanInput(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, vocab_size=vocab,
+def _plan(tp, dp, name, precision, recompute, vocab, bucket_size):
+    return plan(PlanInput(**_arch(name), num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, vocab_size=vocab,
                           seq_length=SEQ, max_position_embeddings=SEQ, tensor_parallel=tp, data_parallel=dp,
                           micro_batch_size=MICRO, precision=precision, recompute=recompute,
                           bucket_size=bucket_size, dropout=False, fused_softmax=False, device_is_host=True,
@@ -170,7 +180,7 @@ def _per_layer_estimate(p, recompute) -> int:
 
 @pytest.mark.parametrize("tp,dp", WORLDS, ids=[f"tp{t}xdp{d}" for t, d in WORLDS])
 def test_planner_matches_engine_and_torch(tp, dp):
-    ranks = run_world(_measure_world, tp * dp, tp, CASES, timeout=120)
+    ranks = run_world(_measure_world, tp * dp, tp, CASES, timeout=300)
     report, failures = [], []
 
     def check(what, planned, measured, tol):
@@ -179,7 +189,7 @@ def test_planner_matches_engine_and_torch(tp, dp):
         return planned / measured - 1
 
     for c, (name, precision, recompute, vocab, bucket_size) in enumerate(CASES):
-        p = _plan(tp, dp, precision, recompute, vocab, bucket_size)
+        p = _plan(tp, dp, name, precision, recompute, vocab, bucket_size)
         items = p.device_items
         planned_params = sum(v for k, v in items.items() if k.startswith("params_"))
         planned_buckets = sum(v for k, v in items.items() if k.startswith("grad_bucket"))

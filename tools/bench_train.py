@@ -44,7 +44,7 @@ heads, vocab 50257 (44.8M parameters).
 
 Reported per variant (table + `--json FILE`, rows keyed `variant`): `tp`, `dp`, `precision`,
 `median_step_s` (+ min/max, the world's step = its slowest rank's), `tokens_per_s`,
-`model_tflops` (6 N T + 12 L s h T per step), `ratio_to_zo_offload`, `comm_bytes_per_rank`
+`model_tflops` (Megatron-LM's FLOP count per step, as the training log's TFLOP/s), `ratio_to_zo_offload`, `comm_bytes_per_rank`
 (bytes a rank sends per step in the ring model: the engines' own accounting for zo_megatron,
 the algorithm's volume for DDP's all-reduce and DeepSpeed's reduce-scatter + all-gather; DP
 traffic only: megatron-core's TP activation all-reduces are not counted),
@@ -673,10 +673,11 @@ def run_world(job) -> dict:
 
 
 def _flops_per_step(row, args) -> float:
-    """Model FLOPs of one step: 6 N T (matmuls with the weights, fwd + bwd) + 12 L s h T (attention)."""
-    n = gpt_params(args.layers, args.hidden, args.vocab, row["seq"])
-    t = row["tokens_per_step"]
-    return 6.0 * n * t + 12.0 * args.layers * row["seq"] * args.hidden * t
+    """Model FLOPs of one step: Megatron-LM's count (zo_megatron.training.metrics.flops_per_token, the
+    one the training log uses) x tokens, with the benchmark's vocabulary as every variant sees it."""
+    from zo_megatron.training.metrics import flops_per_token
+
+    return float(flops_per_token(args.layers, args.hidden, row["seq"], args.vocab, None) * row["tokens_per_step"])
 
 
 def summarize(res: dict, args, cpus: int) -> list[dict]:

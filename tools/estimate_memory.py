@@ -5,9 +5,15 @@
         --zero-offload --micro-batch-size 8 --recompute-granularity full
     python tools/estimate_memory.py --preset v100-32gb --hidden-size 4096 --num-attention-heads 32 \
         --zero-offload --recompute-granularity full --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16 --max-model layers
+    python tools/estimate_memory.py --preset h100-80gb --model llama3-8b --seq-length 8192 --zero-offload
+    python tools/estimate_memory.py --num-layers 80 --hidden-size 8192 --num-attention-heads 64 \
+        --ffn-hidden-size 28672 --vocab-size 128256 --swiglu --group-query-attention --num-query-groups 8 \
+        --position-embedding-type rope --normalization RMSNorm --disable-bias-linear \
+        --untie-embeddings-and-output-weights          # Llama-3-70B by hand: the job's architecture flags
     python tools/estimate_memory.py --paper-check
 
-Model, batch and training flags are pretrain_gpt.py's, with its defaults (no --zero-offload: the DDP
+Model, architecture, batch and training flags are pretrain_gpt.py's, with its defaults (the
+architecture: GPT-2 unless its flags say otherwise; the output names the architecture planned) (no --zero-offload: the DDP
 baseline; dropout 0; the model's unfused fp32 softmax), and the input is built by the same function
 as the job's pre-launch check (planner.plan_input_from_flags), so both give the same plan.
 Memory sizes are GiB (2^30 bytes).
@@ -28,6 +34,8 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from zo_megatron import planner as P
+from zo_megatron.errors import ConfigError  # noqa: E402
+from zo_megatron.training.arguments import add_architecture_flags, architecture_kwargs  # noqa: E402
 
 PROG = "estimate_memory.py"
 
@@ -46,17 +54,22 @@ def build_parser() -> argparse.ArgumentParser:
                  formatter_class=argparse.RawDescriptionHelpFormatter)
     g = ap.add_argument_group("model")
     g.add_argument("--model", choices=list(P.MODEL_PRESETS),
-                   help="model shape preset (explicit shape flags override it)")
+                   help="model preset: shape, and for llama3-8b, llama3-70b, qwen2-7b also vocabulary and "
+                        "architecture (explicit flags override it)")
     g.add_argument("--num-layers", type=int)
     g.add_argument("--hidden-size", type=int)
     g.add_argument("--num-attention-heads", type=int)
     g.add_argument("--seq-length", type=int, default=1024)
     g.add_argument("--max-position-embeddings", type=int)
-    g.add_argument("--ffn-hidden-size", type=int, help="MLP size (default 4 x hidden)")
-    g.add_argument("--vocab-size", type=int, default=50257)
+    g.add_argument("--ffn-hidden-size", type=int,
+                   help="MLP size (default 4 x hidden; int(4h x 2/3 / 64) x 64 with --swiglu)")
+    g.add_argument("--vocab-size", type=int, help="tokenizer vocabulary (default: the preset's, else GPT-2's 50257)")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g.add_argument("--attention-dropout", type=float, default=0.0)
     g.add_argument("--hidden-dropout", type=float, default=0.0)
+    g = ap.add_argument_group("architecture (pretrain_gpt.py's flags; default GPT-2: learned positions, LayerNorm, "
+                              "GELU, biases, tied embeddings)")
+    add_architecture_flags(g)
 
     g = ap.add_argument_group("parallelism and batch")
     g.add_argument("--tensor-model-parallel-size", "--tensor-parallel", dest="tensor_parallel", type=int, default=1)
@@ -119,8 +132,28 @@ def _gib(x: float | None) -> int | None:
     return None if x is None else int(round(x * P.GiB))
 
 
-def build_input(args) -> P.PlanInput:
-    shape = P.model_preset(args.model) if args.model else {}
+def _apply_preset(args, parser: argparse.ArgumentParser) -> dict:
+    """The preset's fields where the command line left the flag at its default; returns the shape."""
+    preset = P.model_preset(args.model) if args.model else {}
+    shape = {k: preset.pop(k) for k in ("num_layers", "hidden_size", "num_attention_heads") if k in preset}
+    for key, value in preset.items():
+        if key == "num_query_groups":
+            if not args.group_query_attention:
+                args.group_query_attention = True
+                if args.num_query_groups == parser.get_default("num_query_groups"):
+                    args.num_query_groups = value
+        elif getattr(args, key) == parser.get_default(key):
+            setattr(args, key, value)
+    for key, value in P.MODEL_PRESET_NUMERICS.get(args.model, {}).items():
+        if getattr(args, key) == parser.get_default(key):
+            setattr(args, key, value)
+    if args.vocab_size is None:
+        args.vocab_size = 50257
+    return shape
+
+
+def build_input(args, parser: argparse.ArgumentParser | None = None) -> P.PlanInput:
+    shape = _apply_preset(args, parser or build_parser())
     for key in ("num_layers", "hidden_size", "num_attention_heads"):
         if getattr(args, key) is not None:
             shape[key] = getattr(args, key)
@@ -131,6 +164,12 @@ def build_input(args) -> P.PlanInput:
     missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads") if k not in shape]
     if missing:
         raise BadInput("give --model or --" + ", --".join(m.replace("_", "-") for m in missing))
+    for key, value in shape.items():
+        setattr(args, key, value)
+    try:
+        architecture_kwargs(args)     # the job's own refusals (e.g. --window-size)
+    except ConfigError as e:
+        raise BadInput(str(e)) from None
 
     tp = args.tensor_parallel
     if args.dp is not None and args.world_size is not None and args.dp * tp != args.world_size:
@@ -149,8 +188,6 @@ def build_input(args) -> P.PlanInput:
         raise BadInput("--exp-avg-dtype and --exp-avg-sq-dtype must match")
     if args.micro_batch_size < 1 or dp < 1:
         raise BadInput("--micro-batch-size and the data parallel size must be >= 1")
-    for key, value in shape.items():
-        setattr(args, key, value)
     inp = P.plan_input_from_flags(args, data_parallel=dp, vocab_size=args.vocab_size)
     if args.preset:
         inp = P.apply_hardware_preset(inp, args.preset, keep_precision=args.precision is not None)
@@ -185,8 +222,9 @@ def print_plan(p: P.Plan, title: str = "zo_megatron memory plan") -> None:
         rc = f"full ({i.recompute_method} {i.recompute_num_layers})"
     print(title)
     print(f"  model      GPT {i.num_layers} layers x {i.hidden_size} hidden x "
-          f"{i.num_attention_heads} heads, seq {i.seq_length}, vocab {i.vocab_size} -> "
-          f"{p.vocab_size_padded} (padded)")
+          f"{i.num_attention_heads} heads (head dim {i.head_dim()}), ffn {i.ffn()}, seq {i.seq_length}, "
+          f"vocab {i.vocab_size} -> {p.vocab_size_padded} (padded)")
+    print(f"  architecture: {i.architecture_name()}")
     print(f"  params     {P.format_params(p.params_total)} total; per TP rank "
           f"{P.format_params(p.params_per_tp_rank)} ({p.replicated_params_per_tp_rank:,} replicated)")
     print(f"  parallel   TP {i.tensor_parallel} x DP {i.data_parallel} = {p.world_size} ranks on "
@@ -260,10 +298,11 @@ def run_paper_check(as_json: bool) -> int:
 
 def main(argv=None) -> int:
     try:
-        args = build_parser().parse_args(argv)
+        parser = build_parser()
+        args = parser.parse_args(argv)
         if args.paper_check:
             return run_paper_check(args.json)
-        inp = build_input(args)
+        inp = build_input(args, parser)
         if args.max_model:
             max_params, shape = P.max_model(inp, args.max_model)
             best = P.plan(inp.replace(**shape)) if shape else P.plan(inp.replace(

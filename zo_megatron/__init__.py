@@ -6,7 +6,7 @@ Layout:
   offload/    the ZeRO-Offload engine and the CPU Adam kernel wrapper
   data/       tokenizer, indexed datasets, the embedded SOTU corpus
   training/   arguments, the train loop, schedules, logging
-  planner.py  the memory model behind tools/estimate_memory.py and the pre-launch check
+  planner/    the memory model behind tools/estimate_memory.py and the pre-launch check
 """
 
 __version__ = "0.1.0"

@@ -22,7 +22,7 @@ from zo_megatron.parallel import collectives
 from zo_megatron.parallel.megatron_notices import SUMMARY as NOTICES
 from zo_megatron.parallel.megatron_notices import hide_known_megatron_notices
 from zo_megatron.training.arguments import architecture_kwargs, check_batch_sizes, parse_args
-from zo_megatron.training.metrics import Metrics, flops_per_token, host_rss_bytes, human_bytes
+from zo_megatron.training.metrics import Metrics, host_rss_bytes, human_bytes, model_flops_per_token
 from zo_megatron.training.schedule import LRScheduler
 
 
@@ -356,9 +356,8 @@ def _train(args, env, ps, tokenizer, data_path, cpu_adam_threads: int) -> int:
         valid_iter = _cycle(lambda start: DPBatches(valid_ds, args.micro_batch_size, ps.dp_rank, ps.dp_size,
                                                     consumed_samples=start), consumed_valid) \
             if valid_ds is not None else None
-        fpt = flops_per_token(cfg.num_layers, cfg.hidden_size, args.seq_length,
-                              cfg.padded_vocab_size(ps.tp_size), args.recompute_granularity, cfg.ffn_size,
-                              recomputed_layers=_recomputed_layers(cfg))
+        fpt = model_flops_per_token(cfg, args.seq_length, cfg.padded_vocab_size(ps.tp_size),
+                                    args.recompute_granularity, recomputed_layers=_recomputed_layers(cfg))
         window = dict(loss=0.0, n=0, skipped=0, nan=0, t=time.monotonic(), norm=0.0)
         iteration = start_iter
         last_val = None

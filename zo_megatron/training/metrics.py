@@ -23,17 +23,42 @@ def human_time(s: float) -> str:
 
 
 def flops_per_token(num_layers: int, hidden: int, seq: int, vocab: int, recompute: str | None,
-                    ffn_hidden_size: int | None = None, recomputed_layers: int | None = None) -> float:
-    """Model FLOPs per trained token (forward + backward), Megatron's count
-    (`num_floating_point_operations`): per layer forward the QKV and output projections (8 h^2),
-    the MLP (4 h f, f = ffn size, 4h by default), attention scores and values (4 s h); the LM head
-    2 V h; backward twice the forward; full recompute adds one more forward of the layers it
-    recomputes (`recomputed_layers`, default all; --recompute-method block N: the first N)."""
-    f = 4 * hidden if ffn_hidden_size is None else ffn_hidden_size
-    per_layer = 8 * hidden * hidden + 4 * hidden * f + 4 * seq * hidden
-    head_fwd = 2 * vocab * hidden
+                    ffn_hidden_size: int | None = None, recomputed_layers: int | None = None, *,
+                    num_attention_heads: int | None = None, num_query_groups: int | None = None,
+                    kv_channels: int | None = None, swiglu: bool = False) -> int:
+    """Model FLOPs per trained token (forward + backward): Megatron-LM's count
+    (`num_floating_point_operations`, megatron/training/training.py at core_v0.16.1, dense GPT),
+    divided by batch x seq. Per layer forward, with q = kv_channels x heads (= h by default) and
+    k = v = kv_channels x G (GQA; = q without it): the QKV projection 2h(q + 2k), causal attention
+    scores and values 2qs (Megatron counts half of the s x s products since 2025-03: QK^T and
+    (QK^T)V are 2·q·s/2 each), the output projection 2qh, the MLP 4hf (6hf with SwiGLU: fc1 is
+    h -> 2f); the LM head 2Vh (V padded). Backward is twice the forward; full recompute adds one
+    more forward of the layers it recomputes (`recomputed_layers`, default all; --recompute-method
+    block N: the first N) -- Megatron's own count leaves recompute out."""
+    h = hidden
+    f = (int(4 * h * 2 / 3 / 64) * 64 if swiglu else 4 * h) if ffn_hidden_size is None else ffn_hidden_size
+    if num_attention_heads is None:
+        if num_query_groups is not None or kv_channels is not None:
+            raise ValueError("flops_per_token needs num_attention_heads with num_query_groups or kv_channels")
+        q = kv = h
+    else:
+        d = kv_channels or h // num_attention_heads
+        q, kv = d * num_attention_heads, d * (num_query_groups or num_attention_heads)
+    attention = 2 * h * (q + 2 * kv) + 2 * q * seq + 2 * q * h
+    mlp = 2 * h * f * (3 if swiglu else 2)
+    per_layer = attention + mlp
+    head_fwd = 2 * vocab * h
     again = 0 if recompute != "full" else (num_layers if recomputed_layers is None else recomputed_layers)
     return 3 * num_layers * per_layer + again * per_layer + 3 * head_fwd
+
+
+def model_flops_per_token(cfg, seq_length: int, padded_vocab_size: int, recompute: str | None,
+                          recomputed_layers: int | None = None) -> int:
+    """`flops_per_token` of a GPTConfig (its architecture fields; GPT-2 where a field is absent)."""
+    return flops_per_token(cfg.num_layers, cfg.hidden_size, seq_length, padded_vocab_size, recompute,
+                           cfg.ffn_size, recomputed_layers, num_attention_heads=cfg.num_attention_heads,
+                           num_query_groups=getattr(cfg, "num_query_groups", None),
+                           kv_channels=getattr(cfg, "kv_channels", None), swiglu=getattr(cfg, "swiglu", False))
 
 
 class Metrics:

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Llama-3-70B on ONE DGX-2: tensor parallel 8 x data parallel 2, ZeRO-Offload to the host.
+#
+# Hardware : 1x DGX-2 = 16x V100-SXM3-32GB (NVSwitch), 1.5 TiB host RAM, 2x 24-core Xeon.
+# Layout   : the 8 KV heads (GQA) cap tensor parallelism at 8 (megatron-core's local attention
+#            splits whole query groups: TP must divide 8), so the 16 GPUs are TP 8 x DP 2;
+#            ZeRO-2 splits each TP rank's gradients and optimizer state over the 2 DP ranks.
+# Model    : Llama-3-70B (its Hugging Face config.json): 80 layers x 8192 hidden x 64 heads, 8 KV
+#            heads, SwiGLU ffn 28672, RoPE theta 500000, RMSNorm eps 1e-5, no biases, untied
+#            output layer, vocab 128256 -> 129024 padded for TP 8 = 70.57B parameters (70,553,706,496
+#            unpadded, the public count; 8.82B per TP rank); seq 4096 (8192 needs 34.52 GiB per GPU:
+#            over the V100's 31.75).
+# Training : fp16 (V100 has no bf16) with dynamic loss scaling, full activation recompute,
+#            micro-batch 1 x DP 2 = global batch 2 (no accumulation: with ZeRO-Offload it would keep
+#            16-bit gradients on the GPU, +16.4 GiB here, which does not fit).
+# Planner  : python tools/estimate_memory.py --zero-offload --preset dgx2 --model llama3-70b \
+#                --tensor-model-parallel-size 8 --data-parallel-size 2 --micro-batch-size 1 \
+#                --seq-length 4096 --fp16 --recompute-granularity full
+#   device per GPU : 25.47 GiB of 31.75 GiB  (params 16.43, grad buckets 0.15 + 0.41 for the
+#                    oversized embedding/output-layer buckets, reduce-scatter scratch 0.07, layer
+#                    inputs 5.00, peak of backward on top 1.74 = recompute working set 1.55 +
+#                    layer gradients 0.18, fragmentation 0.67, CUDA context 1.00)
+#   host per node  : 1,000.20 GiB of 1,536 GiB (fp32 master + Adam m + v 788.7, 16-bit staging
+#                    131.5, 16 processes x 3 GiB, 32 GiB OS reserve)
+#   The same run WITHOUT --zero-offload needs 139.86 GiB per GPU (does not fit).
+#
+# CPU Adam threads: zo_megatron divides the cores each rank may use among the 16 local ranks
+# (96 hardware threads -> 6 per rank); override with --cpu-adam-threads or ZO_CPU_ADAM_THREADS.
+# Data     : DATA_PATH = prefix of a dataset preprocessed with the same tokenizer
+#            (tools/preprocess_data.py --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR);
+#            TOKENIZER_MODEL = a local directory with tokenizer.json + tokenizer_config.json.
+set -euo pipefail
+cd "${ZO_ROOT:-$(dirname "$0")/..}"
+
+: "${TOKENIZER_MODEL:?set TOKENIZER_MODEL to the Llama-3 tokenizer directory}"
+DATA_ARGS=()
+[[ -n "${DATA_PATH:-}" ]] && DATA_ARGS+=(--data-path "$DATA_PATH" --split 949,50,1)
+CKPT_DIR="${CKPT_DIR:-checkpoints/llama3-70b}"
+
+exec torchrun --standalone --nproc-per-node 16 pretrain/pretrain_gpt.py \
+    --tensor-model-parallel-size 8 \
+    --num-layers 80 --hidden-size 8192 --num-attention-heads 64 \
+    --group-query-attention --num-query-groups 8 \
+    --ffn-hidden-size 28672 --swiglu \
+    --position-embedding-type rope --rotary-base 500000 \
+    --normalization RMSNorm --norm-epsilon 1e-5 \
+    --disable-bias-linear --untie-embeddings-and-output-weights \
+    --seq-length 4096 --max-position-embeddings 8192 --make-vocab-size-divisible-by 128 \
+    --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER_MODEL" \
+    --micro-batch-size 1 --global-batch-size 2 \
+    --train-iters 20000 --lr 1.5e-4 --min-lr 1.5e-5 --lr-decay-style cosine \
+    --lr-warmup-iters 2000 --lr-decay-iters 20000 --weight-decay 0.1 \
+    --adam-beta1 0.9 --adam-beta2 0.95 --adam-eps 1e-8 --clip-grad 1.0 \
+    --fp16 --initial-loss-scale 65536 \
+    --recompute-granularity full \
+    --zero-offload \
+    --seed 1234 \
+    ${DATA_ARGS[@]+"${DATA_ARGS[@]}"} \
+    --save "$CKPT_DIR" --load "$CKPT_DIR" --save-interval 1000 \
+    --eval-interval 1000 --eval-iters 10 --log-interval 1 \
+    --log-jsonl "$CKPT_DIR/train.jsonl" \
+    "$@"

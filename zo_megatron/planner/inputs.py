@@ -1,0 +1,263 @@
+"""What the planner is asked (PlanInput: a training configuration) and what it answers (Plan)."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from zo_megatron.planner.params import Architecture, default_ffn_size
+from zo_megatron.planner.units import GiB, MiB
+
+PRECISIONS = ("bf16", "fp16", "fp32")
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+RECOMPUTE = (None, "full", "selective")
+
+
+@dataclass
+class PlanInput:
+    """A training configuration. Shape fields use Megatron's names; bytes are bytes.
+
+    Defaults describe the paper's single-GPU setting: one V100-32GB with the DGX-2's 1.5 TiB host.
+    """
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    vocab_size: int = 50257
+    seq_length: int = 1024
+    max_position_embeddings: int | None = None  # None: = seq_length
+    ffn_hidden_size: int | None = None  # None: Megatron's default (4h; int(4h·2/3/64)·64 with swiglu)
+    # architecture: GPTConfig's field names (the job's flags), defaults = GPT-2
+    position_embedding_type: str = "learned_absolute"  # "learned_absolute" | "rope"
+    rotary_percent: float = 1.0
+    normalization: str = "LayerNorm"  # "LayerNorm" | "RMSNorm"
+    swiglu: bool = False
+    num_query_groups: int | None = None  # None: = num_attention_heads
+    kv_channels: int | None = None  # None: hidden_size // num_attention_heads
+    untie_embeddings_and_output_weights: bool = False
+    add_bias_linear: bool = True
+    add_qkv_bias: bool = False
+    qk_layernorm: bool = False
+    tensor_parallel: int = 1
+    data_parallel: int = 1
+    micro_batch_size: int = 1
+    grad_accum_steps: int = 1
+    precision: str = "bf16"  # "bf16" | "fp16" | "fp32"
+    zero_offload: bool = True
+    dpu: bool = False
+    recompute: bool | str | None = False  # False/None, True/"full", "selective"
+    recompute_method: str = "uniform"  # full only: "uniform" (checkpoints of N layers) | "block" (first N layers)
+    recompute_num_layers: int = 1  # full only: N
+    bucket_size: int = 50_000_000  # elements per gradient bucket (two are allocated)
+    bf16_optimizer_states: bool = False  # exp_avg/exp_avg_sq stored as bf16 on the host
+    gpu_memory_bytes: int = 32510 * MiB  # V100-SXM3-32GB as torch reports it
+    host_memory_bytes_per_node: int = 1536 * GiB  # DGX-2: 1.5 TiB
+    gpus_per_node: int | None = None  # None: every rank of the job on one node
+    make_vocab_size_divisible_by: int = 128
+    # activation-model details
+    dropout: bool = True  # dropout masks stored (Korthikanti's formula assumes dropout on)
+    fused_softmax: bool = True  # False: torch softmax in fp32 (CPU path) keeps fp32 probs too
+    # overheads and layout
+    device_overhead_bytes: int = 1 * GiB  # CUDA context + cuBLAS workspace + NCCL buffers
+    host_overhead_bytes_per_rank: int = 3 * GiB  # python + torch + megatron + CUDA host side
+    host_reserve_bytes: int = 32 * GiB  # OS, page cache, data loader on the node
+    fragmentation: float = 0.10  # caching-allocator margin on the transient device bytes
+    partition_alignment: int = 128  # elements; each DP partition is a multiple of this
+    accumulate_on_host: bool = False  # True: fp32 host accumulator instead of device 16-bit grads
+    grad_reduce_fp32: bool | None = None  # fp32 bucket buffers + reduce-scatter; None: on for bf16 (Megatron)
+    host_grad_fp32: bool = False  # reduced gradients copied home in fp32 (needs grad_reduce_fp32)
+    device_is_host: bool = False  # CPU runs: "device" bytes also live in host RAM
+    optimizer_offload_fraction: float = 1.0  # share of each partition's optimizer on the host (Megatron's name)
+
+    def ffn(self) -> int:
+        return default_ffn_size(self.hidden_size, self.swiglu) if self.ffn_hidden_size is None \
+            else self.ffn_hidden_size
+
+    def arch(self) -> Architecture:
+        return Architecture(**{k: getattr(self, k) for k in Architecture.__dataclass_fields__})
+
+    def query_groups(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    def architecture_name(self) -> str:
+        """One line naming the architecture, e.g. "GPT-2 (learned positions, LayerNorm, GELU, tied)"."""
+        gpt2 = self.arch() == Architecture()
+        parts = ["learned positions" if self.position_embedding_type == "learned_absolute" else "rope",
+                 self.normalization, "SwiGLU" if self.swiglu else "GELU"]
+        if self.query_groups() != self.num_attention_heads:
+            parts.append(f"GQA {self.query_groups()}")
+        if self.kv_channels is not None and self.kv_channels * self.num_attention_heads != self.hidden_size:
+            parts.append(f"kv channels {self.kv_channels}")
+        parts.append("untied" if self.untie_embeddings_and_output_weights else "tied")
+        if not gpt2:
+            parts.append("biases" if self.add_bias_linear else "qkv bias only" if self.add_qkv_bias else "no biases")
+        if self.qk_layernorm:
+            parts.append("qk norm")
+        return f"{'GPT-2' if gpt2 else 'Llama-family'} ({', '.join(parts)})"
+
+    def normalized_recompute(self) -> str | None:
+        r = self.recompute
+        if r is None or r is False or r == "" or r == "none":
+            return None
+        if r is True:
+            return "full"
+        if r in ("full", "selective"):
+            return r
+        raise ValueError(f"recompute must be False, True, 'full' or 'selective', got {r!r}")
+
+    def reduces_in_fp32(self) -> bool:
+        """Bucket buffers and the reduce-scatter in fp32 (the engine's default rule)."""
+        if self.precision == "fp32":
+            return True
+        return self.precision == "bf16" if self.grad_reduce_fp32 is None else bool(self.grad_reduce_fp32)
+
+    def replace(self, **changes) -> "PlanInput":
+        return dataclasses.replace(self, **changes)
+
+    def validate(self) -> None:
+        def pos(name):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",
+                     "seq_length", "tensor_parallel", "data_parallel", "micro_batch_size",
+                     "grad_accum_steps", "bucket_size", "make_vocab_size_divisible_by",
+                     "partition_alignment"):
+            pos(name)
+        if self.max_position_embeddings is not None:
+            pos("max_position_embeddings")
+            if self.seq_length > self.max_position_embeddings:
+                raise ValueError(f"seq_length {self.seq_length} > max_position_embeddings "
+                                 f"{self.max_position_embeddings}")
+        if self.gpus_per_node is not None:
+            pos("gpus_per_node")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        self.normalized_recompute()
+        if self.recompute_method not in ("uniform", "block"):
+            raise ValueError(f"recompute_method must be 'uniform' or 'block', got {self.recompute_method!r}")
+        pos("recompute_num_layers")
+        if self.normalized_recompute() == "full" and self.recompute_method == "uniform" and \
+                self.num_layers % self.recompute_num_layers:
+            raise ValueError(f"recompute_num_layers {self.recompute_num_layers} does not divide num_layers "
+                             f"{self.num_layers} (uniform recompute checkpoints whole groups)")
+        if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
+            raise ValueError(f"position_embedding_type must be one of {POSITION_EMBEDDING_TYPES}, "
+                             f"got {self.position_embedding_type!r}")
+        if self.normalization not in NORMALIZATIONS:
+            raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {self.normalization!r}")
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise ValueError(f"rotary_percent must be in (0, 1], got {self.rotary_percent}")
+        if self.num_query_groups is not None:
+            pos("num_query_groups")
+            if self.num_attention_heads % self.num_query_groups:
+                raise ValueError(f"num_attention_heads {self.num_attention_heads} is not divisible by "
+                                 f"num_query_groups {self.num_query_groups}")
+        if self.kv_channels is not None:
+            pos("kv_channels")
+        if self.num_query_groups is not None and self.num_query_groups % self.tensor_parallel:
+            largest = max(t for t in range(1, self.query_groups() + 1) if self.query_groups() % t == 0
+                          and self.num_attention_heads % t == 0 and t <= self.tensor_parallel)
+            raise ValueError(f"num_query_groups {self.query_groups()} is not divisible by tensor_parallel "
+                             f"{self.tensor_parallel} (the local attention splits whole query groups): "
+                             f"use TP {largest} or another divisor of {self.query_groups()}")
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by "
+                             f"num_attention_heads {self.num_attention_heads}")
+        if self.num_attention_heads % self.tensor_parallel:
+            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not divisible by "
+                             f"tensor_parallel {self.tensor_parallel}")
+        if self.ffn_hidden_size is not None:
+            pos("ffn_hidden_size")
+            if self.ffn_hidden_size % self.tensor_parallel:
+                raise ValueError(f"ffn_hidden_size {self.ffn_hidden_size} is not divisible by "
+                                 f"tensor_parallel {self.tensor_parallel}")
+        if self.host_grad_fp32 and not self.reduces_in_fp32():
+            raise ValueError("host_grad_fp32 needs grad_reduce_fp32")
+        if self.dpu and not self.zero_offload:
+            raise ValueError("dpu (delayed parameter update) requires zero_offload")
+        if not 0.0 <= self.optimizer_offload_fraction <= 1.0:
+            raise ValueError(f"optimizer_offload_fraction must be in [0, 1], got {self.optimizer_offload_fraction}")
+        for name in ("gpu_memory_bytes", "host_memory_bytes_per_node"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+        for name in ("device_overhead_bytes", "host_overhead_bytes_per_rank", "host_reserve_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        if not 0 <= self.fragmentation < 1:
+            raise ValueError(f"fragmentation must be in [0, 1), got {self.fragmentation}")
+
+
+@dataclass
+class Plan:
+    input: PlanInput
+    fits: bool
+    reasons: list[str]  # one line per check (device / host / unified), saying OK or how far over
+    suggestions: list[str]  # when it does not fit: changes that help, each re-planned
+    warnings: list[str]
+    device_bytes_per_gpu: int
+    host_bytes_per_gpu: int  # model-state bytes on the host for one rank (no process overhead)
+    host_bytes_per_node: int
+    device_items: dict[str, int]  # per GPU
+    host_items: dict[str, int]  # per node (already multiplied by the ranks on the node)
+    params_total: int
+    params_per_tp_rank: int  # Ψ, unpadded
+    params_per_tp_rank_padded: int  # Ψ padded so N partitions of partition_alignment fit
+    replicated_params_per_tp_rank: int
+    vocab_size_padded: int
+    world_size: int
+    num_nodes: int
+    ranks_per_node: int
+    fits_device: bool
+    fits_host: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["input"] = dataclasses.asdict(self.input)
+        d["architecture"] = self.input.architecture_name()
+        return d
+
+
+def plan_input_from_flags(flags: Any, *, data_parallel: int, vocab_size: int, **hardware: Any) -> PlanInput:
+    """The PlanInput of a pretrain_gpt.py run, built from its flags: the one builder behind both the
+    job's pre-launch check and tools/estimate_memory.py (which takes the same flag names and
+    defaults), so the two can never plan different models. `flags` has pretrain_gpt.py's argparse
+    attribute names; `hardware` the PlanInput fields of the machine (memory sizes, overheads)."""
+    precision = flags.precision or "bf16"
+    mb = flags.micro_batch_size
+    gbs = flags.global_batch_size
+    if gbs is None:
+        accum = 1
+    elif gbs < 1 or gbs % (mb * data_parallel):
+        raise ValueError(f"--global-batch-size {gbs} is not a multiple of --micro-batch-size {mb} x DP {data_parallel}")
+    else:
+        accum = gbs // (mb * data_parallel)
+    recompute = flags.recompute_granularity or ("selective" if flags.recompute_activations else None)
+    window = getattr(flags, "window_size", None)
+    if window not in (None, -1, (-1, -1), [-1, -1]):
+        raise ValueError(f"--window-size {window}: sliding-window attention is not modelled by the planner "
+                         "(nor supported by the job); drop --window-size")
+    # the architecture flags (GPTConfig's field names; absent on an older namespace: GPT-2)
+    arch = {name: getattr(flags, name) for name in Architecture.__dataclass_fields__
+            if getattr(flags, name, None) is not None}
+    if not getattr(flags, "group_query_attention", True):
+        arch.pop("num_query_groups", None)      # Megatron-LM: --num-query-groups counts only with GQA on
+    return PlanInput(**arch,
+        num_layers=flags.num_layers, hidden_size=flags.hidden_size, num_attention_heads=flags.num_attention_heads,
+        ffn_hidden_size=flags.ffn_hidden_size, vocab_size=vocab_size, seq_length=flags.seq_length,
+        max_position_embeddings=flags.max_position_embeddings or flags.seq_length, tensor_parallel=flags.tensor_parallel,
+        data_parallel=data_parallel, micro_batch_size=mb, grad_accum_steps=accum, precision=precision,
+        zero_offload=flags.zero_offload, dpu=bool(getattr(flags, "dpu", False)), recompute=recompute,
+        recompute_method=getattr(flags, "recompute_method", None) or "uniform",
+        recompute_num_layers=getattr(flags, "recompute_num_layers", None) or 1,
+        bucket_size=flags.bucket_size, make_vocab_size_divisible_by=flags.make_vocab_size_divisible_by,
+        # the model's attention is torch's softmax in fp32 (not a fused kernel) on every device
+        dropout=flags.hidden_dropout > 0 or flags.attention_dropout > 0, fused_softmax=False,
+        bf16_optimizer_states=flags.exp_avg_dtype == "bf16",
+        grad_reduce_fp32=flags.accumulate_allreduce_grads_in_fp32,
+        host_grad_fp32=flags.main_grads_dtype == "fp32" and precision != "fp32",
+        accumulate_on_host=flags.accumulate_grads_on_host, **hardware)
+

@@ -1,0 +1,378 @@
+"""The memory model: device bytes per GPU and host bytes per node, one function per component.
+
+The formulas are written out in docs/memory_planner.md and in the package docstring
+(zo_megatron/planner/__init__.py)."""
+from __future__ import annotations
+
+import math
+
+from zo_megatron.planner.inputs import Plan, PlanInput
+from zo_megatron.planner.params import count_params, layer_parameters, model_parameters, pad_vocab_size
+from zo_megatron.planner.units import format_bytes
+
+
+def _bytes16(precision: str) -> int:
+    return 4 if precision == "fp32" else 2
+
+
+def _norm_saved(inp: PlanInput, elements: int, rows: int) -> tuple[int, bool]:
+    """(bytes one norm keeps for backward, its input included when it keeps it; whether the tensor
+    it keeps is its input itself, which may be a view of something larger).
+
+    LayerNorm (one native op) keeps its input and per-row statistics (ignored, as in Korthikanti's
+    count). RMSNorm is torch.nn.RMSNorm (megatron-core's WrappedTorchNorm), a composite computing in
+    fp32: it keeps the fp32 input (the input itself in fp32 mode, an fp32 copy in 16-bit modes),
+    the fp32 normalized tensor and the fp32 1/rms per row."""
+    w = _bytes16(inp.precision)
+    if inp.normalization == "LayerNorm":
+        return w * elements, True
+    return 8 * elements + 4 * rows, w == 4
+
+
+def _qk_norm_saved(inp: PlanInput, elements: int, rows: int) -> tuple[int, bool]:
+    """`_norm_saved` of a q/k norm (one row per head): with LayerNorm also its mean and 1/std per row
+    (2 x 16 bits), not negligible next to a row of head_dim elements."""
+    b, keeps = _norm_saved(inp, elements, rows)
+    return b + (2 * _bytes16(inp.precision) * rows if inp.normalization == "LayerNorm" else 0), keeps
+
+
+def _attention_saved(inp: PlanInput) -> int:
+    """Bytes the attention block of one layer keeps per token on one TP rank (besides the scores and
+    its input, counted by the caller): what the core attention's matmuls save, with aliasing.
+
+    q, k, v come out of linear_qkv as views of one fused tensor of (heads + 2G)·head_dim per token
+    (per query group: its q heads, its k, its v). The core attention saves q, k and v at full head
+    count (GQA's k/v are repeat_interleaved to every head: new tensors); RoPE (the unfused path,
+    rope_utils._apply_rotary_pos_emb_bshd) returns new rotated q and k and keeps only its cos/sin
+    tables (counted per layer by the caller); q is reshaped to heads (a view with MHA or one group)
+    and flattened by the core attention (a view only with MHA). The fused tensor stays alive as long as any saved tensor is a view of it
+    (GPT-2: all three; MHA + RoPE: v). qk_layernorm normalizes q and k per head first (its inputs:
+    q's reshape, k's view of the fused tensor)."""
+    w = _bytes16(inp.precision)
+    t = inp.tensor_parallel
+    a, g, d = inp.num_attention_heads // t, inp.query_groups() // t, inp.head_dim()
+    rope, qk_norm = inp.position_embedding_type == "rope", inp.qk_layernorm
+    q_is_view = g == a or g == 1                  # q's reshape to heads needs no copy
+    # the core attention flattens q to [s, b·heads, d]: a view of the fused tensor with MHA, or with
+    # one group at micro-batch 1 (merging a size-1 dimension needs no copy)
+    q_new = rope or qk_norm or not (g == a or (g == 1 and inp.micro_batch_size == 1))
+    k_new = rope or qk_norm or g < a
+    v_new = g < a
+    saved_bytes = w * sum(a * d for new in (q_new, k_new, v_new) if new)   # the core attention's new inputs
+    fused_kept = not (q_new and k_new and v_new)
+    if qk_norm:                                   # per token: a·d and g·d elements, a and g rows
+        q_bytes, keeps_input = _qk_norm_saved(inp, a * d, a)
+        k_bytes, _ = _qk_norm_saved(inp, g * d, g)
+        if keeps_input:                           # k's input, a view of the fused tensor, keeps it alive
+            fused_kept = True                     # (and q's too when q is a view)
+            k_bytes -= w * g * d
+            q_bytes -= w * a * d if q_is_view else 0
+        saved_bytes += q_bytes + k_bytes
+    if fused_kept:
+        saved_bytes += w * (a + 2 * g) * d
+    return saved_bytes
+
+
+def _layer_saved(inp: PlanInput) -> tuple[int, int, int]:
+    """(replicated, split, scores) bytes one transformer layer keeps for backward on one TP rank.
+
+    Korthikanti et al. 2022 for GPT-2 (16-bit, dropout, no SP): s·b·h·(10 + 24/t + 5·a·s/(h·t));
+    here built from its parts so precision, options and the architecture change it consistently."""
+    s, b, h = inp.seq_length, inp.micro_batch_size, inp.hidden_size
+    a, t, f = inp.num_attention_heads, inp.tensor_parallel, inp.ffn()
+    w = _bytes16(inp.precision)
+    sb, sbh = s * b, s * b * h
+    mask = 1 if inp.dropout else 0
+    # replicated over TP: what the two norms keep (LayerNorm: its 16-bit input; RMSNorm: fp32 input,
+    # fp32 normalized, 1/rms), the inputs of qkv and of fc1 (b16 each) + 2 dropout masks
+    replicated = 2 * _norm_saved(inp, sbh, sb)[0] + (2 * w + 2 * mask) * sbh
+    # split over TP: q, k, v (+ the fused qkv output they may be views of), proj input, the MLP:
+    # GELU keeps fc1's output and fc2's input (2f); SwiGLU keeps fc1's [gate; up] output (2f), silu(gate),
+    # up + 0 (megatron's glu_linear_offset makes it a new tensor) and their product, fc2's input (5f)
+    mlp = (5 if inp.swiglu else 2) * f // t
+    split = sb * (_attention_saved(inp) + w * (inp.num_attention_heads * inp.head_dim() // t + mlp))
+    if inp.position_embedding_type == "rope":    # cos and sin tables for q and for k, per layer
+        replicated += 4 * w * s * int(inp.head_dim() * inp.rotary_percent)
+    # attention scores a·s·s·b: probs saved by softmax (+ fp32 probs and a 16-bit copy if unfused)
+    probs = w if (inp.fused_softmax or w == 4) else 4 + w
+    scores_per_elem = probs + (mask + w if inp.dropout else 0)  # dropout mask + dropout output
+    scores = scores_per_elem * a * s * s * b // t
+    return replicated, split, scores
+
+
+def _activation_items(inp: PlanInput, vocab_padded: int) -> dict[str, int]:
+    """Activation bytes on one GPU at the peak of forward + backward (Korthikanti et al. 2022, no SP).
+
+    Stored activations P (all layers, or each layer's input with full recompute) stay live through
+    backward. On top of P the peak is the largest of three phases that never coexist:
+
+      A1  end of forward / loss backward: final-norm and output-layer inputs + the logits: the 16-bit
+          logits (w) next to their fp32 copy that the vocab-parallel cross-entropy keeps (4); in
+          backward that fp32 softmax becomes the gradient in place, and with a padded vocabulary
+          the pad-column mask (GPTModelTP.forward) clones it in fp32 (4 more instead of w);
+      A2  output-layer backward: the fp32/16-bit logits gradient + its contiguous copy (2·w) + the
+          output layer's weight gradient (w·V_pad·h/t): tied to the word embedding it is held until
+          the embedding lookup's gradient is added at the very end of backward; untied it is its
+          own parameter, first in backward order, and goes to its bucket at once;
+      B   backward of the last layer: its activations (recomputed with recompute: the working
+          set) + its gradients (2f wide: fc1-output sized twice with GELU, fc1's [gate; up] output
+          once with SwiGLU; the residual stream twice) + the held tied embedding gradient.
+
+    Line items: P, each phase's parts, and `activations_phases_not_coexisting` (<= 0), which takes
+    back what the phases would double count: the items sum to P + max(A1, A2, B).
+    """
+    s, b, h = inp.seq_length, inp.micro_batch_size, inp.hidden_size
+    t, L, f = inp.tensor_parallel, inp.num_layers, inp.ffn()
+    w = _bytes16(inp.precision)
+    sbh = s * b * h
+    mask = 1 if inp.dropout else 0
+    replicated, split, scores = _layer_saved(inp)
+    per_layer_full = replicated + split + scores
+
+    items: dict[str, int] = {}
+    rc = inp.normalized_recompute()
+    working_set = 0
+    if rc is None:
+        items["activations_layers"] = L * per_layer_full
+    elif rc == "selective":
+        items["activations_layers"] = L * (replicated + split)
+        working_set = items["activations_recompute_working_set"] = scores  # one layer's attention core
+    elif inp.recompute_method == "uniform":
+        # full, uniform N: keep the input of each group of N layers; backward recomputes one group
+        # at a time, so a whole group's activations are live at once
+        n = min(inp.recompute_num_layers, L)
+        items["activations_layer_inputs"] = (L // n) * w * sbh
+        working_set = items["activations_recompute_working_set"] = n * per_layer_full
+    else:
+        # full, block N: the first N layers keep only their input and are recomputed one at a time;
+        # the others store everything (an upper bound: by the time backward reaches the recomputed
+        # layers the others' activations are freed, so this overstates the peak by <= one layer)
+        n = min(inp.recompute_num_layers, L)
+        items["activations_layer_inputs"] = n * w * sbh
+        if L > n:
+            items["activations_layers"] = (L - n) * per_layer_full
+        working_set = items["activations_recompute_working_set"] = per_layer_full
+    # phase A1: embedding dropout mask, final norm input (+ RMSNorm's own), output-layer input; the logits
+    items["activations_embedding_final"] = emb_final = (mask + w) * sbh + _norm_saved(inp, sbh, s * b)[0]
+    logits = s * b * vocab_padded // t
+    items["logits" if w == 4 else "logits_16bit"] = w * logits
+    items["logits_fp32_cross_entropy"] = 4 * logits
+    pad_mask = (4 - w) * logits if vocab_padded > inp.vocab_size else 0
+    if pad_mask:
+        items["logits_grad_vocab_pad_mask"] = pad_mask
+    phase_a1 = emb_final + (w + 4) * logits + pad_mask
+    out_grad = w * vocab_padded * h // t
+    if inp.untie_embeddings_and_output_weights:
+        # the output layer's own weight gradient, moved to its bucket as soon as it is complete
+        items["activations_output_layer_weight_grad"] = out_grad
+        emb_grad = 0
+    else:
+        # held from the output layer's backward to the embedding's (phases A2 and B)
+        items["activations_tied_embedding_grad"] = emb_grad = out_grad
+    phase_a2 = emb_final + 2 * w * logits + out_grad
+    # phase B: one layer's backward
+    # two fc1-output-sized gradients with GELU (fc2's input, fc1's output); with SwiGLU the same 2f
+    # bytes are one gradient of fc1's [gate; up] output (measured: tests/test_planner_validation.py)
+    items["activations_layer_backward_grads"] = layer_grads = 2 * w * s * b * f // t + 2 * w * sbh
+    phase_b = working_set + layer_grads + emb_grad
+    listed = sum(v for k, v in items.items()
+                 if k not in ("activations_layers", "activations_layer_inputs"))
+    items["activations_phases_not_coexisting"] = max(phase_a1, phase_a2, phase_b) - listed
+    return items
+
+
+def _bucket_layout(inp: PlanInput, vocab_padded: int, max_positions: int, quantum: int) -> tuple[int, int]:
+    """(number of buckets, largest bucket in elements) of the engine's flat layout on one TP rank.
+
+    The engine (offload/flat_buffer.py) walks the parameters in backward order (reverse
+    registration order: the untied output layer, the final norm, the layers from last to first,
+    the position and word embeddings) and closes a bucket as soon as it holds >= bucket_size
+    elements, padded to a multiple of N x alignment; a parameter never straddles two buckets. Whole
+    layers that cannot close a bucket are skipped in one step and a repeating pattern of buckets
+    over layers is jumped over, so this stays cheap for deep models and tiny buckets alike (checked
+    against a parameter-by-parameter walk)."""
+    h, t, L, cap, f = inp.hidden_size, inp.tensor_parallel, inp.num_layers, inp.bucket_size, inp.ffn()
+    arch, a = inp.arch(), inp.num_attention_heads
+    layer = [n // t if split else n for _, n, split in layer_parameters(h, f, a, arch)]
+    outside = model_parameters(0, h, f, a, vocab_padded, max_positions, arch)
+    first_after = next(i for i, (name, _, _) in enumerate(outside) if name.startswith("decoder.final"))
+    before = [n // t if split else n for _, n, split in outside[:first_after]]   # embeddings
+    after = [n // t if split else n for _, n, split in outside[first_after:]]    # final norm, output layer
+    layer_bwd, layer_total = layer[::-1], sum(layer)
+    count, largest, fill, open_ = 0, 0, 0, False
+
+    def add(n: int) -> None:
+        nonlocal count, largest, fill, open_
+        fill, open_ = fill + n, True
+        if fill >= cap:
+            count, largest = count + 1, max(largest, -(-fill // quantum) * quantum)
+            fill, open_ = 0, False
+
+    for n in after[::-1]:                 # (untied output layer,) final norm bias, weight
+        add(n)
+    left = L
+    seen: dict[int, tuple[int, int]] | None = {}   # fill at a layer boundary -> (left, count)
+    while left:
+        k = min(left, (cap - 1 - fill) // layer_total) if fill + layer_total < cap else 0
+        if k:
+            fill, open_, left = fill + k * layer_total, True, left - k
+            continue
+        if seen is not None:              # the walk only depends on `fill` here: jump over cycles
+            if fill in seen:
+                left0, count0 = seen[fill]
+                period = left0 - left
+                cycles = left // period
+                count, left, seen = count + cycles * (count - count0), left - cycles * period, None
+                continue
+            seen[fill] = (left, count)
+        for n in layer_bwd:
+            add(n)
+        left -= 1
+    for n in before[::-1]:                # (position embedding,) word embedding (tied: the output layer)
+        add(n)
+    if open_:
+        count, largest = count + 1, max(largest, -(-fill // quantum) * quantum)
+    return count, largest
+
+
+def _ranks_layout(inp: PlanInput) -> tuple[int, int, int]:
+    world = inp.tensor_parallel * inp.data_parallel
+    per_node = world if inp.gpus_per_node is None else min(inp.gpus_per_node, world)
+    nodes = math.ceil(world / per_node)
+    return world, nodes, per_node
+
+
+def _compute(inp: PlanInput) -> Plan:
+    """The numbers, without suggestions."""
+    inp.validate()
+    t, N = inp.tensor_parallel, inp.data_parallel
+    w = _bytes16(inp.precision)
+    S = inp.max_position_embeddings or inp.seq_length
+    V_pad = pad_vocab_size(inp.vocab_size, t, inp.make_vocab_size_divisible_by)
+    counts = count_params(inp.num_layers, inp.hidden_size, V_pad, S, t, inp.ffn(),
+                          num_attention_heads=inp.num_attention_heads, arch=inp.arch())
+    psi = counts["per_tp_rank"]
+    chunk = N * inp.partition_alignment
+    psi_pad = (psi + chunk - 1) // chunk * chunk
+    part = psi_pad // N
+    world, nodes, per_node = _ranks_layout(inp)
+    warnings: list[str] = []
+
+    dev: dict[str, int] = {}
+    host_gpu: dict[str, int] = {}
+    opt_b = 2 if inp.bf16_optimizer_states else 4
+    p16 = "params_fp32" if w == 4 else "params_16bit"
+    if inp.zero_offload:
+        bucket = min(inp.bucket_size, psi_pad)
+        n_buckets, max_bucket = _bucket_layout(inp, V_pad, S, chunk)
+        buffers = min(2, n_buckets)       # the engine allocates one buffer when one bucket holds it all
+        wg = 4 if inp.reduces_in_fp32() else w    # bytes per gradient element in the buckets
+        wh = 4 if inp.host_grad_fp32 else w       # bytes per gradient element copied home
+        dev[p16] = w * psi_pad
+        dev["grad_buckets_x2"] = buffers * wg * bucket
+        if max_bucket > bucket:           # a parameter never straddles buckets: the largest (the word
+            dev["grad_bucket_oversize"] = buffers * wg * (max_bucket - bucket)   # embedding) may overfill one
+        if wg != wh and not inp.device_is_host:   # fp32 shards narrowed on the GPU before the copy home
+            dev["grad_narrow_scratch"] = buffers * wh * (max_bucket // N)
+        if N > 1:
+            dev["reduce_scatter_scratch"] = wg * bucket
+        if inp.grad_accum_steps > 1 and not inp.accumulate_on_host:
+            dev["grads_kept_across_microbatches"] = w * psi_pad
+        # --optimizer-offload-fraction F: the engine keeps the partition's first F on the host
+        # (rounded to 64 elements) and the tail on the device: fp32 master, m, v and gradient there.
+        tail = 0 if inp.optimizer_offload_fraction >= 1 else \
+            part - min(part, round(inp.optimizer_offload_fraction * part / 64) * 64)
+        if tail:
+            dev["optimizer_on_device_fp32"] = 16 * tail
+        part -= tail
+        host_gpu["master_fp32"] = 4 * part
+        host_gpu["adam_exp_avg"] = opt_b * part
+        host_gpu["adam_exp_avg_sq"] = opt_b * part
+        if wh == w:                       # one buffer: gradients in, updated parameters out
+            host_gpu["grad_param_staging" + ("_fp32" if w == 4 else "_16bit")] = w * part
+        else:
+            host_gpu["grad_staging_fp32"] = 4 * part
+            host_gpu["param_staging_16bit"] = w * part
+        if inp.grad_accum_steps > 1 and inp.accumulate_on_host:
+            host_gpu["grad_accumulator_fp32"] = 4 * part
+        if inp.dpu:                       # the second landing set: gradients [+ fp32 accumulator]
+            host_gpu["dpu_pending_grad"] = wh * part + (
+                4 * part if inp.grad_accum_steps > 1 and inp.accumulate_on_host else 0)
+    else:
+        dev[p16] = w * psi
+        dev["grads_fp32" if w == 4 else "grads_16bit"] = w * psi
+        if w == 2:
+            dev["master_fp32"] = 4 * psi
+        dev["adam_exp_avg"] = opt_b * psi
+        dev["adam_exp_avg_sq"] = opt_b * psi
+    act = _activation_items(inp, V_pad)
+    dev.update(act)
+    dev["allocator_fragmentation"] = int(inp.fragmentation * sum(act.values()))
+    dev["framework_overhead"] = inp.device_overhead_bytes
+
+    host_per_gpu = sum(host_gpu.values())
+    host_node = {k: v * per_node for k, v in host_gpu.items()}
+    host_node["process_overhead"] = inp.host_overhead_bytes_per_rank * per_node
+    host_node["os_reserve"] = inp.host_reserve_bytes
+    device_total = sum(dev.values())
+    host_total = sum(host_node.values())
+
+    fits_device = device_total <= inp.gpu_memory_bytes
+    fits_host = host_total <= inp.host_memory_bytes_per_node
+    reasons = [
+        f"device: {format_bytes(device_total)} per GPU of {format_bytes(inp.gpu_memory_bytes)} "
+        + ("(OK)" if fits_device else
+           f"(OVER by {format_bytes(device_total - inp.gpu_memory_bytes)}; largest item "
+           f"{max(dev, key=dev.get)} = {format_bytes(max(dev.values()))})"),
+        f"host: {format_bytes(host_total)} per node of {format_bytes(inp.host_memory_bytes_per_node)} "
+        + ("(OK)" if fits_host else
+           f"(OVER by {format_bytes(host_total - inp.host_memory_bytes_per_node)}; "
+           f"{per_node} ranks x {format_bytes(host_per_gpu)} model states)"),
+    ]
+    fits = fits_device and fits_host
+    if inp.device_is_host:
+        unified = device_total * per_node + host_total
+        ok = unified <= inp.host_memory_bytes_per_node
+        reasons.append(f"unified (device bytes live in host RAM): {per_node} x "
+                       f"{format_bytes(device_total)} + {format_bytes(host_total)} = "
+                       f"{format_bytes(unified)} of {format_bytes(inp.host_memory_bytes_per_node)} "
+                       + ("(OK)" if ok else "(OVER)"))
+        fits = fits and ok
+        fits_host = fits_host and ok
+
+    if inp.gpus_per_node is not None and t > inp.gpus_per_node:
+        warnings.append(f"tensor parallel {t} spans nodes ({inp.gpus_per_node} GPUs per node): "
+                        "TP collectives would cross the network")
+    if inp.gpus_per_node is not None and world % inp.gpus_per_node and nodes > 1:
+        warnings.append(f"world size {world} does not fill {nodes} nodes of {inp.gpus_per_node}")
+    if inp.dpu and inp.grad_accum_steps > 1:
+        warnings.append("DPU with gradient accumulation: the pending gradient is the accumulated one")
+
+    return Plan(input=inp, fits=fits, reasons=reasons, suggestions=[], warnings=warnings,
+                device_bytes_per_gpu=device_total, host_bytes_per_gpu=host_per_gpu,
+                host_bytes_per_node=host_total, device_items=dev, host_items=host_node,
+                params_total=counts["total"], params_per_tp_rank=psi,
+                params_per_tp_rank_padded=psi_pad,
+                replicated_params_per_tp_rank=counts["replicated_per_tp_rank"],
+                vocab_size_padded=V_pad, world_size=world, num_nodes=nodes,
+                ranks_per_node=per_node, fits_device=fits_device, fits_host=fits_host)
+
+
+def solve_offload_fraction(inp: PlanInput, step: float = 0.05) -> float | None:
+    """`--optimizer-offload-fraction auto`: the smallest host share F (so the largest device share
+    of the optimizer), on a grid of `step`, with which the run fits; None if not even F=1 fits."""
+    n = round(1 / step)
+    for i in range(n + 1):
+        f = i / n
+        p = _try(inp.replace(optimizer_offload_fraction=f))
+        if p is not None and p.fits:
+            return f
+    return None
+
+
+def _try(inp: PlanInput) -> Plan | None:
+    try:
+        return _compute(inp)
+    except ValueError:
+        return None
+
