@@ -37,12 +37,14 @@ def _forward_backward(ps, cfg, seed, batch_seed):
     model = build_gpt_model(cfg, ps.tp_rank, tp, seed)
     infos = model_shard_infos(model, ps.tp_rank, tp, VOCAB)
     params = {n: gather_full(p.detach(), infos[n], ps.tp_group, tp) for n, p in model.named_parameters()}
+    model.to(cfg.dtype)
     gen = torch.Generator().manual_seed(batch_seed)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
     labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
     logits = model(tokens)
     loss = model.loss(tokens, labels)
     loss.backward()
+    kernels = {getattr(layer.self_attention.core_attention, "last_kernel", None) for layer in model.gpt.decoder.layers}
     shards = [torch.empty_like(logits.detach().float()) for _ in range(tp)]
     dist.all_gather(shards, logits.detach().float().contiguous(), group=ps.tp_group)
     tagged = {n.removeprefix("gpt.") for n, p in model.named_parameters() if getattr(p, "sequence_parallel", False)}
@@ -54,7 +56,7 @@ def _forward_backward(ps, cfg, seed, batch_seed):
             collectives.all_reduce(g, group=ps.tp_group)
         grads[n] = gather_full(g, infos[n], ps.tp_group, tp)
     return dict(params=params, logits=torch.cat(shards, dim=-1)[..., :VOCAB], loss=loss.item(), grads=grads,
-                tokens=tokens, labels=labels, tagged=tagged, partial=partial)
+                tokens=tokens, labels=labels, tagged=tagged, partial=partial, kernels=kernels)
 
 
 def _model_world(rank, tp, seed, batch_seed, backend):
