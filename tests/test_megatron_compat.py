@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from zo_megatron.errors import ConfigError, UserError
-from zo_megatron.training.arguments import check_batch_sizes, parse_args
+from zo_megatron.training.arguments import build_parser, check_batch_sizes, parse_args
 from zo_megatron.training.megatron_compat import check_backend, should_exit
 from zo_megatron.training.schedule import LRScheduler
 
@@ -41,7 +41,9 @@ def test_the_table_covers_the_flags_the_issue_lists():
              "--mock-data", "--use-distributed-optimizer", "--distributed-backend", "--transformer-impl",
              "--recompute-method", "--recompute-num-layers", "--lr-warmup-fraction", "--position-embedding-type",
              "--normalization", "--swiglu", "--group-query-attention", "--num-query-groups",
-             "--untie-embeddings-and-output-weights", "--disable-bias-linear"}
+             "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--rotary-base", "--rotary-percent",
+             "--use-rope-scaling", "--rope-scaling-factor", "--norm-epsilon", "--kv-channels", "--add-qkv-bias",
+             "--qk-layernorm", "--window-size"}
     assert issue <= flags, issue - flags
 
 
@@ -56,9 +58,10 @@ def test_every_flag_in_the_table_behaves_as_documented(cell, status, text):
         assert "use " in msg or "drop it" in msg or "add " in msg, msg
     else:
         args = _job_args(flags)
+        dests = {o: a.dest for a in build_parser()._actions for o in a.option_strings}
         for f in flags:
             if f.startswith("--"):
-                assert hasattr(args, f[2:].replace("-", "_")), f
+                assert hasattr(args, dests[f]), f
 
 
 def test_implemented_flags_do_what_the_table_says():
@@ -102,3 +105,26 @@ def test_help_shows_real_defaults_never_none():
         meg = MEGATRON_DEFAULTS.get(dest)
         assert f"(demo: {demo} / Megatron: {'required' if meg is None else meg})" in text, flag
     assert "--seed SEED (default: 1234)" in text or "(default: 1234)" in text
+
+
+def test_architecture_flags_reach_the_model_config():
+    """Megatron-LM's architecture flags map onto GPTConfig as Megatron means them."""
+    from zo_megatron.model import GPTConfig
+    from zo_megatron.training.arguments import architecture_kwargs
+
+    a = _job_args(["--position-embedding-type", "rope", "--rotary-base", "500000", "--use-rope-scaling",
+                   "--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--swiglu", "--group-query-attention",
+                   "--num-query-groups", "2", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+                   "--add-qkv-bias", "--qk-layernorm", "--kv-channels", "32"])
+    cfg = GPTConfig(**architecture_kwargs(a), vocab_size=100)
+    assert (cfg.position_embedding_type, cfg.rotary_base, cfg.use_rope_scaling, cfg.rope_scaling_factor) == \
+        ("rope", 500000, True, 8.0)
+    assert (cfg.normalization, cfg.layernorm_epsilon, cfg.swiglu, cfg.query_groups, cfg.head_dim) == \
+        ("RMSNorm", 1e-6, True, 2, 32)
+    assert cfg.untie_embeddings_and_output_weights and not cfg.add_bias_linear and cfg.add_qkv_bias and cfg.qk_layernorm
+    assert cfg.ffn_size == int(4 * 64 * 2 / 3 / 64) * 64           # Megatron-LM's SwiGLU rule, h = 64
+    # Megatron-LM: --num-query-groups counts only with --group-query-attention
+    plain = GPTConfig(**architecture_kwargs(_job_args(["--num-query-groups", "2"])), vocab_size=100)
+    assert plain.query_groups == 4 and plain.architecture_name() == "GPT-2"
+    assert _job_args(["--layernorm-epsilon", "1e-6"]).layernorm_epsilon == 1e-6
+    assert _job_args(["--window-size=-1,-1"]).window_size == "-1,-1"       # full attention is accepted

@@ -63,18 +63,27 @@ def _row(shape, row, s, e, out) -> None:
     out.extend(((row,) + o, (1,) + z) for o, z in sub)
 
 
+def cut_box(box: Box, axis: int, lo: int, hi: int) -> Box | None:
+    """The part of `box` within [lo, hi) along `axis` (a TP piece of a strided shard, or the
+    rows before the vocab padding); None if nothing is left. Cutting along axis 0 keeps a
+    contiguous run of the box's elements."""
+    b_lo, b_hi = box.offsets[axis], box.offsets[axis] + box.sizes[axis]
+    s, e = max(lo, b_lo), min(hi, b_hi)
+    if s >= e:
+        return None
+    if (s, e) == (b_lo, b_hi):
+        return box
+    if axis != 0:
+        raise ValueError("only an axis-0 (row) cut keeps a box contiguous")
+    off = list(box.offsets)
+    off[0] = s
+    return Box(tuple(off), (e - s,) + box.sizes[1:], box.flat_start + (s - b_lo) * math.prod(box.sizes[1:]))
+
+
 def clip_box(box: Box, axis: int, limit: int) -> Box | None:
     """The part of `box` below `limit` along `axis` (vocab padding rows are not saved); None if
     nothing is left. Clipping along axis 0 keeps a prefix of the box's elements."""
-    lo, n = box.offsets[axis], box.sizes[axis]
-    keep = min(n, limit - lo)
-    if keep <= 0:
-        return None
-    if keep == n:
-        return box
-    if axis != 0:
-        raise ValueError("only axis-0 (vocab row) clipping keeps a box contiguous")
-    return Box(box.offsets, (keep,) + box.sizes[1:], box.flat_start)
+    return cut_box(box, axis, 0, limit)
 
 
 def shifted(box: Box, axis: int | None, by: int) -> Box:

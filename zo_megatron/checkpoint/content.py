@@ -9,13 +9,15 @@ rank declares the boxes it holds: the offload engine its DP partition's flat fra
 shard (boxes.py), the baseline its whole TP shard (DP replicas hold copies: DP rank 0 writes
 them). Parameters replicated over TP (LayerNorms, biases of row-parallel layers, position
 embeddings) are written by TP rank 0 and read by every TP rank. Vocab padding rows, whose size
-depends on TP, are neither saved nor loaded: the logits of those rows are masked to -inf.
+depends on TP, are neither saved nor loaded: the logits of those rows are masked to -inf. A
+stride-2 shard (SwiGLU's fc1: [gate_r; up_r]) is two boxes of the full tensor, so resharding
+TP works for it as for any other tensor.
 """
 from __future__ import annotations
 
 import torch
 
-from zo_megatron.checkpoint.boxes import Box, clip_box, flat_range_boxes, shifted
+from zo_megatron.checkpoint.boxes import Box, cut_box, flat_range_boxes, shifted
 from zo_megatron.checkpoint.planner import Piece
 from zo_megatron.model.sharding import model_shard_infos
 
@@ -34,14 +36,18 @@ def full_shapes(model, tp_rank: int, tp_size: int, vocab_size: int) -> dict[str,
     return {n: tuple(i.full_shape) for n, i in model_shard_infos(model, tp_rank, tp_size, vocab_size).items()}
 
 
-def _piece(key: str, info, box: Box, flat: torch.Tensor) -> Piece | None:
-    """The Piece for `box` of a local tensor whose box elements start at flat[box.flat_start]."""
-    if info.tp_axis is not None and info.valid < info.local_shape[info.tp_axis]:
-        box = clip_box(box, info.tp_axis, info.valid)          # drop vocab padding rows
-        if box is None:
-            return None
-    view = flat[box.flat_start:box.flat_start + box.numel].view(box.sizes)
-    return Piece(key, tuple(info.full_shape), shifted(box, info.tp_axis, info.offset), view)
+def _pieces(key: str, info, box: Box, flat: torch.Tensor) -> list[Piece]:
+    """The Pieces for `box` of a local tensor whose box elements start at flat[box.flat_start]:
+    one per TP piece of the shard it meets (two for SwiGLU's stride-2 fc1), placed in the full
+    tensor; vocab padding rows are dropped."""
+    if info.tp_axis is None:
+        parts = [(box, 0)]
+    else:
+        parts = [(cut, f - l) for f, l, n in info.pieces
+                 if (cut := cut_box(box, info.tp_axis, l, l + n)) is not None]
+    return [Piece(key, tuple(info.full_shape), shifted(b, info.tp_axis, by),
+                  flat[b.flat_start:b.flat_start + b.numel].view(b.sizes))
+            for b, by in parts]
 
 
 def offload_pieces(engine, ps, vocab_size: int, *, saving: bool, with_optimizer: bool) -> list[Piece]:
@@ -55,9 +61,7 @@ def offload_pieces(engine, ps, vocab_size: int, *, saving: bool, with_optimizer:
             for what, prefix in STATE_KEYS.items():
                 if what != "master" and not with_optimizer:
                     continue
-                piece = _piece(prefix + name, info, box, views[what])
-                if piece is not None:
-                    out.append(piece)
+                out += _pieces(prefix + name, info, box, views[what])
     return out
 
 
@@ -89,9 +93,7 @@ def baseline_pieces(optimizer, ps, vocab_size: int, *, saving: bool, with_optimi
             st = _ensure_adam_state(optimizer.opt, p)
             tensors.update(exp_avg=st["exp_avg"], exp_avg_sq=st["exp_avg_sq"])
         for what, t in tensors.items():
-            piece = _piece(STATE_KEYS[what] + name, info, box, t.reshape(-1))
-            if piece is not None:
-                out.append(piece)
+            out += _pieces(STATE_KEYS[what] + name, info, box, t.reshape(-1))
     return out
 
 

@@ -1,23 +1,31 @@
 """How each GPT parameter splits over TP, by name, for tools that work without building the model.
 
-The job reads the split from the parameters themselves (megatron's `partition_dim`, see
-model/sharding.py); an offline converter has only names and full shapes. This table is the same
-rule written down, and tests/test_convert_checkpoint.py checks it against the built model:
+The job reads the split from the parameters themselves (megatron's `partition_dim` and
+`partition_stride`, see model/sharding.py); an offline converter has only names and full shapes.
+This table is the same rule written down, and tests check it against the built model:
 
-    column-parallel (axis 0): word embeddings (vocab rows), linear_qkv, linear_fc1 (weights, biases)
+    column-parallel (axis 0): word embeddings and the untied output layer (vocab rows), linear_qkv,
+                              linear_fc1 (weights, biases)
     row-parallel    (axis 1): linear_proj.weight, linear_fc2.weight
-    replicated:               everything else (LayerNorms, position embeddings, row-parallel biases)
+    replicated:               everything else (norms, q/k norms, position embeddings, row-parallel biases)
 
-The word embedding is padded along the vocab to a multiple of make_vocab_size_divisible_by x TP
-(megatron's rule); full tensors here are unpadded, a TP shard covers padding rows at the end.
+With SwiGLU, linear_fc1 (weight and bias) is [gate; up] and has stride 2: TP rank r holds
+[gate_r; up_r], two boxes of the full tensor (`tp_shard_boxes`). The word embedding and output
+layer are padded along the vocab to a multiple of make_vocab_size_divisible_by x TP (megatron's
+rule); full tensors here are unpadded, a TP shard covers padding rows at the end.
 """
 from __future__ import annotations
 
-from zo_megatron.checkpoint.boxes import Box
+import math
 
-WORD_EMBEDDING = "embedding.word_embeddings.weight"
-_COLUMN = (WORD_EMBEDDING, "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
-           "mlp.linear_fc1.weight", "mlp.linear_fc1.bias")
+from zo_megatron.checkpoint.boxes import Box
+from zo_megatron.model.sharding import OUTPUT_LAYER, VOCAB_PADDED, WORD_EMBEDDING, split_pieces
+
+__all__ = ["WORD_EMBEDDING", "OUTPUT_LAYER", "EXTRA_STATE_LAYERS", "tp_axis", "partition_stride",
+           "padded_vocab_size", "local_rows", "tp_shard_boxes", "tp_shard_box"]
+
+_FC1 = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias")
+_COLUMN = VOCAB_PADDED + ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias") + _FC1
 _ROW = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
 # megatron-core's local-spec linear layers carry an `_extra_state` entry (None) in state_dict
 EXTRA_STATE_LAYERS = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
@@ -31,34 +39,51 @@ def tp_axis(name: str) -> int | None:
     return None
 
 
+def partition_stride(name: str, swiglu: bool) -> int:
+    """2 for SwiGLU's linear_fc1 ([gate; up], each rank [gate_r; up_r]); 1 for everything else."""
+    return 2 if swiglu and name.endswith(_FC1) else 1
+
+
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     multiple = divisible_by * tp
     return -(-vocab_size // multiple) * multiple
 
 
 def local_rows(name: str, full_shape: tuple[int, ...], tp: int, padded_vocab: int | None = None) -> int:
-    """Size of one TP shard along the split axis (the padded vocab's share for the embedding)."""
+    """Size of one TP shard along the split axis (the padded vocab's share for the vocab tensors)."""
     axis = tp_axis(name)
-    n = padded_vocab if name.endswith(WORD_EMBEDDING) and padded_vocab else full_shape[axis]
+    n = padded_vocab if name.endswith(VOCAB_PADDED) and padded_vocab else full_shape[axis]
     if n % tp:
         raise ValueError(f"{name}: {n} rows do not split over TP={tp}")
     return n // tp
 
 
+def tp_shard_boxes(name: str, full_shape: tuple[int, ...], tp_rank: int, tp: int,
+                   padded_vocab: int | None = None, swiglu: bool = False) -> list[Box]:
+    """The boxes of the full (unpadded) tensor that TP rank `tp_rank` holds, in local order.
+
+    Each box's `flat_start` is where it starts in the rank's flattened local shard (whose shape
+    is the full shape with `local_rows` along the split axis). Replicated parameters: one box,
+    the whole tensor. A rank that holds only vocab padding: no box. SwiGLU's fc1: two boxes."""
+    full_shape = tuple(full_shape)
+    axis = tp_axis(name)
+    if axis is None:
+        return [Box((0,) * len(full_shape), full_shape, 0)]
+    n = local_rows(name, full_shape, tp, padded_vocab)
+    inner = math.prod(full_shape[axis + 1:])
+    boxes = []
+    for f, l, size in split_pieces(full_shape[axis], n, tp_rank, tp, partition_stride(name, swiglu)):
+        offsets, sizes = [0] * len(full_shape), list(full_shape)
+        offsets[axis], sizes[axis] = f, size
+        # along axis 1 a piece is all rows of a column block: only axis-0 pieces are contiguous
+        # in the local shard, and axis-1 (row-parallel) tensors have one piece starting at 0
+        boxes.append(Box(tuple(offsets), tuple(sizes), l * inner if axis == 0 else 0))
+    return boxes
+
+
 def tp_shard_box(name: str, full_shape: tuple[int, ...], tp_rank: int, tp: int,
                  padded_vocab: int | None = None) -> Box | None:
-    """The box of the full (unpadded) tensor that TP rank `tp_rank` holds; None if it holds only
-    padding. Replicated parameters: the whole tensor."""
-    axis = tp_axis(name)
-    if axis is None or tp == 1:
-        return Box((0,) * len(full_shape), tuple(full_shape), 0)
-    n = local_rows(name, full_shape, tp, padded_vocab)
-    start = tp_rank * n
-    size = min(n, full_shape[axis] - start)
-    if size <= 0:
-        return None
-    offsets = [0] * len(full_shape)
-    offsets[axis] = start
-    sizes = list(full_shape)
-    sizes[axis] = size
-    return Box(tuple(offsets), tuple(sizes), 0)
+    """The one box of a stride-1 parameter that TP rank `tp_rank` holds; None if it holds only
+    padding. (A stride-2 tensor, SwiGLU's fc1, needs `tp_shard_boxes(..., swiglu=True)`.)"""
+    boxes = tp_shard_boxes(name, full_shape, tp_rank, tp, padded_vocab)
+    return boxes[0] if boxes else None

@@ -1,4 +1,10 @@
-"""The GPT's shape and numerics, independent of how it is laid out over TP/DP."""
+"""The GPT's shape and numerics, independent of how it is laid out over TP/DP.
+
+The defaults are GPT-2 (learned positions, LayerNorm, GELU MLP, biases, tied embeddings); the
+architecture fields switch on the Llama / Mistral / Qwen2 parts megatron-core's local spec has
+(RoPE, RMSNorm, SwiGLU, grouped-query attention, an untied output layer, qkv-only biases,
+q/k LayerNorm), with Megatron-LM's flag names and defaults (docs/models.md).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,9 +16,29 @@ from zo_megatron.errors import ConfigError
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+
+# The fields that define the architecture: recorded in checkpoints and compared on resume.
+ARCH_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
+               "max_position_embeddings", "make_vocab_size_divisible_by", "position_embedding_type",
+               "rotary_base", "rotary_percent", "use_rope_scaling", "rope_scaling_factor", "normalization",
+               "layernorm_epsilon", "swiglu", "num_query_groups", "kv_channels",
+               "untie_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias", "qk_layernorm")
+
+
+def swiglu_ffn_size(hidden_size: int) -> int:
+    """Megatron-LM's --ffn-hidden-size default with --swiglu: 2/3 of 4h, rounded down to 64."""
+    return int(4 * hidden_size * 2 / 3 / 64) * 64
+
+
+def largest_divisor_at_most(n: int, limit: int) -> int:
+    return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
+
+
 @dataclass
 class GPTConfig:
-    """A GPT-2-architecture model (learned positions, pre-LN, tanh-GELU, biases, tied embeddings)."""
+    """A decoder-only GPT: GPT-2 by default, Llama / Mistral / Qwen2 through the architecture fields."""
 
     num_layers: int = 4
     hidden_size: int = 256
@@ -25,7 +51,20 @@ class GPTConfig:
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     init_method_std: float = 0.02
-    layernorm_epsilon: float = 1e-5
+    layernorm_epsilon: float = 1e-5             # --norm-epsilon (also the RMSNorm epsilon)
+    position_embedding_type: str = "learned_absolute"   # "learned_absolute" | "rope"
+    rotary_base: int = 10000
+    rotary_percent: float = 1.0
+    use_rope_scaling: bool = False              # Llama-3.1 frequency scaling (megatron-core's fixed constants)
+    rope_scaling_factor: float = 8.0
+    normalization: str = "LayerNorm"            # "LayerNorm" | "RMSNorm"
+    swiglu: bool = False                        # gated SiLU MLP: linear_fc1 is [gate; up]
+    num_query_groups: int | None = None         # grouped-query attention: G key/value heads (None: one per head)
+    kv_channels: int | None = None              # head dim (None: hidden_size // num_attention_heads)
+    untie_embeddings_and_output_weights: bool = False
+    add_bias_linear: bool = True
+    add_qkv_bias: bool = False                  # qkv bias even without add_bias_linear (Qwen2)
+    qk_layernorm: bool = False
     recompute: str | None = None                # None | "full" (whole layers) | "selective" (attention core)
     recompute_method: str = "uniform"           # full only: "uniform" (groups of N layers) | "block" (first N)
     recompute_num_layers: int = 1               # full only: N (megatron's --recompute-num-layers)
@@ -40,10 +79,11 @@ class GPTConfig:
                      "max_position_embeddings", "make_vocab_size_divisible_by"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1 (got {getattr(self, name)})")
-        if self.hidden_size % self.num_attention_heads != 0:
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads != 0:
             raise ConfigError(
                 f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
-                f"{self.num_attention_heads}: pick hidden = heads x head_dim")
+                f"{self.num_attention_heads}: pick hidden = heads x head_dim (or give --kv-channels)")
+        self._check_architecture()
         if self.recompute is True:
             self.recompute = "full"
         if self.recompute not in (None, False, "full", "selective"):
@@ -65,13 +105,88 @@ class GPTConfig:
             raise ConfigError("label smoothing is not supported (megatron-core's vocab-parallel "
                               "cross-entropy applies it to one TP shard only): drop --label-smoothing")
 
+    def _check_architecture(self) -> None:
+        if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
+            raise ConfigError(f"--position-embedding-type {self.position_embedding_type}: choose one of "
+                              f"{', '.join(POSITION_EMBEDDING_TYPES)}")
+        if self.normalization not in NORMALIZATIONS:
+            raise ConfigError(f"--normalization {self.normalization}: choose one of {', '.join(NORMALIZATIONS)}")
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise ConfigError(f"--rotary-percent {self.rotary_percent}: must be in (0, 1]")
+        if self.rotary_base <= 0:
+            raise ConfigError(f"--rotary-base {self.rotary_base}: must be > 0")
+        if self.use_rope_scaling and self.rope_scaling_factor <= 0:
+            raise ConfigError(f"--rope-scaling-factor {self.rope_scaling_factor}: must be > 0")
+        if self.use_rope_scaling and self.position_embedding_type != "rope":
+            raise ConfigError("--use-rope-scaling scales rotary embeddings: add --position-embedding-type rope")
+        if self.layernorm_epsilon <= 0:
+            raise ConfigError(f"--norm-epsilon {self.layernorm_epsilon}: must be > 0")
+        if self.kv_channels is not None and self.kv_channels < 1:
+            raise ConfigError(f"--kv-channels {self.kv_channels}: must be >= 1")
+        if self.position_embedding_type == "rope" and self.head_dim * self.rotary_percent < 2:
+            raise ConfigError(f"--rotary-percent {self.rotary_percent} of head dim {self.head_dim} rotates "
+                              "no channel pair: raise it")
+        g = self.query_groups
+        if g < 1 or self.num_attention_heads % g:
+            raise ConfigError(f"--num-query-groups {g} must divide --num-attention-heads "
+                              f"{self.num_attention_heads} (each key/value head serves a whole group of query heads)")
+        if self.ffn_size < 1:
+            raise ConfigError(f"--swiglu with --hidden-size {self.hidden_size} gives an FFN size of 0 "
+                              "(int(4h*2/3/64)*64): give --ffn-hidden-size")
+
+    def check_tensor_parallel(self, tensor_parallel: int) -> None:
+        """What a TP size needs: whole query groups (megatron-core's local attention splits
+        num_query_groups over TP, so G % TP == 0), whole heads and whole MLP columns per rank."""
+        g = self.query_groups
+        if g % tensor_parallel:
+            raise ConfigError(
+                f"--tensor-model-parallel-size {tensor_parallel} does not divide --num-query-groups {g}: "
+                f"each TP rank holds whole key/value groups; use --tensor-model-parallel-size <= "
+                f"{largest_divisor_at_most(g, tensor_parallel)} that divides {g}")
+        for flag, n in (("--num-attention-heads", self.num_attention_heads), ("--ffn-hidden-size", self.ffn_size)):
+            if n % tensor_parallel:
+                raise ConfigError(f"--tensor-model-parallel-size {tensor_parallel} does not divide {flag} {n}: "
+                                  f"use a TP size that divides {n}")
+
     @property
     def dtype(self) -> torch.dtype:
         return PRECISIONS[self.precision]
 
     @property
     def ffn_size(self) -> int:
-        return self.ffn_hidden_size or 4 * self.hidden_size
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
+        return swiglu_ffn_size(self.hidden_size) if self.swiglu else 4 * self.hidden_size
+
+    @property
+    def query_groups(self) -> int:
+        """G: key/value heads (= num_attention_heads without grouped-query attention)."""
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    def architecture_name(self) -> str:
+        """"GPT-2", or the parts that differ from it, e.g. "RoPE+RMSNorm+SwiGLU+GQA(8 groups)+untied"."""
+        parts = [("RoPE" + (f"(base {self.rotary_base}" + (f", scaled x{self.rope_scaling_factor:g}" if
+                                                           self.use_rope_scaling else "") + ")"))
+                 if self.position_embedding_type == "rope" else "",
+                 "RMSNorm" if self.normalization == "RMSNorm" else "",
+                 "SwiGLU" if self.swiglu else "",
+                 f"GQA({self.query_groups} groups)" if self.query_groups != self.num_attention_heads else "",
+                 "untied" if self.untie_embeddings_and_output_weights else "",
+                 "no-bias" if not self.add_bias_linear else "",
+                 "qkv-bias" if self.add_qkv_bias and not self.add_bias_linear else "",
+                 "qk-norm" if self.qk_layernorm else ""]
+        parts = [p for p in parts if p]
+        return "+".join(parts) if parts else "GPT-2"
+
+    def arch_meta(self) -> dict:
+        """The ARCH_FIELDS with defaults resolved (FFN size, G, head dim): what a checkpoint records."""
+        meta = {name: getattr(self, name) for name in ARCH_FIELDS}
+        meta.update(ffn_hidden_size=self.ffn_size, num_query_groups=self.query_groups, kv_channels=self.head_dim)
+        return meta
 
     def padded_vocab_size(self, tensor_parallel: int) -> int:
         """Megatron's padding: a multiple of make_vocab_size_divisible_by x TP."""
@@ -79,7 +194,19 @@ class GPTConfig:
         return -(-self.vocab_size // multiple) * multiple
 
     def num_parameters(self) -> int:
-        """Unpadded total parameter count (the number HF GPT-2 reports)."""
-        h, f, L = self.hidden_size, self.ffn_size, self.num_layers
-        per_layer = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (f * h + f) + (h * f + h)
-        return self.vocab_size * h + self.max_position_embeddings * h + L * per_layer + 2 * h
+        """Unpadded total parameter count (the number Hugging Face reports for the same model)."""
+        h, f, L, V = self.hidden_size, self.ffn_size, self.num_layers, self.vocab_size
+        d, heads, g = self.head_dim, self.num_attention_heads, self.query_groups
+        norm = 2 if self.normalization == "LayerNorm" else 1          # weight (+ bias)
+        bias = 1 if self.add_bias_linear else 0
+        qkv_out = (heads + 2 * g) * d
+        fc1_out = 2 * f if self.swiglu else f
+        per_layer = (norm * h                                                   # input norm
+                     + qkv_out * h + (qkv_out if self.add_bias_linear or self.add_qkv_bias else 0)
+                     + (2 * norm * d if self.qk_layernorm else 0)                # q/k norms
+                     + h * heads * d + bias * h                                  # linear_proj
+                     + norm * h                                                  # pre-MLP norm
+                     + fc1_out * h + bias * fc1_out + h * f + bias * h)          # MLP
+        positions = self.max_position_embeddings * h if self.position_embedding_type == "learned_absolute" else 0
+        output = V * h if self.untie_embeddings_and_output_weights else 0
+        return V * h + positions + L * per_layer + norm * h + output

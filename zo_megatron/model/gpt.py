@@ -1,15 +1,34 @@
-"""The GPT: megatron-core's GPTModel (local layer spec) configured to equal Hugging Face GPT-2.
+"""The GPT: megatron-core's GPTModel (local layer spec), GPT-2 by default, Llama-family by flags.
 
 GPT-2 exactly means: learned absolute positions, pre-LayerNorm (eps 1e-5), GELU with the tanh
 approximation, biases everywhere, tied input/output embeddings, a final LayerNorm, attention
-scaled by 1/sqrt(head_dim) with softmax in fp32. Splits over TP (megatron-core layers):
+scaled by 1/sqrt(head_dim) with softmax in fp32. The architecture fields of GPTConfig switch on
+RoPE (unfused pure-torch path), RMSNorm (torch.nn.RMSNorm via megatron's WrappedTorchNorm),
+SwiGLU, grouped-query attention, an untied output layer, qkv-only biases and q/k norms.
 
-    embedding.word_embeddings   VocabParallelEmbedding  [V_pad/t, h]  rows split (also the LM head)
-    self_attention.linear_qkv   ColumnParallel          [3h/t, h]     whole heads per rank
-    self_attention.linear_proj  RowParallel             [h, h/t]      bias replicated
-    mlp.linear_fc1              ColumnParallel          [4h/t, h]
-    mlp.linear_fc2              RowParallel             [h, 4h/t]     bias replicated
-    LayerNorms, position embeddings                     replicated on every TP rank
+Parameters (names under `gpt.`; [..] only when the architecture has them) and their TP splits,
+t = TP size, d = head dim, G = query groups, f = FFN size, H = heads:
+
+    embedding.word_embeddings.weight       VocabParallelEmbedding [V_pad/t, h]  vocab rows (tied: also the LM head)
+    [embedding.position_embeddings.weight] replicated             [P, h]        learned_absolute only
+    decoder.layers.{i}.
+      input_layernorm.weight[.bias]        replicated             [h]           .bias: LayerNorm only
+      self_attention.linear_qkv.weight     ColumnParallel         [(H+2G)d/t, h] rows per group g:
+                                              [q heads of g (H/G x d); k_g (d); v_g (d)]; rank r: G/t whole groups
+      self_attention.linear_qkv.bias       ColumnParallel         [(H+2G)d/t]   add_bias_linear or add_qkv_bias
+      [self_attention.q_layernorm.weight,  replicated             [d]           qk_layernorm (+.bias with
+       self_attention.k_layernorm.weight]                                       LayerNorm); grads summed over TP
+      self_attention.linear_proj.weight    RowParallel            [h, Hd/t]     (.bias replicated)
+      pre_mlp_layernorm.weight[.bias]      replicated             [h]
+      mlp.linear_fc1.weight[.bias]         ColumnParallel         [f/t, h]      GELU
+                                           ColumnParallel stride 2 [2f/t, h]    SwiGLU: full [gate (f); up (f)],
+                                              rank r holds [gate_r; up_r] (not a contiguous chunk)
+      mlp.linear_fc2.weight                RowParallel            [h, f/t]      (.bias replicated)
+    decoder.final_layernorm.weight[.bias]  replicated             [h]
+    [output_layer.weight]                  ColumnParallel         [V_pad/t, h]  untied only, vocab-padded like
+                                                                                the embedding
+
+    SwiGLU fc1 at t=2:  full [g0 g1 | u0 u1]  ->  rank 0 [g0; u0], rank 1 [g1; u1]
 """
 from __future__ import annotations
 
@@ -29,6 +48,47 @@ def causal_attention_mask(seq_length: int, device) -> torch.Tensor:
     return torch.triu(torch.ones(seq_length, seq_length, dtype=torch.bool, device=device), diagonal=1)[None, None]
 
 
+class TPQKNorm:
+    """The q/k norm (`--qk-layernorm`): torch's RMSNorm/LayerNorm over head_dim, as megatron-core's
+    WrappedTorchNorm builds it, except that its weight's gradient is summed over TP in backward.
+
+    The weight is replicated over TP but each rank normalises only its own heads, so each rank's
+    gradient is a partial sum. Megatron-LM sums it after backward (finalize_model_grads, for
+    qk_layernorm); here megatron's copy_to_tensor_model_parallel_region (forward identity,
+    backward all-reduce) does it inside autograd, so every optimizer sees the full gradient."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_):
+        norm_cls = _TPSummedRMSNorm if config.normalization == "RMSNorm" else _TPSummedLayerNorm
+        return norm_cls(hidden_size, eps=eps)
+
+
+def _tp_summed(weight):
+    from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
+    return None if weight is None else copy_to_tensor_model_parallel_region(weight)
+
+
+class _TPSummedRMSNorm(torch.nn.RMSNorm):
+    def forward(self, x):
+        return F.rms_norm(x, self.normalized_shape, _tp_summed(self.weight), self.eps)
+
+
+class _TPSummedLayerNorm(torch.nn.LayerNorm):
+    def forward(self, x):
+        return F.layer_norm(x, self.normalized_shape, _tp_summed(self.weight), _tp_summed(self.bias), self.eps)
+
+
+def layer_spec(cfg: GPTConfig):
+    """megatron-core's local spec for this architecture (RMSNorm / LayerNorm, q/k norms)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(qk_layernorm=cfg.qk_layernorm, normalization=cfg.normalization)
+    if cfg.qk_layernorm:
+        attention = spec.submodules.self_attention.submodules
+        attention.q_layernorm = attention.k_layernorm = TPQKNorm
+    return spec
+
+
 def transformer_config(cfg: GPTConfig, tensor_parallel: int):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -38,17 +98,25 @@ def transformer_config(cfg: GPTConfig, tensor_parallel: int):
                          recompute_num_layers=cfg.recompute_num_layers)
     elif cfg.recompute == "selective":
         recompute = dict(recompute_granularity="selective")
+    cfg.check_tensor_parallel(tensor_parallel)
     return TransformerConfig(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
         num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.query_groups,
+        kv_channels=cfg.head_dim,
         ffn_hidden_size=cfg.ffn_size,
         hidden_dropout=cfg.hidden_dropout,
         attention_dropout=cfg.attention_dropout,
+        normalization=cfg.normalization,
         layernorm_epsilon=cfg.layernorm_epsilon,
+        qk_layernorm=cfg.qk_layernorm,
         init_method_std=cfg.init_method_std,
-        activation_func=functools.partial(F.gelu, approximate="tanh"),
-        add_bias_linear=True,
+        # SwiGLU: silu(gate) * up with linear_fc1 = [gate; up]; otherwise GPT-2's tanh GELU
+        activation_func=F.silu if cfg.swiglu else functools.partial(F.gelu, approximate="tanh"),
+        gated_linear_unit=cfg.swiglu,
+        add_bias_linear=cfg.add_bias_linear,
+        add_qkv_bias=cfg.add_qkv_bias,
         apply_query_key_layer_scaling=False,
         attention_softmax_in_fp32=True,
         tensor_model_parallel_size=tensor_parallel,
@@ -88,14 +156,18 @@ class GPTModelTP(torch.nn.Module):
         self.sequence_parallel = config.sequence_parallel
         self.gpt = GPTModel(
             config=config,
-            transformer_layer_spec=decoder_spec(cfg, config.sequence_parallel),
+            transformer_layer_spec=decoder_spec(cfg, layer_spec(cfg), config.sequence_parallel),
             vocab_size=self.padded_vocab_size,
             max_sequence_length=cfg.max_position_embeddings,
-            share_embeddings_and_output_weights=True,
-            position_embedding_type="learned_absolute",
+            share_embeddings_and_output_weights=not cfg.untie_embeddings_and_output_weights,
+            position_embedding_type=cfg.position_embedding_type,
+            rotary_percent=cfg.rotary_percent,
+            rotary_base=cfg.rotary_base,
+            rope_scaling=cfg.use_rope_scaling,
+            rope_scaling_factor=cfg.rope_scaling_factor,
             parallel_output=True,
         )
-        _mark_tp_split_params(self.gpt)
+        _mark_tp_split_params(self.gpt, swiglu=cfg.swiglu)
         local_vocab = self.padded_vocab_size // tp_size
         first = tp_rank * local_vocab
         n_pad = max(0, first + local_vocab - max(first, cfg.vocab_size))
@@ -138,21 +210,26 @@ class GPTModelTP(torch.nn.Module):
         return (per_token * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)
 
 
-def _mark_tp_split_params(module: torch.nn.Module) -> None:
-    """Megatron sets the TP-split attributes only inside its own initialisers, which we skip
-    (perform_initialization=False): mark the split weights here so sharding/clipping see them."""
+def _mark_tp_split_params(module: torch.nn.Module, swiglu: bool = False) -> None:
+    """Megatron sets the TP-split attributes of weights only inside its own initialisers, which
+    we skip (perform_initialization=False): mark the split weights here so sharding/clipping see
+    them. SwiGLU's linear_fc1 has stride 2 (each rank holds [gate_r; up_r]); its bias too."""
     from megatron.core import tensor_parallel as tp
 
-    for m in module.modules():
+    for name, m in module.named_modules():
         if isinstance(m, (tp.ColumnParallelLinear, tp.VocabParallelEmbedding)):
             dim = 0
         elif isinstance(m, tp.RowParallelLinear):
             dim = 1
         else:
             continue
+        stride = 2 if swiglu and name.endswith("mlp.linear_fc1") else 1
         w = getattr(m, "weight", None)
         if w is not None:
-            w.tensor_model_parallel, w.partition_dim, w.partition_stride = True, dim, 1
+            w.tensor_model_parallel, w.partition_dim, w.partition_stride = True, dim, stride
+        b = getattr(m, "bias", None)
+        if dim == 0 and isinstance(b, torch.nn.Parameter):
+            b.tensor_model_parallel, b.partition_dim, b.partition_stride = True, 0, stride
 
 
 def _param_seed(seed: int, name: str) -> int:
@@ -161,11 +238,13 @@ def _param_seed(seed: int, name: str) -> int:
 
 @torch.no_grad()
 def init_weights_(model: GPTModelTP, seed: int) -> None:
-    """GPT-2 initialisation, identical full weights at any TP/DP layout for one seed.
+    """GPT-2 / Megatron initialisation, identical full weights at any TP/DP layout for one seed.
 
     Each parameter's FULL unpadded tensor is drawn from its own generator (seed, name), then this
-    rank keeps its shard: so TP=1/2/4 runs start from the same model. Weights N(0, 0.02), output
-    projections N(0, 0.02/sqrt(2L)) (GPT-2 and Megatron), biases 0, LayerNorm weights 1.
+    rank keeps its shard: so TP=1/2/4 runs start from the same model. Weights N(0, 0.02) (also the
+    untied output layer and SwiGLU's whole [gate; up] fc1, sharded with stride 2), output
+    projections N(0, 0.02/sqrt(2L)) (GPT-2 and Megatron), biases 0, norm weights 1 (LayerNorm,
+    RMSNorm, q/k norms).
     """
     cfg = model.cfg
     out_std = cfg.init_method_std / (2.0 * cfg.num_layers) ** 0.5

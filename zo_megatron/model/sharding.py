@@ -1,10 +1,17 @@
 """How each parameter of the GPT is split over TP, and moving between shards and full tensors.
 
-Megatron marks TP-split parameters with `tensor_model_parallel=True` and `partition_dim`
-(0: column-parallel rows / vocab rows, 1: row-parallel columns). Everything else (LayerNorms,
-row-parallel biases, position embeddings) is replicated on every TP rank. The word embedding is
-also padded along the vocab rows; `full` tensors here are always UNPADDED, so they are the same
-at any TP size.
+Megatron marks TP-split parameters with `tensor_model_parallel=True`, `partition_dim` (0:
+column-parallel rows / vocab rows, 1: row-parallel columns) and `partition_stride`. Everything
+else (norms, row-parallel biases, position embeddings, q/k norms) is replicated on every TP rank.
+The word embedding and the untied output layer are also padded along the vocab rows; `full`
+tensors here are always UNPADDED, so they are the same at any TP size.
+
+Stride: with SwiGLU, linear_fc1's full tensor is [gate (f rows); up (f rows)] and TP rank r holds
+[gate rows of r; up rows of r] (megatron's partition_stride 2): the full tensor is NOT the
+concatenation of the TP shards. A shard is therefore described by its PIECES along the split axis,
+(full offset, local offset, length): one piece for stride 1, `stride` pieces otherwise.
+
+    full  [g0 g1 | u0 u1]  (TP 2)       rank 0: [g0; u0]   rank 1: [g1; u1]
 """
 from __future__ import annotations
 
@@ -15,6 +22,25 @@ import torch
 from zo_megatron.parallel import collectives
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
+OUTPUT_LAYER = "output_layer.weight"
+VOCAB_PADDED = (WORD_EMBEDDING, OUTPUT_LAYER)
+
+
+def split_pieces(full_len: int, local_len: int, tp_rank: int, tp_size: int,
+                 stride: int = 1) -> tuple[tuple[int, int, int], ...]:
+    """(full offset, local offset, length) of TP rank `tp_rank`'s rows along the split axis.
+
+    `full_len` is unpadded; `local_len` the rank's share (of the padded length for the vocab:
+    rows past `full_len` are padding and belong to no piece). Stride s > 1 (no padding): the full
+    axis is s blocks and the rank holds the r-th 1/tp of each block, in block order."""
+    if stride == 1:
+        start = tp_rank * local_len
+        n = max(0, min(local_len, full_len - start))
+        return ((start, 0, n),) if n else ()
+    if full_len % (stride * tp_size) or local_len * tp_size != full_len:
+        raise ValueError(f"{full_len} rows with stride {stride} do not split over TP={tp_size}")
+    block, part = full_len // stride, local_len // stride
+    return tuple((j * block + tp_rank * part, j * part, part) for j in range(stride))
 
 
 @dataclass(frozen=True)
@@ -25,29 +51,41 @@ class ShardInfo:
     tp_axis: int | None          # None: replicated across TP
     local_shape: tuple[int, ...]
     full_shape: tuple[int, ...]  # unpadded
-    offset: int                  # start index of this rank's shard along tp_axis (0 if replicated)
-    valid: int                   # how many of the local rows along tp_axis are real (not vocab padding)
+    pieces: tuple[tuple[int, int, int], ...]   # (full offset, local offset, length) along tp_axis
+    stride: int = 1
 
     @property
     def replicated(self) -> bool:
         return self.tp_axis is None
+
+    @property
+    def valid(self) -> int:
+        """How many local rows along tp_axis are real (not vocab padding)."""
+        return sum(n for _, _, n in self.pieces)
+
+    @property
+    def offset(self) -> int:
+        """Start of this rank's shard along tp_axis in the full tensor (stride 1 only)."""
+        if self.stride != 1:
+            raise ValueError(f"{self.name}: a stride-{self.stride} shard has no single offset: use .pieces")
+        return self.pieces[0][0] if self.pieces else 0
 
 
 def shard_info(name: str, param: torch.Tensor, tp_rank: int, tp_size: int,
                vocab_size: int | None = None) -> ShardInfo:
     local = tuple(param.shape)
     if not getattr(param, "tensor_model_parallel", False):
-        return ShardInfo(name, None, local, local, 0, local[0] if local else 0)
+        n = local[0] if local else 0
+        return ShardInfo(name, None, local, local, ((0, 0, n),))
     axis = int(getattr(param, "partition_dim", 0))
+    stride = int(getattr(param, "partition_stride", 1))
     n = local[axis]
-    offset = tp_rank * n
     full = list(local)
     full[axis] = n * tp_size
-    valid = n
-    if name.endswith(WORD_EMBEDDING) and vocab_size is not None:
+    if name.endswith(VOCAB_PADDED) and vocab_size is not None:
         full[axis] = vocab_size
-        valid = max(0, min(n, vocab_size - offset))
-    return ShardInfo(name, axis, local, tuple(full), offset, valid)
+    pieces = split_pieces(full[axis], n, tp_rank, tp_size, stride)
+    return ShardInfo(name, axis, local, tuple(full), pieces, stride)
 
 
 def shard_of(full: torch.Tensor, info: ShardInfo) -> torch.Tensor:
@@ -55,19 +93,23 @@ def shard_of(full: torch.Tensor, info: ShardInfo) -> torch.Tensor:
     if info.replicated:
         return full.reshape(info.local_shape)
     out = full.new_zeros(info.local_shape)
-    src = full.narrow(info.tp_axis, info.offset, info.valid)
-    out.narrow(info.tp_axis, 0, info.valid).copy_(src)
+    for f, l, n in info.pieces:
+        out.narrow(info.tp_axis, l, n).copy_(full.narrow(info.tp_axis, f, n))
     return out
 
 
 def gather_full(local: torch.Tensor, info: ShardInfo, tp_group, tp_size: int) -> torch.Tensor:
     """All-gather a TP-split tensor into the full unpadded tensor (every TP rank gets it)."""
-    if info.replicated or tp_size == 1:
-        out = local
-    else:
-        out = torch.cat(collectives.all_gather_list(local, tp_group), dim=info.tp_axis)
-    if info.tp_axis is not None:
-        out = out.narrow(info.tp_axis, 0, info.full_shape[info.tp_axis])
+    if info.replicated:
+        return local
+    axis = info.tp_axis
+    if tp_size == 1:                       # the whole tensor (a view), minus vocab padding rows
+        return local.narrow(axis, 0, info.full_shape[axis])
+    shards = collectives.all_gather_list(local, tp_group)
+    out = local.new_empty(info.full_shape)
+    for r, shard in enumerate(shards):
+        for f, l, n in split_pieces(info.full_shape[axis], info.local_shape[axis], r, tp_size, info.stride):
+            out.narrow(axis, f, n).copy_(shard.narrow(axis, l, n))
     return out
 
 

@@ -68,11 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-layers", type=int, default=None, help="transformer layers")
     g.add_argument("--hidden-size", type=int, default=None, help="hidden size")
     g.add_argument("--num-attention-heads", type=int, default=None, help="attention heads")
-    g.add_argument("--ffn-hidden-size", type=int, default=None, help="MLP size (default 4 x hidden)")
+    g.add_argument("--ffn-hidden-size", type=int, default=None,
+                   help="MLP size (default 4 x hidden; with --swiglu int(4 x hidden x 2/3 / 64) x 64, Megatron's rule)")
     g.add_argument("--seq-length", type=int, default=None, help="tokens per sample")
     g.add_argument("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="pad the vocab to a multiple of this x TP")
+    add_architecture_flags(g)
     g.add_argument("--hidden-dropout", type=float, default=0.0)
     g.add_argument("--attention-dropout", type=float, default=0.0)
     g.add_argument("--init-method-std", type=float, default=0.02)
@@ -243,6 +245,86 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def add_architecture_flags(g) -> None:
+    """Megatron-LM's flags for Llama / Mistral / Qwen2-shaped models (same names, defaults and
+    meaning; docs/models.md). Their dests are GPTConfig's field names, except the two Megatron
+    spellings: --disable-bias-linear (add_bias_linear=False), --group-query-attention."""
+    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute",
+                   help="learned_absolute (GPT-2) or rope (rotary, Llama / Mistral / Qwen2)")
+    g.add_argument("--rotary-base", type=int, default=10000, help="RoPE base (theta); Llama-3: 500000")
+    g.add_argument("--rotary-percent", type=float, default=1.0,
+                   help="share of each head's channels that RoPE rotates, in (0, 1]")
+    g.add_argument("--use-rope-scaling", action="store_true",
+                   help="Llama-3.1 RoPE frequency scaling (megatron-core's: low/high frequency factors 1/4, "
+                        "original context 8192)")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0, help="with --use-rope-scaling: the factor")
+    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm",
+                   help="the norm of every layer and the final norm")
+    g.add_argument("--norm-epsilon", "--layernorm-epsilon", dest="layernorm_epsilon", type=float, default=1e-5,
+                   help="epsilon of LayerNorm / RMSNorm")
+    g.add_argument("--swiglu", action="store_true",
+                   help="gated SiLU MLP (linear_fc1 = [gate; up]) instead of GELU")
+    g.add_argument("--group-query-attention", action="store_true",
+                   help="grouped-query attention with --num-query-groups key/value heads")
+    g.add_argument("--num-query-groups", type=int, default=1,
+                   help="with --group-query-attention: key/value heads G (must divide the heads; TP must "
+                        "divide G); ignored without it, as in Megatron-LM")
+    g.add_argument("--kv-channels", type=int, default=None,
+                   help="head dimension (default: hidden / heads)")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="an output layer of its own instead of the word embedding (vocab-padded, decays)")
+    g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false",
+                   help="no biases in the linear layers (Llama, Mistral)")
+    g.add_argument("--add-qkv-bias", action="store_true",
+                   help="a bias on the query/key/value projection even with --disable-bias-linear (Qwen2)")
+    g.add_argument("--qk-layernorm", action="store_true",
+                   help="normalise queries and keys per head (with --normalization's norm) before RoPE")
+    g.add_argument("--window-size", default=None, metavar="LEFT,RIGHT",
+                   help="sliding-window attention: not supported (megatron-core builds its mask on CUDA "
+                        "only); only -1 (full attention) is accepted")
+
+
+def _full_attention_window(value) -> bool:
+    """Megatron's --window-size (a tuple like "(4096,0)"): None or all -1 means full attention."""
+    if value is None:
+        return True
+    try:
+        parts = [int(x) for x in str(value).strip("()[] ").split(",") if x.strip()]
+    except ValueError:
+        return False
+    return bool(parts) and all(x == -1 for x in parts)
+
+
+def architecture_kwargs(args: argparse.Namespace) -> dict:
+    """GPTConfig's architecture fields from the parsed flags (all of ARCH_FIELDS except vocab_size,
+    which the tokenizer gives). Used by the job and by tools/estimate_memory.py."""
+    if not _full_attention_window(getattr(args, "window_size", None)):
+        raise ConfigError(f"--window-size {args.window_size}: sliding-window attention is not supported "
+                          "(megatron-core creates its mask on CUDA only); drop it to train with full attention")
+    return dict(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        ffn_hidden_size=args.ffn_hidden_size, max_position_embeddings=args.max_position_embeddings,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
+        rotary_percent=args.rotary_percent, use_rope_scaling=args.use_rope_scaling,
+        rope_scaling_factor=args.rope_scaling_factor, normalization=args.normalization,
+        layernorm_epsilon=args.layernorm_epsilon, swiglu=args.swiglu,
+        # Megatron-LM: --num-query-groups counts only with --group-query-attention
+        num_query_groups=args.num_query_groups if args.group_query_attention else None,
+        kv_channels=args.kv_channels,
+        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+        add_bias_linear=args.add_bias_linear, add_qkv_bias=args.add_qkv_bias, qk_layernorm=args.qk_layernorm)
+
+
+def _check_architecture(args: argparse.Namespace) -> None:
+    """The architecture flags checked before any process starts work (one line each)."""
+    from zo_megatron.model.config import GPTConfig
+
+    # The vocabulary comes from the tokenizer later; no architecture check depends on it.
+    cfg = GPTConfig(**architecture_kwargs(args), vocab_size=1, precision=args.precision)
+    cfg.check_tensor_parallel(args.tensor_parallel)
+
+
 def _cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:
@@ -313,6 +395,7 @@ def finalize(args: argparse.Namespace) -> None:
         if getattr(args, k) < 1:
             raise ConfigError(f"--{k.replace('_', '-')} must be >= 1 (got {getattr(args, k)})")
     _check_ranges(args)
+    _check_architecture(args)
     if args.bucket_size < 1:
         raise ConfigError(f"--bucket-size must be >= 1 element (got {args.bucket_size})")
     if args.save_interval is not None and args.save_interval < 1:
@@ -349,6 +432,9 @@ def finalize(args: argparse.Namespace) -> None:
 _RANGES = [
     ("num_layers", lambda v: v >= 1, ">= 1"), ("hidden_size", lambda v: v >= 1, ">= 1"),
     ("num_attention_heads", lambda v: v >= 1, ">= 1"), ("ffn_hidden_size", lambda v: v >= 1, ">= 1"),
+    ("num_query_groups", lambda v: v >= 1, ">= 1"), ("kv_channels", lambda v: v >= 1, ">= 1"),
+    ("rotary_base", lambda v: v > 0, "> 0"), ("rotary_percent", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("rope_scaling_factor", lambda v: v > 0, "> 0"), ("layernorm_epsilon", lambda v: v > 0, "> 0"),
     ("seq_length", lambda v: v >= 1, ">= 1"), ("make_vocab_size_divisible_by", lambda v: v >= 1, ">= 1"),
     ("hidden_dropout", lambda v: 0 <= v < 1, "in [0, 1)"), ("attention_dropout", lambda v: 0 <= v < 1, "in [0, 1)"),
     ("init_method_std", lambda v: v > 0, "> 0"), ("global_batch_size", lambda v: v >= 1, ">= 1"),

@@ -21,7 +21,7 @@ from zo_megatron.errors import UserError
 from zo_megatron.parallel import collectives
 from zo_megatron.parallel.megatron_notices import SUMMARY as NOTICES
 from zo_megatron.parallel.megatron_notices import hide_known_megatron_notices
-from zo_megatron.training.arguments import check_batch_sizes, parse_args
+from zo_megatron.training.arguments import architecture_kwargs, check_batch_sizes, parse_args
 from zo_megatron.training.metrics import Metrics, flops_per_token, host_rss_bytes, human_bytes
 from zo_megatron.training.schedule import LRScheduler
 
@@ -120,7 +120,9 @@ def pretrain(argv=None) -> int:
                         "srun, or fix those variables")
         err.every_rank = True           # which process is rank 0 is exactly what is unknown here
         raise err from None
-    validate_parallel_config(env.world_size, args.tensor_parallel, args.num_attention_heads, args.hidden_size)
+    # with --kv-channels the hidden size need not be heads x head_dim (Megatron-LM's rule)
+    hidden_check = args.hidden_size if args.kv_channels is None else None
+    validate_parallel_config(env.world_size, args.tensor_parallel, args.num_attention_heads, hidden_check)
     dp = env.world_size // args.tensor_parallel
     check_batch_sizes(args, dp)
     LRScheduler.from_args(args)                  # its one-line errors now, before any process group
@@ -130,7 +132,7 @@ def pretrain(argv=None) -> int:
     from zo_megatron.parallel import destroy_parallel, init_parallel
 
     ps = init_parallel(args.tensor_parallel, seed=args.seed, num_attention_heads=args.num_attention_heads,
-                       hidden_size=args.hidden_size, timeout_s=args.distributed_timeout_minutes * 60)
+                       hidden_size=hidden_check, timeout_s=args.distributed_timeout_minutes * 60)
     try:
         with collectives.all_ranks_agree():
             tokenizer, data_path = _check_inputs(args, env, dp)
@@ -323,10 +325,7 @@ def _train(args, env, ps, tokenizer, data_path, cpu_adam_threads: int) -> int:
     inject = faults.FaultInjection.from_env(ps.rank)
     iteration = 0
     try:
-        cfg = GPTConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                        num_attention_heads=args.num_attention_heads, vocab_size=tokenizer.vocab_size,
-                        max_position_embeddings=args.max_position_embeddings, ffn_hidden_size=args.ffn_hidden_size,
-                        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, precision=args.precision,
+        cfg = GPTConfig(**architecture_kwargs(args), vocab_size=tokenizer.vocab_size, precision=args.precision,
                         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
                         init_method_std=args.init_method_std, recompute=args.recompute_granularity,
                         recompute_method=args.recompute_method or "uniform",
@@ -347,9 +346,7 @@ def _train(args, env, ps, tokenizer, data_path, cpu_adam_threads: int) -> int:
         if timeline is not None:
             stack.callback(timeline.close)
         start_iter, consumed, consumed_valid = 0, 0, 0
-        model_meta = dict(num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
-                          num_attention_heads=cfg.num_attention_heads, ffn_hidden_size=cfg.ffn_size,
-                          max_position_embeddings=cfg.max_position_embeddings, vocab_size=tokenizer.vocab_size)
+        model_meta = cfg.arch_meta()          # every ARCH_FIELDS field: a resume must match them all
         if args.load:
             start_iter, consumed, consumed_valid = _resume(args, ps, model, optimizer, tokenizer.vocab_size,
                                                            model_meta, metrics)
@@ -564,7 +561,7 @@ def _banner(metrics, args, ps, cfg, optimizer, data_path, setup_s) -> None:
            if args.zero_offload and args.optimizer_offload_fraction < 1 else "")
         + (f"; delayed parameter update after {args.dpu_warmup_steps} exact updates "
            f"({args.threads_line} per rank)" if args.dpu else ""),
-        f" model: GPT-2 {cfg.num_layers} layers x {cfg.hidden_size} hidden x {cfg.num_attention_heads} heads, "
+        f" model: {cfg.architecture_name()} {cfg.num_layers} layers x {cfg.hidden_size} hidden x {cfg.num_attention_heads} heads, "
         f"seq {args.seq_length}, vocab {cfg.vocab_size} (padded {cfg.padded_vocab_size(ps.tp_size)}), "
         f"{total / 1e6:.1f}M params ({local / 1e6:.1f}M on this TP rank)",
         f" attention: {_attention_line(cfg, ps)}",

@@ -12,10 +12,6 @@ from zo_megatron.errors import ConfigError
 
 # Refused outright: flag -> (why, what to use instead). The message is "<flag>: <why>; <instead>".
 REFUSED = {
-    "--swiglu": ("the model is GPT-2 (GELU MLP)", "drop it"),
-    "--group-query-attention": ("the model is GPT-2 (multi-head attention)", "drop it"),
-    "--untie-embeddings-and-output-weights": ("the model is GPT-2 (tied input/output embeddings)", "drop it"),
-    "--disable-bias-linear": ("the model is GPT-2 (biases in every linear layer)", "drop it"),
 }
 
 
@@ -47,10 +43,6 @@ def add_megatron_compat_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute-num-layers", type=int, default=None,
                    help="with --recompute-granularity full: layers per checkpoint (uniform) or layers recomputed "
                    "(block); default 1")
-    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "none"],
-                   default="learned_absolute", help="only learned_absolute (GPT-2)")
-    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm", help="only LayerNorm")
-    g.add_argument("--num-query-groups", type=int, default=None, help="only = --num-attention-heads (no GQA)")
     g.add_argument("--wandb-project", default=None,
                    help="log to Weights & Biases (needs wandb; WANDB_MODE=offline is honoured)")
     g.add_argument("--wandb-exp-name", default=None, help="W&B run name")
@@ -73,14 +65,6 @@ def check_megatron_compat(args: argparse.Namespace) -> None:
     if args.ckpt_format != "torch_dist":
         raise ConfigError(f"--ckpt-format {args.ckpt_format}: checkpoints are torch.distributed.checkpoint "
                           "directories (Megatron's torch_dist); use --ckpt-format torch_dist (the default)")
-    if args.position_embedding_type != "learned_absolute":
-        raise ConfigError(f"--position-embedding-type {args.position_embedding_type}: the model is GPT-2 "
-                          "(learned absolute positions); drop it")
-    if args.normalization != "LayerNorm":
-        raise ConfigError(f"--normalization {args.normalization}: the model is GPT-2 (LayerNorm); drop it")
-    if args.num_query_groups is not None and args.num_query_groups != args.num_attention_heads:
-        raise ConfigError(f"--num-query-groups {args.num_query_groups}: the model is GPT-2 (multi-head attention, "
-                          f"query groups = --num-attention-heads {args.num_attention_heads}); drop it")
     if args.use_distributed_optimizer and not args.zero_offload:
         raise ConfigError("--use-distributed-optimizer: the partitioned optimizer here is ZeRO-Offload; "
                           "add --zero-offload")
