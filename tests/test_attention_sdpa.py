@@ -7,6 +7,7 @@ GPT-2 reference; and on the CPU the s x s activations are gone (torch profiler, 
 """
 import pytest
 import torch
+import torch.distributed as dist
 
 from tests.harness import run_world
 from tests.seeds import fresh_seed
@@ -175,3 +176,76 @@ def test_flags_select_the_core_attention_and_sequence_parallelism(capsys):
     assert parse_args([*shape, "--sequence-parallel", "--tensor-parallel", "2"]).sequence_parallel is True
     with pytest.raises(ConfigError, match="not a multiple of --tensor-model-parallel-size 4"):
         parse_args([*shape, "--sequence-parallel", "--tensor-parallel", "4", "--seq-length", "30"])
+
+
+# ------------------------------------------------------------------- Llama family (GQA, RMSNorm)
+def _llama_world(rank, tp, cases, variants, batch_seed):
+    """tests/test_model_llama.py's world, for each (arch, variant): SDPA and/or sequence
+    parallelism on the same full weights; sequence-parallel gradients summed over TP."""
+    from tests.test_model_llama import ARCHS, BATCH, SEQ as LSEQ, VOCAB as LVOCAB, _COMMON_OURS
+    from zo_megatron.model import GPTConfig, build_gpt_model
+    from zo_megatron.model.sharding import gather_full, load_full_params, model_shard_infos
+    from zo_megatron.parallel import collectives, init_parallel
+
+    ps = init_parallel(tp, seed=batch_seed)
+    gen = torch.Generator().manual_seed(batch_seed)
+    tokens = torch.randint(0, LVOCAB, (BATCH, LSEQ), generator=gen)
+    labels = torch.randint(0, LVOCAB, (BATCH, LSEQ), generator=gen)
+    results = {}
+    for arch, full in cases.items():
+        for name, kw in variants.items():
+            cfg = GPTConfig(**_COMMON_OURS, **ARCHS[arch][3], **kw)
+            model = build_gpt_model(cfg, ps.tp_rank, ps.tp_size, seed=batch_seed)
+            load_full_params(model, full, ps.tp_rank, ps.tp_size, LVOCAB)
+            infos = model_shard_infos(model, ps.tp_rank, ps.tp_size, LVOCAB)
+            logits = model(tokens)
+            loss = model.loss(tokens, labels)
+            loss.backward()
+            shards = [torch.empty_like(logits) for _ in range(tp)]
+            dist.all_gather(shards, logits.detach().contiguous(), group=ps.tp_group)
+            grads = {}
+            for n, p in model.named_parameters():
+                g = p.grad.clone()
+                if getattr(p, "sequence_parallel", False):
+                    collectives.all_reduce(g, group=ps.tp_group)
+                grads[n] = gather_full(g, infos[n], ps.tp_group, tp)
+            attn = model.gpt.decoder.layers[0].self_attention.core_attention
+            results[(arch, name)] = dict(logits=torch.cat(shards, dim=-1)[..., :LVOCAB], loss=loss.item(),
+                                         grads=grads, kernel=getattr(attn, "last_kernel", None),
+                                         gqa=getattr(attn, "num_attention_heads_per_partition", 0)
+                                         // max(1, getattr(attn, "num_query_groups_per_partition", 1)))
+    return (results, tokens, labels) if rank == 0 else None
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_llama_family_with_sdpa_and_sequence_parallel_matches_transformers(tp):
+    """GQA (8 heads, 4 groups), RMSNorm, SwiGLU, RoPE, untied output (Llama) and q/k norms (Qwen3),
+    with SDPA at TP 1/2/4 and sequence parallelism (alone and with SDPA) at TP 2/4: logits, loss and
+    every gradient equal transformers' to 1e-5."""
+    import torch.nn.functional as F
+
+    from tests.test_model_llama import GROUPS, HEADS as LHEADS, VOCAB as LVOCAB, _hf_model, _tied, hf_to_ours
+
+    seed = fresh_seed(f"llama-family sdpa/sp TP{tp}")
+    archs = ("llama", "qwen3_qk_norm")
+    hf_models = {arch: _hf_model(arch, seed + i) for i, arch in enumerate(archs)}
+    cases = {arch: hf_to_ours({k: v.detach().clone() for k, v in m.state_dict().items()}, LHEADS, GROUPS, _tied(arch))
+             for arch, m in hf_models.items()}
+    variants = {"sdpa": dict(attention_backend="sdpa")}
+    if tp > 1:
+        variants.update(sp=dict(sequence_parallel=True), sdpa_sp=dict(attention_backend="sdpa", sequence_parallel=True))
+    results, tokens, labels = run_world(_llama_world, tp, tp, cases, variants, seed, timeout=400)[0]
+    for arch, hf in hf_models.items():
+        logits = hf(tokens).logits
+        loss = F.cross_entropy(logits.reshape(-1, LVOCAB), labels.reshape(-1))
+        loss.backward()
+        ref = hf_to_ours({n: p.grad for n, p in hf.named_parameters()}, LHEADS, GROUPS, _tied(arch))
+        for name in variants:
+            out = results[(arch, name)]
+            if name.startswith("sdpa"):
+                assert out["kernel"] == "flash" and out["gqa"] == 2, (arch, name, out["kernel"], out["gqa"])
+            assert _rel(out["logits"], logits.detach()) <= 1e-5, (arch, name)
+            assert abs(out["loss"] - loss.item()) <= 1e-5 * abs(loss.item()), (arch, name)
+            assert set(out["grads"]) == set(ref), (arch, name)
+            for n, g in out["grads"].items():
+                assert _rel(g, ref[n]) <= 1e-5, (arch, name, n, _rel(g, ref[n]))
