@@ -63,13 +63,16 @@ def sdpa_choice(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dro
         except TypeError:           # torch < 2.5: no enable_gqa argument (and no GQA in SDPA)
             return None if gqa else cuda_backends.SDPAParams(query, k, v, None, dropout_p, True)
 
-    p = params(key, value, enable_gqa)
-    if p is not None and cuda_backends.can_use_flash_attention(p):
-        return "flash", enable_gqa
-    if enable_gqa:                   # memory-efficient attention has no GQA: repeat k/v for it
+    if enable_gqa:                   # flash takes grouped k/v as they are (torch >= 2.5)
+        p = params(key, value, True)
+        if p is not None and cuda_backends.can_use_flash_attention(p):
+            return "flash", True
+        # memory-efficient attention has no GQA: the caller repeats k/v per query head for it
         rep = query.size(1) // key.size(1)
         key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
     p = params(key, value, False)
+    if cuda_backends.can_use_flash_attention(p):
+        return "flash", False
     if cuda_backends.can_use_efficient_attention(p):
         return "efficient", False
     raise ConfigError(
