@@ -185,3 +185,35 @@ def test_tp2_dp2_with_sequence_parallel_equals_torch_adamw(optimizer):
         assert ((ours - ref).norm() / ref.norm()).item() <= 1e-5, name
         assert T._max_rel(ours, ref) <= 1e-4, (name, T._max_rel(ours, ref))
         assert not torch.equal(ours, out["init"][name]), f"{name} never moved"
+
+
+# --------------------------------------------------------------------------------- checkpoints
+def test_checkpoints_move_between_runs_with_and_without_sequence_parallel_and_sdpa(tmp_path):
+    """Through the real job (TP 2, ZeRO-Offload, fp32): neither flag changes a weight, so a
+    checkpoint saved with --sequence-parallel --use-flash-attn resumes without them and vice
+    versa, continuing the plain run's trajectory (to 1e-6: only summation orders differ)."""
+    from tests.test_checkpoint_resume import TINY, _losses, _world
+
+    seed = str(fresh_seed("sp/sdpa checkpoints"))
+    common = [*TINY, "--zero-offload", "--fp32", "--seed", seed, "--eval-iters", "0", "--tensor-parallel", "2"]
+    both = ["--sequence-parallel", "--use-flash-attn"]
+    ck = {k: str(tmp_path / k) for k in ("plain", "both")}
+    log = {k: str(tmp_path / f"{k}.jsonl") for k in ("plain", "both", "plain_to_both", "both_to_plain")}
+    out = _world(2, [
+        [*common, "--train-iters", "4", "--save", ck["plain"], "--save-interval", "2", "--log-jsonl", log["plain"]],
+        [*common, *both, "--train-iters", "2", "--save", ck["both"], "--log-jsonl", log["both"]],
+        ("reset", ck["plain"], 2),
+        [*common, *both, "--train-iters", "4", "--load", ck["plain"], "--log-jsonl", log["plain_to_both"]],
+        [*common, "--train-iters", "4", "--load", ck["both"], "--log-jsonl", log["both_to_plain"]]], tmp_path)
+    for o in out:
+        assert o is None or o.get("rc") == 0, o
+    banner = out[1]["stdout"]
+    assert "sequence parallel over TP 2" in banner and "torch SDPA" in banner, banner
+    assert "no sequence parallelism" in out[0]["stdout"] and "local DotProductAttention" in out[0]["stdout"]
+    ref = _losses(log["plain"])
+    assert sorted(ref) == [1, 2, 3, 4]
+    for name, iters in (("both", (1, 2)), ("plain_to_both", (3, 4)), ("both_to_plain", (3, 4))):
+        got = _losses(log[name])
+        assert sorted(got) == list(iters), (name, got)
+        for i in iters:
+            assert abs(got[i] - ref[i]) <= 1e-6 * abs(ref[i]), (name, i, got[i], ref[i])
