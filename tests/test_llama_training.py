@@ -230,3 +230,26 @@ def test_dcp_checkpoint_of_swiglu_gqa_untied_model_reshards_tp2_to_tp1_and_tp4(t
         params = {r[0]: {n: {"master": p} for n, p in r[2].items()} for r in loaded}
         for name, d in _assemble(params, tp).items():
             assert torch.equal(d["master"], truth[name]["master"]), (tp, name)
+
+
+def test_job_trains_a_llama_shape_saves_at_tp2_and_resumes_at_tp1(tmp_path):
+    """pretrain_gpt.py with a Megatron-LM Llama launch's architecture flags: trains at TP2 with
+    --zero-offload, saves, resumes at TP1 x DP2 from the resharded checkpoint and goes on."""
+    from tests.test_checkpoint_resume import TINY, _log, _world
+
+    seed = str(fresh_seed("llama job"))
+    llama = ["--position-embedding-type", "rope", "--rotary-base", "500000", "--normalization", "RMSNorm",
+             "--norm-epsilon", "1e-5", "--swiglu", "--group-query-attention", "--num-query-groups", "2",
+             "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
+    common = [*TINY, *llama, "--zero-offload", "--fp32", "--seed", seed, "--eval-iters", "0"]
+    ck, log1, log2 = str(tmp_path / "ck"), str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")
+    out = _world(2, [[*common, "--tensor-parallel", "2", "--train-iters", "2", "--save", ck, "--log-jsonl", log1],
+                     [*common, "--tensor-parallel", "1", "--train-iters", "3", "--load", ck, "--log-jsonl", log2]],
+                 tmp_path)
+    for r in out:
+        assert r.get("rc") == 0, r
+    assert "RoPE(base 500000)+RMSNorm+SwiGLU+GQA(2 groups)+untied+no-bias" in out[0]["stdout"]
+    assert [r["iteration"] for r in _log(log1)] == [1, 2] and [r["iteration"] for r in _log(log2)] == [3]
+    import math
+
+    assert all(math.isfinite(r["loss"]) for r in _log(log1) + _log(log2))

@@ -160,3 +160,55 @@ def test_num_parameters_matches_transformers():
         hf = _hf_model(arch, i)
         cfg = GPTConfig(**_COMMON_OURS, **ARCHS[arch][3])
         assert cfg.num_parameters() == sum(p.numel() for p in hf.parameters()), arch
+
+
+def _layout_world(rank, tp, seed):
+    """Gathered full initial weights, and for every parameter whether the by-name offline layout
+    (checkpoint/tp_layout.py) puts this rank's shard where the live one (model/sharding.py) does."""
+    from zo_megatron.checkpoint.tp_layout import tp_shard_boxes
+    from zo_megatron.model import GPTConfig, build_gpt_model
+    from zo_megatron.model.sharding import gather_full, model_shard_infos
+    from zo_megatron.parallel import init_parallel
+
+    ps = init_parallel(tp, seed=seed)
+    out = {}
+    for arch in ("llama", "qwen2_tied", "qwen3_qk_norm"):
+        cfg = GPTConfig(**_COMMON_OURS, **ARCHS[arch][3])
+        model = build_gpt_model(cfg, ps.tp_rank, ps.tp_size, seed)
+        infos = model_shard_infos(model, ps.tp_rank, ps.tp_size, VOCAB)
+        full = {n: gather_full(p.detach(), infos[n], ps.tp_group, tp) for n, p in model.named_parameters()}
+        mismatched = []
+        for n, p in model.named_parameters():
+            boxes = tp_shard_boxes(n.removeprefix("gpt."), tuple(full[n].shape), ps.tp_rank, tp,
+                                   cfg.padded_vocab_size(tp), swiglu=cfg.swiglu)
+            local = p.detach().reshape(-1)
+            for b in boxes:       # the box of the full tensor == the local elements from flat_start
+                piece = full[n][tuple(slice(o, o + s) for o, s in zip(b.offsets, b.sizes))]
+                if b.offsets and infos[n].tp_axis == 1:
+                    ok = torch.equal(piece, p.detach()[:, :b.sizes[1]])
+                else:
+                    ok = torch.equal(piece.reshape(-1), local[b.flat_start:b.flat_start + b.numel])
+                if not ok:
+                    mismatched.append(n)
+            if sum(b.numel for b in boxes) != (full[n].numel() if infos[n].replicated else
+                                               infos[n].valid * p[0].numel() if infos[n].tp_axis == 0 else p.numel()):
+                mismatched.append(n)
+        out[arch] = (full, mismatched)
+    return out if rank == 0 else None
+
+
+def test_init_and_offline_layout_are_the_same_at_every_tp():
+    """One seed gives the same full weights at TP 1, 2, 4 (SwiGLU's fc1 drawn whole, then sharded
+    with stride 2; the untied output layer; RMSNorm and q/k norm weights 1), and tp_layout's
+    by-name boxes match the live shards."""
+    seed = fresh_seed("llama init layout")
+    res = {tp: run_world(_layout_world, tp, tp, seed, timeout=300)[0] for tp in (1, 2, 4)}
+    for arch, (full1, bad1) in res[1].items():
+        assert not bad1, (arch, bad1)
+        assert all(torch.equal(t, torch.ones_like(t)) for n, t in full1.items() if n.endswith("norm.weight"))
+        for tp in (2, 4):
+            full, bad = res[tp][arch]
+            assert not bad, (tp, arch, bad)
+            assert set(full) == set(full1)
+            for n, t in full1.items():
+                assert torch.equal(full[n], t), (tp, arch, n)

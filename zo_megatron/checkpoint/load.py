@@ -24,6 +24,7 @@ from zo_megatron.checkpoint.planner import BoxLoadPlanner
 from zo_megatron.checkpoint.safe_load import SafeFileSystemReader, first_line, read_dcp_metadata, read_json
 from zo_megatron.checkpoint.verify import check_files, check_tensors, read_manifest
 from zo_megatron.errors import UserError
+from zo_megatron.model.config import complete_arch_meta
 from zo_megatron.parallel.rng_state import restore_rng_state
 
 # Megatron's OptimizerParamScheduler keys that must agree on resume (its _check_and_set).
@@ -62,7 +63,7 @@ class Resumed:
 
 
 def _check_model(manifest: dict, model_meta: dict, where: str) -> None:
-    saved = manifest.get("model", {})
+    saved = complete_arch_meta(manifest.get("model", {}), manifest.get("args", {}))   # older: GPT-2's fields
     if saved.get("vocab_size") != model_meta.get("vocab_size"):
         raise UserError(f"{where}: the checkpoint's vocabulary has {saved.get('vocab_size')} tokens, this run's "
                         f"tokenizer {model_meta.get('vocab_size')}: use the --vocab-file/--merge-file it was trained with")

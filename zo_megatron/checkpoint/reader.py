@@ -21,6 +21,7 @@ from zo_megatron.checkpoint.planner import BoxLoadPlanner, Piece
 from zo_megatron.checkpoint.safe_load import SafeFileSystemReader, first_line, read_dcp_metadata, read_json
 from zo_megatron.checkpoint.verify import check_files, check_tensors, read_manifest
 from zo_megatron.errors import UserError
+from zo_megatron.model.config import complete_arch_meta
 
 
 class CheckpointReader:
@@ -49,7 +50,8 @@ class CheckpointReader:
 
     @property
     def model_meta(self) -> dict:
-        return dict(self.manifest.get("model", {}))
+        """The recorded architecture, every ARCH_FIELDS field (older checkpoints: GPT-2's values)."""
+        return complete_arch_meta(self.manifest.get("model", {}), self.manifest.get("args", {}))
 
     @property
     def args(self) -> dict:

@@ -7,7 +7,7 @@ q/k LayerNorm), with Megatron-LM's flag names and defaults (docs/models.md).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -134,15 +134,19 @@ class GPTConfig:
             raise ConfigError(f"--swiglu with --hidden-size {self.hidden_size} gives an FFN size of 0 "
                               "(int(4h*2/3/64)*64): give --ffn-hidden-size")
 
-    def check_tensor_parallel(self, tensor_parallel: int) -> None:
-        """What a TP size needs: whole query groups (megatron-core's local attention splits
-        num_query_groups over TP, so G % TP == 0), whole heads and whole MLP columns per rank."""
+    def check_query_groups_tp(self, tensor_parallel: int) -> None:
+        """Grouped-query attention: megatron-core's local attention splits num_query_groups over
+        TP, so each rank must hold whole key/value groups (G % TP == 0)."""
         g = self.query_groups
-        if g % tensor_parallel:
+        if g != self.num_attention_heads and g % tensor_parallel:
             raise ConfigError(
                 f"--tensor-model-parallel-size {tensor_parallel} does not divide --num-query-groups {g}: "
                 f"each TP rank holds whole key/value groups; use --tensor-model-parallel-size <= "
                 f"{largest_divisor_at_most(g, tensor_parallel)} that divides {g}")
+
+    def check_tensor_parallel(self, tensor_parallel: int) -> None:
+        """What a TP size needs: whole query groups, whole heads and whole MLP columns per rank."""
+        self.check_query_groups_tp(tensor_parallel)
         for flag, n in (("--num-attention-heads", self.num_attention_heads), ("--ffn-hidden-size", self.ffn_size)):
             if n % tensor_parallel:
                 raise ConfigError(f"--tensor-model-parallel-size {tensor_parallel} does not divide {flag} {n}: "
@@ -210,3 +214,26 @@ class GPTConfig:
         positions = self.max_position_embeddings * h if self.position_embedding_type == "learned_absolute" else 0
         output = V * h if self.untie_embeddings_and_output_weights else 0
         return V * h + positions + L * per_layer + norm * h + output
+
+
+def complete_arch_meta(meta: dict, args: dict | None = None) -> dict:
+    """A checkpoint's recorded architecture with the ARCH_FIELDS it predates filled in.
+
+    Checkpoints written before the Llama-family fields existed are GPT-2 (learned positions,
+    LayerNorm 1e-5, GELU, biases, tied, one key/value head per head); their vocabulary divisor is
+    in their stored args (Megatron's default 128 otherwise)."""
+    out = dict(meta)
+    if "num_attention_heads" in out and "hidden_size" in out:
+        out.setdefault("num_query_groups", out["num_attention_heads"])
+        out.setdefault("kv_channels", out["hidden_size"] // out["num_attention_heads"])
+    out.setdefault("make_vocab_size_divisible_by", int((args or {}).get("make_vocab_size_divisible_by") or 128))
+    defaults = {f.name: f.default for f in fields(GPTConfig)}
+    for name in ARCH_FIELDS:
+        if name not in _RECORDED_FROM_THE_START:
+            out.setdefault(name, defaults[name])
+    return out
+
+
+# What checkpoints have recorded since the first format (never filled in: a shape is never guessed).
+_RECORDED_FROM_THE_START = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
+                            "max_position_embeddings", "num_query_groups", "kv_channels")

@@ -322,7 +322,7 @@ def _check_architecture(args: argparse.Namespace) -> None:
 
     # The vocabulary comes from the tokenizer later; no architecture check depends on it.
     cfg = GPTConfig(**architecture_kwargs(args), vocab_size=1, precision=args.precision)
-    cfg.check_tensor_parallel(args.tensor_parallel)
+    cfg.check_query_groups_tp(args.tensor_parallel)    # heads and TP: validate_parallel_config
 
 
 def _cpu_flags() -> set[str]:
