@@ -135,6 +135,11 @@ def parse_args(argv=None):
     p.add_argument("--seq", type=int, default=None, help="override the regime's sequence length")
     p.add_argument("--micro-batch", type=int, default=None, help="override the regime's sequences per rank")
     p.add_argument("--bucket-size", type=int, default=40_000_000, help="zo_megatron gradient bucket (elements)")
+    p.add_argument("--use-flash-attn", action="store_true",
+                   help="zo_megatron variants: core attention through torch SDPA (no s x s activations)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="zo_megatron variants at TP > 1: megatron-core sequence parallelism (norm/dropout "
+                        "activations split over TP)")
     p.add_argument("--lr", type=float, default=1e-4,
                    help="AdamW lr of every variant (2e-3 makes the loss-agreement check sharper)")
     p.add_argument("--seed", type=int, default=1234)
@@ -284,14 +289,15 @@ class _ZoVariant(_Variant):
             self.model = build_gpt_model(cfg, ps.tp_rank, ps.tp_size, a.seed)
             self.opt = ZeroOffloadEngine(self.model, precision=cfg.precision, adam=adam, clip_grad=CLIP,
                                          bucket_size=a.bucket_size, dp_group=ps.dp_group, tp_rank=ps.tp_rank,
-                                         device=ps.device, optimizer_offload_fraction=fraction)
+                                         device=ps.device, optimizer_offload_fraction=fraction,
+                                         tp_group=ps.tp_group)
         else:
             from zo_megatron.training.plain_optimizer import PlainDDPOptimizer
 
             self.model = build_gpt_model(cfg.__class__(**{**cfg.__dict__, "precision": "fp32"}), ps.tp_rank,
                                          ps.tp_size, a.seed, device=ps.device)
             self.opt = PlainDDPOptimizer(self.model, precision=cfg.precision, adam=adam, clip_grad=CLIP,
-                                         dp_group=ps.dp_group, tp_rank=ps.tp_rank)
+                                         dp_group=ps.dp_group, tp_rank=ps.tp_rank, tp_group=ps.tp_group)
         self.n_local = sum(p.numel() for p in self.model.parameters())
 
     def step(self, tokens, labels, times):
@@ -508,7 +514,9 @@ def _rank_main(rank, job, port, out_path):
     ps = init_parallel(tp, seed=args.seed, num_attention_heads=args.heads, hidden_size=args.hidden)
     dev = ps.device
     cfg = GPTConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
-                    vocab_size=args.vocab, max_position_embeddings=seq, precision=precision)
+                    vocab_size=args.vocab, max_position_embeddings=seq, precision=precision,
+                    attention_backend="sdpa" if args.use_flash_attn else "local",
+                    sequence_parallel=args.sequence_parallel)
     result = dict(rows=[], skipped={})
     variants: dict[str, _Variant] = {}
     for name in job["variants"]:

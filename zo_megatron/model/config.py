@@ -69,6 +69,8 @@ class GPTConfig:
     recompute_method: str = "uniform"           # full only: "uniform" (groups of N layers) | "block" (first N)
     recompute_num_layers: int = 1               # full only: N (megatron's --recompute-num-layers)
     label_smoothing: float = 0.0
+    attention_backend: str = "local"            # "local": megatron's DotProductAttention | "sdpa": torch SDPA
+    sequence_parallel: bool = False             # megatron's sequence parallelism (no effect at TP = 1)
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -95,6 +97,8 @@ class GPTConfig:
         if self.recompute == "full" and self.recompute_method == "uniform" and self.num_layers % self.recompute_num_layers:
             raise ConfigError(f"--recompute-num-layers {self.recompute_num_layers} does not divide --num-layers "
                               f"{self.num_layers} (megatron-core's uniform method checkpoints whole groups): use a divisor")
+        if self.attention_backend not in ("local", "sdpa"):
+            raise ConfigError(f"attention_backend must be 'local' or 'sdpa' (got {self.attention_backend!r})")
         if self.label_smoothing != 0.0:
             # megatron-core's vocab_parallel_cross_entropy smooths over the local vocab shard only,
             # which is wrong at TP > 1; refuse rather than train on a silently wrong loss.

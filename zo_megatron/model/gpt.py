@@ -38,6 +38,7 @@ import zlib
 import torch
 import torch.nn.functional as F
 
+from zo_megatron.errors import ConfigError
 from zo_megatron.model.config import GPTConfig
 from zo_megatron.model.sharding import shard_info, shard_of
 
@@ -133,7 +134,8 @@ def transformer_config(cfg: GPTConfig, tensor_parallel: int):
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=False,
-        sequence_parallel=False,
+        # megatron-LM turns sequence parallelism off at TP = 1 (there is no sequence to split)
+        sequence_parallel=cfg.sequence_parallel and tensor_parallel > 1,
         **recompute,
     )
 
@@ -145,12 +147,16 @@ class GPTModelTP(torch.nn.Module):
         super().__init__()
         from megatron.core.models.gpt import GPTModel
 
+        from zo_megatron.model.spec import decoder_spec
+
         self.cfg = cfg
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.padded_vocab_size = cfg.padded_vocab_size(tp_size)
+        config = transformer_config(cfg, tp_size)
+        self.sequence_parallel = config.sequence_parallel
         self.gpt = GPTModel(
-            config=transformer_config(cfg, tp_size),
-            transformer_layer_spec=layer_spec(cfg),
+            config=config,
+            transformer_layer_spec=decoder_spec(cfg, layer_spec(cfg), config.sequence_parallel),
             vocab_size=self.padded_vocab_size,
             max_sequence_length=cfg.max_position_embeddings,
             share_embeddings_and_output_weights=not cfg.untie_embeddings_and_output_weights,
@@ -178,9 +184,14 @@ class GPTModelTP(torch.nn.Module):
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [b, s] -> this TP rank's logits shard [b, s, V_pad/t]; pad columns are -inf."""
         b, s = tokens.shape
+        if self.sequence_parallel and s % self.tp_size:
+            raise ConfigError(f"sequence parallelism splits the sequence over TP: sequence length {s} is not "
+                              f"divisible by TP {self.tp_size}; use a multiple of {self.tp_size}")
         if position_ids is None:
             position_ids = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
-        logits = self.gpt(tokens, position_ids, self._mask(s, tokens.device))
+        # SDPA attention is causal by construction (no s x s mask is built or read).
+        mask = None if self.cfg.attention_backend == "sdpa" else self._mask(s, tokens.device)
+        logits = self.gpt(tokens, position_ids, mask)
         if self._n_vocab_pad:
             logits = logits.float()
             logits[..., logits.shape[-1] - self._n_vocab_pad:] = float("-inf")

@@ -103,7 +103,7 @@ class ZeroOffloadEngine:
                  pin_memory: bool = True, grad_reduce_in_fp32: bool | None = None,
                  host_grad_dtype: str | None = None, accumulate_on_host: bool = False,
                  dpu_warmup_steps: int | None = None, race_check: bool = False,
-                 optimizer_offload_fraction: float = 1.0):
+                 optimizer_offload_fraction: float = 1.0, tp_group=None):
         if precision not in _DTYPES:
             raise ConfigError(f"precision must be bf16, fp16 or fp32 (got {precision!r})")
         self.model = model
@@ -176,6 +176,8 @@ class ZeroOffloadEngine:
         self._sync = True                   # do the hooks stream gradients into buckets?
         self._sync_pending = False          # a syncing backward ran and finish_grad_sync has not
         self._slot_index = {id(s): i for i, s in enumerate(self.layout.slots)}
+        self.tp_group = tp_group
+        self._sp_pieces = self._sequence_parallel_pieces()
         self._reset_bucket_state()
         self._hooks = [s.param.register_post_accumulate_grad_hook(self._make_hook(s)) for s in self.layout.slots]
 
@@ -392,6 +394,7 @@ class ZeroOffloadEngine:
         """Reduce-scatter bucket b (averaged over DP, async) and queue its shard's copy home."""
         bucket = self.layout.buckets[b]
         i, buf = self._open.pop(b)
+        self._reduce_sequence_parallel(b, buf)
         n = bucket.shard_numel
         if self.dp_size > 1:
             buf.div_(self.dp_size)
@@ -429,6 +432,51 @@ class ZeroOffloadEngine:
         self.dev.wait_host()
         self._reset_bucket_state()
         self._sync_pending = False
+
+    # ------------------------------------------------------------------- sequence parallelism
+    # megatron-core's rule (distributed/finalize_model_grads.py): a parameter tagged
+    # `sequence_parallel` (norm weights/biases, row-parallel biases) is replicated over TP but saw
+    # only this rank's 1/TP of the sequence, so its gradient is summed over the TP group. Here
+    # that sum runs inside the bucket, just before the bucket's DP reduce-scatter: one TP
+    # all-reduce of the bucket's tagged elements (packed). Every TP rank has the same layout, so
+    # the pieces line up; the sums are linear, so the order with the DP reduction is free.
+    def _sequence_parallel_pieces(self) -> dict[int, list[tuple[int, int]]]:
+        """bucket -> [(offset in the bucket, numel)] of its sequence-parallel parameters."""
+        pieces: dict[int, list[tuple[int, int]]] = {}
+        for s in self.layout.slots:
+            if getattr(s.param, "sequence_parallel", False):
+                pieces.setdefault(s.bucket, []).append((s.start - self.layout.buckets[s.bucket].start, s.numel))
+        if not pieces:
+            return {}
+        if self.tp_group is None:
+            raise ConfigError("the model has sequence-parallel parameters: pass the engine its TP group "
+                              "(tp_group=...) so their gradients are summed over TP")
+        if collectives.group_size(self.tp_group) == 1:
+            return {}
+        sig = torch.tensor([len(pieces), sum(n for p in pieces.values() for _, n in p), self.layout.numel],
+                           dtype=torch.int64)
+        lo = collectives.all_reduce(sig.clone(), "min", self.tp_group)
+        hi = collectives.all_reduce(sig.clone(), "max", self.tp_group)
+        if not torch.equal(lo, hi):
+            raise ConfigError(f"TP ranks disagree on the sequence-parallel parameters (buckets/elements/flat size "
+                              f"{sig.tolist()} here, {lo.tolist()}..{hi.tolist()} across TP): every TP rank must "
+                              "build the same model with the same --sequence-parallel and --bucket-size")
+        return pieces
+
+    def _reduce_sequence_parallel(self, b: int, buf: torch.Tensor) -> None:
+        pieces = self._sp_pieces.get(b)
+        if not pieces:
+            return
+        if len(pieces) == 1:
+            off, n = pieces[0]
+            collectives.all_reduce(buf[off:off + n], group=self.tp_group)
+            return
+        packed = torch.cat([buf[off:off + n] for off, n in pieces])
+        collectives.all_reduce(packed, group=self.tp_group)
+        at = 0
+        for off, n in pieces:
+            buf[off:off + n].copy_(packed[at:at + n])
+            at += n
 
     # -------------------------------------------------------------------------------------- step
     def step(self, lr: float | None = None) -> StepResult:

@@ -13,6 +13,9 @@ from zo_megatron.errors import ConfigError
 from zo_megatron.training.megatron_compat import add_megatron_compat_flags, check_megatron_compat
 from zo_megatron.training.schedule import DECAY_STYLES, WSD_DECAY_STYLES
 
+# --attention-backend (megatron-core's AttnBackend names) -> the model's core attention.
+ATTENTION_BACKENDS = {"flash": "sdpa", "fused": "sdpa", "auto": "sdpa", "local": "local", "unfused": "local"}
+
 # What `pretrain_gpt.py --tensor-parallel 2 --zero-offload` trains when given no shape flags.
 DEMO_DEFAULTS = dict(num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=256,
                      micro_batch_size=8, train_iters=300, lr=1e-3, min_lr=1e-4, lr_warmup_iters=30,
@@ -86,6 +89,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
                    help="how long a collective waits for a peer before the rank gives up and exits 1 "
                         "(Megatron's name and default: 10; fractions allowed)")
+
+    g = p.add_argument_group("attention and sequence parallelism (Megatron-LM's names)")
+    g.add_argument("--use-flash-attn", action="store_true",
+                   help="core attention through torch's scaled_dot_product_attention, causal: no [b, heads, s, s] "
+                        "scores, probabilities or dropout mask are stored (~5 bytes x b*heads*s^2 per layer in 16 "
+                        "bits), only a logsumexp of b*heads*s floats; flash or memory-efficient kernel on a GPU, "
+                        "torch's fused kernel on a CPU (with attention dropout the CPU falls back to the math path). "
+                        "Same as --attention-backend flash")
+    g.add_argument("--attention-backend", choices=list(ATTENTION_BACKENDS), default=None,
+                   help="flash / fused / auto: torch SDPA as --use-flash-attn (torch picks flash or "
+                        "memory-efficient); local / unfused: megatron-core's DotProductAttention, which "
+                        "materialises the s x s scores (default: local)")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="with TP > 1, LayerNorm/dropout/residual activations are split over the TP ranks along the "
+                        "sequence (megatron-core's sequence parallelism): those activations shrink by TP, the TP "
+                        "all-reduces become reduce-scatter + all-gather (same bytes); the sequence length must be a "
+                        "multiple of TP; turned off with a warning at TP = 1, as Megatron-LM does")
 
     g = p.add_argument_group("ZeRO-Offload")
     g.add_argument("--zero-offload", action="store_true",
@@ -384,6 +404,7 @@ def finalize(args: argparse.Namespace) -> None:
                               args.allow_custom_vocab)
     except DataError as e:                       # a flag conflict, reported before any file is read
         raise ConfigError(str(e)) from None
+    _check_attention_and_sequence_parallel(args)
     for k in ("micro_batch_size", "train_iters", "log_interval", "eval_interval", "tensor_parallel"):
         if getattr(args, k) < 1:
             raise ConfigError(f"--{k.replace('_', '-')} must be >= 1 (got {getattr(args, k)})")
@@ -445,6 +466,23 @@ _RANGES = [
     ("dpu_adam_threads", lambda v: v >= 1, ">= 1"),
     ("distributed_timeout_minutes", lambda v: v > 0, "> 0"), ("max_skipped_iters", lambda v: v >= 0, ">= 0"),
 ]
+
+
+def _check_attention_and_sequence_parallel(args: argparse.Namespace) -> None:
+    """--use-flash-attn / --attention-backend -> args.core_attention ("local" | "sdpa");
+    --sequence-parallel off at TP = 1 (Megatron-LM's rule, with its warning)."""
+    if args.use_flash_attn and args.attention_backend in ("local", "unfused"):
+        raise ConfigError(f"--use-flash-attn and --attention-backend {args.attention_backend} contradict each other: "
+                          "use one of them")
+    args.core_attention = "sdpa" if args.use_flash_attn else ATTENTION_BACKENDS[args.attention_backend or "local"]
+    if args.sequence_parallel and args.tensor_parallel == 1:
+        if os.environ.get("RANK", "0") == "0":
+            print("warning: Disabling sequence parallelism because tensor model parallelism is disabled",
+                  file=sys.stderr, flush=True)
+        args.sequence_parallel = False
+    if args.sequence_parallel and args.seq_length % args.tensor_parallel:
+        raise ConfigError(f"--sequence-parallel splits the sequence over TP: --seq-length {args.seq_length} is not a "
+                          f"multiple of --tensor-model-parallel-size {args.tensor_parallel}; use a multiple")
 
 
 def _check_offload_fraction(args: argparse.Namespace) -> None:

@@ -194,7 +194,8 @@ def _build_optimizer(args, model, ps):
     else:
         scaler = ConstantLossScaler(1.0)
     common = dict(precision=args.precision, adam=adam, clip_grad=args.clip_grad, dp_group=ps.dp_group,
-                  tp_rank=ps.tp_rank, loss_scaler=scaler, no_decay_embeddings=args.no_weight_decay_embeddings)
+                  tp_rank=ps.tp_rank, loss_scaler=scaler, no_decay_embeddings=args.no_weight_decay_embeddings,
+                  tp_group=ps.tp_group)
     if args.zero_offload:
         return ZeroOffloadEngine(model, bucket_size=args.bucket_size, pin_memory=not args.no_pin_memory,
                                  device=ps.device, grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
@@ -329,7 +330,8 @@ def _train(args, env, ps, tokenizer, data_path, cpu_adam_threads: int) -> int:
                         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
                         init_method_std=args.init_method_std, recompute=args.recompute_granularity,
                         recompute_method=args.recompute_method or "uniform",
-                        recompute_num_layers=args.recompute_num_layers or 1)
+                        recompute_num_layers=args.recompute_num_layers or 1,
+                        attention_backend=args.core_attention, sequence_parallel=args.sequence_parallel)
         gb = args.global_batch_size
         n_evals = args.train_iters // args.eval_interval + 1
         train_ds, valid_ds, _ = build_gpt_datasets(   # collective (megatron's index-cache barrier)
@@ -521,6 +523,21 @@ def _log(metrics, window, iteration, lr, res, optimizer, ps, args, fpt, done) ->
     window.update(loss=0.0, n=0, skipped=0, nan=0, t=time.monotonic())
 
 
+def _attention_line(cfg, ps) -> str:
+    """Which core attention runs (for SDPA: which kernel) and whether sequence parallelism is on."""
+    if cfg.attention_backend == "sdpa":
+        from zo_megatron.model.attention import describe_kernel
+
+        heads = cfg.num_attention_heads
+        groups = getattr(cfg, "query_groups", heads)
+        head_dim = getattr(cfg, "head_dim", cfg.hidden_size // heads)
+        text = describe_kernel(heads, groups, head_dim, ps.tp_size, cfg.dtype, ps.device, cfg.attention_dropout)
+    else:
+        text = "megatron-core local DotProductAttention (s x s scores stored)"
+    sp = cfg.sequence_parallel and ps.tp_size > 1
+    return text + ("; sequence parallel over TP " + str(ps.tp_size) if sp else "; no sequence parallelism")
+
+
 def _banner(metrics, args, ps, cfg, optimizer, data_path, setup_s) -> None:
     total = cfg.num_parameters()
     local = sum(p.numel() for p in optimizer.model.parameters())
@@ -547,6 +564,7 @@ def _banner(metrics, args, ps, cfg, optimizer, data_path, setup_s) -> None:
         f" model: {cfg.architecture_name()} {cfg.num_layers} layers x {cfg.hidden_size} hidden x {cfg.num_attention_heads} heads, "
         f"seq {args.seq_length}, vocab {cfg.vocab_size} (padded {cfg.padded_vocab_size(ps.tp_size)}), "
         f"{total / 1e6:.1f}M params ({local / 1e6:.1f}M on this TP rank)",
+        f" attention: {_attention_line(cfg, ps)}",
         f" batch: global {args.global_batch_size} = micro {args.micro_batch_size} x DP {ps.dp_size} x accumulation "
         f"{args.grad_accum_steps}; {args.train_iters} iterations, lr {args.lr:g} {args.lr_decay_style} "
         f"(warmup {args.lr_warmup_iters}, min {args.min_lr:g})",

@@ -12,12 +12,6 @@ from zo_megatron.errors import ConfigError
 
 # Refused outright: flag -> (why, what to use instead). The message is "<flag>: <why>; <instead>".
 REFUSED = {
-    "--use-flash-attn": ("flash attention is not wired into this model (it runs megatron-core's local "
-                         "attention)", "drop it; --recompute-granularity selective saves the attention memory"),
-    "--sequence-parallel": ("megatron-core's layers do not allow sequence parallelism on this model: without "
-                            "Apex or Transformer Engine its LayerNorm is torch's, which refuses it "
-                            "(WrappedTorchNorm)", "drop it; use --recompute-granularity selective or full "
-                            "to save activation memory"),
 }
 
 

@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from zo_megatron.errors import ConfigError
 from zo_megatron.offload.accounting import Accounting
 from zo_megatron.offload.loss_scaler import ConstantLossScaler, DynamicLossScaler
 from zo_megatron.optimizer_api import AdamConfig, StepResult
@@ -25,7 +26,7 @@ class PlainDDPOptimizer:
 
     def __init__(self, model: torch.nn.Module, *, precision: str = "bf16", adam: AdamConfig | None = None,
                  clip_grad: float = 1.0, dp_group=None, tp_rank: int = 0, loss_scaler=None,
-                 no_decay_embeddings: bool = False):
+                 no_decay_embeddings: bool = False, tp_group=None):
         self.model, self.precision = model, precision
         self.adam = adam or AdamConfig()
         self.clip_grad = clip_grad
@@ -33,6 +34,14 @@ class PlainDDPOptimizer:
         self.dp_size = collectives.group_size(dp_group)
         self.loss_scaler = loss_scaler or (DynamicLossScaler() if precision == "fp16" else ConstantLossScaler())
         self.params = [p for p in model.parameters() if p.requires_grad]
+        # Sequence parallelism: megatron-core sums the gradients of parameters tagged
+        # `sequence_parallel` (norms, row-parallel biases: each TP rank saw 1/TP of the sequence)
+        # over the TP group (finalize_model_grads); so do we, after the DP all-reduce.
+        self._sp_params = [p for p in self.params if getattr(p, "sequence_parallel", False)]
+        if self._sp_params and tp_group is None:
+            raise ConfigError("the model has sequence-parallel parameters: pass the optimizer its TP group "
+                              "(tp_group=...) so their gradients are summed over TP")
+        self.tp_group = tp_group
         # Replicated-across-TP params are counted once in the global norm (on TP rank 0).
         self._counted = [bool(getattr(p, "tensor_model_parallel", False)) or tp_rank == 0 for p in self.params]
         decay, no_decay = [], []
@@ -72,6 +81,13 @@ class PlainDDPOptimizer:
                 off += g.numel()
         for p, g in zip(self.params, grads):
             p.grad = g
+        if self._sp_params and collectives.group_size(self.tp_group) > 1:
+            flat = torch.cat([p.grad.reshape(-1) for p in self._sp_params])
+            collectives.all_reduce(flat, group=self.tp_group)
+            off = 0
+            for p in self._sp_params:
+                p.grad.copy_(flat[off:off + p.numel()].view_as(p.grad))
+                off += p.numel()
 
     def step(self, lr: float | None = None) -> StepResult:
         t0 = time.monotonic()

@@ -1,0 +1,108 @@
+"""--use-flash-attn on one CUDA GPU: which SDPA kernel runs, equality with megatron-core's local
+attention, and the device memory the s x s tensors took.
+
+- The kernel: SDPAttention allows exactly one of flash / memory-efficient per call
+  (torch.nn.attention.sdpa_kernel), so a forward that returns proves that kernel ran (torch
+  raises rather than fall back). bf16 with head_dim 16 must take flash; fp32 (flash has no fp32)
+  memory-efficient attention; GQA in fp32 repeats k/v for it.
+- Equality: the same weights and batch through the local module and through SDPA: fp32 logits,
+  loss and every gradient to 1e-5 (TF32 off), bf16 within the usual 2e-2 (L2 per tensor); GPT-2
+  and a Llama shape (GQA 8 heads / 4 groups, RMSNorm, SwiGLU, RoPE).
+- Memory: torch.cuda.max_memory_allocated over forward + backward at seq 2048: the local module's
+  peak exceeds SDPA's by at least the [b, heads, s, s] probabilities it keeps (16-bit) -- the
+  s x s term SDPA does not have.
+Sequence parallelism needs TP >= 2 (two GPUs with NCCL); it is tested on the CPU worlds.
+"""
+import pytest
+import torch
+
+from tests.gpu.conftest import needs_cuda
+from tests.harness import run_world
+from tests.seeds import fresh_seed
+
+GPT2 = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=500, max_position_embeddings=2048)
+LLAMA = dict(num_layers=2, hidden_size=96, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=200,
+             vocab_size=251, max_position_embeddings=2048, position_embedding_type="rope",
+             normalization="RMSNorm", swiglu=True, add_bias_linear=False, untie_embeddings_and_output_weights=True)
+
+
+def _pair_world(rank, shape, precision, seq, seed):
+    """Local and SDPA on the same weights and batch; kernels, logits, loss, gradients (on the CPU)."""
+    from zo_megatron.model import GPTConfig, build_gpt_model
+    from zo_megatron.parallel import init_parallel
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ps = init_parallel(1, seed=seed)
+    shape = GPT2 if shape == "gpt2" else LLAMA
+    gen = torch.Generator().manual_seed(seed + 1)
+    tokens = torch.randint(0, shape["vocab_size"], (2, seq), generator=gen).to(ps.device)
+    labels = torch.randint(0, shape["vocab_size"], (2, seq), generator=gen).to(ps.device)
+    out = {}
+    for backend in ("local", "sdpa"):
+        cfg = GPTConfig(**shape, precision=precision, attention_backend=backend)
+        model = build_gpt_model(cfg, 0, 1, seed).to(ps.device).to(cfg.dtype)
+        logits = model(tokens)
+        loss = model.loss(tokens, labels)
+        loss.backward()
+        attn = model.gpt.decoder.layers[0].self_attention.core_attention
+        out[backend] = dict(device=str(logits.device), kernel=getattr(attn, "last_kernel", None),
+                            logits=logits.detach()[..., :shape["vocab_size"]].float().cpu(), loss=loss.item(),
+                            grads={n: p.grad.float().cpu() for n, p in model.named_parameters()})
+    return out
+
+
+def _rel(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp(min=1e-30)).item()
+
+
+def _rel_l2(a, b):
+    return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
+
+
+@needs_cuda("the CUDA SDPA kernels")
+@pytest.mark.parametrize("shape,precision,kernel", [("gpt2", "bf16", "flash"), ("gpt2", "fp32", "efficient"),
+                                                    ("llama", "bf16", "flash"), ("llama", "fp32", "efficient")])
+def test_sdpa_runs_a_fused_kernel_and_equals_local_attention_on_cuda(shape, precision, kernel):
+    seed = fresh_seed(f"gpu sdpa {shape} {precision}")
+    out = run_world(_pair_world, 1, shape, precision, 256, seed)[0]
+    local, sdpa = out["local"], out["sdpa"]
+    assert sdpa["device"].startswith("cuda")
+    assert local["kernel"] is None and sdpa["kernel"] == kernel, sdpa["kernel"]
+    metric, tol = (_rel, 1e-5) if precision == "fp32" else (_rel_l2, 2e-2)
+    assert metric(sdpa["logits"], local["logits"]) <= tol
+    assert abs(sdpa["loss"] - local["loss"]) <= tol * abs(local["loss"])
+    for n, g in local["grads"].items():
+        assert metric(sdpa["grads"][n], g) <= tol, (n, metric(sdpa["grads"][n], g))
+
+
+def _memory_world(rank, seq, seed):
+    from zo_megatron.model import GPTConfig, build_gpt_model
+    from zo_megatron.parallel import init_parallel
+
+    ps = init_parallel(1, seed=seed)
+    tokens = torch.randint(0, 500, (1, seq), device=ps.device)
+    out = {}
+    for backend in ("local", "sdpa"):
+        cfg = GPTConfig(**{**GPT2, "num_layers": 1}, precision="bf16", attention_backend=backend)
+        model = build_gpt_model(cfg, 0, 1, seed).to(ps.device).to(cfg.dtype)
+        model.loss(tokens, tokens).backward()            # warm-up: one-time buffers, the mask cache
+        for p in model.parameters():
+            p.grad = None
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        model.loss(tokens, tokens).backward()
+        torch.cuda.synchronize()
+        out[backend] = torch.cuda.max_memory_allocated() - base
+        del model
+        torch.cuda.empty_cache()
+    return out
+
+
+@needs_cuda("the CUDA allocator's peak")
+def test_sdpa_device_memory_has_no_s_squared_term():
+    seq = 2048
+    peaks = run_world(_memory_world, 1, seq, fresh_seed("gpu sdpa memory"))[0]
+    probs = 2 * GPT2["num_attention_heads"] * seq * seq          # one [1, heads, s, s] bf16 tensor
+    print(peaks)
+    assert peaks["local"] - peaks["sdpa"] >= probs, peaks

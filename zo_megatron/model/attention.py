@@ -1,0 +1,198 @@
+"""Core attention through torch.nn.functional.scaled_dot_product_attention (--use-flash-attn).
+
+A drop-in for megatron-core's local DotProductAttention in the layer spec: same constructor and
+forward signature (megatron's SelfAttention passes q [s, b, heads/t, d] and k, v
+[s, b, groups/t, d] and expects [s, b, heads/t * d] back), same softmax scale (1/sqrt(d), or
+config.softmax_scale), attention dropout (config.attention_dropout, training only, drawn from
+megatron's model-parallel RNG stream as the local module does), causal masking -- but through
+SDPA's `is_causal=True`, so no [b, heads, s, s] score, probability or dropout-mask tensor is
+ever materialised (the local module keeps all three for backward: ~5 bytes x b·heads·s² per
+layer in 16 bits). The explicit attention mask megatron passes, if any, is not read: this module
+is causal self-attention only (the only mask GPT pretraining uses).
+
+Which kernel runs:
+  CUDA   flash (FlashAttention-2; fp16/bf16) or, where flash cannot run (fp32, head_dim, ...),
+         memory-efficient attention. Exactly one of them is allowed per call
+         (torch.nn.attention.sdpa_kernel), chosen with torch's own checks
+         (torch.backends.cuda.can_use_flash_attention / can_use_efficient_attention), so torch
+         can never fall back to the math path silently; if neither can run, one error line.
+         GQA: flash takes the grouped k/v as they are (enable_gqa); memory-efficient attention
+         does not support GQA in torch, so there k/v are repeated per query head first, as
+         megatron-core's local module does.
+  CPU    whatever SDPA picks: its fused CPU flash kernel (GQA included) when dropout is 0; with
+         attention dropout torch's CPU kernel falls back to the math path, which materialises the
+         probabilities like the local module.
+What SDPA keeps for backward (fused kernels): q, k, v, the output and the row logsumexp,
+fp32 [b, heads/t, s] -- no s² term.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from zo_megatron.errors import ConfigError
+
+BACKENDS = ("local", "sdpa")
+
+
+def sdpa_choice(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float,
+                enable_gqa: bool) -> tuple[str, bool]:
+    """(kernel, enable_gqa) for SDPA on these [b, n, s, d] tensors, causal.
+
+    CUDA: "flash" or "efficient" (ConfigError if neither can run; enable_gqa False means the
+    caller must repeat k/v per query head). CPU: the kernel torch picks ("flash" or "math")."""
+    if query.device.type != "cuda":
+        try:
+            from torch.nn.attention import SDPBackend
+
+            kind = torch._fused_sdp_choice(query, key, value, attn_mask=None, dropout_p=dropout_p,
+                                           is_causal=True, enable_gqa=enable_gqa)
+            return {SDPBackend.FLASH_ATTENTION: "flash", SDPBackend.MATH: "math"}.get(
+                SDPBackend(kind), SDPBackend(kind).name.lower()), enable_gqa
+        except (AttributeError, TypeError, RuntimeError, ValueError):
+            return "auto", enable_gqa
+    from torch.backends import cuda as cuda_backends
+
+    def params(k, v, gqa):
+        try:
+            return cuda_backends.SDPAParams(query, k, v, None, dropout_p, True, gqa)
+        except TypeError:           # torch < 2.5: no enable_gqa argument (and no GQA in SDPA)
+            return None if gqa else cuda_backends.SDPAParams(query, k, v, None, dropout_p, True)
+
+    if enable_gqa:                   # flash takes grouped k/v as they are (torch >= 2.5)
+        p = params(key, value, True)
+        if p is not None and cuda_backends.can_use_flash_attention(p):
+            return "flash", True
+        # memory-efficient attention has no GQA: the caller repeats k/v per query head for it
+        rep = query.size(1) // key.size(1)
+        key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
+    p = params(key, value, False)
+    if cuda_backends.can_use_flash_attention(p):
+        return "flash", False
+    if cuda_backends.can_use_efficient_attention(p):
+        return "efficient", False
+    raise ConfigError(
+        f"--use-flash-attn: neither torch's flash nor its memory-efficient attention kernel can run here "
+        f"(dtype {query.dtype}, head dim {query.size(-1)}, dropout {dropout_p}, device "
+        f"{torch.cuda.get_device_name(query.device)}): use --attention-backend local")
+
+
+def _sdpa_kernel_context(kind: str):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}[kind]
+    return sdpa_kernel([backend])
+
+
+def _megatron_module_base():
+    from megatron.core.transformer.module import MegatronModule
+
+    return MegatronModule
+
+
+class SDPAttention(_megatron_module_base()):
+    """megatron-core core attention (DotProductAttention's interface) over torch SDPA, causal."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
+                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
+                 cp_comm_type: Optional[str] = None, pg_collection=None):
+        super().__init__(config=config)
+        from megatron.core.process_groups_config import ProcessGroupCollection
+        from megatron.core.transformer.enums import AttnMaskType
+        from megatron.core.utils import divide
+
+        self.config = config
+        if config.context_parallel_size != 1:
+            raise ConfigError("context parallelism is not supported: use --context-parallel-size 1")
+        if getattr(config, "softmax_type", "vanilla") != "vanilla":
+            raise ConfigError(f"softmax type {config.softmax_type!r} is not supported by SDPA attention: use vanilla")
+        if getattr(config, "window_size", None) is not None:
+            raise ConfigError("sliding-window attention is not supported: drop --window-size")
+        if attn_mask_type != AttnMaskType.causal:
+            raise ConfigError(f"SDPA attention is causal self-attention only (got mask type {attn_mask_type})")
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+        self.pg_collection = pg_collection
+        self.tp_group = pg_collection.tp
+        tp = pg_collection.tp.size()
+        projection_size = config.kv_channels * config.num_attention_heads
+        self.hidden_size_per_partition = divide(projection_size, tp)
+        self.hidden_size_per_attention_head = divide(projection_size, config.num_attention_heads)
+        self.num_attention_heads_per_partition = divide(config.num_attention_heads, tp)
+        self.num_query_groups_per_partition = divide(config.num_query_groups, tp)
+        # apply_query_key_layer_scaling only changes how the local module computes the same scale
+        # (divide by layer_number, multiply back inside the fp32 softmax): 1/sqrt(d) either way.
+        self.softmax_scale = softmax_scale if softmax_scale is not None \
+            else 1.0 / math.sqrt(self.hidden_size_per_attention_head)
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.softmax_offset = None
+        self.current_max_attn_logits = None
+        self.last_kernel: str | None = None      # what the latest forward ran ("flash", "efficient", ...)
+        self._choice: dict = {}
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: Optional[torch.Tensor], attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None) -> torch.Tensor:
+        from megatron.core import tensor_parallel
+        from megatron.core.transformer.enums import AttnMaskType
+
+        if packed_seq_params is not None:
+            raise ConfigError("packed sequences are not supported by SDPA attention")
+        if attention_bias is not None:
+            raise ConfigError("an attention bias is not supported by SDPA attention")
+        if attn_mask_type is not None and attn_mask_type != AttnMaskType.causal:
+            raise ConfigError(f"SDPA attention is causal only (got mask type {attn_mask_type})")
+        sq, b = query.shape[0], query.shape[1]
+        # [s, b, n, d] -> [b, n, s, d] as strided views: the CPU kernel then writes its output in
+        # [s, b, n, d] order, so the reshape below is free and linear_proj's saved input is the
+        # very tensor SDPA saved (no second copy of the context).
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        dropout_p = self.dropout_p if self.training else 0.0
+        gqa = self.num_attention_heads_per_partition != self.num_query_groups_per_partition
+        sig = (q.device.type, q.dtype, q.size(-1), dropout_p, gqa)
+        choice = self._choice.get(sig)
+        if choice is None:
+            choice = self._choice[sig] = sdpa_choice(q, k, v, dropout_p, gqa)
+        kind, enable_gqa = choice
+        if gqa and not enable_gqa:
+            rep = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        self.last_kernel = kind
+        with contextlib.ExitStack() as stack:
+            if q.device.type == "cuda":
+                stack.enter_context(_sdpa_kernel_context(kind))
+            # Dropout: as megatron's local module, from the model-parallel RNG stream (each TP
+            # rank holds other heads) unless sequence parallelism runs the whole block in it.
+            if dropout_p > 0 and not self.config.sequence_parallel:
+                stack.enter_context(tensor_parallel.get_cuda_rng_tracker().fork())
+            context = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
+                                                     scale=self.softmax_scale,
+                                                     **(dict(enable_gqa=True) if enable_gqa else {}))
+        # [b, n, s, d] -> [s, b, n*d]
+        return context.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        return {}
+
+
+def describe_kernel(num_heads: int, num_query_groups: int, head_dim: int, tp: int, dtype: torch.dtype,
+                    device: torch.device, dropout_p: float) -> str:
+    """The SDPA kernel a training forward will run with this shape, for the banner."""
+    h, g = num_heads // tp, max(1, num_query_groups // tp)
+    q = torch.zeros(1, h, 16, head_dim, dtype=dtype, device=device)
+    kv = torch.zeros(1, g, 16, head_dim, dtype=dtype, device=device)
+    kind, enable_gqa = sdpa_choice(q, kv, kv, dropout_p, h != g)
+    names = {"flash": "flash attention", "efficient": "memory-efficient attention", "math": "math"}
+    text = f"torch SDPA, {names.get(kind, kind)} kernel ({device.type})"
+    if device.type == "cpu" and kind == "math" and dropout_p > 0:
+        text += " -- torch's CPU flash kernel has no dropout: the probabilities are materialised"
+    if h != g and not enable_gqa:
+        text += ", k/v repeated per query head"
+    return text
