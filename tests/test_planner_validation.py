@@ -40,7 +40,9 @@ CASES = [
     ("bf16-smallvocab-recompute", "bf16", True, 1000, 200_000),
     ("fp32-unpadded", "fp32", False, 1024, 300_000),
     ("bf16-llama", "bf16", False, 1000, 200_000),
-    ("fp32-llama-recompute", "fp32", True, 1024, 40_000_000),   # one bucket: no DP-timing-dependent waits
+    # one bucket: at DP 2 small buckets + recompute raise the measured peak (not modelled, see
+    # docs/memory_planner.md: 17.3% with 300k-element buckets, as the GPT-2 small-bucket case)
+    ("fp32-llama-recompute", "fp32", True, 1024, 40_000_000),
 ]
 # Llama-shaped cases (issue 24): rope, RMSNorm, SwiGLU (ffn 320), GQA 2 groups, untied output layer, no biases
 LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, num_query_groups=2,

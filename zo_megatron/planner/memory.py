@@ -45,9 +45,10 @@ def _attention_saved(inp: PlanInput) -> int:
     count (GQA's k/v are repeat_interleaved to every head: new tensors); RoPE (the unfused path,
     rope_utils._apply_rotary_pos_emb_bshd) returns new rotated q and k and keeps only its cos/sin
     tables (counted per layer by the caller); q is reshaped to heads (a view with MHA or one group)
-    and flattened by the core attention (a view only with MHA). The fused tensor stays alive as long as any saved tensor is a view of it
-    (GPT-2: all three; MHA + RoPE: v). qk_layernorm normalizes q and k per head first (its inputs:
-    q's reshape, k's view of the fused tensor)."""
+    and flattened by the core attention (a view with MHA, or one group at micro-batch 1). The fused
+    tensor stays alive as long as any saved tensor is a view of it (GPT-2: all three; MHA + RoPE:
+    v). qk_layernorm normalizes q and k per head first (its inputs: q's reshape, k's view of the
+    fused tensor). Heads and groups are this TP rank's (G/t groups: one group per rank at G = t)."""
     w = _bytes16(inp.precision)
     t = inp.tensor_parallel
     a, g, d = inp.num_attention_heads // t, inp.query_groups() // t, inp.head_dim()
