@@ -182,6 +182,7 @@ def test_megatron_round_trip_is_bit_exact(models):
             assert back.model_meta == {**ref.model_meta}, (name, tp)
             wa, wb = ref.read_weights(), back.read_weights()
             assert set(wa) == set(wb), (name, tp, set(wa) ^ set(wb))
+            assert back.manifest["tokenizer_files"] == ref.manifest["tokenizer_files"]   # via args.tokenizer_model
             for k in wa:
                 assert torch.equal(wa[k], wb[k]), (name, tp, k)
 
@@ -252,7 +253,8 @@ def test_megatron_core_loads_the_files_strictly_on_every_tp_rank_with_transforme
                 assert args["group_query_attention"] and args["num_query_groups"] == GROUPS
                 assert args["position_embedding_type"] == "rope" and args["rotary_base"] == 500000
                 assert args["padded_vocab_size"] == -(-VOCAB // (128 * tp)) * 128 * tp
-                assert args["tokenizer_type"] == "HuggingFaceTokenizer"
+                assert args["tokenizer_type"] == "HuggingFaceTokenizer" and args["tokenizer_model"].endswith(
+                    os.path.join(f"{name}_ck_tp{tp}", "iter_0000000", "tokenizer"))
 
 
 def _built_shapes(rank, metas):
@@ -527,6 +529,7 @@ def _our_logits(rank, ck, tokens):
         return model(tokens).float()[..., :cfg.vocab_size].clone(), ps.tp_size
 
 
+@pytest.mark.slow
 def test_user_flow_llama_from_hf_trains_under_torchrun_at_tp2_then_to_hf_generates(tmp_path):
     """from-hf a tiny Llama with its HF tokenizer; pretrain_gpt.py continues it for 5 iterations under
     torchrun at TP2 with --zero-offload, --tokenizer-type HuggingFaceTokenizer and the flags from-hf

@@ -267,6 +267,7 @@ def to_megatron(load: str, output: str, *, iteration: int | None = None, tensor_
                                    seq_length=args.get("seq_length"), precision=args.get("precision"),
                                    tokenizer_type=reader.manifest.get("tokenizer_type") or args.get("tokenizer_type")
                                    or ("HuggingFaceTokenizer" if has_tokenizer else "GPT2BPETokenizer"),
+                                   tokenizer_model=os.path.abspath(saved_tok) if has_tokenizer else None,
                                    consumed_samples=int(reader.manifest.get("consumed_samples", 0)),
                                    consumed_valid_samples=int(reader.manifest.get("consumed_valid_samples", 0)))
     with atomic_output(output, force=force) as tmp:
@@ -294,8 +295,12 @@ def from_megatron(input_dir: str, output: str, *, tensor_parallel: int, force: b
         f"layers x {meta['hidden_size']} hidden, vocab {vocab}, {n:,} parameters")
     args = {"make_vocab_size_divisible_by": meta["make_vocab_size_divisible_by"],
             "seq_length": getattr(ns, "seq_length", None)}
+    # Megatron-LM keeps only the tokenizer's path: bring its files along when that directory is here
+    tok = getattr(ns, "tokenizer_model", None)
+    tok = tok if getattr(ns, "tokenizer_type", None) == "HuggingFaceTokenizer" and tok and os.path.isdir(tok) else None
     _write_weights_checkpoint(output, weights, meta, tp=tensor_parallel, args=args, force=force, log=log,
-                              converted_from=f"Megatron-LM {os.path.abspath(input_dir)} iteration {it}")
+                              converted_from=f"Megatron-LM {os.path.abspath(input_dir)} iteration {it}",
+                              tokenizer_from=tok)
 
 
 # ---------------------------------------------------------------- consolidated fp32

@@ -52,8 +52,8 @@ _MP_DIR = re.compile(r"^mp_rank_(\d{2})(_\d{3})?$")
 
 
 def megatron_args(meta: dict, *, tp: int, iteration: int, divisible_by: int, seq_length: int | None,
-                  precision: str | None, tokenizer_type: str = "GPT2BPETokenizer", consumed_samples: int = 0,
-                  consumed_valid_samples: int = 0) -> argparse.Namespace:
+                  precision: str | None, tokenizer_type: str = "GPT2BPETokenizer", tokenizer_model: str | None = None,
+                  consumed_samples: int = 0, consumed_valid_samples: int = 0) -> argparse.Namespace:
     """The args Megatron-LM reads from a checkpoint (its argument names), for the model `meta`."""
     meta = full_meta(meta)
     h, heads, groups = meta["hidden_size"], meta["num_attention_heads"], query_groups(meta)
@@ -69,6 +69,7 @@ def megatron_args(meta: dict, *, tp: int, iteration: int, divisible_by: int, seq
         rope_scaling_factor=meta["rope_scaling_factor"],
         make_vocab_size_divisible_by=divisible_by, vocab_size=meta["vocab_size"],
         padded_vocab_size=padded_vocab_size(meta["vocab_size"], divisible_by, tp), tokenizer_type=tokenizer_type,
+        tokenizer_model=tokenizer_model,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
         untie_embeddings_and_output_weights=meta["untie_embeddings_and_output_weights"],
         # Megatron-LM before 2026-01 names the epsilon norm_epsilon, later layernorm_epsilon (TransformerConfig's)
