@@ -10,6 +10,9 @@ The engine runs one algorithm on both; this layer decides how each hand-off is o
           stream waits on that event before it reuses the bucket buffer.
           Host->device: the side stream first waits for the compute stream (kernels may still
           read the parameters being overwritten), copies, and the compute stream waits for it.
+          The copy reads pinned host memory asynchronously: an event recorded after it lets the
+          host wait (wait_device_reads) before it rewrites that memory (the next CPU Adam, a
+          reload from the master), whether or not a syncing backward came in between.
     CPU   "host" and "device" are the same memory. An async gloo collective runs on gloo's own
           thread, so the copy home is deferred: it runs (after Work.wait()) when the bucket
           buffer is needed again or when the host needs the gradients -- backward keeps going
@@ -55,6 +58,7 @@ class DeviceLayer:
         self._finalizer = weakref.finalize(self, _unregister, self._registered)
         self._stream = torch.cuda.Stream(device=device) if self.is_cuda else None
         self._pending: list = []                  # CUDA events / CPU deferred copies not yet waited for
+        self._reads: list = []                    # CUDA events: host->device copies that may still read
 
     # ------------------------------------------------------------------------------ allocation
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -113,6 +117,17 @@ class DeviceLayer:
             for handle in self._pending:
                 handle.run()
         self._pending.clear()
+        self._reads.clear()                        # the side stream is idle: every copy has read
+
+    def wait_device_reads(self) -> None:
+        """Block the host until every host->device copy issued so far has read its host source:
+        call before the host rewrites a buffer such a copy reads (the CPU Adam's output, a
+        reload from the master). The compute stream's wait in copy_to_device orders only device
+        work; without this the host could overwrite pinned memory an async copy is still reading.
+        On the CPU the copy ran synchronously: nothing to wait for."""
+        for ev in self._reads:
+            ev.synchronize()
+        self._reads.clear()
 
     # ------------------------------------------------------------------------- host -> device
     def copy_to_device(self, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -127,6 +142,9 @@ class DeviceLayer:
         self._stream.wait_stream(compute)
         with torch.cuda.stream(self._stream):
             dst.copy_(src, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self._stream)
+        self._reads.append(ev)                     # src must not be rewritten before ev (wait_device_reads)
         compute.wait_stream(self._stream)
 
     # ---------------------------------------------------------------------------------- close
@@ -139,5 +157,6 @@ class DeviceLayer:
         if self.is_cuda and self._stream is not None:
             self._stream.synchronize()
         self._pending.clear()
+        self._reads.clear()
         self._finalizer()
         self._keep.clear()
