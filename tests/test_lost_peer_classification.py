@@ -46,3 +46,73 @@ def test_a_lost_or_silent_peer_is_recognised(exc):
 @pytest.mark.parametrize("exc", OWN, ids=lambda e: type(e).__name__ + ":" + str(e)[:40])
 def test_an_error_of_this_rank_keeps_its_type_and_traceback(exc):
     assert not faults.is_lost_peer(exc)
+
+
+class _Event:
+    """A CUDA event stand-in: complete after `polls` queries (never, when None)."""
+
+    def __init__(self, polls):
+        self.polls = polls
+
+    def query(self):
+        if self.polls is None:
+            return False
+        self.polls -= 1
+        return self.polls < 0
+
+    def synchronize(self):
+        raise AssertionError("an unbounded synchronize: a dead peer would block here until NCCL's watchdog")
+
+
+class _Stream:
+    def synchronize(self):
+        pass
+
+
+@pytest.fixture
+def host_wait_timeout():
+    from zo_megatron.parallel import collectives
+
+    def set_(seconds):
+        collectives.set_host_wait_timeout(seconds)
+
+    yield set_
+    collectives.set_host_wait_timeout(None)
+
+
+def _cuda_like_layer(pending, reads=()):
+    from zo_megatron.offload.device import DeviceLayer
+
+    layer = DeviceLayer(torch.device("cpu"))
+    layer.is_cuda, layer._stream = True, _Stream()       # the CUDA branch, with stand-in events
+    layer._pending, layer._reads = list(pending), list(reads)
+    return layer
+
+
+@pytest.mark.parametrize("wait", ["wait_host", "wait_device_reads"])
+def test_a_collective_that_never_completes_ends_the_host_wait_as_a_lost_peer(host_wait_timeout, wait):
+    """Under NCCL a reduce-scatter whose peer died never completes; the host's wait for its copy
+    home must end within the timeout with an error the training loop reports as a lost peer."""
+    import time
+
+    host_wait_timeout(0.3)
+    now = time.monotonic()
+    stuck = [(_Event(3), now), (_Event(None), now)]
+    layer = _cuda_like_layer(stuck if wait == "wait_host" else (), stuck if wait == "wait_device_reads" else ())
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        getattr(layer, wait)()
+    assert 0.25 <= time.monotonic() - t0 < 5.0
+    assert faults.is_lost_peer(info.value), info.value
+    assert "timed out after 0 s" not in str(info.value)
+
+
+def test_collectives_that_complete_are_waited_for_without_error(host_wait_timeout):
+    import time
+
+    host_wait_timeout(30.0)
+    now = time.monotonic()
+    layer = _cuda_like_layer([(_Event(5), now), (_Event(0), now)], [(_Event(2), now)])
+    layer.wait_device_reads()
+    layer.wait_host()
+    assert layer._pending == [] and layer._reads == []

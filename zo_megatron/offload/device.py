@@ -20,9 +20,12 @@ The engine runs one algorithm on both; this layer decides how each hand-off is o
 """
 from __future__ import annotations
 
+import time
 import weakref
 
 import torch
+
+from zo_megatron.parallel import collectives
 
 
 def _unregister(ptrs: list[int]) -> None:
@@ -97,7 +100,7 @@ class DeviceLayer:
             dst.copy_(src, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(self._stream)
-        self._pending.append(ev)
+        self._pending.append((ev, time.monotonic()))
         return ev
 
     def release(self, handle) -> None:
@@ -112,6 +115,8 @@ class DeviceLayer:
     def wait_host(self) -> None:
         """Block the host until every copy home has landed (and the side stream is idle)."""
         if self.is_cuda:
+            for ev, issued in self._pending:       # each behind its collective: a dead peer times out
+                self._wait_event(ev, issued)
             self._stream.synchronize()
         else:
             for handle in self._pending:
@@ -119,14 +124,32 @@ class DeviceLayer:
         self._pending.clear()
         self._reads.clear()                        # the side stream is idle: every copy has read
 
+    def _wait_event(self, ev, issued: float) -> None:
+        """ev.synchronize(), but a collective that never completes (a dead or hung NCCL peer) ends
+        the wait after collectives.host_wait_timeout() seconds from when the work was queued with
+        CollectiveTimeout, instead of blocking in a stream synchronize until NCCL's watchdog
+        aborts the process without a word."""
+        limit = collectives.host_wait_timeout()
+        if limit is None:
+            ev.synchronize()
+            return
+        deadline, pause = issued + limit, 1e-5
+        while not ev.query():
+            if time.monotonic() > deadline:
+                raise collectives.CollectiveTimeout(
+                    f"timed out after {limit:g} s waiting on {self.device} for a collective's result "
+                    "(a peer died or hung)")
+            time.sleep(pause)
+            pause = min(2 * pause, 1e-3)
+
     def wait_device_reads(self) -> None:
         """Block the host until every host->device copy issued so far has read its host source:
         call before the host rewrites a buffer such a copy reads (the CPU Adam's output, a
         reload from the master). The compute stream's wait in copy_to_device orders only device
         work; without this the host could overwrite pinned memory an async copy is still reading.
         On the CPU the copy ran synchronously: nothing to wait for."""
-        for ev in self._reads:
-            ev.synchronize()
+        for ev, issued in self._reads:
+            self._wait_event(ev, issued)
         self._reads.clear()
 
     # ------------------------------------------------------------------------- host -> device
@@ -144,7 +167,7 @@ class DeviceLayer:
             dst.copy_(src, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(self._stream)
-        self._reads.append(ev)                     # src must not be rewritten before ev (wait_device_reads)
+        self._reads.append((ev, time.monotonic()))   # src must not be rewritten before ev (wait_device_reads)
         compute.wait_stream(self._stream)
 
     # ---------------------------------------------------------------------------------- close
