@@ -45,11 +45,15 @@ _OWN_ERROR_MARKERS = ("invalid usage", "ncclinvalidusage", "invalid argument", "
                       "out of memory", "unhandled cuda error", "cuda error", "illegal memory access")
 
 
+# torch.OutOfMemoryError is the newer name; torch.cuda.OutOfMemoryError is the same class there
+_OUT_OF_MEMORY = tuple({getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError), torch.cuda.OutOfMemoryError})
+
+
 def is_lost_peer(exc: BaseException) -> bool:
     """A collective failed because another rank is gone or never answered -- not because this
     rank misused it or ran out of memory (those are bugs or resource errors: they keep their
     message, type and traceback, even when the message names NCCL or gloo)."""
-    if isinstance(exc, torch.OutOfMemoryError):
+    if isinstance(exc, _OUT_OF_MEMORY):
         return False
     if isinstance(exc, (getattr(dist, "DistNetworkError", ()), getattr(dist, "DistStoreError", ()))):
         return True                        # the transport or the rendezvous store lost a peer
