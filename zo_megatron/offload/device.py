@@ -176,9 +176,19 @@ class DeviceLayer:
         return sum(t.numel() * t.element_size() for t in self._keep)
 
     def close(self) -> None:
-        """Unregister pinned host memory (idempotent). Pending copies are waited for first."""
+        """Unregister pinned host memory (idempotent). Pending copies -- and on the CPU the async
+        collectives they wait on -- are waited for first: nothing is left in flight."""
         if self.is_cuda and self._stream is not None:
             self._stream.synchronize()
+        elif not self.is_cuda:
+            # A deferred copy home still holds its async gloo Work: wait for it here, so that no
+            # collective outlives close() (gloo's thread finishing one while the interpreter shuts
+            # down can abort the process at exit). An error path may find it failed: it is done.
+            for handle in self._pending:
+                try:
+                    handle.run()
+                except Exception:  # noqa: BLE001 - the collective ended; the caller's error stands
+                    handle.work = handle.dst = handle.src = None
         self._pending.clear()
         self._reads.clear()
         self._finalizer()

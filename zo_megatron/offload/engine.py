@@ -624,4 +624,5 @@ class ZeroOffloadEngine:
             for h in self._hooks:
                 h.remove()
             self._hooks = []
-            self.dev.close()
+            self.dev.close()                # waits for every collective still in flight
+            self._reset_bucket_state()      # and drops the buffers' last references to them
