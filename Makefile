@@ -28,20 +28,24 @@ $(STAMP): $(PY) pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.inc)
 demo: setup
 	$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) pretrain/pretrain_gpt.py --tensor-parallel 2 --zero-offload
 
+# ZO_REQUIRE_KERNEL=1: with a C++ compiler present, a CPU Adam kernel that did not build fails the
+# run (tests/requirements_check.py) instead of silently testing the torch fallback only.
 test: setup
-	$(PY) -m pytest tests -q --durations=15
+	ZO_REQUIRE_KERNEL=1 $(PY) -m pytest tests -q --durations=15
 
 # The GPU suite (tests/gpu). On a machine whose $(PYTHON) has a CUDA torch, it runs in $(GPU_VENV):
 # a venv that sees that torch (system site packages; if $(PYTHON) is itself a venv, a .pth file adds
 # its site-packages), offline: megatron-core from a wheel in wheels/ when it is not importable
 # (pip download --no-deps --python-version 3.12 --only-binary :all: megatron-core==0.16.1 -d wheels/),
-# zo_megatron in editable mode without dependencies. Without CUDA the suite skips cleanly.
+# zo_megatron in editable mode without dependencies. Without CUDA the suite skips cleanly; with CUDA
+# a missing transformers / megatron-core or an unbuilt CPU Adam kernel fails the run
+# (ZO_REQUIRE_GPU_SUITE=1, tests/requirements_check.py) instead of skipping tests.
 GPU_VENV ?= .venv-gpu
 GPU_PY   := $(GPU_VENV)/bin/python
 
 test-gpu:
 	@if $(PYTHON) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then \
-		$(MAKE) --no-print-directory gpu-setup && $(GPU_PY) -m pytest tests/gpu -v -rs --durations=10; \
+		$(MAKE) --no-print-directory gpu-setup && ZO_REQUIRE_GPU_SUITE=1 $(GPU_PY) -m pytest tests/gpu -v -rs --durations=10; \
 	else \
 		echo "[test-gpu] $(PYTHON) has no CUDA torch: the GPU suite skips"; \
 		$(MAKE) --no-print-directory setup && $(PY) -m pytest tests/gpu -q -rs; \

@@ -8,7 +8,7 @@ zero at one rank and positive at two, and every variant's `loss_after` (the loss
 batch after the steps, all variants starting from the same weights) agrees with every other's to
 1e-4 relative -- zo_megatron's engines against HF GPT-2 under torch DDP and DeepSpeed are the
 independent references for each other. Timings are not asserted. The learning rate is 2e-3 (the
-tool's default is 1e-4) so that a variant that skips part of the update (e.g. the biases and
+tool's default since its loss check compares loss changes) so that a variant that skips part of the update (e.g. the biases and
 LayerNorms, a 1e-4 move each) misses the 1e-4 check by far.
 
 DeepSpeed joins when it imports and its CPU Adam op is already built (building it takes

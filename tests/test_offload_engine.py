@@ -126,6 +126,18 @@ def _reference(init, seed, dp, accum=ACCUM, skip_step=None):
     return losses, norms, from_hf(sd, LAYERS, HEADS)
 
 
+# The reported grad norm (before clipping) against the reference's, every step: Adam's update is
+# invariant to the scale of its gradient, and the hard clip here makes it more so, so a wrong
+# gradient scale (a double division by DP, a loss-scale slip, a narrowing error) leaves the weights
+# tracking while the norm -- what clipping and the logs use -- is off by that factor.
+# test_norm_check_catches_a_double_division_by_dp shows it failing.
+NORM_RTOL_16 = 3e-2
+
+
+def _norm_errors(ours, ref):
+    return [abs(o - r) / r for o, r in zip(ours, ref) if o == o]   # NaN: a skipped (overflow) step
+
+
 def _max_rel(a, b):
     return ((a - b).abs().max() / b.abs().max()).item()
 
@@ -174,9 +186,11 @@ def test_bf16_tracks_torch_adamw(tp, world, accum, engine_kw):
     up to 6.1% on one seed with 4 micro-batches; every other tensor stays within 2%)."""
     seed = fresh_seed(f"bf16 tp{tp} world{world} accum{accum} {engine_kw}")
     out = run_world(_train_world, world, tp, "bf16", seed, accum, engine_kw)[0]
-    ref_losses, _, ref_final = _reference(out["init"], seed, world // tp, accum)
+    ref_losses, ref_norms, ref_final = _reference(out["init"], seed, world // tp, accum)
     for ours, ref in zip(out["losses"], ref_losses):
         assert abs(ours - ref) / abs(ref) <= 2e-2
+    assert max(_norm_errors(out["norms"], ref_norms)) <= NORM_RTOL_16, (out["norms"], ref_norms)
+    assert min(out["clips"]) < 1.0
     for name, ref in ref_final.items():
         err = ((out["final"][name] - ref).norm() / ref.norm()).item()
         zero_init = name.endswith(".bias")
@@ -194,8 +208,10 @@ def test_fp16_with_a_real_dynamic_scale_tracks_torch_adamw():
     seed = fresh_seed("fp16 dynamic scale")
     scaler = DynamicLossScaler(initial_scale=2.0**14, growth_interval=3, hysteresis=1)
     out = run_world(_train_world, 2, 1, "fp16", seed, ACCUM, {"loss_scaler": scaler}, 4)[0]
-    ref_losses, _, ref_final = _reference(out["init"], seed, 2, ACCUM, skip_step=4)
+    ref_losses, ref_norms, ref_final = _reference(out["init"], seed, 2, ACCUM, skip_step=4)
     assert out["skipped"] == [i == 4 for i in range(STEPS)]
+    errors = _norm_errors(out["norms"], ref_norms)           # the unscaled norm, every applied step
+    assert len(errors) == STEPS - 1 and max(errors) <= NORM_RTOL_16, (out["norms"], ref_norms)
     # 2^14, grows after 3 clean steps, halves at the overflow, grows again 3 clean steps later
     assert out["scales"] == [2.0**14] * 3 + [2.0**15] * 2 + [2.0**14] * 3 + [2.0**15] * 2, out["scales"]
     for ours, ref in zip(out["losses"], ref_losses):
@@ -203,6 +219,36 @@ def test_fp16_with_a_real_dynamic_scale_tracks_torch_adamw():
     for name, ref in ref_final.items():
         err = ((out["final"][name] - ref).norm() / ref.norm()).item()
         assert err <= (5e-2 if name.endswith(".bias") else 2e-2), (name, err)
+
+
+def _double_division_world(rank, seed):
+    """As _train_world in bf16, with every reduce-scatter input divided by DP once more (the bug
+    the grad-norm check is for)."""
+    from zo_megatron.parallel import collectives
+
+    real = collectives.reduce_scatter
+
+    def twice(output, input, group, async_op=False):
+        input.div_(collectives.group_size(group))
+        return real(output, input, group, async_op=async_op)
+
+    collectives.reduce_scatter = twice
+    try:
+        return _train_world(rank, 1, "bf16", seed)
+    finally:
+        collectives.reduce_scatter = real
+
+
+def test_norm_check_catches_a_double_division_by_dp():
+    """The bf16 tracking test's weights would still track (Adam is scale invariant, the clip hard);
+    its grad-norm check fails, at half the norm."""
+    seed = fresh_seed("bf16 double division")
+    out = run_world(_double_division_world, 2, seed)[0]
+    ref_losses, ref_norms, ref_final = _reference(out["init"], seed, 2)
+    errors = _norm_errors(out["norms"], ref_norms)
+    assert min(errors) > 10 * NORM_RTOL_16, (out["norms"], ref_norms)
+    for ours, ref in zip(out["losses"], ref_losses):     # what the old test looked at: still passes
+        assert abs(ours - ref) / abs(ref) <= 2e-2
 
 
 def _host_grad_world(rank, seed, engine_kw):

@@ -55,3 +55,38 @@ def test_baseline_grad_norm_and_weights_equal_torch(tp, world):
         assert abs(ours - ref) <= 1e-5 * abs(ref)
     for name, ref in ref_final.items():
         assert ((out["final"][name] - ref).norm() / ref.norm()).item() <= 1e-5, name
+
+
+@pytest.mark.parametrize("counted", [(True, True, True), (True, False, True), (False, False, False)])
+def test_norm_stats_stay_on_the_gradients_device(counted):
+    """The norm and the non-finite flag are built where the gradients live, whichever of them are
+    counted. On the 'meta' device (standing in for CUDA: any device but the CPU), a CPU zero for
+    an empty uncounted list made torch.stack raise "not on the expected device" -- every TP=1
+    CUDA run of the DDP baseline crashed at its first step."""
+    from zo_megatron.training.plain_optimizer import local_norm_stats
+
+    grads = [torch.empty(n, device="meta") for n in (3, 5, 7)]
+    stats = local_norm_stats(grads, list(counted))
+    assert stats.device.type == "meta" and stats.shape == (2,) and stats.dtype == torch.float64
+
+
+@pytest.mark.parametrize("poison", [None, "counted", "uncounted"])
+def test_norm_stats_values_equal_float64(poison):
+    from zo_megatron.training.plain_optimizer import local_norm_stats
+
+    seed = fresh_seed(f"norm stats {poison}")
+    gen = torch.Generator().manual_seed(seed)
+    grads = [torch.randn(n, generator=gen) for n in (3, 17, 5, 9)]
+    counted = [True, False, True, False]
+    if poison == "counted":
+        grads[2][1] = float("inf")
+    elif poison == "uncounted":
+        grads[3][4] = float("nan")
+    stats = local_norm_stats(grads, counted)
+    ref = sum(float((g.double() ** 2).sum()) for g, c in zip(grads, counted) if c)
+    if poison is None:
+        assert abs(stats[0].item() - ref) <= 1e-6 * ref and stats[1].item() == 0.0
+    else:
+        # a non-finite gradient shows either in the sum (counted) or in the flag (uncounted)
+        assert not torch.isfinite(stats[0]).item() or stats[1].item() == 1.0
+        assert stats[1].item() == (1.0 if poison == "uncounted" else 0.0)

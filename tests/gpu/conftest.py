@@ -22,6 +22,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def dp2_backend(cuda_devices: int | None = None) -> str:
+    """The backend map of a DP=2 world: NCCL for CUDA tensors when two GPUs are there (one rank
+    each: the real thing), gloo for CUDA tensors when two ranks share one GPU (NCCL refuses two
+    ranks on one device), plain gloo on the CPU dry run."""
+    n = torch.cuda.device_count() if cuda_devices is None else cuda_devices
+    if n >= 2:
+        return "cpu:gloo,cuda:nccl"
+    return "cpu:gloo,cuda:gloo" if n == 1 else "gloo"
+
+
 def device() -> torch.device:
     return torch.device("cuda", 0) if HAVE_CUDA else torch.device("cpu")
 

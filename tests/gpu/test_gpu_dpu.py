@@ -6,7 +6,7 @@ overlapped step) is on. DP=2 runs through gloo for CUDA tensors (NCCL refuses tw
 see test_gpu_engine.py for what that proves and what it does not)."""
 import pytest
 
-from tests.gpu.conftest import HAVE_CUDA
+from tests.gpu.conftest import dp2_backend
 from tests.harness import run_world
 from tests.seeds import fresh_seed
 from tests.test_dpu import STEPS, WARMUP, _dpu_world, _reference
@@ -36,6 +36,6 @@ def test_dpu_on_cuda_equals_the_delayed_reference(precision, engine_kw, tol, bia
 
 def test_dpu_two_ranks_on_one_gpu():
     seed = fresh_seed("gpu dpu dp2")
-    backend = "cpu:gloo,cuda:gloo" if HAVE_CUDA else "gloo"
+    backend = dp2_backend()
     out = run_world(_dpu_world, 2, 1, "fp32", seed, 2, {}, None, None, backend)[0]
     _check(out, seed, 2, 2, 1e-5, 1e-5)

@@ -6,20 +6,24 @@
   fp16 with a live dynamic loss scale and an overflow injected at step 4.
 - The process group carries the "cpu:gloo,cuda:nccl" map: a CPU and a CUDA all-reduce both run
   on one group, and megatron-core's TP/DP subgroups inherit the map (world of 1: NCCL itself).
-- Two ranks on one GPU: NCCL refuses two ranks on one device, so this world uses gloo for CUDA
-  tensors ("cpu:gloo,cuda:gloo"). It proves the engine's CUDA path with real DP=2 collectives on
-  CUDA tensors -- async Work handles, the side stream waiting on them, fixed bucket order, the
-  all-gather into the flat buffer -- and equality with torch. It does NOT prove NCCL's behaviour:
-  gloo's Work.wait() blocks the host, NCCL's only orders streams, so stream-ordering bugs that
-  only NCCL's asynchrony exposes need a machine with two GPUs.
+- DP=2 (conftest.dp2_backend): on a machine with two or more GPUs each rank gets its own GPU and
+  CUDA tensors go through NCCL ("cpu:gloo,cuda:nccl"), the real thing. With one GPU, NCCL refuses
+  two ranks on one device, so the world uses gloo for CUDA tensors ("cpu:gloo,cuda:gloo"): that
+  proves the engine's CUDA path with real DP=2 collectives on CUDA tensors -- async Work handles,
+  the side stream waiting on them, fixed bucket order, the all-gather into the flat buffer -- and
+  equality with torch, but NOT NCCL's behaviour: gloo's Work.wait() blocks the host, NCCL's only
+  orders streams, so stream-ordering bugs that only NCCL's asynchrony exposes need two GPUs.
+- Every tracking test also compares the unclipped grad norm with the reference's each step
+  (tests/test_offload_engine.py's NORM_RTOL_16 in 16 bits): a wrong gradient scale hides from
+  the weights under Adam and a hard clip.
 """
 import pytest
 import torch
 
-from tests.gpu.conftest import HAVE_CUDA, device
+from tests.gpu.conftest import HAVE_CUDA, device, dp2_backend
 from tests.harness import run_world
 from tests.seeds import fresh_seed
-from tests.test_offload_engine import ACCUM, STEPS, _reference, _train_world
+from tests.test_offload_engine import ACCUM, NORM_RTOL_16, STEPS, _norm_errors, _reference, _train_world
 
 transformers = pytest.importorskip("transformers")
 
@@ -81,9 +85,12 @@ def _max_rel(a, b):
 
 
 def _check_against_reference(out, seed, dp, tol, bias_tol, skip_step=None):
-    ref_losses, _, ref_final = _reference(out["init"], seed, dp, ACCUM, skip_step=skip_step)
+    ref_losses, ref_norms, ref_final = _reference(out["init"], seed, dp, ACCUM, skip_step=skip_step)
     for ours, ref in zip(out["losses"], ref_losses):
         assert abs(ours - ref) / abs(ref) <= tol, (ours, ref)
+    norm_tol = 1e-5 if tol <= 1e-5 else NORM_RTOL_16
+    errors = _norm_errors(out["norms"], ref_norms)
+    assert len(errors) == STEPS - (skip_step is not None) and max(errors) <= norm_tol, (out["norms"], ref_norms)
     for name, ref in ref_final.items():
         err = ((out["final"][name] - ref).norm() / ref.norm()).item()
         assert err <= (bias_tol if name.endswith(".bias") else tol), (name, err)
@@ -120,9 +127,9 @@ def test_engine_on_cuda_fp16_real_scale_and_overflow():
 
 @pytest.mark.parametrize("precision,tol,bias_tol", [("fp32", 1e-5, 1e-5), ("bf16", 2e-2, 1e-1)])
 def test_two_ranks_on_one_gpu_equal_torch_adamw(precision, tol, bias_tol):
-    """DP=2 on one GPU through gloo for CUDA tensors (see the module docstring for what it proves)."""
+    """DP=2: NCCL with two GPUs, gloo for CUDA tensors on one (the module docstring says what each proves)."""
     seed = fresh_seed(f"gpu dp2 {precision}")
-    backend = "cpu:gloo,cuda:gloo" if HAVE_CUDA else "gloo"
+    backend = dp2_backend()
     out = run_world(_train_world, 2, 1, precision, seed, ACCUM, None, None, backend)[0]
     _check_against_reference(out, seed, 2, tol, bias_tol)
 

@@ -10,6 +10,9 @@ The engine runs one algorithm on both; this layer decides how each hand-off is o
           stream waits on that event before it reuses the bucket buffer.
           Host->device: the side stream first waits for the compute stream (kernels may still
           read the parameters being overwritten), copies, and the compute stream waits for it.
+          The copy reads pinned host memory asynchronously: an event recorded after it lets the
+          host wait (wait_device_reads) before it rewrites that memory (the next CPU Adam, a
+          reload from the master), whether or not a syncing backward came in between.
     CPU   "host" and "device" are the same memory. An async gloo collective runs on gloo's own
           thread, so the copy home is deferred: it runs (after Work.wait()) when the bucket
           buffer is needed again or when the host needs the gradients -- backward keeps going
@@ -17,9 +20,12 @@ The engine runs one algorithm on both; this layer decides how each hand-off is o
 """
 from __future__ import annotations
 
+import time
 import weakref
 
 import torch
+
+from zo_megatron.parallel import collectives
 
 
 def _unregister(ptrs: list[int]) -> None:
@@ -55,6 +61,7 @@ class DeviceLayer:
         self._finalizer = weakref.finalize(self, _unregister, self._registered)
         self._stream = torch.cuda.Stream(device=device) if self.is_cuda else None
         self._pending: list = []                  # CUDA events / CPU deferred copies not yet waited for
+        self._reads: list = []                    # CUDA events: host->device copies that may still read
 
     # ------------------------------------------------------------------------------ allocation
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -93,7 +100,7 @@ class DeviceLayer:
             dst.copy_(src, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(self._stream)
-        self._pending.append(ev)
+        self._pending.append((ev, time.monotonic()))
         return ev
 
     def release(self, handle) -> None:
@@ -108,11 +115,42 @@ class DeviceLayer:
     def wait_host(self) -> None:
         """Block the host until every copy home has landed (and the side stream is idle)."""
         if self.is_cuda:
+            for ev, issued in self._pending:       # each behind its collective: a dead peer times out
+                self._wait_event(ev, issued)
             self._stream.synchronize()
         else:
             for handle in self._pending:
                 handle.run()
         self._pending.clear()
+        self._reads.clear()                        # the side stream is idle: every copy has read
+
+    def _wait_event(self, ev, issued: float) -> None:
+        """ev.synchronize(), but a collective that never completes (a dead or hung NCCL peer) ends
+        the wait after collectives.host_wait_timeout() seconds from when the work was queued with
+        CollectiveTimeout, instead of blocking in a stream synchronize until NCCL's watchdog
+        aborts the process without a word."""
+        limit = collectives.host_wait_timeout()
+        if limit is None:
+            ev.synchronize()
+            return
+        deadline, pause = issued + limit, 1e-5
+        while not ev.query():
+            if time.monotonic() > deadline:
+                raise collectives.CollectiveTimeout(
+                    f"timed out after {limit:g} s waiting on {self.device} for a collective's result "
+                    "(a peer died or hung)")
+            time.sleep(pause)
+            pause = min(2 * pause, 1e-3)
+
+    def wait_device_reads(self) -> None:
+        """Block the host until every host->device copy issued so far has read its host source:
+        call before the host rewrites a buffer such a copy reads (the CPU Adam's output, a
+        reload from the master). The compute stream's wait in copy_to_device orders only device
+        work; without this the host could overwrite pinned memory an async copy is still reading.
+        On the CPU the copy ran synchronously: nothing to wait for."""
+        for ev, issued in self._reads:
+            self._wait_event(ev, issued)
+        self._reads.clear()
 
     # ------------------------------------------------------------------------- host -> device
     def copy_to_device(self, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -127,6 +165,9 @@ class DeviceLayer:
         self._stream.wait_stream(compute)
         with torch.cuda.stream(self._stream):
             dst.copy_(src, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self._stream)
+        self._reads.append((ev, time.monotonic()))   # src must not be rewritten before ev (wait_device_reads)
         compute.wait_stream(self._stream)
 
     # ---------------------------------------------------------------------------------- close
@@ -135,9 +176,20 @@ class DeviceLayer:
         return sum(t.numel() * t.element_size() for t in self._keep)
 
     def close(self) -> None:
-        """Unregister pinned host memory (idempotent). Pending copies are waited for first."""
+        """Unregister pinned host memory (idempotent). Pending copies -- and on the CPU the async
+        collectives they wait on -- are waited for first: nothing is left in flight."""
         if self.is_cuda and self._stream is not None:
             self._stream.synchronize()
+        elif not self.is_cuda:
+            # A deferred copy home still holds its async gloo Work: wait for it here, so that no
+            # collective outlives close() (gloo's thread finishing one while the interpreter shuts
+            # down can abort the process at exit). An error path may find it failed: it is done.
+            for handle in self._pending:
+                try:
+                    handle.run()
+                except Exception:  # noqa: BLE001 - the collective ended; the caller's error stands
+                    handle.work = handle.dst = handle.src = None
         self._pending.clear()
+        self._reads.clear()
         self._finalizer()
         self._keep.clear()

@@ -16,7 +16,10 @@ updates the head; on a CPU-only machine the "device" is the CPU and they run one
 from __future__ import annotations
 
 import torch
+# Two functionals, not adam(decoupled_weight_decay=...): that keyword is newer than the torch>=2.4
+# floor (pyproject.toml); adam() and adamw() with the arguments below are in 2.4 and still in 2.13.
 from torch.optim.adam import adam as torch_adam
+from torch.optim.adamw import adamw as torch_adamw
 
 
 class DeviceOptimizerTail:
@@ -61,11 +64,11 @@ class DeviceOptimizerTail:
                 continue
             sl = [slice(self.pieces[i][0], self.pieces[i][1]) for i in idx]
             steps = [self._steps[i].fill_(step - 1) for i in idx]      # the kernel adds one
-            torch_adam(
+            (torch_adamw if a.adamw else torch_adam)(
                 [self.master[s] for s in sl], [self.grad[s] for s in sl], [self.exp_avg[s] for s in sl],
                 [self.exp_avg_sq[s] for s in sl], [], steps, fused=True,
                 grad_scale=torch.tensor(1.0 / grad_scale, dtype=torch.float32, device=self.grad.device),
-                decoupled_weight_decay=a.adamw, amsgrad=False, beta1=a.beta1, beta2=a.beta2, lr=lr,
+                amsgrad=False, beta1=a.beta1, beta2=a.beta2, lr=lr,
                 weight_decay=a.weight_decay if decay else 0.0, eps=a.eps, maximize=False)
         self.write_params()
 

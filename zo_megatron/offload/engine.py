@@ -486,6 +486,7 @@ class ZeroOffloadEngine:
         self.check_params()
         t0 = time.monotonic()
         self.finish_grad_sync()
+        self.dev.wait_device_reads()     # the last host->device copies have read what the CPU Adam rewrites
         self._phases.append(("grad_sync", t0, time.monotonic()))
         self._check_no_race()
         grad = self.host_acc if self.accumulate_on_host else self.host_grad
@@ -594,6 +595,7 @@ class ZeroOffloadEngine:
     def reload_params_from_master(self) -> None:
         """Re-derive the 16-bit parameters from the fp32 master (after loading a checkpoint)."""
         self.flush()
+        self.dev.wait_device_reads()     # an async host->device copy may still read host_param
         self.host_param.copy_(self.master.to(self.dtype))
         if self._tail is not None:
             self._tail.write_params()
@@ -670,4 +672,5 @@ class ZeroOffloadEngine:
             for h in self._hooks:
                 h.remove()
             self._hooks = []
-            self.dev.close()
+            self.dev.close()                # waits for every collective still in flight
+            self._reset_bucket_state()      # and drops the buffers' last references to them

@@ -40,6 +40,26 @@ _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp
 _devices_of_group: dict[int, frozenset[str]] = {}
 
 
+class CollectiveTimeout(RuntimeError):
+    """A host-side wait for a device collective's result timed out: a peer died or hung (its
+    message says "timed out", so the training loop's lost-peer handling prints its one line)."""
+
+
+_host_wait_timeout_s: float | None = None
+
+
+def set_host_wait_timeout(seconds: float | None) -> None:
+    """How long a host-side wait for a device collective (DeviceLayer) may last before it raises
+    CollectiveTimeout; None: wait without limit. init_parallel sets it below the process group's
+    timeout, so the wait ends before NCCL's watchdog tears the process down without a word."""
+    global _host_wait_timeout_s
+    _host_wait_timeout_s = seconds
+
+
+def host_wait_timeout() -> float | None:
+    return _host_wait_timeout_s
+
+
 def default_backend(device: torch.device) -> str:
     """The backend map for a process group whose compute device is `device`."""
     return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"

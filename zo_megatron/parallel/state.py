@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from zo_megatron.errors import ConfigError
+from zo_megatron.parallel import collectives
 from zo_megatron.parallel.collectives import default_backend
 
 
@@ -96,6 +97,15 @@ def init_parallel(tensor_parallel: int = 1, *, seed: int = 1234, num_attention_h
     device = _default_device(env.local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    if device.type == "cuda":
+        # A dead or hung peer under NCCL: the survivors' host waits on a device collective
+        # (DeviceLayer) end at 90% of the timeout with a lost-peer error -- one line naming the rank
+        # and the last completed iteration, exit 1 (training/faults.py). NCCL's watchdog stays the
+        # backstop at the full timeout for any other blocking point: torch documents
+        # TORCH_NCCL_ASYNC_ERROR_HANDLING=3 (its default) as "tearing down the process" when it
+        # observes a timeout, so nothing is left running either way.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+        collectives.set_host_wait_timeout(0.9 * timeout_s)
     if not dist.is_initialized():
         export_torch_env(env)
         dist.init_process_group(

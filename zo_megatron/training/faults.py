@@ -32,15 +32,37 @@ import torch.distributed as dist
 
 from zo_megatron.parallel import collectives
 
-_PEER_MARKERS = ("connection closed", "connection reset", "timed out", "timeout", "broken pipe",
-                 "socket", "gloo", "nccl", "peer")
+# What a collective says when a peer is gone or silent: gloo's "Connection closed by peer" /
+# "Connection reset by peer" / "Timed out waiting ... for recv", NCCL's watchdog timeout
+# ("... ran for N milliseconds before timing out"), ncclRemoteError ("remote process exited or
+# there was a network error") and a communicator aborted after one of those.
+_PEER_MARKERS = ("connection closed", "connection reset", "connection refused", "broken pipe", "timed out",
+                 "timeout", "remote process exited", "ncclremoteerror", "network error",
+                 "communicator was aborted", "socket closed")
+# What says the error is this rank's own, whatever else the message mentions: NCCL's usage and
+# argument errors, CUDA errors and memory exhaustion keep their type and traceback.
+_OWN_ERROR_MARKERS = ("invalid usage", "ncclinvalidusage", "invalid argument", "ncclinvalidargument",
+                      "out of memory", "unhandled cuda error", "cuda error", "illegal memory access")
+
+
+# torch.OutOfMemoryError is the newer name; torch.cuda.OutOfMemoryError is the same class there
+_OUT_OF_MEMORY = tuple({getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError), torch.cuda.OutOfMemoryError})
 
 
 def is_lost_peer(exc: BaseException) -> bool:
-    """A collective failed because another rank is gone or never answered."""
-    if isinstance(exc, getattr(dist, "DistError", ())):
-        return True
-    return isinstance(exc, RuntimeError) and any(m in str(exc).lower() for m in _PEER_MARKERS)
+    """A collective failed because another rank is gone or never answered -- not because this
+    rank misused it or ran out of memory (those are bugs or resource errors: they keep their
+    message, type and traceback, even when the message names NCCL or gloo)."""
+    if isinstance(exc, _OUT_OF_MEMORY):
+        return False
+    if isinstance(exc, (getattr(dist, "DistNetworkError", ()), getattr(dist, "DistStoreError", ()))):
+        return True                        # the transport or the rendezvous store lost a peer
+    if not isinstance(exc, RuntimeError):   # DistBackendError and gloo's plain RuntimeError: read them
+        return False
+    msg = str(exc).lower()
+    if any(m in msg for m in _OWN_ERROR_MARKERS):
+        return False
+    return any(m in msg for m in _PEER_MARKERS)
 
 
 def exit_lost_peer(exc: BaseException, rank: int, iteration: int, timeout_min: float) -> None:

@@ -107,6 +107,11 @@ def pretrain(argv=None) -> int:
     if args.tensor_parallel > 1:
         # As Megatron-LM's launch scripts do: one hardware queue, so each TP layer's async
         # all-reduce is scheduled before the weight-gradient GEMM it overlaps (set before CUDA starts).
+        # The cost (issue 27, item 4; unmeasured): in one in-order queue, the side stream's wait for
+        # a bucket's reduce-scatter (offload/device.py copy_home) may hold back backward kernels
+        # queued after it, where Megatron waits for its reduce-scatters only at the end of
+        # backward. The TP overlap is kept as Megatron has it; tests/gpu/test_gpu_stream_connections.py
+        # measures the stall on the first GPU lent, and docs/gpu.md says what to change if it shows.
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     from zo_megatron.parallel import validate_parallel_config
     from zo_megatron.parallel.launch_env import default_cpu_adam_threads, discover_launch_env

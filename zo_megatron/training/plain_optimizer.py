@@ -21,6 +21,24 @@ from zo_megatron.parallel import collectives
 _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def local_norm_stats(grads: list[torch.Tensor], counted: list[bool]) -> torch.Tensor:
+    """[sum of squared per-tensor norms of the counted gradients, 1.0 if any gradient is
+    non-finite else 0.0] in float64, on the gradients' device.
+
+    Per-tensor fp32 norms in one multi-tensor call (as Megatron's multi_tensor_l2norm), their
+    squares summed in float64; a NaN/inf in any gradient makes its norm, and so the sum,
+    non-finite. Both numbers are built on the gradients' device -- an empty list's zero too --
+    so they stack there and cross to the host in one transfer (a CPU zero next to a CUDA sum
+    made torch.stack raise on every TP=1 CUDA run)."""
+    device = grads[0].device
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    counted_grads = [g for g, c in zip(grads, counted) if c]
+    sumsq = torch.stack(torch._foreach_norm(counted_grads)).double().square().sum() if counted_grads else zero
+    uncounted = [g for g, c in zip(grads, counted) if not c]    # TP copies: only their finiteness
+    bad = torch.stack(torch._foreach_norm(uncounted)).double().sum() if uncounted else zero
+    return torch.stack([sumsq, (~torch.isfinite(bad)).double()])
+
+
 class PlainDDPOptimizer:
     holds_master_weights = False            # the model's fp32 weights are the truth
 
@@ -99,16 +117,9 @@ class PlainDDPOptimizer:
     def _step(self, lr: float | None) -> StepResult:
         self._allreduce_grads()
         scale = self.loss_scaler.scale
-        # Per-tensor fp32 norms in one multi-tensor call (as Megatron's multi_tensor_l2norm), their
-        # squares summed in float64; a NaN/inf in any gradient makes its norm, and so the sum,
-        # non-finite. One device->host transfer, one small all-reduce.
+        # One device->host transfer, one small all-reduce.
         grads = [p.grad for p in self.params]
-        counted = [g for g, c in zip(grads, self._counted) if c]
-        norms = torch._foreach_norm(counted) if counted else []
-        sumsq = torch.stack(norms).double().square().sum() if norms else torch.zeros((), dtype=torch.float64)
-        uncounted = [g for g, c in zip(grads, self._counted) if not c]    # TP copies: only their finiteness
-        bad = torch.stack(torch._foreach_norm(uncounted)).sum().double() if uncounted else torch.zeros(())
-        stats = torch.stack([sumsq.to(torch.float64), (~torch.isfinite(bad)).double().reshape(())]).cpu()
+        stats = local_norm_stats(grads, self._counted).cpu()
         collectives.all_reduce(stats)   # over the world: every DP replica adds the same sum
         stats[0] /= self.dp_size           # after the all-reduce, so each is counted once
         found_inf = stats[1].item() > 0 or not math.isfinite(stats[0].item())
