@@ -232,6 +232,7 @@ def test_dcp_checkpoint_of_swiglu_gqa_untied_model_reshards_tp2_to_tp1_and_tp4(t
             assert torch.equal(d["master"], truth[name]["master"]), (tp, name)
 
 
+@pytest.mark.slow
 def test_job_trains_a_llama_shape_saves_at_tp2_and_resumes_at_tp1(tmp_path):
     """pretrain_gpt.py with a Megatron-LM Llama launch's architecture flags: trains at TP2 with
     --zero-offload, saves, resumes at TP1 x DP2 from the resharded checkpoint and goes on."""

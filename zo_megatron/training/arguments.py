@@ -262,6 +262,7 @@ def add_architecture_flags(g) -> None:
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm",
                    help="the norm of every layer and the final norm")
     g.add_argument("--norm-epsilon", "--layernorm-epsilon", dest="layernorm_epsilon", type=float, default=1e-5,
+                   metavar="EPS",
                    help="epsilon of LayerNorm / RMSNorm")
     g.add_argument("--swiglu", action="store_true",
                    help="gated SiLU MLP (linear_fc1 = [gate; up]) instead of GELU")
