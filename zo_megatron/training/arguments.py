@@ -93,8 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("attention and sequence parallelism (Megatron-LM's names)")
     g.add_argument("--use-flash-attn", action="store_true",
                    help="core attention through torch's scaled_dot_product_attention, causal: no [b, heads, s, s] "
-                        "scores, probabilities or dropout mask are stored (~5 bytes x b*heads*s^2 per layer in 16 "
-                        "bits), only a logsumexp of b*heads*s floats; flash or memory-efficient kernel on a GPU, "
+                        "scores, probabilities or dropout mask are stored (the local attention keeps ~6 bytes x "
+                        "b*heads/TP*s^2 per layer in bf16, more with dropout), only a logsumexp of b*heads/TP*s "
+                        "floats; flash or memory-efficient kernel on a GPU, "
                         "torch's fused kernel on a CPU (with attention dropout the CPU falls back to the math path). "
                         "Same as --attention-backend flash")
     g.add_argument("--attention-backend", choices=list(ATTENTION_BACKENDS), default=None,
