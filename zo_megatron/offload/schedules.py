@@ -53,6 +53,18 @@ from zo_megatron.optimizer_api import StepResult
 WORKER_PREFIX = "zo-cpu-step"       # the worker threads' name prefix: they never issue a collective
 
 
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(_INT_OF_SIZE[t.element_size()])
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (a NaN gradient of a step about to be skipped equals itself)."""
+    return torch.equal(_bits(a), _bits(b))
+
+
 class SynchronousSchedule:
     """The CPU step at once: step() returns with the parameters on their way to the device."""
 
@@ -241,8 +253,8 @@ class SpeculativeSchedule(SynchronousSchedule):
         finally:
             engine._phases.append(("cpu_step_wait", t0, time.monotonic()))
         for name, lo, view, snap in self._race:
-            if not torch.equal(view, snap):
-                at = (view != snap).nonzero()[0].item() + lo
+            if not _same_bits(view, snap):
+                at = (_bits(view) != _bits(snap)).nonzero()[0].item() + lo
                 raise RuntimeError(f"overlap race: the {name} of a speculated segment changed between its "
                                    f"CPU Adam and the end of backward (first at partition index {at})")
         self._race = []
