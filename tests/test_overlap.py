@@ -265,3 +265,48 @@ def test_overlap_with_dpu_is_refused_in_one_line():
     with pytest.raises(ConfigError, match="--overlap-cpu-step cannot be combined with --dpu") as e:
         _tiny(dpu_warmup_steps=2)
     assert "\n" not in str(e.value)
+
+
+# ------------------------------------------------------------------ memory: planner == accounting
+_MEM_CASES = [  # (precision, engine kwargs, optimizer state dtype)
+    ("bf16", {}, "fp32"),
+    ("bf16", {"host_grad_dtype": "fp32"}, "fp32"),
+    ("fp32", {}, "bf16"),
+]
+
+
+def _accounting_world(rank):
+    from zo_megatron.model import GPTConfig, build_gpt_model
+    from zo_megatron.offload.engine import AdamConfig, ZeroOffloadEngine
+    from zo_megatron.parallel import init_parallel
+
+    ps = init_parallel(1, seed=5, num_attention_heads=HEADS, hidden_size=HIDDEN)
+    out = []
+    for precision, kw, states in _MEM_CASES:
+        cfg = GPTConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, vocab_size=VOCAB,
+                        max_position_embeddings=SEQ, precision=precision)
+        for overlap in (False, True):
+            model = build_gpt_model(cfg, ps.tp_rank, ps.tp_size, 5)
+            with ZeroOffloadEngine(model, precision=precision, bucket_size=3000, dp_group=ps.dp_group,
+                                   adam=AdamConfig(state_dtype=states), overlap_cpu_step=overlap, **kw) as engine:
+                out.append(engine.accounting.as_dict())
+    return out
+
+
+def test_planner_overlap_line_equals_the_engine_accounting():
+    """The planner's `overlap_rollback` item is what --overlap-cpu-step adds to the engine's host
+    bytes: the master + moments backup, and the 16-bit output apart when it would alias the gradient."""
+    from zo_megatron.planner import PlanInput, plan
+
+    accounts = run_world(_accounting_world, 2)[0]
+    for c, (precision, kw, states) in enumerate(_MEM_CASES):
+        off, on = accounts[2 * c], accounts[2 * c + 1]
+        added = on["host_bytes"] - off["host_bytes"]
+        assert added == on["host_overlap_bytes"] > 0
+        p = plan(PlanInput(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, vocab_size=VOCAB,
+                           seq_length=SEQ, max_position_embeddings=SEQ, data_parallel=2, micro_batch_size=MICRO,
+                           precision=precision, bucket_size=3000, overlap_cpu_step=True,
+                           bf16_optimizer_states=states == "bf16", host_grad_fp32=kw.get("host_grad_dtype") == "fp32",
+                           device_is_host=True))
+        planned = p.host_items["overlap_rollback"] // p.ranks_per_node
+        assert abs(planned - added) <= 0.01 * added, (precision, kw, planned, added)
