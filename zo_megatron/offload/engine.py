@@ -514,7 +514,8 @@ class ZeroOffloadEngine:
 
     def drain_phases(self) -> list[tuple[str, float, float]]:
         """(phase, start, end) in time.monotonic() seconds recorded since the last call: grad_sync,
-        cpu_step (the worker's, under DPU), cpu_step_wait (the main thread waiting for it),
+        cpu_step (the worker's, under DPU), cpu_step_speculated (per bucket on the worker during
+        backward, --overlap-cpu-step), cpu_step_rollback, cpu_step_wait (the main thread waiting),
         param_return (host->device + all-gather)."""
         out = []
         while self._phases:          # popleft, not clear(): the worker may append meanwhile
