@@ -36,7 +36,7 @@ command). `--timeline FILE` writes each variant's phases as `--timeline` JSON li
 
 Fairness: every variant starts from the same weights (zo_megatron's layout-independent init,
 mapped to HF names with zo_megatron/checkpoint/hf_gpt2.py), sees the same batches (random tokens,
-one stream per DP rank), clips the global gradient norm at 1.0 and uses the same AdamW
+one stream per DP rank), clips the global gradient norm at --clip-grad (1.0) and uses the same AdamW
 (betas 0.9/0.95, eps 1e-8, weight decay 0.1 on matrices only, the same lr). After the steps each
 variant's loss on a fixed held-out batch is reported (`loss_after`): in fp32 all variants must
 agree to 1e-4 relative, so nobody wins by doing less work. bf16 runs each engine's own
@@ -97,7 +97,7 @@ VARIANTS = ("zo_offload", "zo_offload_f0.5", "zo_baseline", "torch_ddp", "deepsp
 SCHEDULE_VARIANTS = ("zo_offload_overlap", "zo_offload_dpu")
 HF_VARIANTS = ("torch_ddp", "deepspeed_offload")
 REGIMES = {"compute-bound": dict(seq=256, micro_batch=4), "optimizer-bound": dict(seq=32, micro_batch=1)}
-BETAS, EPS, WD, CLIP = (0.9, 0.95), 1e-8, 0.1, 1.0
+BETAS, EPS, WD = (0.9, 0.95), 1e-8, 0.1
 FP32_RTOL, BF16_RTOL = 1e-4, 2e-2
 # (layers, hidden, heads) for --sweep: ~10M .. ~1.3B parameters (vocab 50257)
 SWEEP_SHAPES = ((2, 128, 4), (6, 512, 8), (12, 768, 12), (24, 1024, 16), (24, 1536, 16), (24, 2048, 16))
@@ -158,6 +158,9 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=1e-4,
                    help="AdamW lr of every variant (2e-3 makes the loss-agreement check sharper)")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--clip-grad", type=float, default=1.0,
+                   help="global grad-norm clip of every variant (0: none; with zo_offload_overlap a step that "
+                        "clips is rolled back and redone, one that does not is committed)")
     p.add_argument("--threads", type=int, default=0, help="threads per rank (default: CPUs / ranks)")
     p.add_argument("--sweep", action="store_true", help="scaling sweep of zo_offload and deepspeed_offload")
     p.add_argument("--sweep-max-params", type=float, default=0,
@@ -304,7 +307,7 @@ class _ZoVariant(_Variant):
             from zo_megatron.offload.engine import ZeroOffloadEngine
 
             self.model = build_gpt_model(cfg, ps.tp_rank, ps.tp_size, a.seed)
-            self.opt = ZeroOffloadEngine(self.model, precision=cfg.precision, adam=adam, clip_grad=CLIP,
+            self.opt = ZeroOffloadEngine(self.model, precision=cfg.precision, adam=adam, clip_grad=a.clip_grad,
                                          bucket_size=a.bucket_size, dp_group=ps.dp_group, tp_rank=ps.tp_rank,
                                          device=ps.device, optimizer_offload_fraction=fraction,
                                          **(schedule or {}))
@@ -316,7 +319,7 @@ class _ZoVariant(_Variant):
 
             self.model = build_gpt_model(cfg.__class__(**{**cfg.__dict__, "precision": "fp32"}), ps.tp_rank,
                                          ps.tp_size, a.seed, device=ps.device)
-            self.opt = PlainDDPOptimizer(self.model, precision=cfg.precision, adam=adam, clip_grad=CLIP,
+            self.opt = PlainDDPOptimizer(self.model, precision=cfg.precision, adam=adam, clip_grad=a.clip_grad,
                                          dp_group=ps.dp_group, tp_rank=ps.tp_rank)
         self.n_local = sum(p.numel() for p in self.model.parameters())
         self.phase_log: list[list] = []                    # per step: (phase, start, end), --timeline
@@ -409,7 +412,7 @@ class _DDPVariant(_Variant):
         loss.backward()                # DDP all-reduces the gradient buckets during backward
         sync()
         t2 = now()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), CLIP)
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.ctx.args.clip_grad or float("inf"))
         for g in self.opt.param_groups:
             g["lr"] = self.ctx.args.lr
         self.opt.step()
@@ -446,7 +449,7 @@ class _DeepSpeedVariant(_Variant):
         config = {
             "train_micro_batch_size_per_gpu": ctx.micro_batch,
             "gradient_accumulation_steps": 1,
-            "gradient_clipping": CLIP,
+            "gradient_clipping": a.clip_grad,
             "bf16": {"enabled": bf16},
             "optimizer": {"type": "AdamW", "params": {"lr": a.lr, "betas": list(BETAS), "eps": EPS,
                                                       "weight_decay": WD}},
