@@ -310,3 +310,40 @@ def test_planner_overlap_line_equals_the_engine_accounting():
                            device_is_host=True))
         planned = p.host_items["overlap_rollback"] // p.ranks_per_node
         assert abs(planned - added) <= 0.01 * added, (precision, kw, planned, added)
+
+
+# ------------------------------------------------------------------ the job: flag, banner, log, timeline
+def test_the_job_overlaps_logs_the_counts_and_writes_the_timeline(tmp_path):
+    import json
+
+    from tests.test_pretrain import TINY, _rows, _torchrun
+    from zo_megatron.data import extract_corpus
+    from zo_megatron.data.preprocess import preprocess
+
+    files = extract_corpus(str(tmp_path / "txt"), limit=8)
+    preprocess(files, str(tmp_path / "sotu"), progress=False)
+    log, tl = tmp_path / "log.jsonl", tmp_path / "run.timeline"
+    r = _torchrun(["--zero-offload", "--overlap-cpu-step", "--bucket-size", "20000", "--data-path",
+                   str(tmp_path / "sotu_text_document"), "--train-iters", "4", "--log-jsonl", str(log),
+                   "--timeline", str(tl), *TINY], tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "CPU step overlapped with backward (--overlap-cpu-step" in r.stdout
+    rows = _rows(log, "train")
+    assert [x["iteration"] for x in rows] == [1, 2, 3, 4]
+    for x in rows:
+        assert x["overlap_cpu_step"] is True and x["speculated_buckets"] > 1
+        assert x["rolled_back_buckets"] in (0, x["speculated_buckets"])
+        # the demo clips at 1.0: a rollback exactly when the norm was above it
+        assert (x["rolled_back_buckets"] > 0) == (x["grad_norm"] > 1.0), x
+    assert f"speculated {rows[0]['speculated_buckets']} rolled back" in r.stdout
+    phases = [json.loads(line)["phase"] for line in open(f"{tl}.rank0")]
+    assert phases.count("cpu_step_speculated") >= 4 * 2
+
+
+def test_overlap_with_dpu_on_the_command_line_is_one_line(tmp_path):
+    from tests.test_pretrain import TINY, _single
+
+    r = _single(["--zero-offload", "--dpu", "--overlap-cpu-step", "--train-iters", "2", *TINY], tmp_path)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "error: --overlap-cpu-step cannot be combined with --dpu (DPU already takes the CPU step off the critical "
+        "path, one update late): use one or the other"], r.stderr
