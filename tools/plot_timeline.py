@@ -66,7 +66,7 @@ def summarize(rows: list[dict]) -> dict:
         for r in mine:
             by[r["phase"]].append((r["start"], r["end"]))
         compute = by["forward"] + by["backward"]
-        cpu = by["cpu_step"] + by["cpu_step_speculated"]
+        cpu = by.get("cpu_step", []) + by.get("cpu_step_speculated", [])
         cpu_total = sum(e - s for s, e in cpu)
         out[rank] = {
             "mean_ms": {p: 1e3 * sum(e - s for s, e in v) / len(v) for p, v in sorted(by.items())},

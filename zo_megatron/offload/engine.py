@@ -80,6 +80,9 @@ class ZeroOffloadEngine:
     than that buffer and the buckets. `grad_reduce_in_fp32` (None: Megatron's default for the
     precision) puts the bucket buffers and the reduce-scatter in fp32; `host_grad_dtype` "fp32"
     copies the reduced fp32 shards home in fp32 (default: the 16-bit parameter dtype).
+    `dpu_warmup_steps` (DPU) and `overlap_cpu_step` pick the schedule of the CPU step
+    (schedules.py); with overlap, announce each step's learning rate with expect_lr() before its
+    backward, or a step with a new rate is rolled back and redone (exact, only slower).
     """
 
     def __init__(self, model: torch.nn.Module, *, precision: str = "bf16", adam: AdamConfig | None = None,

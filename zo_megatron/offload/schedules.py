@@ -260,12 +260,11 @@ class SpeculativeSchedule(SynchronousSchedule):
         self._race = []
 
     def _rollback(self, engine) -> None:
-        segs = engine._host_segments
-        live = (engine.master, engine.exp_avg, engine.exp_avg_sq)
-        for j in self.done:
-            a, e = segs[j][0], segs[j][1]
-            for saved, t in zip(self.backup, live):
-                t[a:e].copy_(saved[a:e])
+        """Restore the speculated segments: always a prefix of the partition (buckets land in order)."""
+        hi = engine._host_segments[self.done[-1]][1]
+        assert self.done == list(range(len(self.done)))
+        for saved, t in zip(self.backup, (engine.master, engine.exp_avg, engine.exp_avg_sq)):
+            t[:hi].copy_(saved[:hi])
 
     def step(self, engine, found_inf: bool, grad_norm: float, scale: float, lr: float) -> StepResult:
         self.before_norm(engine)            # (already joined by the engine; kept for direct callers)
@@ -290,7 +289,7 @@ class SpeculativeSchedule(SynchronousSchedule):
         k = engine._cur
         if engine._tail is not None:
             engine._tail.step(engine.step_count, lr, clip_coef / scale)
-        rest = [s for j, s in enumerate(engine._host_segments) if j not in set(done)]
+        rest = engine._host_segments[len(done):]            # done is a prefix (see _rollback)
         if rest:                            # segments whose gradients were complete only at the end
             engine._cpu_update(k, engine._update_grad(), engine.step_count, lr, clip_coef / scale, segments=rest)
         engine._params_to_device(k)
