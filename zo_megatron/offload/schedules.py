@@ -213,8 +213,8 @@ class SpeculativeSchedule(SynchronousSchedule):
         hs, m = bucket.host_start, min(bucket.shard_numel, max(0, engine._cut - bucket.host_start))
         if not m:
             return
-        t0 = time.monotonic()
         engine.dev.wait_landed(handle)
+        t0 = time.monotonic()                   # the phase is the worker's work, not its wait
         step, lr, grad_scale, first_micro = self.args
         if engine.accumulate_on_host:       # what backward() does for the whole partition otherwise
             acc, g = engine.host_acc[hs:hs + m], engine.host_grad[hs:hs + m]
