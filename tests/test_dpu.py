@@ -58,7 +58,7 @@ def _dpu_world(rank, tp, precision, seed, accum, engine_kw, overflow_step=None, 
             total += loss.detach().float().cpu() / accum
         collectives.all_reduce(total, group=ps.dp_group)
         res = engine.step(lr=_lr(step))
-        in_flight.append(engine._pending is not None)
+        in_flight.append(engine.schedule.pending is not None)
         if step == flush_at:
             assert engine.flush() is not None
         losses.append(total.item() / ps.dp_size)
@@ -221,7 +221,7 @@ def test_the_cpu_step_runs_while_the_next_forward_and_backward_run(monkeypatch):
     with engine:
         _one_step(model, engine)                       # update 1: at once
         _one_step(model, engine)                       # update 2: handed to the worker
-        assert engine._pending is not None
+        assert engine.schedule.pending is not None
         _one_step(model, engine, inside_next_step.set)  # step 3 runs while update 2 waits
         assert engine.flush() is not None
         assert engine.step_count == 3
@@ -258,7 +258,7 @@ def test_close_joins_the_worker_and_raises_its_error(monkeypatch):
     _one_step(model, engine)
     with pytest.raises(OSError, match="late failure"):
         engine.close()
-    assert engine._hooks == [] and engine._worker is None
+    assert engine._hooks == [] and engine.schedule.worker is None
 
 
 def test_the_race_check_catches_a_parameter_written_during_an_update():

@@ -20,9 +20,23 @@ processes, the variants:
                      "offload_optimizer": {"device": "cpu"} (DeepSpeedCPUAdam), when `deepspeed`
                      imports (otherwise the row says skipped and why)
 
+and, when named in --variants, the other schedules of the CPU step (offload/schedules.py):
+
+  zo_offload_overlap zo_offload with --overlap-cpu-step (per-bucket CPU Adam during backward,
+                     speculated and validated: the same losses as zo_offload, bit for bit)
+  zo_offload_dpu     zo_offload with --dpu from the first update (W=1: one update stale, so its
+                     loss is not compared; it is flushed before the evaluation loss)
+
+`--split-cores` (one rank, >= 2 CPUs): the rank's main thread -- forward, backward, everything
+torch does, with ONE intra-op thread -- is pinned to CPU 0 and the CPU Adam (ONE thread, on the
+schedule's worker under overlap/DPU, inline in step() otherwise) to CPU 1, so the "device" and
+the CPU optimizer are two separate resources as on a GPU machine (docs/overlap.md has the
+command). `--timeline FILE` writes each variant's phases as `--timeline` JSON lines
+(FILE.<variant>) and draws them with tools/plot_timeline.py (FILE.<variant>.png).
+
 Fairness: every variant starts from the same weights (zo_megatron's layout-independent init,
 mapped to HF names with zo_megatron/checkpoint/hf/gpt2.py), sees the same batches (random tokens,
-one stream per DP rank), clips the global gradient norm at 1.0 and uses the same AdamW
+one stream per DP rank), clips the global gradient norm at --clip-grad (1.0) and uses the same AdamW
 (betas 0.9/0.95, eps 1e-8, weight decay 0.1 on matrices only, the same lr). After the steps each
 variant's loss on a fixed held-out batch is reported (`loss_after`), and its change since before
 the steps is checked against the group's median change (check_losses): within 2% in fp32 (and
@@ -81,9 +95,11 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 VARIANTS = ("zo_offload", "zo_offload_f0.5", "zo_baseline", "torch_ddp", "deepspeed_offload")
+# The CPU-step schedules (docs/overlap.md), on request: --variants zo_offload,zo_offload_overlap,zo_offload_dpu
+SCHEDULE_VARIANTS = ("zo_offload_overlap", "zo_offload_dpu")
 HF_VARIANTS = ("torch_ddp", "deepspeed_offload")
 REGIMES = {"compute-bound": dict(seq=256, micro_batch=4), "optimizer-bound": dict(seq=32, micro_batch=1)}
-BETAS, EPS, WD, CLIP = (0.9, 0.95), 1e-8, 0.1, 1.0
+BETAS, EPS, WD = (0.9, 0.95), 1e-8, 0.1
 FP32_RTOL, BF16_RTOL = 1e-4, 2e-2
 # The loss check (check_losses) compares what each variant's steps did to the held-out loss, not
 # only where it ended: bf16's 2e-2 on loss_after passed an engine that never updated (the steps
@@ -137,7 +153,11 @@ def parse_args(argv=None):
     p.add_argument("--regime", default="both", choices=("compute-bound", "optimizer-bound", "both"))
     p.add_argument("--steps", type=int, default=10, help="timed steps per variant (interleaved)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per variant first")
-    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ", ".join(VARIANTS))
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help="comma-separated subset of " + ", ".join(VARIANTS + SCHEDULE_VARIANTS))
+    p.add_argument("--split-cores", action="store_true",
+                   help="one rank: main thread (torch, 1 intra-op thread) on CPU 0, CPU Adam (1 thread) on CPU 1")
+    p.add_argument("--timeline", metavar="FILE", help="write each variant's phases (FILE.<variant>) and a PNG of them")
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--heads", type=int, default=8)
@@ -154,6 +174,9 @@ def parse_args(argv=None):
                    help="AdamW lr of every variant; the loss check needs the steps to move the held-out loss "
                         "visibly (at 1e-4 a missed update of biases and norms went unseen)")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--clip-grad", type=float, default=1.0,
+                   help="global grad-norm clip of every variant (0: none; with zo_offload_overlap a step that "
+                        "clips is rolled back and redone, one that does not is committed)")
     p.add_argument("--threads", type=int, default=0, help="threads per rank (default: CPUs / ranks)")
     p.add_argument("--sweep", action="store_true", help="scaling sweep of zo_offload and deepspeed_offload")
     p.add_argument("--sweep-max-params", type=float, default=0,
@@ -170,9 +193,11 @@ def parse_args(argv=None):
     if bad or not args.precisions:
         p.error(f"--precision: {','.join(bad) or 'empty'} not understood; use bf16, fp32 or bf16,fp32")
     args.variant_list = [x.strip() for x in args.variants.split(",") if x.strip()]
-    bad = [x for x in args.variant_list if x not in VARIANTS]
+    bad = [x for x in args.variant_list if x not in VARIANTS + SCHEDULE_VARIANTS]
     if bad or not args.variant_list:
-        p.error(f"--variants: unknown {','.join(bad) or 'empty'}; choose from {', '.join(VARIANTS)}")
+        p.error(f"--variants: unknown {','.join(bad) or 'empty'}; choose from {', '.join(VARIANTS + SCHEDULE_VARIANTS)}")
+    if args.split_cores and (args.world_list != [(1, 1)] or _cpus() < 2):
+        p.error("--split-cores needs --worlds 1 and at least 2 CPUs (one for torch, one for the CPU Adam)")
     args.regimes = list(REGIMES) if args.regime == "both" else [args.regime]
     if args.steps < 1 or args.warmup < 0:
         p.error("--steps must be >= 1 and --warmup >= 0")
@@ -287,7 +312,7 @@ def _decay_groups(params_named):
 class _ZoVariant(_Variant):
     """zo_megatron's TP GPT driven by a TrainingOptimizer (the offload engine or the baseline)."""
 
-    def __init__(self, name, ctx, offload: bool, fraction: float = 1.0):
+    def __init__(self, name, ctx, offload: bool, fraction: float = 1.0, schedule: dict | None = None):
         from zo_megatron.model import build_gpt_model
         from zo_megatron.optimizer_api import AdamConfig
 
@@ -298,30 +323,37 @@ class _ZoVariant(_Variant):
             from zo_megatron.offload.engine import ZeroOffloadEngine
 
             self.model = build_gpt_model(cfg, ps.tp_rank, ps.tp_size, a.seed)
-            self.opt = ZeroOffloadEngine(self.model, precision=cfg.precision, adam=adam, clip_grad=CLIP,
+            self.opt = ZeroOffloadEngine(self.model, precision=cfg.precision, adam=adam, clip_grad=a.clip_grad,
                                          bucket_size=a.bucket_size, dp_group=ps.dp_group, tp_rank=ps.tp_rank,
                                          device=ps.device, optimizer_offload_fraction=fraction,
-                                         tp_group=ps.tp_group)
+                                         tp_group=ps.tp_group, **(schedule or {}))
+            worker = self.opt.schedule.worker
+            if a.split_cores and worker is not None:     # the CPU Adam's own core
+                worker.submit(os.sched_setaffinity, 0, {_split_cpus()[1]}).result()
         else:
             from zo_megatron.training.plain_optimizer import PlainDDPOptimizer
 
             self.model = build_gpt_model(cfg.__class__(**{**cfg.__dict__, "precision": "fp32"}), ps.tp_rank,
                                          ps.tp_size, a.seed, device=ps.device)
-            self.opt = PlainDDPOptimizer(self.model, precision=cfg.precision, adam=adam, clip_grad=CLIP,
+            self.opt = PlainDDPOptimizer(self.model, precision=cfg.precision, adam=adam, clip_grad=a.clip_grad,
                                          dp_group=ps.dp_group, tp_rank=ps.tp_rank, tp_group=ps.tp_group)
         self.n_local = sum(p.numel() for p in self.model.parameters())
+        self.phase_log: list[list] = []                    # per step: (phase, start, end), --timeline
 
     def step(self, tokens, labels, times):
         now, sync = time.perf_counter, self.ctx.sync
         self.opt.drain_phases()
+        if hasattr(self.opt, "expect_lr"):
+            self.opt.expect_lr(self.ctx.args.lr)
+        m0 = time.monotonic()
         t0 = now()
         with self.opt.forward_context():
             loss = self.model.loss(tokens, labels)
         sync()
-        t1 = now()
+        t1, m1 = now(), time.monotonic()
         self.opt.backward(loss)
         sync()
-        t2 = now()
+        t2, m2 = now(), time.monotonic()
         res = self.opt.step(lr=self.ctx.args.lr)
         sync()
         t3 = now()
@@ -329,13 +361,21 @@ class _ZoVariant(_Variant):
         times.update(forward=t1 - t0, backward=t2 - t1)
         if self.offload:
             ph = {}
-            for name, s, e in self.opt.drain_phases():
+            drained = self.opt.drain_phases()
+            self.phase_log.append([("forward", m0, m1), ("backward", m1, m2)] + list(drained))
+            for name, s, e in drained:
                 ph[name] = ph.get(name, 0.0) + (e - s)
             times["grad_sync"] = ph.get("grad_sync", 0.0)
-            times["cpu_adam"] = ph.get("cpu_step", 0.0)
+            # the CPU Adam on the critical path: the synchronous kernel, or the wait for the worker
+            times["cpu_adam"] = ph.get("cpu_step", 0.0) if self.opt.schedule.worker is None else 0.0
+            times["cpu_adam_wait"] = ph.get("cpu_step_wait", 0.0) + ph.get("cpu_step_rollback", 0.0) + (
+                ph.get("cpu_step", 0.0) if self.opt.schedule.name == "speculative" else 0.0)   # a redo
+            times["cpu_adam_off_path"] = ph.get("cpu_step_speculated", 0.0) + (
+                ph.get("cpu_step", 0.0) if self.opt.schedule.name == "delayed" else 0.0)
             times["param_return"] = ph.get("param_return", 0.0)
             # the rest of step(): grad-norm pass + agreement, clip; with F < 1 also the device share's AdamW
-            times["grad_norm"] = max(0.0, (t3 - t2) - times["grad_sync"] - times["cpu_adam"] - times["param_return"])
+            times["grad_norm"] = max(0.0, (t3 - t2) - times["grad_sync"] - times["cpu_adam"]
+                                     - times["cpu_adam_wait"] - times["param_return"])
         else:
             times["optimizer"] = t3 - t2
         return loss.item()
@@ -343,6 +383,7 @@ class _ZoVariant(_Variant):
     def eval_loss(self, tokens, labels):
         import torch
 
+        self.opt.flush()                                   # DPU: the pending update belongs to the model
         with torch.no_grad(), self.opt.forward_context():
             return self.model.loss(tokens, labels).item()
 
@@ -387,7 +428,7 @@ class _DDPVariant(_Variant):
         loss.backward()                # DDP all-reduces the gradient buckets during backward
         sync()
         t2 = now()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), CLIP)
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.ctx.args.clip_grad or float("inf"))
         for g in self.opt.param_groups:
             g["lr"] = self.ctx.args.lr
         self.opt.step()
@@ -424,7 +465,7 @@ class _DeepSpeedVariant(_Variant):
         config = {
             "train_micro_batch_size_per_gpu": ctx.micro_batch,
             "gradient_accumulation_steps": 1,
-            "gradient_clipping": CLIP,
+            "gradient_clipping": a.clip_grad,
             "bf16": {"enabled": bf16},
             "optimizer": {"type": "AdamW", "params": {"lr": a.lr, "betas": list(BETAS), "eps": EPS,
                                                       "weight_decay": WD}},
@@ -498,7 +539,9 @@ class _Ctx:
 def _rank_main(rank, job, port, out_path):
     args, tp, dp, precision, regime = job["args"], job["tp"], job["dp"], job["precision"], job["regime"]
     world = tp * dp
-    threads = args.threads or max(1, _cpus() // world)
+    threads = 1 if args.split_cores else args.threads or max(1, _cpus() // world)
+    if args.split_cores:                  # the main thread (and so torch's inline intra-op work) on CPU 0
+        os.sched_setaffinity(0, {_split_cpus()[0]})
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), ZO_CPU_ADAM_THREADS=str(threads),
                       OMP_NUM_THREADS=str(threads))
@@ -603,6 +646,8 @@ def _rank_main(rank, job, port, out_path):
     result["load_average_during"] = load
     result["maxrss_kib"] = _maxrss()
     result["rss_end_bytes"] = _rss()
+    if args.timeline and rank == 0:
+        _write_timelines(args.timeline, {v: variants[v] for v in names}, precision, regime)
     for v in names:
         variants[v].close()
     collectives.barrier()
@@ -615,6 +660,40 @@ def _rank_main(rank, job, port, out_path):
 
 class _Skip(Exception):
     pass
+
+
+_SPLIT: tuple[int, int] | None = None
+
+
+def _split_cpus() -> tuple[int, int]:
+    """--split-cores: the first two CPUs the process could run on before it pinned its main
+    thread (torch's, the CPU Adam's)."""
+    global _SPLIT
+    if _SPLIT is None:
+        cpus = sorted(os.sched_getaffinity(0))
+        _SPLIT = (cpus[0], cpus[1])
+    return _SPLIT
+
+
+def _write_timelines(path: str, variants: dict, precision: str, regime: str) -> None:
+    """Each offload variant's per-step phases as --timeline JSON lines + a PNG (plot_timeline)."""
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    from plot_timeline import plot
+
+    for name, v in variants.items():
+        log = getattr(v, "phase_log", None)
+        if not log:
+            continue
+        rows = [dict(rank=0, iteration=i + 1, phase=p, start=s, end=e)
+                for i, phases in enumerate(log) for p, s, e in phases]
+        out = f"{path}.{name}"
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+        last = rows[-1]["iteration"]
+        plot([r for r in rows if r["iteration"] >= last - 2], out + ".png",
+             f"{name}, {precision}, {regime}: the last 3 steps")
+        print(f"wrote {out} and {out}.png", file=sys.stderr)
 
 
 def _make(name, args, ps, cfg, mb, world):
@@ -637,6 +716,10 @@ def _make(name, args, ps, cfg, mb, world):
         return _ZoVariant(name, ctx, True, 0.5)
     if name == "zo_baseline":
         return _ZoVariant(name, ctx, False)
+    if name == "zo_offload_overlap":
+        return _ZoVariant(name, ctx, True, schedule=dict(overlap_cpu_step=True))
+    if name == "zo_offload_dpu":
+        return _ZoVariant(name, ctx, True, schedule=dict(dpu_warmup_steps=1))
     if name == "torch_ddp":
         variant = _DDPVariant(ctx)
     else:
@@ -768,10 +851,13 @@ def summarize(res: dict, args, cpus: int) -> list[dict]:
     groups: dict[str, list] = {}
     for x in rows:
         own = x["variant"] in HF_VARIANTS and x["world_tp"] > 1
-        groups.setdefault("hf" if own else "all", []).append(x)
+        groups.setdefault("dpu" if x["variant"] == "zo_offload_dpu" else "hf" if own else "all", []).append(x)
     for key, members in groups.items():
-        if len(members) < 2:
+        if key == "dpu" or len(members) < 2:
             for x in members:
+                if key == "dpu":
+                    x["loss_rel_diff"], x["loss_check"] = None, "n/a: DPU's updates are one step stale by design"
+                    continue
                 x["loss_rel_diff"], x["loss_check"] = None, "n/a: no other variant saw the same batches"
             continue
         check_losses(members, members[0]["precision"])
@@ -796,7 +882,8 @@ def _fmt_bytes(n) -> str:
     return str(n)
 
 
-_PHASE_ORDER = ("forward", "backward", "grad_sync", "grad_norm", "cpu_adam", "param_return", "optimizer")
+_PHASE_ORDER = ("forward", "backward", "grad_sync", "grad_norm", "cpu_adam", "cpu_adam_wait", "cpu_adam_off_path",
+                "param_return", "optimizer")
 
 
 def print_table(rows: list[dict]) -> None:

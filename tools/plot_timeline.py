@@ -6,7 +6,9 @@
 FILE is what --timeline was given; its per-rank files FILE.rank0, FILE.rank1, ... are found
 automatically. Each rank gets two lanes: the main thread (forward, backward, gradient sync,
 waiting for the CPU step, parameter return) and the CPU optimizer (cpu_step: under --dpu it runs
-on a worker thread, overlapping the next step's forward/backward). It also prints, per rank, the
+on a worker thread, overlapping the next step's forward/backward; cpu_step_speculated: under
+--overlap-cpu-step each bucket's CPU Adam on a worker during backward, cpu_step_rollback and a
+cpu_step redo where the speculation was wrong). It also prints, per rank, the
 mean time of each phase and how much of the CPU step overlapped forward/backward.
 """
 from __future__ import annotations
@@ -19,8 +21,9 @@ import sys
 from collections import defaultdict
 
 COLORS = {"forward": "#4c72b0", "backward": "#55a868", "grad_sync": "#c44e52", "cpu_step_wait": "#bbbbbb",
-          "param_return": "#8172b2", "cpu_step": "#dd8452", "optimizer_step": "#dd8452"}
-WORKER = ("cpu_step", "optimizer_step")
+          "param_return": "#8172b2", "cpu_step": "#dd8452", "optimizer_step": "#dd8452",
+          "cpu_step_speculated": "#ccb974", "cpu_step_rollback": "#8c0000"}
+WORKER = ("cpu_step", "optimizer_step", "cpu_step_speculated", "cpu_step_rollback")
 
 
 def fail(msg: str) -> None:
@@ -63,7 +66,7 @@ def summarize(rows: list[dict]) -> dict:
         for r in mine:
             by[r["phase"]].append((r["start"], r["end"]))
         compute = by["forward"] + by["backward"]
-        cpu = by["cpu_step"]
+        cpu = by.get("cpu_step", []) + by.get("cpu_step_speculated", [])
         cpu_total = sum(e - s for s, e in cpu)
         out[rank] = {
             "mean_ms": {p: 1e3 * sum(e - s for s, e in v) / len(v) for p, v in sorted(by.items())},

@@ -30,6 +30,8 @@ class StepResult:
     grad_norm: float               # global, before clipping (nan/inf when the step overflowed)
     clip_coef: float
     loss_scale: float
+    speculated_buckets: int = 0    # --overlap-cpu-step: buckets whose CPU Adam ran during backward
+    rolled_back_buckets: int = 0   # ... and were undone and redone (clipped, overflow, other lr)
 
 
 @runtime_checkable

@@ -20,6 +20,7 @@ The engine runs one algorithm on both; this layer decides how each hand-off is o
 """
 from __future__ import annotations
 
+import threading
 import time
 import weakref
 
@@ -35,20 +36,24 @@ def _unregister(ptrs: list[int]) -> None:
 
 
 class _DeferredCopy:
-    """CPU: a copy home that waits for its collective first (run once, on demand)."""
+    """CPU: a copy home that waits for its collective first (run once, on demand, by whichever
+    thread needs it first: the main thread reusing the bucket buffer, or a schedule's worker
+    waiting for the shard; the lock makes the other wait until it is done)."""
 
-    __slots__ = ("work", "dst", "src")
+    __slots__ = ("work", "dst", "src", "lock")
 
     def __init__(self, work, dst, src):
         self.work, self.dst, self.src = work, dst, src
+        self.lock = threading.Lock()
 
     def run(self) -> None:
-        if self.src is None:
-            return
-        if self.work is not None:
-            self.work.wait()
-        self.dst.copy_(self.src)
-        self.work = self.dst = self.src = None
+        with self.lock:
+            if self.src is None:
+                return
+            if self.work is not None:
+                self.work.wait()
+            self.dst.copy_(self.src)
+            self.work = self.dst = self.src = None
 
 
 class DeviceLayer:
@@ -109,6 +114,15 @@ class DeviceLayer:
             return
         if self.is_cuda:
             torch.cuda.current_stream(self.device).wait_event(handle)
+        else:
+            handle.run()
+
+    def wait_landed(self, handle) -> None:
+        """Block the calling thread (any thread) until the copy home behind `handle` has landed."""
+        if handle is None:
+            return
+        if self.is_cuda:
+            handle.synchronize()
         else:
             handle.run()
 

@@ -29,32 +29,17 @@ accumulate_on_host every micro-batch is reduced and added into an fp32 host accu
 device holds no gradient copy between micro-batches (the paper's large-model single-GPU mode),
 at the price of one reduce-scatter per micro-batch.
 
-Delayed parameter update (DPU, paper section 5.2; `dpu_warmup_steps=W`, off when None):
+When the CPU Adam runs is a schedule (schedules.py draws the three timelines side by side):
+synchronous (above), delayed (DPU, `dpu_warmup_steps=W`, docs/dpu.md) or speculative
+(`overlap_cpu_step`, per-bucket CPU Adam during backward, validated and committed or rolled
+back: bit-identical to synchronous, docs/overlap.md).
 
-  updates 1 .. W-1   exactly as above.
-  update W, W+1 ...  step(t) reduces g_t to the host, computes its norm / clip / overflow on the
-                     main thread (collectives), then hands the CPU Adam for g_t to a background
-                     worker and returns at once: forward/backward of step t+1 run on the
-                     parameters the device holds (one update behind) while the CPU updates.
-                     step(t+1) joins the worker, sends the updated 16-bit parameters home to the
-                     device and all-gathers them (only after step t+1's backward), and hands over
-                     g_{t+1}. Each update uses a gradient computed on parameters one update older.
-  flush()            joins a pending update and returns its parameters to the device: before
-                     evaluation, a checkpoint and the end of training, so nothing is pending
-                     there and a resume is exact. The next step() delays again.
-
-  - W counts applied updates (the Adam step counter, restored from checkpoints); a step skipped
-    for overflow does not count, as it does not update.
-  - The learning rate, clip coefficient and loss scale of an update are those of the step that
-    produced its gradient (fixed on the main thread before the worker starts). An overflowing
-    g_t is dropped on every rank and lowers the scale at step t, as without DPU; the pending
-    update of g_{t-1} is still applied.
-  - Collectives stay on the main thread (torch.distributed does not order collectives issued
-    from two threads on one group). The worker runs only the CPU Adam kernel (it releases the
-    GIL) on buffers nothing else touches meanwhile: the host gradient landing buffer is a pair
-    (g_{t+1} lands in one while the worker reads the other), so DPU costs one more landing
-    buffer (and fp32 accumulator, with accumulate_on_host) per DP partition.
-  - A worker exception is raised on the main thread at the next join, with its own message.
+Threads. The reduce-scatters are issued from the gradient hooks: on the main thread on CPU; on
+CUDA autograd runs post-accumulate hooks on its device thread while the main thread is blocked
+in backward(). The norm's all-reduce and the all-gathers are issued by the main thread. So one
+thread issues collectives at a time, in the same order on every rank (torch.distributed does not
+order collectives issued concurrently from two threads on one group). A schedule's worker thread
+runs only the CPU Adam kernel and host copies, never a collective.
 """
 from __future__ import annotations
 
@@ -62,7 +47,6 @@ import collections
 import contextlib
 import math
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 
 import torch
@@ -74,6 +58,7 @@ from zo_megatron.offload.device import DeviceLayer
 from zo_megatron.offload.device_optimizer import DeviceOptimizerTail
 from zo_megatron.offload.flat_buffer import ALIGN, FlatLayout
 from zo_megatron.offload.loss_scaler import ConstantLossScaler, DynamicLossScaler
+from zo_megatron.offload.schedules import DelayedSchedule, SpeculativeSchedule, SynchronousSchedule
 from zo_megatron.optimizer_api import AdamConfig, StepResult
 from zo_megatron.parallel import collectives
 
@@ -95,6 +80,9 @@ class ZeroOffloadEngine:
     than that buffer and the buckets. `grad_reduce_in_fp32` (None: Megatron's default for the
     precision) puts the bucket buffers and the reduce-scatter in fp32; `host_grad_dtype` "fp32"
     copies the reduced fp32 shards home in fp32 (default: the 16-bit parameter dtype).
+    `dpu_warmup_steps` (DPU) and `overlap_cpu_step` pick the schedule of the CPU step
+    (schedules.py); with overlap, announce each step's learning rate with expect_lr() before its
+    backward, or a step with a new rate is rolled back and redone (exact, only slower).
     """
 
     def __init__(self, model: torch.nn.Module, *, precision: str = "bf16", adam: AdamConfig | None = None,
@@ -103,7 +91,7 @@ class ZeroOffloadEngine:
                  pin_memory: bool = True, grad_reduce_in_fp32: bool | None = None,
                  host_grad_dtype: str | None = None, accumulate_on_host: bool = False,
                  dpu_warmup_steps: int | None = None, race_check: bool = False,
-                 optimizer_offload_fraction: float = 1.0, tp_group=None):
+                 optimizer_offload_fraction: float = 1.0, tp_group=None, overlap_cpu_step: bool = False):
         if precision not in _DTYPES:
             raise ConfigError(f"precision must be bf16, fp16 or fp32 (got {precision!r})")
         self.model = model
@@ -132,6 +120,10 @@ class ZeroOffloadEngine:
         if dpu_warmup_steps is not None and dpu_warmup_steps < 1:
             raise ConfigError(f"DPU warm-up must be >= 1 step (got {dpu_warmup_steps})")
         self.dpu_warmup_steps = dpu_warmup_steps
+        if overlap_cpu_step and dpu_warmup_steps is not None:
+            raise ConfigError("--overlap-cpu-step cannot be combined with --dpu (DPU already takes the CPU step "
+                              "off the critical path, one update late): use one or the other")
+        self.overlap_cpu_step = bool(overlap_cpu_step)
         f = optimizer_offload_fraction
         if not (isinstance(f, (int, float)) and 0.0 <= f <= 1.0):
             raise ConfigError(f"the optimizer offload fraction must be in [0, 1] (got {f!r})")
@@ -167,8 +159,12 @@ class ZeroOffloadEngine:
                                for s in self.layout.segments if s.start < self._cut]
         self._norm_segments = [(a, e, c) for a, e, _, c in self._host_segments]
         self.step_count = 0
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="zo-dpu") if dpu_warmup_steps else None
-        self._pending = None                # (future, landing set, StepResult) of the update in flight
+        if dpu_warmup_steps:
+            self.schedule = DelayedSchedule(dpu_warmup_steps)
+        elif self.overlap_cpu_step:
+            self.schedule = SpeculativeSchedule(self)
+        else:
+            self.schedule = SynchronousSchedule()
         self._race_ref = None
         # (phase, start, end) since drain_phases(); bounded, as nobody may ever drain it
         self._phases: collections.deque = collections.deque(maxlen=256)
@@ -227,8 +223,10 @@ class ZeroOffloadEngine:
         # t+1's gradients land in one while the worker updates from the other.
         sets = 2 if self.dpu_warmup_steps else 1
         self._grads = [self.dev.host_empty(cut, self.host_grad_dtype).zero_() for _ in range(sets)]
-        if self.host_grad_dtype == self.dtype:
+        if self.host_grad_dtype == self.dtype and not self.overlap_cpu_step:
             self._params = self._grads
+        elif self.overlap_cpu_step:  # speculation keeps the gradient for a redo: the output is apart
+            self._params = [self.dev.host_empty(cut, self.dtype).zero_()]
         else:   # a separate 16-bit output: one is enough (it is read back before the next update)
             self._params = [self.dev.host_empty(cut, self.dtype).zero_()] * sets
         self._accs = [torch.zeros(cut, dtype=torch.float32) for _ in range(sets)] \
@@ -250,8 +248,11 @@ class ZeroOffloadEngine:
         acc.host_master_bytes = self.master.numel() * 4
         acc.host_optimizer_bytes = 2 * self.exp_avg.numel() * self.exp_avg.element_size()
         nbytes = lambda t: 0 if t is None else t.numel() * t.element_size()   # noqa: E731
-        acc.host_staging_bytes = nbytes(self._grads[0]) + (
-            0 if self._params[0] is self._grads[0] else nbytes(self._params[0]))
+        separate_out = self.host_grad_dtype != self.dtype          # a 16-bit output apart anyway
+        acc.host_staging_bytes = nbytes(self._grads[0]) + (nbytes(self._params[0]) if separate_out else 0)
+        if self.overlap_cpu_step:   # the rollback backup of master + moments [+ the output apart]
+            acc.host_overlap_bytes = (cut * (4 + 2 * self.exp_avg.element_size())
+                                      + (0 if separate_out else nbytes(self._params[0])))
         acc.host_accumulator_bytes = nbytes(self._accs[0])
         acc.host_dpu_pending_bytes = sum(nbytes(g) + nbytes(a) for g, a in zip(self._grads[1:], self._accs[1:]))
         self.accounting = acc
@@ -310,7 +311,7 @@ class ZeroOffloadEngine:
     # ---------------------------------------------------------------------------------- backward
     def forward_context(self):
         """The model already runs in self.dtype (its parameters are views of the flat buffer)."""
-        if self.race_check and self._pending is not None and self._race_ref is None:
+        if self.race_check and self.schedule.pending is not None and self._race_ref is None:
             self._race_ref = self.flat.clone()
         return contextlib.nullcontext()
 
@@ -322,10 +323,13 @@ class ZeroOffloadEngine:
         self._sync = last_micro_batch or self.accumulate_on_host
         if self._sync:
             self._sync_pending = True
+        self.schedule.on_backward_start(self, last_micro_batch)
         (loss * self.loss_scaler.scale).backward() if self.loss_scaler.scale != 1.0 else loss.backward()
         if self.accumulate_on_host:
             self.finish_grad_sync()
-            if self._micro == 0:
+            if getattr(self.schedule, "active", False):
+                pass                                     # the worker adds each bucket as it lands
+            elif self._micro == 0:
                 self.host_acc.copy_(self.host_grad)
             else:
                 self.host_acc.add_(self.host_grad)
@@ -408,6 +412,7 @@ class ZeroOffloadEngine:
             scratch = self._scratch[i][:m] if self._scratch[i] is not None else None
             handles.append(self.dev.copy_home(work, dst, mine[:m], scratch))
             self.accounting.d2h_bytes += m * dst.element_size()
+            self.schedule.on_bucket_home(self, bucket, handles[-1])
         if m < n:                                        # the device tail's gradients stay on the device
             t0 = hs + m - self._cut
             handles.append(self.dev.copy_home(work, self._tail.grad[t0:t0 + n - m], mine[m:]))
@@ -480,17 +485,30 @@ class ZeroOffloadEngine:
 
     # -------------------------------------------------------------------------------------- step
     def step(self, lr: float | None = None) -> StepResult:
-        """Finish the gradient sync, check and clip on the main thread, then update on the CPU:
-        at once (parameters return to the device before this returns), or, once DPU is past its
-        warm-up, in the background (see the module docstring)."""
+        """Finish the gradient sync, check and clip on the main thread, then let the schedule run
+        the CPU Adam (schedules.py): at once, in the background (DPU), or commit/redo what it
+        speculated during backward (overlap)."""
         self.check_params()
         t0 = time.monotonic()
         self.finish_grad_sync()
         self.dev.wait_device_reads()     # the last host->device copies have read what the CPU Adam rewrites
         self._phases.append(("grad_sync", t0, time.monotonic()))
+        self.schedule.before_norm(self)
         self._check_no_race()
-        grad = self.host_acc if self.accumulate_on_host else self.host_grad
         scale = self.loss_scaler.scale
+        found_inf, grad_norm = self._global_grad_norm(scale)
+        self.loss_scaler.update(found_inf)
+        return self.schedule.step(self, found_inf, grad_norm, scale, self.adam.lr if lr is None else lr)
+
+    def expect_lr(self, lr: float) -> None:
+        """The learning rate the coming step() will be given, announced before backward so a
+        speculated CPU step uses it (another rate at step() is exact too: a rollback)."""
+        if isinstance(self.schedule, SpeculativeSchedule):
+            self.schedule.next_lr = lr
+
+    def _global_grad_norm(self, scale: float) -> tuple[bool, float]:
+        """(found inf/nan, grad norm before clipping) over every TP and DP rank."""
+        grad = self._update_grad()
         sumsq, finite = cpu_adam.grad_sumsq_and_finite_segments(grad, self._norm_segments) \
             if self._norm_segments else (0.0, True)
         stats = torch.tensor([sumsq, 0.0 if finite else 1.0], dtype=torch.float64)
@@ -498,44 +516,21 @@ class ZeroOffloadEngine:
             stats += self._tail.grad_sumsq_and_nonfinite().cpu()
         collectives.all_reduce(stats)                    # over every TP and DP rank
         found_inf = bool(stats[1].item() > 0) or not math.isfinite(stats[0].item())
-        grad_norm = math.sqrt(stats[0].item()) / scale if not found_inf else float("nan")
-        self.loss_scaler.update(found_inf)
-        self.flush()                                     # the update of g_{t-1}, if one is in flight
-        if found_inf:                                    # every rank agrees: skip, touch nothing
-            return StepResult(True, grad_norm, 0.0, scale)
-        clip_coef = 1.0
+        return found_inf, (math.sqrt(stats[0].item()) / scale if not found_inf else float("nan"))
+
+    def _clip_coef(self, grad_norm: float) -> float:
         if self.clip_grad and self.clip_grad > 0:
-            clip_coef = min(1.0, self.clip_grad / (grad_norm + 1e-6))
-        self.step_count += 1
-        result = StepResult(False, grad_norm, clip_coef, scale)
-        k = self._cur
-        update = (k, grad, self.step_count, self.adam.lr if lr is None else lr, clip_coef / scale)
-        if self.dpu_warmup_steps and self.step_count >= self.dpu_warmup_steps:
-            self._pending = (self._worker.submit(self._cpu_update, *update), k, result)
-            self._cur = 1 - k                            # step t+1's gradients land in the other set
-        else:
-            if self._tail is not None:     # queued first: on a GPU it runs while the CPU Adam does
-                self._tail.step(self.step_count, update[3], update[4])
-            self._cpu_update(*update)
-            self._params_to_device(k)
-        return result
+            return min(1.0, self.clip_grad / (grad_norm + 1e-6))
+        return 1.0
+
+    def _update_grad(self) -> torch.Tensor:
+        """The host gradient the CPU Adam of the current step reads."""
+        return self.host_acc if self.accumulate_on_host else self.host_grad
 
     def flush(self) -> StepResult | None:
-        """Apply the update in flight, if any: join the worker (its exception is raised here) and
-        return its parameters to the device. Returns that update's StepResult, or None."""
-        if self._pending is None:
-            return None
-        future, k, result = self._pending
-        self._pending = None
-        t0 = time.monotonic()
-        future.result()
-        self._phases.append(("cpu_step_wait", t0, time.monotonic()))
-        self._params_to_device(k)
-        if self._params[0] is self._params[-1] and len(self._params) > 1:
-            # One 16-bit output buffer shared by both sets: the next update may overwrite it only
-            # after these (async, on CUDA) copies to the device have read it.
-            self.dev.wait_host()
-        return result
+        """Apply the update in flight, if any (DPU: join the worker, its exception is raised here,
+        and return its parameters to the device). Returns that update's StepResult, or None."""
+        return self.schedule.flush(self)
 
     def _check_no_race(self) -> None:
         if self._race_ref is not None:
@@ -547,25 +542,32 @@ class ZeroOffloadEngine:
                                    f"{changed[0].item()}) while an update was in flight")
 
     @torch.no_grad()
-    def _cpu_update(self, k: int, grad: torch.Tensor, step: int, lr: float, grad_scale: float) -> None:
-        """ONE CPU Adam call over the partition's segments (on the worker thread under DPU):
-        reads `grad`, updates master and moments, writes the 16-bit parameters into set k."""
+    def _cpu_update(self, k: int, grad: torch.Tensor, step: int, lr: float, grad_scale: float,
+                    segments=None, phase: str | None = "cpu_step") -> None:
+        """ONE CPU Adam call over the partition's segments (default: all; on a schedule's worker
+        under DPU and overlap): reads `grad`, updates master and moments, writes the 16-bit
+        parameters into set k."""
         t0 = time.monotonic()
         a = self.adam
         out = self._params[k]
-        segments = [(s, e, a.weight_decay if decay else 0.0) for s, e, decay, _ in self._host_segments]
+        full = segments is None
+        segments = [(s, e, a.weight_decay if decay else 0.0)
+                    for s, e, decay, _ in (self._host_segments if segments is None else segments)]
         if segments:
             cpu_adam.adam_step_segments(
                 self.master, grad, self.exp_avg, self.exp_avg_sq, segments, step=step, lr=lr, beta1=a.beta1,
                 beta2=a.beta2, eps=a.eps, adamw=a.adamw, bias_correction=a.bias_correction,
                 grad_scale=grad_scale, param16_out=out if self.dtype != torch.float32 else None)
         if self.dtype == torch.float32:     # fp32 mode: the parameter copy is the master itself
-            out.copy_(self.master)
-        self._phases.append(("cpu_step", t0, time.monotonic()))
+            for s, e, _ in (((0, self._cut, 0.0),) if full else segments):
+                out[s:e].copy_(self.master[s:e])
+        if phase is not None:
+            self._phases.append((phase, t0, time.monotonic()))
 
     def drain_phases(self) -> list[tuple[str, float, float]]:
         """(phase, start, end) in time.monotonic() seconds recorded since the last call: grad_sync,
-        cpu_step (the worker's, under DPU), cpu_step_wait (the main thread waiting for it),
+        cpu_step (the worker's, under DPU), cpu_step_speculated (per bucket on the worker during
+        backward, --overlap-cpu-step), cpu_step_rollback, cpu_step_wait (the main thread waiting),
         param_return (host->device + all-gather)."""
         out = []
         while self._phases:          # popleft, not clear(): the worker may append meanwhile
@@ -661,13 +663,8 @@ class ZeroOffloadEngine:
         """Join the worker, remove the hooks and unregister pinned host memory (idempotent).
         An update still in flight is waited for (never freed under the kernel) but not returned
         to the device: call flush() first to keep it. A worker error is raised here."""
-        pending, self._pending = self._pending, None
         try:
-            if self._worker is not None:
-                self._worker.shutdown(wait=True)
-                self._worker = None
-            if pending is not None:
-                pending[0].result()
+            self.schedule.close()
         finally:
             for h in self._hooks:
                 h.remove()

@@ -296,6 +296,8 @@ def _compute(inp: PlanInput) -> Plan:
             host_gpu["param_staging_16bit"] = w * part
         if inp.grad_accum_steps > 1 and inp.accumulate_on_host:
             host_gpu["grad_accumulator_fp32"] = 4 * part
+        if inp.overlap_cpu_step:
+            host_gpu["overlap_rollback"] = overlap_rollback_host_bytes(part, w, wh, opt_b)
         if inp.dpu:                       # the second landing set: gradients [+ fp32 accumulator]
             host_gpu["dpu_pending_grad"] = wh * part + (
                 4 * part if inp.grad_accum_steps > 1 and inp.accumulate_on_host else 0)
@@ -357,6 +359,14 @@ def _compute(inp: PlanInput) -> Plan:
                 replicated_params_per_tp_rank=counts["replicated_per_tp_rank"],
                 vocab_size_padded=V_pad, world_size=world, num_nodes=nodes,
                 ranks_per_node=per_node, fits_device=fits_device, fits_host=fits_host)
+
+
+def overlap_rollback_host_bytes(part: int, param_bytes: int, host_grad_bytes: int, state_bytes: int) -> int:
+    """--overlap-cpu-step's extra host bytes for a host partition of `part` elements: the backup of
+    what a speculated CPU Adam overwrites (fp32 master + both moments, restored on a rollback), and
+    the updated parameters' own staging buffer when it would otherwise share the gradient's (the
+    gradient must survive for a redo). Equals the engine's accounting.host_overlap_bytes."""
+    return part * (4 + 2 * state_bytes) + (param_bytes * part if host_grad_bytes == param_bytes else 0)
 
 
 def solve_offload_fraction(inp: PlanInput, step: float = 0.05) -> float | None:

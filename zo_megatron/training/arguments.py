@@ -135,6 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --dpu: CPU Adam threads while it overlaps forward/backward (default: all but one "
                         "of --cpu-adam-threads on a GPU, the one left launches the device's kernels; half of them "
                         "on a CPU-only run, where torch keeps the rest)")
+    g.add_argument("--overlap-cpu-step", action=argparse.BooleanOptionalAction, default=None,
+                   help="ZeRO-Offload: run each bucket's CPU Adam during backward, as soon as its gradients are "
+                        "on the host, speculating the step is not clipped/skipped; validated after backward and "
+                        "rolled back and redone where it was (bit-identical to the synchronous step; "
+                        "docs/overlap.md). Default: on for CUDA devices, off on CPU devices (device and CPU Adam "
+                        "share the cores there)")
     g.add_argument("--optimizer-offload-fraction", default="1.0", metavar="F|auto",
                    help="ZeRO-Offload: share of each rank's optimizer partition updated by the CPU Adam on the "
                         "host (Megatron's name; default 1.0: all of it). The rest keeps fp32 master and moments "
@@ -418,6 +424,11 @@ def finalize(args: argparse.Namespace) -> None:
         raise ConfigError(f"--save-interval must be >= 1 (got {args.save_interval})")
     if args.dpu and not args.zero_offload:
         raise ConfigError("--dpu delays the CPU optimizer's update: add --zero-offload")
+    if args.overlap_cpu_step and not args.zero_offload:
+        raise ConfigError("--overlap-cpu-step overlaps the CPU optimizer with backward: add --zero-offload")
+    if args.overlap_cpu_step and args.dpu:
+        raise ConfigError("--overlap-cpu-step cannot be combined with --dpu (DPU already takes the CPU step off "
+                          "the critical path, one update late): use one or the other")
     _check_offload_fraction(args)
     if args.keep_last is not None and args.keep_last < 1:
         raise ConfigError(f"--keep-last must be >= 1 (got {args.keep_last})")

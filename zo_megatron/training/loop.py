@@ -46,7 +46,9 @@ def memory_check(args, env, dp: int, vocab_size: int) -> None:
     from zo_megatron.planner import plan
 
     inp = job_plan_input(args, env, dp, vocab_size)
-    inp = inp.replace(dpu=args.dpu, optimizer_offload_fraction=1.0 if args.optimizer_offload_fraction == "auto"
+    overlap = args.overlap_cpu_step if args.overlap_cpu_step is not None else bool(
+        args.zero_offload and not args.dpu and torch.cuda.is_available())   # _set_threads' default
+    inp = inp.replace(dpu=args.dpu, overlap_cpu_step=overlap, optimizer_offload_fraction=1.0 if args.optimizer_offload_fraction == "auto"
                       else args.optimizer_offload_fraction)
     if args.optimizer_offload_fraction == "auto":
         from zo_megatron.planner import solve_offload_fraction
@@ -207,7 +209,8 @@ def _build_optimizer(args, model, ps):
                                  host_grad_dtype=args.main_grads_dtype,
                                  accumulate_on_host=args.accumulate_grads_on_host and args.grad_accum_steps > 1,
                                  dpu_warmup_steps=args.dpu_warmup_steps if args.dpu else None,
-                                 optimizer_offload_fraction=args.optimizer_offload_fraction, **common)
+                                 optimizer_offload_fraction=args.optimizer_offload_fraction,
+                                 overlap_cpu_step=args.overlap_cpu_step, **common)
     return PlainDDPOptimizer(model.to(ps.device), **common)
 
 
@@ -295,11 +298,14 @@ def _cycle(make, consumed: int = 0):
 
 
 def _set_threads(args, ps, adam_threads: int) -> None:
-    """CPU Adam threads; with --dpu the CPU Adam overlaps forward/backward, so on a CPU-only run
-    the rank's threads are split between it and torch's intra-op pool (docs/dpu.md)."""
+    """CPU Adam threads; with --dpu or --overlap-cpu-step the CPU Adam overlaps forward/backward,
+    so on a CPU-only run the rank's threads are split between it and torch's intra-op pool
+    (docs/dpu.md). Also resolves --overlap-cpu-step's default (on for CUDA devices)."""
     from zo_megatron.offload import cpu_adam
 
-    if args.dpu:
+    if args.overlap_cpu_step is None:   # on where the device and the CPU Adam are separate resources
+        args.overlap_cpu_step = bool(args.zero_offload and not args.dpu and ps.device.type == "cuda")
+    if args.dpu or args.overlap_cpu_step:
         if ps.device.type == "cuda":        # the device computes; one core keeps launching its kernels
             adam_threads = args.dpu_adam_threads or max(1, adam_threads - 1)
         else:
@@ -365,7 +371,7 @@ def _train(args, env, ps, tokenizer, data_path, cpu_adam_threads: int) -> int:
             if valid_ds is not None else None
         fpt = model_flops_per_token(cfg, args.seq_length, cfg.padded_vocab_size(ps.tp_size),
                                     args.recompute_granularity, recomputed_layers=_recomputed_layers(cfg))
-        window = dict(loss=0.0, n=0, skipped=0, nan=0, t=time.monotonic(), norm=0.0)
+        window = dict(loss=0.0, n=0, skipped=0, nan=0, t=time.monotonic(), norm=0.0, speculated=0, rolled_back=0)
         iteration = start_iter
         last_val = None
         saved_at, skips_in_a_row, stop_reason = None, 0, None
@@ -402,6 +408,8 @@ def _train(args, env, ps, tokenizer, data_path, cpu_adam_threads: int) -> int:
         while iteration < args.train_iters:
             inject.at_iteration_start(iteration + 1)
             lr = scheduler.get_lr()
+            if hasattr(optimizer, "expect_lr"):    # a speculated CPU step (--overlap-cpu-step) uses it
+                optimizer.expect_lr(lr)
             step_loss = torch.zeros((), device=ps.device)
             phase = timeline.phase if timeline is not None else _no_phase
             for m in range(args.grad_accum_steps):
@@ -429,6 +437,8 @@ def _train(args, env, ps, tokenizer, data_path, cpu_adam_threads: int) -> int:
                 window["nan"] += 1
             window["n"] += 1
             window["skipped"] += int(res.skipped)
+            window["speculated"] += res.speculated_buckets
+            window["rolled_back"] += res.rolled_back_buckets
             scaler = optimizer.loss_scaler          # fp16: skips while the scale searches do not count
             at_floor = not isinstance(scaler, DynamicLossScaler) or res.loss_scale <= scaler.min_scale
             skips_in_a_row = skips_in_a_row + 1 if res.skipped and at_floor else 0
@@ -522,10 +532,13 @@ def _log(metrics, window, iteration, lr, res, optimizer, ps, args, fpt, done) ->
         "tflops_per_rank": fpt * tokens / dt / ps.world_size / 1e12,
         "device_model_state_bytes": acc.device_model_state_bytes, "host_model_state_bytes": acc.host_bytes,
         "host_rss_bytes": host_rss_bytes(), "comm_bytes_per_step": acc.sent_bytes,
+        # --overlap-cpu-step: buckets whose CPU Adam ran during backward / were undone and redone
+        "speculated_buckets": window["speculated"], "rolled_back_buckets": window["rolled_back"],
+        "overlap_cpu_step": bool(getattr(args, "overlap_cpu_step", False)),
         "device_peak_bytes": torch.cuda.max_memory_allocated(ps.device) if ps.device.type == "cuda" else None,
         "_iters_done_this_run": done,
     })
-    window.update(loss=0.0, n=0, skipped=0, nan=0, t=time.monotonic())
+    window.update(loss=0.0, n=0, skipped=0, nan=0, t=time.monotonic(), speculated=0, rolled_back=0)
 
 
 def _attention_line(cfg, ps) -> str:
@@ -565,7 +578,10 @@ def _banner(metrics, args, ps, cfg, optimizer, data_path, setup_s) -> None:
            + (" (auto)" if getattr(args, "offload_fraction_reason", "").startswith("auto") else "")
            if args.zero_offload and args.optimizer_offload_fraction < 1 else "")
         + (f"; delayed parameter update after {args.dpu_warmup_steps} exact updates "
-           f"({args.threads_line} per rank)" if args.dpu else ""),
+           f"({args.threads_line} per rank)" if args.dpu else "")
+        + ((f"; CPU step overlapped with backward (--overlap-cpu-step: speculated per bucket, exact; "
+            f"{args.threads_line} per rank)" if args.overlap_cpu_step else "; CPU step overlap off")
+           if args.zero_offload and not args.dpu else ""),
         f" model: {cfg.architecture_name()} {cfg.num_layers} layers x {cfg.hidden_size} hidden x {cfg.num_attention_heads} heads, "
         f"seq {args.seq_length}, vocab {cfg.vocab_size} (padded {cfg.padded_vocab_size(ps.tp_size)}), "
         f"{total / 1e6:.1f}M params ({local / 1e6:.1f}M on this TP rank)",

@@ -117,7 +117,10 @@ class Metrics:
         gn = row["grad_norm"]
         line = (f" iter {it:>6}/{self.total_iters} | loss {row['loss']:.4f} | lr {row['lr']:.3e} | "
                 f"grad norm {gn:.3f} | loss scale {row['loss_scale']:.0f} | "
-                f"skipped {row['skipped']} nan {row['nan_iterations']} | {row['tokens_per_s']:,.0f} tok/s | "
+                f"skipped {row['skipped']} nan {row['nan_iterations']} | "
+                + (f"speculated {row['speculated_buckets']} rolled back {row['rolled_back_buckets']} | "
+                   if row.get("overlap_cpu_step") else "")
+                + f"{row['tokens_per_s']:,.0f} tok/s | "
                 f"{row['tflops_per_rank']:.3f} TFLOP/s/rank | {row['step_time_s'] * 1000:.0f} ms/it | "
                 f"model states dev {human_bytes(row['device_model_state_bytes'])} "
                 f"host {human_bytes(row['host_model_state_bytes'])} | rss {human_bytes(row['host_rss_bytes'])} | "

@@ -5,7 +5,9 @@ One line per phase:  {"rank": 0, "iteration": 12, "phase": "backward", "micro": 
 Times are time.monotonic() seconds: one clock for every process on a machine, so the ranks'
 files line up; tools/plot_timeline.py draws them. Phases: forward and backward (per
 micro-batch, from the loop) and the optimizer's own (drain_phases(): grad_sync, cpu_step on the
-DPU worker, cpu_step_wait, param_return; the baseline's optimizer_step). On a GPU the loop
+DPU worker, cpu_step_speculated per bucket on the --overlap-cpu-step worker during backward,
+cpu_step_rollback where a speculation is undone, cpu_step_wait, param_return; the baseline's
+optimizer_step). On a GPU the loop
 synchronises the device at the end of forward and backward while a timeline is written, so
 their times are the device's, not the time to queue the kernels.
 """

@@ -1,0 +1,62 @@
+#!/usr/bin/env python
+"""What --overlap-cpu-step's rollback backup costs next to the CPU Adam kernel (docs/overlap.md).
+
+    python tools/bench_rollback_cost.py [--elements 4194304] [--threads 1] [--repeats 7]
+
+Times, best of --repeats, on one partition of --elements: the CPU Adam kernel (fp32 master and
+moments, bf16 gradient in, bf16 parameters out: the engine's default bf16 call), the backup copy
+a speculated segment takes first (master + both moments), and a rollback (restore + redo).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--elements", type=int, default=4 * 1024 * 1024)
+    ap.add_argument("--threads", type=int, default=1, help="kernel and torch threads")
+    ap.add_argument("--repeats", type=int, default=7)
+    a = ap.parse_args(argv)
+    import torch
+
+    from zo_megatron.offload import cpu_adam
+
+    cpu_adam.set_num_threads(a.threads)
+    torch.set_num_threads(a.threads)
+    n = a.elements
+    master, m, v = torch.randn(n), torch.zeros(n), torch.zeros(n)
+    grad, out = torch.randn(n).to(torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)
+    backup = [torch.empty(n) for _ in range(3)]
+
+    def kernel():
+        cpu_adam.adam_step_segments(master, grad, m, v, [(0, n, 0.1)], step=1, lr=1e-3, beta1=0.9, beta2=0.95,
+                                    eps=1e-8, param16_out=out)
+
+    def save():
+        for b, t in zip(backup, (master, m, v)):
+            b.copy_(t)
+
+    def best(f):
+        f()
+        ts = []
+        for _ in range(a.repeats):
+            t0 = time.perf_counter()
+            f()
+            ts.append(time.perf_counter() - t0)
+        return min(ts)
+
+    k, b = best(kernel), best(save)
+    print(f"{n} elements, {a.threads} thread(s), isa {cpu_adam.info()['isa']}, load {os.getloadavg()[0]:.1f}: "
+          f"kernel {k * 1e3:.2f} ms ({28 * n / k / 1e9:.1f} GB/s at 28 B/element); backup of master + moments "
+          f"{b * 1e3:.2f} ms ({b / k:.2f}x the kernel); rollback = restore {b * 1e3:.2f} ms + redo {k * 1e3:.2f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
