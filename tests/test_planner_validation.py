@@ -43,6 +43,10 @@ CASES = [
     # one bucket: at DP 2 small buckets + recompute raise the measured peak (not modelled, see
     # docs/memory_planner.md: 17.3% with 300k-element buckets, as the GPT-2 small-bucket case)
     ("fp32-llama-recompute", "fp32", True, 1024, 40_000_000),
+    # issue 26: torch SDPA core attention (--use-flash-attn: no s² scores) and sequence parallelism
+    # (--sequence-parallel: norm/dropout activations split over TP; off at TP 1, as in the job)
+    ("bf16-smallvocab-sdpa", "bf16", False, 1000, 40_000_000),
+    ("bf16-smallvocab-sp", "bf16", False, 1000, 40_000_000),
 ]
 # Llama-shaped cases (issue 24): rope, RMSNorm, SwiGLU (ffn 320), GQA 2 groups, untied output layer, no biases
 LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, num_query_groups=2,
@@ -50,7 +54,13 @@ LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=Tru
 
 
 def _arch(name):
-    return LLAMA if "llama" in name else {}
+    """The case's model options beyond shape and precision (GPTConfig's = PlanInput's field names)."""
+    arch = dict(LLAMA) if "llama" in name else {}
+    if name.endswith("-sdpa"):
+        arch["attention_backend"] = "sdpa"
+    if name.endswith("-sp"):
+        arch["sequence_parallel"] = True
+    return arch
 WORLDS = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (TP, DP)
 
 
@@ -130,7 +140,7 @@ def _measure_world(rank, tp, cases):
                         max_position_embeddings=SEQ, precision=precision, recompute=recompute, **_arch(name))
         model = build_gpt_model(cfg, ps.tp_rank, ps.tp_size, SEED)
         engine = ZeroOffloadEngine(model, precision=precision, bucket_size=bucket_size, dp_group=ps.dp_group,
-                                   tp_rank=ps.tp_rank)
+                                   tp_rank=ps.tp_rank, tp_group=ps.tp_group)
         gen = torch.Generator().manual_seed(SEED + 17 * ps.dp_rank)
         tokens = torch.randint(0, vocab, (MICRO, SEQ), generator=gen)
         labels = torch.randint(0, vocab, (MICRO, SEQ), generator=gen)
