@@ -412,6 +412,11 @@ def test_sequence_parallel_divides_the_replicated_terms_by_tp(t):
     # selective recompute keeps the same split layers; SDPA + SP: everything linear in s, all but split / t
     sel = plan(base.replace(sequence_parallel=True, recompute="selective"))
     assert sel.device_items["activations_layers"] == pytest.approx(L * sbh * 34 / t, rel=1e-12)
+    # full recompute: each checkpointed layer input is the sequence-parallel [s/t, b, h] hidden state
+    full = plan(base.replace(sequence_parallel=True, recompute="full"))
+    assert full.device_items["activations_layer_inputs"] == L * 2 * sbh // t
+    assert full.device_items["activations_recompute_working_set"] == pytest.approx(sbh * (34 / t + 5 * a * s / (h * t)),
+                                                                                 rel=1e-12)
     # RMSNorm + RoPE: the rope cos/sin tables stay whole (they are [s, d], per layer)
     llama = base.replace(position_embedding_type="rope", normalization="RMSNorm", swiglu=True)
     lo, ln = plan(llama), plan(llama.replace(sequence_parallel=True))

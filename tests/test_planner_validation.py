@@ -47,6 +47,7 @@ CASES = [
     # (--sequence-parallel: norm/dropout activations split over TP; off at TP 1, as in the job)
     ("bf16-smallvocab-sdpa", "bf16", False, 1000, 40_000_000),
     ("bf16-smallvocab-sp", "bf16", False, 1000, 40_000_000),
+    ("bf16-smallvocab-recompute-sp", "bf16", True, 1000, 40_000_000),
 ]
 # Llama-shaped cases (issue 24): rope, RMSNorm, SwiGLU (ffn 320), GQA 2 groups, untied output layer, no biases
 LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, num_query_groups=2,

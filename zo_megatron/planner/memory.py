@@ -167,6 +167,8 @@ def _activation_items(inp: PlanInput, vocab_padded: int) -> dict[str, int]:
     per_layer_full = replicated + split + scores
 
     items: dict[str, int] = {}
+    # a layer's input (what full recompute checkpoints): [s/t, b, h] with sequence parallelism
+    layer_input = w * sbh // (t if inp.sp() else 1)
     rc = inp.normalized_recompute()
     working_set = 0
     if rc is None:
@@ -178,14 +180,14 @@ def _activation_items(inp: PlanInput, vocab_padded: int) -> dict[str, int]:
         # full, uniform N: keep the input of each group of N layers; backward recomputes one group
         # at a time, so a whole group's activations are live at once
         n = min(inp.recompute_num_layers, L)
-        items["activations_layer_inputs"] = (L // n) * w * sbh
+        items["activations_layer_inputs"] = (L // n) * layer_input
         working_set = items["activations_recompute_working_set"] = n * per_layer_full
     else:
         # full, block N: the first N layers keep only their input and are recomputed one at a time;
         # the others store everything (an upper bound: by the time backward reaches the recomputed
         # layers the others' activations are freed, so this overstates the peak by <= one layer)
         n = min(inp.recompute_num_layers, L)
-        items["activations_layer_inputs"] = n * w * sbh
+        items["activations_layer_inputs"] = n * layer_input
         if L > n:
             items["activations_layers"] = (L - n) * per_layer_full
         working_set = items["activations_recompute_working_set"] = per_layer_full
