@@ -15,7 +15,7 @@
 
 Model, architecture, batch and training flags are pretrain_gpt.py's, with its defaults (the
 architecture: GPT-2 unless its flags say otherwise; the output names the architecture planned) (no --zero-offload: the DDP
-baseline; dropout 0; the model's unfused fp32 softmax), and the input is built by the same function
+baseline; dropout 0; the model's unfused fp32 softmax, or torch SDPA with --use-flash-attn), and the input is built by the same function
 as the job's pre-launch check (planner.plan_input_from_flags), so both give the same plan.
 Memory sizes are GiB (2^30 bytes).
 Exit status: 0 = fits (with --max-model: some model fits; with --paper-check: every reference
