@@ -48,6 +48,7 @@ CASES = [
     ("bf16-smallvocab-sdpa", "bf16", False, 1000, 40_000_000),
     ("bf16-smallvocab-sp", "bf16", False, 1000, 40_000_000),
     ("bf16-smallvocab-recompute-sp", "bf16", True, 1000, 40_000_000),
+    ("bf16-llama-sdpa", "bf16", False, 1000, 200_000),     # SDPA with grouped k/v (enable_gqa) and RoPE
 ]
 # Llama-shaped cases (issue 24): rope, RMSNorm, SwiGLU (ffn 320), GQA 2 groups, untied output layer, no biases
 LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, num_query_groups=2,
