@@ -121,8 +121,9 @@ def _scores_saved(inp: PlanInput) -> int:
     sdpa (torch SDPA, causal): only the fp32 row logsumexp [b, a/t, s] -- no s² term (CUDA's flash
     and memory-efficient kernels, torch's fused CPU kernel). With attention dropout the CPU kernel
     falls back to the math path: three fp32 [b, a/t, s, s] tensors (scores, probabilities, dropout
-    output) and, in 16-bit modes, fp32 copies of q, k, v (measured: tests/test_planner_validation.py
-    and docs/memory_planner.md)."""
+    output) and, in 16-bit modes, fp32 copies of q, k, v (measured with saved-tensor hooks in bf16
+    when SDPA went in; the fused path is checked by tests/test_planner_validation.py, the CPU math
+    path is not among its cases)."""
     s, b, a, t = inp.seq_length, inp.micro_batch_size, inp.num_attention_heads, inp.tensor_parallel
     w = _bytes16(inp.precision)
     if inp.attention_backend == "sdpa":
