@@ -373,14 +373,19 @@ def test_sdpa_attention_has_no_s_squared_term(arch, device_is_host):
             if not arch:
                 assert local_scores == L * 5 * b * (a // t) * 1024 * 1024
     # CPU with attention dropout: SDPA's math path keeps fp32 scores, probabilities and dropout output
-    # plus fp32 copies of q, k, v: quadratic again, and more than the local attention
+    # plus fp32 q·scale, k·scale and v (instead of the bf16 q, k, v the fused kernel keeps, and of
+    # the fused qkv tensor they are views of): quadratic again, and more than the local attention
     math_path = base.replace(seq_length=1024, attention_backend="sdpa", attention_dropout=True)
     p = plan(math_path)
     if device_is_host:
-        d = h // a
-        grouped = plan(math_path.replace(attention_dropout=False))
-        assert p.device_items["activations_layers"] - grouped.device_items["activations_layers"] == \
-            L * (3 * 4 * b * (a // t) * 1024 * 1024 + 3 * 4 * b * (a // t) * 1024 * d - 4 * b * (a // t) * 1024)
+        s, d, at = 1024, h // a, a // t
+        fused = plan(math_path.replace(attention_dropout=False))
+        # what the fused kernel's layer keeps of q, k, v per token: GPT-2 the fused qkv tensor (3 views);
+        # Llama (RoPE, 4 groups, grouped k/v): rotated q and k + the fused tensor kept alive by v
+        g = 4 // t
+        fused_qkv = 2 * 3 * at * d if not arch else 2 * d * (at + g + (at + 2 * g))
+        assert p.device_items["activations_layers"] - fused.device_items["activations_layers"] == \
+            L * (3 * 4 * b * at * s * s + 3 * 4 * b * at * s * d - 4 * b * at * s - s * b * fused_qkv)
         assert p.device_items["activations_layers"] > plan(base.replace(seq_length=1024)).device_items[
             "activations_layers"]
     else:

@@ -36,6 +36,11 @@ def _qk_norm_saved(inp: PlanInput, elements: int, rows: int) -> tuple[int, bool]
     return b + (2 * _bytes16(inp.precision) * rows if inp.normalization == "LayerNorm" else 0), keeps
 
 
+def _sdpa_math_path(inp: PlanInput) -> bool:
+    """torch SDPA on the CPU with attention dropout: its CPU kernel has no dropout, the math path runs."""
+    return inp.attention_backend == "sdpa" and inp.device_is_host and inp.attention_dropout_on()
+
+
 def _attention_saved(inp: PlanInput) -> int:
     """Bytes the attention block of one layer keeps per token on one TP rank (besides the scores and
     its input, counted by the caller): what the core attention's matmuls save, with aliasing.
@@ -72,6 +77,10 @@ def _attention_saved(inp: PlanInput) -> int:
     # the core attention's new inputs
     saved_bytes = w * d * sum(n for new, n in ((q_new, a), (k_new, kv_heads), (v_new, kv_heads)) if new)
     fused_kept = not (q_new and k_new and v_new)
+    if _sdpa_math_path(inp):
+        # the math path saves fp32 copies of q, k, v (counted with its scores, `_scores_saved`), not
+        # the tensors it was given: neither they nor the fused tensor they are views of stay alive
+        saved_bytes, fused_kept = 0, False
     if qk_norm:                                   # per token: a·d and g·d elements, a and g rows
         q_bytes, keeps_input = _qk_norm_saved(inp, a * d, a)
         k_bytes, _ = _qk_norm_saved(inp, g * d, g)
@@ -120,15 +129,16 @@ def _scores_saved(inp: PlanInput) -> int:
     softmax (+ fp32 probabilities and a 16-bit copy if unfused), with dropout its mask and output.
     sdpa (torch SDPA, causal): only the fp32 row logsumexp [b, a/t, s] -- no s² term (CUDA's flash
     and memory-efficient kernels, torch's fused CPU kernel). With attention dropout the CPU kernel
-    falls back to the math path: three fp32 [b, a/t, s, s] tensors (scores, probabilities, dropout
-    output) and, in 16-bit modes, fp32 copies of q, k, v (measured with saved-tensor hooks in bf16
-    when SDPA went in; the fused path is checked by tests/test_planner_validation.py, the CPU math
-    path is not among its cases)."""
+    falls back to the math path: three fp32 [b, a/t, s, s] tensors (softmax output, dropout mask
+    and output) and fp32 q·scale, k·scale and v at the full head count, instead of the q, k, v it
+    was given (measured with saved-tensor hooks, torch 2.13 CPU; tests/test_planner_validation.py's
+    `-sdpa-attndrop` case in bf16; in fp32 v may stay a view of the fused qkv tensor instead)."""
     s, b, a, t = inp.seq_length, inp.micro_batch_size, inp.num_attention_heads, inp.tensor_parallel
     w = _bytes16(inp.precision)
     if inp.attention_backend == "sdpa":
-        if inp.device_is_host and inp.attention_dropout_on():
-            return 3 * 4 * a * s * s * b // t + (3 * 4 * a * s * b * inp.head_dim() // t if w == 2 else 0)
+        if _sdpa_math_path(inp):
+            # fp32: scores, probabilities, dropout output [b, a/t, s, s]; scaled q, scaled k, v [b, a/t, s, d]
+            return 3 * 4 * a * s * s * b // t + 3 * 4 * a * s * b * inp.head_dim() // t
         return 4 * a * s * b // t
     mask = 1 if inp.dropout else 0
     # attention scores a·s·s·b: probs saved by softmax (+ fp32 probs and a 16-bit copy if unfused)
