@@ -7,15 +7,21 @@
 # Training : fp16 (V100 has no bf16) with dynamic loss scaling, full activation recompute,
 #            micro-batch 8 = global batch 8 (DP = 1, no accumulation: with ZeRO-Offload,
 #            accumulation keeps 16-bit gradients on the GPU, +8.3 GiB here).
+# Attention: --use-flash-attn (torch SDPA, causal: no s x s scores; on the V100 torch runs its
+#            memory-efficient kernel, FlashAttention needs sm80+) and --sequence-parallel (norm,
+#            dropout and layer-input activations split over the 16 TP ranks), as Megatron-LM's
+#            reference scripts launch TP > 1 jobs (e.g. examples/llama/train_llama3_8b_h100_fp8.sh:
+#            --attention-backend fused, --sequence-parallel).
 # Planner  : python tools/estimate_memory.py --zero-offload --preset dgx2 --model 70b --tensor-parallel 16 \
-#                --micro-batch-size 8 --fp16 --recompute-granularity full
-#   device per GPU : 21.66 GiB of 31.75 GiB  (params 8.27, grad buckets 0.15 + 0.08 for the
-#                    word-embedding bucket, layer inputs 9.70, peak of backward on top 1.35 =
-#                    recompute working set 0.95 + layer gradients 0.35 + tied-embedding
-#                    gradient 0.05, fragmentation 1.11, CUDA context 1.00)
+#                --micro-batch-size 8 --fp16 --recompute-granularity full --use-flash-attn --sequence-parallel
+#   device per GPU : 10.63 GiB of 31.75 GiB  (params 8.27, grad buckets 0.15 + 0.08 for the
+#                    word-embedding bucket, layer inputs 0.61 ([s/16, b, h] each), peak of backward
+#                    on top 0.42 = sequence-parallel gather buffer 0.14 + recompute working set 0.14
+#                    + layer gradients 0.09 + tied-embedding gradient 0.05, fragmentation 0.10,
+#                    CUDA context 1.00); without the two flags 21.66 GiB (layer inputs 9.70).
 #   host per node  : 1,005.92 GiB of 1,536 GiB (fp32 master + Adam m + v 793.6, 16-bit staging
 #                    132.3, 16 processes x 3 GiB, 32 GiB OS reserve)
-#   The same model WITHOUT --zero-offload needs 79.30 GiB per GPU (does not fit).
+#   The same model WITHOUT --zero-offload needs 68.27 GiB per GPU (does not fit).
 #
 # CPU Adam threads: zo_megatron divides the cores each rank may use among the 16 local ranks
 # (96 hardware threads -> 6 per rank); override with --cpu-adam-threads or ZO_CPU_ADAM_THREADS.
@@ -40,6 +46,7 @@ exec torchrun --standalone --nproc-per-node 16 pretrain/pretrain_gpt.py \
     --adam-beta1 0.9 --adam-beta2 0.95 --adam-eps 1e-8 --clip-grad 1.0 \
     --fp16 --initial-loss-scale 65536 \
     --recompute-granularity full \
+    --use-flash-attn --sequence-parallel \
     --zero-offload --bucket-size 50000000 \
     --seed 1234 \
     ${DATA_ARGS[@]+"${DATA_ARGS[@]}"} \

@@ -8,21 +8,28 @@
 # Model    : Llama-3-70B (its Hugging Face config.json): 80 layers x 8192 hidden x 64 heads, 8 KV
 #            heads, SwiGLU ffn 28672, RoPE theta 500000, RMSNorm eps 1e-5, no biases, untied
 #            output layer, vocab 128256 -> 129024 padded for TP 8 = 70.57B parameters (70,553,706,496
-#            unpadded, the public count; 8.82B per TP rank); seq 4096 (8192 needs 34.52 GiB per GPU:
-#            over the V100's 31.75).
+#            unpadded, the public count; 8.82B per TP rank); seq 8192, Llama-3's context (without
+#            --use-flash-attn --sequence-parallel it needs 34.52 GiB per GPU: over the V100's 31.75).
 # Training : fp16 (V100 has no bf16) with dynamic loss scaling, full activation recompute,
 #            micro-batch 1 x DP 2 = global batch 2 (no accumulation: with ZeRO-Offload it would keep
 #            16-bit gradients on the GPU, +16.4 GiB here, which does not fit).
+# Attention: --use-flash-attn (torch SDPA, causal: no s x s scores; on the V100 torch runs its
+#            memory-efficient kernel, FlashAttention needs sm80+) and
+#            --sequence-parallel (norm, dropout and layer-input activations split over the 8 TP
+#            ranks), as Megatron-LM's Llama-3 scripts launch (examples/llama/
+#            train_llama3_8b_h100_fp8.sh: --attention-backend fused, --sequence-parallel).
 # Planner  : python tools/estimate_memory.py --zero-offload --preset dgx2 --model llama3-70b \
 #                --tensor-model-parallel-size 8 --data-parallel-size 2 --micro-batch-size 1 \
-#                --seq-length 4096 --fp16 --recompute-granularity full
-#   device per GPU : 25.47 GiB of 31.75 GiB  (params 16.43, grad buckets 0.15 + 0.41 for the
+#                --seq-length 8192 --fp16 --recompute-granularity full --use-flash-attn --sequence-parallel
+#   device per GPU : 20.75 GiB of 31.75 GiB  (params 16.43, grad buckets 0.15 + 0.41 for the
 #                    oversized embedding/output-layer buckets, reduce-scatter scratch 0.07, layer
-#                    inputs 5.00, peak of backward on top 1.74 = recompute working set 1.55 +
-#                    layer gradients 0.18, fragmentation 0.67, CUDA context 1.00)
+#                    inputs 1.25 ([s/8, b, h] each), peak on top 1.19 = the logits phase: 16-bit
+#                    logits 0.25 + their fp32 copy in the cross-entropy 0.49 + vocabulary-pad mask
+#                    0.25 + final-norm/output-layer inputs 0.08 + sequence-parallel gather buffer
+#                    0.12, fragmentation 0.24, CUDA context 1.00)
 #   host per node  : 1,000.20 GiB of 1,536 GiB (fp32 master + Adam m + v 788.7, 16-bit staging
 #                    131.5, 16 processes x 3 GiB, 32 GiB OS reserve)
-#   The same run WITHOUT --zero-offload needs 139.86 GiB per GPU (does not fit).
+#   The same run WITHOUT --zero-offload needs 135.14 GiB per GPU (does not fit).
 #
 # CPU Adam threads: zo_megatron divides the cores each rank may use among the 16 local ranks
 # (96 hardware threads -> 6 per rank); override with --cpu-adam-threads or ZO_CPU_ADAM_THREADS.
@@ -45,7 +52,7 @@ exec torchrun --standalone --nproc-per-node 16 pretrain/pretrain_gpt.py \
     --position-embedding-type rope --rotary-base 500000 \
     --normalization RMSNorm --norm-epsilon 1e-5 \
     --disable-bias-linear --untie-embeddings-and-output-weights \
-    --seq-length 4096 --max-position-embeddings 8192 --make-vocab-size-divisible-by 128 \
+    --seq-length 8192 --max-position-embeddings 8192 --make-vocab-size-divisible-by 128 \
     --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER_MODEL" \
     --micro-batch-size 1 --global-batch-size 2 \
     --train-iters 20000 --lr 1.5e-4 --min-lr 1.5e-5 --lr-decay-style cosine \
@@ -53,6 +60,7 @@ exec torchrun --standalone --nproc-per-node 16 pretrain/pretrain_gpt.py \
     --adam-beta1 0.9 --adam-beta2 0.95 --adam-eps 1e-8 --clip-grad 1.0 \
     --fp16 --initial-loss-scale 65536 \
     --recompute-granularity full \
+    --use-flash-attn --sequence-parallel \
     --zero-offload \
     --seed 1234 \
     ${DATA_ARGS[@]+"${DATA_ARGS[@]}"} \

@@ -7,17 +7,22 @@
 # Training : fp16 (use --bf16 instead on A100/H100), full activation recompute,
 #            micro-batch 4 = global batch 4 (no gradient accumulation: with ZeRO-Offload,
 #            accumulation keeps 16-bit gradients on the GPU, +24.8 GiB here, which does not fit).
+# Attention: --use-flash-attn (torch SDPA, causal: no s x s scores; on the V100 torch runs its
+#            memory-efficient kernel, FlashAttention needs sm80+), as Megatron-LM's reference scripts
+#            do (examples/llama/train_llama3_8b_h100_fp8.sh: --attention-backend fused). TP = 1:
+#            no --sequence-parallel (Megatron-LM turns it off there).
 # Planner  : python tools/estimate_memory.py --zero-offload --preset v100-32gb --model 13b \
-#                --micro-batch-size 4 --fp16 --recompute-granularity full
-#   device per GPU : 30.99 GiB of 31.75 GiB  (params 24.77, grad buckets 0.15 + 0.70 for the
-#                    oversized bucket that holds the word embedding, layer inputs 2.03, peak of
-#                    backward on top 1.94 = recompute working set 1.25 + layer gradients 0.31 +
-#                    tied-embedding gradient 0.38 (the logits phase, 1.59, is smaller),
-#                    fragmentation 0.40, CUDA context 1.00) -- tight: if it OOMs, use
-#                    --micro-batch-size 2 --global-batch-size 2 (29.02 GiB).
+#                --micro-batch-size 4 --fp16 --recompute-granularity full --use-flash-attn
+#   device per GPU : 30.61 GiB of 31.75 GiB  (params 24.77, grad buckets 0.15 + 0.70 for the
+#                    oversized bucket that holds the word embedding, layer inputs 2.03, peak on
+#                    top 1.59 = the logits phase: 16-bit logits 0.38 + their fp32 copy in the
+#                    cross-entropy 0.77 + vocabulary-pad mask 0.38 + final-norm/output-layer inputs
+#                    0.06 (the backward of one recomputed layer, 1.19, is smaller),
+#                    fragmentation 0.36, CUDA context 1.00; without --use-flash-attn 30.99) --
+#                    tight: if it OOMs, use --micro-batch-size 2 --global-batch-size 2 (28.61 GiB).
 #   host per node  : 208.41 GiB (fp32 master + Adam m + v 148.6, 16-bit staging 24.8,
 #                    3 GiB process, 32 GiB OS reserve); --host-memory-gb 256 still fits.
-#   The same model WITHOUT --zero-offload needs 203.56 GiB on the GPU.
+#   The same model WITHOUT --zero-offload needs 203.18 GiB on the GPU.
 set -euo pipefail
 cd "${ZO_ROOT:-$(dirname "$0")/..}"
 
@@ -37,6 +42,7 @@ exec torchrun --standalone --nproc-per-node 1 pretrain/pretrain_gpt.py \
     --adam-beta1 0.9 --adam-beta2 0.95 --adam-eps 1e-8 --clip-grad 1.0 \
     --fp16 --initial-loss-scale 65536 \
     --recompute-granularity full \
+    --use-flash-attn \
     --zero-offload --bucket-size 50000000 \
     --seed 1234 \
     ${DATA_ARGS[@]+"${DATA_ARGS[@]}"} \

@@ -7,19 +7,24 @@
 #            layer, vocab 128256 = 8,030,261,248 parameters (the public count); seq 8192.
 # Training : bf16, full activation recompute, micro-batch 1 x 8 accumulation steps = global batch 8
 #            (accumulation keeps 16-bit gradients on the GPU: +14.96 GiB, which fits here).
+# Attention: --use-flash-attn (torch SDPA, causal: FlashAttention on the H100, no s x s scores),
+#            as Megatron-LM's Llama-3 scripts (examples/llama/train_llama3_8b_h100_fp8.sh:
+#            --attention-backend fused). TP = 1: no --sequence-parallel (Megatron-LM turns it off).
 # Planner  : python tools/estimate_memory.py --zero-offload --preset h100-80gb --gpus-per-node 1 \
 #                --model llama3-8b --seq-length 8192 --micro-batch-size 1 --global-batch-size 8 \
-#                --recompute-granularity full
-#   device per GPU : 54.98 GiB of 79.10 GiB  (params 14.96, grad buckets 0.30 + 3.62 because the
+#                --recompute-granularity full --use-flash-attn
+#   device per GPU : 45.79 GiB of 79.10 GiB  (params 14.96, grad buckets 0.30 + 3.62 because the
 #                    buckets that hold the 525M-element embedding and untied output layer are
 #                    fp32 and double-buffered + 1.96 fp32->bf16 narrowing scratch, gradients kept
-#                    across micro-batches 14.96, layer inputs 2.00, peak of backward on top 14.54 =
-#                    recompute working set 13.98 (one layer at seq 8192: the 32 x 8192^2 attention
-#                    scores in fp32 + bf16 dominate) + layer gradients 0.56, fragmentation 1.65,
-#                    CUDA context 1.00)
+#                    across micro-batches 14.96, layer inputs 2.00, peak on top 6.18 = the logits
+#                    phase: bf16 logits 1.96 + their fp32 copy in the cross-entropy 3.91 +
+#                    final-norm/output-layer inputs 0.31 (the backward of one recomputed layer,
+#                    2.52, is smaller), fragmentation 0.82, CUDA context 1.00); without
+#                    --use-flash-attn 54.98 GiB (one recomputed layer, 13.98 GiB, dominated by its
+#                    32 x 8192^2 attention scores in fp32 + bf16)
 #   host per node  : 139.70 GiB (fp32 master + Adam m + v 89.8, 16-bit staging 15.0,
 #                    3 GiB process, 32 GiB OS reserve)
-#   The same run WITHOUT --zero-offload needs 138.85 GiB on the GPU.
+#   The same run WITHOUT --zero-offload needs 129.66 GiB on the GPU.
 # Data     : DATA_PATH = prefix of a dataset preprocessed with the same tokenizer
 #            (tools/preprocess_data.py --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR);
 #            TOKENIZER_MODEL = a local directory with tokenizer.json + tokenizer_config.json.
@@ -47,6 +52,7 @@ exec torchrun --standalone --nproc-per-node 1 pretrain/pretrain_gpt.py \
     --adam-beta1 0.9 --adam-beta2 0.95 --adam-eps 1e-8 --clip-grad 1.0 \
     --bf16 \
     --recompute-granularity full \
+    --use-flash-attn \
     --zero-offload \
     --seed 1234 \
     ${DATA_ARGS[@]+"${DATA_ARGS[@]}"} \

@@ -330,3 +330,108 @@ def test_recompute_method_uniform_and_block_activation_lines():
     for n in (1, 5, 12):
         blk = flops_per_token(L, h, s, 50304, "full", recomputed_layers=n)
         assert blk - none == pytest.approx((full - none) * n / L, rel=1e-12), n
+
+
+def _activations(p) -> int:
+    return sum(v for k, v in p.device_items.items() if k.startswith(("activations", "logits")))
+
+
+@pytest.mark.parametrize("arch", [{}, dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+                                           num_query_groups=4, untie_embeddings_and_output_weights=True,
+                                           add_bias_linear=False)], ids=["gpt2", "llama"])
+@pytest.mark.parametrize("device_is_host", [False, True], ids=["gpu", "cpu"])
+def test_sdpa_attention_has_no_s_squared_term(arch, device_is_host):
+    """--use-flash-attn (torch SDPA): every activation term is linear in the sequence length, so
+    seq 1024 needs exactly 4x the activation bytes of seq 256; the local attention's s² scores do not."""
+    L, h, a, b, t = 4, 1024, 16, 2, 2
+    base = PlanInput(**arch, num_layers=L, hidden_size=h, num_attention_heads=a, micro_batch_size=b,
+                     tensor_parallel=t, max_position_embeddings=4096, device_is_host=device_is_host,
+                     attention_dropout=False)   # hidden dropout on: the masks stored
+    for rc in (None, "selective"):
+        sdpa = {s: plan(base.replace(seq_length=s, attention_backend="sdpa", recompute=rc)) for s in (256, 1024)}
+        local = {s: plan(base.replace(seq_length=s, recompute=rc)) for s in (256, 1024)}
+        # the per-layer items (the stored layers, and with selective recompute the attention core's
+        # working set): exactly linear with SDPA, quadratic with the local attention
+        key = "activations_recompute_working_set" if rc else "activations_layers"
+        assert sdpa[1024].device_items[key] == pytest.approx(4 * sdpa[256].device_items[key], rel=1e-9)
+        assert local[1024].device_items[key] > 4.5 * local[256].device_items[key]
+        # the whole estimate: at most linear (constant terms: the output layer's weight gradient)
+        assert _activations(sdpa[1024]) <= 4 * _activations(sdpa[256])
+        # (with selective recompute the attention core is only a working set, here below the logits' phase)
+        assert _activations(sdpa[1024]) <= _activations(local[1024]) if rc else \
+            _activations(sdpa[1024]) < _activations(local[1024])
+        layers = sdpa[1024].device_items["activations_layers"]
+        # what SDPA keeps beyond q, k, v and its output: the fp32 logsumexp [b, a/t, s] per layer
+        lse = 4 * b * (a // t) * 1024
+        local_scores = local[1024].device_items["activations_layers"] - layers + L * lse
+        if rc == "selective":
+            assert sdpa[1024].device_items["activations_recompute_working_set"] == lse
+        else:
+            # GPT-2 (MHA, q/k/v views of the fused qkv output either way): the only difference per
+            # layer is the local attention's scores (bf16 probs + dropout mask + dropout output: 5 bytes
+            # per score) against the logsumexp
+            if not arch:
+                assert local_scores == L * 5 * b * (a // t) * 1024 * 1024
+    # CPU with attention dropout: SDPA's math path keeps fp32 scores, probabilities and dropout output
+    # plus fp32 q·scale, k·scale and v (instead of the bf16 q, k, v the fused kernel keeps, and of
+    # the fused qkv tensor they are views of): quadratic again, and more than the local attention
+    math_path = base.replace(seq_length=1024, attention_backend="sdpa", attention_dropout=True)
+    p = plan(math_path)
+    if device_is_host:
+        s, d, at = 1024, h // a, a // t
+        fused = plan(math_path.replace(attention_dropout=False))
+        # what the fused kernel's layer keeps of q, k, v per token: GPT-2 the fused qkv tensor (3 views);
+        # Llama (RoPE, 4 groups, grouped k/v): rotated q and k + the fused tensor kept alive by v
+        g = 4 // t
+        fused_qkv = 2 * 3 * at * d if not arch else 2 * d * (at + g + (at + 2 * g))
+        assert p.device_items["activations_layers"] - fused.device_items["activations_layers"] == \
+            L * (3 * 4 * b * at * s * s + 3 * 4 * b * at * s * d - 4 * b * at * s - s * b * fused_qkv)
+        assert p.device_items["activations_layers"] > plan(base.replace(seq_length=1024)).device_items[
+            "activations_layers"]
+    else:
+        assert p.device_items == plan(math_path.replace(attention_dropout=False)).device_items
+
+
+@pytest.mark.parametrize("t", [2, 4, 8])
+def test_sequence_parallel_divides_the_replicated_terms_by_tp(t):
+    """--sequence-parallel: Korthikanti et al. 2022's per-layer count with SP, s·b·h·(34/t + 5·a·s/(h·t))
+    (16-bit, dropout); the embedding/final-norm activations and the residual gradients / t; one
+    w·s·b·h all-gather buffer; logits unchanged. At TP 1 it changes nothing (the job turns it off)."""
+    s, b, h, a, L = 2048, 2, 1024, 16, 4
+    base = PlanInput(num_layers=L, hidden_size=h, num_attention_heads=a, seq_length=s, micro_batch_size=b,
+                     tensor_parallel=t, precision="bf16")
+    off, on = plan(base), plan(base.replace(sequence_parallel=True))
+    sbh = s * b * h
+    assert on.device_items["activations_layers"] == pytest.approx(L * sbh * (34 / t + 5 * a * s / (h * t)),
+                                                                  rel=1e-12)
+    assert off.device_items["activations_layers"] == pytest.approx(L * sbh * (10 + 24 / t + 5 * a * s / (h * t)),
+                                                                   rel=1e-12)
+    assert on.device_items["activations_embedding_final"] == 5 * sbh // t      # dropout mask + 2 x 16 bits
+    assert off.device_items["activations_embedding_final"] == 5 * sbh
+    assert on.device_items["activations_layer_backward_grads"] == 2 * 2 * s * b * 4 * h // t + 2 * 2 * sbh // t
+    assert on.device_items["activations_sp_gather_buffer"] == 2 * sbh
+    assert "activations_sp_gather_buffer" not in off.device_items
+    for k in ("logits_16bit", "logits_fp32_cross_entropy", "activations_tied_embedding_grad"):
+        assert on.device_items[k] == off.device_items[k]
+    assert on.device_bytes_per_gpu < off.device_bytes_per_gpu
+    # selective recompute keeps the same split layers; SDPA + SP: everything linear in s, all but split / t
+    sel = plan(base.replace(sequence_parallel=True, recompute="selective"))
+    assert sel.device_items["activations_layers"] == pytest.approx(L * sbh * 34 / t, rel=1e-12)
+    # full recompute: each checkpointed layer input is the sequence-parallel [s/t, b, h] hidden state
+    full = plan(base.replace(sequence_parallel=True, recompute="full"))
+    assert full.device_items["activations_layer_inputs"] == L * 2 * sbh // t
+    assert full.device_items["activations_recompute_working_set"] == pytest.approx(sbh * (34 / t + 5 * a * s / (h * t)),
+                                                                                 rel=1e-12)
+    # RMSNorm + RoPE: the rope cos/sin tables stay whole (they are [s, d], per layer)
+    llama = base.replace(position_embedding_type="rope", normalization="RMSNorm", swiglu=True)
+    lo, ln = plan(llama), plan(llama.replace(sequence_parallel=True))
+    rope = L * 4 * 2 * s * (h // a)
+    # replicated: the two RMSNorms (fp32 input, fp32 normalized, 1/rms) + qkv/fc1 inputs + 2 masks
+    replicated = 2 * (8 * sbh + 4 * s * b) + (2 * 2 + 2) * sbh
+    split = lo.device_items["activations_layers"] - rope - L * replicated
+    assert ln.device_items["activations_layers"] == split + rope + L * (replicated // t)
+    # TP 1: off, as the job
+    one = base.replace(tensor_parallel=1)
+    assert plan(one.replace(sequence_parallel=True)).device_items == plan(one).device_items
+    with pytest.raises(ValueError, match="multiple of tensor_parallel"):
+        plan(base.replace(sequence_parallel=True, seq_length=s + 1))

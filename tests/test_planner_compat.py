@@ -139,6 +139,11 @@ def _job_input(argv, dp, **env):
      "--position-embedding-type", "rope", "--rotary-base", "500000", "--normalization", "RMSNorm",
      "--norm-epsilon", "1e-6", "--swiglu", "--group-query-attention", "--num-query-groups", "2",
      "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--add-qkv-bias", "--qk-layernorm"],
+    ["--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length", "1024",
+     "--train-iters", "10", "--lr", "1e-4", "--bf16", "--zero-offload", "--tensor-model-parallel-size", "4",
+     "--use-flash-attn", "--sequence-parallel", "--attention-dropout", "0.1"],
+    ["--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length", "1024",
+     "--train-iters", "10", "--lr", "1e-4", "--bf16", "--attention-backend", "flash", "--sequence-parallel"],
 ])
 def test_job_and_tool_plan_the_same_run(argv):
     dp = 2
@@ -157,6 +162,11 @@ def test_job_and_tool_plan_the_same_run(argv):
         assert job.swiglu and job.query_groups() == 2 and job.untie_embeddings_and_output_weights
         assert job.position_embedding_type == "rope" and job.normalization == "RMSNorm" and job.qk_layernorm
         assert not job.add_bias_linear and job.add_qkv_bias
+    # --use-flash-attn / --attention-backend flash and --sequence-parallel reached both (SP off at TP 1)
+    flash = "--use-flash-attn" in argv or "--attention-backend" in argv
+    assert job.attention_backend == ("sdpa" if flash else "local")
+    assert job.sp() == ("--sequence-parallel" in argv and job.tensor_parallel > 1)
+    assert job.attention_dropout_on() == ("--attention-dropout" in argv)
 
 
 def _suggestion_cases():
@@ -169,6 +179,8 @@ def _suggestion_cases():
         ([*shape, "--fp32", "--micro-batch-size", "8"], 1, small_gpu),
         ([*shape, "--bf16", "--micro-batch-size", "4", "--zero-offload", "--bucket-size", "50000000"], 2, small_gpu),
         ([*shape, "--bf16", "--micro-batch-size", "1", "--zero-offload"], 8, small_host),
+        ([*shape, "--bf16", "--micro-batch-size", "8", "--zero-offload", "--tensor-model-parallel-size", "2"], 1,
+         small_gpu),
     ]
 
 
@@ -196,7 +208,8 @@ def test_every_suggested_flag_is_a_real_pretrain_gpt_flag_that_does_what_it_says
             n += 1
     assert n >= 6
     assert {"--zero-offload", "--recompute-granularity", "--micro-batch-size", "--tensor-model-parallel-size",
-            "--bf16", "--bucket-size", "--exp-avg-dtype", "--exp-avg-sq-dtype"} <= seen, seen
+            "--bf16", "--bucket-size", "--exp-avg-dtype", "--exp-avg-sq-dtype", "--use-flash-attn",
+            "--sequence-parallel"} <= seen, seen
 
 
 # ------------------------------------------------------------------------------------------------

@@ -43,6 +43,14 @@ CASES = [
     # one bucket: at DP 2 small buckets + recompute raise the measured peak (not modelled, see
     # docs/memory_planner.md: 17.3% with 300k-element buckets, as the GPT-2 small-bucket case)
     ("fp32-llama-recompute", "fp32", True, 1024, 40_000_000),
+    # issue 26: torch SDPA core attention (--use-flash-attn: no s² scores) and sequence parallelism
+    # (--sequence-parallel: norm/dropout activations split over TP; off at TP 1, as in the job)
+    ("bf16-smallvocab-sdpa", "bf16", False, 1000, 40_000_000),
+    ("bf16-smallvocab-sp", "bf16", False, 1000, 40_000_000),
+    ("bf16-smallvocab-recompute-sp", "bf16", True, 1000, 40_000_000),
+    ("bf16-llama-sdpa", "bf16", False, 1000, 200_000),     # SDPA with grouped k/v (enable_gqa) and RoPE
+    # attention dropout 0.1 (hidden dropout 0): torch's CPU SDPA takes its math path (fp32 s x s tensors)
+    ("bf16-smallvocab-sdpa-attndrop", "bf16", False, 1000, 40_000_000),
 ]
 # Llama-shaped cases (issue 24): rope, RMSNorm, SwiGLU (ffn 320), GQA 2 groups, untied output layer, no biases
 LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, num_query_groups=2,
@@ -50,7 +58,13 @@ LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=Tru
 
 
 def _arch(name):
-    return LLAMA if "llama" in name else {}
+    """The case's model options beyond shape and precision (GPTConfig's = PlanInput's field names)."""
+    arch = dict(LLAMA) if "llama" in name else {}
+    if "-sdpa" in name:
+        arch["attention_backend"] = "sdpa"
+    if name.endswith("-sp"):
+        arch["sequence_parallel"] = True
+    return arch
 WORLDS = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (TP, DP)
 
 
@@ -127,10 +141,11 @@ def _measure_world(rank, tp, cases):
     out = []
     for name, precision, recompute, vocab, bucket_size in cases:
         cfg = GPTConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, vocab_size=vocab,
-                        max_position_embeddings=SEQ, precision=precision, recompute=recompute, **_arch(name))
+                        max_position_embeddings=SEQ, precision=precision, recompute=recompute, **_arch(name),
+                        attention_dropout=0.1 if name.endswith("-attndrop") else 0.0)
         model = build_gpt_model(cfg, ps.tp_rank, ps.tp_size, SEED)
         engine = ZeroOffloadEngine(model, precision=precision, bucket_size=bucket_size, dp_group=ps.dp_group,
-                                   tp_rank=ps.tp_rank)
+                                   tp_rank=ps.tp_rank, tp_group=ps.tp_group)
         gen = torch.Generator().manual_seed(SEED + 17 * ps.dp_rank)
         tokens = torch.randint(0, vocab, (MICRO, SEQ), generator=gen)
         labels = torch.randint(0, vocab, (MICRO, SEQ), generator=gen)
@@ -168,6 +183,7 @@ def _plan(tp, dp, name, precision, recompute, vocab, bucket_size):
                           seq_length=SEQ, max_position_embeddings=SEQ, tensor_parallel=tp, data_parallel=dp,
                           micro_batch_size=MICRO, precision=precision, recompute=recompute,
                           bucket_size=bucket_size, dropout=False, fused_softmax=False, device_is_host=True,
+                          attention_dropout=name.endswith("-attndrop"),
                           device_overhead_bytes=0))
 
 

@@ -5,7 +5,8 @@
         --zero-offload --micro-batch-size 8 --recompute-granularity full
     python tools/estimate_memory.py --preset v100-32gb --hidden-size 4096 --num-attention-heads 32 \
         --zero-offload --recompute-granularity full --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16 --max-model layers
-    python tools/estimate_memory.py --preset h100-80gb --model llama3-8b --seq-length 8192 --zero-offload
+    python tools/estimate_memory.py --preset h100-80gb --model llama3-8b --seq-length 8192 --zero-offload \
+        --use-flash-attn --sequence-parallel --tensor-model-parallel-size 8
     python tools/estimate_memory.py --num-layers 80 --hidden-size 8192 --num-attention-heads 64 \
         --ffn-hidden-size 28672 --vocab-size 128256 --swiglu --group-query-attention --num-query-groups 8 \
         --position-embedding-type rope --normalization RMSNorm --disable-bias-linear \
@@ -14,7 +15,7 @@
 
 Model, architecture, batch and training flags are pretrain_gpt.py's, with its defaults (the
 architecture: GPT-2 unless its flags say otherwise; the output names the architecture planned) (no --zero-offload: the DDP
-baseline; dropout 0; the model's unfused fp32 softmax), and the input is built by the same function
+baseline; dropout 0; the model's unfused fp32 softmax, or torch SDPA with --use-flash-attn), and the input is built by the same function
 as the job's pre-launch check (planner.plan_input_from_flags), so both give the same plan.
 Memory sizes are GiB (2^30 bytes).
 Exit status: 0 = fits (with --max-model: some model fits; with --paper-check: every reference
@@ -35,7 +36,8 @@ except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from zo_megatron import planner as P
 from zo_megatron.errors import ConfigError  # noqa: E402
-from zo_megatron.training.arguments import add_architecture_flags, architecture_kwargs  # noqa: E402
+from zo_megatron.training.arguments import (  # noqa: E402
+    add_architecture_flags, add_attention_flags, architecture_kwargs, check_attention_flags)
 
 PROG = "estimate_memory.py"
 
@@ -70,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = ap.add_argument_group("architecture (pretrain_gpt.py's flags; default GPT-2: learned positions, LayerNorm, "
                               "GELU, biases, tied embeddings)")
     add_architecture_flags(g)
+
+    g = ap.add_argument_group("attention and sequence parallelism (pretrain_gpt.py's flags)")
+    add_attention_flags(g)
 
     g = ap.add_argument_group("parallelism and batch")
     g.add_argument("--tensor-model-parallel-size", "--tensor-parallel", dest="tensor_parallel", type=int, default=1)
@@ -168,6 +173,7 @@ def build_input(args, parser: argparse.ArgumentParser | None = None) -> P.PlanIn
         setattr(args, key, value)
     try:
         architecture_kwargs(args)     # the job's own refusals (e.g. --window-size)
+        check_attention_flags(args)   # -> args.core_attention; SP off at TP 1 (with the job's warning)
     except ConfigError as e:
         raise BadInput(str(e)) from None
 
@@ -233,6 +239,8 @@ def print_plan(p: P.Plan, title: str = "zo_megatron memory plan") -> None:
           f"{i.grad_accum_steps}, recompute {rc}, ZeRO-Offload {'on' if i.zero_offload else 'off'}, "
           f"DPU {'on' if i.dpu else 'off'}, bucket {i.bucket_size:,} elements, optimizer states "
           f"{'bf16' if i.bf16_optimizer_states else 'fp32'}")
+    print(f"  attention  {'torch SDPA (--use-flash-attn)' if i.attention_backend == 'sdpa' else 'local (s x s scores)'}"
+          f", sequence parallel {'on' if i.sp() else 'off'}")
     print(f"  hardware   {P.format_bytes(i.gpu_memory_bytes)} per GPU, "
           f"{P.format_bytes(i.host_memory_bytes_per_node)} host per node")
     print()

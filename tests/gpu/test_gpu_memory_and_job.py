@@ -26,14 +26,14 @@ SCRIPT = os.path.join(ROOT, "pretrain", "pretrain_gpt.py")
 LAYERS, HIDDEN, HEADS, SEQ, VOCAB, MICRO = 4, 512, 8, 256, 50257, 4
 
 
-def _engine(seed, precision, **kw):
+def _engine(seed, precision, attention_backend="local", **kw):
     from zo_megatron.model import GPTConfig, build_gpt_model
     from zo_megatron.offload.engine import ZeroOffloadEngine
     from zo_megatron.parallel import init_parallel
 
     ps = init_parallel(1, seed=seed, num_attention_heads=HEADS, hidden_size=HIDDEN)
     cfg = GPTConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, vocab_size=VOCAB,
-                    max_position_embeddings=SEQ, precision=precision)
+                    max_position_embeddings=SEQ, precision=precision, attention_backend=attention_backend)
     model = build_gpt_model(cfg, 0, 1, seed)
     return ps, model, lambda **more: ZeroOffloadEngine(model, precision=precision, dp_group=ps.dp_group,
                                                        device=ps.device, **kw, **more)
@@ -71,13 +71,13 @@ def test_pinned_buffers_are_registered_and_freed():
     assert out["caught"] and all(out["during"]) and not any(out["after_error"])
 
 
-def _memory_world(rank, seed, precision):
+def _memory_world(rank, seed, precision, attention_backend="local"):
     from zo_megatron.planner import PlanInput, plan
 
     torch.cuda.reset_peak_memory_stats()
     from zo_megatron.offload.loss_scaler import DynamicLossScaler
 
-    ps, model, make = _engine(seed, precision)
+    ps, model, make = _engine(seed, precision, attention_backend)
     before_engine = torch.cuda.max_memory_allocated()
     # fp16: a scale that does not overflow on step 1 (the default 2^32 skips the first steps)
     engine = make() if precision != "fp16" else make(loss_scaler=DynamicLossScaler(initial_scale=2.0**12))
@@ -92,7 +92,7 @@ def _memory_world(rank, seed, precision):
     peak = torch.cuda.max_memory_allocated()
     p = plan(PlanInput(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, vocab_size=VOCAB,
                        seq_length=SEQ, micro_batch_size=MICRO, precision=precision, bucket_size=40_000_000,
-                       dropout=False, fused_softmax=False))
+                       dropout=False, fused_softmax=False, attention_backend=attention_backend))
     states = sum(v for k, v in p.device_items.items() if k.startswith(("params_", "grad_")))
     overhead = p.device_items["framework_overhead"]
     out = dict(before_engine=before_engine, after_build=after_build, peak=peak, planned_states=states,
@@ -104,9 +104,11 @@ def _memory_world(rank, seed, precision):
 
 
 @needs_cuda("the CUDA caching allocator's peak")
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_device_memory_stays_within_the_plan(precision):
-    out = run_world(_memory_world, 1, fresh_seed(f"memory {precision}"), precision)[0]
+@pytest.mark.parametrize("precision,attention_backend", [("bf16", "local"), ("fp16", "local"), ("bf16", "sdpa")])
+def test_device_memory_stays_within_the_plan(precision, attention_backend):
+    """(--use-flash-attn: torch SDPA's flash kernel, planned without the s x s scores)"""
+    out = run_world(_memory_world, 1, fresh_seed(f"memory {precision} {attention_backend}"), precision,
+                    attention_backend)[0]
     print(json.dumps({k: v for k, v in out.items() if k != "items"}), out["items"])
     assert out["before_engine"] == 0, "the fp32 model must be built on the host"
     # model states: the planner's bytes, exactly up to the allocator's 512-byte rounding

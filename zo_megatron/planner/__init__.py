@@ -27,6 +27,12 @@ b16 = 2 bytes (bf16/fp16) or 4 (fp32):
                          gradient, held to the end of backward), one layer's backward (its recompute
                          working set + its gradients). `_activation_items` has the details; validated
                          against torch's measured CPU peak in tests/test_planner_validation.py.
+                         --use-flash-attn (attention_backend="sdpa"): the 5·a·s/(h·t) scores term
+                         becomes an fp32 logsumexp, 4·a·s·b/t per layer (no s² term; CPU with
+                         attention dropout: the math path's fp32 s² tensors). --sequence-parallel
+                         (t > 1): the replicated 10 becomes 10/t, and the embedding/final-norm
+                         activations, residual gradients and full-recompute checkpoints / t, plus
+                         one b16·s·b·h gather buffer.
 
 Parameter count of the GPT-2-style model (learned positions, tied embeddings, biases, LayerNorms):
   P = V_pad·h + S·h + L·(12h² + 13h) + 2h,   V_pad = V rounded up to a multiple of 128·t

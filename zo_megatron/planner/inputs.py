@@ -12,6 +12,7 @@ PRECISIONS = ("bf16", "fp16", "fp32")
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 RECOMPUTE = (None, "full", "selective")
+ATTENTION_BACKENDS = ("local", "sdpa")
 
 
 @dataclass
@@ -57,6 +58,9 @@ class PlanInput:
     # activation-model details
     dropout: bool = True  # dropout masks stored (Korthikanti's formula assumes dropout on)
     fused_softmax: bool = True  # False: torch softmax in fp32 (CPU path) keeps fp32 probs too
+    attention_backend: str = "local"  # "local": megatron's DotProductAttention (s² scores) | "sdpa": torch SDPA
+    attention_dropout: bool | None = None  # None: = dropout; SDPA on the CPU with it takes the math path
+    sequence_parallel: bool = False  # megatron's sequence parallelism (only at TP > 1, as the job)
     # overheads and layout
     device_overhead_bytes: int = 1 * GiB  # CUDA context + cuBLAS workspace + NCCL buffers
     host_overhead_bytes_per_rank: int = 3 * GiB  # python + torch + megatron + CUDA host side
@@ -98,6 +102,13 @@ class PlanInput:
         if self.qk_layernorm:
             parts.append("qk norm")
         return f"{'GPT-2' if gpt2 else 'Llama-family'} ({', '.join(parts)})"
+
+    def sp(self) -> bool:
+        """Sequence parallelism in effect (the job turns it off at TP = 1, as Megatron-LM)."""
+        return self.sequence_parallel and self.tensor_parallel > 1
+
+    def attention_dropout_on(self) -> bool:
+        return self.dropout if self.attention_dropout is None else self.attention_dropout
 
     def normalized_recompute(self) -> str | None:
         r = self.recompute
@@ -148,6 +159,11 @@ class PlanInput:
         if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
             raise ValueError(f"position_embedding_type must be one of {POSITION_EMBEDDING_TYPES}, "
                              f"got {self.position_embedding_type!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.sp() and self.seq_length % self.tensor_parallel:
+            raise ValueError(f"sequence_parallel splits the sequence over TP: seq_length {self.seq_length} is not a "
+                             f"multiple of tensor_parallel {self.tensor_parallel}")
         if self.normalization not in NORMALIZATIONS:
             raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {self.normalization!r}")
         if not 0.0 < self.rotary_percent <= 1.0:
@@ -257,8 +273,22 @@ def plan_input_from_flags(flags: Any, *, data_parallel: int, vocab_size: int, **
         bucket_size=flags.bucket_size, make_vocab_size_divisible_by=flags.make_vocab_size_divisible_by,
         # the model's attention is torch's softmax in fp32 (not a fused kernel) on every device
         dropout=flags.hidden_dropout > 0 or flags.attention_dropout > 0, fused_softmax=False,
+        attention_dropout=flags.attention_dropout > 0,
+        # --use-flash-attn / --attention-backend (args.core_attention once the job's checks ran)
+        attention_backend=_core_attention(flags), sequence_parallel=bool(getattr(flags, "sequence_parallel", False)),
         bf16_optimizer_states=flags.exp_avg_dtype == "bf16",
         grad_reduce_fp32=flags.accumulate_allreduce_grads_in_fp32,
         host_grad_fp32=flags.main_grads_dtype == "fp32" and precision != "fp32",
         accumulate_on_host=flags.accumulate_grads_on_host, **hardware)
 
+
+
+def _core_attention(flags: Any) -> str:
+    """"local" | "sdpa" from the job's flags: args.core_attention when the job's argument checks
+    set it, otherwise from --use-flash-attn / --attention-backend (an older namespace: local)."""
+    core = getattr(flags, "core_attention", None)
+    if core is not None:
+        return core
+    if getattr(flags, "use_flash_attn", False):
+        return "sdpa"
+    return "local" if getattr(flags, "attention_backend", None) in (None, "local", "unfused") else "sdpa"

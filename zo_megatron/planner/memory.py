@@ -36,6 +36,11 @@ def _qk_norm_saved(inp: PlanInput, elements: int, rows: int) -> tuple[int, bool]
     return b + (2 * _bytes16(inp.precision) * rows if inp.normalization == "LayerNorm" else 0), keeps
 
 
+def _sdpa_math_path(inp: PlanInput) -> bool:
+    """torch SDPA on the CPU with attention dropout: its CPU kernel has no dropout, the math path runs."""
+    return inp.attention_backend == "sdpa" and inp.device_is_host and inp.attention_dropout_on()
+
+
 def _attention_saved(inp: PlanInput) -> int:
     """Bytes the attention block of one layer keeps per token on one TP rank (besides the scores and
     its input, counted by the caller): what the core attention's matmuls save, with aliasing.
@@ -54,13 +59,28 @@ def _attention_saved(inp: PlanInput) -> int:
     a, g, d = inp.num_attention_heads // t, inp.query_groups() // t, inp.head_dim()
     rope, qk_norm = inp.position_embedding_type == "rope", inp.qk_layernorm
     q_is_view = g == a or g == 1                  # q's reshape to heads needs no copy
-    # the core attention flattens q to [s, b·heads, d]: a view of the fused tensor with MHA, or with
-    # one group at micro-batch 1 (merging a size-1 dimension needs no copy)
-    q_new = rope or qk_norm or not (g == a or (g == 1 and inp.micro_batch_size == 1))
-    k_new = rope or qk_norm or g < a
-    v_new = g < a
-    saved_bytes = w * sum(a * d for new in (q_new, k_new, v_new) if new)   # the core attention's new inputs
+    if inp.attention_backend == "sdpa":
+        # SDPA reads q, k, v as strided views (no flatten). k/v stay grouped (enable_gqa) in the CPU
+        # kernel and CUDA's flash (16-bit); CUDA's memory-efficient kernel (fp32) gets them repeated.
+        grouped = inp.device_is_host or w == 2
+        q_new = rope or qk_norm or not q_is_view
+        k_new = rope or qk_norm or (g < a and not grouped)
+        v_new = g < a and not grouped
+        kv_heads = g if grouped else a
+    else:
+        # the core attention flattens q to [s, b·heads, d]: a view of the fused tensor with MHA, or
+        # with one group at micro-batch 1 (merging a size-1 dimension needs no copy)
+        q_new = rope or qk_norm or not (g == a or (g == 1 and inp.micro_batch_size == 1))
+        k_new = rope or qk_norm or g < a
+        v_new = g < a
+        kv_heads = a
+    # the core attention's new inputs
+    saved_bytes = w * d * sum(n for new, n in ((q_new, a), (k_new, kv_heads), (v_new, kv_heads)) if new)
     fused_kept = not (q_new and k_new and v_new)
+    if _sdpa_math_path(inp):
+        # the math path saves fp32 copies of q, k, v (counted with its scores, `_scores_saved`), not
+        # the tensors it was given: neither they nor the fused tensor they are views of stay alive
+        saved_bytes, fused_kept = 0, False
     if qk_norm:                                   # per token: a·d and g·d elements, a and g rows
         q_bytes, keeps_input = _qk_norm_saved(inp, a * d, a)
         k_bytes, _ = _qk_norm_saved(inp, g * d, g)
@@ -84,25 +104,51 @@ def _layer_saved(inp: PlanInput) -> tuple[int, int, int]:
     w = _bytes16(inp.precision)
     sb, sbh = s * b, s * b * h
     mask = 1 if inp.dropout else 0
-    # replicated over TP: what the two norms keep (LayerNorm: its 16-bit input; RMSNorm: fp32 input,
-    # fp32 normalized, 1/rms), the inputs of qkv and of fc1 (b16 each) + 2 dropout masks
+    # replicated over TP (split along the sequence with SP): what the two norms keep (LayerNorm: its
+    # 16-bit input; RMSNorm: fp32 input, fp32 normalized, 1/rms), the inputs of qkv and of fc1 (b16
+    # each) + 2 dropout masks
     replicated = 2 * _norm_saved(inp, sbh, sb)[0] + (2 * w + 2 * mask) * sbh
     # split over TP: q, k, v (+ the fused qkv output they may be views of), proj input, the MLP:
     # GELU keeps fc1's output and fc2's input (2f); SwiGLU keeps fc1's [gate; up] output (2f), silu(gate),
     # up + 0 (megatron's glu_linear_offset makes it a new tensor) and their product, fc2's input (5f)
     mlp = (5 if inp.swiglu else 2) * f // t
     split = sb * (_attention_saved(inp) + w * (inp.num_attention_heads * inp.head_dim() // t + mlp))
+    if inp.sp():
+        # sequence parallel: norms, dropouts and the qkv / fc1 inputs (each linear saves its local
+        # [s/t, b, h] input and re-gathers it in backward) hold 1/t of the sequence
+        replicated //= t
     if inp.position_embedding_type == "rope":    # cos and sin tables for q and for k, per layer
         replicated += 4 * w * s * int(inp.head_dim() * inp.rotary_percent)
+    return replicated, split, _scores_saved(inp)
+
+
+def _scores_saved(inp: PlanInput) -> int:
+    """Bytes the core attention keeps per layer on one TP rank beyond q, k, v and its output.
+
+    local (megatron's DotProductAttention), a·s·s·b/t elements: the probabilities saved by the
+    softmax (+ fp32 probabilities and a 16-bit copy if unfused), with dropout its mask and output.
+    sdpa (torch SDPA, causal): only the fp32 row logsumexp [b, a/t, s] -- no s² term (CUDA's flash
+    and memory-efficient kernels, torch's fused CPU kernel). With attention dropout the CPU kernel
+    falls back to the math path: three fp32 [b, a/t, s, s] tensors (softmax output, dropout mask
+    and output) and fp32 q·scale, k·scale and v at the full head count, instead of the q, k, v it
+    was given (measured with saved-tensor hooks, torch 2.13 CPU; tests/test_planner_validation.py's
+    `-sdpa-attndrop` case in bf16; in fp32 v may stay a view of the fused qkv tensor instead)."""
+    s, b, a, t = inp.seq_length, inp.micro_batch_size, inp.num_attention_heads, inp.tensor_parallel
+    w = _bytes16(inp.precision)
+    if inp.attention_backend == "sdpa":
+        if _sdpa_math_path(inp):
+            # fp32: scores, probabilities, dropout output [b, a/t, s, s]; scaled q, scaled k, v [b, a/t, s, d]
+            return 3 * 4 * a * s * s * b // t + 3 * 4 * a * s * b * inp.head_dim() // t
+        return 4 * a * s * b // t
+    mask = 1 if inp.dropout else 0
     # attention scores a·s·s·b: probs saved by softmax (+ fp32 probs and a 16-bit copy if unfused)
     probs = w if (inp.fused_softmax or w == 4) else 4 + w
     scores_per_elem = probs + (mask + w if inp.dropout else 0)  # dropout mask + dropout output
-    scores = scores_per_elem * a * s * s * b // t
-    return replicated, split, scores
+    return scores_per_elem * a * s * s * b // t
 
 
 def _activation_items(inp: PlanInput, vocab_padded: int) -> dict[str, int]:
-    """Activation bytes on one GPU at the peak of forward + backward (Korthikanti et al. 2022, no SP).
+    """Activation bytes on one GPU at the peak of forward + backward (Korthikanti et al. 2022).
 
     Stored activations P (all layers, or each layer's input with full recompute) stay live through
     backward. On top of P the peak is the largest of three phases that never coexist:
@@ -121,6 +167,7 @@ def _activation_items(inp: PlanInput, vocab_padded: int) -> dict[str, int]:
 
     Line items: P, each phase's parts, and `activations_phases_not_coexisting` (<= 0), which takes
     back what the phases would double count: the items sum to P + max(A1, A2, B).
+    With sequence parallelism the all-gather buffer is live in every phase.
     """
     s, b, h = inp.seq_length, inp.micro_batch_size, inp.hidden_size
     t, L, f = inp.tensor_parallel, inp.num_layers, inp.ffn()
@@ -131,6 +178,8 @@ def _activation_items(inp: PlanInput, vocab_padded: int) -> dict[str, int]:
     per_layer_full = replicated + split + scores
 
     items: dict[str, int] = {}
+    # a layer's input (what full recompute checkpoints): [s/t, b, h] with sequence parallelism
+    layer_input = w * sbh // (t if inp.sp() else 1)
     rc = inp.normalized_recompute()
     working_set = 0
     if rc is None:
@@ -142,26 +191,32 @@ def _activation_items(inp: PlanInput, vocab_padded: int) -> dict[str, int]:
         # full, uniform N: keep the input of each group of N layers; backward recomputes one group
         # at a time, so a whole group's activations are live at once
         n = min(inp.recompute_num_layers, L)
-        items["activations_layer_inputs"] = (L // n) * w * sbh
+        items["activations_layer_inputs"] = (L // n) * layer_input
         working_set = items["activations_recompute_working_set"] = n * per_layer_full
     else:
         # full, block N: the first N layers keep only their input and are recomputed one at a time;
         # the others store everything (an upper bound: by the time backward reaches the recomputed
         # layers the others' activations are freed, so this overstates the peak by <= one layer)
         n = min(inp.recompute_num_layers, L)
-        items["activations_layer_inputs"] = n * w * sbh
+        items["activations_layer_inputs"] = n * layer_input
         if L > n:
             items["activations_layers"] = (L - n) * per_layer_full
         working_set = items["activations_recompute_working_set"] = per_layer_full
     # phase A1: embedding dropout mask, final norm input (+ RMSNorm's own), output-layer input; the logits
-    items["activations_embedding_final"] = emb_final = (mask + w) * sbh + _norm_saved(inp, sbh, s * b)[0]
+    emb_final = (mask + w) * sbh + _norm_saved(inp, sbh, s * b)[0]
+    # sequence parallel: the embedding dropout, final norm and the output layer's (local) input are
+    # 1/t of the sequence; megatron's global memory buffer keeps one all-gathered [s, b, h] tensor
+    sp_buffer = w * sbh if inp.sp() else 0
+    items["activations_embedding_final"] = emb_final = emb_final // t if inp.sp() else emb_final
+    if sp_buffer:
+        items["activations_sp_gather_buffer"] = sp_buffer
     logits = s * b * vocab_padded // t
     items["logits" if w == 4 else "logits_16bit"] = w * logits
     items["logits_fp32_cross_entropy"] = 4 * logits
     pad_mask = (4 - w) * logits if vocab_padded > inp.vocab_size else 0
     if pad_mask:
         items["logits_grad_vocab_pad_mask"] = pad_mask
-    phase_a1 = emb_final + (w + 4) * logits + pad_mask
+    phase_a1 = sp_buffer + emb_final + (w + 4) * logits + pad_mask
     out_grad = w * vocab_padded * h // t
     if inp.untie_embeddings_and_output_weights:
         # the output layer's own weight gradient, moved to its bucket as soon as it is complete
@@ -170,12 +225,14 @@ def _activation_items(inp: PlanInput, vocab_padded: int) -> dict[str, int]:
     else:
         # held from the output layer's backward to the embedding's (phases A2 and B)
         items["activations_tied_embedding_grad"] = emb_grad = out_grad
-    phase_a2 = emb_final + 2 * w * logits + out_grad
+    phase_a2 = sp_buffer + emb_final + 2 * w * logits + out_grad
     # phase B: one layer's backward
     # two fc1-output-sized gradients with GELU (fc2's input, fc1's output); with SwiGLU the same 2f
     # bytes are one gradient of fc1's [gate; up] output (measured: tests/test_planner_validation.py)
-    items["activations_layer_backward_grads"] = layer_grads = 2 * w * s * b * f // t + 2 * w * sbh
-    phase_b = working_set + layer_grads + emb_grad
+    # (the residual stream's two gradients: 1/t of the sequence with sequence parallelism)
+    items["activations_layer_backward_grads"] = layer_grads = \
+        2 * w * s * b * f // t + 2 * w * sbh // (t if inp.sp() else 1)
+    phase_b = sp_buffer + working_set + layer_grads + emb_grad
     listed = sum(v for k, v in items.items()
                  if k not in ("activations_layers", "activations_layer_inputs"))
     items["activations_phases_not_coexisting"] = max(phase_a1, phase_a2, phase_b) - listed

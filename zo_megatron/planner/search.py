@@ -36,6 +36,11 @@ def _suggest(base: Plan) -> list[str]:
         if inp.normalized_recompute() != "full":
             add("enable full activation recompute (`--recompute-granularity full`)",
                 inp.replace(recompute="full"))
+        if inp.attention_backend != "sdpa":
+            add("core attention through torch SDPA: no s x s scores stored (`--use-flash-attn`)",
+                inp.replace(attention_backend="sdpa"))
+        if inp.tensor_parallel > 1 and not inp.sequence_parallel and inp.seq_length % inp.tensor_parallel == 0:
+            add("split norm/dropout activations over TP (`--sequence-parallel`)", inp.replace(sequence_parallel=True))
         if inp.micro_batch_size > 1:
             # a smaller global batch (same accumulation), and the same global batch (more
             # accumulation: with ZeRO-Offload that keeps 16-bit gradients on the device)

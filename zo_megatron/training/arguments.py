@@ -91,22 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(Megatron's name and default: 10; fractions allowed)")
 
     g = p.add_argument_group("attention and sequence parallelism (Megatron-LM's names)")
-    g.add_argument("--use-flash-attn", action="store_true",
-                   help="core attention through torch's scaled_dot_product_attention, causal: no [b, heads, s, s] "
-                        "scores, probabilities or dropout mask are stored (the local attention keeps ~6 bytes x "
-                        "b*heads/TP*s^2 per layer in bf16, more with dropout), only a logsumexp of b*heads/TP*s "
-                        "floats; flash or memory-efficient kernel on a GPU, "
-                        "torch's fused kernel on a CPU (with attention dropout the CPU falls back to the math path). "
-                        "Same as --attention-backend flash")
-    g.add_argument("--attention-backend", choices=list(ATTENTION_BACKENDS), default=None,
-                   help="flash / fused / auto: torch SDPA as --use-flash-attn (torch picks flash or "
-                        "memory-efficient); local / unfused: megatron-core's DotProductAttention, which "
-                        "materialises the s x s scores (default: local)")
-    g.add_argument("--sequence-parallel", action="store_true",
-                   help="with TP > 1, LayerNorm/dropout/residual activations are split over the TP ranks along the "
-                        "sequence (megatron-core's sequence parallelism): those activations shrink by TP, the TP "
-                        "all-reduces become reduce-scatter + all-gather (same bytes); the sequence length must be a "
-                        "multiple of TP; turned off with a warning at TP = 1, as Megatron-LM does")
+    add_attention_flags(g)
 
     g = p.add_argument_group("ZeRO-Offload")
     g.add_argument("--zero-offload", action="store_true",
@@ -256,6 +241,27 @@ def build_parser() -> argparse.ArgumentParser:
         if a.help is None and a.default is not None and not isinstance(a.default, bool):
             a.help = "(default: %(default)s)"
     return p
+
+
+def add_attention_flags(g) -> None:
+    """--use-flash-attn, --attention-backend, --sequence-parallel (Megatron-LM's names); shared with
+    tools/estimate_memory.py. `check_attention_flags` turns them into args.core_attention."""
+    g.add_argument("--use-flash-attn", action="store_true",
+                   help="core attention through torch's scaled_dot_product_attention, causal: no [b, heads, s, s] "
+                        "scores, probabilities or dropout mask are stored (the local attention keeps ~6 bytes x "
+                        "b*heads/TP*s^2 per layer in bf16, more with dropout), only a logsumexp of b*heads/TP*s "
+                        "floats; flash or memory-efficient kernel on a GPU, "
+                        "torch's fused kernel on a CPU (with attention dropout the CPU falls back to the math path). "
+                        "Same as --attention-backend flash")
+    g.add_argument("--attention-backend", choices=list(ATTENTION_BACKENDS), default=None,
+                   help="flash / fused / auto: torch SDPA as --use-flash-attn (torch picks flash or "
+                        "memory-efficient); local / unfused: megatron-core's DotProductAttention, which "
+                        "materialises the s x s scores (default: local)")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="with TP > 1, LayerNorm/dropout/residual activations are split over the TP ranks along the "
+                        "sequence (megatron-core's sequence parallelism): those activations shrink by TP, the TP "
+                        "all-reduces become reduce-scatter + all-gather (same bytes); the sequence length must be a "
+                        "multiple of TP; turned off with a warning at TP = 1, as Megatron-LM does")
 
 
 def add_architecture_flags(g) -> None:
@@ -412,7 +418,7 @@ def finalize(args: argparse.Namespace) -> None:
                               args.allow_custom_vocab)
     except DataError as e:                       # a flag conflict, reported before any file is read
         raise ConfigError(str(e)) from None
-    _check_attention_and_sequence_parallel(args)
+    check_attention_flags(args)
     for k in ("micro_batch_size", "train_iters", "log_interval", "eval_interval", "tensor_parallel"):
         if getattr(args, k) < 1:
             raise ConfigError(f"--{k.replace('_', '-')} must be >= 1 (got {getattr(args, k)})")
@@ -481,7 +487,7 @@ _RANGES = [
 ]
 
 
-def _check_attention_and_sequence_parallel(args: argparse.Namespace) -> None:
+def check_attention_flags(args: argparse.Namespace) -> None:
     """--use-flash-attn / --attention-backend -> args.core_attention ("local" | "sdpa");
     --sequence-parallel off at TP = 1 (Megatron-LM's rule, with its warning)."""
     if args.use_flash_attn and args.attention_backend in ("local", "unfused"):
