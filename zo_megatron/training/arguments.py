@@ -309,7 +309,8 @@ def _full_attention_window(value) -> bool:
 
 def architecture_kwargs(args: argparse.Namespace) -> dict:
     """GPTConfig's architecture fields from the parsed flags (all of ARCH_FIELDS except vocab_size,
-    which --vocab-size or the tokenizer gives: training/loop.py model_vocab_size). Used by the job and by tools/estimate_memory.py."""
+    which --vocab-size or the tokenizer gives: training/loop.py model_vocab_size). Used by the job
+    and by tools/estimate_memory.py."""
     if not _full_attention_window(getattr(args, "window_size", None)):
         raise ConfigError(f"--window-size {args.window_size}: sliding-window attention is not supported "
                           "(megatron-core creates its mask on CUDA only); drop it to train with full attention")

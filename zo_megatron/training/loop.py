@@ -193,8 +193,8 @@ def model_vocab_size(args, tokenizer) -> int:
     if args.vocab_size is None:
         return int(tokenizer.vocab_size)
     if args.vocab_size < tokenizer.vocab_size:
-        raise UserError(f"--vocab-size {args.vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size} tokens: "
-                        f"use --vocab-size >= {tokenizer.vocab_size} (or drop it to use the tokenizer's size)")
+        raise UserError(f"--vocab-size {args.vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size} "
+                        f"tokens: use --vocab-size >= {tokenizer.vocab_size} (or drop it to use the tokenizer's size)")
     return int(args.vocab_size)
 
 
