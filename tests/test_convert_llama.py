@@ -555,7 +555,9 @@ def test_user_flow_llama_from_hf_trains_under_torchrun_at_tp2_then_to_hf_generat
     lines = []
     convert.from_hf(str(tmp_path / "hf_in"), str(tmp_path / "ck_in"), tensor_parallel=2, log=lines.append)
     (flag_line,) = [ln for ln in lines if ln.startswith("  model flags: ")]
-    assert flag_line.removeprefix("  model flags: ") == job_flags(CheckpointReader(str(tmp_path / "ck_in")).model_meta)
+    meta = CheckpointReader(str(tmp_path / "ck_in")).model_meta
+    assert flag_line.removeprefix("  model flags: ") == job_flags(meta, hf_tokenizer=True)
+    assert flag_line.endswith(f" --vocab-size {HF_VOCAB_SIZE}")
     tok_dir = str(tmp_path / "ck_in" / "iter_0000000" / "tokenizer")
     hf_tok = build_tokenizer(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=tok_dir)
     prefix = preprocess(extract_corpus(str(tmp_path / "txt"), limit=4), str(tmp_path / "data"), progress=False,

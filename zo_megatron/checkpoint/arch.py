@@ -75,9 +75,12 @@ def param_shapes(meta: dict) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def job_flags(meta: dict) -> str:
+def job_flags(meta: dict, hf_tokenizer: bool = False) -> str:
     """pretrain_gpt.py's flags (Megatron-LM's names) for the architecture `meta`: what a run that
-    loads the checkpoint must be given (a resume with other values is refused)."""
+    loads the checkpoint must be given (a resume with other values is refused). hf_tokenizer: the
+    run uses a Hugging Face tokenizer, whose length need not be the model's vocabulary (Qwen2's
+    config has 151936 rows, its tokenizer 151646 tokens), so the vocabulary is always given as
+    --vocab-size: the flags stay right whatever the tokenizer's length, and no tokenizer is read."""
     m = full_meta(meta)
     flags = [f"--num-layers {m['num_layers']}", f"--hidden-size {m['hidden_size']}",
              f"--num-attention-heads {m['num_attention_heads']}", f"--ffn-hidden-size {m['ffn_hidden_size']}",
@@ -108,6 +111,8 @@ def job_flags(meta: dict) -> str:
         flags.append("--qk-layernorm")
     if m["make_vocab_size_divisible_by"] != DEFAULTS["make_vocab_size_divisible_by"]:
         flags.append(f"--make-vocab-size-divisible-by {m['make_vocab_size_divisible_by']}")
+    if hf_tokenizer:
+        flags.append(f"--vocab-size {m['vocab_size']}")
     return " ".join(flags)
 
 

@@ -136,7 +136,7 @@ def _write_weights_checkpoint(output: str, weights: dict[str, torch.Tensor], met
     elif tokenizer_from is not None:
         log(f"  no tokenizer files in {tokenizer_from}: give the job the model's tokenizer (--tokenizer-model DIR); "
             "to-hf will need --tokenizer-model DIR")
-    log(f"  model flags: {job_flags(meta)}")
+    log(f"  model flags: {job_flags(meta, hf_tokenizer=has_tokenizer)}")
     log(f"  weights only at TP{tp}: `pretrain_gpt.py --load {output}` starts from them at iteration 0 with a fresh "
         "optimizer (any DP size)")
 

@@ -62,16 +62,35 @@ class Resumed:
     converted_from: str | None = None          # weights-only checkpoint from tools/convert_checkpoint.py
 
 
-def _check_model(manifest: dict, model_meta: dict, where: str) -> None:
+def _check_model(manifest: dict, model_meta: dict, where: str, tokenizer_vocab: int | None = None) -> None:
     saved = complete_arch_meta(manifest.get("model", {}), manifest.get("args", {}))   # older: GPT-2's fields
     if saved.get("vocab_size") != model_meta.get("vocab_size"):
-        raise UserError(f"{where}: the checkpoint's vocabulary has {saved.get('vocab_size')} tokens, this run's "
-                        f"tokenizer {model_meta.get('vocab_size')}: use the --vocab-file/--merge-file it was trained with")
+        _refuse_vocabulary(manifest, int(saved["vocab_size"]), int(model_meta["vocab_size"]),
+                           model_meta["vocab_size"] if tokenizer_vocab is None else tokenizer_vocab, where)
     diffs = [f"{k} {saved.get(k)!r} in the checkpoint, {v!r} here" for k, v in model_meta.items()
              if k != "vocab_size" and saved.get(k) != v]
     if diffs:
         raise UserError(f"{where}: another architecture ({'; '.join(diffs)}): launch with the model flags "
                         "the checkpoint was trained with")
+
+
+def _refuse_vocabulary(manifest: dict, saved: int, model: int, tokenizer: int, where: str) -> None:
+    """The checkpoint's vocabulary is not this run's model's. Its rows hold every id this run's
+    tokenizer makes: the model needs --vocab-size (Megatron-LM's flag; a Qwen2 checkpoint has more
+    rows than its tokenizer has tokens). Fewer rows: another tokenizer, named by the flags that
+    choose the one the checkpoint was trained with."""
+    if saved >= tokenizer:
+        raise UserError(f"{where}: the checkpoint's vocabulary has {saved} tokens, this run's model {model} "
+                        f"(its tokenizer has {tokenizer}): launch with --vocab-size {saved}")
+    if manifest.get("tokenizer_files"):
+        tok_dir = os.path.join(os.path.dirname(where), os.path.dirname(manifest["tokenizer_files"][0]))
+        flags = f"--tokenizer-type HuggingFaceTokenizer --tokenizer-model {tok_dir}"
+    elif manifest.get("tokenizer_type") == "HuggingFaceTokenizer":
+        flags = "--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR"
+    else:
+        flags = "--tokenizer-type GPT2BPETokenizer and its --vocab-file/--merge-file"
+    raise UserError(f"{where}: the checkpoint's vocabulary has {saved} tokens, this run's tokenizer {tokenizer}: "
+                    f"use the tokenizer it was trained with ({flags})")
 
 
 def _check_scheduler(saved: dict | None, current: dict, opts: LoadOptions, where: str) -> dict | None:
@@ -89,14 +108,16 @@ def _check_scheduler(saved: dict | None, current: dict, opts: LoadOptions, where
 
 
 def load_checkpoint(root: str, *, ps, model, optimizer, vocab_size: int, model_meta: dict, schedule: dict,
-                    opts: LoadOptions, agree=contextlib.nullcontext) -> Resumed:
-    """Validate, then restore model (+ optimizer, RNG, counters) from root's latest checkpoint."""
+                    opts: LoadOptions, agree=contextlib.nullcontext, tokenizer_vocab: int | None = None) -> Resumed:
+    """Validate, then restore model (+ optimizer, RNG, counters) from root's latest checkpoint.
+    vocab_size: the model's vocabulary before padding; tokenizer_vocab: this run's tokenizer's
+    size (default: vocab_size), which chooses the fix a vocabulary mismatch names."""
     # The checks read only files (no collectives): under `agree` (collectives.all_ranks_agree in
     # the job) a problem one rank finds is reported, with its rank, by every rank.
     with agree():
         d, manifest = read_manifest(root)
         where = os.path.join(d, MANIFEST)
-        _check_model(manifest, model_meta, where)
+        _check_model(manifest, model_meta, where, tokenizer_vocab)
         converted_from = manifest.get("converted_from") if manifest.get("weights_only") else None
         if converted_from is not None:          # from-hf / from-megatron: weights and nothing else
             opts = dataclasses.replace(opts, finetune=True, no_load_rng=True)

@@ -72,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MLP size (default 4 x hidden; with --swiglu int(4 x hidden x 2/3 / 64) x 64, Megatron's rule)")
     g.add_argument("--seq-length", type=int, default=None, help="tokens per sample")
     g.add_argument("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
+    g.add_argument("--vocab-size", type=int, default=None, metavar="N",
+                   help="the model's vocabulary before padding (Megatron-LM's flag; default: the tokenizer's size). "
+                        "For checkpoints whose vocabulary is larger than their tokenizer (Qwen2: 151936 rows, "
+                        "151646 tokens); smaller than the tokenizer is refused")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="pad the vocab to a multiple of this x TP")
     add_architecture_flags(g)
@@ -317,7 +321,8 @@ def _full_attention_window(value) -> bool:
 
 def architecture_kwargs(args: argparse.Namespace) -> dict:
     """GPTConfig's architecture fields from the parsed flags (all of ARCH_FIELDS except vocab_size,
-    which the tokenizer gives). Used by the job and by tools/estimate_memory.py."""
+    which --vocab-size or the tokenizer gives: training/loop.py model_vocab_size). Used by the job
+    and by tools/estimate_memory.py."""
     if not _full_attention_window(getattr(args, "window_size", None)):
         raise ConfigError(f"--window-size {args.window_size}: sliding-window attention is not supported "
                           "(megatron-core creates its mask on CUDA only); drop it to train with full attention")
@@ -469,6 +474,7 @@ _RANGES = [
     ("rotary_base", lambda v: v > 0, "> 0"), ("rotary_percent", lambda v: 0 < v <= 1, "in (0, 1]"),
     ("rope_scaling_factor", lambda v: v > 0, "> 0"), ("layernorm_epsilon", lambda v: v > 0, "> 0"),
     ("seq_length", lambda v: v >= 1, ">= 1"), ("make_vocab_size_divisible_by", lambda v: v >= 1, ">= 1"),
+    ("vocab_size", lambda v: v >= 1, ">= 1 (drop it to use the tokenizer's size)"),
     ("hidden_dropout", lambda v: 0 <= v < 1, "in [0, 1)"), ("attention_dropout", lambda v: 0 <= v < 1, "in [0, 1)"),
     ("init_method_std", lambda v: v > 0, "> 0"), ("global_batch_size", lambda v: v >= 1, ">= 1"),
     ("eval_iters", lambda v: v >= 0, ">= 0 (0: no evaluation)"), ("seed", lambda v: v >= 0, ">= 0"),

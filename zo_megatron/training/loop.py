@@ -155,6 +155,7 @@ def _check_inputs(args, env, dp):
 
     tokenizer = build_tokenizer(args.vocab_file, args.merge_file, allow_custom_vocab=args.allow_custom_vocab,
                                 tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model)
+    args.model_vocab_size = model_vocab_size(args, tokenizer)
     if args.data_path:
         from zo_megatron.data import parse_data_path
 
@@ -180,11 +181,23 @@ def _check_inputs(args, env, dp):
         raise UserError(f"--load {args.load}: no such directory")
     if args.save:
         check_save_dir(args.save)
-    memory_check(args, env, dp, tokenizer.vocab_size)
+    memory_check(args, env, dp, args.model_vocab_size)
     if args.save:
         check_free_space(args.save, checkpoint_bytes(args.memory_plan.params_total, args.zero_offload,
                                                      args.exp_avg_dtype == "bf16"))
     return tokenizer, data_path
+
+
+def model_vocab_size(args, tokenizer) -> int:
+    """The model's vocabulary before padding: --vocab-size when given (Megatron-LM's flag; a
+    checkpoint whose vocabulary is larger than its tokenizer, as Qwen2's is), else the tokenizer's.
+    Every id the tokenizer makes must have a row, so a smaller --vocab-size is refused."""
+    if args.vocab_size is None:
+        return int(tokenizer.vocab_size)
+    if args.vocab_size < tokenizer.vocab_size:
+        raise UserError(f"--vocab-size {args.vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size} "
+                        f"tokens: use --vocab-size >= {tokenizer.vocab_size} (or drop it to use the tokenizer's size)")
+    return int(args.vocab_size)
 
 
 def _build_optimizer(args, model, ps):
@@ -251,7 +264,8 @@ def _schedule_state(args, iteration: int) -> dict:
             "lr_decay_steps": args.lr_decay_iters, "lr_decay_style": args.lr_decay_style, "num_steps": iteration}
 
 
-def _resume(args, ps, model, optimizer, vocab_size: int, model_meta: dict, metrics) -> tuple[int, int, int]:
+def _resume(args, ps, model, optimizer, vocab_size: int, tokenizer_vocab: int, model_meta: dict,
+            metrics) -> tuple[int, int, int]:
     """--load: restore the checkpoint (docs/checkpoints.md); returns (iteration, consumed
     training samples, consumed validation samples)."""
     from zo_megatron.checkpoint import LoadOptions, load_checkpoint
@@ -259,6 +273,7 @@ def _resume(args, ps, model, optimizer, vocab_size: int, model_meta: dict, metri
     t0 = time.monotonic()
     res = load_checkpoint(
         args.load, ps=ps, model=model, optimizer=optimizer, vocab_size=vocab_size, model_meta=model_meta,
+        tokenizer_vocab=tokenizer_vocab,
         schedule=_schedule_state(args, 0), opts=LoadOptions(
             no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng, finetune=args.finetune,
             override_opt_param_scheduler=args.override_opt_param_scheduler,
@@ -337,7 +352,7 @@ def _train(args, env, ps, tokenizer, data_path, cpu_adam_threads: int) -> int:
     inject = faults.FaultInjection.from_env(ps.rank)
     iteration = 0
     try:
-        cfg = GPTConfig(**architecture_kwargs(args), vocab_size=tokenizer.vocab_size, precision=args.precision,
+        cfg = GPTConfig(**architecture_kwargs(args), vocab_size=args.model_vocab_size, precision=args.precision,
                         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
                         init_method_std=args.init_method_std, recompute=args.recompute_granularity,
                         recompute_method=args.recompute_method or "uniform",
@@ -360,8 +375,8 @@ def _train(args, env, ps, tokenizer, data_path, cpu_adam_threads: int) -> int:
         start_iter, consumed, consumed_valid = 0, 0, 0
         model_meta = cfg.arch_meta()          # every ARCH_FIELDS field: a resume must match them all
         if args.load:
-            start_iter, consumed, consumed_valid = _resume(args, ps, model, optimizer, tokenizer.vocab_size,
-                                                           model_meta, metrics)
+            start_iter, consumed, consumed_valid = _resume(args, ps, model, optimizer, cfg.vocab_size,
+                                                           tokenizer.vocab_size, model_meta, metrics)
         _banner(metrics, args, ps, cfg, optimizer, data_path, time.monotonic() - t_start)
 
         train_iter = iter(DPBatches(train_ds, args.micro_batch_size, ps.dp_rank, ps.dp_size,
@@ -384,7 +399,7 @@ def _train(args, env, ps, tokenizer, data_path, cpu_adam_threads: int) -> int:
                 with inject.saving(iteration):
                     path = save_checkpoint(
                         args.save, iteration, ps=ps, model=model, optimizer=optimizer,
-                        vocab_size=tokenizer.vocab_size,
+                        vocab_size=cfg.vocab_size,
                         train_state=dict(consumed_samples=consumed, consumed_valid_samples=consumed_valid,
                                          opt_param_scheduler=_schedule_state(args, iteration)),
                         model_meta=model_meta, args=vars(args), keep_last=args.keep_last, tokenizer=tokenizer)
