@@ -46,9 +46,12 @@ class _Parser(argparse.ArgumentParser):
     """argparse that reports a bad command line once per job (global rank 0), not once per rank."""
 
     def error(self, message):
-        if os.environ.get("RANK", "0") == "0":
+        from zo_megatron.errors import is_first_rank, record_error_line
+
+        if is_first_rank():
             self.print_usage(sys.stderr)
-            sys.stderr.write(f"{self.prog}: error: {message}\n")
+            sys.stderr.write(f"{self.prog}: error: {message}\n")    # last: the line a reader sees
+        record_error_line(f"{self.prog}: error: {message}")        # torchrun's root cause
         sys.exit(2)
 
 

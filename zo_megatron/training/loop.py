@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from zo_megatron.errors import UserError
+from zo_megatron.errors import UserError, report_error
 from zo_megatron.parallel import collectives
 from zo_megatron.parallel.megatron_notices import SUMMARY as NOTICES
 from zo_megatron.parallel.megatron_notices import hide_known_megatron_notices
@@ -473,8 +473,8 @@ def _train(args, env, ps, tokenizer, data_path, cpu_adam_threads: int) -> int:
             metrics.print(f" done: {iteration} iterations in {elapsed / 60:.1f} min; final validation loss "
                           f"{last_val:.4f} nats, perplexity {math.exp(min(last_val, 50)):.2f}")
     except faults.SaveFailed as exc:
-        if ps.rank == 0 or not exc.everywhere:
-            print(f"error: {'' if exc.everywhere else f'rank {ps.rank}: '}{exc.message}", file=sys.stderr, flush=True)
+        report_error(f"{'' if exc.everywhere else f'rank {ps.rank}: '}{exc.message}",
+                     print_it=ps.rank == 0 or not exc.everywhere)
         return 1
     except Exception as exc:  # noqa: BLE001 - only a lost peer is handled here; the rest re-raises
         if faults.is_lost_peer(exc):
@@ -495,8 +495,7 @@ def _recomputed_layers(cfg) -> int:
 
 
 def _rank0_error(ps, msg: str) -> None:
-    if ps.rank == 0:
-        print(f"error: {msg}", file=sys.stderr, flush=True)
+    report_error(msg, print_it=ps.rank == 0)
 
 
 @contextlib.contextmanager
