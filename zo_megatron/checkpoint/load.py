@@ -61,16 +61,22 @@ class Resumed:
     converted_from: str | None = None          # weights-only checkpoint from tools/convert_checkpoint.py
 
 
-def _check_model(manifest: dict, model_meta: dict, where: str) -> None:
+def _plain_diff(field: str, in_checkpoint, here) -> str:
+    return f"{field}: {in_checkpoint!r} in the checkpoint, {here!r} here"
+
+
+def _check_model(manifest: dict, model_meta: dict, where: str, describe_diff=_plain_diff,
+                 fix: str = "launch with the model flags the checkpoint was trained with") -> None:
+    """One line naming every architecture field that differs, each as `describe_diff` words it
+    (the job: '--num-layers: 2 in the checkpoint, 4 here'); a field the checkpoint lacks counts as None."""
     saved = manifest.get("model", {})
     if saved.get("vocab_size") != model_meta.get("vocab_size"):
         raise UserError(f"{where}: the checkpoint's vocabulary has {saved.get('vocab_size')} tokens, this run's "
                         f"tokenizer {model_meta.get('vocab_size')}: use the --vocab-file/--merge-file it was trained with")
-    diffs = [f"{k} {saved.get(k)!r} in the checkpoint, {v!r} here" for k, v in model_meta.items()
+    diffs = [describe_diff(k, saved.get(k), v) for k, v in model_meta.items()
              if k != "vocab_size" and saved.get(k) != v]
     if diffs:
-        raise UserError(f"{where}: another architecture ({'; '.join(diffs)}): launch with the model flags "
-                        "the checkpoint was trained with")
+        raise UserError(f"{where}: this run's model differs from the checkpoint's ({'; '.join(diffs)}): {fix}")
 
 
 def _check_scheduler(saved: dict | None, current: dict, opts: LoadOptions, where: str) -> dict | None:
@@ -88,14 +94,15 @@ def _check_scheduler(saved: dict | None, current: dict, opts: LoadOptions, where
 
 
 def load_checkpoint(root: str, *, ps, model, optimizer, vocab_size: int, model_meta: dict, schedule: dict,
-                    opts: LoadOptions, agree=contextlib.nullcontext) -> Resumed:
+                    opts: LoadOptions, agree=contextlib.nullcontext, describe_diff=_plain_diff,
+                    model_fix: str = "launch with the model flags the checkpoint was trained with") -> Resumed:
     """Validate, then restore model (+ optimizer, RNG, counters) from root's latest checkpoint."""
     # The checks read only files (no collectives): under `agree` (collectives.all_ranks_agree in
     # the job) a problem one rank finds is reported, with its rank, by every rank.
     with agree():
         d, manifest = read_manifest(root)
         where = os.path.join(d, MANIFEST)
-        _check_model(manifest, model_meta, where)
+        _check_model(manifest, model_meta, where, describe_diff, model_fix)
         converted_from = manifest.get("converted_from") if manifest.get("weights_only") else None
         if converted_from is not None:          # from-hf / from-megatron: weights and nothing else
             opts = dataclasses.replace(opts, finetune=True, no_load_rng=True)

@@ -10,6 +10,7 @@ import os
 import sys
 
 from zo_megatron.errors import ConfigError
+from zo_megatron.training.checkpoint_args import apply_checkpoint_args, given_dests
 from zo_megatron.training.megatron_compat import add_megatron_compat_flags, check_megatron_compat
 from zo_megatron.training.schedule import DECAY_STYLES, WSD_DECAY_STYLES
 
@@ -210,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on --load, use this run's LR-schedule flags even if they differ from the checkpoint's")
     g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
                    help="on --load, take the LR schedule (lr, min-lr, warmup, decay iters and style) from the checkpoint")
+    g.add_argument("--use-checkpoint-args", action="store_true",
+                   help="take the model shape, architecture, tokenizer, --seq-length and vocabulary padding from "
+                        "--load's checkpoint (Megatron's); model flags given here must agree with it")
 
     g = p.add_argument_group("evaluation and logging")
     g.add_argument("--eval-interval", type=int, default=None, help="iterations between evaluations")
@@ -253,16 +257,32 @@ def default_precision() -> tuple[str, str]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(argv)
+    args.given = given_dests(parser, argv)
+    if args.use_checkpoint_args:
+        apply_checkpoint_args(parser, args, args.given)
     finalize(args)
     return args
+
+
+def origin(args: argparse.Namespace, dest: str) -> str:
+    """Where a value the user did not type came from: ' (demo default)', ' (from the checkpoint)'."""
+    if dest in getattr(args, "demo_filled", ()):
+        return " (demo default)"
+    if dest in getattr(args, "from_checkpoint", ()):
+        return " (from the checkpoint)"
+    return ""
 
 
 def finalize(args: argparse.Namespace) -> None:
     """Fill demo or Megatron defaults, then reject inconsistent values (one line each)."""
     shape_given = any(getattr(args, k) is not None for k in ("num_layers", "hidden_size", "num_attention_heads"))
-    args.demo = not shape_given
-    defaults = MEGATRON_DEFAULTS if shape_given else DEMO_DEFAULTS
+    # --use-checkpoint-args: the defaults the checkpoint's own run had (its shape is "given" now)
+    args.demo = getattr(args, "checkpoint_demo", not shape_given)
+    defaults = DEMO_DEFAULTS if args.demo else MEGATRON_DEFAULTS
+    args.demo_filled = set()
     if args.lr_warmup_fraction is not None:
         if args.lr_warmup_iters:
             raise ConfigError("--lr-warmup-fraction and --lr-warmup-iters both set the warmup: give one")
@@ -274,6 +294,8 @@ def finalize(args: argparse.Namespace) -> None:
     for k in {**DEMO_DEFAULTS, **MEGATRON_DEFAULTS}:
         if getattr(args, k, None) is None:
             setattr(args, k, defaults.get(k))
+            if args.demo and k in DEMO_DEFAULTS:
+                args.demo_filled.add(k)
     for k in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "train_iters", "lr"):
         if getattr(args, k) is None:
             raise ConfigError(f"--{k.replace('_', '-')} is required when the model shape is given")
@@ -387,13 +409,14 @@ def _check_ranges(args: argparse.Namespace) -> None:
         if v is None:
             continue
         if isinstance(v, float) and not math.isfinite(v) or not ok(v):
-            raise ConfigError(f"--{name.replace('_', '-')} {v} is out of range: it must be {want}")
+            raise ConfigError(f"--{name.replace('_', '-')} {v}{origin(args, name)} is out of range: it must be {want}")
     if args.min_lr > args.lr:
-        raise ConfigError(f"--min-lr {args.min_lr:g} exceeds --lr {args.lr:g}: the decay would climb; "
-                          f"use --min-lr <= --lr")
+        raise ConfigError(f"--min-lr {args.min_lr:g}{origin(args, 'min_lr')} exceeds --lr {args.lr:g}"
+                          f"{origin(args, 'lr')}: the decay would climb; use --min-lr <= --lr")
     if args.lr_warmup_iters > args.train_iters:
-        raise ConfigError(f"--lr-warmup-iters {args.lr_warmup_iters} exceeds --train-iters {args.train_iters}: "
-                          f"the run would end before the warmup does; lower it")
+        raise ConfigError(f"--lr-warmup-iters {args.lr_warmup_iters}{origin(args, 'lr_warmup_iters')} exceeds "
+                          f"--train-iters {args.train_iters}{origin(args, 'train_iters')}: the run would end before "
+                          "the warmup does; lower it")
 
 
 def check_batch_sizes(args: argparse.Namespace, dp_size: int) -> None:

@@ -243,10 +243,16 @@ def _resume(args, ps, model, optimizer, vocab_size: int, model_meta: dict, metri
     """--load: restore the checkpoint (docs/checkpoints.md); returns (iteration, consumed
     training samples, consumed validation samples)."""
     from zo_megatron.checkpoint import LoadOptions, load_checkpoint
+    from zo_megatron.training.arguments import build_parser, origin
+    from zo_megatron.training.checkpoint_args import describe_diff
 
+    parser = build_parser()
+    fix = ("launch with the model flags the checkpoint was trained with, or add --use-checkpoint-args to take "
+           "them from it") if not args.use_checkpoint_args else "launch with the checkpoint's model flags"
     t0 = time.monotonic()
     res = load_checkpoint(
         args.load, ps=ps, model=model, optimizer=optimizer, vocab_size=vocab_size, model_meta=model_meta,
+        describe_diff=lambda k, ck, here: describe_diff(parser, k, ck, here, origin(args, k)), model_fix=fix,
         schedule=_schedule_state(args, 0), opts=LoadOptions(
             no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng, finetune=args.finetune,
             override_opt_param_scheduler=args.override_opt_param_scheduler,
@@ -523,6 +529,18 @@ def _log(metrics, window, iteration, lr, res, optimizer, ps, args, fpt, done) ->
     window.update(loss=0.0, n=0, skipped=0, nan=0, t=time.monotonic())
 
 
+def _value_sources(args, dests, checkpoint_flags=()) -> str:
+    """' (demo default: --num-layers, ...)' or ' (from the checkpoint: ...)' for the values of one
+    banner line that the command line did not give."""
+    parts = []
+    demo = [f"--{k.replace('_', '-')}" for k in dests if k in getattr(args, "demo_filled", ())]
+    if demo:
+        parts.append(f"demo default: {', '.join(demo)}")
+    if checkpoint_flags:
+        parts.append(f"from the checkpoint (--use-checkpoint-args): {', '.join(checkpoint_flags)}")
+    return f" ({'; '.join(parts)})" if parts else ""
+
+
 def _banner(metrics, args, ps, cfg, optimizer, data_path, setup_s) -> None:
     total = cfg.num_parameters()
     local = sum(p.numel() for p in optimizer.model.parameters())
@@ -548,10 +566,14 @@ def _banner(metrics, args, ps, cfg, optimizer, data_path, setup_s) -> None:
            f"({args.threads_line} per rank)" if args.dpu else ""),
         f" model: GPT-2 {cfg.num_layers} layers x {cfg.hidden_size} hidden x {cfg.num_attention_heads} heads, "
         f"seq {args.seq_length}, vocab {cfg.vocab_size} (padded {cfg.padded_vocab_size(ps.tp_size)}), "
-        f"{total / 1e6:.1f}M params ({local / 1e6:.1f}M on this TP rank)",
+        f"{total / 1e6:.1f}M params ({local / 1e6:.1f}M on this TP rank)"
+        + _value_sources(args, ("num_layers", "hidden_size", "num_attention_heads", "seq_length"),
+                         getattr(args, "from_checkpoint_flags", ())),
         f" batch: global {args.global_batch_size} = micro {args.micro_batch_size} x DP {ps.dp_size} x accumulation "
         f"{args.grad_accum_steps}; {args.train_iters} iterations, lr {args.lr:g} {args.lr_decay_style} "
-        f"(warmup {args.lr_warmup_iters}, min {args.min_lr:g})",
+        f"(warmup {args.lr_warmup_iters}, min {args.min_lr:g})"
+        + _value_sources(args, ("micro_batch_size", "train_iters", "lr", "lr_decay_style", "lr_warmup_iters",
+                                "min_lr")),
         f" data: {src}",
         f" model states per rank: device {human_bytes(acc.device_model_state_bytes)}, host {human_bytes(acc.host_bytes)}"
         + (f"; planner: device {human_bytes(plan.device_bytes_per_gpu)}/rank, host {human_bytes(plan.host_bytes_per_node)}/node"
