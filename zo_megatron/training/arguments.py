@@ -12,6 +12,7 @@ import sys
 from zo_megatron.errors import ConfigError
 from zo_megatron.training.checkpoint_args import apply_checkpoint_args, given_dests
 from zo_megatron.training.megatron_compat import add_megatron_compat_flags, check_megatron_compat
+from zo_megatron.training.megatron_flags import add_remaining_megatron_flags
 from zo_megatron.training.schedule import DECAY_STYLES, WSD_DECAY_STYLES
 
 # What `pretrain_gpt.py --tensor-parallel 2 --zero-offload` trains when given no shape flags.
@@ -207,9 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-load-rng", action="store_true", help="--load without the random-number-generator states")
     g.add_argument("--finetune", action="store_true",
                    help="--load only the weights and start at iteration 0 (no optimizer, RNG or sample counts)")
-    g.add_argument("--override-opt_param-scheduler", action="store_true",
+    g.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler", action="store_true",
                    help="on --load, use this run's LR-schedule flags even if they differ from the checkpoint's")
-    g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+    g.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler", action="store_true",
                    help="on --load, take the LR schedule (lr, min-lr, warmup, decay iters and style) from the checkpoint")
     g.add_argument("--use-checkpoint-args", action="store_true",
                    help="take the model shape, architecture, tokenizer, --seq-length and vocabulary padding from "
@@ -227,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     for a in p._actions:          # argparse hides a flag's default when it has no help text
         if a.help is None and a.default is not None and not isinstance(a.default, bool):
             a.help = "(default: %(default)s)"
+    add_remaining_megatron_flags(p)   # last: every other Megatron-LM flag, as a no-op or refused
     return p
 
 
@@ -256,8 +258,14 @@ def default_precision() -> tuple[str, str]:
     return "fp32", "CPU without native bf16 (no AVX512_BF16/AMX): bf16 would be emulated; --bf16 to force"
 
 
+_PARSER = None
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = build_parser()
+    global _PARSER
+    if _PARSER is None:           # ~70 ms to build (every Megatron flag); parsing does not change it
+        _PARSER = build_parser()
+    parser = _PARSER
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     args.given = given_dests(parser, argv)
