@@ -43,6 +43,10 @@ class LoadOptions:
     override_opt_param_scheduler: bool = False
     use_checkpoint_opt_param_scheduler: bool = False
     train_iters: int | None = None
+    # (saved schedule, this run's, checkpoint iteration) -> the fix to print, or None: the job's words
+    # for the common case of a schedule mismatch (extending a finished run)
+    schedule_hint: object = None
+    iteration: int = 0                         # set by the loader: the checkpoint's iteration
 
     @property
     def weights_only(self) -> bool:
@@ -86,6 +90,9 @@ def _check_scheduler(saved: dict | None, current: dict, opts: LoadOptions, where
         return {k: saved[k] for k in SCHEDULER_KEYS}
     diffs = [f"{k} {saved.get(k)!r} in the checkpoint, {current[k]!r} here ({_SCHEDULER_FLAGS[k]})"
              for k in SCHEDULER_KEYS if saved.get(k) != current[k]]
+    hint = opts.schedule_hint(saved, current, opts.iteration) if diffs and opts.schedule_hint else None
+    if hint:
+        raise UserError(f"{where}: {hint}")
     if diffs:
         raise UserError(f"{where}: the learning-rate schedule differs from the checkpoint's ({'; '.join(diffs)}): "
                         "pass --override-opt_param-scheduler to use this run's, or "
@@ -118,7 +125,8 @@ def load_checkpoint(root: str, *, ps, model, optimizer, vocab_size: int, model_m
                             f"raise --train-iters above {iteration}, or use --finetune to start counting from 0")
         use_schedule = None
         if not opts.weights_only:
-            use_schedule = _check_scheduler(manifest.get("opt_param_scheduler"), schedule, opts, where)
+            use_schedule = _check_scheduler(manifest.get("opt_param_scheduler"), schedule,
+                                            dataclasses.replace(opts, iteration=iteration), where)
         check_files(d, manifest, checksum_share=(ps.rank, ps.world_size))
         saved_layout = manifest["layout"]
         saved_tp, saved_dp = int(saved_layout["tensor_parallel"]), int(saved_layout["data_parallel"])

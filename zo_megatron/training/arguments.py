@@ -269,6 +269,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     args.given = given_dests(parser, argv)
+    args.argv = argv              # the command line as typed (error messages quote a working one)
     if args.use_checkpoint_args:
         apply_checkpoint_args(parser, args, args.given)
     finalize(args)

@@ -239,6 +239,37 @@ def _schedule_state(args, iteration: int) -> dict:
             "lr_decay_steps": args.lr_decay_iters, "lr_decay_style": args.lr_decay_style, "num_steps": iteration}
 
 
+def _extend_hint(args):
+    """The fix for extending a finished run: --train-iters grew, so the default --lr-decay-iters did
+    and the schedule no longer matches the checkpoint's. Megatron refuses it the same way (its
+    OptimizerParamScheduler._check_and_set); this says which flag works and what it changes."""
+    import copy
+    import shlex
+
+    def hint(saved: dict, current: dict, iteration: int) -> str | None:
+        differing = [k for k in ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style")
+                     if saved.get(k) != current[k]]
+        if differing != ["lr_decay_steps"] or "lr_decay_iters" in getattr(args, "given", ()):
+            return None
+        old, new = saved["lr_decay_steps"], current["lr_decay_steps"]
+
+        def next_lr(decay_iters: int) -> float:
+            a = copy.copy(args)
+            a.lr_decay_iters = decay_iters
+            s = LRScheduler.from_args(a)
+            s.step(iteration * args.global_batch_size)
+            return s.get_lr()
+
+        command = shlex.join(["pretrain_gpt.py", *getattr(args, "argv", []), "--override-opt_param-scheduler"])
+        return (f"--train-iters {args.train_iters} extends a run whose learning rate decayed over {old} iterations "
+                f"(--lr-decay-iters defaults to --train-iters, {new} here), and as in Megatron the schedule must match "
+                f"the checkpoint's. Relaunch with --override-opt_param-scheduler: `{command}` (this run's schedule "
+                f"replaces the checkpoint's: the rate of iteration {iteration + 1} becomes {next_lr(new):.4g} instead of "
+                f"{next_lr(old):.4g} and decays to --min-lr {args.min_lr:g} at iteration {new}); or add --lr-decay-iters "
+                f"{old} to keep the finished schedule (--min-lr {args.min_lr:g} for the added iterations)")
+    return hint
+
+
 def _resume(args, ps, model, optimizer, vocab_size: int, model_meta: dict, metrics) -> tuple[int, int, int]:
     """--load: restore the checkpoint (docs/checkpoints.md); returns (iteration, consumed
     training samples, consumed validation samples)."""
@@ -257,7 +288,7 @@ def _resume(args, ps, model, optimizer, vocab_size: int, model_meta: dict, metri
             no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng, finetune=args.finetune,
             override_opt_param_scheduler=args.override_opt_param_scheduler,
             use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
-            train_iters=args.train_iters), agree=collectives.all_ranks_agree)
+            train_iters=args.train_iters, schedule_hint=_extend_hint(args)), agree=collectives.all_ranks_agree)
     if res.opt_param_scheduler is not None:             # --use-checkpoint-opt_param-scheduler
         s = res.opt_param_scheduler
         args.lr, args.min_lr, args.lr_warmup_iters = s["max_lr"], s["min_lr"], s["lr_warmup_steps"]
@@ -322,6 +353,7 @@ def _train(args, env, ps, tokenizer, data_path, cpu_adam_threads: int) -> int:
                       tensorboard_dir=args.tensorboard_dir, progress_bar=not args.no_progress_bar,
                       wandb=dict(project=args.wandb_project, name=args.wandb_exp_name, dir=args.wandb_save_dir,
                                  config=vars(args)) if args.wandb_project else None)
+    metrics.header(run_header(args, ps))
     stack = contextlib.ExitStack()
     stop = faults.StopSignal(enabled=args.exit_signal_handler or bool(args.save))
     stack.callback(stop.restore)
@@ -491,6 +523,33 @@ def _train(args, env, ps, tokenizer, data_path, cpu_adam_threads: int) -> int:
         metrics.close()
         destroy_parallel()
     return 0
+
+
+def run_header(args, ps) -> dict:
+    """What tells one run from another in an appended JSONL: its flags, versions, commit, layout."""
+    import platform
+    import subprocess
+    from importlib.metadata import PackageNotFoundError, version
+
+    from zo_megatron.checkpoint.save import json_safe
+
+    def ver(pkg: str) -> str | None:
+        try:
+            return version(pkg)
+        except PackageNotFoundError:
+            return None
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(os.path.abspath(__file__)),
+                                capture_output=True, text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git_commit": commit,
+            "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                         "megatron-core": ver("megatron-core"), "zo_megatron": ver("zo_megatron")},
+            "world": {"world_size": ps.world_size, "tensor_parallel": ps.tp_size, "data_parallel": ps.dp_size,
+                      "device": ps.device.type},
+            "args": json_safe({k: v for k, v in vars(args).items() if k not in ("memory_plan",)})}
 
 
 def _recomputed_layers(cfg) -> int:
