@@ -201,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save", default=None, help="directory to save checkpoints to")
     g.add_argument("--load", default=None, help="directory to resume from (its latest checkpoint)")
     g.add_argument("--save-interval", type=int, default=None, help="iterations between checkpoints")
+    g.add_argument("--force-save-lock", action="store_true",
+                   help="take over --save's lock (SAVE/zo_megatron.lock) even when its holder runs on another host "
+                        "(a dead holder on this host is taken over without it)")
     g.add_argument("--keep-last", type=int, default=None, metavar="K",
                    help="keep only the K newest checkpoints (removed after the new one is committed; default: all)")
     g.add_argument("--no-load-optim", action="store_true",

@@ -170,6 +170,10 @@ def _check_inputs(args, env, dp):
         raise UserError(f"--load {args.load}: no such directory")
     if args.save:
         check_save_dir(args.save)
+        if env.rank == 0:
+            from zo_megatron.checkpoint.lock import check_save_lock
+
+            args.save_lock_note = check_save_lock(args.save, args.force_save_lock)
     memory_check(args, env, dp, tokenizer.vocab_size)
     if args.save:
         check_free_space(args.save, checkpoint_bytes(args.memory_plan.params_total, args.zero_offload,
@@ -360,6 +364,16 @@ def _train(args, env, ps, tokenizer, data_path, cpu_adam_threads: int) -> int:
     inject = faults.FaultInjection.from_env(ps.rank)
     iteration = 0
     try:
+        if args.save:                       # one job per save directory (checkpoint/lock.py)
+            from zo_megatron.checkpoint.lock import SaveLock
+
+            with collectives.all_ranks_agree():
+                lock = SaveLock(args.save, args.force_save_lock) if ps.rank == 0 else None
+            if lock is not None:
+                stack.callback(lambda: lock.release(wrote_checkpoint=saved_at is not None or bool(args.load)))
+            if getattr(args, "save_lock_note", None):
+                metrics.print(f" {args.save_lock_note}")
+        saved_at = None
         cfg = GPTConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
                         num_attention_heads=args.num_attention_heads, vocab_size=tokenizer.vocab_size,
                         max_position_embeddings=args.max_position_embeddings, ffn_hidden_size=args.ffn_hidden_size,
