@@ -53,8 +53,8 @@ def memory_check(args, env, dp: int, vocab_size: int) -> None:
 
         f = solve_offload_fraction(inp)
         args.optimizer_offload_fraction = 1.0 if f is None else f     # None: let the check below explain
-        args.offload_fraction_reason = "auto: the smallest host share that fits" if f is not None else "auto"
         inp = inp.replace(optimizer_offload_fraction=args.optimizer_offload_fraction)
+        args.offload_fraction_reason = _auto_fraction_reason(inp, f)
     p = plan(inp)
     args.memory_plan = p
     if not p.fits and not args.skip_memory_check:
@@ -62,6 +62,24 @@ def memory_check(args, env, dp: int, vocab_size: int) -> None:
         tips = "; ".join(p.suggestions[:3]) or "raise TP, enable recompute, lower --micro-batch-size"
         raise UserError(f"the memory planner predicts this run does not fit: {why}. Try: {tips} "
                         "(or --skip-memory-check)")
+
+
+def _auto_fraction_reason(inp, f) -> str:
+    """Why `--optimizer-offload-fraction auto` chose f: the budgets, and what the next smaller host
+    share would have needed."""
+    from zo_megatron.planner import format_bytes, plan
+
+    budget = (f"budget: device {format_bytes(inp.gpu_memory_bytes)}/rank, host "
+              f"{format_bytes(inp.host_memory_bytes_per_node)}/node")
+    if f is None:
+        return f"auto: no share fits ({budget})"
+    p = plan(inp)
+    got = f"needs device {format_bytes(p.device_bytes_per_gpu)}/rank, host {format_bytes(p.host_bytes_per_node)}/node"
+    if f == 0:
+        return f"auto: 0% on the host: the whole optimizer fits on the device ({got}; {budget})"
+    less = plan(inp.replace(optimizer_offload_fraction=max(0.0, f - 0.05)))
+    return (f"auto: {f:.0%} on the host, the smallest share that fits ({got}; {budget}); "
+            f"{max(0.0, f - 0.05):.0%} would need device {format_bytes(less.device_bytes_per_gpu)}/rank")
 
 
 def check_save_dir(path: str) -> None:
@@ -404,6 +422,14 @@ def _train(args, env, ps, tokenizer, data_path, cpu_adam_threads: int) -> int:
             start_iter, consumed, consumed_valid = _resume(args, ps, model, optimizer, tokenizer.vocab_size,
                                                            model_meta, metrics)
         _banner(metrics, args, ps, cfg, optimizer, data_path, time.monotonic() - t_start)
+        if args.dpu:
+            first_delayed = start_iter + max(1, args.dpu_warmup_steps - optimizer.step_count)
+            if first_delayed > args.train_iters:
+                metrics.print(f" warning: --dpu given, but the delayed parameter update would start at iteration "
+                              f"{first_delayed} (after --dpu-warmup-steps {args.dpu_warmup_steps} exact updates; "
+                              f"{optimizer.step_count} done) and the run ends at --train-iters {args.train_iters}: "
+                              f"every update of this run is exact; lower --dpu-warmup-steps below "
+                              f"{args.train_iters - start_iter + optimizer.step_count} to use it")
 
         train_iter = iter(DPBatches(train_ds, args.micro_batch_size, ps.dp_rank, ps.dp_size,
                                     consumed_samples=consumed))
@@ -468,6 +494,12 @@ def _train(args, env, ps, tokenizer, data_path, cpu_adam_threads: int) -> int:
                 timeline.record_all(iteration + 1, phases)
             if not res.skipped:             # as Megatron: a skipped (fp16 overflow) update does not advance it
                 scheduler.step(gb)
+            # the engine delays every update from its W-th on (offload/engine.py)
+            window["delayed"] = bool(args.dpu and not res.skipped and optimizer.step_count >= args.dpu_warmup_steps)
+            if window["delayed"] and optimizer.step_count == args.dpu_warmup_steps:
+                metrics.print(f" delayed parameter update starts at iteration {iteration + 1}: from now on the CPU "
+                              f"Adam of each step overlaps the next step's forward/backward (--dpu-warmup-steps "
+                              f"{args.dpu_warmup_steps})")
             iteration += 1
             consumed += gb
             metrics.advance()
@@ -597,9 +629,21 @@ def _log(metrics, window, iteration, lr, res, optimizer, ps, args, fpt, done) ->
         "device_model_state_bytes": acc.device_model_state_bytes, "host_model_state_bytes": acc.host_bytes,
         "host_rss_bytes": host_rss_bytes(), "comm_bytes_per_step": acc.sent_bytes,
         "device_peak_bytes": torch.cuda.max_memory_allocated(ps.device) if ps.device.type == "cuda" else None,
+        "delayed_update": window.get("delayed", False),
         "_iters_done_this_run": done,
     })
     window.update(loss=0.0, n=0, skipped=0, nan=0, t=time.monotonic())
+
+
+def _engine_words(args) -> str:
+    """The optimizer engine as the banner names it: never "CPU Adam" when nothing runs on the host."""
+    if not args.zero_offload:
+        return "plain DDP + AdamW baseline"
+    if args.optimizer_offload_fraction == 0:
+        return "ZeRO over DP, optimizer all on the device (0% offloaded: no CPU Adam)"
+    if args.optimizer_offload_fraction < 1:
+        return f"ZeRO-Offload ({args.optimizer_offload_fraction:.0%} CPU Adam, the rest device Adam)"
+    return "ZeRO-Offload (CPU Adam)"
 
 
 def _value_sources(args, dests, checkpoint_flags=()) -> str:
@@ -627,14 +671,14 @@ def _banner(metrics, args, ps, cfg, optimizer, data_path, setup_s) -> None:
     plan = getattr(args, "memory_plan", None)
     lines = [
         f"zo_megatron pretrain_gpt: {'DEMO defaults, ' if args.demo else ''}world {ps.world_size} = TP {ps.tp_size} x DP {ps.dp_size}, "
-        f"device {ps.device.type}, {args.precision}, {'ZeRO-Offload (CPU Adam)' if args.zero_offload else 'plain DDP + AdamW baseline'}",
+        f"device {ps.device.type}, {args.precision}, {_engine_words(args)}",
         f" precision: {args.precision} ({args.precision_reason}); gradients reduced in "
         f"{'fp32' if args.accumulate_allreduce_grads_in_fp32 or args.precision == 'fp32' else args.precision}"
         + (f", copied home as {args.main_grads_dtype or args.precision}" if args.zero_offload else "")
         + (", accumulated on the host in fp32" if args.accumulate_grads_on_host else "")
         + (f"; optimizer {args.optimizer_offload_fraction:.0%} on the host, the rest on the device"
-           + (" (auto)" if getattr(args, "offload_fraction_reason", "").startswith("auto") else "")
            if args.zero_offload and args.optimizer_offload_fraction < 1 else "")
+        + (f"; {args.offload_fraction_reason}" if getattr(args, "offload_fraction_reason", None) else "")
         + (f"; delayed parameter update after {args.dpu_warmup_steps} exact updates "
            f"({args.threads_line} per rank)" if args.dpu else ""),
         f" model: GPT-2 {cfg.num_layers} layers x {cfg.hidden_size} hidden x {cfg.num_attention_heads} heads, "
