@@ -196,6 +196,13 @@ def from_hf(input_dir: str, output: str, *, tensor_parallel: int, force: bool = 
     from transformers import AutoConfig, GPT2LMHeadModel
 
     if not os.path.isdir(input_dir):
+        hub_id = not os.path.isabs(input_dir) and not input_dir.startswith(".") and input_dir.count("/") <= 1 \
+            and not os.path.exists(input_dir)
+        if hub_id:                     # e.g. "gpt2", "openai-community/gpt2": a name on the Hub
+            local = input_dir.rstrip("/").split("/")[-1]
+            raise UserError(f"--input {input_dir}: no such directory; conversion reads a local model directory (it "
+                            f"downloads nothing): if {input_dir!r} is a Hugging Face Hub id, fetch it first with "
+                            f"`huggingface-cli download {input_dir} --local-dir {local}` and pass --input {local}")
         raise UserError(f"--input {input_dir}: no such directory; point it at a Hugging Face model directory")
     if not os.path.isfile(os.path.join(input_dir, "config.json")):
         raise UserError(f"{input_dir}: no config.json: not a Hugging Face model directory")

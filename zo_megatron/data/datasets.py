@@ -168,6 +168,11 @@ def parse_data_path(data_path: Sequence[str] | str) -> tuple[list[str], list[flo
         except ValueError:
             return None
 
+    if len(items) % 2 == 1 and as_float(items[0]) is not None:
+        what = f"{items[-1]} has no prefix after it" if as_float(items[-1]) is not None else \
+            "a weight or a prefix is missing"
+        raise DataError(f"--data-path {' '.join(items)}: {len(items)} items, but a blend is WEIGHT PREFIX pairs "
+                        f"({what}); e.g. --data-path 0.7 PREFIX_A 0.3 PREFIX_B, or one PREFIX alone")
     if len(items) % 2 == 0 and all(as_float(w) is not None for w in items[0::2]):
         weights = [as_float(w) for w in items[0::2]]
         prefixes = items[1::2]

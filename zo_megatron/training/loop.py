@@ -388,7 +388,7 @@ def _train(args, env, ps, tokenizer, data_path, cpu_adam_threads: int) -> int:
             with collectives.all_ranks_agree():
                 lock = SaveLock(args.save, args.force_save_lock) if ps.rank == 0 else None
             if lock is not None:
-                stack.callback(lambda: lock.release(wrote_checkpoint=saved_at is not None or bool(args.load)))
+                stack.callback(lambda: lock.release(wrote_checkpoint=saved_at is not None))
             if getattr(args, "save_lock_note", None):
                 metrics.print(f" {args.save_lock_note}")
         saved_at = None
