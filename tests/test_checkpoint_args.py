@@ -83,7 +83,7 @@ def test_values_the_user_did_not_give_say_they_are_demo_defaults():
 
     from zo_megatron.errors import ConfigError
     from zo_megatron.training.arguments import parse_args
-    from zo_megatron.training.loop import _value_sources
+    from zo_megatron.training.user_report import value_sources as _value_sources
 
     with pytest.raises(ConfigError) as e:
         parse_args(["--train-iters", "3"])

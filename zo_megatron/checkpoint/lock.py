@@ -65,7 +65,8 @@ def check_save_lock(save: str, force: bool) -> str | None:
         return None
     host = socket.gethostname()
     pid = info.get("pid")
-    if info.get("host") == host and isinstance(pid, int) and not _alive(pid, info.get("pid_start")):
+    if info.get("host") == host and isinstance(pid, int) and (pid == os.getpid() or not _alive(pid, info.get("pid_start"))):
+        # (this very process: a job it ran before ended without its release, e.g. a test harness)
         return f"taking over the stale lock {path} of a job that is gone ({_describe(info)})"
     if force:
         return f"taking over the lock {path} held by {_describe(info)} (--force-save-lock)"

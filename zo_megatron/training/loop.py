@@ -24,6 +24,8 @@ from zo_megatron.parallel.megatron_notices import hide_known_megatron_notices
 from zo_megatron.training.arguments import check_batch_sizes, parse_args
 from zo_megatron.training.metrics import Metrics, flops_per_token, host_rss_bytes, human_bytes
 from zo_megatron.training.schedule import LRScheduler
+from zo_megatron.training.user_report import (auto_fraction_reason, engine_words, extend_hint, run_header,
+                                              value_sources)
 
 
 def job_plan_input(args, env, dp: int, vocab_size: int):
@@ -54,7 +56,7 @@ def memory_check(args, env, dp: int, vocab_size: int) -> None:
         f = solve_offload_fraction(inp)
         args.optimizer_offload_fraction = 1.0 if f is None else f     # None: let the check below explain
         inp = inp.replace(optimizer_offload_fraction=args.optimizer_offload_fraction)
-        args.offload_fraction_reason = _auto_fraction_reason(inp, f)
+        args.offload_fraction_reason = auto_fraction_reason(inp, f)
     p = plan(inp)
     args.memory_plan = p
     if not p.fits and not args.skip_memory_check:
@@ -64,22 +66,6 @@ def memory_check(args, env, dp: int, vocab_size: int) -> None:
                         "(or --skip-memory-check)")
 
 
-def _auto_fraction_reason(inp, f) -> str:
-    """Why `--optimizer-offload-fraction auto` chose f: the budgets, and what the next smaller host
-    share would have needed."""
-    from zo_megatron.planner import format_bytes, plan
-
-    budget = (f"budget: device {format_bytes(inp.gpu_memory_bytes)}/rank, host "
-              f"{format_bytes(inp.host_memory_bytes_per_node)}/node")
-    if f is None:
-        return f"auto: no share fits ({budget})"
-    p = plan(inp)
-    got = f"needs device {format_bytes(p.device_bytes_per_gpu)}/rank, host {format_bytes(p.host_bytes_per_node)}/node"
-    if f == 0:
-        return f"auto: 0% on the host: the whole optimizer fits on the device ({got}; {budget})"
-    less = plan(inp.replace(optimizer_offload_fraction=max(0.0, f - 0.05)))
-    return (f"auto: {f:.0%} on the host, the smallest share that fits ({got}; {budget}); "
-            f"{max(0.0, f - 0.05):.0%} would need device {format_bytes(less.device_bytes_per_gpu)}/rank")
 
 
 def check_save_dir(path: str) -> None:
@@ -261,35 +247,6 @@ def _schedule_state(args, iteration: int) -> dict:
             "lr_decay_steps": args.lr_decay_iters, "lr_decay_style": args.lr_decay_style, "num_steps": iteration}
 
 
-def _extend_hint(args):
-    """The fix for extending a finished run: --train-iters grew, so the default --lr-decay-iters did
-    and the schedule no longer matches the checkpoint's. Megatron refuses it the same way (its
-    OptimizerParamScheduler._check_and_set); this says which flag works and what it changes."""
-    import copy
-    import shlex
-
-    def hint(saved: dict, current: dict, iteration: int) -> str | None:
-        differing = [k for k in ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style")
-                     if saved.get(k) != current[k]]
-        if differing != ["lr_decay_steps"] or "lr_decay_iters" in getattr(args, "given", ()):
-            return None
-        old, new = saved["lr_decay_steps"], current["lr_decay_steps"]
-
-        def next_lr(decay_iters: int) -> float:
-            a = copy.copy(args)
-            a.lr_decay_iters = decay_iters
-            s = LRScheduler.from_args(a)
-            s.step(iteration * args.global_batch_size)
-            return s.get_lr()
-
-        command = shlex.join(["pretrain_gpt.py", *getattr(args, "argv", []), "--override-opt_param-scheduler"])
-        return (f"--train-iters {args.train_iters} extends a run whose learning rate decayed over {old} iterations "
-                f"(--lr-decay-iters defaults to --train-iters, {new} here), and as in Megatron the schedule must match "
-                f"the checkpoint's. Relaunch with --override-opt_param-scheduler: `{command}` (this run's schedule "
-                f"replaces the checkpoint's: the rate of iteration {iteration + 1} becomes {next_lr(new):.4g} instead of "
-                f"{next_lr(old):.4g} and decays to --min-lr {args.min_lr:g} at iteration {new}); or add --lr-decay-iters "
-                f"{old} to keep the finished schedule (--min-lr {args.min_lr:g} for the added iterations)")
-    return hint
 
 
 def _resume(args, ps, model, optimizer, vocab_size: int, model_meta: dict, metrics) -> tuple[int, int, int]:
@@ -310,7 +267,7 @@ def _resume(args, ps, model, optimizer, vocab_size: int, model_meta: dict, metri
             no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng, finetune=args.finetune,
             override_opt_param_scheduler=args.override_opt_param_scheduler,
             use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
-            train_iters=args.train_iters, schedule_hint=_extend_hint(args)), agree=collectives.all_ranks_agree)
+            train_iters=args.train_iters, schedule_hint=extend_hint(args)), agree=collectives.all_ranks_agree)
     if res.opt_param_scheduler is not None:             # --use-checkpoint-opt_param-scheduler
         s = res.opt_param_scheduler
         args.lr, args.min_lr, args.lr_warmup_iters = s["max_lr"], s["min_lr"], s["lr_warmup_steps"]
@@ -571,31 +528,6 @@ def _train(args, env, ps, tokenizer, data_path, cpu_adam_threads: int) -> int:
     return 0
 
 
-def run_header(args, ps) -> dict:
-    """What tells one run from another in an appended JSONL: its flags, versions, commit, layout."""
-    import platform
-    import subprocess
-    from importlib.metadata import PackageNotFoundError, version
-
-    from zo_megatron.checkpoint.save import json_safe
-
-    def ver(pkg: str) -> str | None:
-        try:
-            return version(pkg)
-        except PackageNotFoundError:
-            return None
-
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(os.path.abspath(__file__)),
-                                capture_output=True, text=True, timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        commit = None
-    return {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git_commit": commit,
-            "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                         "megatron-core": ver("megatron-core"), "zo_megatron": ver("zo_megatron")},
-            "world": {"world_size": ps.world_size, "tensor_parallel": ps.tp_size, "data_parallel": ps.dp_size,
-                      "device": ps.device.type},
-            "args": json_safe({k: v for k, v in vars(args).items() if k not in ("memory_plan",)})}
 
 
 def _recomputed_layers(cfg) -> int:
@@ -635,27 +567,8 @@ def _log(metrics, window, iteration, lr, res, optimizer, ps, args, fpt, done) ->
     window.update(loss=0.0, n=0, skipped=0, nan=0, t=time.monotonic())
 
 
-def _engine_words(args) -> str:
-    """The optimizer engine as the banner names it: never "CPU Adam" when nothing runs on the host."""
-    if not args.zero_offload:
-        return "plain DDP + AdamW baseline"
-    if args.optimizer_offload_fraction == 0:
-        return "ZeRO over DP, optimizer all on the device (0% offloaded: no CPU Adam)"
-    if args.optimizer_offload_fraction < 1:
-        return f"ZeRO-Offload ({args.optimizer_offload_fraction:.0%} CPU Adam, the rest device Adam)"
-    return "ZeRO-Offload (CPU Adam)"
 
 
-def _value_sources(args, dests, checkpoint_flags=()) -> str:
-    """' (demo default: --num-layers, ...)' or ' (from the checkpoint: ...)' for the values of one
-    banner line that the command line did not give."""
-    parts = []
-    demo = [f"--{k.replace('_', '-')}" for k in dests if k in getattr(args, "demo_filled", ())]
-    if demo:
-        parts.append(f"demo default: {', '.join(demo)}")
-    if checkpoint_flags:
-        parts.append(f"from the checkpoint (--use-checkpoint-args): {', '.join(checkpoint_flags)}")
-    return f" ({'; '.join(parts)})" if parts else ""
 
 
 def _banner(metrics, args, ps, cfg, optimizer, data_path, setup_s) -> None:
@@ -671,7 +584,7 @@ def _banner(metrics, args, ps, cfg, optimizer, data_path, setup_s) -> None:
     plan = getattr(args, "memory_plan", None)
     lines = [
         f"zo_megatron pretrain_gpt: {'DEMO defaults, ' if args.demo else ''}world {ps.world_size} = TP {ps.tp_size} x DP {ps.dp_size}, "
-        f"device {ps.device.type}, {args.precision}, {_engine_words(args)}",
+        f"device {ps.device.type}, {args.precision}, {engine_words(args)}",
         f" precision: {args.precision} ({args.precision_reason}); gradients reduced in "
         f"{'fp32' if args.accumulate_allreduce_grads_in_fp32 or args.precision == 'fp32' else args.precision}"
         + (f", copied home as {args.main_grads_dtype or args.precision}" if args.zero_offload else "")
@@ -684,12 +597,12 @@ def _banner(metrics, args, ps, cfg, optimizer, data_path, setup_s) -> None:
         f" model: GPT-2 {cfg.num_layers} layers x {cfg.hidden_size} hidden x {cfg.num_attention_heads} heads, "
         f"seq {args.seq_length}, vocab {cfg.vocab_size} (padded {cfg.padded_vocab_size(ps.tp_size)}), "
         f"{total / 1e6:.1f}M params ({local / 1e6:.1f}M on this TP rank)"
-        + _value_sources(args, ("num_layers", "hidden_size", "num_attention_heads", "seq_length"),
+        + value_sources(args, ("num_layers", "hidden_size", "num_attention_heads", "seq_length"),
                          getattr(args, "from_checkpoint_flags", ())),
         f" batch: global {args.global_batch_size} = micro {args.micro_batch_size} x DP {ps.dp_size} x accumulation "
         f"{args.grad_accum_steps}; {args.train_iters} iterations, lr {args.lr:g} {args.lr_decay_style} "
         f"(warmup {args.lr_warmup_iters}, min {args.min_lr:g})"
-        + _value_sources(args, ("micro_batch_size", "train_iters", "lr", "lr_decay_style", "lr_warmup_iters",
+        + value_sources(args, ("micro_batch_size", "train_iters", "lr", "lr_decay_style", "lr_warmup_iters",
                                 "min_lr")),
         f" data: {src}",
         f" model states per rank: device {human_bytes(acc.device_model_state_bytes)}, host {human_bytes(acc.host_bytes)}"
