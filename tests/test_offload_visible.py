@@ -27,7 +27,7 @@ def test_dpu_and_auto_offload_say_what_they_do(tmp_path):
     rc, out, err = run_world(_main, 1, [*SHAPE, *RUN, *data, "--dpu", "--train-iters", "3"], timeout=300)[0]
     assert rc == 0, err
     assert "warning: --dpu given, but the delayed parameter update would start at iteration 40" in out, out
-    assert "lower --dpu-warmup-steps below 3" in out, out
+    assert "use --dpu-warmup-steps at most 3 to delay any" in out, out
     rc, out, err = run_world(_main, 1, [*SHAPE, *RUN, *data, "--optimizer-offload-fraction", "auto", "--train-iters",
                                         "1"], timeout=300)[0]
     assert rc == 0, err

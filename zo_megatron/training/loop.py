@@ -66,8 +66,6 @@ def memory_check(args, env, dp: int, vocab_size: int) -> None:
                         "(or --skip-memory-check)")
 
 
-
-
 def check_save_dir(path: str) -> None:
     """--save must be a directory we can create or write, found now and not after training."""
     if os.path.exists(path):
@@ -247,8 +245,6 @@ def _schedule_state(args, iteration: int) -> dict:
             "lr_decay_steps": args.lr_decay_iters, "lr_decay_style": args.lr_decay_style, "num_steps": iteration}
 
 
-
-
 def _resume(args, ps, model, optimizer, vocab_size: int, model_meta: dict, metrics) -> tuple[int, int, int]:
     """--load: restore the checkpoint (docs/checkpoints.md); returns (iteration, consumed
     training samples, consumed validation samples)."""
@@ -385,8 +381,8 @@ def _train(args, env, ps, tokenizer, data_path, cpu_adam_threads: int) -> int:
                 metrics.print(f" warning: --dpu given, but the delayed parameter update would start at iteration "
                               f"{first_delayed} (after --dpu-warmup-steps {args.dpu_warmup_steps} exact updates; "
                               f"{optimizer.step_count} done) and the run ends at --train-iters {args.train_iters}: "
-                              f"every update of this run is exact; lower --dpu-warmup-steps below "
-                              f"{args.train_iters - start_iter + optimizer.step_count} to use it")
+                              f"every update of this run is exact; use --dpu-warmup-steps at most "
+                              f"{args.train_iters - start_iter + optimizer.step_count} to delay any")
 
         train_iter = iter(DPBatches(train_ds, args.micro_batch_size, ps.dp_rank, ps.dp_size,
                                     consumed_samples=consumed))
@@ -528,8 +524,6 @@ def _train(args, env, ps, tokenizer, data_path, cpu_adam_threads: int) -> int:
     return 0
 
 
-
-
 def _recomputed_layers(cfg) -> int:
     """How many layers full recompute runs forward twice (block N: only the first N)."""
     if cfg.recompute != "full":
@@ -565,10 +559,6 @@ def _log(metrics, window, iteration, lr, res, optimizer, ps, args, fpt, done) ->
         "_iters_done_this_run": done,
     })
     window.update(loss=0.0, n=0, skipped=0, nan=0, t=time.monotonic())
-
-
-
-
 
 
 def _banner(metrics, args, ps, cfg, optimizer, data_path, setup_s) -> None:
