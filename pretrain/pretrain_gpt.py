@@ -5,7 +5,8 @@
 
 Megatron-LM's flag names work as they do there (`--help` lists them by group). With no model or
 data flags it trains a small GPT-2 on the embedded State of the Union corpus (the README demo).
-Bad input prints one `error:` line and exits with status 2.
+Bad input prints one `error:` line and exits with status 2 (torchrun itself then exits 1 and
+names that line as the root cause in its summary: docs/launch.md).
 """
 import os
 import sys
@@ -14,20 +15,22 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main(argv=None) -> int:
-    from zo_megatron.errors import UserError
+    from zo_megatron.errors import UserError, is_first_rank, report_error
 
     try:
         from zo_megatron.training.loop import pretrain
 
         return pretrain(argv)
     except UserError as exc:
-        rank0 = os.environ.get("RANK", "0") == "0" or getattr(exc, "every_rank", False)
-        if rank0 and not getattr(exc, "reported", False):
-            print(f"error: {exc}", file=sys.stderr, flush=True)
+        rank0 = is_first_rank() or getattr(exc, "every_rank", False)
+        report_error(str(exc), print_it=rank0 and not getattr(exc, "reported", False))
         return 2
     except KeyboardInterrupt:
         return 130
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # torch elastic's @record: an unexpected exception's traceback becomes torchrun's root cause too
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    sys.exit(record(main)())

@@ -62,15 +62,29 @@ def _cases(d):
         ("load a missing directory", [*data, "--load", f"{d}/no_such_ckpt"], {}, "no_such_ckpt"),
         ("load without latest", [*data, "--load", f"{d}/empty_ckpt"], {}, "empty_ckpt"),
         ("load a garbage latest", [*data, "--load", f"{d}/garbage_ckpt"], {}, "garbage_ckpt"),
-        ("load another architecture", [*data, "--load", ck, "--hidden-size", "64"], {}, "hidden_size"),
+        ("load another architecture", [*data, "--load", ck, "--hidden-size", "64"], {},
+         "--hidden-size: 32 in the checkpoint, 64 here"),
         ("load with --swiglu a checkpoint trained without", [*data, "--zero-offload", "--load", ck, "--swiglu"], {},
-         "swiglu"),
+         "--swiglu: False in the checkpoint, True here"),
         ("load a damaged manifest", [*data, "--load", f"{d}/damaged_ckpt"], {}, "checkpoint.json"),
         ("load a data file damaged in place", [*data, "--zero-offload", "--load", f"{d}/flipped_ckpt"], {},
          "checksum mismatch"),
         ("load an offload checkpoint into the baseline", [*data, "--load", ck], {}, "--zero-offload"),
         # --save
         ("save onto a file", [*data, "--save", f"{d}/a_file"], {}, f"--save {d}/a_file"),
+        # Megatron-LM flags: every refusal of one command line in one line (#28)
+        ("refused Megatron flags together", ["--num-experts", "8", "--fp8-format", "hybrid"], {}, "(2 flags refused)"),
+        # data paths (#28)
+        ("odd blend list", ["--data-path", "0.7", f"{d}/sotu_text_document", "0.3"], {}, "0.3 has no prefix after it"),
+        ("vocab file is a directory", [*data, "--vocab-file", d], {}, f"--vocab-file {d} is a directory"),
+        ("evaluation of an empty validation split", [*data, "--split", "969,30,1", "--eval-iters", "100"], {},
+         "use --split 91,9,0 (gives it at least one document), or --eval-iters 0"),
+        # checkpoints (#28)
+        ("extend a finished run", [*data, "--zero-offload", "--load", ck, "--train-iters", "4"], {},
+         "--override-opt_param-scheduler` (this run's schedule replaces the checkpoint's"),
+        ("checkpoint args disagree", [*data, "--zero-offload", "--use-checkpoint-args", "--load", ck, "--num-layers", "3"],
+         {}, "--num-layers: 2 in the checkpoint, 3 here"),
+        ("save directory in use", [*data, "--save", f"{d}/locked"], {}, f"--save {d}/locked is in use by another job"),
         # the launcher's environment
         ("rank outside the world", [*data], {"RANK": "5", "WORLD_SIZE": "2"}, "RANK=5"),
         ("cpu adam threads not a number", [*data], {"ZO_CPU_ADAM_THREADS": "abc"}, "ZO_CPU_ADAM_THREADS='abc'"),
@@ -141,6 +155,12 @@ def test_bad_input_table(tmp_path):
     make_hf_tokenizer(f"{d}/hf")
     make_hf_tokenizer(f"{d}/hf_no_json", without=("tokenizer.json",))
     make_hf_tokenizer(f"{d}/hf_remote", config_update={"auto_map": {"AutoTokenizer": ["t.Tok", None]}})
+
+    import socket
+
+    os.makedirs(f"{d}/locked")                       # held by a live process on this host: this one
+    open(f"{d}/locked/zo_megatron.lock", "w").write(json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                                                                 "started": 0}))
     results = run_world(_run_table, 1, d, timeout=500)[0]
     assert len(results) >= 25
     failures = []

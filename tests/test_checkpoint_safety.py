@@ -100,7 +100,7 @@ def test_refusals_payloads_and_load_flags(tmp_path):
     off = [*base, "--zero-offload"]
     lg = lambda name: ["--log-jsonl", os.path.join(tmp, f"{name}.jsonl")]  # noqa: E731
     cases = {   # name: (argv, expected error fragment or None for success)
-        "arch": ([*off, "--num-layers", "3", "--load", F], "another architecture"),
+        "arch": ([*off, "--num-layers", "3", "--load", F], "--num-layers: 2 in the checkpoint, 3 here"),
         "vocab": ([*off, "--load", F + "_vocab"], "vocabulary has 50000 tokens"),
         "missing": ([*off, "--load", F + "_missing"], "__0_0.distcp is missing"),
         "trunc": ([*off, "--load", F + "_trunc"], "__0_0.distcp is truncated"),

@@ -44,6 +44,10 @@ class LoadOptions:
     override_opt_param_scheduler: bool = False
     use_checkpoint_opt_param_scheduler: bool = False
     train_iters: int | None = None
+    # (saved schedule, this run's, checkpoint iteration) -> the fix to print, or None: the job's words
+    # for the common case of a schedule mismatch (extending a finished run)
+    schedule_hint: object = None
+    iteration: int = 0                         # set by the loader: the checkpoint's iteration
 
     @property
     def weights_only(self) -> bool:
@@ -62,16 +66,24 @@ class Resumed:
     converted_from: str | None = None          # weights-only checkpoint from tools/convert_checkpoint.py
 
 
-def _check_model(manifest: dict, model_meta: dict, where: str, tokenizer_vocab: int | None = None) -> None:
+def _plain_diff(field: str, in_checkpoint, here) -> str:
+    return f"{field}: {in_checkpoint!r} in the checkpoint, {here!r} here"
+
+
+def _check_model(manifest: dict, model_meta: dict, where: str, tokenizer_vocab: int | None = None,
+                 describe_diff=_plain_diff,
+                 fix: str = "launch with the model flags the checkpoint was trained with") -> None:
+    """One line naming every architecture field that differs, each as `describe_diff` words it
+    (the job: '--num-layers: 2 in the checkpoint, 4 here'); a checkpoint from before the
+    architecture fields reads as GPT-2's. The vocabulary has its own refusal (_refuse_vocabulary)."""
     saved = complete_arch_meta(manifest.get("model", {}), manifest.get("args", {}))   # older: GPT-2's fields
     if saved.get("vocab_size") != model_meta.get("vocab_size"):
         _refuse_vocabulary(manifest, int(saved["vocab_size"]), int(model_meta["vocab_size"]),
                            model_meta["vocab_size"] if tokenizer_vocab is None else tokenizer_vocab, where)
-    diffs = [f"{k} {saved.get(k)!r} in the checkpoint, {v!r} here" for k, v in model_meta.items()
+    diffs = [describe_diff(k, saved.get(k), v) for k, v in model_meta.items()
              if k != "vocab_size" and saved.get(k) != v]
     if diffs:
-        raise UserError(f"{where}: another architecture ({'; '.join(diffs)}): launch with the model flags "
-                        "the checkpoint was trained with")
+        raise UserError(f"{where}: this run's model differs from the checkpoint's ({'; '.join(diffs)}): {fix}")
 
 
 def _refuse_vocabulary(manifest: dict, saved: int, model: int, tokenizer: int, where: str) -> None:
@@ -100,6 +112,9 @@ def _check_scheduler(saved: dict | None, current: dict, opts: LoadOptions, where
         return {k: saved[k] for k in SCHEDULER_KEYS}
     diffs = [f"{k} {saved.get(k)!r} in the checkpoint, {current[k]!r} here ({_SCHEDULER_FLAGS[k]})"
              for k in SCHEDULER_KEYS if saved.get(k) != current[k]]
+    hint = opts.schedule_hint(saved, current, opts.iteration) if diffs and opts.schedule_hint else None
+    if hint:
+        raise UserError(f"{where}: {hint}")
     if diffs:
         raise UserError(f"{where}: the learning-rate schedule differs from the checkpoint's ({'; '.join(diffs)}): "
                         "pass --override-opt_param-scheduler to use this run's, or "
@@ -108,7 +123,9 @@ def _check_scheduler(saved: dict | None, current: dict, opts: LoadOptions, where
 
 
 def load_checkpoint(root: str, *, ps, model, optimizer, vocab_size: int, model_meta: dict, schedule: dict,
-                    opts: LoadOptions, agree=contextlib.nullcontext, tokenizer_vocab: int | None = None) -> Resumed:
+                    opts: LoadOptions, agree=contextlib.nullcontext, tokenizer_vocab: int | None = None,
+                    describe_diff=_plain_diff,
+                    model_fix: str = "launch with the model flags the checkpoint was trained with") -> Resumed:
     """Validate, then restore model (+ optimizer, RNG, counters) from root's latest checkpoint.
     vocab_size: the model's vocabulary before padding; tokenizer_vocab: this run's tokenizer's
     size (default: vocab_size), which chooses the fix a vocabulary mismatch names."""
@@ -117,7 +134,7 @@ def load_checkpoint(root: str, *, ps, model, optimizer, vocab_size: int, model_m
     with agree():
         d, manifest = read_manifest(root)
         where = os.path.join(d, MANIFEST)
-        _check_model(manifest, model_meta, where, tokenizer_vocab)
+        _check_model(manifest, model_meta, where, tokenizer_vocab, describe_diff, model_fix)
         converted_from = manifest.get("converted_from") if manifest.get("weights_only") else None
         if converted_from is not None:          # from-hf / from-megatron: weights and nothing else
             opts = dataclasses.replace(opts, finetune=True, no_load_rng=True)
@@ -133,7 +150,8 @@ def load_checkpoint(root: str, *, ps, model, optimizer, vocab_size: int, model_m
                             f"raise --train-iters above {iteration}, or use --finetune to start counting from 0")
         use_schedule = None
         if not opts.weights_only:
-            use_schedule = _check_scheduler(manifest.get("opt_param_scheduler"), schedule, opts, where)
+            use_schedule = _check_scheduler(manifest.get("opt_param_scheduler"), schedule,
+                                            dataclasses.replace(opts, iteration=iteration), where)
         check_files(d, manifest, checksum_share=(ps.rank, ps.world_size))
         saved_layout = manifest["layout"]
         saved_tp, saved_dp = int(saved_layout["tensor_parallel"]), int(saved_layout["data_parallel"])

@@ -194,6 +194,11 @@ def parse_data_path(data_path: Sequence[str] | str) -> tuple[list[str], list[flo
         except ValueError:
             return None
 
+    if len(items) % 2 == 1 and as_float(items[0]) is not None:
+        what = f"{items[-1]} has no prefix after it" if as_float(items[-1]) is not None else \
+            "a weight or a prefix is missing"
+        raise DataError(f"--data-path {' '.join(items)}: {len(items)} items, but a blend is WEIGHT PREFIX pairs "
+                        f"({what}); e.g. --data-path 0.7 PREFIX_A 0.3 PREFIX_B, or one PREFIX alone")
     if len(items) % 2 == 0 and all(as_float(w) is not None for w in items[0::2]):
         weights = [as_float(w) for w in items[0::2]]
         prefixes = items[1::2]
@@ -282,6 +287,19 @@ def _process_group_if_needed(needed: bool):
             dist.destroy_process_group()
 
 
+def _split_that_fits(which: int, documents: int) -> str | None:
+    """The --split closest to Megatron's 969,30,1 (valid/test shares in whole percent) that gives
+    split `which` at least one of `documents` documents, by megatron-core's own rounding."""
+    for share in range(1, 51):
+        weights = [100 - share, 0, share] if which == 2 else [100 - share, share, 0]
+        edges = [0.0]
+        for w in weights:
+            edges.append(edges[-1] + w / 100)
+        if int(round(edges[which + 1] * documents)) - int(round(edges[which] * documents)) >= 1:
+            return ",".join(str(w) for w in weights)
+    return None
+
+
 def build_gpt_datasets(data_path: Sequence[str] | str, split: str, seq_length: int, seed: int,
                        tokenizer, train_samples: int, valid_samples: int, test_samples: int,
                        cache_dir: str | None = None):
@@ -336,10 +354,14 @@ def build_gpt_datasets(data_path: Sequence[str] | str, split: str, seq_length: i
                  <= int(round(bookends[0] * info.sequences))]
         if empty:
             if sizes[i] > 0:
+                fits = _split_that_fits(i, min(info.sequences for info in infos))
+                ways = {1: "--eval-iters 0 (no evaluation)", 2: "no test samples"}.get(i, "")
                 raise DataError(f"--split {split} leaves the {names[i]} split of {empty[0].prefix} "
                                 f"({empty[0].sequences} documents) without documents, but "
-                                f"{sizes[i]} {names[i]} samples were requested: raise its weight "
-                                f"or request 0 {names[i]} samples")
+                                f"{sizes[i]} {names[i]} samples were requested: "
+                                + (f"use --split {fits} (gives it at least one document)" if fits else
+                                   "the dataset has too few documents to split; use a larger one")
+                                + (f", or {ways}" if ways else ""))
             config.split_matrix[i] = None
     os.makedirs(cache, exist_ok=True)
     import torch.distributed as dist

@@ -3,8 +3,9 @@
     python tools/preprocess_data.py --input corpus/ --output-prefix data/my --workers 2
     python tools/preprocess_data.py --input docs.jsonl --json-keys text --output-prefix data/my
 
-Inputs (``--input``, repeatable): a text file (one document), a directory (every ``*.txt`` below it,
-sorted by relative path, one document each) or a JSON-lines file (one document per non-blank line,
+Inputs (``--input``, repeatable): a text file (one document), a directory (every ``.txt``, ``.md``,
+``.markdown``, ``.rst`` and ``.text`` file below it, sorted by relative path, one document each), a
+glob pattern (``'notes/**/*.org'``, sorted) or a JSON-lines file (one document per non-blank line,
 its text under each of ``--json-keys``). Megatron-LM reads every input as JSON lines; here a file is
 JSON lines when its name ends in ``.jsonl``/``.json``/``.ndjson``/``.jsonlines``, or -- whatever its
 name -- when its first non-blank line is a JSON object holding the first ``--json-keys`` key (the
@@ -34,10 +35,12 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import glob
 import json
 import logging
 import os
 import re
+import shlex
 import sys
 import time
 import warnings
@@ -95,6 +98,10 @@ def _looks_like_json_lines(path: str, key: str) -> bool:
     return False
 
 
+# A directory's documents: plain text and the usual text markups, one document per file.
+TEXT_SUFFIXES = (".txt", ".md", ".markdown", ".rst", ".text")
+
+
 def resolve_inputs(inputs: Sequence[str], json_key: str = "text") -> list[_Source]:
     """Expand --input values into files; DataError for anything that is not there."""
     if isinstance(inputs, (str, os.PathLike)):
@@ -104,13 +111,20 @@ def resolve_inputs(inputs: Sequence[str], json_key: str = "text") -> list[_Sourc
     sources: list[_Source] = []
     for raw in inputs:
         path = os.path.expanduser(str(raw))
+        if not os.path.exists(path) and glob.has_magic(path):     # --input 'notes/*.md' (quoted or not)
+            matches = sorted(m for m in glob.glob(path, recursive=True) if os.path.isfile(m))
+            if not matches:
+                raise DataError(f"--input {path}: the pattern matches no files")
+            sources += resolve_inputs(matches, json_key)
+            continue
         if os.path.isdir(path):
             found = []
             for root, dirs, files in os.walk(path):
                 dirs.sort()
-                found += [os.path.join(root, f) for f in files if f.endswith(".txt")]
+                found += [os.path.join(root, f) for f in files if f.lower().endswith(TEXT_SUFFIXES)]
             if not found:
-                raise DataError(f"--input {path}: directory has no .txt files")
+                raise DataError(f"--input {path}: directory has no text files ({' '.join(TEXT_SUFFIXES)}): "
+                                "pass files of other names directly or as a pattern (--input 'DIR/**/*.ext')")
             for f in sorted(found, key=lambda p: os.path.relpath(p, path)):
                 sources.append(_Source(f, "text", os.path.getsize(f)))
         elif os.path.isfile(path):
@@ -345,6 +359,11 @@ def preprocess(inputs: Sequence[str], output_prefix: str, json_keys: Sequence[st
                                     tokenizer_model=tokenizer_model)
     output_prefix = os.path.abspath(os.path.expanduser(str(output_prefix)))
     out_dir = os.path.dirname(output_prefix)
+    created = []                       # removed again if the run fails: no empty folder left behind
+    d = out_dir
+    while not os.path.exists(d):
+        created.append(d)
+        d = os.path.dirname(d)
     os.makedirs(out_dir, exist_ok=True)
 
     idx_mod = _indexed_dataset_module()
@@ -423,6 +442,11 @@ def preprocess(inputs: Sequence[str], output_prefix: str, json_keys: Sequence[st
             for f in (b, i, m):
                 if os.path.exists(f):
                     os.unlink(f)
+        for d in created:              # deepest first; only if still empty
+            try:
+                os.rmdir(d)
+            except OSError:
+                break
         raise
     t_end = time.monotonic()
     return PreprocessResult(documents=n_docs, tokens=n_tokens, seconds=t_end - t0,
@@ -438,7 +462,8 @@ def get_parser() -> argparse.ArgumentParser:
                     "bundled GPT-2 tokenizer or a Hugging Face tokenizer directory.")
     g = p.add_argument_group("input data")
     g.add_argument("--input", action="extend", nargs="+", required=True, metavar="PATH",
-                   help="a text file (one document), a directory of .txt files, or a JSON-lines file "
+                   help="a text file (one document), a directory of .txt/.md/.markdown/.rst/.text files, a glob "
+                        "pattern, or a JSON-lines file "
                         "(.jsonl/.json/.ndjson/.jsonlines, or any file whose first line is a JSON object "
                         "with the --json-keys key; one document per line); repeatable")
     g.add_argument("--json-keys", nargs="+", default=["text"], metavar="KEY",
@@ -498,7 +523,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"; skipped {res.skipped_empty} empty" if res.skipped_empty else "")
     for k, prefix in res.prefixes.items():
         logger.info("  %s: %s.bin (%.2f MB) + .idx  -> --data-path %s", k, prefix,
-                    os.path.getsize(prefix + ".bin") / 1e6, prefix)
+                    os.path.getsize(prefix + ".bin") / 1e6, shlex.quote(prefix))
     return 0
 
 

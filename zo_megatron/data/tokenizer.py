@@ -86,6 +86,11 @@ def _checked_file(path: str | None, bundled: str, pin: str, what: str, flag: str
                 f"reinstall zo_megatron")
         return bundled, digest
     path = os.path.expanduser(str(path))
+    if os.path.isdir(path):
+        inside = [n for n in ("vocab.json", "merges.txt") if os.path.isfile(os.path.join(path, n))]
+        raise DataError(f"{flag} {path} is a directory: pass the file itself"
+                        + (f" ({', '.join(os.path.join(path, n) for n in inside)} are in it)" if inside else "")
+                        + f", or omit {flag} to use the bundled GPT-2 {what}")
     if not os.path.isfile(path):
         raise DataError(f"{flag} {path}: no such file (omit {flag} to use the bundled GPT-2 {what})")
     digest = sha256_file(path)

@@ -10,7 +10,9 @@ import os
 import sys
 
 from zo_megatron.errors import ConfigError
+from zo_megatron.training.checkpoint_args import apply_checkpoint_args, given_dests
 from zo_megatron.training.megatron_compat import add_megatron_compat_flags, check_megatron_compat
+from zo_megatron.training.megatron_flags import add_remaining_megatron_flags
 from zo_megatron.training.schedule import DECAY_STYLES, WSD_DECAY_STYLES
 
 # --attention-backend (megatron-core's AttnBackend names) -> the model's core attention.
@@ -49,9 +51,12 @@ class _Parser(argparse.ArgumentParser):
     """argparse that reports a bad command line once per job (global rank 0), not once per rank."""
 
     def error(self, message):
-        if os.environ.get("RANK", "0") == "0":
+        from zo_megatron.errors import is_first_rank, record_error_line
+
+        if is_first_rank():
             self.print_usage(sys.stderr)
-            sys.stderr.write(f"{self.prog}: error: {message}\n")
+            sys.stderr.write(f"{self.prog}: error: {message}\n")    # last: the line a reader sees
+        record_error_line(f"{self.prog}: error: {message}")        # torchrun's root cause
         sys.exit(2)
 
 
@@ -220,6 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save", default=None, help="directory to save checkpoints to")
     g.add_argument("--load", default=None, help="directory to resume from (its latest checkpoint)")
     g.add_argument("--save-interval", type=int, default=None, help="iterations between checkpoints")
+    g.add_argument("--force-save-lock", action="store_true",
+                   help="take over --save's lock (SAVE/zo_megatron.lock) even when its holder runs on another host "
+                        "(a dead holder on this host is taken over without it)")
     g.add_argument("--keep-last", type=int, default=None, metavar="K",
                    help="keep only the K newest checkpoints (removed after the new one is committed; default: all)")
     g.add_argument("--no-load-optim", action="store_true",
@@ -227,10 +235,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-load-rng", action="store_true", help="--load without the random-number-generator states")
     g.add_argument("--finetune", action="store_true",
                    help="--load only the weights and start at iteration 0 (no optimizer, RNG or sample counts)")
-    g.add_argument("--override-opt_param-scheduler", action="store_true",
+    g.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler", action="store_true",
                    help="on --load, use this run's LR-schedule flags even if they differ from the checkpoint's")
-    g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+    g.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler", action="store_true",
                    help="on --load, take the LR schedule (lr, min-lr, warmup, decay iters and style) from the checkpoint")
+    g.add_argument("--use-checkpoint-args", action="store_true",
+                   help="take the model shape, architecture, tokenizer, --seq-length and vocabulary padding from "
+                        "--load's checkpoint (Megatron's); model flags given here must agree with it")
 
     g = p.add_argument_group("evaluation and logging")
     g.add_argument("--eval-interval", type=int, default=None, help="iterations between evaluations")
@@ -244,6 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     for a in p._actions:          # argparse hides a flag's default when it has no help text
         if a.help is None and a.default is not None and not isinstance(a.default, bool):
             a.help = "(default: %(default)s)"
+    add_remaining_megatron_flags(p)   # last: every other Megatron-LM flag, as a no-op or refused
     return p
 
 
@@ -376,17 +388,40 @@ def default_precision() -> tuple[str, str]:
     return "fp32", "CPU without native bf16 (no AVX512_BF16/AMX): bf16 would be emulated; --bf16 to force"
 
 
+_PARSER = None
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    args = build_parser().parse_args(argv)
+    global _PARSER
+    if _PARSER is None:           # ~70 ms to build (every Megatron flag); parsing does not change it
+        _PARSER = build_parser()
+    parser = _PARSER
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(argv)
+    args.given = given_dests(parser, argv)
+    args.argv = argv              # the command line as typed (error messages quote a working one)
+    if args.use_checkpoint_args:
+        apply_checkpoint_args(parser, args, args.given)
     finalize(args)
     return args
+
+
+def origin(args: argparse.Namespace, dest: str) -> str:
+    """Where a value the user did not type came from: ' (demo default)', ' (from the checkpoint)'."""
+    if dest in getattr(args, "demo_filled", ()):
+        return " (demo default)"
+    if dest in getattr(args, "from_checkpoint", ()):
+        return " (from the checkpoint)"
+    return ""
 
 
 def finalize(args: argparse.Namespace) -> None:
     """Fill demo or Megatron defaults, then reject inconsistent values (one line each)."""
     shape_given = any(getattr(args, k) is not None for k in ("num_layers", "hidden_size", "num_attention_heads"))
-    args.demo = not shape_given
-    defaults = MEGATRON_DEFAULTS if shape_given else DEMO_DEFAULTS
+    # --use-checkpoint-args: the defaults the checkpoint's own run had (its shape is "given" now)
+    args.demo = getattr(args, "checkpoint_demo", not shape_given)
+    defaults = DEMO_DEFAULTS if args.demo else MEGATRON_DEFAULTS
+    args.demo_filled = set()
     if args.lr_warmup_fraction is not None:
         if args.lr_warmup_iters:
             raise ConfigError("--lr-warmup-fraction and --lr-warmup-iters both set the warmup: give one")
@@ -398,6 +433,8 @@ def finalize(args: argparse.Namespace) -> None:
     for k in {**DEMO_DEFAULTS, **MEGATRON_DEFAULTS}:
         if getattr(args, k, None) is None:
             setattr(args, k, defaults.get(k))
+            if args.demo and k in DEMO_DEFAULTS:
+                args.demo_filled.add(k)
     for k in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "train_iters", "lr"):
         if getattr(args, k) is None:
             raise ConfigError(f"--{k.replace('_', '-')} is required when the model shape is given")
@@ -547,13 +584,14 @@ def _check_ranges(args: argparse.Namespace) -> None:
         if v is None:
             continue
         if isinstance(v, float) and not math.isfinite(v) or not ok(v):
-            raise ConfigError(f"--{name.replace('_', '-')} {v} is out of range: it must be {want}")
+            raise ConfigError(f"--{name.replace('_', '-')} {v}{origin(args, name)} is out of range: it must be {want}")
     if args.min_lr > args.lr:
-        raise ConfigError(f"--min-lr {args.min_lr:g} exceeds --lr {args.lr:g}: the decay would climb; "
-                          f"use --min-lr <= --lr")
+        raise ConfigError(f"--min-lr {args.min_lr:g}{origin(args, 'min_lr')} exceeds --lr {args.lr:g}"
+                          f"{origin(args, 'lr')}: the decay would climb; use --min-lr <= --lr")
     if args.lr_warmup_iters > args.train_iters:
-        raise ConfigError(f"--lr-warmup-iters {args.lr_warmup_iters} exceeds --train-iters {args.train_iters}: "
-                          f"the run would end before the warmup does; lower it")
+        raise ConfigError(f"--lr-warmup-iters {args.lr_warmup_iters}{origin(args, 'lr_warmup_iters')} exceeds "
+                          f"--train-iters {args.train_iters}{origin(args, 'train_iters')}: the run would end before "
+                          "the warmup does; lower it")
 
 
 def check_batch_sizes(args: argparse.Namespace, dp_size: int) -> None:

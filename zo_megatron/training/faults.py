@@ -68,9 +68,11 @@ def is_lost_peer(exc: BaseException) -> bool:
 def exit_lost_peer(exc: BaseException, rank: int, iteration: int, timeout_min: float) -> None:
     """Print one line and leave now: destroying the groups could wait for the dead peer."""
     first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
-    print(f"error: rank {rank} lost contact with its peers in a collective during iteration {iteration + 1} "
-          f"(last completed iteration {iteration}; timeout {timeout_min:g} min): {first}. Another rank or "
-          "node died or hung; resume from the last checkpoint with --load", file=sys.stderr, flush=True)
+    from zo_megatron.errors import report_error
+
+    report_error(f"rank {rank} lost contact with its peers in a collective during iteration {iteration + 1} "
+                 f"(last completed iteration {iteration}; timeout {timeout_min:g} min): {first}. Another rank or "
+                 "node died or hung; resume from the last checkpoint with --load")
     sys.stdout.flush()
     os._exit(1)
 

@@ -17,13 +17,15 @@ import time
 
 import torch
 
-from zo_megatron.errors import UserError
+from zo_megatron.errors import UserError, report_error
 from zo_megatron.parallel import collectives
 from zo_megatron.parallel.megatron_notices import SUMMARY as NOTICES
 from zo_megatron.parallel.megatron_notices import hide_known_megatron_notices
 from zo_megatron.training.arguments import architecture_kwargs, check_batch_sizes, parse_args
 from zo_megatron.training.metrics import Metrics, host_rss_bytes, human_bytes, model_flops_per_token
 from zo_megatron.training.schedule import LRScheduler
+from zo_megatron.training.user_report import (auto_fraction_reason, engine_words, extend_hint, run_header,
+                                              value_sources)
 
 
 def job_plan_input(args, env, dp: int, vocab_size: int):
@@ -55,8 +57,8 @@ def memory_check(args, env, dp: int, vocab_size: int) -> None:
 
         f = solve_offload_fraction(inp)
         args.optimizer_offload_fraction = 1.0 if f is None else f     # None: let the check below explain
-        args.offload_fraction_reason = "auto: the smallest host share that fits" if f is not None else "auto"
         inp = inp.replace(optimizer_offload_fraction=args.optimizer_offload_fraction)
+        args.offload_fraction_reason = auto_fraction_reason(inp, f)
     p = plan(inp)
     args.memory_plan = p
     if not p.fits and not args.skip_memory_check:
@@ -181,6 +183,10 @@ def _check_inputs(args, env, dp):
         raise UserError(f"--load {args.load}: no such directory")
     if args.save:
         check_save_dir(args.save)
+        if env.rank == 0:
+            from zo_megatron.checkpoint.lock import check_save_lock
+
+            args.save_lock_note = check_save_lock(args.save, args.force_save_lock)
     memory_check(args, env, dp, args.model_vocab_size)
     if args.save:
         check_free_space(args.save, checkpoint_bytes(args.memory_plan.params_total, args.zero_offload,
@@ -269,16 +275,22 @@ def _resume(args, ps, model, optimizer, vocab_size: int, tokenizer_vocab: int, m
     """--load: restore the checkpoint (docs/checkpoints.md); returns (iteration, consumed
     training samples, consumed validation samples)."""
     from zo_megatron.checkpoint import LoadOptions, load_checkpoint
+    from zo_megatron.training.arguments import build_parser, origin
+    from zo_megatron.training.checkpoint_args import describe_diff
 
+    parser = build_parser()
+    fix = ("launch with the model flags the checkpoint was trained with, or add --use-checkpoint-args to take "
+           "them from it") if not args.use_checkpoint_args else "launch with the checkpoint's model flags"
     t0 = time.monotonic()
     res = load_checkpoint(
         args.load, ps=ps, model=model, optimizer=optimizer, vocab_size=vocab_size, model_meta=model_meta,
         tokenizer_vocab=tokenizer_vocab,
+        describe_diff=lambda k, ck, here: describe_diff(parser, k, ck, here, origin(args, k)), model_fix=fix,
         schedule=_schedule_state(args, 0), opts=LoadOptions(
             no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng, finetune=args.finetune,
             override_opt_param_scheduler=args.override_opt_param_scheduler,
             use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
-            train_iters=args.train_iters), agree=collectives.all_ranks_agree)
+            train_iters=args.train_iters, schedule_hint=extend_hint(args)), agree=collectives.all_ranks_agree)
     if res.opt_param_scheduler is not None:             # --use-checkpoint-opt_param-scheduler
         s = res.opt_param_scheduler
         args.lr, args.min_lr, args.lr_warmup_iters = s["max_lr"], s["min_lr"], s["lr_warmup_steps"]
@@ -346,12 +358,23 @@ def _train(args, env, ps, tokenizer, data_path, cpu_adam_threads: int) -> int:
                       tensorboard_dir=args.tensorboard_dir, progress_bar=not args.no_progress_bar,
                       wandb=dict(project=args.wandb_project, name=args.wandb_exp_name, dir=args.wandb_save_dir,
                                  config=vars(args)) if args.wandb_project else None)
+    metrics.header(run_header(args, ps))
     stack = contextlib.ExitStack()
     stop = faults.StopSignal(enabled=args.exit_signal_handler or bool(args.save))
     stack.callback(stop.restore)
     inject = faults.FaultInjection.from_env(ps.rank)
     iteration = 0
     try:
+        if args.save:                       # one job per save directory (checkpoint/lock.py)
+            from zo_megatron.checkpoint.lock import SaveLock
+
+            with collectives.all_ranks_agree():
+                lock = SaveLock(args.save, args.force_save_lock) if ps.rank == 0 else None
+            if lock is not None:
+                stack.callback(lambda: lock.release(wrote_checkpoint=saved_at is not None))
+            if getattr(args, "save_lock_note", None):
+                metrics.print(f" {args.save_lock_note}")
+        saved_at = None
         cfg = GPTConfig(**architecture_kwargs(args), vocab_size=args.model_vocab_size, precision=args.precision,
                         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
                         init_method_std=args.init_method_std, recompute=args.recompute_granularity,
@@ -378,6 +401,14 @@ def _train(args, env, ps, tokenizer, data_path, cpu_adam_threads: int) -> int:
             start_iter, consumed, consumed_valid = _resume(args, ps, model, optimizer, cfg.vocab_size,
                                                            tokenizer.vocab_size, model_meta, metrics)
         _banner(metrics, args, ps, cfg, optimizer, data_path, time.monotonic() - t_start)
+        if args.dpu:
+            first_delayed = start_iter + max(1, args.dpu_warmup_steps - optimizer.step_count)
+            if first_delayed > args.train_iters:
+                metrics.print(f" warning: --dpu given, but the delayed parameter update would start at iteration "
+                              f"{first_delayed} (after --dpu-warmup-steps {args.dpu_warmup_steps} exact updates; "
+                              f"{optimizer.step_count} done) and the run ends at --train-iters {args.train_iters}: "
+                              f"every update of this run is exact; use --dpu-warmup-steps at most "
+                              f"{args.train_iters - start_iter + optimizer.step_count} to delay any")
 
         train_iter = iter(DPBatches(train_ds, args.micro_batch_size, ps.dp_rank, ps.dp_size,
                                     consumed_samples=consumed))
@@ -443,6 +474,12 @@ def _train(args, env, ps, tokenizer, data_path, cpu_adam_threads: int) -> int:
                 timeline.record_all(iteration + 1, phases)
             if not res.skipped:             # as Megatron: a skipped (fp16 overflow) update does not advance it
                 scheduler.step(gb)
+            # the engine delays every update from its W-th on (offload/engine.py)
+            window["delayed"] = bool(args.dpu and not res.skipped and optimizer.step_count >= args.dpu_warmup_steps)
+            if window["delayed"] and optimizer.step_count == args.dpu_warmup_steps:
+                metrics.print(f" delayed parameter update starts at iteration {iteration + 1}: from now on the CPU "
+                              f"Adam of each step overlaps the next step's forward/backward (--dpu-warmup-steps "
+                              f"{args.dpu_warmup_steps})")
             iteration += 1
             consumed += gb
             metrics.advance()
@@ -502,8 +539,8 @@ def _train(args, env, ps, tokenizer, data_path, cpu_adam_threads: int) -> int:
             metrics.print(f" done: {iteration} iterations in {elapsed / 60:.1f} min; final validation loss "
                           f"{last_val:.4f} nats, perplexity {math.exp(min(last_val, 50)):.2f}")
     except faults.SaveFailed as exc:
-        if ps.rank == 0 or not exc.everywhere:
-            print(f"error: {'' if exc.everywhere else f'rank {ps.rank}: '}{exc.message}", file=sys.stderr, flush=True)
+        report_error(f"{'' if exc.everywhere else f'rank {ps.rank}: '}{exc.message}",
+                     print_it=ps.rank == 0 or not exc.everywhere)
         return 1
     except Exception as exc:  # noqa: BLE001 - only a lost peer is handled here; the rest re-raises
         if faults.is_lost_peer(exc):
@@ -524,8 +561,7 @@ def _recomputed_layers(cfg) -> int:
 
 
 def _rank0_error(ps, msg: str) -> None:
-    if ps.rank == 0:
-        print(f"error: {msg}", file=sys.stderr, flush=True)
+    report_error(msg, print_it=ps.rank == 0)
 
 
 @contextlib.contextmanager
@@ -551,6 +587,7 @@ def _log(metrics, window, iteration, lr, res, optimizer, ps, args, fpt, done) ->
         "speculated_buckets": window["speculated"], "rolled_back_buckets": window["rolled_back"],
         "overlap_cpu_step": bool(getattr(args, "overlap_cpu_step", False)),
         "device_peak_bytes": torch.cuda.max_memory_allocated(ps.device) if ps.device.type == "cuda" else None,
+        "delayed_update": window.get("delayed", False),
         "_iters_done_this_run": done,
     })
     window.update(loss=0.0, n=0, skipped=0, nan=0, t=time.monotonic(), speculated=0, rolled_back=0)
@@ -584,14 +621,14 @@ def _banner(metrics, args, ps, cfg, optimizer, data_path, setup_s) -> None:
     plan = getattr(args, "memory_plan", None)
     lines = [
         f"zo_megatron pretrain_gpt: {'DEMO defaults, ' if args.demo else ''}world {ps.world_size} = TP {ps.tp_size} x DP {ps.dp_size}, "
-        f"device {ps.device.type}, {args.precision}, {'ZeRO-Offload (CPU Adam)' if args.zero_offload else 'plain DDP + AdamW baseline'}",
+        f"device {ps.device.type}, {args.precision}, {engine_words(args)}",
         f" precision: {args.precision} ({args.precision_reason}); gradients reduced in "
         f"{'fp32' if args.accumulate_allreduce_grads_in_fp32 or args.precision == 'fp32' else args.precision}"
         + (f", copied home as {args.main_grads_dtype or args.precision}" if args.zero_offload else "")
         + (", accumulated on the host in fp32" if args.accumulate_grads_on_host else "")
         + (f"; optimizer {args.optimizer_offload_fraction:.0%} on the host, the rest on the device"
-           + (" (auto)" if getattr(args, "offload_fraction_reason", "").startswith("auto") else "")
            if args.zero_offload and args.optimizer_offload_fraction < 1 else "")
+        + (f"; {args.offload_fraction_reason}" if getattr(args, "offload_fraction_reason", None) else "")
         + (f"; delayed parameter update after {args.dpu_warmup_steps} exact updates "
            f"({args.threads_line} per rank)" if args.dpu else "")
         + ((f"; CPU step overlapped with backward (--overlap-cpu-step: speculated per bucket, exact; "
@@ -599,11 +636,15 @@ def _banner(metrics, args, ps, cfg, optimizer, data_path, setup_s) -> None:
            if args.zero_offload and not args.dpu else ""),
         f" model: {cfg.architecture_name()} {cfg.num_layers} layers x {cfg.hidden_size} hidden x {cfg.num_attention_heads} heads, "
         f"seq {args.seq_length}, vocab {cfg.vocab_size} (padded {cfg.padded_vocab_size(ps.tp_size)}), "
-        f"{total / 1e6:.1f}M params ({local / 1e6:.1f}M on this TP rank)",
+        f"{total / 1e6:.1f}M params ({local / 1e6:.1f}M on this TP rank)"
+        + value_sources(args, ("num_layers", "hidden_size", "num_attention_heads", "seq_length"),
+                        getattr(args, "from_checkpoint_flags", ())),
         f" attention: {_attention_line(cfg, ps)}",
         f" batch: global {args.global_batch_size} = micro {args.micro_batch_size} x DP {ps.dp_size} x accumulation "
         f"{args.grad_accum_steps}; {args.train_iters} iterations, lr {args.lr:g} {args.lr_decay_style} "
-        f"(warmup {args.lr_warmup_iters}, min {args.min_lr:g})",
+        f"(warmup {args.lr_warmup_iters}, min {args.min_lr:g})"
+        + value_sources(args, ("micro_batch_size", "train_iters", "lr", "lr_decay_style", "lr_warmup_iters",
+                               "min_lr")),
         f" data: {src}" + (f"; tokenizer: HuggingFaceTokenizer {args.tokenizer_model}"
                            if args.tokenizer_type == "HuggingFaceTokenizer" else ""),
         f" model states per rank: device {human_bytes(acc.device_model_state_bytes)}, host {human_bytes(acc.host_bytes)}"

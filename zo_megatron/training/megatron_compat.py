@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from zo_megatron.errors import ConfigError
+from zo_megatron.training.megatron_flags import refused_given
 
 # Refused outright: flag -> (why, what to use instead). The message is "<flag>: <why>; <instead>".
 REFUSED = {
@@ -52,22 +53,26 @@ def add_megatron_compat_flags(p: argparse.ArgumentParser) -> None:
 
 
 def check_megatron_compat(args: argparse.Namespace) -> None:
-    """One line per refused flag or value; called from arguments.finalize."""
-    for flag, (why, instead) in REFUSED.items():
-        if getattr(args, flag[2:].replace("-", "_")):
-            raise ConfigError(f"{flag}: {why}; {instead}")
+    """Every refused flag or value of the command line in ONE line (a launch script learns all it
+    must change at once), then the consistency checks one line each; called from arguments.finalize."""
+    refused = [f"{flag}: {why}; {instead}" for flag, (why, instead) in REFUSED.items()
+               if getattr(args, flag[2:].replace("-", "_"))]
     if args.pipeline_model_parallel_size != 1:
-        raise ConfigError(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: pipeline parallelism "
-                          "is not supported; use --tensor-model-parallel-size (and ZeRO-Offload for memory)")
+        refused.append(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: pipeline parallelism "
+                       "is not supported; use --tensor-model-parallel-size (and ZeRO-Offload for memory)")
     if args.transformer_impl != "local":
-        raise ConfigError("--transformer-impl transformer_engine: Transformer Engine is not used; "
-                          "use --transformer-impl local (the default)")
+        refused.append("--transformer-impl transformer_engine: Transformer Engine is not used; "
+                       "use --transformer-impl local (the default)")
     if args.ckpt_format != "torch_dist":
-        raise ConfigError(f"--ckpt-format {args.ckpt_format}: checkpoints are torch.distributed.checkpoint "
-                          "directories (Megatron's torch_dist); use --ckpt-format torch_dist (the default)")
+        refused.append(f"--ckpt-format {args.ckpt_format}: checkpoints are torch.distributed.checkpoint "
+                       "directories (Megatron's torch_dist); use --ckpt-format torch_dist (the default)")
     if args.use_distributed_optimizer and not args.zero_offload:
-        raise ConfigError("--use-distributed-optimizer: the partitioned optimizer here is ZeRO-Offload; "
-                          "add --zero-offload")
+        refused.append("--use-distributed-optimizer: the partitioned optimizer here is ZeRO-Offload; "
+                       "add --zero-offload")
+    refused += [f"{r}; drop it" for r in refused_given(args)]
+    if refused:
+        more = f" ({len(refused)} flags refused)" if len(refused) > 1 else ""
+        raise ConfigError(" | ".join(refused) + more)
     if args.recompute_method is not None or args.recompute_num_layers is not None:
         if args.recompute_granularity != "full":
             flag = "--recompute-method" if args.recompute_method is not None else "--recompute-num-layers"

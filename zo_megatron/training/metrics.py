@@ -71,24 +71,24 @@ class Metrics:
         self.start = time.monotonic()
         self._jsonl = None
         self._tb = None
+        self._header = None
         self._bar = None
         self._wandb = None
         if not enabled:
             return
         if wandb:
             self._wandb = _start_wandb(**wandb)
-        if jsonl_path:
-            os.makedirs(os.path.dirname(os.path.abspath(jsonl_path)), exist_ok=True)
-            self._jsonl = open(jsonl_path, "a", buffering=1)
+        # JSONL and TensorBoard files are opened at the first record, not here: a run that fails
+        # during set-up (bad data, a refused checkpoint) leaves no empty log or event file behind.
+        self._jsonl_path, self._tb_dir = jsonl_path, tensorboard_dir
         if tensorboard_dir:
             try:
-                from torch.utils.tensorboard import SummaryWriter
+                import torch.utils.tensorboard  # noqa: F401
             except ImportError as exc:
                 from zo_megatron.errors import UserError
 
                 raise UserError("--tensorboard-dir needs the tensorboard package: pip install tensorboard "
                                 f"(or 'zo_megatron[tensorboard]') ({exc})") from None
-            self._tb = SummaryWriter(tensorboard_dir)
         if progress_bar and sys.stdout.isatty():
             from tqdm import tqdm
 
@@ -142,7 +142,32 @@ class Metrics:
             row["eval_samples"] = eval_samples
         self._write(row, "eval")
 
+    def _open(self) -> None:
+        if self._jsonl_path and self._jsonl is None:
+            os.makedirs(os.path.dirname(os.path.abspath(self._jsonl_path)), exist_ok=True)
+            self._jsonl = open(self._jsonl_path, "a", buffering=1)
+            if self._header is not None:
+                self._jsonl.write(json.dumps(self._header) + "\n")
+        if self._tb_dir and self._tb is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(self._tb_dir)
+            if self._header is not None:
+                self._tb.add_text("run/header", "```\n" + json.dumps(self._header, indent=1) + "\n```", 0)
+                flat = {k: v for k, v in self._header.get("args", {}).items() if isinstance(v, (int, float, str, bool))}
+                try:
+                    self._tb.add_hparams(flat, {}, run_name=".")
+                except Exception:  # noqa: BLE001 - hparams are a convenience; text above holds them all
+                    pass
+
+    def header(self, record: dict) -> None:
+        """The run's header record (arguments, versions, git commit, world layout): the first line
+        of this run in the JSONL (appended runs stay apart) and TensorBoard text + hparams."""
+        if self.enabled:
+            self._header = {"kind": "header", **record}
+
     def _write(self, row: dict, kind: str) -> None:
+        self._open()
         if self._jsonl is not None:
             self._jsonl.write(json.dumps({"kind": kind, **row}) + "\n")
         if self._tb is not None:

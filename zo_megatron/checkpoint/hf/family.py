@@ -56,8 +56,14 @@ class HFFamily(abc.ABC):
 def read_config_json(input_dir: str) -> dict:
     """config.json of a HF model directory; a hub id or a missing file is one line."""
     if not os.path.isdir(input_dir):
-        raise UserError(f"--input {input_dir}: no such directory; point it at a Hugging Face model directory "
-                        "(download hub models first, e.g. `huggingface-cli download ID --local-dir DIR`)")
+        hub_id = not os.path.isabs(input_dir) and not input_dir.startswith(".") and input_dir.count("/") <= 1 \
+            and not os.path.exists(input_dir)
+        if hub_id:                     # e.g. "gpt2", "openai-community/gpt2": a name on the Hub
+            local = input_dir.rstrip("/").split("/")[-1]
+            raise UserError(f"--input {input_dir}: no such directory; conversion reads a local model directory (it "
+                            f"downloads nothing): if {input_dir!r} is a Hugging Face Hub id, fetch it first with "
+                            f"`huggingface-cli download {input_dir} --local-dir {local}` and pass --input {local}")
+        raise UserError(f"--input {input_dir}: no such directory; point it at a Hugging Face model directory")
     path = os.path.join(input_dir, CONFIG)
     if not os.path.isfile(path):
         raise UserError(f"{input_dir}: no {CONFIG}: not a Hugging Face model directory")

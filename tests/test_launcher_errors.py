@@ -1,0 +1,58 @@
+"""A bad command line under each launcher: our one `error:` line is what the reader is left with.
+
+torchrun: its own summary ("Root Cause (first observed failure)") names our line instead of
+"error_file: <N/A>", and torchrun exits 1 (its status, whatever the workers' were); mpirun:
+our line once, exit 2; plain python: our line last, exit 2 (docs/launch.md)."""
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.test_pretrain import SCRIPT, TORCHRUN, _clean_env
+
+SHAPE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+         "--train-iters", "2"]
+
+
+def _root_cause(stderr: str) -> str:
+    m = re.search(r"Root Cause \(first observed failure\):\n(.*?)\n=+", stderr, re.S)
+    assert m, stderr[-3000:]
+    return m.group(1)
+
+
+@pytest.mark.parametrize("extra, line", [
+    (["--lr", "-1"], "error: --lr -1.0 is out of range: it must be > 0"),
+    (["--no-such-flag"], "pretrain_gpt.py: error: unrecognized arguments: --no-such-flag"),
+], ids=["bad value", "unknown flag"])
+def test_torchrun_summary_names_our_error_line_as_the_root_cause(tmp_path, extra, line):
+    r = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node=2", SCRIPT, *SHAPE, *extra],
+                       env=_clean_env(tmp_path), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr[-3000:]            # torchrun's own status for a failed worker
+    root = _root_cause(r.stderr)
+    assert f"traceback : {line}" in root and "exitcode  : 2" in root, root
+    assert "<N/A>" not in root, root
+    # printed once by the job (rank 0), besides the summary's copies
+    assert sum(ln.startswith(line) for ln in r.stderr.splitlines()) == 1, r.stderr[-3000:]
+
+
+def test_plain_python_ends_with_the_error_line_and_exits_2(tmp_path):
+    r = subprocess.run([sys.executable, SCRIPT, *SHAPE, "--lr", "-1"], env=_clean_env(tmp_path),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == "error: --lr -1.0 is out of range: it must be > 0"
+
+
+def test_mpirun_prints_the_line_once_and_exits_2(tmp_path):
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    mpiexec = mpiexec if os.path.exists(mpiexec) else shutil.which("mpiexec")
+    if mpiexec is None:
+        pytest.skip("mpiexec not found: pip install 'zo_megatron[mpi]'")
+    env = _clean_env(tmp_path)
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    r = subprocess.run([mpiexec, "-n", "2", "--oversubscribe", "--bind-to", "none", sys.executable, SCRIPT, *SHAPE,
+                        "--lr", "-1"], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    out = r.stdout + r.stderr
+    assert out.count("error: --lr -1.0 is out of range") == 1, out[-2000:]

@@ -1,0 +1,104 @@
+"""--use-checkpoint-args (Megatron-LM's flag): the model comes from --load's checkpoint.
+
+Megatron's `load_args_from_checkpoint` copies the architecture (forced) and the tokenizer, sequence
+length and vocabulary padding (when not given) from the checkpoint's saved arguments before its
+arguments are validated. Here the architecture is the checkpoint manifest's "model" dict (the
+GPTConfig fields the model was built with, whatever fields it holds), the rest its "args". One
+difference, on purpose: a flag given on the command line that disagrees with the checkpoint is an
+error naming every such flag with both values (Megatron silently overrides some and keeps others),
+and the tensor-parallel size stays the command line's (checkpoints here reshard on load).
+
+The field -> flag mapping is read off the parser (the action whose dest is the field), so new
+architecture fields work without a table here: `add_bias_linear` is shown as
+`--disable-bias-linear` (a store_false flag, value inverted), `layernorm_epsilon` as
+`--norm-epsilon`.
+"""
+from __future__ import annotations
+
+import argparse
+
+from zo_megatron.errors import ConfigError
+
+# Taken from the checkpoint's saved arguments when the command line does not give them
+# (Megatron's non-forced _set_arg: tokenizer, sequence length, vocabulary padding).
+FROM_SAVED_ARGS = ("seq_length", "tokenizer_type", "tokenizer_model", "vocab_file", "merge_file",
+                   "allow_custom_vocab", "make_vocab_size_divisible_by")
+# Megatron's OptimizerParamScheduler state -> this parser's dests (--use-checkpoint-opt_param-scheduler).
+SCHEDULER_FIELDS = {"max_lr": "lr", "min_lr": "min_lr", "lr_warmup_steps": "lr_warmup_iters",
+                    "lr_decay_steps": "lr_decay_iters", "lr_decay_style": "lr_decay_style"}
+# Fields of the "model" dict that are not flags. None: even the vocabulary is one (--vocab-size,
+# which a checkpoint whose vocabulary is larger than its tokenizer's, as Qwen2's, needs).
+NOT_FLAGS: tuple[str, ...] = ()
+
+
+def given_dests(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """The dests of the flags that appear on the command line (abbreviations are refused, so an
+    exact option string, or `--flag=value`, is the only way to give one)."""
+    by_option = {o: a.dest for a in parser._actions for o in a.option_strings}
+    return {by_option[t.split("=", 1)[0]] for t in argv if t.startswith("--") and t.split("=", 1)[0] in by_option}
+
+
+def _action(parser: argparse.ArgumentParser, field: str):
+    long_first = sorted((a for a in parser._actions if a.dest == field and a.option_strings),
+                        key=lambda a: isinstance(a, argparse._StoreFalseAction))   # prefer a positive flag
+    return long_first[0] if long_first else None
+
+
+def show(parser: argparse.ArgumentParser, field: str, value) -> tuple[str, object]:
+    """(flag, value as that flag expresses it) for a config field / parser dest."""
+    a = _action(parser, field)
+    if a is None:
+        return field, value
+    flag = max(a.option_strings, key=len)      # the long form (e.g. --tensor-model-parallel-size)
+    if isinstance(a, argparse._StoreFalseAction) and isinstance(value, bool):
+        return flag, not value
+    return flag, value
+
+
+def describe_diff(parser: argparse.ArgumentParser, field: str, in_checkpoint, here, origin: str = "") -> str:
+    """'--num-layers: 2 in the checkpoint, 4 here' (origin: ' (demo default)' and the like)."""
+    flag, ck = show(parser, field, in_checkpoint)
+    _, now = show(parser, field, here)
+    return f"{flag}: {ck} in the checkpoint, {now} here{origin}"
+
+
+def apply_checkpoint_args(parser: argparse.ArgumentParser, args: argparse.Namespace, given: set[str]) -> None:
+    """Set args from --load's latest checkpoint (before finalize); refuse given flags that disagree."""
+    from zo_megatron.checkpoint.verify import read_manifest
+
+    if not args.load:
+        raise ConfigError("--use-checkpoint-args reads the model from the checkpoint given by --load: add --load DIR")
+    d, manifest = read_manifest(args.load)
+    model = manifest.get("model") or {}
+    saved = manifest.get("args") or {}
+    if not model:
+        raise ConfigError(f"--use-checkpoint-args: {d} records no model arguments: give the model flags instead")
+    taken, clashes = [], []
+    for field, value in model.items():
+        if field in NOT_FLAGS:
+            continue
+        if field in given and getattr(args, field, None) != value:
+            clashes.append(describe_diff(parser, field, value, getattr(args, field, None)))
+            continue
+        setattr(args, field, value)
+        taken.append(field)
+    if "num_query_groups" in model and hasattr(args, "group_query_attention") and "group_query_attention" not in given:
+        # Megatron's pair: --group-query-attention --num-query-groups G; G = heads is plain attention
+        args.group_query_attention = model["num_query_groups"] not in (None, model.get("num_attention_heads"))
+    for field in FROM_SAVED_ARGS:
+        if field in saved and field not in given and field not in taken and hasattr(args, field):
+            setattr(args, field, saved[field])
+            taken.append(field)
+    sched = manifest.get("opt_param_scheduler") or {}
+    if args.use_checkpoint_opt_param_scheduler and sched:
+        # the loader trains with the checkpoint's schedule: no need to repeat --lr and company here
+        for key, field in SCHEDULER_FIELDS.items():
+            if key in sched and field not in given:
+                setattr(args, field, sched[key])
+                taken.append(field)
+    if clashes:
+        raise ConfigError(f"--use-checkpoint-args: the command line disagrees with the checkpoint {d}: "
+                          f"{'; '.join(clashes)}: drop those flags (the checkpoint's values apply)")
+    args.from_checkpoint = set(taken)
+    args.from_checkpoint_flags = [show(parser, f, getattr(args, f))[0] for f in taken]
+    args.checkpoint_demo = bool(saved.get("demo", False))   # the defaults its run was trained with
