@@ -85,7 +85,7 @@ def test_gradient_precision_flags():
 
 @pytest.mark.parametrize("argv,needle", [
     (["--lr", "-0.001"], "--lr -0.001 is out of range: it must be > 0"),
-    (["--lr", "5e-5"], "--min-lr 0.0001 exceeds --lr 5e-05"),          # the demo's min_lr is 1e-4
+    (["--lr", "5e-5"], "--min-lr 0.0001 (demo default) exceeds --lr 5e-05"),   # the demo default, named
     (["--lr-warmup-iters", "400"], "--lr-warmup-iters 400 exceeds --train-iters 300"),
     (["--hidden-dropout", "1.5"], "--hidden-dropout 1.5 is out of range: it must be in [0, 1)"),
     (["--attention-dropout", "-0.1"], "--attention-dropout -0.1 is out of range"),

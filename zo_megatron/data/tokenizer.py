@@ -127,7 +127,13 @@ class Tokenizer:
         raise NotImplementedError
 
     def decode(self, ids: Sequence[int]) -> str:
-        raise NotImplementedError
+        """Text of ids (special tokens kept); an id outside the vocabulary is a ValueError. Both
+        tokenizers wrap a library tokenizer in `_tok` whose decode takes skip_special_tokens."""
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        return self._tok.decode(ids, skip_special_tokens=False)
 
     def spec(self) -> tuple:
         raise NotImplementedError
@@ -180,13 +186,6 @@ class GPT2Tokenizer(Tokenizer):
     def encode_batch(self, texts: Iterable[str]) -> list[list[int]]:
         texts = list(texts)
         return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
-
-    def decode(self, ids: Sequence[int]) -> str:
-        ids = [int(i) for i in ids]
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        return self._tok.decode(ids, skip_special_tokens=False)
 
     def __repr__(self) -> str:
         return (f"GPT2Tokenizer(vocab_size={self.vocab_size}, eod={self.eod}, "
@@ -295,13 +294,6 @@ class HuggingFaceTokenizer(Tokenizer):
     def encode_batch(self, texts: Iterable[str]) -> list[list[int]]:
         texts = list(texts)
         return [list(x) for x in self._tok(texts).input_ids] if texts else []
-
-    def decode(self, ids: Sequence[int]) -> str:
-        ids = [int(i) for i in ids]
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        return self._tok.decode(ids, skip_special_tokens=False)
 
     def __repr__(self) -> str:
         return (f"HuggingFaceTokenizer(vocab_size={self.vocab_size}, eod={self.eod}, "
