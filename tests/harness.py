@@ -64,6 +64,19 @@ def _worker(fn, rank, world_size, port, threads, results, args, kwargs):
 
 
 def run_world(fn, world_size: int, *args, timeout: float = 180.0, **kwargs) -> list:
+    """Run `fn` on every rank; a world whose rendezvous port was taken by another process between
+    free_port() and the store's bind (EADDRINUSE: no rank has started its work) is run again on a
+    fresh port, up to twice."""
+    for attempt in range(3):
+        try:
+            return _run_world_once(fn, world_size, args, kwargs, timeout)
+        except AssertionError as exc:
+            if "EADDRINUSE" not in str(exc) or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _run_world_once(fn, world_size: int, args: tuple, kwargs: dict, timeout: float) -> list:
     ctx = _context()
     results = ctx.Queue()
     port = free_port()
