@@ -68,7 +68,8 @@ def test_random_llama_qwen_configs_count_like_transformers():
         heads = rng.choice([2, 4, 6, 8])
         groups = rng.choice([g for g in range(1, heads + 1) if heads % g == 0])
         d = rng.choice([8, 16, 24])
-        h = heads * d if rng.random() < 0.7 else rng.choice([32, 48, 64])
+        # a hidden size other than heads * head_dim (transformers requires a multiple of the heads)
+        h = heads * d if rng.random() < 0.7 else heads * rng.choice([k for k in (4, 6, 12, 20) if k != d])
         kind = rng.choice(["llama", "llama-bias", "qwen2", "qwen3"])
         inp = PlanInput(num_layers=rng.randint(1, 4), hidden_size=h, num_attention_heads=heads,
                         num_query_groups=groups, kv_channels=d, ffn_hidden_size=rng.randint(1, 8) * 16,
