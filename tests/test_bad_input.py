@@ -32,6 +32,8 @@ def _cases(d):
         ("dpu without offload", ["--dpu"], {}, "--dpu delays the CPU optimizer's update: add --zero-offload"),
         ("offload fraction 1.5", ["--zero-offload", "--optimizer-offload-fraction", "1.5"], {},
          "--optimizer-offload-fraction 1.5"),
+        ("weight prediction without dpu", ["--zero-offload", "--dpu-weight-prediction"], {},
+         "--dpu-weight-prediction extrapolates the delayed update's parameters: add --dpu"),
         ("offload fraction with dpu", ["--zero-offload", "--dpu", "--optimizer-offload-fraction", "0.5"], {},
          "cannot be combined with --dpu"),
         ("timeout 0", ["--distributed-timeout-minutes", "0"], {}, "--distributed-timeout-minutes 0.0 is out of range"),

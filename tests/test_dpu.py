@@ -70,11 +70,16 @@ def _dpu_world(rank, tp, precision, seed, accum, engine_kw, overflow_step=None, 
     engine.close()
     return dict(init=init, final=final, losses=losses, skipped=skipped, scales=scales, in_flight=in_flight,
                 pending_bytes=acc.host_dpu_pending_bytes, staging_bytes=acc.host_staging_bytes,
+                prediction_bytes=acc.host_dpu_prediction_bytes,
                 acc_bytes=acc.host_accumulator_bytes) if rank == 0 else None
 
 
-def _reference(init, seed, dp, accum, warmup, skip_step=None, flush_at=None):
-    """fp32, one process: the delayed schedule above with torch.optim.AdamW (warmup None: no delay)."""
+def _reference(init, seed, dp, accum, warmup, skip_step=None, flush_at=None, predict=False):
+    """fp32, one process: the delayed schedule above with torch.optim.AdamW (warmup None: no delay).
+
+    predict (--dpu-weight-prediction): the optimizer's parameters (the master) live apart from
+    the model's (the device copy); a delayed update joined at the next step gives the model
+    w_new + (w_new - w_old), every other update (warm-up, a flush, the end) the master itself."""
     from zo_megatron.checkpoint.hf.gpt2 import from_hf, to_hf
 
     hc = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
@@ -88,13 +93,26 @@ def _reference(init, seed, dp, accum, warmup, skip_step=None, flush_at=None):
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=_lr(0), betas=BETAS, eps=EPS)
 
-    def apply(update):
+    master = [p.detach().clone() for p in params] if predict else None
+
+    def apply(update, predicted=False):
         grads, lr = update
+        if master is not None:                        # the optimizer steps the master
+            with torch.no_grad():
+                for p, m in zip(params, master):
+                    p.copy_(m)
         for p, g in zip(params, grads):
             p.grad = g
         for group in opt.param_groups:
             group["lr"] = lr
         opt.step()
+        if master is not None:
+            with torch.no_grad():
+                for p, m in zip(params, master):
+                    new = p.detach().clone()
+                    if predicted:                     # the device copy, extrapolated by this update
+                        p.copy_(new + (new - m))
+                    m.copy_(new)
 
     losses, pending, updates = [], None, 0
     for step, micro_batches in enumerate(_batches(seed + 7, dp, accum)):
@@ -109,7 +127,7 @@ def _reference(init, seed, dp, accum, warmup, skip_step=None, flush_at=None):
         torch.nn.utils.clip_grad_norm_(params, CLIP)
         update = ([p.grad.clone() for p in params], _lr(step))
         if pending is not None:                       # g_{t-1} is applied after g_t was computed
-            apply(pending)
+            apply(pending, predicted=True)
             pending = None
         if step == skip_step:
             continue
@@ -153,6 +171,28 @@ def test_dpu_fp32_equals_the_delayed_reference(tp, world, accum, engine_kw, flus
         assert ((ours - ref).abs().max() / ref.abs().max()).item() <= 1e-4, name
     # accounting: one more landing buffer (and accumulator) than without DPU
     assert out["pending_bytes"] == out["staging_bytes"] + out["acc_bytes"] > 0
+
+
+@pytest.mark.parametrize("tp,world,accum,flush_at", [(1, 1, 1, 6), (2, 2, 2, None)],
+                         ids=["tp1dp1-flush", "tp2dp1-accum2"])
+def test_dpu_weight_prediction_equals_the_predicted_reference(tp, world, accum, flush_at):
+    """--dpu-weight-prediction: forward/backward run on w_t + (w_t - w_{t-1}) after a delayed update,
+    on the exact master after a flush and at the end; the master is exact Adam of those gradients."""
+    seed = fresh_seed(f"dpu weight prediction tp{tp} world{world}")
+    out = run_world(_dpu_world, world, tp, "fp32", seed, accum, {"dpu_weight_prediction": True}, None, flush_at)[0]
+    dp = world // tp
+    ref_losses, ref_final = _reference(out["init"], seed, dp, accum, WARMUP, flush_at=flush_at, predict=True)
+    for ours, ref in zip(out["losses"], ref_losses):
+        assert abs(ours - ref) / abs(ref) <= 1e-5, (ours, ref)
+    plain_losses, _ = _reference(out["init"], seed, dp, accum, WARMUP, flush_at=flush_at)
+    assert max(abs(a - b) / abs(b) for a, b in zip(out["losses"], plain_losses)) > 1e-4, \
+        "the prediction must change the trajectory (else this test would not tell it from plain DPU)"
+    for name, ref in ref_final.items():
+        ours = out["final"][name]
+        assert ((ours - ref).norm() / ref.norm()).item() <= 1e-5, name
+        assert ((ours - ref).abs().max() / ref.abs().max()).item() <= 1e-4, name
+    # the fp32 master before the update: 4 bytes per element of the partition (fp32: = the staging)
+    assert out["prediction_bytes"] == out["staging_bytes"] > 0
 
 
 def test_dpu_bf16_with_fp32_host_gradients_tracks_the_reference():
@@ -291,22 +331,23 @@ def _accounting_world(rank):
     for precision, kw, _ in _MEM_CASES:
         cfg = GPTConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, vocab_size=VOCAB,
                         max_position_embeddings=SEQ, precision=precision)
-        for dpu in (None, WARMUP):
+        for dpu, predict in ((None, False), (WARMUP, False), (WARMUP, True)):
             model = build_gpt_model(cfg, ps.tp_rank, ps.tp_size, 5)
             with ZeroOffloadEngine(model, precision=precision, bucket_size=3000, dp_group=ps.dp_group,
-                                   dpu_warmup_steps=dpu, **kw) as engine:
+                                   dpu_warmup_steps=dpu, dpu_weight_prediction=predict, **kw) as engine:
                 out.append(engine.accounting.as_dict())
     return out
 
 
 def test_planner_dpu_line_equals_the_engine_accounting():
     """The planner's `dpu_pending_grad` item is exactly what DPU adds to the engine's host bytes,
-    for 16-bit and fp32 host gradients and with host accumulation (DP=2: per partition)."""
+    for 16-bit and fp32 host gradients and with host accumulation (DP=2: per partition); its
+    `dpu_weight_prediction` item what the prediction adds."""
     from zo_megatron.planner import PlanInput, plan
 
     accounts = run_world(_accounting_world, 2)[0]
     for c, (precision, kw, accum) in enumerate(_MEM_CASES):
-        off, on = accounts[2 * c], accounts[2 * c + 1]
+        off, on, predicting = accounts[3 * c:3 * c + 3]
         added = on["host_bytes"] - off["host_bytes"]
         assert added == on["host_dpu_pending_bytes"] > 0
         p = plan(PlanInput(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, vocab_size=VOCAB,
@@ -316,6 +357,11 @@ def test_planner_dpu_line_equals_the_engine_accounting():
                            accumulate_on_host=kw.get("accumulate_on_host", False), device_is_host=True))
         planned = p.host_items["dpu_pending_grad"] // p.ranks_per_node
         assert abs(planned - added) <= 0.01 * added, (precision, kw, planned, added)
+        # --dpu-weight-prediction: + the fp32 master before the update, the planner's own line
+        extra = predicting["host_bytes"] - on["host_bytes"]
+        assert extra == predicting["host_dpu_prediction_bytes"] == on["host_master_bytes"] > 0
+        planned = plan(p.input.replace(dpu_weight_prediction=True)).host_items["dpu_weight_prediction"]
+        assert abs(planned // p.ranks_per_node - extra) <= 0.01 * extra, (precision, kw, planned, extra)
 
 
 # ------------------------------------------------------------------ the job: flags, timeline, plot

@@ -94,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-zero-offload", dest="zero_offload", action="store_false",
                    help="(default) baseline: DDP + Adam on the device (16 bytes/param)")
     g.add_argument("--dpu", action="store_true", help="delayed parameter update")
+    g.add_argument("--dpu-weight-prediction", action="store_true",
+                   help="with --dpu: the device copy extrapolated by the last update (+4 host bytes/param/DP)")
     g.add_argument("--recompute-activations", action="store_true", help="Megatron's shorthand for --recompute-granularity selective")
     g.add_argument("--recompute-granularity", choices=["full", "selective"])
     g.add_argument("--recompute-method", choices=["uniform", "block"],

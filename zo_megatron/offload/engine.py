@@ -91,7 +91,8 @@ class ZeroOffloadEngine:
                  pin_memory: bool = True, grad_reduce_in_fp32: bool | None = None,
                  host_grad_dtype: str | None = None, accumulate_on_host: bool = False,
                  dpu_warmup_steps: int | None = None, race_check: bool = False,
-                 optimizer_offload_fraction: float = 1.0, tp_group=None, overlap_cpu_step: bool = False):
+                 optimizer_offload_fraction: float = 1.0, tp_group=None, overlap_cpu_step: bool = False,
+                 dpu_weight_prediction: bool = False):
         if precision not in _DTYPES:
             raise ConfigError(f"precision must be bf16, fp16 or fp32 (got {precision!r})")
         self.model = model
@@ -120,6 +121,9 @@ class ZeroOffloadEngine:
         if dpu_warmup_steps is not None and dpu_warmup_steps < 1:
             raise ConfigError(f"DPU warm-up must be >= 1 step (got {dpu_warmup_steps})")
         self.dpu_warmup_steps = dpu_warmup_steps
+        if dpu_weight_prediction and dpu_warmup_steps is None:
+            raise ConfigError("--dpu-weight-prediction extrapolates the delayed update's parameters: add --dpu")
+        self.dpu_weight_prediction = bool(dpu_weight_prediction)
         if overlap_cpu_step and dpu_warmup_steps is not None:
             raise ConfigError("--overlap-cpu-step cannot be combined with --dpu (DPU already takes the CPU step "
                               "off the critical path, one update late): use one or the other")
@@ -160,7 +164,7 @@ class ZeroOffloadEngine:
         self._norm_segments = [(a, e, c) for a, e, _, c in self._host_segments]
         self.step_count = 0
         if dpu_warmup_steps:
-            self.schedule = DelayedSchedule(dpu_warmup_steps)
+            self.schedule = DelayedSchedule(dpu_warmup_steps, self._prev_master)
         elif self.overlap_cpu_step:
             self.schedule = SpeculativeSchedule(self)
         else:
@@ -232,6 +236,8 @@ class ZeroOffloadEngine:
         self._accs = [torch.zeros(cut, dtype=torch.float32) for _ in range(sets)] \
             if self.accumulate_on_host else [None] * sets
         self._cur = 0                                   # the landing set of the current step
+        # --dpu-weight-prediction: the master before the update in flight (schedules.DelayedSchedule)
+        self._prev_master = torch.empty(cut, dtype=torch.float32) if self.dpu_weight_prediction else None
         n_buffers = min(2, len(L.buckets))
         self._grad_buffers = [self.dev.device_empty(L.max_bucket_numel, self.reduce_dtype) for _ in range(n_buffers)]
         # On CUDA, fp32-reduced shards bound for 16-bit host gradients are narrowed on the device
@@ -255,6 +261,7 @@ class ZeroOffloadEngine:
                                       + (0 if separate_out else nbytes(self._params[0])))
         acc.host_accumulator_bytes = nbytes(self._accs[0])
         acc.host_dpu_pending_bytes = sum(nbytes(g) + nbytes(a) for g, a in zip(self._grads[1:], self._accs[1:]))
+        acc.host_dpu_prediction_bytes = nbytes(self._prev_master)
         self.accounting = acc
 
     def _state_pieces(self, host: int, n: int):

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import torch
 
@@ -120,13 +121,33 @@ class DelayedSchedule(SynchronousSchedule):
 
     name = "delayed"
 
-    def __init__(self, warmup_steps: int):
+    def __init__(self, warmup_steps: int, prev_master: torch.Tensor | None = None):
         self.warmup_steps = warmup_steps
         self.worker = ThreadPoolExecutor(1, thread_name_prefix=WORKER_PREFIX)
         self.pending = None                # (future, landing set, StepResult) of the update in flight
+        # --dpu-weight-prediction: the master before the update in flight (w_{t-1}); the device
+        # then gets w_t + (w_t - w_{t-1}) instead of w_t (see _predicted_update).
+        self.prev_master = prev_master
+
+    def _predicted_update(self, engine, k: int, grad, step: int, lr: float, grad_scale: float) -> None:
+        """Worker: the CPU Adam of g_t, then the device copy extrapolated by this update.
+
+        Forward/backward of step t+2 run on what the device gets at step t+1, while the update of
+        g_{t+2} is applied to w_{t+1}: the device copy is one update behind. With Adam's momentum
+        consecutive updates are close (u_{t+1} ~ u_t), so w_t + u_t estimates w_{t+1} (weight
+        prediction: PipeMare, SpecTrain). The master and the moments stay exact Adam; only the copy
+        the gradients are computed on moves.
+        """
+        prev = self.prev_master
+        prev.copy_(engine.master)
+        engine._cpu_update(k, grad, step, lr, grad_scale)
+        out = engine._params[k]
+        torch.sub(engine.master, prev, out=prev)           # prev <- u_t = w_t - w_{t-1}
+        prev.add_(engine.master)                           # prev <- w_t + u_t (the whole partition:
+        out.copy_(prev)                                    # DPU refuses partial offload)
 
     def step(self, engine, found_inf: bool, grad_norm: float, scale: float, lr: float) -> StepResult:
-        self.flush(engine)                               # the update of g_{t-1}, if one is in flight
+        self.flush(engine, predicted=True)               # the update of g_{t-1}, if one is in flight
         if engine.step_count + 1 < self.warmup_steps or found_inf:
             return super().step(engine, found_inf, grad_norm, scale, lr)
         clip_coef = engine._clip_coef(grad_norm)
@@ -134,11 +155,15 @@ class DelayedSchedule(SynchronousSchedule):
         result = StepResult(False, grad_norm, clip_coef, scale)
         k = engine._cur
         update = (k, engine._update_grad(), engine.step_count, lr, clip_coef / scale)
-        self.pending = (self.worker.submit(engine._cpu_update, *update), k, result)
+        kernel = engine._cpu_update if self.prev_master is None else partial(self._predicted_update, engine)
+        self.pending = (self.worker.submit(kernel, *update), k, result)
         engine._cur = 1 - k                              # step t+1's gradients land in the other set
         return result
 
-    def flush(self, engine) -> StepResult | None:
+    def flush(self, engine, predicted: bool = False) -> StepResult | None:
+        """Join the update in flight and return its parameters to the device: the predicted copy
+        when step() joins (predicted=True), the exact master when evaluation, a checkpoint or the
+        end of training asks (so they see, and a resume restarts from, exactly the master)."""
         if self.pending is None:
             return None
         future, k, result = self.pending
@@ -146,6 +171,8 @@ class DelayedSchedule(SynchronousSchedule):
         t0 = time.monotonic()
         future.result()
         engine._phases.append(("cpu_step_wait", t0, time.monotonic()))
+        if self.prev_master is not None and not predicted:
+            engine._params[k].copy_(engine.master)
         engine._params_to_device(k)
         if engine._params[0] is engine._params[-1] and len(engine._params) > 1:
             # One 16-bit output buffer shared by both sets: the next update may overwrite it only

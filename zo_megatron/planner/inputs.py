@@ -46,6 +46,7 @@ class PlanInput:
     precision: str = "bf16"  # "bf16" | "fp16" | "fp32"
     zero_offload: bool = True
     dpu: bool = False
+    dpu_weight_prediction: bool = False  # --dpu-weight-prediction: + the fp32 master before the update
     recompute: bool | str | None = False  # False/None, True/"full", "selective"
     recompute_method: str = "uniform"  # full only: "uniform" (checkpoints of N layers) | "block" (first N layers)
     recompute_num_layers: int = 1  # full only: N
@@ -196,6 +197,8 @@ class PlanInput:
             raise ValueError("host_grad_fp32 needs grad_reduce_fp32")
         if self.dpu and not self.zero_offload:
             raise ValueError("dpu (delayed parameter update) requires zero_offload")
+        if self.dpu_weight_prediction and not self.dpu:
+            raise ValueError("dpu_weight_prediction requires dpu")
         if not 0.0 <= self.optimizer_offload_fraction <= 1.0:
             raise ValueError(f"optimizer_offload_fraction must be in [0, 1], got {self.optimizer_offload_fraction}")
         for name in ("gpu_memory_bytes", "host_memory_bytes_per_node"):
@@ -267,7 +270,8 @@ def plan_input_from_flags(flags: Any, *, data_parallel: int, vocab_size: int, **
         ffn_hidden_size=flags.ffn_hidden_size, vocab_size=vocab_size, seq_length=flags.seq_length,
         max_position_embeddings=flags.max_position_embeddings or flags.seq_length, tensor_parallel=flags.tensor_parallel,
         data_parallel=data_parallel, micro_batch_size=mb, grad_accum_steps=accum, precision=precision,
-        zero_offload=flags.zero_offload, dpu=bool(getattr(flags, "dpu", False)), recompute=recompute,
+        zero_offload=flags.zero_offload, dpu=bool(getattr(flags, "dpu", False)),
+        dpu_weight_prediction=bool(getattr(flags, "dpu_weight_prediction", False)), recompute=recompute,
         recompute_method=getattr(flags, "recompute_method", None) or "uniform",
         recompute_num_layers=getattr(flags, "recompute_num_layers", None) or 1,
         bucket_size=flags.bucket_size, make_vocab_size_divisible_by=flags.make_vocab_size_divisible_by,

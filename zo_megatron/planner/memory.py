@@ -358,6 +358,8 @@ def _compute(inp: PlanInput) -> Plan:
         if inp.dpu:                       # the second landing set: gradients [+ fp32 accumulator]
             host_gpu["dpu_pending_grad"] = wh * part + (
                 4 * part if inp.grad_accum_steps > 1 and inp.accumulate_on_host else 0)
+        if inp.dpu_weight_prediction:     # the fp32 master before the update in flight
+            host_gpu["dpu_weight_prediction"] = 4 * part
     else:
         dev[p16] = w * psi
         dev["grads_fp32" if w == 4 else "grads_16bit"] = w * psi

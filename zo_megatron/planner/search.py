@@ -79,7 +79,8 @@ def _suggest(base: Plan) -> list[str]:
             add(f"keep Adam moments in bf16 on the host (`{BF16_STATES_FLAGS}`)",
                 inp.replace(bf16_optimizer_states=True))
         if inp.dpu:
-            add("turn off DPU: drop --dpu (no pending-gradient buffer)", inp.replace(dpu=False))
+            add("turn off DPU: drop --dpu (no pending-gradient buffer)",
+                inp.replace(dpu=False, dpu_weight_prediction=False))
         if inp.gpus_per_node is not None:
             dp = inp.data_parallel * 2
             for _ in range(8):

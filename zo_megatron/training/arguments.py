@@ -125,6 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "of step t runs while the device computes step t+1 on parameters one update behind")
     g.add_argument("--dpu-warmup-steps", type=int, default=40,
                    help="exact (non-delayed) updates before DPU starts (default: 40, the paper's choice)")
+    g.add_argument("--dpu-weight-prediction", action="store_true",
+                   help="with --dpu: the device gets the delayed update's parameters extrapolated by that "
+                        "update (w_t + (w_t - w_{t-1}), weight prediction) so its forward/backward run near the "
+                        "parameters the next update is applied to; the master stays exact Adam "
+                        "(docs/dpu.md: measured convergence; +4 host bytes/param/DP)")
     g.add_argument("--dpu-adam-threads", type=int, default=None,
                    help="with --dpu: CPU Adam threads while it overlaps forward/backward (default: all but one "
                         "of --cpu-adam-threads on a GPU, the one left launches the device's kernels; half of them "
@@ -474,6 +479,8 @@ def finalize(args: argparse.Namespace) -> None:
         raise ConfigError("--dpu delays the CPU optimizer's update: add --zero-offload")
     if args.overlap_cpu_step and not args.zero_offload:
         raise ConfigError("--overlap-cpu-step overlaps the CPU optimizer with backward: add --zero-offload")
+    if args.dpu_weight_prediction and not args.dpu:
+        raise ConfigError("--dpu-weight-prediction extrapolates the delayed update's parameters: add --dpu")
     if args.overlap_cpu_step and args.dpu:
         raise ConfigError("--overlap-cpu-step cannot be combined with --dpu (DPU already takes the CPU step off "
                           "the critical path, one update late): use one or the other")

@@ -50,7 +50,7 @@ def memory_check(args, env, dp: int, vocab_size: int) -> None:
     inp = job_plan_input(args, env, dp, vocab_size)
     overlap = args.overlap_cpu_step if args.overlap_cpu_step is not None else bool(
         args.zero_offload and not args.dpu and torch.cuda.is_available())   # _set_threads' default
-    inp = inp.replace(dpu=args.dpu, overlap_cpu_step=overlap, optimizer_offload_fraction=1.0 if args.optimizer_offload_fraction == "auto"
+    inp = inp.replace(dpu=args.dpu, dpu_weight_prediction=args.dpu_weight_prediction, overlap_cpu_step=overlap, optimizer_offload_fraction=1.0 if args.optimizer_offload_fraction == "auto"
                       else args.optimizer_offload_fraction)
     if args.optimizer_offload_fraction == "auto":
         from zo_megatron.planner import solve_offload_fraction
@@ -228,6 +228,7 @@ def _build_optimizer(args, model, ps):
                                  host_grad_dtype=args.main_grads_dtype,
                                  accumulate_on_host=args.accumulate_grads_on_host and args.grad_accum_steps > 1,
                                  dpu_warmup_steps=args.dpu_warmup_steps if args.dpu else None,
+                                 dpu_weight_prediction=args.dpu_weight_prediction,
                                  optimizer_offload_fraction=args.optimizer_offload_fraction,
                                  overlap_cpu_step=args.overlap_cpu_step, **common)
     return PlainDDPOptimizer(model.to(ps.device), **common)
@@ -629,8 +630,10 @@ def _banner(metrics, args, ps, cfg, optimizer, data_path, setup_s) -> None:
         + (f"; optimizer {args.optimizer_offload_fraction:.0%} on the host, the rest on the device"
            if args.zero_offload and args.optimizer_offload_fraction < 1 else "")
         + (f"; {args.offload_fraction_reason}" if getattr(args, "offload_fraction_reason", None) else "")
-        + (f"; delayed parameter update after {args.dpu_warmup_steps} exact updates "
-           f"({args.threads_line} per rank)" if args.dpu else "")
+        + (f"; delayed parameter update after {args.dpu_warmup_steps} exact updates"
+           + (", device copy extrapolated by the last update (--dpu-weight-prediction)"
+              if args.dpu_weight_prediction else "")
+           + f" ({args.threads_line} per rank)" if args.dpu else "")
         + ((f"; CPU step overlapped with backward (--overlap-cpu-step: speculated per bucket, exact; "
             f"{args.threads_line} per rank)" if args.overlap_cpu_step else "; CPU step overlap off")
            if args.zero_offload and not args.dpu else ""),
