@@ -23,6 +23,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -86,6 +87,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tensor-parallel", type=int, default=2)
     ap.add_argument("--out-dir", default="docs/img")
     ap.add_argument("--tolerance", type=float, default=0.02, help="relative final validation-loss gap allowed")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="runs at once (they are independent: same seed, same batches); each uses --nproc "
+                         "processes, so use it where the machine has cores to spare")
     ap.add_argument("--mitigation", action="append", choices=[*MITIGATIONS, "none"],
                     help="a --dpu staleness mitigation to run as well (repeatable; default: all of them)")
     args = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
@@ -95,10 +99,11 @@ def main(argv=None) -> int:
               "--eval-interval", str(args.eval_interval), *extra]
     timeline = os.path.join(args.out_dir, "dpu_timeline")
     dpu_flags = ["--dpu", "--dpu-warmup-steps", str(args.dpu_warmup_steps)]
-    runs = {"exact": _run("exact", common, args.nproc, args.out_dir),
-            "dpu": _run("dpu", [*common, *dpu_flags, "--timeline", timeline], args.nproc, args.out_dir)}
-    for m in mitigations:
-        runs[f"dpu+{m}"] = _run(f"dpu+{m}", [*common, *dpu_flags, *MITIGATIONS[m]], args.nproc, args.out_dir)
+    plans = {"exact": common, "dpu": [*common, *dpu_flags, "--timeline", timeline],
+             **{f"dpu+{m}": [*common, *dpu_flags, *MITIGATIONS[m]] for m in mitigations}}
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        futures = {name: pool.submit(_run, name, flags, args.nproc, args.out_dir) for name, flags in plans.items()}
+        runs = {name: f.result() for name, f in futures.items()}
     exact, dpu = runs["exact"]["val"][-1][1], runs["dpu"]["val"][-1][1]
     gap = (dpu - exact) / exact             # signed: > 0 when the delayed run ends behind
     rows = {name: {"final_val_loss": r["val"][-1][1], "relative_gap": (r["val"][-1][1] - exact) / exact}
