@@ -129,3 +129,39 @@ def test_the_race_check_covers_both_state_sets(target):
         name = "old exp_avg" if target == "kept" else "exp_avg"
         with pytest.raises(RuntimeError, match=f"overlap race: the {name} of a speculated segment"):
             engine.step()
+
+
+def test_buckets_the_worker_has_not_started_run_on_the_main_thread_at_the_join(monkeypatch):
+    """A worker that cannot keep up (here: busy with something else for the whole backward) does not
+    make step() wait for it: the join takes the buckets it has not started back and runs them on the
+    main thread, in order; the result is the synchronous engine's, bit for bit."""
+    import threading
+
+    from zo_megatron.offload import cpu_adam
+
+    real, threads = cpu_adam.adam_step_segments, []
+
+    def kernel(*a, **kw):
+        threads.append(threading.current_thread().name)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(cpu_adam, "adam_step_segments", kernel)
+    seed = fresh_seed("overlap join takes queued buckets back")
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(seed))
+    results = []
+    for overlap in (False, True):
+        model, engine = _engine(overlap, init_seed=seed % 1000)
+        with engine:
+            busy = threading.Event()
+            if overlap:
+                engine.schedule.worker.submit(busy.wait, 60)     # the worker is held for the whole backward
+            threads.clear()
+            _backward(model, engine, x)
+            res = engine.step()
+            busy.set()
+            results.append((res, engine.flat.clone(), _state(engine), list(threads)))
+    (sync, sync_flat, sync_state, _), (over, over_flat, over_state, over_threads) = results
+    assert over.speculated_buckets >= 3 and over.rolled_back_buckets == 0
+    assert over_threads and all(t == threading.current_thread().name for t in over_threads), over_threads
+    assert torch.equal(sync_flat, over_flat)
+    assert all(torch.equal(a, b) for a, b in zip(sync_state, over_state))

@@ -205,7 +205,8 @@ class SpeculativeSchedule(SynchronousSchedule):
         self._reset()
 
     def _reset(self) -> None:
-        self.futures: list = []
+        self.futures: list = []             # the worker's tasks, one per bucket, in order ...
+        self._queued: list = []             # ... and their arguments (before_norm may take some back)
         self.active = False                 # a speculating backward is under way (last micro-batch)
         self.args = None                    # (step, lr, grad_scale, first micro-batch) speculated
         self.done: list[int] = []           # indices of engine._host_segments updated speculatively
@@ -242,6 +243,7 @@ class SpeculativeSchedule(SynchronousSchedule):
         """Main thread, right after bucket's copy home was queued: hand its CPU Adam to the worker."""
         if self.active:
             self.futures.append(self.worker.submit(self._speculate, engine, bucket, handle))
+            self._queued.append((bucket, handle))
 
     @torch.no_grad()
     def _speculate(self, engine, bucket, handle) -> None:
@@ -279,14 +281,28 @@ class SpeculativeSchedule(SynchronousSchedule):
         engine._phases.append(("cpu_step_speculated", t0, time.monotonic()))
 
     def before_norm(self, engine) -> None:
-        """Join the speculated kernels (an error is raised here) and run the race check."""
+        """Join the speculated kernels (an error is raised here) and run the race check.
+
+        The buckets the worker has not started yet are taken back and run here, in order, after
+        the one it is running: the main thread would only wait for them, and where the CPU is
+        shared (the worker's every wake-up may wait for a time slice) the worker can be many
+        buckets behind. Cancelled from the last one back, so the taken ones are a suffix of the
+        queue (the worker takes tasks in order): the same calls in the same order, exact."""
         if not self.futures:
             return
         t0 = time.monotonic()
-        futures, self.futures = self.futures, []
+        futures, self.futures, queued, self._queued = self.futures, [], self._queued, []
+        taken = []
+        for f, args in zip(reversed(futures), reversed(queued)):
+            if not f.cancel():              # running or done: so is every task before it
+                break
+            taken.append(args)
         try:
             for f in futures:
-                f.result()
+                if not f.cancelled():
+                    f.result()
+            for args in reversed(taken):
+                self._speculate(engine, *args)
         finally:
             engine._phases.append(("cpu_step_wait", t0, time.monotonic()))
         for name, lo, view, snap in self._race:
