@@ -25,7 +25,10 @@
 //
 // Aliasing contract: `out16` may be exactly the same buffer as a 16-bit `grad` (the engine reuses
 // one pinned host buffer). Every code path loads grad[i] before it stores out16[i] and touches
-// only element i for both, so the alias is safe. Other overlaps are rejected by the wrapper.
+// only element i for both, so the alias is safe. Out of place (param_out / exp_avg_out /
+// exp_avg_sq_out given), element i's new state goes to the out buffers and the inputs are only
+// read; each out buffer is either its input (in place) or apart from every other buffer. Other
+// overlaps are rejected by the wrapper.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -175,32 +178,46 @@ Hyper make_hyper(long long step, double lr, double beta1, double beta2, double e
 }
 
 // One element; shared by the scalar path and the AVX2 tail.
+// The state streams: read from (p, m, v), the new values written to (pw, mw, vw). In place, the
+// write pointers are the read pointers (the default); out of place they are other buffers of the
+// same size and type (--overlap-cpu-step's alternate state). Same arithmetic either way: only the
+// store addresses differ, so both give the same bits.
+template <class ST>
+struct State {
+  const float* p;
+  const ST* m;
+  const ST* v;
+  float* pw;
+  ST* mw;
+  ST* vw;
+  State at(size_t s) const { return {p + s, m + s, v + s, pw + s, mw + s, vw + s}; }
+};
+
 template <bool L2, class GT, class ST, class OT>
-inline void adam_elem(const Hyper& h, float* p, const GT* g, ST* m, ST* v, OT* o, size_t i) {
+inline void adam_elem(const Hyper& h, const State<ST>& st, const GT* g, OT* o, size_t i) {
   float gi = sload(g, i) * h.gscale;
-  float pi = p[i];
+  float pi = st.p[i];
   if (L2) gi = gi + h.wd_l2 * pi;
-  const float mi = h.b1 * sload(m, i) + h.omb1 * gi;
-  const float vi = h.b2 * sload(v, i) + (h.omb2 * gi) * gi;
+  const float mi = h.b1 * sload(st.m, i) + h.omb1 * gi;
+  const float vi = h.b2 * sload(st.v, i) + (h.omb2 * gi) * gi;
   const float denom = std::sqrt(vi) * h.inv_sqrt_bc2 + h.eps;
   pi = pi * h.decay - h.step_size * (mi / denom);
-  p[i] = pi;
-  sstore(m, i, mi);
-  sstore(v, i, vi);
+  st.pw[i] = pi;
+  sstore(st.mw, i, mi);
+  sstore(st.vw, i, vi);
   if constexpr (!std::is_same<OT, no_out_t>::value) sstore(o, i, pi);
 }
 
 template <bool L2, class GT, class ST, class OT>
-void adam_range_scalar(const Hyper& h, float* p, const GT* g, ST* m, ST* v, OT* o, size_t b,
-                       size_t e) {
+void adam_range_scalar(const Hyper& h, const State<ST>& st, const GT* g, OT* o, size_t b, size_t e) {
   size_t i = b;
   for (; i + 4 <= e; i += 4) {
-    adam_elem<L2>(h, p, g, m, v, o, i);
-    adam_elem<L2>(h, p, g, m, v, o, i + 1);
-    adam_elem<L2>(h, p, g, m, v, o, i + 2);
-    adam_elem<L2>(h, p, g, m, v, o, i + 3);
+    adam_elem<L2>(h, st, g, o, i);
+    adam_elem<L2>(h, st, g, o, i + 1);
+    adam_elem<L2>(h, st, g, o, i + 2);
+    adam_elem<L2>(h, st, g, o, i + 3);
   }
-  for (; i < e; ++i) adam_elem<L2>(h, p, g, m, v, o, i);
+  for (; i < e; ++i) adam_elem<L2>(h, st, g, o, i);
 }
 
 // ------------------------------------------------------------------------------------------
@@ -236,23 +253,22 @@ struct H8 {
 };
 
 template <bool L2, class GT, class ST, class OT>
-ZO_AVX2_INLINE void adam8(const H8& h, float* p, const GT* g, ST* m, ST* v, OT* o, size_t i) {
+ZO_AVX2_INLINE void adam8(const H8& h, const State<ST>& st, const GT* g, OT* o, size_t i) {
   __m256 gi = _mm256_mul_ps(v8_load(g + i), h.gs);  // grad read first (may alias o)
-  __m256 pi = _mm256_loadu_ps(p + i);
+  __m256 pi = _mm256_loadu_ps(st.p + i);
   if (L2) gi = _mm256_fmadd_ps(pi, h.wd, gi);
-  const __m256 mi = _mm256_fmadd_ps(h.b1, v8_load(m + i), _mm256_mul_ps(h.omb1, gi));
-  const __m256 vi = _mm256_fmadd_ps(h.b2, v8_load(v + i), _mm256_mul_ps(_mm256_mul_ps(h.omb2, gi), gi));
+  const __m256 mi = _mm256_fmadd_ps(h.b1, v8_load(st.m + i), _mm256_mul_ps(h.omb1, gi));
+  const __m256 vi = _mm256_fmadd_ps(h.b2, v8_load(st.v + i), _mm256_mul_ps(_mm256_mul_ps(h.omb2, gi), gi));
   const __m256 denom = _mm256_fmadd_ps(_mm256_sqrt_ps(vi), h.isb2, h.eps);
   pi = _mm256_fnmadd_ps(h.ss, _mm256_div_ps(mi, denom), _mm256_mul_ps(pi, h.decay));
-  _mm256_storeu_ps(p + i, pi);
-  v8_store(m + i, mi);
-  v8_store(v + i, vi);
+  _mm256_storeu_ps(st.pw + i, pi);
+  v8_store(st.mw + i, mi);
+  v8_store(st.vw + i, vi);
   if constexpr (!std::is_same<OT, no_out_t>::value) v8_store(o + i, pi);
 }
 
 template <bool L2, class GT, class ST, class OT>
-ZO_AVX2 void adam_range_avx2(const Hyper& hs, float* p, const GT* g, ST* m, ST* v, OT* o,
-                             size_t b, size_t e) {
+ZO_AVX2 void adam_range_avx2(const Hyper& hs, const State<ST>& st, const GT* g, OT* o, size_t b, size_t e) {
   H8 h;
   h.b1 = _mm256_set1_ps(hs.b1); h.omb1 = _mm256_set1_ps(hs.omb1);
   h.b2 = _mm256_set1_ps(hs.b2); h.omb2 = _mm256_set1_ps(hs.omb2);
@@ -262,14 +278,14 @@ ZO_AVX2 void adam_range_avx2(const Hyper& hs, float* p, const GT* g, ST* m, ST* 
   size_t i = b;
   const size_t pf = g_prefetch;
   for (; i + 32 <= e; i += 32) {
-    if (pf && (i & 63) == 0 && i + pf + 64 <= e) prefetch64(p, g, m, v, i + pf);
-    adam8<L2>(h, p, g, m, v, o, i);
-    adam8<L2>(h, p, g, m, v, o, i + 8);
-    adam8<L2>(h, p, g, m, v, o, i + 16);
-    adam8<L2>(h, p, g, m, v, o, i + 24);
+    if (pf && (i & 63) == 0 && i + pf + 64 <= e) prefetch64(st.p, g, st.m, st.v, i + pf);
+    adam8<L2>(h, st, g, o, i);
+    adam8<L2>(h, st, g, o, i + 8);
+    adam8<L2>(h, st, g, o, i + 16);
+    adam8<L2>(h, st, g, o, i + 24);
   }
-  for (; i + 8 <= e; i += 8) adam8<L2>(h, p, g, m, v, o, i);
-  for (; i < e; ++i) adam_elem<L2>(hs, p, g, m, v, o, i);
+  for (; i + 8 <= e; i += 8) adam8<L2>(h, st, g, o, i);
+  for (; i < e; ++i) adam_elem<L2>(hs, st, g, o, i);
 }
 
 // ------------------------------------------------------------------------------------------
@@ -427,14 +443,14 @@ void parallel_plan(const SegPlan& s, F&& f) {
 // Adam entry points.
 // ------------------------------------------------------------------------------------------
 template <bool L2, class GT, class ST, class OT>
-inline void adam_range_isa(const Hyper& h, float* p, const GT* g, ST* m, ST* v, OT* o, size_t b,
-                           size_t e, int isa) {
+inline void adam_range_isa(const Hyper& h, const State<ST>& st, const GT* g, OT* o, size_t b, size_t e,
+                           int isa) {
   if (isa == kAvx512) {
-    if (g_hw_bf16) k512bf::adam_range<L2>(h, p, g, m, v, o, b, e);
-    else k512::adam_range<L2>(h, p, g, m, v, o, b, e);
+    if (g_hw_bf16) k512bf::adam_range<L2>(h, st, g, o, b, e);
+    else k512::adam_range<L2>(h, st, g, o, b, e);
   }
-  else if (isa == kAvx2) adam_range_avx2<L2>(h, p, g, m, v, o, b, e);
-  else adam_range_scalar<L2>(h, p, g, m, v, o, b, e);
+  else if (isa == kAvx2) adam_range_avx2<L2>(h, st, g, o, b, e);
+  else adam_range_scalar<L2>(h, st, g, o, b, e);
 }
 
 // Calls f with the typed pointers the dtype codes name: f(g) / f(m, v) / f(o), o a null
@@ -462,31 +478,44 @@ void dispatch_out(uintptr_t o, int od, F&& f) {
   else throw std::invalid_argument("param16_out dtype must be bf16 or fp16");
 }
 
-// f(g, m, v, o), typed.
+// The state pointers, typed: written where an out pointer is given (nonzero), else in place.
+struct StatePtrs {
+  uintptr_t p, m, v, pw, mw, vw;
+};
+
+inline StatePtrs state_ptrs(uintptr_t p, uintptr_t m, uintptr_t v, uintptr_t pw, uintptr_t mw, uintptr_t vw) {
+  return {p, m, v, pw ? pw : p, mw ? mw : m, vw ? vw : v};
+}
+
+// f(g, state, o), typed.
 template <class F>
-void dispatch_types(uintptr_t g, int gd, uintptr_t m, uintptr_t v, int sd, uintptr_t o, int od, F&& f) {
+void dispatch_types(uintptr_t g, int gd, const StatePtrs& s, int sd, uintptr_t o, int od, F&& f) {
   dispatch_grad(g, gd, [&](auto* gp) {
-    dispatch_state(m, v, sd, [&](auto* mp, auto* vp) {
-      dispatch_out(o, od, [&](auto* op) { f(gp, mp, vp, op); });
+    dispatch_state(s.m, s.v, sd, [&](auto* mp, auto* vp) {
+      using ST = std::remove_pointer_t<decltype(mp)>;
+      const State<ST> st{reinterpret_cast<const float*>(s.p), mp, vp, reinterpret_cast<float*>(s.pw),
+                         reinterpret_cast<ST*>(s.mw), reinterpret_cast<ST*>(s.vw)};
+      dispatch_out(o, od, [&](auto* op) { f(gp, st, op); });
     });
   });
 }
 
 void adam_step(uintptr_t p, uintptr_t g, int gd, uintptr_t m, uintptr_t v, int sd, uintptr_t o,
                int od, size_t n, long long step, double lr, double beta1, double beta2, double eps,
-               double wd, bool adamw, bool bias_correction, double grad_scale) {
+               double wd, bool adamw, bool bias_correction, double grad_scale, uintptr_t pw,
+               uintptr_t mw, uintptr_t vw) {
   if (n == 0) return;
   if (!p || !g || !m || !v) throw std::invalid_argument("null data pointer");
   if (step < 1) throw std::invalid_argument("step must be >= 1 (1-based)");
   const Hyper h = make_hyper(step, lr, beta1, beta2, eps, wd, adamw, bias_correction, grad_scale);
   const bool l2 = !adamw && wd != 0.0;
   const int isa = g_isa;
-  float* pp = reinterpret_cast<float*>(p);
+  const StatePtrs sp = state_ptrs(p, m, v, pw, mw, vw);
   py::gil_scoped_release nogil;
-  dispatch_types(g, gd, m, v, sd, o, od, [&](auto* gp, auto* mp, auto* vp, auto* op) {
+  dispatch_types(g, gd, sp, sd, o, od, [&](auto* gp, const auto& st, auto* op) {
     parallel_chunks(n, [&](size_t b, size_t e, int) {
-      if (l2) adam_range_isa<true>(h, pp, gp, mp, vp, op, b, e, isa);
-      else adam_range_isa<false>(h, pp, gp, mp, vp, op, b, e, isa);
+      if (l2) adam_range_isa<true>(h, st, gp, op, b, e, isa);
+      else adam_range_isa<false>(h, st, gp, op, b, e, isa);
     });
   });
 }
@@ -496,7 +525,8 @@ void adam_step(uintptr_t p, uintptr_t g, int gd, uintptr_t m, uintptr_t v, int s
 void adam_step_segments(uintptr_t p, uintptr_t g, int gd, uintptr_t m, uintptr_t v, int sd, uintptr_t o,
                         int od, const std::vector<size_t>& seg_start, const std::vector<size_t>& seg_end,
                         const std::vector<double>& seg_wd, long long step, double lr, double beta1,
-                        double beta2, double eps, bool adamw, bool bias_correction, double grad_scale) {
+                        double beta2, double eps, bool adamw, bool bias_correction, double grad_scale,
+                        uintptr_t pw, uintptr_t mw, uintptr_t vw) {
   if (seg_end.size() != seg_start.size() || seg_wd.size() != seg_start.size())
     throw std::invalid_argument("seg_start, seg_end and seg_wd must have the same length");
   if (seg_start.empty()) return;
@@ -512,17 +542,17 @@ void adam_step_segments(uintptr_t p, uintptr_t g, int gd, uintptr_t m, uintptr_t
     l2.push_back(!adamw && wd != 0.0);
   }
   const int isa = g_isa;
-  float* pp = reinterpret_cast<float*>(p);
+  const StatePtrs sp = state_ptrs(p, m, v, pw, mw, vw);
   py::gil_scoped_release nogil;
-  dispatch_types(g, gd, m, v, sd, o, od, [&](auto* gp, auto* mp, auto* vp, auto* op) {
+  dispatch_types(g, gd, sp, sd, o, od, [&](auto* gp, const auto& st, auto* op) {
     parallel_plan(plan, [&](size_t k) {
       for_pieces(plan, k, [&](size_t j, size_t b, size_t e) {
         // Pointers at the segment's start, indices from it: exactly the call adam_step gets for
         // a slice (also the AVX2 prefetch cadence, which counts from the range's origin).
         const size_t s = plan.start[j];
         const auto os = op ? op + s : op;  // no out16: stays null
-        if (l2[j]) adam_range_isa<true>(hyp[j], pp + s, gp + s, mp + s, vp + s, os, b, e, isa);
-        else adam_range_isa<false>(hyp[j], pp + s, gp + s, mp + s, vp + s, os, b, e, isa);
+        if (l2[j]) adam_range_isa<true>(hyp[j], st.at(s), gp + s, os, b, e, isa);
+        else adam_range_isa<false>(hyp[j], st.at(s), gp + s, os, b, e, isa);
       });
     });
   });
@@ -798,15 +828,20 @@ PYBIND11_MODULE(_cpu_adam, mod) {
           py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("state_dtype"), py::arg("out16"),
           py::arg("out_dtype"), py::arg("n"), py::arg("step"), py::arg("lr"), py::arg("beta1"),
           py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("adamw"),
-          py::arg("bias_correction"), py::arg("grad_scale"),
-          "Fused Adam/AdamW step over n elements (integer data pointers; out16=0 for none).");
+          py::arg("bias_correction"), py::arg("grad_scale"), py::arg("param_out") = 0,
+          py::arg("exp_avg_out") = 0, py::arg("exp_avg_sq_out") = 0,
+          "Fused Adam/AdamW step over n elements (integer data pointers; out16=0 for none). "
+          "param_out / exp_avg_out / exp_avg_sq_out: 0 = update in place, else read the old value "
+          "from param / exp_avg / exp_avg_sq and write the new one there (same dtype and size).");
   mod.def("adam_step_segments", &adam_step_segments, py::arg("param"), py::arg("grad"),
           py::arg("grad_dtype"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("state_dtype"),
           py::arg("out16"), py::arg("out_dtype"), py::arg("seg_start"), py::arg("seg_end"),
           py::arg("seg_wd"), py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
           py::arg("eps"), py::arg("adamw"), py::arg("bias_correction"), py::arg("grad_scale"),
+          py::arg("param_out") = 0, py::arg("exp_avg_out") = 0, py::arg("exp_avg_sq_out") = 0,
           "adam_step over the sorted, disjoint segments [seg_start[j], seg_end[j]) of the same "
-          "buffers, weight decay seg_wd[j], in one parallel pass; other elements are not touched.");
+          "buffers, weight decay seg_wd[j], in one parallel pass; other elements are not touched "
+          "(neither in the inputs nor in the out buffers).");
   mod.def("grad_sumsq_and_finite", &grad_sumsq_and_finite, py::arg("grad"), py::arg("grad_dtype"),
           py::arg("n"), "(sum of squares in fp64, all finite) of n elements.");
   mod.def("grad_sumsq_and_finite_segments", &grad_sumsq_and_finite_segments, py::arg("grad"),

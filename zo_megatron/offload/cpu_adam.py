@@ -14,6 +14,12 @@ Semantics are exactly torch.optim.Adam / AdamW (single step, amsgrad=False, maxi
     bc1, bc2 = 1 - beta1**step, 1 - beta2**step   (both 1 when bias_correction=False)
     param = param - (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)
 
+Out of place: with ``param_out`` / ``exp_avg_out`` / ``exp_avg_sq_out`` the old state is only READ
+from ``param`` / ``exp_avg`` / ``exp_avg_sq`` and the new values are written to the out buffers
+(same dtype and size; each one given is apart from every other buffer, or is its input itself,
+which means in place). The arithmetic is the same, so the bits are those of the in-place call:
+--overlap-cpu-step keeps the old state this way (alternate state buffers, docs/overlap.md).
+
 ``adam_step_segments`` / ``grad_sumsq_and_finite_segments`` do the same over a list of disjoint
 ranges of the buffers (each with its own weight decay / norm flag) in ONE kernel call, split over
 the threads by total size: the engine's partition is cut wherever weight decay changes (every bias
@@ -168,6 +174,7 @@ def _check(name: str, t, dtypes, numel: int | None) -> None:
 
 
 def _check_overlaps(named: list[tuple[str, torch.Tensor]], allowed_alias: tuple[str, str]) -> None:
+    """No two buffers overlap, except the pair `allowed_alias` when it is exactly one buffer."""
     spans = []
     for name, t in named:
         if t.numel():
@@ -186,8 +193,26 @@ def _check_overlaps(named: list[tuple[str, torch.Tensor]], allowed_alias: tuple[
                              "buffer as a 16-bit grad")
 
 
-def _check_adam_args(param, grad, exp_avg, exp_avg_sq, param16_out, step, beta1, beta2) -> tuple[int, int]:
-    """Validates the tensors and hyper-parameters of an Adam step; returns (numel, step)."""
+def _same_buffer(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.numel() == b.numel() and a.dtype == b.dtype
+
+
+def _state_outs(param, exp_avg, exp_avg_sq, outs) -> tuple:
+    """The out-of-place outputs, checked; an out that is its input itself becomes None (in place)."""
+    checked = []
+    for name, src, out in zip(("param_out", "exp_avg_out", "exp_avg_sq_out"), (param, exp_avg, exp_avg_sq), outs):
+        if out is not None:
+            _check(name, out, (src.dtype,), src.numel())
+            if _same_buffer(out, src):
+                out = None
+        checked.append(out)
+    return tuple(checked)
+
+
+def _check_adam_args(param, grad, exp_avg, exp_avg_sq, param16_out, step, beta1, beta2,
+                     outs=(None, None, None)) -> tuple[int, int]:
+    """Validates the tensors and hyper-parameters of an Adam step; returns (numel, step).
+    outs: (param_out, exp_avg_out, exp_avg_sq_out) as returned by _state_outs."""
     _check("param", param, (torch.float32,), None)
     n = param.numel()
     _check("grad", grad, _GRAD_DTYPES, n)
@@ -200,6 +225,7 @@ def _check_adam_args(param, grad, exp_avg, exp_avg_sq, param16_out, step, beta1,
     named = [("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)]
     if param16_out is not None:
         named.append(("param16_out", param16_out))
+    named += [(name, t) for name, t in zip(("param_out", "exp_avg_out", "exp_avg_sq_out"), outs) if t is not None]
     _check_overlaps(named, ("grad", "param16_out"))
     if isinstance(step, bool) or int(step) != step or step < 1:
         raise ValueError(f"step must be a 1-based integer, got {step!r}")
@@ -237,31 +263,40 @@ def _check_segments(segments, n: int, third: str) -> tuple[list[int], list[int],
 # ----------------------------------------------------------------------------------------------
 # Public API
 # ----------------------------------------------------------------------------------------------
+def _ptr(t) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
 def adam_step(param, grad, exp_avg, exp_avg_sq, *, step: int, lr: float, beta1: float, beta2: float,
               eps: float, weight_decay: float = 0.0, adamw: bool = True, bias_correction: bool = True,
-              grad_scale: float = 1.0, param16_out=None) -> None:
+              grad_scale: float = 1.0, param16_out=None, param_out=None, exp_avg_out=None,
+              exp_avg_sq_out=None) -> None:
     """One Adam/AdamW step, in place on ``param``, ``exp_avg``, ``exp_avg_sq`` (and ``param16_out``).
 
     param: fp32 contiguous CPU tensor (1-D expected; any contiguous shape is treated as flat).
     grad: fp32/bf16/fp16, same numel. exp_avg/exp_avg_sq: both fp32 or both bf16.
     param16_out: None or a bf16/fp16 tensor of the same numel; it may be the same tensor as grad.
+    param_out / exp_avg_out / exp_avg_sq_out: None (in place) or a tensor of its input's dtype and
+    numel, apart from every other buffer: the new value goes there and the input is only read
+    (bit-identical to the in-place step).
     step: 1-based step count of this update. Bad inputs raise ValueError naming the tensor.
     """
-    n, step = _check_adam_args(param, grad, exp_avg, exp_avg_sq, param16_out, step, beta1, beta2)
+    outs = _state_outs(param, exp_avg, exp_avg_sq, (param_out, exp_avg_out, exp_avg_sq_out))
+    n, step = _check_adam_args(param, grad, exp_avg, exp_avg_sq, param16_out, step, beta1, beta2, outs)
     if n == 0:
         return
     if _use_fallback or _ext is None:
         _warn_fallback_once()
         _torch_adam_step(param, grad, exp_avg, exp_avg_sq, step, float(lr), float(beta1), float(beta2),
                          float(eps), float(weight_decay), bool(adamw), bool(bias_correction),
-                         float(grad_scale), param16_out)
+                         float(grad_scale), param16_out, outs)
         return
     _ext.adam_step(param.data_ptr(), grad.data_ptr(), _DTYPE_CODE[grad.dtype],
                    exp_avg.data_ptr(), exp_avg_sq.data_ptr(), _DTYPE_CODE[exp_avg.dtype],
                    0 if param16_out is None else param16_out.data_ptr(),
                    _NONE_CODE if param16_out is None else _DTYPE_CODE[param16_out.dtype],
                    n, step, float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
-                   bool(adamw), bool(bias_correction), float(grad_scale))
+                   bool(adamw), bool(bias_correction), float(grad_scale), *map(_ptr, outs))
 
 
 def grad_sumsq_and_finite(grad) -> tuple[float, bool]:
@@ -280,15 +315,19 @@ def grad_sumsq_and_finite(grad) -> tuple[float, bool]:
 
 def adam_step_segments(param, grad, exp_avg, exp_avg_sq, segments, *, step: int, lr: float, beta1: float,
                        beta2: float, eps: float, adamw: bool = True, bias_correction: bool = True,
-                       grad_scale: float = 1.0, param16_out=None) -> None:
+                       grad_scale: float = 1.0, param16_out=None, param_out=None, exp_avg_out=None,
+                       exp_avg_sq_out=None) -> None:
     """``adam_step`` on each segment of the (flat) buffers, in one kernel call.
 
     segments: sequence of (start, end, weight_decay), sorted, disjoint, 0 <= start < end <= numel.
     The result is bit-identical to one ``adam_step`` per segment on the slices [start:end] (same
-    arguments, that segment's weight_decay); elements outside every segment are not touched. The
-    tensors are checked as in ``adam_step``; a bad segment list raises ValueError naming the segment.
+    arguments, that segment's weight_decay); elements outside every segment are not touched (in
+    the inputs nor in the out buffers). The tensors are checked as in ``adam_step`` (out of place
+    with ``param_out`` / ``exp_avg_out`` / ``exp_avg_sq_out``, bit-identical to in place); a bad
+    segment list raises ValueError naming the segment.
     """
-    n, step = _check_adam_args(param, grad, exp_avg, exp_avg_sq, param16_out, step, beta1, beta2)
+    outs = _state_outs(param, exp_avg, exp_avg_sq, (param_out, exp_avg_out, exp_avg_sq_out))
+    n, step = _check_adam_args(param, grad, exp_avg, exp_avg_sq, param16_out, step, beta1, beta2, outs)
     starts, ends, wds = _check_segments(segments, n, "weight_decay")
     if not starts:
         return
@@ -297,17 +336,18 @@ def adam_step_segments(param, grad, exp_avg, exp_avg_sq, segments, *, step: int,
         _warn_fallback_once()
         p, g, m, v = param.view(-1), grad.view(-1), exp_avg.view(-1), exp_avg_sq.view(-1)
         o = None if param16_out is None else param16_out.view(-1)
+        flat_outs = [None if t is None else t.view(-1) for t in outs]
         for a, b, wd in zip(starts, ends, wds):
             _torch_adam_step(p[a:b], g[a:b], m[a:b], v[a:b], step, float(lr), float(beta1), float(beta2),
                              float(eps), wd, bool(adamw), bool(bias_correction), float(grad_scale),
-                             None if o is None else o[a:b])
+                             None if o is None else o[a:b], [None if t is None else t[a:b] for t in flat_outs])
         return
     _ext.adam_step_segments(param.data_ptr(), grad.data_ptr(), _DTYPE_CODE[grad.dtype],
                             exp_avg.data_ptr(), exp_avg_sq.data_ptr(), _DTYPE_CODE[exp_avg.dtype],
                             0 if param16_out is None else param16_out.data_ptr(),
                             _NONE_CODE if param16_out is None else _DTYPE_CODE[param16_out.dtype],
                             starts, ends, wds, step, float(lr), float(beta1), float(beta2), float(eps),
-                            bool(adamw), bool(bias_correction), float(grad_scale))
+                            bool(adamw), bool(bias_correction), float(grad_scale), *map(_ptr, outs))
 
 
 def grad_sumsq_and_finite_segments(grad, segments) -> tuple[float, bool]:
@@ -347,9 +387,12 @@ def _torch_sumsq(flat) -> float:
 
 
 def _torch_adam_step(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, wd, adamw,
-                     bias_correction, grad_scale, param16_out) -> None:
-    p_all, g_all = param.view(-1), grad.view(-1)
-    m_all, v_all = exp_avg.view(-1), exp_avg_sq.view(-1)
+                     bias_correction, grad_scale, param16_out, outs=(None, None, None)) -> None:
+    """In place; out of place (`outs`: param_out, exp_avg_out, exp_avg_sq_out, None = in place)
+    each chunk's old state is first copied into the out buffers (exact), then updated there in place."""
+    p_src, g_all = param.view(-1), grad.view(-1)
+    m_src, v_src = exp_avg.view(-1), exp_avg_sq.view(-1)
+    p_all, m_all, v_all = (src if out is None else out.view(-1) for src, out in zip((p_src, m_src, v_src), outs))
     o_all = None if param16_out is None else param16_out.view(-1)
     fp32_states = exp_avg.dtype == torch.float32
     fused = getattr(torch, "_fused_adamw_" if adamw else "_fused_adam_", None) if bias_correction else None
@@ -358,6 +401,9 @@ def _torch_adam_step(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, e
     n = p_all.numel()
     for a in range(0, n, _FALLBACK_CHUNK):
         b = min(n, a + _FALLBACK_CHUNK)
+        for src, dst in ((p_src, p_all), (m_src, m_all), (v_src, v_all)):
+            if dst is not src:
+                dst[a:b].copy_(src[a:b])
         p = p_all[a:b]
         g = g_all[a:b].to(torch.float32).mul(grad_scale)  # always a fresh tensor: grad is never written
         m = m_all[a:b] if fp32_states else m_all[a:b].to(torch.float32)

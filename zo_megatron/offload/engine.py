@@ -256,7 +256,7 @@ class ZeroOffloadEngine:
         nbytes = lambda t: 0 if t is None else t.numel() * t.element_size()   # noqa: E731
         separate_out = self.host_grad_dtype != self.dtype          # a 16-bit output apart anyway
         acc.host_staging_bytes = nbytes(self._grads[0]) + (nbytes(self._params[0]) if separate_out else 0)
-        if self.overlap_cpu_step:   # the rollback backup of master + moments [+ the output apart]
+        if self.overlap_cpu_step:   # the spare set of master + moments [+ the output apart]
             acc.host_overlap_bytes = (cut * (4 + 2 * self.exp_avg.element_size())
                                       + (0 if separate_out else nbytes(self._params[0])))
         acc.host_accumulator_bytes = nbytes(self._accs[0])
@@ -550,10 +550,11 @@ class ZeroOffloadEngine:
 
     @torch.no_grad()
     def _cpu_update(self, k: int, grad: torch.Tensor, step: int, lr: float, grad_scale: float,
-                    segments=None, phase: str | None = "cpu_step") -> None:
+                    segments=None, phase: str | None = "cpu_step", state_from=None) -> None:
         """ONE CPU Adam call over the partition's segments (default: all; on a schedule's worker
         under DPU and overlap): reads `grad`, updates master and moments, writes the 16-bit
-        parameters into set k."""
+        parameters into set k. state_from: (master, exp_avg, exp_avg_sq) to read the old state
+        from (the out-of-place kernel, --overlap-cpu-step); the new state goes to the engine's."""
         t0 = time.monotonic()
         a = self.adam
         out = self._params[k]
@@ -561,10 +562,12 @@ class ZeroOffloadEngine:
         segments = [(s, e, a.weight_decay if decay else 0.0)
                     for s, e, decay, _ in (self._host_segments if segments is None else segments)]
         if segments:
+            master, exp_avg, exp_avg_sq = state_from or (self.master, self.exp_avg, self.exp_avg_sq)
             cpu_adam.adam_step_segments(
-                self.master, grad, self.exp_avg, self.exp_avg_sq, segments, step=step, lr=lr, beta1=a.beta1,
+                master, grad, exp_avg, exp_avg_sq, segments, step=step, lr=lr, beta1=a.beta1,
                 beta2=a.beta2, eps=a.eps, adamw=a.adamw, bias_correction=a.bias_correction,
-                grad_scale=grad_scale, param16_out=out if self.dtype != torch.float32 else None)
+                grad_scale=grad_scale, param16_out=out if self.dtype != torch.float32 else None,
+                param_out=self.master, exp_avg_out=self.exp_avg, exp_avg_sq_out=self.exp_avg_sq)
         if self.dtype == torch.float32:     # fp32 mode: the parameter copy is the master itself
             for s, e, _ in (((0, self._cut, 0.0),) if full else segments):
                 out[s:e].copy_(self.master[s:e])

@@ -24,12 +24,13 @@ Speculative overlap (`SpeculativeSchedule`, --overlap-cpu-step; docs/overlap.md)
 
   main   |fwd t|bwd t......................|N|check|R|fwd t+1 ...
   comm          |rs0 h0|rs1 h1|rs2 h2|
-  worker               |A_0...|A_1...|A_2...|       (backup of what A_k overwrites, then A_k)
+  worker               |A_0...|A_1...|A_2...|       (A_k reads the state, writes the spare set)
   Each bucket's CPU Adam starts as soon as its shard is home, speculating "clean and unclipped"
   (clip coefficient 1, no overflow, the learning rate announced by expect_lr()). After backward
   the main thread joins the worker, computes the norm, then checks: clean and unclipped -> commit
-  (R sends the staged parameters; nothing reached the device before); otherwise roll back the
-  speculated segments from the backup and run the synchronous step (or skip). Every kernel call
+  (R sends the staged parameters; nothing reached the device before); otherwise discard the
+  speculated segments (they went to the spare state set; the state before the step was only
+  read) and redo the whole step from the kept state (or skip). Every kernel call
   covers whole segments with the same arguments as the synchronous call, and the kernel's result
   per segment does not depend on how segments are grouped into calls, so the result is
   bit-identical to the synchronous schedule in every case.
@@ -195,25 +196,44 @@ class SpeculativeSchedule(SynchronousSchedule):
     """--overlap-cpu-step: per-bucket CPU Adam during the last micro-batch's backward, speculated
     clean and unclipped, validated after the norm, committed or rolled back (bit-identical).
 
-    Kept state: before a speculated kernel overwrites a segment's fp32 master and moments, the
-    worker copies them into backup buffers of the partition's size (`backup`); a rollback copies
-    them back. The 16-bit (or fp32) parameters are written into a staging buffer of their own
-    (the engine's `_params`, not aliased to the gradient in this mode), so the gradient survives
-    for a redo and nothing reaches the device before step() commits.
+    Kept state: two sets of state buffers, the engine's master / exp_avg / exp_avg_sq and a spare
+    set of the same size (`spare`). When a speculating backward starts, the engine's attributes
+    are pointed at the spare set and the state before the step is kept aside (`kept`, never
+    written while kept). Every kernel call of the step is the out-of-place kernel reading `kept`
+    and writing the engine's set: each speculated bucket, the segments left at the commit, the
+    whole partition in a redo. Commit: nothing to copy, the kept set becomes the spare. Rollback:
+    the kept set is the engine's again (a skip) or the redo rewrites every segment of the other
+    set from it; either way the speculated values are discarded without a copy, so speculation
+    costs the kernel alone. The 16-bit (or fp32) parameters are written into a staging buffer of
+    their own (the engine's `_params`, not aliased to the gradient in this mode), so the gradient
+    survives for a redo and nothing reaches the device before step() commits.
+
+    Why the engine's attributes are re-pointed rather than the tensors' storage swapped: every
+    user of the host state reads `engine.master` / `exp_avg` / `exp_avg_sq` at the moment it needs
+    them (the kernel call, the fp32 parameter copy, `_state_pieces` behind state_dict,
+    load_state_dict, host_state_views for DCP checkpoints and the tools that read them,
+    reload_params_from_master; accounting takes sizes only; the device tail of a partial offload
+    has tensors of its own), and those that can run between a backward and its step() flush()
+    first, which points the attributes back at the state before the step. Nothing keeps a view
+    across a step, so re-pointing is enough; it is plain Python (Tensor.set_ would move storage
+    under views and the race check's snapshots without telling them), and a reader (or a test)
+    sees which set is live by identity. The two sets start as copies of each other (the elements
+    outside every segment, alignment padding, are then equal in both and never written).
     """
 
     name = "speculative"
 
     def __init__(self, engine):
         self.worker = ThreadPoolExecutor(1, thread_name_prefix=WORKER_PREFIX)
-        cut = engine._cut
-        self.backup = [torch.empty(cut, dtype=t.dtype) for t in (engine.master, engine.exp_avg, engine.exp_avg_sq)]
+        self.spare: tuple | None = tuple(t.clone() for t in _live_state(engine))
+        self.kept: tuple | None = None      # the state before the step while the engine's set is written
         self.next_lr: float | None = None   # expect_lr(): the learning rate the coming step() gets
         self.last_lr: float = engine.adam.lr
         self._reset()
 
     def _reset(self) -> None:
-        self.futures: list = []
+        self.futures: list = []             # the worker's tasks, one per bucket, in order ...
+        self._queued: list = []             # ... and their arguments (before_norm may take some back)
         self.active = False                 # a speculating backward is under way (last micro-batch)
         self.args = None                    # (step, lr, grad_scale, first micro-batch) speculated
         self.done: list[int] = []           # indices of engine._host_segments updated speculatively
@@ -221,22 +241,42 @@ class SpeculativeSchedule(SynchronousSchedule):
         self._next_seg = 0                  # the first host segment not yet speculated
         self._race: list = []               # race_check: (name, view, snapshot) to verify at the join
 
+    # Main thread only, never while a speculated kernel runs (before backward, after the join).
+    def _write_spare(self, engine) -> None:
+        """The step's kernels will read the engine's state (kept) and write the spare set."""
+        self.kept = _live_state(engine)
+        _set_live_state(engine, self.spare)
+        self.spare = None
+
+    def _keep_written(self) -> None:
+        """Commit: the written set stays the engine's; the state before the step is the spare."""
+        self.spare, self.kept = self.kept, None
+
+    def _restore_kept(self, engine) -> None:
+        """Rollback without a redo: the state before the step is the engine's again."""
+        self.spare = _live_state(engine)
+        _set_live_state(engine, self.kept)
+        self.kept = None
+
     def on_backward_start(self, engine, last_micro_batch: bool) -> None:
         if not last_micro_batch or self.active or not engine._host_segments:
             return
         lr = self.next_lr if self.next_lr is not None else self.last_lr
         self.active = True
         self.args = (engine.step_count + 1, lr, 1.0 / engine.loss_scaler.scale, engine._micro == 0)
+        self._write_spare(engine)
 
     def on_bucket_home(self, engine, bucket, handle) -> None:
         """Main thread, right after bucket's copy home was queued: hand its CPU Adam to the worker."""
         if self.active:
             self.futures.append(self.worker.submit(self._speculate, engine, bucket, handle))
+            self._queued.append((bucket, handle))
 
     @torch.no_grad()
     def _speculate(self, engine, bucket, handle) -> None:
-        """Worker: wait for the shard to be home, add it into the host accumulator, then back up
-        and update every segment that is now complete (segments never straddle a call)."""
+        """Worker: wait for the shard to be home, add it into the host accumulator, then update
+        every segment that is now complete (segments never straddle a call), reading the kept
+        state and writing the engine's."""
         hs, m = bucket.host_start, min(bucket.shard_numel, max(0, engine._cut - bucket.host_start))
         if not m:
             return
@@ -254,29 +294,42 @@ class SpeculativeSchedule(SynchronousSchedule):
             return
         self._next_seg = j
         lo, hi = segs[j0][0], segs[j - 1][1]
-        live = (engine.master, engine.exp_avg, engine.exp_avg_sq)
-        for saved, t in zip(self.backup, live):
-            saved[lo:hi].copy_(t[lo:hi])
         grad = engine._update_grad()
-        engine._cpu_update(engine._cur, grad, step, lr, grad_scale, segments=segs[j0:j], phase=None)
+        engine._cpu_update(engine._cur, grad, step, lr, grad_scale, segments=segs[j0:j], phase=None,
+                           state_from=self.kept)
         self.done.extend(range(j0, j))
         self.buckets += 1
-        if engine.race_check:               # what the kernel read and wrote must not change until the join
-            out = engine._params[engine._cur]
-            for name, t in (("gradient", grad), ("master", engine.master), ("exp_avg", engine.exp_avg),
-                            ("exp_avg_sq", engine.exp_avg_sq), ("staged parameters", out)):
+        if engine.race_check:   # what the kernel read and wrote must not change until the join
+            read = (("gradient", grad), *zip(("old master", "old exp_avg", "old exp_avg_sq"), self.kept))
+            written = (*zip(("master", "exp_avg", "exp_avg_sq"), _live_state(engine)),
+                       ("staged parameters", engine._params[engine._cur]))
+            for name, t in (*read, *written):
                 self._race.append((name, lo, t[lo:hi], t[lo:hi].clone()))
         engine._phases.append(("cpu_step_speculated", t0, time.monotonic()))
 
     def before_norm(self, engine) -> None:
-        """Join the speculated kernels (an error is raised here) and run the race check."""
+        """Join the speculated kernels (an error is raised here) and run the race check.
+
+        The buckets the worker has not started yet are taken back and run here, in order, after
+        the one it is running: the main thread would only wait for them, and where the CPU is
+        shared (the worker's every wake-up may wait for a time slice) the worker can be many
+        buckets behind. Cancelled from the last one back, so the taken ones are a suffix of the
+        queue (the worker takes tasks in order): the same calls in the same order, exact."""
         if not self.futures:
             return
         t0 = time.monotonic()
-        futures, self.futures = self.futures, []
+        futures, self.futures, queued, self._queued = self.futures, [], self._queued, []
+        taken = []
+        for f, args in zip(reversed(futures), reversed(queued)):
+            if not f.cancel():              # running or done: so is every task before it
+                break
+            taken.append(args)
         try:
             for f in futures:
-                f.result()
+                if not f.cancelled():
+                    f.result()
+            for args in reversed(taken):
+                self._speculate(engine, *args)
         finally:
             engine._phases.append(("cpu_step_wait", t0, time.monotonic()))
         for name, lo, view, snap in self._race:
@@ -286,48 +339,47 @@ class SpeculativeSchedule(SynchronousSchedule):
                                    f"CPU Adam and the end of backward (first at partition index {at})")
         self._race = []
 
-    def _rollback(self, engine) -> None:
-        """Restore the speculated segments: always a prefix of the partition (buckets land in order)."""
-        hi = engine._host_segments[self.done[-1]][1]
-        assert self.done == list(range(len(self.done)))
-        for saved, t in zip(self.backup, (engine.master, engine.exp_avg, engine.exp_avg_sq)):
-            t[:hi].copy_(saved[:hi])
-
     def step(self, engine, found_inf: bool, grad_norm: float, scale: float, lr: float) -> StepResult:
         self.before_norm(engine)            # (already joined by the engine; kept for direct callers)
         self.next_lr, self.last_lr = None, lr
         speculated, args, done = self.buckets, self.args, self.done
         self._reset()
-        if not done:                        # nothing was speculated: the plain synchronous step
+        if self.kept is None:               # no speculating backward: the plain synchronous step
             return super().step(engine, found_inf, grad_norm, scale, lr)
         clip_coef = 1.0 if found_inf else engine._clip_coef(grad_norm)
         step, spec_lr, spec_grad_scale, _ = args
-        if found_inf or clip_coef != 1.0 or lr != spec_lr or clip_coef / scale != spec_grad_scale \
-                or step != engine.step_count + 1:
-            self.done = done
+        rollback = found_inf or clip_coef != 1.0 or lr != spec_lr or clip_coef / scale != spec_grad_scale \
+            or step != engine.step_count + 1
+        if rollback:
             t0 = time.monotonic()
-            self._rollback(engine)
-            self.done = []
+            if found_inf:                   # skip: the state before the step, untouched, is the engine's again
+                self._restore_kept(engine)
             engine._phases.append(("cpu_step_rollback", t0, time.monotonic()))
-            res = super().step(engine, found_inf, grad_norm, scale, lr)
-            res.speculated_buckets = res.rolled_back_buckets = speculated
-            return res
+            if found_inf:
+                return StepResult(True, grad_norm, 0.0, scale, speculated_buckets=speculated,
+                                  rolled_back_buckets=speculated)
         engine.step_count += 1
         k = engine._cur
-        if engine._tail is not None:
+        if engine._tail is not None:        # the device part needs no speculation
             engine._tail.step(engine.step_count, lr, clip_coef / scale)
-        rest = engine._host_segments[len(done):]            # done is a prefix (see _rollback)
-        if rest:                            # segments whose gradients were complete only at the end
-            engine._cpu_update(k, engine._update_grad(), engine.step_count, lr, clip_coef / scale, segments=rest)
+        # The redo rewrites every segment (the speculated values are discarded by being
+        # overwritten); a commit updates the segments whose gradients were complete only at the end
+        # (done is a prefix: buckets land in order). Both read the kept state.
+        rest = None if rollback else engine._host_segments[len(done):]
+        if rest is None or rest:
+            engine._cpu_update(k, engine._update_grad(), engine.step_count, lr, clip_coef / scale, segments=rest,
+                               state_from=self.kept)
+        self._keep_written()
         engine._params_to_device(k)
-        return StepResult(False, grad_norm, clip_coef, scale, speculated_buckets=speculated, rolled_back_buckets=0)
+        return StepResult(False, grad_norm, clip_coef, scale, speculated_buckets=speculated,
+                          rolled_back_buckets=speculated if rollback else 0)
 
     def abandon(self, engine) -> None:
         """A speculating backward with no step() after it (a flush, checkpoint or close first):
         join and roll back, so the state is the one before that backward."""
         self.before_norm(engine)
-        if self.done:
-            self._rollback(engine)
+        if self.kept is not None:
+            self._restore_kept(engine)
         self._reset()
 
     def flush(self, engine) -> StepResult | None:
@@ -342,3 +394,11 @@ class SpeculativeSchedule(SynchronousSchedule):
             self.worker = None
         for f in futures:
             f.result()
+
+
+def _live_state(engine) -> tuple:
+    return engine.master, engine.exp_avg, engine.exp_avg_sq
+
+
+def _set_live_state(engine, state) -> None:
+    engine.master, engine.exp_avg, engine.exp_avg_sq = state

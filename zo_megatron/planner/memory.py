@@ -421,8 +421,9 @@ def _compute(inp: PlanInput) -> Plan:
 
 
 def overlap_rollback_host_bytes(part: int, param_bytes: int, host_grad_bytes: int, state_bytes: int) -> int:
-    """--overlap-cpu-step's extra host bytes for a host partition of `part` elements: the backup of
-    what a speculated CPU Adam overwrites (fp32 master + both moments, restored on a rollback), and
+    """--overlap-cpu-step's extra host bytes for a host partition of `part` elements: the spare set
+    of fp32 master + both moments (the out-of-place kernel writes the step's new state there while
+    the state before it is kept for a rollback), and
     the updated parameters' own staging buffer when it would otherwise share the gradient's (the
     gradient must survive for a redo). Equals the engine's accounting.host_overlap_bytes."""
     return part * (4 + 2 * state_bytes) + (param_bytes * part if host_grad_bytes == param_bytes else 0)
