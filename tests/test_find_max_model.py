@@ -1,0 +1,123 @@
+"""tools/find_max_model.py at a tiny scale: fake host-memory limits of about a GiB (the job's own
+planned process overhead on a CPU is 1 GiB per rank), so the largest model is a few million
+parameters and each run takes seconds.
+
+1. The search (the job's own pre-launch plan for size k) is monotone, its k fits and k+1 does not,
+   and it agrees with the planner's independent search (`planner.max_model`) over the same template,
+   for random shapes, families, precisions and memory sizes.
+2. The tool, end to end: the found model trains 3 iterations under torchrun (its measured RSS is
+   recorded), and the next size is refused by the job's pre-launch check: rank exit status 2 and
+   exactly one `error:` line, no training.
+3. Bad input: one line, exit 2.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+from tests.seeds import fresh_seed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOL = os.path.join(ROOT, "tools", "find_max_model.py")
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+
+import find_max_model as fmm  # noqa: E402
+
+MiB = 1024 ** 2
+
+
+def _tool_args(argv):
+    a = fmm.build_parser().parse_args(argv)
+    a.precision = a.precision or "bf16"
+    return a
+
+
+def test_search_monotone_and_agrees_with_the_planner():
+    from zo_megatron.planner import max_model
+
+    rng = random.Random(fresh_seed("find_max_model search"))
+    for _ in range(4):
+        family, grow = rng.choice(["gpt2", "llama"]), rng.choice(["layers", "hidden"])
+        heads = rng.choice([4, 8])
+        precision = rng.choice(["--bf16", "--fp32", "--fp16"])
+        host = rng.randrange(1800, 4000) * MiB
+        argv = ["--family", family, "--grow", grow, "--num-attention-heads", str(heads), precision,
+                "--hidden-size", str(heads * rng.choice([16, 32])), "--num-layers", str(rng.randrange(1, 5)),
+                "--seq-length", str(rng.choice([16, 64])), "--vocab-size", str(rng.choice([50257, 60000]))]
+        if rng.random() < 0.3:
+            argv += ["--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"]
+        a = _tool_args(argv)
+        rule = fmm.Rule(a)
+        planner = fmm.JobPlanner(rule, host, 1)
+        k = planner.largest(10_000)
+        print(argv, f"host {host // MiB} MiB -> k = {k}")
+        assert k >= 1, argv
+        assert planner.fits(k) and not planner.fits(k + 1), argv
+        # monotone: every size up to k fits, every size above it (a few) does not
+        step = max(1, k // 40)
+        for j in list(range(1, k + 1, step)) + [k + 1, k + 2, 2 * k + 1]:
+            assert planner.fits(j) == (j <= k), (argv, j, k)
+        # the planner's own search over the same template finds the same model (not for the llama
+        # rule growing hidden: its ffn size follows hidden, which max_model's template keeps fixed)
+        if family == "llama" and grow == "hidden":
+            continue
+        template = planner.plan(1).input
+        params, shape = max_model(template, grow, max_layers=10_000, max_hidden=10_000 * rule.step)
+        assert shape == rule.shape(k), (argv, shape, rule.shape(k))
+        assert params == planner.plan(k).params_total
+
+
+def test_tool_trains_the_largest_and_the_next_size_is_refused(tmp_path):
+    out = tmp_path / "edge.json"
+    png = tmp_path / "edge.png"
+    host = "1400MiB"
+    argv = ["--host-memory", host, "--hidden-size", "128", "--num-attention-heads", "4", "--fp32",
+            "--seq-length", "16", "--json", str(out), "--png", str(png)]
+    res = subprocess.run([sys.executable, TOOL, *argv], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT)
+    print(res.stdout[-4000:], res.stderr[-4000:])
+    assert res.returncode == 0, res.stderr[-2000:]
+    r = json.loads(out.read_text())
+    ours = r["ours"]
+    # the size it ran is the planner's largest (re-planned here, independently of the tool's search)
+    planner = fmm.JobPlanner(fmm.Rule(_tool_args(argv)), 1400 * MiB, 1)
+    k = ours["size"]
+    assert planner.fits(k) and not planner.fits(k + 1)
+    assert ours["shape"] == {"num_layers": k, "hidden_size": 128, "num_attention_heads": 4}
+    # trained: 3 iterations, exit 0, memory measured
+    assert ours["trained"] and ours["run"]["rc"] == 0
+    m = ours["comparison"]["measured"]
+    assert m["tree_peak_rss"] >= m["rank0_peak_rss"] > m["process_overhead"] > 0
+    planned_states = ours["comparison"]["planned"]["device_model_states"] + \
+        ours["comparison"]["planned"]["host_model_states"]
+    assert abs(m["engine_model_states"] / planned_states - 1) < 0.05, (m, planned_states)
+    # the next size: refused before anything is built, by the pre-launch check, with one line
+    nxt = ours["next_run"]
+    assert ours["next_size_refused"]
+    assert 2 in nxt["rank_exit_codes"] and nxt["rc"] != 0
+    assert len(nxt["error_lines"]) == 1 and fmm.REFUSAL in nxt["error_lines"][0]
+    assert not any(" iter " in line for line in nxt["output_tail"])
+    assert png.stat().st_size > 0
+
+
+def test_bad_input_is_one_line_exit_2():
+    res = subprocess.run([sys.executable, TOOL, "--device-memory", "10GiB", "--skip-run"], capture_output=True,
+                         text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT)
+    try:
+        import torch
+        cuda = torch.cuda.is_available()
+    except ImportError:
+        cuda = False
+    if cuda:
+        pytest.skip("--device-memory is valid on a CUDA machine")
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("find_max_model.py: error: --device-memory"), res.stderr
+    res = subprocess.run([sys.executable, TOOL, "--family", "llama", "--num-attention-heads", "6", "--skip-run"],
+                         capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT)
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
