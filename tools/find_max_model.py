@@ -125,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--deepspeed", action="store_true", help="also find DeepSpeed ZeRO-2 + CPU offload's largest")
     g.add_argument("--json", metavar="OUT.json", default=None)
     g.add_argument("--png", metavar="OUT.png", default=None)
+    g.add_argument("--deepspeed-max-runs", type=int, default=6, help="runs the DeepSpeed search may take")
     g.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     return p
 
@@ -232,17 +233,22 @@ class JobPlanner:
         return self.probes[k]
 
     def largest(self, limit: int) -> int:
-        """Largest k in [1, limit] that fits (0: none); exponential then binary search."""
-        if not self.fits(1):
-            return 0
-        lo, hi = 1, 2
-        while hi <= limit and self.fits(hi):
-            lo, hi = hi, hi * 2
-        hi = min(hi, limit + 1)
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if self.fits(mid) else (lo, mid)
-        return lo
+        """Largest k in [1, limit] that fits (0: none)."""
+        return largest(self.fits, limit)
+
+
+def largest(fits, limit: int) -> int:
+    """Largest k in [1, limit] with fits(k), for a monotone `fits` (0: none): exponential, then binary."""
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
 
 
 # ------------------------------------------------------------------------------------------------
@@ -309,9 +315,23 @@ class TreeSampler(threading.Thread):
 
 def run_job(flags: list[str], nproc: int, host_bytes: int, log_jsonl: str, *, timeout: float,
             tag: str) -> dict:
-    """pretrain_gpt.py under torchrun with `flags`; its output streamed with a prefix; memory sampled."""
+    """pretrain_gpt.py under torchrun with `flags` (+ its JSONL records)."""
+    run = run_command([os.path.join(ROOT, "pretrain", "pretrain_gpt.py"), *flags, "--log-jsonl", log_jsonl,
+                       "--no-progress-bar"], nproc, host_bytes, timeout=timeout, tag=tag)
+    records = []
+    if os.path.exists(log_jsonl):
+        with open(log_jsonl) as f:
+            records = [json.loads(x) for x in f if x.strip()]
+    run["records"] = records
+    return run
+
+
+def run_command(script_and_args: list[str], nproc: int, host_bytes: int, *, timeout: float, tag: str) -> dict:
+    """A script under torchrun (`python -m torch.distributed.run`), seeing `host_bytes` as its node's
+    memory (SLURM_MEM_PER_NODE); its progress lines streamed with a prefix; the process tree's memory
+    sampled."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           os.path.join(ROOT, "pretrain", "pretrain_gpt.py"), *flags, "--log-jsonl", log_jsonl, "--no-progress-bar"]
+           *script_and_args]
     env = dict(os.environ, SLURM_MEM_PER_NODE=str(host_bytes // MiB), PYTHONUNBUFFERED="1")
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
@@ -331,14 +351,10 @@ def run_job(flags: list[str], nproc: int, host_bytes: int, log_jsonl: str, *, ti
         timer.cancel()
         sampler.stop()
     rank_codes = [int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", "\n".join(lines))]
-    records = []
-    if os.path.exists(log_jsonl):
-        with open(log_jsonl) as f:
-            records = [json.loads(x) for x in f if x.strip()]
     return dict(command=cmd, rc=rc, rank_exit_codes=rank_codes, wall_s=round(time.monotonic() - t0, 1),
                 peak_tree_rss_bytes=sampler.peak_tree_rss, sum_process_hwm_bytes=sum(sampler.hwm.values()),
                 launcher_hwm_bytes=sampler.hwm.get(proc.pid, 0), samples=sampler.samples,
-                error_lines=[x for x in lines if x.startswith("error:")], output_tail=lines[-40:], records=records)
+                error_lines=[x for x in lines if x.startswith("error:")], output_tail=lines[-40:])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -493,6 +509,7 @@ def main(argv=None) -> int:
         result["ours"].update(trained=trained, run=run, comparison=cmp_, next_size_refused=refused, next_run=nxt)
         ok = trained and refused
     if a.deepspeed:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         import find_max_model_deepspeed as fmd
 
         result["deepspeed"] = fmd.find(a, rule, host, run_proofs=not a.skip_run)
