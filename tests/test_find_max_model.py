@@ -121,3 +121,40 @@ def test_bad_input_is_one_line_exit_2():
     res = subprocess.run([sys.executable, TOOL, "--family", "llama", "--num-attention-heads", "6", "--skip-run"],
                          capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT)
     assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+def test_deepspeed_estimator_side():
+    """--deepspeed's estimator step (no runs): its size is the largest whose model states, by
+    DeepSpeed's ZeRO-2 offload formula written out here (host 1.5 x max(4 x GPUs, 16) bytes/param,
+    device 2 bytes/param; one RAM on a CPU run), fit the memory; the parameter counts it uses are
+    the HF models' own (built on the meta device) and, for GPT-2, the planner's less the vocab padding."""
+    pytest.importorskip("deepspeed")
+    import find_max_model_deepspeed as fmd
+
+    from zo_megatron.planner import pad_vocab_size
+
+    rng = random.Random(fresh_seed("find_max_model deepspeed estimator"))
+    for family, grow in ((rng.choice(["gpt2", "llama"]), rng.choice(["layers", "hidden"])),):
+        heads = rng.choice([4, 8])
+        host = rng.randrange(600, 3000) * MiB
+        argv = ["--family", family, "--grow", grow, "--num-attention-heads", str(heads), "--fp32",
+                "--hidden-size", str(heads * 32), "--num-layers", str(rng.randrange(1, 4)), "--seq-length", "16",
+                "--host-memory", f"{host // MiB}MiB", "--skip-run"]
+        a = _tool_args(argv)
+        rule = fmm.Rule(a)
+        count = fmd.ParamCounter(rule)
+        for k in (4, rng.randrange(5, 40)):
+            built = fmd.hf_params(fmd._model_fields(rule, k))
+            assert count(k) == built, (argv, k)
+            if family == "gpt2":
+                p = fmm.JobPlanner(rule, host, 1).plan(k)
+                assert built == p.params_total - (pad_vocab_size(rule.vocab) - rule.vocab) * rule.shape(k)["hidden_size"]
+        out = fmd.find(a, rule, host, run_proofs=False)
+        k = out["estimator_size"]
+
+        def fits(j):
+            n = fmd.hf_params(fmd._model_fields(rule, j))
+            return n * 16 * 1.5 + 2 * n <= host     # one CPU "GPU": max(4 x 1, 16) = 16
+        print(argv, "->", k)
+        assert k >= 1 and fits(k) and not fits(k + 1), (argv, k)
+        assert out["estimator_params"] == fmd.hf_params(fmd._model_fields(rule, k))
