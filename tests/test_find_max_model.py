@@ -158,3 +158,46 @@ def test_deepspeed_estimator_side():
         print(argv, "->", k)
         assert k >= 1 and fits(k) and not fits(k + 1), (argv, k)
         assert out["estimator_params"] == fmd.hf_params(fmd._model_fields(rule, k))
+
+
+BUILD_PEAK_SCRIPT = r"""
+import json, os, sys, torch
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                  MASTER_PORT=sys.argv[2])
+from zo_megatron.training.metrics import proc_memory_bytes
+from zo_megatron.parallel import init_parallel
+from zo_megatron.model import GPTConfig, build_gpt_model
+from zo_megatron.offload.engine import ZeroOffloadEngine
+ps = init_parallel(1, seed=1, num_attention_heads=8, hidden_size=1024)
+cfg = GPTConfig(num_layers=2, hidden_size=1024, num_attention_heads=8, vocab_size=1000, max_position_embeddings=32,
+                precision=sys.argv[1])
+model = build_gpt_model(cfg, 0, 1, 1)
+n = sum(p.numel() for p in model.parameters())
+built = proc_memory_bytes()
+eng = ZeroOffloadEngine(model, precision=sys.argv[1], device=torch.device("cpu"), pin_memory=False,
+                        dp_group=ps.dp_group, tp_group=ps.tp_group)
+after = proc_memory_bytes()
+print(json.dumps(dict(params=n, built=built, after=after)))
+"""
+
+
+@pytest.mark.parametrize("precision", ["bf16"])
+def test_engine_build_does_not_hold_the_fp32_model_next_to_its_states(precision):
+    """The model is built in fp32 on the host and the engine takes it over: the set-up peak must
+    be the steady state the planner counts, not the steady state plus the whole fp32 model (the
+    engine used to zero its moments and landing buffers before releasing the model's parameters:
+    a peak 4 bytes/param above the steady state, 2.1 GiB at 556M parameters)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    res = subprocess.run([sys.executable, "-c", BUILD_PEAK_SCRIPT, precision, str(port)], capture_output=True,
+                         text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-2000:]
+    r = json.loads(res.stdout.strip().splitlines()[-1])
+    fp32_model = 4 * r["params"]
+    over = r["after"]["vmhwm"] - max(r["after"]["vmrss"], r["built"]["vmhwm"])
+    print(f"{precision}: {r['params'] / 1e6:.1f}M params, fp32 model {fp32_model / MiB:.0f} MiB, set-up peak "
+          f"{over / MiB:+.0f} MiB over the resident steady state")
+    assert over < fp32_model / 4, r

@@ -396,6 +396,10 @@ def compare(p, run: dict) -> dict:
     measured["launcher_peak_rss"] = run["launcher_hwm_bytes"]
     measured["tree_peak_rss"] = run["peak_tree_rss_bytes"]
     measured["tree_sum_of_process_peaks"] = run["sum_process_hwm_bytes"]
+    acc = next((r.get("accounting") for r in recs if r.get("kind") == "setup_memory"), None)
+    if acc:
+        measured["engine_accounting_rank0"] = {k: v for k, v in acc.items() if k.endswith("_bytes")
+                                               and not k.startswith(("sent", "received", "d2h", "h2d"))}
     out = dict(planned=planned, planned_total_bytes=planned_total, measured=measured,
                planned_device_items=dev, planned_host_items=host)
     if planned_total:

@@ -404,7 +404,8 @@ def _train(args, env, ps, tokenizer, data_path, cpu_adam_threads: int) -> int:
         optimizer = _build_optimizer(args, model, ps)
         stack.callback(optimizer.close)
         setup_memory["optimizer"] = proc_memory_bytes()
-        metrics.log_setup_memory(setup_memory)
+        acc = getattr(optimizer, "accounting", None)
+        metrics.log_setup_memory(setup_memory, acc.as_dict() if acc is not None else None)
         timeline = Timeline(args.timeline, ps.rank, ps.world_size, ps.device) if args.timeline else None
         if timeline is not None:
             stack.callback(timeline.close)

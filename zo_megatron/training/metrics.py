@@ -166,14 +166,16 @@ class Metrics:
         if self.enabled:
             self._header = {"kind": "header", **record}
 
-    def log_setup_memory(self, phases: dict[str, dict[str, int]]) -> None:
+    def log_setup_memory(self, phases: dict[str, dict[str, int]], accounting: dict | None = None) -> None:
         """One `"kind": "setup_memory"` JSONL record: this rank's resident set (rss) and its peak
-        so far (hwm) after each set-up phase (process start, data, model built, optimizer built):
-        what tools/find_max_model.py compares with the planner's process overhead and model states."""
+        so far (hwm) after each set-up phase (process start, data, model built, optimizer built), and
+        the optimizer's own byte accounting by component (offload/accounting.py): what
+        tools/find_max_model.py compares with the planner's process overhead and model states."""
         if self.enabled:
             self._open()
             if self._jsonl is not None:
-                self._jsonl.write(json.dumps({"kind": "setup_memory", "iteration": 0, "phases": phases}) + "\n")
+                self._jsonl.write(json.dumps({"kind": "setup_memory", "iteration": 0, "phases": phases,
+                                              "accounting": accounting}) + "\n")
 
     def _write(self, row: dict, kind: str) -> None:
         self._open()
