@@ -512,6 +512,9 @@ def main(argv=None) -> int:
             r.pop("records")
         result["ours"].update(trained=trained, run=run, comparison=cmp_, next_size_refused=refused, next_run=nxt)
         ok = trained and refused
+    if a.json and a.deepspeed:          # ours is known: keep it even if the DeepSpeed side is interrupted
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=1, default=str)
     if a.deepspeed:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         import find_max_model_deepspeed as fmd
