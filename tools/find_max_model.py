@@ -520,11 +520,22 @@ def main(argv=None) -> int:
         import find_max_model_deepspeed as fmd
 
         result["deepspeed"] = fmd.find(a, rule, host, run_proofs=not a.skip_run)
-        ds = result["deepspeed"].get("proven_params") or result["deepspeed"].get("estimator_params")
-        if ds:
-            result["ours_over_deepspeed"] = p.params_total / ds
-            print(f"  ours / DeepSpeed: {p.params_total / 1e6:.1f}M / {ds / 1e6:.1f}M = "
-                  f"{result['ours_over_deepspeed']:.2f}x", flush=True)
+        d = result["deepspeed"]
+        if d.get("proven_params"):          # proven by a run (a lower bound on DeepSpeed when not bracketed)
+            result["ours_over_deepspeed"] = p.params_total / d["proven_params"]
+            basis = "proven by a run" + ("" if d.get("bracketed") else "; not bracketed: DeepSpeed's edge may be higher")
+        elif d.get("runs"):                 # runs made, none fit: DeepSpeed's edge is below its estimator's size
+            result["ours_over_deepspeed_lower_bound"] = p.params_total / d["estimator_params"]
+            basis = "DeepSpeed's estimator size did not fit by a run: its edge is smaller, the ratio a lower bound"
+        elif d.get("estimator_params"):
+            result["ours_over_deepspeed_estimator"] = p.params_total / d["estimator_params"]
+            basis = "DeepSpeed's estimator only, not run"
+        else:
+            basis = None
+        if basis:
+            ds = d.get("proven_params") or d["estimator_params"]
+            print(f"  ours / DeepSpeed: {p.params_total / 1e6:.1f}M / {ds / 1e6:.1f}M = {p.params_total / ds:.2f}x"
+                  f"{' or more' if 'lower bound' in basis else ''} ({basis})", flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=1, default=str)
