@@ -154,6 +154,7 @@ class ZeroOffloadEngine:
             self._check_dp_group_agrees()
             self._build_buffers()
             self._place_model_on_device()
+            self._zero_host_state()
             self.check_params()
         except BaseException:
             self.dev.close()
@@ -218,22 +219,25 @@ class ZeroOffloadEngine:
         self._tail = DeviceOptimizerTail(L, cut, self.device, self.adam, self.flat, self.dp_rank) \
             if cut < L.host_numel else None
         self.master = torch.zeros(cut, dtype=torch.float32)
-        self.exp_avg = torch.zeros(cut, dtype=state_dtype)
-        self.exp_avg_sq = torch.zeros(cut, dtype=state_dtype)
+        # The moments and landing buffers are zeroed (touched) only after the model's fp32
+        # parameters are released (_zero_host_state): touched now, they would coexist with the
+        # whole fp32 model and the build would peak 4 bytes/param above the training steady state.
+        self.exp_avg = torch.empty(cut, dtype=state_dtype)
+        self.exp_avg_sq = torch.empty(cut, dtype=state_dtype)
         # Reduced gradient shards arrive in host_grad. The kernel writes the updated 16-bit
         # parameters into host_param, which goes back to the device; when both have the parameter
         # dtype they are one buffer (the kernel reads the gradient before it writes the parameter).
         # With DPU there are two landing sets (gradient, parameter-out alias, accumulator): step
         # t+1's gradients land in one while the worker updates from the other.
         sets = 2 if self.dpu_warmup_steps else 1
-        self._grads = [self.dev.host_empty(cut, self.host_grad_dtype).zero_() for _ in range(sets)]
+        self._grads = [self.dev.host_empty(cut, self.host_grad_dtype) for _ in range(sets)]
         if self.host_grad_dtype == self.dtype and not self.overlap_cpu_step:
             self._params = self._grads
         elif self.overlap_cpu_step:  # speculation keeps the gradient for a redo: the output is apart
-            self._params = [self.dev.host_empty(cut, self.dtype).zero_()]
+            self._params = [self.dev.host_empty(cut, self.dtype)]
         else:   # a separate 16-bit output: one is enough (it is read back before the next update)
-            self._params = [self.dev.host_empty(cut, self.dtype).zero_()] * sets
-        self._accs = [torch.zeros(cut, dtype=torch.float32) for _ in range(sets)] \
+            self._params = [self.dev.host_empty(cut, self.dtype)] * sets
+        self._accs = [torch.empty(cut, dtype=torch.float32) for _ in range(sets)] \
             if self.accumulate_on_host else [None] * sets
         self._cur = 0                                   # the landing set of the current step
         # --dpu-weight-prediction: the master before the update in flight (schedules.DelayedSchedule)
@@ -280,6 +284,13 @@ class ZeroOffloadEngine:
     host_grad = property(lambda self: self._grads[self._cur])
     host_param = property(lambda self: self._params[self._cur])
     host_acc = property(lambda self: self._accs[self._cur])
+
+    def _zero_host_state(self) -> None:
+        """Zero the Adam moments and the host landing buffers, after _place_model_on_device has
+        released the model's fp32 parameters (see _build_buffers)."""
+        for t in (self.exp_avg, self.exp_avg_sq, *self._grads, *self._params, *self._accs):
+            if t is not None:
+                t.zero_()
 
     @torch.no_grad()
     def _place_model_on_device(self) -> None:

@@ -22,19 +22,20 @@ from zo_megatron.parallel import collectives
 from zo_megatron.parallel.megatron_notices import SUMMARY as NOTICES
 from zo_megatron.parallel.megatron_notices import hide_known_megatron_notices
 from zo_megatron.training.arguments import architecture_kwargs, check_batch_sizes, parse_args
-from zo_megatron.training.metrics import Metrics, host_rss_bytes, human_bytes, model_flops_per_token
+from zo_megatron.training.metrics import Metrics, host_rss_bytes, human_bytes, model_flops_per_token, proc_memory_bytes
 from zo_megatron.training.schedule import LRScheduler
 from zo_megatron.training.user_report import (auto_fraction_reason, engine_words, extend_hint, run_header,
                                               value_sources)
 
 
-def job_plan_input(args, env, dp: int, vocab_size: int):
-    """This run's PlanInput: its flags through the planner's one builder, and this machine."""
+def job_plan_input(args, env, dp: int, vocab_size: int, host_bytes: int | None = None):
+    """This run's PlanInput: its flags through the planner's one builder, and this machine
+    (`host_bytes`: the host memory to plan for; None: what this node allows, memory_limit_bytes)."""
     from zo_megatron.parallel.launch_env import memory_limit_bytes
     from zo_megatron.planner import GiB, plan_input_from_flags
 
     cuda = torch.cuda.is_available()
-    host = memory_limit_bytes()
+    host = memory_limit_bytes() if host_bytes is None else host_bytes
     return plan_input_from_flags(
         args, data_parallel=dp, vocab_size=vocab_size,
         gpu_memory_bytes=torch.cuda.get_device_properties(0).total_memory if cuda else host,
@@ -43,11 +44,13 @@ def job_plan_input(args, env, dp: int, vocab_size: int):
         host_overhead_bytes_per_rank=(3 if cuda else 1) * GiB)
 
 
-def memory_check(args, env, dp: int, vocab_size: int) -> None:
-    """Refuse a run the planner says cannot fit the device or host memory this machine has."""
+def job_plan(args, env, dp: int, vocab_size: int, host_bytes: int | None = None):
+    """The planner's verdict on this run exactly as the pre-launch check computes it (the CPU-step
+    overlap default and --optimizer-offload-fraction auto resolved; `args` gets the fraction).
+    tools/find_max_model.py searches with this very function."""
     from zo_megatron.planner import plan
 
-    inp = job_plan_input(args, env, dp, vocab_size)
+    inp = job_plan_input(args, env, dp, vocab_size, host_bytes)
     overlap = args.overlap_cpu_step if args.overlap_cpu_step is not None else bool(
         args.zero_offload and not args.dpu and torch.cuda.is_available())   # _set_threads' default
     inp = inp.replace(dpu=args.dpu, dpu_weight_prediction=args.dpu_weight_prediction, overlap_cpu_step=overlap, optimizer_offload_fraction=1.0 if args.optimizer_offload_fraction == "auto"
@@ -59,7 +62,12 @@ def memory_check(args, env, dp: int, vocab_size: int) -> None:
         args.optimizer_offload_fraction = 1.0 if f is None else f     # None: let the check below explain
         inp = inp.replace(optimizer_offload_fraction=args.optimizer_offload_fraction)
         args.offload_fraction_reason = auto_fraction_reason(inp, f)
-    p = plan(inp)
+    return plan(inp)
+
+
+def memory_check(args, env, dp: int, vocab_size: int) -> None:
+    """Refuse a run the planner says cannot fit the device or host memory this machine has."""
+    p = job_plan(args, env, dp, vocab_size)
     args.memory_plan = p
     if not p.fits and not args.skip_memory_check:
         why = "; ".join(r for r in p.reasons if "OK" not in r) or "; ".join(p.reasons)
@@ -365,6 +373,7 @@ def _train(args, env, ps, tokenizer, data_path, cpu_adam_threads: int) -> int:
     stack.callback(stop.restore)
     inject = faults.FaultInjection.from_env(ps.rank)
     iteration = 0
+    setup_memory = {"start": proc_memory_bytes()}
     try:
         if args.save:                       # one job per save directory (checkpoint/lock.py)
             from zo_megatron.checkpoint.lock import SaveLock
@@ -390,9 +399,14 @@ def _train(args, env, ps, tokenizer, data_path, cpu_adam_threads: int) -> int:
             test_samples=0, cache_dir=args.data_cache_path)
         # Built on the host in fp32: the offload engine moves it to the device as its flat 16-bit
         # buffer (the device never holds the fp32 copy); the baseline moves it whole.
+        setup_memory["data"] = proc_memory_bytes()
         model = build_gpt_model(cfg, ps.tp_rank, ps.tp_size, args.seed)
+        setup_memory["model"] = proc_memory_bytes()
         optimizer = _build_optimizer(args, model, ps)
         stack.callback(optimizer.close)
+        setup_memory["optimizer"] = proc_memory_bytes()
+        acc = getattr(optimizer, "accounting", None)
+        metrics.log_setup_memory(setup_memory, acc.as_dict() if acc is not None else None)
         timeline = Timeline(args.timeline, ps.rank, ps.world_size, ps.device) if args.timeline else None
         if timeline is not None:
             stack.callback(timeline.close)

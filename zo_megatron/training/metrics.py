@@ -166,6 +166,17 @@ class Metrics:
         if self.enabled:
             self._header = {"kind": "header", **record}
 
+    def log_setup_memory(self, phases: dict[str, dict[str, int]], accounting: dict | None = None) -> None:
+        """One `"kind": "setup_memory"` JSONL record: this rank's resident set (rss) and its peak
+        so far (hwm) after each set-up phase (process start, data, model built, optimizer built), and
+        the optimizer's own byte accounting by component (offload/accounting.py): what
+        tools/find_max_model.py compares with the planner's process overhead and model states."""
+        if self.enabled:
+            self._open()
+            if self._jsonl is not None:
+                self._jsonl.write(json.dumps({"kind": "setup_memory", "iteration": 0, "phases": phases,
+                                              "accounting": accounting}) + "\n")
+
     def _write(self, row: dict, kind: str) -> None:
         self._open()
         if self._jsonl is not None:
@@ -201,6 +212,20 @@ def _start_wandb(*, project: str, name: str | None, dir: str | None, config: dic
         os.makedirs(dir, exist_ok=True)
     plain = {k: v for k, v in config.items() if isinstance(v, (int, float, str, bool, type(None)))}
     return wandb.init(project=project, name=name, dir=dir, config=plain)
+
+
+def proc_memory_bytes() -> dict[str, int]:
+    """This process's resident set now (VmRSS) and its peak so far (VmHWM), from /proc/self/status
+    (Linux; empty elsewhere)."""
+    out = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(("VmRSS:", "VmHWM:")):
+                    out[line[:5].lower()] = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return out
 
 
 def host_rss_bytes() -> int:
