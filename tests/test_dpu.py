@@ -146,6 +146,19 @@ def _reference(init, seed, dp, accum, warmup, skip_step=None, flush_at=None, pre
     return losses, from_hf(sd, LAYERS, HEADS)
 
 
+def _assert_matches(out, ref_losses, ref_final, other_losses, why_other):
+    """Every loss and every final parameter tensor equal the reference's (fp32: 1e-5 relative,
+    each element within 1e-4 of its tensor's scale), and the losses differ from `other_losses`
+    (the schedule the test must tell its own from) by more than 1e-4 somewhere."""
+    for ours, ref in zip(out["losses"], ref_losses):
+        assert abs(ours - ref) / abs(ref) <= 1e-5, (ours, ref)
+    assert max(abs(a - b) / abs(b) for a, b in zip(out["losses"], other_losses)) > 1e-4, why_other
+    for name, ref in ref_final.items():
+        ours = out["final"][name]
+        assert ((ours - ref).norm() / ref.norm()).item() <= 1e-5, name
+        assert ((ours - ref).abs().max() / ref.abs().max()).item() <= 1e-4, name
+
+
 @pytest.mark.parametrize("tp,world,accum,engine_kw,flush_at", [
     (1, 1, 1, {}, 6),                       # a flush mid-run (as evaluation does), then delayed again
     (1, 2, 2, {}, None),
@@ -160,15 +173,9 @@ def test_dpu_fp32_equals_the_delayed_reference(tp, world, accum, engine_kw, flus
     ref_losses, ref_final = _reference(out["init"], seed, dp, accum, WARMUP, flush_at=flush_at)
     # in flight after every step from the W-th update on, except right after the flush
     assert out["in_flight"] == [i >= WARMUP - 1 for i in range(STEPS)]
-    for ours, ref in zip(out["losses"], ref_losses):
-        assert abs(ours - ref) / abs(ref) <= 1e-5, (ours, ref)
-    exact_losses, exact_final = _reference(out["init"], seed, dp, accum, None)
-    assert max(abs(a - b) / abs(b) for a, b in zip(out["losses"], exact_losses)) > 1e-4, \
-        "DPU must change the trajectory (else this test would not tell delayed from exact)"
-    for name, ref in ref_final.items():
-        ours = out["final"][name]
-        assert ((ours - ref).norm() / ref.norm()).item() <= 1e-5, name
-        assert ((ours - ref).abs().max() / ref.abs().max()).item() <= 1e-4, name
+    exact_losses, _ = _reference(out["init"], seed, dp, accum, None)
+    _assert_matches(out, ref_losses, ref_final, exact_losses,
+                    "DPU must change the trajectory (else this test would not tell delayed from exact)")
     # accounting: one more landing buffer (and accumulator) than without DPU
     assert out["pending_bytes"] == out["staging_bytes"] + out["acc_bytes"] > 0
 
@@ -182,15 +189,9 @@ def test_dpu_weight_prediction_equals_the_predicted_reference(tp, world, accum, 
     out = run_world(_dpu_world, world, tp, "fp32", seed, accum, {"dpu_weight_prediction": True}, None, flush_at)[0]
     dp = world // tp
     ref_losses, ref_final = _reference(out["init"], seed, dp, accum, WARMUP, flush_at=flush_at, predict=True)
-    for ours, ref in zip(out["losses"], ref_losses):
-        assert abs(ours - ref) / abs(ref) <= 1e-5, (ours, ref)
     plain_losses, _ = _reference(out["init"], seed, dp, accum, WARMUP, flush_at=flush_at)
-    assert max(abs(a - b) / abs(b) for a, b in zip(out["losses"], plain_losses)) > 1e-4, \
-        "the prediction must change the trajectory (else this test would not tell it from plain DPU)"
-    for name, ref in ref_final.items():
-        ours = out["final"][name]
-        assert ((ours - ref).norm() / ref.norm()).item() <= 1e-5, name
-        assert ((ours - ref).abs().max() / ref.abs().max()).item() <= 1e-4, name
+    _assert_matches(out, ref_losses, ref_final, plain_losses,
+                    "the prediction must change the trajectory (else this test would not tell it from plain DPU)")
     # the fp32 master before the update: 4 bytes per element of the partition (fp32: = the staging)
     assert out["prediction_bytes"] == out["staging_bytes"] > 0
 

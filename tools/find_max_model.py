@@ -58,6 +58,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from zo_megatron.planner.units import GiB, MiB, format_bytes  # noqa: E402
+from zo_megatron.training.metrics import proc_memory_bytes  # noqa: E402
 
 # Llama-3's ratios (the llama3-8b preset: 32 heads / 8 KV groups, ffn 14336 = 3.5 x 4096, vocab 128256)
 LLAMA_KV_RATIO = 4
@@ -254,18 +255,6 @@ def largest(fits, limit: int) -> int:
 # ------------------------------------------------------------------------------------------------
 # running a job and sampling its memory
 
-def _proc_status(pid: int) -> dict[str, int]:
-    out = {}
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith(("VmRSS:", "VmHWM:")):
-                    out[line[:5].lower()] = int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return out
-
-
 def _descendants(root: int) -> list[int]:
     children: dict[int, list[int]] = {}
     for name in os.listdir("/proc"):
@@ -300,7 +289,7 @@ class TreeSampler(threading.Thread):
         while not self._halt.is_set():
             total = 0
             for pid in _descendants(self.root):
-                st = _proc_status(pid)
+                st = proc_memory_bytes(pid)
                 total += st.get("vmrss", 0)
                 if "vmhwm" in st:
                     self.hwm[pid] = max(self.hwm.get(pid, 0), st["vmhwm"])

@@ -214,12 +214,12 @@ def _start_wandb(*, project: str, name: str | None, dir: str | None, config: dic
     return wandb.init(project=project, name=name, dir=dir, config=plain)
 
 
-def proc_memory_bytes() -> dict[str, int]:
-    """This process's resident set now (VmRSS) and its peak so far (VmHWM), from /proc/self/status
-    (Linux; empty elsewhere)."""
+def proc_memory_bytes(pid: int | str = "self") -> dict[str, int]:
+    """A process's resident set now (VmRSS) and its peak so far (VmHWM), from /proc/<pid>/status
+    (default: this process; Linux; empty elsewhere or when the process is gone)."""
     out = {}
     try:
-        with open("/proc/self/status") as f:
+        with open(f"/proc/{pid}/status") as f:
             for line in f:
                 if line.startswith(("VmRSS:", "VmHWM:")):
                     out[line[:5].lower()] = int(line.split()[1]) * 1024
