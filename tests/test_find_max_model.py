@@ -1,5 +1,5 @@
 """tools/find_max_model.py at a tiny scale: fake host-memory limits of about a GiB (the job's own
-planned process overhead on a CPU is 1 GiB per rank), so the largest model is a few million
+planned process overhead on a CPU is 0.6 GiB per rank), so the largest model is a few million
 parameters and each run takes seconds.
 
 1. The search (the job's own pre-launch plan for size k) is monotone, its k fits and k+1 does not,
@@ -75,7 +75,7 @@ def test_search_monotone_and_agrees_with_the_planner():
 def test_tool_trains_the_largest_and_the_next_size_is_refused(tmp_path):
     out = tmp_path / "edge.json"
     png = tmp_path / "edge.png"
-    host = "1400MiB"
+    host = "940MiB"
     argv = ["--host-memory", host, "--hidden-size", "128", "--num-attention-heads", "4", "--fp32",
             "--seq-length", "16", "--json", str(out), "--png", str(png)]
     res = subprocess.run([sys.executable, TOOL, *argv], capture_output=True, text=True, timeout=300,
@@ -85,7 +85,7 @@ def test_tool_trains_the_largest_and_the_next_size_is_refused(tmp_path):
     r = json.loads(out.read_text())
     ours = r["ours"]
     # the size it ran is the planner's largest (re-planned here, independently of the tool's search)
-    planner = fmm.JobPlanner(fmm.Rule(_tool_args(argv)), 1400 * MiB, 1)
+    planner = fmm.JobPlanner(fmm.Rule(_tool_args(argv)), 940 * MiB, 1)
     k = ours["size"]
     assert planner.fits(k) and not planner.fits(k + 1)
     assert ours["shape"] == {"num_layers": k, "hidden_size": 128, "num_attention_heads": 4}
@@ -136,10 +136,13 @@ def test_deepspeed_estimator_side():
     rng = random.Random(fresh_seed("find_max_model deepspeed estimator"))
     for family, grow in ((rng.choice(["gpt2", "llama"]), rng.choice(["layers", "hidden"])),):
         heads = rng.choice([4, 8])
-        host = rng.randrange(600, 3000) * MiB
-        argv = ["--family", family, "--grow", grow, "--num-attention-heads", str(heads), "--fp32",
-                "--hidden-size", str(heads * 32), "--num-layers", str(rng.randrange(1, 4)), "--seq-length", "16",
-                "--host-memory", f"{host // MiB}MiB", "--skip-run"]
+        shape = ["--family", family, "--grow", grow, "--num-attention-heads", str(heads), "--fp32",
+                 "--hidden-size", str(heads * 32), "--num-layers", str(rng.randrange(1, 4)), "--seq-length", "16"]
+        # memory for 1.3-6x what size 1 needs by the formula below (a llama of size 1 alone, with its
+        # 128256-token vocabulary, needs up to 1.7 GB: a fixed range could hold no size at all)
+        size1 = fmd.hf_params(fmd._model_fields(fmm.Rule(_tool_args(shape + ["--skip-run"])), 1)) * 26
+        host = int(size1 * rng.uniform(1.3, 6)) // MiB * MiB
+        argv = shape + ["--host-memory", f"{host // MiB}MiB", "--skip-run"]
         a = _tool_args(argv)
         rule = fmm.Rule(a)
         count = fmd.ParamCounter(rule)

@@ -17,7 +17,8 @@ peer, never a dependency: it is imported only here, and only when `--deepspeed` 
    by runs: a linear model of the peak in parameters (fixed cost + bytes/param from the runs so far)
    and bisection (doubling while no size fails) take turns proposing the next size (the peak is
    noisy by tens of MiB: the model alone creeps), at most --deepspeed-max-runs runs. DeepSpeed's CPU
-   Adam op is compiled before the first run, so no run's tree includes the compiler.
+   Adam op (and, for several ranks, its shared-memory comm op) is compiled before the first run, so
+   no run's tree includes the compiler.
 
 Run as a worker (`--worker`, under torchrun) it trains one size and writes rank 0's JSON result.
 """
@@ -249,7 +250,14 @@ def find(a, rule, host: int, run_proofs: bool = True) -> dict:
 
         t1 = time.monotonic()
         CPUAdamBuilder().load(verbose=False)
-        print(f"  deepspeed: CPU Adam op ready ({time.monotonic() - t1:.1f}s)", flush=True)
+        if ranks > 1:          # and its shared-memory collectives (built at the first multi-rank init)
+            from deepspeed.accelerator import get_accelerator
+
+            builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+            if builder is not None and builder.is_compatible():
+                builder.load(verbose=False)
+        print(f"  deepspeed: CPU Adam op{' and shared-memory comm op' if ranks > 1 else ''} ready "
+              f"({time.monotonic() - t1:.1f}s)", flush=True)
     budget = host - min(32 * GiB, host // 10)
     out["run_budget_bytes"] = budget
     runs: dict[int, dict] = {}

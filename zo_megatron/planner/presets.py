@@ -22,6 +22,13 @@ def _host_ram_bytes() -> int:
         return 16 * GiB
 
 
+# A CPU (gloo) rank's own resident set, not counting model states or activations: measured by
+# tools/find_max_model.py (docs/memory_planner.md, "The edge, measured") at 0.37-0.38 GiB after
+# imports, process group and data, plus torchrun's launcher at 0.22 GiB per node. 0.6 GiB per rank
+# covers both at one rank and over-counts the launcher by 0.22 GiB per extra rank (the earlier
+# guess, 1 GiB per rank, made the plan 10.6% larger than the measured peak at DP=2).
+CPU_PROCESS_OVERHEAD_BYTES = 614 * MiB
+
 # GPU capacities are what torch.cuda.get_device_properties().total_memory reports (approximately);
 # the CUDA context is a separate line item (device_overhead_bytes).
 HARDWARE_PRESETS: dict[str, dict[str, Any]] = {
@@ -39,7 +46,7 @@ HARDWARE_PRESETS: dict[str, dict[str, Any]] = {
         precision="bf16", description="DGX H100: 8x H100-80GB, 2 TiB host"),
     "cpu": dict(  # CPU runs (gloo): one process per "GPU", all of them in this machine's RAM
         gpu_memory_bytes=None, gpus_per_node=None, host_memory_bytes_per_node=None,
-        device_overhead_bytes=0, host_overhead_bytes_per_rank=1 * GiB, host_reserve_bytes=1 * GiB,
+        device_overhead_bytes=0, host_overhead_bytes_per_rank=CPU_PROCESS_OVERHEAD_BYTES, host_reserve_bytes=1 * GiB,
         device_is_host=True, fused_softmax=False, description="this machine's CPU and RAM (device = host RAM)"),
 }
 

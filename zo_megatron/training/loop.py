@@ -33,6 +33,7 @@ def job_plan_input(args, env, dp: int, vocab_size: int, host_bytes: int | None =
     (`host_bytes`: the host memory to plan for; None: what this node allows, memory_limit_bytes)."""
     from zo_megatron.parallel.launch_env import memory_limit_bytes
     from zo_megatron.planner import GiB, plan_input_from_flags
+    from zo_megatron.planner.presets import CPU_PROCESS_OVERHEAD_BYTES
 
     cuda = torch.cuda.is_available()
     host = memory_limit_bytes() if host_bytes is None else host_bytes
@@ -41,7 +42,7 @@ def job_plan_input(args, env, dp: int, vocab_size: int, host_bytes: int | None =
         gpu_memory_bytes=torch.cuda.get_device_properties(0).total_memory if cuda else host,
         host_memory_bytes_per_node=host, gpus_per_node=env.local_world_size, device_is_host=not cuda,
         device_overhead_bytes=GiB if cuda else 0, host_reserve_bytes=min(32 * GiB, host // 10),
-        host_overhead_bytes_per_rank=(3 if cuda else 1) * GiB)
+        host_overhead_bytes_per_rank=3 * GiB if cuda else CPU_PROCESS_OVERHEAD_BYTES)
 
 
 def job_plan(args, env, dp: int, vocab_size: int, host_bytes: int | None = None):
