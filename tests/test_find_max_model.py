@@ -123,6 +123,41 @@ def test_bad_input_is_one_line_exit_2():
     assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
 
 
+def test_deepspeed_side_taken_from_an_earlier_json(tmp_path):
+    """--deepspeed-from: the DeepSpeed side of an earlier JSON of the same job is reused (the ratio is
+    ours over its proven size); a JSON of a different job or without a DeepSpeed side is refused with
+    one line, exit 2, before anything runs."""
+    rng = random.Random(fresh_seed("find_max_model --deepspeed-from"))
+    host = rng.randrange(1200, 2400)
+    base = ["--hidden-size", "128", "--num-attention-heads", "4", "--fp32", "--seq-length", "16",
+            "--host-memory", f"{host}MiB", "--skip-run"]
+    env = dict(os.environ, PYTHONPATH=ROOT)
+
+    def tool(*argv):
+        return subprocess.run([sys.executable, TOOL, *argv], capture_output=True, text=True, timeout=120,
+                              env=env, cwd=ROOT)
+    earlier = tmp_path / "earlier.json"
+    res = tool(*base, "--json", str(earlier))
+    assert res.returncode == 0, res.stderr
+    res = tool(*base, "--deepspeed-from", str(earlier))          # no DeepSpeed side in it
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1 and "no DeepSpeed side" in res.stderr
+    r = json.loads(earlier.read_text())
+    ds_params = rng.randrange(1, r["ours"]["params"])
+    r["deepspeed"] = dict(proven_size=1, proven_params=ds_params, bracketed=True, runs={})
+    earlier.write_text(json.dumps(r))
+    out = tmp_path / "now.json"
+    res = tool(*base, "--deepspeed-from", str(earlier), "--json", str(out))
+    assert res.returncode == 0, res.stderr
+    now = json.loads(out.read_text())
+    assert now["deepspeed"]["taken_from"] == str(earlier) and now["deepspeed"]["proven_params"] == ds_params
+    assert now["ours_over_deepspeed"] == now["ours"]["params"] / ds_params
+    for other in (["--data-parallel", "2"], ["--bf16"], ["--host-memory", f"{host + 1}MiB"]):
+        argv = [x for x in base if x != "--fp32"] + (["--fp32"] if other != ["--bf16"] else []) + other
+        res = tool(*argv, "--deepspeed-from", str(earlier))
+        assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1 and "different job" in res.stderr, \
+            (other, res.stderr)
+
+
 def test_deepspeed_estimator_side():
     """--deepspeed's estimator step (no runs): its size is the largest whose model states, by
     DeepSpeed's ZeRO-2 offload formula written out here (host 1.5 x max(4 x GPUs, 16) bytes/param,

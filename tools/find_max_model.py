@@ -127,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", metavar="OUT.json", default=None)
     g.add_argument("--png", metavar="OUT.png", default=None)
     g.add_argument("--deepspeed-max-runs", type=int, default=6, help="runs the DeepSpeed search may take")
+    g.add_argument("--deepspeed-from", metavar="EARLIER.json", default=None,
+                   help="take the DeepSpeed side from an earlier --deepspeed JSON of the same rule, layout, "
+                        "precision and memory instead of re-running it (it does not depend on our planner)")
     g.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     return p
 
@@ -411,7 +414,12 @@ def plot(result: dict, path: str) -> None:
             ("activations\n+ transients", pl["activations"] + pl["framework_overhead"],
              me.get("activations_and_transients")),
             ("total\n(tree peak RSS)", c["planned_total_bytes"], me.get("tree_peak_rss"))]
-    fig, ax = plt.subplots(figsize=(8, 4.2))
+    ds_runs = (result.get("deepspeed") or {}).get("runs")
+    if ds_runs:
+        fig, (ax, ax2) = plt.subplots(1, 2, figsize=(14, 4.6), gridspec_kw=dict(width_ratios=[1.25, 1]))
+        _plot_against_deepspeed(ax2, result)
+    else:
+        fig, ax = plt.subplots(figsize=(8, 4.2))
     xs = range(len(rows))
     ax.bar([x - 0.2 for x in xs], [r[1] / GiB for r in rows], 0.4, label="planned")
     ax.bar([x + 0.2 for x in xs], [(r[2] or 0) / GiB for r in rows], 0.4, label="measured")
@@ -428,7 +436,56 @@ def plot(result: dict, path: str) -> None:
     plt.close(fig)
 
 
+def _plot_against_deepspeed(ax, result: dict) -> None:
+    """Tree peak RSS against parameters: our largest model's run, each DeepSpeed run, the budget."""
+    d = result["deepspeed"]
+    budget = d["run_budget_bytes"] / GiB
+    ax.axhline(budget, color="gray", ls="--", lw=1)
+    ax.text(0.01, budget, f" budget {budget:.2f} GiB (host less the OS reserve)", va="bottom", fontsize=8,
+            transform=ax.get_yaxis_transform())
+    for k, r in sorted(d["runs"].items(), key=lambda kv: int(kv[0])):
+        fit = r["fits"]
+        ax.plot(r["params"] / 1e6, r["peak_tree_rss_bytes"] / GiB, "s", ms=8, color="tab:red",
+                mfc="tab:red" if fit else "none")
+        ax.annotate(f"DS k={k}: {'fits' if fit else 'over'}", (r["params"] / 1e6, r["peak_tree_rss_bytes"] / GiB),
+                    textcoords="offset points", xytext=(6, -10), fontsize=8)
+    o = result["ours"]
+    if o.get("run"):
+        ax.plot(o["params"] / 1e6, o["run"]["peak_tree_rss_bytes"] / GiB, "o", ms=9, color="tab:blue")
+        ax.annotate(f"ours k={o['size']}: trained", (o["params"] / 1e6, o["run"]["peak_tree_rss_bytes"] / GiB),
+                    textcoords="offset points", xytext=(6, 4), fontsize=8)
+    ratio = result.get("ours_over_deepspeed")
+    ax.set_title("largest trained: ours vs DeepSpeed ZeRO-2 offload (filled: fits)"
+                 + (f"; ours / DeepSpeed = {ratio:.2f}x" if ratio else ""), fontsize=9)
+    ax.margins(x=0.2, y=0.15)
+    ax.set_xlabel("parameters (M)")
+    ax.set_ylabel("process tree peak RSS (GiB)")
+    ax.grid(alpha=0.3)
+
+
 # ------------------------------------------------------------------------------------------------
+
+SAME_JOB_KEYS = ("family", "grow", "precision", "tensor_parallel", "data_parallel", "seq_length", "micro_batch_size",
+                 "host_memory_bytes")
+
+
+def earlier_deepspeed_side(path: str, result: dict) -> dict:
+    """The DeepSpeed side of an earlier run of this tool, if it measured the same thing."""
+    try:
+        with open(path) as f:
+            old = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--deepspeed-from {path}: not a JSON file this tool wrote ({exc})") from None
+    if "deepspeed" not in old:
+        raise ValueError(f"--deepspeed-from {path}: it has no DeepSpeed side (run that one with --deepspeed)")
+    differ = [k for k in SAME_JOB_KEYS if old.get(k) != result.get(k)]
+    if old.get("ours", {}).get("rule") != result["rule"]:
+        differ.append("rule")
+    if differ:
+        raise ValueError(f"--deepspeed-from {path}: it measured a different job ({', '.join(differ)} differ); "
+                         "give the same rule, layout, precision and --host-memory")
+    return old["deepspeed"]
+
 
 def main(argv=None) -> int:
     parser = build_parser()
@@ -446,6 +503,12 @@ def main(argv=None) -> int:
         ranks = a.tensor_parallel * a.data_parallel
         planner = JobPlanner(rule, host, ranks, a.device_memory)
         planner.plan(1)                              # the job's own one-line checks of these flags, now
+        earlier_ds = None
+        if a.deepspeed_from:
+            earlier_ds = earlier_deepspeed_side(a.deepspeed_from, dict(
+                family=a.family, grow=a.grow, precision=a.precision, tensor_parallel=a.tensor_parallel,
+                data_parallel=a.data_parallel, seq_length=a.seq_length, micro_batch_size=a.micro_batch_size,
+                host_memory_bytes=host, rule=rule.describe()))
     except (ValueError, SystemExit) as exc:
         if isinstance(exc, SystemExit) and exc.code in (0, None):
             raise
@@ -501,14 +564,18 @@ def main(argv=None) -> int:
             r.pop("records")
         result["ours"].update(trained=trained, run=run, comparison=cmp_, next_size_refused=refused, next_run=nxt)
         ok = trained and refused
-    if a.json and a.deepspeed:          # ours is known: keep it even if the DeepSpeed side is interrupted
+    if a.json and a.deepspeed and not a.deepspeed_from:   # ours is known: keep it even if the DeepSpeed side is interrupted
         with open(a.json, "w") as f:
             json.dump(result, f, indent=1, default=str)
-    if a.deepspeed:
+    if a.deepspeed_from:
+        result["deepspeed"] = dict(earlier_ds, taken_from=a.deepspeed_from)
+        print(f"  deepspeed: taken from {a.deepspeed_from} (largest k = {result['deepspeed'].get('proven_size')})")
+    elif a.deepspeed:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         import find_max_model_deepspeed as fmd
 
         result["deepspeed"] = fmd.find(a, rule, host, run_proofs=not a.skip_run)
+    if "deepspeed" in result:
         d = result["deepspeed"]
         if d.get("proven_params"):          # proven by a run (a lower bound on DeepSpeed when not bracketed)
             result["ours_over_deepspeed"] = p.params_total / d["proven_params"]
@@ -521,6 +588,8 @@ def main(argv=None) -> int:
             basis = "DeepSpeed's estimator only, not run"
         else:
             basis = None
+        if basis and a.skip_run:
+            basis = "DeepSpeed: " + basis + "; ours: planned only, --skip-run"
         if basis:
             ds = d.get("proven_params") or d["estimator_params"]
             print(f"  ours / DeepSpeed: {p.params_total / 1e6:.1f}M / {ds / 1e6:.1f}M = {p.params_total / ds:.2f}x"
