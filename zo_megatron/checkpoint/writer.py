@@ -7,8 +7,10 @@ conversion never leaves something that looks finished. A non-empty target is ref
 
 `write_checkpoint` produces the same layout as the job's save (layout.py): DCP data, checkpoint.json
 with sizes and CRC-32s, RNG files, `latest`. Tensors are declared as boxes -- each parameter split
-into the TP shards of the target layout -- and fetched one box at a time while DCP writes, so
-a model larger than memory streams through.
+into the TP shards of the target layout -- and fetched one box at a time while DCP writes. DCP's
+FileSystemWriter keeps every tensor it has resolved for a file until that file is finished, so
+the peak is about the largest output data file, not one box: a model larger than
+memory does not yet stream through (the job's own save aliases its pieces instead, planner.py).
 """
 from __future__ import annotations
 
@@ -104,7 +106,8 @@ class TensorSpec:
 
 
 class _StreamingSavePlanner(BoxSavePlanner):
-    """BoxSavePlanner whose pieces are fetched when DCP writes them, not held in memory."""
+    """BoxSavePlanner whose pieces are fetched when DCP writes them (DCP then holds them until
+    their file is written: see the module docstring)."""
 
     def __init__(self, specs: list[TensorSpec], fetch: Callable[[str, Box], torch.Tensor],
                  progress: Callable[[int, int], None] | None):

@@ -407,7 +407,6 @@ def _train(args, env, ps, tokenizer, data_path, cpu_adam_threads: int) -> int:
         stack.callback(optimizer.close)
         setup_memory["optimizer"] = proc_memory_bytes()
         acc = getattr(optimizer, "accounting", None)
-        metrics.log_setup_memory(setup_memory, acc.as_dict() if acc is not None else None)
         timeline = Timeline(args.timeline, ps.rank, ps.world_size, ps.device) if args.timeline else None
         if timeline is not None:
             stack.callback(timeline.close)
@@ -416,6 +415,8 @@ def _train(args, env, ps, tokenizer, data_path, cpu_adam_threads: int) -> int:
         if args.load:
             start_iter, consumed, consumed_valid = _resume(args, ps, model, optimizer, cfg.vocab_size,
                                                            tokenizer.vocab_size, model_meta, metrics)
+            setup_memory["load"] = proc_memory_bytes()      # its hwm: what reading the checkpoint peaked at
+        metrics.log_setup_memory(setup_memory, acc.as_dict() if acc is not None else None)
         _banner(metrics, args, ps, cfg, optimizer, data_path, time.monotonic() - t_start)
         if args.dpu:
             first_delayed = start_iter + max(1, args.dpu_warmup_steps - optimizer.step_count)
@@ -442,6 +443,7 @@ def _train(args, env, ps, tokenizer, data_path, cpu_adam_threads: int) -> int:
             nonlocal saved_at
             optimizer.flush()              # a checkpoint holds no pending update: resume is exact
             t_save = paused = time.monotonic()   # as Megatron: saving stays out of the interval timer
+            mem_before_save = proc_memory_bytes()
             try:
                 with inject.saving(iteration):
                     path = save_checkpoint(
@@ -462,7 +464,7 @@ def _train(args, env, ps, tokenizer, data_path, cpu_adam_threads: int) -> int:
                     f"and stays latest: free space or fix the directory, then resume with --load {args.save}") \
                     from None
             saved_at = iteration
-            metrics.print(f" saved checkpoint {path} in {time.monotonic() - t_save:.2f}s")
+            metrics.log_save(iteration, path, time.monotonic() - t_save, mem_before_save, proc_memory_bytes())
             window["t"] += time.monotonic() - paused
 
         scheduler = LRScheduler.from_args(args)

@@ -168,7 +168,8 @@ class Metrics:
 
     def log_setup_memory(self, phases: dict[str, dict[str, int]], accounting: dict | None = None) -> None:
         """One `"kind": "setup_memory"` JSONL record: this rank's resident set (rss) and its peak
-        so far (hwm) after each set-up phase (process start, data, model built, optimizer built), and
+        so far (hwm) after each set-up phase (process start, data, model built, optimizer built, and
+        with --load the checkpoint read), and
         the optimizer's own byte accounting by component (offload/accounting.py): what
         tools/find_max_model.py compares with the planner's process overhead and model states."""
         if self.enabled:
@@ -176,6 +177,17 @@ class Metrics:
             if self._jsonl is not None:
                 self._jsonl.write(json.dumps({"kind": "setup_memory", "iteration": 0, "phases": phases,
                                               "accounting": accounting}) + "\n")
+
+    def log_save(self, iteration: int, path: str, seconds: float, before: dict[str, int], after: dict[str, int]) -> None:
+        """The save's line, and a `"kind": "save"` JSONL record with its duration and this rank's
+        resident set and peak (rss, hwm) before and after it: a save must not hold a second copy of
+        the model states (tests/test_load_peak.py)."""
+        self.print(f" saved checkpoint {path} in {seconds:.2f}s")
+        if self.enabled:
+            self._open()
+            if self._jsonl is not None:
+                self._jsonl.write(json.dumps({"kind": "save", "iteration": iteration, "path": path, "seconds": seconds,
+                                              "memory_before": before, "memory_after": after}) + "\n")
 
     def _write(self, row: dict, kind: str) -> None:
         self._open()
