@@ -14,9 +14,9 @@
 #                       activations 0.06, logits phase 0.39 (the 50257-wide output layer
 #                       dominates: 16-bit logits 0.10 + fp32 cross-entropy copy 0.19 + pad-column
 #                       mask 0.10), fragmentation 0.04
-#   host per machine  : 3.21 GiB (model states 2 x 108.2 MiB = 0.21 GiB, the engine reports the
-#                       same 108.2 MiB per rank; 2 processes x 1 GiB; 1 GiB reserve);
-#                       everything together 2 x 0.54 + 3.21 = ~4.3 GiB of RAM.
+#   host per machine  : 2.41 GiB (model states 2 x 108.2 MiB = 0.21 GiB, the engine reports the
+#                       same 108.2 MiB per rank; 2 processes x 0.6 GiB; 1 GiB reserve);
+#                       everything together 2 x 0.54 + 2.41 = ~3.5 GiB of RAM.
 set -euo pipefail
 cd "${ZO_ROOT:-$(dirname "$0")/..}"
 TORCHRUN="${TORCHRUN:-torchrun}"

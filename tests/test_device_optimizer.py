@@ -36,16 +36,18 @@ def _tail(seed):
     from zo_megatron.optimizer_api import AdamConfig
 
     gen = torch.Generator().manual_seed(seed)
-    named = []
-    for i in range(10):
-        w = torch.nn.Parameter(torch.zeros(int(torch.randint(3, 40, (1,), generator=gen)), 24))
-        b = torch.nn.Parameter(torch.zeros(24))
-        w.tensor_model_parallel = bool(i % 2)
-        named += [(f"l{i}.weight", w), (f"l{i}.bias", b)]
-    layout = FlatLayout(named, dp_size=2, dp_rank=1, tp_rank=1, bucket_size=400)
-    flat = torch.zeros(layout.numel)
-    tail = DeviceOptimizerTail(layout, 0, torch.device("cpu"), AdamConfig(), flat, 1)   # all on the device
-    assert sum(1 for p in tail.pieces if p[3]) >= 2 and sum(1 for p in tail.pieces if not p[3]) >= 2
+    while True:     # draw shapes until this rank's partition holds >= 2 counted and >= 2 uncounted pieces
+        named = []
+        for i in range(10):
+            w = torch.nn.Parameter(torch.zeros(int(torch.randint(3, 40, (1,), generator=gen)), 24))
+            b = torch.nn.Parameter(torch.zeros(24))
+            w.tensor_model_parallel = bool(i % 2)
+            named += [(f"l{i}.weight", w), (f"l{i}.bias", b)]
+        layout = FlatLayout(named, dp_size=2, dp_rank=1, tp_rank=1, bucket_size=400)
+        flat = torch.zeros(layout.numel)
+        tail = DeviceOptimizerTail(layout, 0, torch.device("cpu"), AdamConfig(), flat, 1)   # all on the device
+        if sum(1 for p in tail.pieces if p[3]) >= 2 and sum(1 for p in tail.pieces if not p[3]) >= 2:
+            break
     tail.grad.copy_(torch.randn(tail.grad.numel(), generator=gen) * 10.0 ** torch.randint(-3, 4, (1,), generator=gen))
     return tail
 
