@@ -465,12 +465,9 @@ def _plot_against_deepspeed(ax, result: dict) -> None:
 
 # ------------------------------------------------------------------------------------------------
 
-SAME_JOB_KEYS = ("family", "grow", "precision", "tensor_parallel", "data_parallel", "seq_length", "micro_batch_size",
-                 "host_memory_bytes")
-
-
-def earlier_deepspeed_side(path: str, result: dict) -> dict:
-    """The DeepSpeed side of an earlier run of this tool, if it measured the same thing."""
+def earlier_deepspeed_side(path: str, job: dict, rule: str) -> dict:
+    """The DeepSpeed side of an earlier run of this tool, if it measured the same job (`job`: the
+    fields this run writes at the top of its JSON; `rule`: its shape rule)."""
     try:
         with open(path) as f:
             old = json.load(f)
@@ -478,8 +475,8 @@ def earlier_deepspeed_side(path: str, result: dict) -> dict:
         raise ValueError(f"--deepspeed-from {path}: not a JSON file this tool wrote ({exc})") from None
     if "deepspeed" not in old:
         raise ValueError(f"--deepspeed-from {path}: it has no DeepSpeed side (run that one with --deepspeed)")
-    differ = [k for k in SAME_JOB_KEYS if old.get(k) != result.get(k)]
-    if old.get("ours", {}).get("rule") != result["rule"]:
+    differ = [k for k in job if old.get(k) != job[k]]
+    if old.get("ours", {}).get("rule") != rule:
         differ.append("rule")
     if differ:
         raise ValueError(f"--deepspeed-from {path}: it measured a different job ({', '.join(differ)} differ); "
@@ -503,12 +500,10 @@ def main(argv=None) -> int:
         ranks = a.tensor_parallel * a.data_parallel
         planner = JobPlanner(rule, host, ranks, a.device_memory)
         planner.plan(1)                              # the job's own one-line checks of these flags, now
-        earlier_ds = None
-        if a.deepspeed_from:
-            earlier_ds = earlier_deepspeed_side(a.deepspeed_from, dict(
-                family=a.family, grow=a.grow, precision=a.precision, tensor_parallel=a.tensor_parallel,
-                data_parallel=a.data_parallel, seq_length=a.seq_length, micro_batch_size=a.micro_batch_size,
-                host_memory_bytes=host, rule=rule.describe()))
+        job = dict(family=a.family, grow=a.grow, precision=a.precision, tensor_parallel=a.tensor_parallel,
+                   data_parallel=a.data_parallel, seq_length=a.seq_length, micro_batch_size=a.micro_batch_size,
+                   host_memory_bytes=host)
+        earlier_ds = earlier_deepspeed_side(a.deepspeed_from, job, rule.describe()) if a.deepspeed_from else None
     except (ValueError, SystemExit) as exc:
         if isinstance(exc, SystemExit) and exc.code in (0, None):
             raise
@@ -532,9 +527,7 @@ def main(argv=None) -> int:
     for r in p.reasons:
         print(f"    {r}")
     result = dict(tool="tools/find_max_model.py", argv=sys.argv[1:] if argv is None else list(argv),
-                  family=a.family, grow=a.grow, precision=a.precision, tensor_parallel=a.tensor_parallel,
-                  data_parallel=a.data_parallel, seq_length=a.seq_length, micro_batch_size=a.micro_batch_size,
-                  host_memory_bytes=host, device_is_host=not cuda, machine=machine(),
+                  **job, device_is_host=not cuda, machine=machine(),
                   ours=dict(rule=rule.describe(), size=k, shape=rule.shape(k), params=p.params_total,
                             job_flags=rule.job_flags(k), planned_fits=True, next_size_params=p_next.params_total,
                             plan_reasons=p.reasons, next_size_plan_reasons=p_next.reasons,

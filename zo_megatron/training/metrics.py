@@ -173,10 +173,7 @@ class Metrics:
         the optimizer's own byte accounting by component (offload/accounting.py): what
         tools/find_max_model.py compares with the planner's process overhead and model states."""
         if self.enabled:
-            self._open()
-            if self._jsonl is not None:
-                self._jsonl.write(json.dumps({"kind": "setup_memory", "iteration": 0, "phases": phases,
-                                              "accounting": accounting}) + "\n")
+            self._write_jsonl({"kind": "setup_memory", "iteration": 0, "phases": phases, "accounting": accounting})
 
     def log_save(self, iteration: int, path: str, seconds: float, before: dict[str, int], after: dict[str, int]) -> None:
         """The save's line, and a `"kind": "save"` JSONL record with its duration and this rank's
@@ -184,15 +181,16 @@ class Metrics:
         the model states (tests/test_load_peak.py)."""
         self.print(f" saved checkpoint {path} in {seconds:.2f}s")
         if self.enabled:
-            self._open()
-            if self._jsonl is not None:
-                self._jsonl.write(json.dumps({"kind": "save", "iteration": iteration, "path": path, "seconds": seconds,
-                                              "memory_before": before, "memory_after": after}) + "\n")
+            self._write_jsonl({"kind": "save", "iteration": iteration, "path": path, "seconds": seconds,
+                               "memory_before": before, "memory_after": after})
 
-    def _write(self, row: dict, kind: str) -> None:
+    def _write_jsonl(self, record: dict) -> None:
         self._open()
         if self._jsonl is not None:
-            self._jsonl.write(json.dumps({"kind": kind, **row}) + "\n")
+            self._jsonl.write(json.dumps(record) + "\n")
+
+    def _write(self, row: dict, kind: str) -> None:
+        self._write_jsonl({"kind": kind, **row})
         if self._tb is not None:
             it = row["iteration"]
             for k, v in row.items():
