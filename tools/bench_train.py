@@ -91,8 +91,12 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
+for _path in (REPO, os.path.join(REPO, "tools")):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+from bench_loss_check import (BF16_RTOL, CHANGE_RTOL, FP32_RTOL, UPDATE_GROUPS, VISIBLE,  # noqa: E402,F401
+                              check_losses, update_sums)
 
 VARIANTS = ("zo_offload", "zo_offload_f0.5", "zo_baseline", "torch_ddp", "deepspeed_offload")
 # The CPU-step schedules (docs/overlap.md), on request: --variants zo_offload,zo_offload_overlap,zo_offload_dpu
@@ -100,15 +104,6 @@ SCHEDULE_VARIANTS = ("zo_offload_overlap", "zo_offload_dpu")
 HF_VARIANTS = ("torch_ddp", "deepspeed_offload")
 REGIMES = {"compute-bound": dict(seq=256, micro_batch=4), "optimizer-bound": dict(seq=32, micro_batch=1)}
 BETAS, EPS, WD = (0.9, 0.95), 1e-8, 0.1
-FP32_RTOL, BF16_RTOL = 1e-4, 2e-2
-# The loss check (check_losses) compares what each variant's steps did to the held-out loss, not
-# only where it ended: bf16's 2e-2 on loss_after passed an engine that never updated (the steps
-# move the loss by well under 2%). CHANGE_RTOL: the largest error in the loss change, relative to
-# the reference change, that passes; VISIBLE: the reference change must exceed this many times
-# the variants' disagreement before any step (and 1e-6 of the loss), or the check cannot tell an
-# update from none and says INCONCLUSIVE (raise --lr or --steps), which fails like a mismatch.
-CHANGE_RTOL = {"fp32": 0.02, "bf16": 0.2}
-VISIBLE = 10.0
 # (layers, hidden, heads) for --sweep: ~10M .. ~1.3B parameters (vocab 50257)
 SWEEP_SHAPES = ((2, 128, 4), (6, 512, 8), (12, 768, 12), (24, 1024, 16), (24, 1536, 16), (24, 2048, 16))
 
@@ -292,6 +287,11 @@ class _Variant:
     def info(self) -> dict:
         raise NotImplementedError
 
+    def weighted_params(self) -> list:
+        """(parameter the forward uses, what this rank's copy counts for) pairs: summed over the
+        ranks, each parameter of the model counts once (the update check's norms)."""
+        raise NotImplementedError
+
     def close(self) -> None:
         pass
 
@@ -387,6 +387,12 @@ class _ZoVariant(_Variant):
         with torch.no_grad(), self.opt.forward_context():
             return self.model.loss(tokens, labels).item()
 
+    def weighted_params(self):
+        # TP-split pieces are counted by their own TP rank, replicated ones by TP rank 0; DP replicas share
+        ps = self.ctx.ps
+        return [(p, (1.0 if getattr(p, "tensor_model_parallel", False) or ps.tp_rank == 0 else 0.0) / ps.dp_size)
+                for p in self.model.parameters()]
+
     def info(self):
         acc = self.opt.accounting
         return dict(comm_bytes_per_rank=int(acc.sent_bytes), device_state_bytes=int(acc.device_model_state_bytes),
@@ -442,6 +448,9 @@ class _DDPVariant(_Variant):
 
         with torch.no_grad(), self.autocast:
             return _hf_loss(self.model(input_ids=tokens, use_cache=False).logits, labels).item()
+
+    def weighted_params(self):
+        return [(p, 1.0 / self.ctx.world) for p in self.model.parameters()]       # every rank: a replica
 
     def info(self):
         n, w = self.n, self.ctx.world
@@ -499,6 +508,9 @@ class _DeepSpeedVariant(_Variant):
 
         with torch.no_grad():
             return _hf_loss(self.engine.module(input_ids=tokens, use_cache=False).logits, labels).item()
+
+    def weighted_params(self):
+        return [(p, 1.0 / self.ctx.world) for p in self.engine.module.parameters()]
 
     def info(self):
         n, w, e = self.n, self.ctx.world, self.esz
@@ -597,6 +609,8 @@ def _rank_main(rank, job, port, out_path):
     eval_batch = (torch.randint(0, args.vocab, (2, seq), generator=gen).to(dev),
                   torch.randint(0, args.vocab, (2, seq), generator=gen).to(dev))
     before = {v: variants[v].eval_loss(*eval_batch) for v in names}
+    # the update check's "before": each variant's parameters as its forward uses them, on the host
+    start = {v: [(p.detach().to("cpu", copy=True), w) for p, w in variants[v].weighted_params()] for v in names}
     records = {v: [] for v in names}
     losses = {v: [] for v in names}
     load = [os.getloadavg()[0]]
@@ -622,7 +636,15 @@ def _rank_main(rank, job, port, out_path):
             print(f"  step {i + 1}/{total}{' (warm-up)' if i < args.warmup else ''}, rank 0: {done}",
                   file=sys.stderr, flush=True)
     infos = {v: variants[v].info() for v in names}
-    evals = {v: variants[v].eval_loss(*eval_batch) for v in names}
+    evals = {v: variants[v].eval_loss(*eval_batch) for v in names}      # (DPU: flushes the last update)
+    updates = {}
+    for v in names:
+        now = variants[v].weighted_params()
+        assert len(now) == len(start[v]), f"{v}: the parameter list changed during the steps"
+        sums = torch.tensor(update_sums((b, p, w) for (b, w), (p, _) in zip(start[v], now)), dtype=torch.float64)
+        collectives.all_reduce(sums, "sum")
+        updates[v] = {f"update_norm_{g}": float(x) ** 0.5 for g, x in zip(UPDATE_GROUPS, sums.tolist())}
+    del start
     # the world's step is its slowest rank's: MAX over ranks, per step and phase
     for v in names:
         keys = sorted(records[v][0])
@@ -638,7 +660,7 @@ def _rank_main(rank, job, port, out_path):
             precision=precision, regime=regime, seq=seq, micro_batch=mb,
             tokens_per_step=mb * seq * (world if hf else dp), step_times_s=per, loss_after=evals[v],
             loss_before=before[v], world_tp=tp, world_dp=dp, loss_first=losses[v][0], loss_last_step=float(loss_t.item()) / world,
-            **infos[v]))
+            **updates[v], **infos[v]))
     result["threads"] = threads
     result["device"] = str(dev)
     result["device_name"] = torch.cuda.get_device_name(dev) if dev.type == "cuda" else None
@@ -677,7 +699,6 @@ def _split_cpus() -> tuple[int, int]:
 
 def _write_timelines(path: str, variants: dict, precision: str, regime: str) -> None:
     """Each offload variant's per-step phases as --timeline JSON lines + a PNG (plot_timeline)."""
-    sys.path.insert(0, os.path.join(REPO, "tools"))
     from plot_timeline import plot
 
     for name, v in variants.items():
@@ -780,44 +801,6 @@ def _flops_per_step(row, args) -> float:
     from zo_megatron.training.metrics import flops_per_token
 
     return float(flops_per_token(args.layers, args.hidden, row["seq"], args.vocab, None) * row["tokens_per_step"])
-
-
-def check_losses(members: list[dict], precision: str) -> None:
-    """Set loss_check (and loss_rel_diff, loss_change, loss_change_ref, loss_change_err, loss_rtol)
-    on rows that started from the same weights and saw the same batches.
-
-    Each row's loss change (loss_before - loss_after on the held-out batch) is compared with the
-    median change of the group: a row passes when its change is within CHANGE_RTOL[precision] of
-    the reference change (and, in fp32, its loss_after within FP32_RTOL of the median). So a
-    variant that does not update (change 0: error 100%) or updates only part of the model fails,
-    provided the reference change is visible: at least VISIBLE times the spread of loss_before
-    (the precision schemes' own disagreement) and 1e-6 of the loss; otherwise every row says
-    INCONCLUSIVE, which fails the run like a mismatch."""
-    rtol = FP32_RTOL if precision == "fp32" else BF16_RTOL
-    change_rtol = CHANGE_RTOL.get(precision, CHANGE_RTOL["bf16"])
-    before = _median([x["loss_before"] for x in members])
-    after = _median([x["loss_after"] for x in members])
-    ref_change = _median([x["loss_before"] - x["loss_after"] for x in members])
-    noise = max(max(abs(x["loss_before"] - before) for x in members), 1e-6 * abs(before))
-    for x in members:
-        change = x["loss_before"] - x["loss_after"]
-        rel = abs(x["loss_after"] - after) / abs(after)
-        x.update(loss_rel_diff=rel, loss_rtol=rtol, loss_change=change, loss_change_ref=ref_change,
-                 loss_change_rtol=change_rtol)
-        if abs(ref_change) < VISIBLE * noise:
-            x["loss_change_err"] = None
-            x["loss_check"] = (f"INCONCLUSIVE (the steps moved the loss by {ref_change:.2e}, under {VISIBLE:g}x the "
-                               f"variants' disagreement before them, {noise:.1e}): raise --lr or --steps")
-            continue
-        err = abs(change - ref_change) / abs(ref_change)
-        x["loss_change_err"] = err
-        if err > change_rtol:
-            x["loss_check"] = (f"DIFFERS (loss change {change:.3e} vs {ref_change:.3e}: {err:.1%} off > "
-                               f"{change_rtol:.0%})")
-        elif precision == "fp32" and rel > rtol:
-            x["loss_check"] = f"DIFFERS ({rel:.1e} > {rtol:g})"
-        else:
-            x["loss_check"] = "ok"
 
 
 def summarize(res: dict, args, cpus: int) -> list[dict]:
