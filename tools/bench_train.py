@@ -39,11 +39,13 @@ mapped to HF names with zo_megatron/checkpoint/hf/gpt2.py), sees the same batche
 one stream per DP rank), clips the global gradient norm at --clip-grad (1.0) and uses the same AdamW
 (betas 0.9/0.95, eps 1e-8, weight decay 0.1 on matrices only, the same lr). After the steps each
 variant's loss on a fixed held-out batch is reported (`loss_after`), and its change since before
-the steps is checked against the group's median change (check_losses): within 2% in fp32 (and
-loss_after within 1e-4), within 20% in bf16, where each engine runs its own mixed-precision scheme
-(ours: bf16 weights; DDP / zo_baseline: autocast; DeepSpeed: bf16 module with fp32 master). A
-variant that does not update, or updates only part of the model, fails; so does a run whose steps
-do not move the loss visibly (INCONCLUSIVE).
+the steps is checked against the group's median change (check_losses, tools/bench_loss_check.py):
+within 2% in fp32 (and loss_after within 1e-4), within 20% in bf16, where each engine runs its own
+mixed-precision scheme (ours: bf16 weights; DDP / zo_baseline: autocast; DeepSpeed: bf16 module
+with fp32 master); so is the norm of its parameters' change over the matrices and over the vectors
+(`update_norm_matrices`, `update_norm_vectors`; 1e-3 in fp32, 3% / 10% in bf16). A variant that
+does not update, updates only half of the model or skips its biases fails; so does a run whose
+steps do not move the loss visibly (INCONCLUSIVE).
 
 Worlds: `1`, `dp2`, `tp2`, `tp2dp2` (or `tpXdpY`), one process per rank, spawned by this tool
 (torch.multiprocessing, gloo on 127.0.0.1 / NCCL for CUDA tensors). HF transformers' GPT-2 has
