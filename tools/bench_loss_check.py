@@ -38,10 +38,6 @@ UPDATE_RTOL = {"fp32": {"matrices": 1e-3, "vectors": 1e-3}, "bf16": {"matrices":
 UPDATE_GROUPS = ("matrices", "vectors")
 
 
-def _median(xs):
-    return statistics.median(xs)
-
-
 def update_sums(pairs) -> list[float]:
     """Sums of squares of (after - before) over (before, after, weight) triples, per group.
 
@@ -55,21 +51,18 @@ def update_sums(pairs) -> list[float]:
     return sums
 
 
-def _update_verdict(x: dict, members: list[dict], precision: str) -> str | None:
-    """A DIFFERS line when one of the row's update norms is off the group's median; else None."""
-    rtol = UPDATE_RTOL.get(precision, UPDATE_RTOL["bf16"])
-    for g in UPDATE_GROUPS:
+def _update_verdict(x: dict, refs: dict[str, float], rtol: dict[str, float]) -> str | None:
+    """Set the row's update_err_<group> against the group medians `refs`; a DIFFERS line for the
+    first group off by more than its tolerance, else None."""
+    verdict = None
+    for g, ref in refs.items():
         key = f"update_norm_{g}"
-        if x.get(key) is None:
+        if x.get(key) is None or ref <= 0:
             continue
-        ref = _median([m[key] for m in members])
-        if ref <= 0:
-            continue
-        err = abs(x[key] - ref) / ref
-        x[f"update_err_{g}"] = err
-        if err > rtol[g]:
-            return f"DIFFERS (parameter change of the {g}: norm {x[key]:.3e} vs {ref:.3e}: {err:.1%} off > {rtol[g]:.0%})"
-    return None
+        err = x[f"update_err_{g}"] = abs(x[key] - ref) / ref
+        if err > rtol[g] and verdict is None:
+            verdict = f"DIFFERS (parameter change of the {g}: norm {x[key]:.3e} vs {ref:.3e}: {err:.1%} off > {rtol[g]:.0%})"
+    return verdict
 
 
 def check_losses(members: list[dict], precision: str) -> None:
@@ -86,9 +79,13 @@ def check_losses(members: list[dict], precision: str) -> None:
     the loss; otherwise every row says INCONCLUSIVE, which fails the run like a mismatch."""
     rtol = FP32_RTOL if precision == "fp32" else BF16_RTOL
     change_rtol = CHANGE_RTOL.get(precision, CHANGE_RTOL["bf16"])
-    before = _median([x["loss_before"] for x in members])
-    after = _median([x["loss_after"] for x in members])
-    ref_change = _median([x["loss_before"] - x["loss_after"] for x in members])
+    median = statistics.median
+    before = median([x["loss_before"] for x in members])
+    after = median([x["loss_after"] for x in members])
+    ref_change = median([x["loss_before"] - x["loss_after"] for x in members])
+    update_refs = {g: median([x[f"update_norm_{g}"] for x in members]) for g in UPDATE_GROUPS
+                   if all(x.get(f"update_norm_{g}") is not None for x in members)}
+    update_rtol = UPDATE_RTOL.get(precision, UPDATE_RTOL["bf16"])
     noise = max(max(abs(x["loss_before"] - before) for x in members), 1e-6 * abs(before))
     for x in members:
         change = x["loss_before"] - x["loss_after"]
@@ -102,7 +99,7 @@ def check_losses(members: list[dict], precision: str) -> None:
             continue
         err = abs(change - ref_change) / abs(ref_change)
         x["loss_change_err"] = err
-        update = _update_verdict(x, members, precision)
+        update = _update_verdict(x, update_refs, update_rtol)
         if err > change_rtol:
             x["loss_check"] = (f"DIFFERS (loss change {change:.3e} vs {ref_change:.3e}: {err:.1%} off > "
                                f"{change_rtol:.0%})")
