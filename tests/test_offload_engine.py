@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.fp32_bounds import assert_fp32_weights_match
 from tests.harness import run_world
 from tests.seeds import fresh_seed
 
@@ -92,15 +93,16 @@ def _train_world(rank, tp, precision, seed, accum=ACCUM, engine_kw=None, overflo
                 scales=scales) if rank == 0 else None
 
 
-def _reference(init, seed, dp, accum=ACCUM, skip_step=None):
-    """Single process, fp32: HF GPT-2 + torch.optim.AdamW + clip_grad_norm_ on the global batch
-    (`skip_step`: that step's update is dropped, as an overflowing fp16 step is)."""
+def _reference(init, seed, dp, accum=ACCUM, skip_step=None, dtype=torch.float64):
+    """Single process: HF GPT-2 + torch.optim.AdamW + clip_grad_norm_ on the global batch
+    (`skip_step`: that step's update is dropped, as an overflowing fp16 step is). float64 by
+    default; in fp32 it measures torch's own rounding on this trajectory (tests/fp32_bounds.py)."""
     from zo_megatron.checkpoint.hf.gpt2 import from_hf, to_hf
 
     hc = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                                  activation_function="gelu_new", layer_norm_epsilon=1e-5)
-    model = transformers.GPT2LMHeadModel(hc).float()
+    model = transformers.GPT2LMHeadModel(hc).to(dtype)
     model.load_state_dict(to_hf(init, LAYERS, HEADS), strict=True)
     decay = [p for p in model.parameters() if p.dim() > 1]
     no_decay = [p for p in model.parameters() if p.dim() <= 1]
@@ -160,15 +162,12 @@ def test_fp32_equals_torch_adamw(tp, world, accum, engine_kw):
         assert abs(ours - ref) / abs(ref) <= 1e-5
     for ours, ref in zip(out["norms"], ref_norms):       # global norm: TP-replicated params counted once
         assert abs(ours - ref) / ref <= 1e-5
-    # Final weights: relative error ||ours - ref|| / ||ref|| <= 1e-5 per tensor, and every element
-    # within 1e-4 of the tensor's scale. (Adam divides by sqrt(v): for the rare elements whose
-    # second moment is ~eps, last-bit differences in the summation order of gradients grow a
-    # little, so the per-element bound is looser than the tensor-wide one.)
-    for name, ref in ref_final.items():
-        ours = out["final"][name]
-        assert ((ours - ref).norm() / ref.norm()).item() <= 1e-5, name
-        assert _max_rel(ours, ref) <= 1e-4, (name, _max_rel(ours, ref))
-        assert not torch.equal(ours, out["init"][name]), f"{name} never moved"
+    # Final weights: ||ours - ref|| / ||ref|| <= 1e-5 per tensor and every element within 1e-4 of
+    # the tensor's scale, or within 3x torch's own fp32 error on this draw (tests/fp32_bounds.py).
+    assert_fp32_weights_match(out["final"], ref_final, _reference(out["init"], seed, world // tp, accum,
+                                                                   dtype=torch.float32)[2])
+    for name in ref_final:
+        assert not torch.equal(out["final"][name], out["init"][name]), f"{name} never moved"
 
 
 @pytest.mark.parametrize("tp,world,accum,engine_kw", [
