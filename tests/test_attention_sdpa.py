@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from tests.harness import run_world
 from tests.seeds import fresh_seed
-from tests.test_model_tp import _check_against_reference, _rel_err_l2
+from tests.test_model_tp import BF16_TOL, _check_against_reference, _rel_err_l2
 from tests.test_sequence_parallel import HEADS, HIDDEN, LAYERS, SEQ, VOCAB, _forward_backward
 
 transformers = pytest.importorskip("transformers")
@@ -54,8 +54,9 @@ def test_sdpa_equals_local_attention_fp32(tp):
 def test_sdpa_bf16_tracks_hf_gpt2():
     seed = fresh_seed("sdpa bf16")
     out = run_world(_pair_world, 2, 2, seed, seed + 1, "bf16")[0]
-    # the bound of tests/test_model_tp.py's bf16 test: ||ours - ref|| / ||ref|| <= 2e-2 per tensor
-    _check_against_reference(out["sdpa"], VOCAB, tol=2e-2, metric=_rel_err_l2)
+    # the bound of tests/test_model_tp.py's bf16 test: ||ours - ref|| / ||ref|| <= 2e-2 per tensor,
+    # or 3x HF's own bf16 error on this draw
+    _check_against_reference(out["sdpa"], VOCAB, tol=BF16_TOL, metric=_rel_err_l2, bf16_floor=True)
 
 
 def _dropout_world(rank, seed, batch_seed):
