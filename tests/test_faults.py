@@ -110,21 +110,23 @@ def test_a_rank_killed_under_torchrun_stops_the_job(corpus, tmp_path, nproc, vic
     assert not _leftovers(corpus), _leftovers(corpus)
 
 
-@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["node-dies", "node-hangs"])
-def test_a_lost_node_ends_the_survivors_within_the_timeout(corpus, tmp_path, how):
-    """Two torchrun agents as two nodes on localhost; node 1 (agent and worker) is SIGKILLed (its
-    sockets close) or SIGSTOPped (it hangs with its sockets open, as a frozen or unreachable node
-    does: only --distributed-timeout-minutes ends the wait). The survivor prints which rank lost
-    contact at which iteration and exits non-zero within the timeout plus a few seconds."""
+TIMEOUT_S = 30          # --distributed-timeout-minutes 0.5
+
+
+def lose_a_node(corpus, tmp_path, how, node_env=lambda node: {}):
+    """Two torchrun agents as two nodes on localhost (DP=2); once training is under way node 1
+    (agent and worker) gets `how`: SIGKILL closes its sockets, SIGSTOP leaves it hung with them
+    open, as a frozen or unreachable node does (only --distributed-timeout-minutes ends the wait).
+    Returns the survivor's (exit code, stdout, stderr, seconds from the loss to its exit)."""
     port = free_port()
     log = tmp_path / "log.jsonl"
     agents = []
     for node in (0, 1):
         cmd = [TORCHRUN, "--nnodes=2", f"--node-rank={node}", "--nproc-per-node=1", "--master-addr=127.0.0.1",
                f"--master-port={port}", SCRIPT, "--zero-offload", "--data-path", corpus, "--train-iters", "500",
-               "--distributed-timeout-minutes", "0.5", "--log-jsonl", str(log), *TINY, *FP32]
+               "--distributed-timeout-minutes", str(TIMEOUT_S / 60), "--log-jsonl", str(log), *TINY, *FP32]
         agents.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                       env=_env(tmp_path), start_new_session=True))
+                                       env=_env(tmp_path, **node_env(node)), start_new_session=True))
     node1 = []
     try:
         deadline = time.monotonic() + 180
@@ -141,7 +143,7 @@ def test_a_lost_node_ends_the_survivors_within_the_timeout(corpus, tmp_path, how
         for pid in node1:
             os.kill(pid, how)
         t_lost = time.monotonic()
-        out, err = agents[0].communicate(timeout=30 + 60)
+        out, err = agents[0].communicate(timeout=TIMEOUT_S + 60)
         waited = time.monotonic() - t_lost
     finally:
         for pid in node1:
@@ -153,14 +155,28 @@ def test_a_lost_node_ends_the_survivors_within_the_timeout(corpus, tmp_path, how
             if a.poll() is None:
                 os.killpg(a.pid, signal.SIGKILL)
             a.wait()
-    assert agents[0].returncode != 0
-    assert waited < 30 + 30, waited
+    return agents[0].returncode, out, err, waited
+
+
+def assert_the_survivor_ended_with_one_line(corpus, how, returncode, err, waited):
+    """Non-zero within the timeout plus a few seconds (a hung peer: not before the timeout), the
+    one line naming the rank and the iteration, and no process of the job left running."""
+    assert returncode != 0
+    assert waited < TIMEOUT_S + 30, waited
     assert "error: rank 0 lost contact with its peers in a collective during iteration" in err, err[-3000:]
     assert "resume from the last checkpoint with --load" in err
     if how == signal.SIGSTOP:
-        assert 25 < waited, f"a hung peer must be waited for the timeout (30 s), not {waited:.0f} s"
+        assert 25 < waited, f"a hung peer must be waited for the timeout ({TIMEOUT_S} s), not {waited:.0f} s"
     time.sleep(1)
     assert not _leftovers(corpus), _leftovers(corpus)
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["node-dies", "node-hangs"])
+def test_a_lost_node_ends_the_survivors_within_the_timeout(corpus, tmp_path, how):
+    """Node 1 of two dies or hangs: the survivor prints which rank lost contact at which iteration
+    and exits non-zero within the timeout plus a few seconds."""
+    returncode, out, err, waited = lose_a_node(corpus, tmp_path, how)
+    assert_the_survivor_ended_with_one_line(corpus, how, returncode, err, waited)
 
 
 def test_save_directory_without_room_for_a_checkpoint_is_refused_before_training(tmp_path, monkeypatch):
