@@ -208,7 +208,8 @@ class JobPlanner:
         self.rule, self.host, self.ranks, self.device = rule, host_bytes, ranks, device_bytes
         self._parse = parse_args
         self._vocab = None
-        self.probes: dict[int, bool] = {}
+        self.probes: dict[int, bool] = {}       # fits(k)
+        self.may_probes: dict[int, bool] = {}   # may_fit(k), the monotone bound the search bisects on
 
     def vocab(self, args) -> int:
         if self._vocab is None:
@@ -236,9 +237,20 @@ class JobPlanner:
             self.probes[k] = self.plan(k).fits
         return self.probes[k]
 
+    def may_fit(self, k: int) -> bool:
+        """Monotone in k and true wherever fits(k) is (the planner's may_fit: `fits` is not
+        monotone, the bucket that takes the word embedding overfills by a varying amount)."""
+        from zo_megatron.planner import may_fit
+
+        if k not in self.may_probes:
+            self.may_probes[k] = may_fit(self.plan(k).input)
+        return self.may_probes[k]
+
     def largest(self, limit: int) -> int:
-        """Largest k in [1, limit] that fits (0: none)."""
-        return largest(self.fits, limit)
+        """Largest k in [1, limit] that fits (0: none), exact although `fits` is not monotone."""
+        from zo_megatron.planner import largest_fitting
+
+        return largest_fitting(self.fits, self.may_fit, limit)
 
 
 def largest(fits, limit: int) -> int:
@@ -522,7 +534,7 @@ def main(argv=None) -> int:
         return 1
     p, p_next = planner.plan(k), planner.plan(k + 1)
     print(f"  planner: largest k = {k}: {rule.shape(k)} = {p.params_total / 1e6:.1f}M params "
-          f"({len(planner.probes)} plans, {time.monotonic() - t0:.1f}s); k+1 = {p_next.params_total / 1e6:.1f}M "
+          f"({len(planner.probes) + len(planner.may_probes)} plans, {time.monotonic() - t0:.1f}s); k+1 = {p_next.params_total / 1e6:.1f}M "
           f"does not fit", flush=True)
     for r in p.reasons:
         print(f"    {r}")

@@ -55,13 +55,14 @@ from __future__ import annotations
 
 from zo_megatron.planner.inputs import PRECISIONS, RECOMPUTE, Plan, PlanInput, plan_input_from_flags
 from zo_megatron.planner.memory import (_activation_items, _bucket_layout, _bytes16, _compute, _ranks_layout, _try,
-                                        solve_offload_fraction)
+                                        may_fit, solve_offload_fraction)
 from zo_megatron.planner.paper import GOALS, baseline_maxima, our_maxima, paper_checks
 from zo_megatron.planner.params import (Architecture, count_params, default_ffn_size, layer_parameters,
                                         model_parameters, pad_vocab_size)
 from zo_megatron.planner.presets import (HARDWARE_PRESETS, MODEL_PRESET_NUMERICS, MODEL_PRESETS, apply_hardware_preset,
                                          model_preset)
-from zo_megatron.planner.search import BF16_STATES_FLAGS, FAMILIES, _describe, _suggest, max_model, plan
+from zo_megatron.planner.search import (BF16_STATES_FLAGS, FAMILIES, _describe, _suggest, largest_fitting, max_model,
+                                        plan)
 from zo_megatron.planner.units import GiB, MiB, format_bytes, format_params
 
 from typing import Any
@@ -71,5 +72,5 @@ __all__ = [
     "HARDWARE_PRESETS", "MODEL_PRESETS", "MODEL_PRESET_NUMERICS", "apply_hardware_preset", "model_preset", "paper_checks",
     "baseline_maxima", "our_maxima", "GOALS", "FAMILIES",
     "format_bytes", "format_params", "solve_offload_fraction", "Architecture", "default_ffn_size",
-    "layer_parameters", "model_parameters",
+    "layer_parameters", "model_parameters", "may_fit", "largest_fitting",
 ]

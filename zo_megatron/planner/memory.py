@@ -300,8 +300,9 @@ def _ranks_layout(inp: PlanInput) -> tuple[int, int, int]:
     return world, nodes, per_node
 
 
-def _compute(inp: PlanInput) -> Plan:
-    """The numbers, without suggestions."""
+def _compute(inp: PlanInput, bucket_overfill: bool = True) -> Plan:
+    """The numbers, without suggestions. bucket_overfill=False: as if no bucket held more than
+    bucket_size elements (see may_fit)."""
     inp.validate()
     t, N = inp.tensor_parallel, inp.data_parallel
     w = _bytes16(inp.precision)
@@ -323,6 +324,8 @@ def _compute(inp: PlanInput) -> Plan:
     if inp.zero_offload:
         bucket = min(inp.bucket_size, psi_pad)
         n_buckets, max_bucket = _bucket_layout(inp, V_pad, S, chunk)
+        if not bucket_overfill:
+            max_bucket = min(max_bucket, bucket)
         buffers = min(2, n_buckets)       # the engine allocates one buffer when one bucket holds it all
         wg = 4 if inp.reduces_in_fp32() else w    # bytes per gradient element in the buckets
         wh = 4 if inp.host_grad_fp32 else w       # bytes per gradient element copied home
@@ -447,3 +450,15 @@ def _try(inp: PlanInput) -> Plan | None:
     except ValueError:
         return None
 
+
+
+def may_fit(inp: PlanInput) -> bool:
+    """True whenever _compute(inp).fits is, and monotone in the model's size, which `fits` is not.
+
+    Why `fits` is not: a parameter never straddles two buckets, so the bucket that takes the word
+    embedding also holds whatever the layers before it left open, anywhere from nothing to just
+    under bucket_size elements. One more layer can close that bucket earlier and shrink the largest
+    bucket by up to bucket_size: the device total is a sawtooth over the number of layers (seen:
+    75 layers over the budget, 76-80 under it). Without that overfill every item grows with the
+    model, so this is the monotone bound a search can bisect on."""
+    return _compute(inp, bucket_overfill=False).fits

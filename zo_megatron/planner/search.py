@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 
 from zo_megatron.planner.inputs import Plan, PlanInput
-from zo_megatron.planner.memory import _compute, _try
+from zo_megatron.planner.memory import _compute, _try, may_fit
 from zo_megatron.planner.units import format_bytes
 
 
@@ -129,8 +129,8 @@ def max_model(inp_template: PlanInput, family: str = "layers", *, max_layers: in
     family="hidden": num_layers and heads fixed, hidden grows in steps of lcm(128, heads)
                      (so the head dimension stays an integer and hidden stays a multiple of 128).
     Returns (params_total, {"num_layers", "hidden_size", "num_attention_heads"}), or (0, None)
-    when even the smallest member does not fit. Memory grows monotonically along both families,
-    so this is an exponential + binary search.
+    when even the smallest member does not fit. Exact although memory is not monotone along a
+    family (largest_fitting).
     """
     if family not in FAMILIES:
         raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
@@ -145,24 +145,30 @@ def max_model(inp_template: PlanInput, family: str = "layers", *, max_layers: in
             return inp_template.replace(hidden_size=k * step)
         limit = max(1, max_hidden // step)
 
-    def fits(k):
-        return _compute(make(k)).fits
-
-    if not fits(1):
+    lo = largest_fitting(lambda k: _compute(make(k)).fits, lambda k: may_fit(make(k)), limit)
+    if lo == 0:
         return 0, None
-    lo, hi = 1, 2
-    while hi <= limit and fits(hi):
-        lo, hi = hi, hi * 2
-    hi = min(hi, limit + 1)
-    while hi - lo > 1:  # fits(lo), not fits(hi) (or hi beyond the limit)
-        mid = (lo + hi) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid
     best = _compute(make(lo))
     shape = {"num_layers": best.input.num_layers, "hidden_size": best.input.hidden_size,
              "num_attention_heads": best.input.num_attention_heads}
     return best.params_total, shape
 
 
+def largest_fitting(fits, may_fit, limit: int) -> int:
+    """Largest k in [1, limit] with fits(k) (0: none), where `fits` need not be monotone but
+    `may_fit` is, and holds wherever `fits` does (memory.may_fit): bisect on may_fit (exponential,
+    then binary), then step down to the first k that fits. The steps down are bounded by the
+    sawtooth of the bucket overfill, one bucket's bytes over what one size step adds."""
+    if not may_fit(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= limit and may_fit(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:  # may_fit(lo), not may_fit(hi) (or hi beyond the limit)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if may_fit(mid) else (lo, mid)
+    for k in range(lo, 0, -1):
+        if fits(k):
+            return k
+    return 0
