@@ -254,17 +254,10 @@ class JobPlanner:
 
 
 def largest(fits, limit: int) -> int:
-    """Largest k in [1, limit] with fits(k), for a monotone `fits` (0: none): exponential, then binary."""
-    if not fits(1):
-        return 0
-    lo, hi = 1, 2
-    while hi <= limit and fits(hi):
-        lo, hi = hi, hi * 2
-    hi = min(hi, limit + 1)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
+    """Largest k in [1, limit] with fits(k), for a monotone `fits` (0: none): the planner's search."""
+    from zo_megatron.planner import largest_monotone
+
+    return largest_monotone(fits, limit)
 
 
 # ------------------------------------------------------------------------------------------------

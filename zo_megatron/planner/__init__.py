@@ -61,8 +61,8 @@ from zo_megatron.planner.params import (Architecture, count_params, default_ffn_
                                         model_parameters, pad_vocab_size)
 from zo_megatron.planner.presets import (HARDWARE_PRESETS, MODEL_PRESET_NUMERICS, MODEL_PRESETS, apply_hardware_preset,
                                          model_preset)
-from zo_megatron.planner.search import (BF16_STATES_FLAGS, FAMILIES, _describe, _suggest, largest_fitting, max_model,
-                                        plan)
+from zo_megatron.planner.search import (BF16_STATES_FLAGS, FAMILIES, _describe, _suggest, largest_fitting,
+                                        largest_monotone, max_model, plan)
 from zo_megatron.planner.units import GiB, MiB, format_bytes, format_params
 
 from typing import Any
@@ -72,5 +72,5 @@ __all__ = [
     "HARDWARE_PRESETS", "MODEL_PRESETS", "MODEL_PRESET_NUMERICS", "apply_hardware_preset", "model_preset", "paper_checks",
     "baseline_maxima", "our_maxima", "GOALS", "FAMILIES",
     "format_bytes", "format_params", "solve_offload_fraction", "Architecture", "default_ffn_size",
-    "layer_parameters", "model_parameters", "may_fit", "largest_fitting",
+    "layer_parameters", "model_parameters", "may_fit", "largest_fitting", "largest_monotone",
 ]

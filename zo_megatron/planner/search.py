@@ -159,16 +159,22 @@ def largest_fitting(fits, may_fit, limit: int) -> int:
     `may_fit` is, and holds wherever `fits` does (memory.may_fit): bisect on may_fit (exponential,
     then binary), then step down to the first k that fits. The steps down are bounded by the
     sawtooth of the bucket overfill, one bucket's bytes over what one size step adds."""
-    if not may_fit(1):
-        return 0
-    lo, hi = 1, 2
-    while hi <= limit and may_fit(hi):
-        lo, hi = hi, hi * 2
-    hi = min(hi, limit + 1)
-    while hi - lo > 1:  # may_fit(lo), not may_fit(hi) (or hi beyond the limit)
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if may_fit(mid) else (lo, mid)
-    for k in range(lo, 0, -1):
+    for k in range(largest_monotone(may_fit, limit), 0, -1):
         if fits(k):
             return k
     return 0
+
+
+def largest_monotone(holds, limit: int) -> int:
+    """Largest k in [1, limit] with holds(k), for a monotone `holds` (0: none): exponential, then
+    binary."""
+    if not holds(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= limit and holds(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:  # holds(lo), not holds(hi) (or hi beyond the limit)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if holds(mid) else (lo, mid)
+    return lo
