@@ -16,6 +16,16 @@ buffer: twice the bytes on the wire, a third of the time (``wire_bytes`` reports
 sent). The results are the same sums (an all-gather adds zeros to the other ranks' shards, which
 is exact; a -0.0 becomes +0.0). NCCL (CUDA tensors) keeps the real collectives.
 
+gloo runs each collective on one of its worker threads, and that thread drops its references to
+the collective's tensors only after wait() has returned. Dropping the last reference to a tensor
+that Python created takes the GIL; once the interpreter is finalizing, a thread that asks for the
+GIL is ended by CPython, and ending a C++ thread that way aborts the process ("terminate called
+without an active exception", SIGABRT) after correct results (issue #27, item 7: measured 2 aborts
+in 60 runs of tests/scripts/engine_close_exit.py on the 2-core EPYC). So every collective on CPU
+tensors hands the backend private aliases (``detach()``: same memory, a reference count of their
+own) and returns, or lets its Work's wait() return, only once the backend has let go of them
+(``_settle``): nothing of ours is left in flight, whatever the process does next.
+
 A size-1 group never communicates. Without an initialised process group every call acts as a
 size-1 group (single-process tools and tests). ``tests/test_collectives.py`` fails if code
 outside this module calls a torch.distributed collective directly.
@@ -23,6 +33,8 @@ outside this module calls a torch.distributed collective directly.
 from __future__ import annotations
 
 import contextlib
+import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -91,11 +103,70 @@ def _check_device(t: torch.Tensor, group) -> None:
             f"backend={default_backend(torch.device('cuda'))!r} (zo_megatron.parallel.init_parallel does)")
 
 
+def _aliases(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """What the backend gets: CPU tensors as private aliases to settle (module docstring); CUDA
+    tensors as they are (NCCL's wait() only orders streams, so the host cannot wait for NCCL to let
+    go without losing the overlap; destroy_process_group shuts NCCL down)."""
+    return tuple(t.detach() if t.device.type == "cpu" else t for t in tensors)
+
+
+SETTLE_LIMIT_S = 30.0           # a backend that keeps references longer: warn once, stop settling
+# Tensor._use_count (the TensorImpl's reference count) is private: a torch without it is not settled
+_settling = hasattr(torch.Tensor, "_use_count")
+
+
+def _settle(aliases) -> None:
+    """Return once the backend holds no reference to `aliases` (each then has a count of one: ours).
+
+    The GIL is released while waiting (time.sleep), which the worker may need to drop them."""
+    global _settling
+    start, delay = None, 1e-5
+    for a in aliases:
+        while _settling and a.device.type == "cpu" and a._use_count() > 1:
+            if start is None:
+                start = time.monotonic()
+            elif time.monotonic() - start > SETTLE_LIMIT_S:
+                _settling = False
+                warnings.warn(f"the process group's backend still held a collective's tensor {SETTLE_LIMIT_S:.0f} s "
+                              "after it completed; no longer waiting for it (an abort at exit becomes possible)",
+                              RuntimeWarning, stacklevel=3)
+                return
+            time.sleep(delay)
+            delay = min(2 * delay, 1e-3)
+
+
+class _Settling:
+    """An async collective's Work: wait() returns once it completed and the backend let go of its
+    tensors (then its Work handle is dropped too: it also holds them)."""
+
+    def __init__(self, work, aliases):
+        self._work, self._aliases = work, aliases
+
+    def wait(self) -> bool:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+            _settle(self._aliases)
+            self._aliases = ()
+        return True
+
+
+def _issue(fn, tensors, async_op: bool, **kwargs):
+    """fn(*aliases of tensors, **kwargs): settled before it returns, or by its Work's wait()."""
+    aliases = _aliases(*tensors)
+    work = fn(*aliases, async_op=async_op, **kwargs)
+    if not async_op:
+        del work
+        _settle(aliases)
+        return None
+    return _Settling(work, aliases)
+
+
 def all_reduce(t: torch.Tensor, op: str = "sum", group=None) -> torch.Tensor:
     """In place over `group` (default: the whole world); returns `t`."""
     if group_size(group) > 1:
         _check_device(t, group)
-        dist.all_reduce(t, op=_OPS[op], group=group)
+        _issue(dist.all_reduce, (t,), False, op=_OPS[op], group=group)
     return t
 
 
@@ -106,7 +177,7 @@ def _flat_collective(fn, output: torch.Tensor, input: torch.Tensor, group, async
             output.copy_(input)
         return None
     _check_device(input, group)
-    return fn(output, input, group=group, async_op=async_op)
+    return _issue(fn, (output, input), async_op, group=group)
 
 
 GLOO_ALL_REDUCE_MIN_NUMEL = 1 << 20     # below this gloo's own reduce_scatter/all_gather are as fast
@@ -148,7 +219,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, async_op: b
     nothing was sent)."""
     if group_size(group) > 1 and _as_all_reduce("reduce_scatter", input):
         _check_device(input, group)
-        work = dist.all_reduce(input, group=group, async_op=async_op)
+        work = _issue(dist.all_reduce, (input,), async_op, group=group)
         shard = input.narrow(0, group_rank(group) * output.numel(), output.numel())
         if shard.data_ptr() == output.data_ptr():
             return work
@@ -170,7 +241,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group, async_op: bool 
             own.copy_(input)
         output.narrow(0, 0, r * k).zero_()                  # the others' slots: zeros to add to
         output.narrow(0, (r + 1) * k, output.numel() - (r + 1) * k).zero_()
-        return dist.all_reduce(output, group=group, async_op=async_op)
+        return _issue(dist.all_reduce, (output,), async_op, group=group)
     return _flat_collective(_all_gather_tensor, output, input, group, async_op)
 
 
@@ -181,7 +252,9 @@ def all_gather_list(t: torch.Tensor, group) -> list[torch.Tensor]:
         return [t]
     _check_device(t, group)
     parts = [torch.empty_like(t) for _ in range(n)]
-    dist.all_gather(parts, t.contiguous(), group=group)
+    src = _aliases(t.contiguous())
+    dist.all_gather(parts, src[0], group=group)
+    _settle(parts + list(src))
     return parts
 
 
