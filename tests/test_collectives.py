@@ -174,12 +174,17 @@ def _held_after_return_world(rank, seed, rounds):
     gen = torch.Generator().manual_seed(seed + rank)
     held, calls = [], 0
 
-    def check(name, *tensors):
+    def check(name, tensors, collective):
         nonlocal calls
         calls += 1
-        counts = [t._use_count() for t in tensors]
-        if counts != before[name]:
-            held.append((name, before[name], counts))
+        before = [t._use_count() for t in tensors]
+        work = collective()
+        if hasattr(work, "wait"):
+            work.wait()
+        del work
+        after = [t._use_count() for t in tensors]
+        if after != before:
+            held.append((name, before, after))
 
     big = collectives.GLOO_ALL_REDUCE_MIN_NUMEL * n
     for numel, reps in ((64 * n, rounds), (big, 3)):
@@ -187,42 +192,19 @@ def _held_after_return_world(rank, seed, rounds):
             x = torch.randn(numel, generator=gen)
             k = numel // n
             buf, out = x.clone(), torch.empty(k)
-            before = {}
-            for async_op in (False, True):
-                name = f"reduce_scatter {numel} async={async_op}"
-                before[name] = [buf._use_count(), out._use_count()]
-                w = collectives.reduce_scatter(out, buf, None, async_op=async_op)
-                if w is not None:
-                    w.wait()
-                    del w
-                check(name, buf, out)
-                name = f"reduce_scatter in place {numel} async={async_op}"
-                mine = buf[rank * k:(rank + 1) * k]
-                before[name] = [buf._use_count(), mine._use_count()]
-                w = collectives.reduce_scatter(mine, buf, None, async_op=async_op)
-                if w is not None:
-                    w.wait()
-                    del w
-                check(name, buf, mine)
-                name = f"all_gather in place {numel} async={async_op}"
-                own = buf[rank * k:(rank + 1) * k]
-                before[name] = [buf._use_count(), own._use_count()]
-                w = collectives.all_gather(buf, own, None, async_op=async_op)
-                if w is not None:
-                    w.wait()
-                    del w
-                check(name, buf, own)
-                del mine, own
-            name = f"all_reduce {numel}"
-            before[name] = [x._use_count()]
-            collectives.all_reduce(x)
-            check(name, x)
-            name = f"all_gather_list {numel}"
-            before[name] = [x._use_count()]
-            parts = collectives.all_gather_list(x, None)
-            check(name, x)
+            mine = buf[rank * k:(rank + 1) * k]
+            for a in (False, True):
+                check(f"reduce_scatter {numel} async={a}", (buf, out),
+                      lambda: collectives.reduce_scatter(out, buf, None, async_op=a))
+                check(f"reduce_scatter in place {numel} async={a}", (buf, mine),
+                      lambda: collectives.reduce_scatter(mine, buf, None, async_op=a))
+                check(f"all_gather in place {numel} async={a}", (buf, mine),
+                      lambda: collectives.all_gather(buf, mine, None, async_op=a))
+            check(f"all_reduce {numel}", (x,), lambda: collectives.all_reduce(x))
+            parts = []
+            check(f"all_gather_list {numel}", (x,), lambda: parts.extend(collectives.all_gather_list(x, None)))
             if any(p._use_count() != 1 for p in parts):
-                held.append((name + " (its result)", [1] * n, [p._use_count() for p in parts]))
+                held.append((f"all_gather_list {numel} (its result)", [1] * n, [p._use_count() for p in parts]))
     dist.destroy_process_group()
     return dict(held=held, calls=calls)
 
