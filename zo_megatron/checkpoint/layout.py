@@ -2,7 +2,8 @@
 
     SAVE/latest_checkpointed_iteration.txt     Megatron's name: the committed iteration
     SAVE/iter_0000100/                         Megatron's name: one committed checkpoint
-        .metadata, __<rank>_0.distcp           torch.distributed.checkpoint (tensors, boxes)
+        .metadata, __<rank>_0.distcp           torch.distributed.checkpoint (tensors, boxes); the
+                                               offline tools write __0_<k>.distcp, one per box
         checkpoint.json                        iteration, samples, schedule, layout, args, file sizes
         rng_tp00_dp000.json                    one rank's random streams
     SAVE/iter_0000100.partial/                 a save in progress (or crashed): never loaded

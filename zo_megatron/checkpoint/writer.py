@@ -7,10 +7,13 @@ conversion never leaves something that looks finished. A non-empty target is ref
 
 `write_checkpoint` produces the same layout as the job's save (layout.py): DCP data, checkpoint.json
 with sizes and CRC-32s, RNG files, `latest`. Tensors are declared as boxes -- each parameter split
-into the TP shards of the target layout -- and fetched one box at a time while DCP writes. DCP's
-FileSystemWriter keeps every tensor it has resolved for a file until that file is finished, so
-the peak is about the largest output data file, not one box: a model larger than
-memory does not yet stream through (the job's own save aliases its pieces instead, planner.py).
+into the TP shards of the target layout -- and fetched one box at a time while DCP writes. Until a
+data file is finished, DCP's FileSystemWriter keeps the last tensor it resolved for every key in
+that file (filesystem.py's `tensor_dict`), so with one file for everything the tools held one box
+of every parameter at the end: the whole converted checkpoint at TP 1, 1/TP of it otherwise. One
+data file per box (DCP's `single_file_per_rank=False`: `__0_<k>.distcp`) holds one box at a time
+(tests/test_checkpoint_writer.py). The job's own save writes one file per rank, of aliases
+(planner.py).
 """
 from __future__ import annotations
 
@@ -106,8 +109,8 @@ class TensorSpec:
 
 
 class _StreamingSavePlanner(BoxSavePlanner):
-    """BoxSavePlanner whose pieces are fetched when DCP writes them (DCP then holds them until
-    their file is written: see the module docstring)."""
+    """BoxSavePlanner whose pieces are fetched when DCP writes them (DCP then holds each until its
+    file is written: one file per box, see the module docstring)."""
 
     def __init__(self, specs: list[TensorSpec], fetch: Callable[[str, Box], torch.Tensor],
                  progress: Callable[[int, int], None] | None):
@@ -139,7 +142,7 @@ def write_checkpoint(root: str, *, iteration: int, specs: list[TensorSpec],
     manifest's tokenizer_files)."""
     d = iter_dir(root, iteration)
     os.makedirs(d)
-    writer = dcp.FileSystemWriter(d, single_file_per_rank=True, sync_files=True, thread_count=1)
+    writer = dcp.FileSystemWriter(d, single_file_per_rank=False, sync_files=True, thread_count=1)
     try:
         with warnings.catch_warnings():         # "assuming the intent is to save in a single process"
             warnings.simplefilter("ignore", UserWarning)
