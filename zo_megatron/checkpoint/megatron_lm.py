@@ -256,7 +256,8 @@ def find_iteration_dir(in_dir: str) -> tuple[str, int]:
 
 
 def read(in_dir: str, *, progress=None) -> tuple[dict[str, torch.Tensor], argparse.Namespace, int, int]:
-    """(full unpadded weights by our names, args, iteration, vocab size) of a Megatron-LM checkpoint."""
+    """(full unpadded weights by our names, in the files' dtype, args, iteration, vocab size) of a
+    Megatron-LM checkpoint."""
     d, it = find_iteration_dir(in_dir)
     ranks = sorted(n for n in os.listdir(d) if _MP_DIR.match(n))
     if not ranks:
@@ -322,5 +323,5 @@ def read(in_dir: str, *, progress=None) -> tuple[dict[str, torch.Tensor], argpar
             if t.shape[0] < vocab:
                 raise UserError(f"{where}: {k} has {t.shape[0]} rows for a vocabulary of {vocab}")
             t = t[:vocab]
-        full[_OURS + k] = t.float().contiguous()
+        full[_OURS + k] = t.contiguous()          # the files' dtype: the writer converts box by box
     return full, args, it, vocab

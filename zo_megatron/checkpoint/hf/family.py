@@ -38,7 +38,8 @@ class HFFamily(abc.ABC):
 
     @abc.abstractmethod
     def read_state(self, input_dir: str, cfg, meta: dict) -> dict[str, torch.Tensor]:
-        """Full fp32 weights under our parameter names, read from the HF directory."""
+        """Full weights under our parameter names, read from the HF directory, in the files' dtype
+        (the checkpoint writer converts each box to fp32 as it writes it)."""
 
     @abc.abstractmethod
     def why_not(self, meta: dict) -> str | None:
