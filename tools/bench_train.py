@@ -572,6 +572,7 @@ def _rank_main(rank, job, port, out_path):
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
     from zo_megatron.model import GPTConfig
     from zo_megatron.parallel import collectives, destroy_parallel, init_parallel
+    from zo_megatron.training.metrics import host_rss_bytes, proc_memory_bytes
 
     shape = dict(REGIMES[regime])
     if args.seq:
@@ -668,8 +669,9 @@ def _rank_main(rank, job, port, out_path):
     result["device_name"] = torch.cuda.get_device_name(dev) if dev.type == "cuda" else None
     result["backend"] = collectives.default_backend(dev)
     result["load_average_during"] = load
-    result["maxrss_kib"] = _maxrss()
-    result["rss_end_bytes"] = _rss()
+    # the rank's own peak (VmHWM: getrusage's ru_maxrss would include the driver that spawned it)
+    result["peak_rss_bytes"] = host_rss_bytes()
+    result["rss_end_bytes"] = proc_memory_bytes().get("vmrss", 0)
     if args.timeline and rank == 0:
         _write_timelines(args.timeline, {v: variants[v] for v in names}, precision, regime)
     for v in names:
@@ -755,21 +757,6 @@ def _make(name, args, ps, cfg, mb, world):
 
 
 _FULL = None
-
-
-def _rss() -> int:
-    """Resident bytes now (Linux /proc; 0 elsewhere)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError):
-        return 0
-
-
-def _maxrss() -> int:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1040,7 +1027,7 @@ def sweep_main(args) -> int:
             row = res["rows"][0] if res.get("rows") else None
             pt = dict(variant=v, layers=layers, hidden=hidden, heads=heads, params=n,
                       median_step_s=_median(row["step_times_s"]["total"]) if row else None,
-                      peak_host_rss_bytes=res.get("maxrss_kib", 0) * 1024,
+                      peak_host_rss_bytes=res.get("peak_rss_bytes", 0),
                       host_rss_after_steps_bytes=res.get("rss_end_bytes", 0), wall_s=time.perf_counter() - t0,
                       skipped=res.get("skipped", {}).get(v) or res.get("error"))
             points.append(pt)

@@ -239,5 +239,14 @@ def proc_memory_bytes(pid: int | str = "self") -> dict[str, int]:
 
 
 def host_rss_bytes() -> int:
-    """Peak resident set of this process (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """Peak resident set of this process's own memory so far (VmHWM).
+
+    Not getrusage's ru_maxrss: Linux carries it across exec, so a process started by a large parent
+    (torchrun's launcher, a benchmark driver, a test runner) would report at least the parent's
+    resident set at the time of the spawn. Where /proc is missing, ru_maxrss is all there is
+    (KiB on Linux, bytes on macOS)."""
+    hwm = proc_memory_bytes().get("vmhwm")
+    if hwm is not None:
+        return hwm
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return maxrss if sys.platform == "darwin" else maxrss * 1024
