@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.zo_installed
 TORCH_CPU ?= torch==2.13.0
 NPROC  ?= 2
 
-.PHONY: setup demo test test-gpu gpu-setup bench clean
+.PHONY: setup demo test test-gpu gpu-setup gpu-proof bench clean
 
 setup: $(STAMP)
 
@@ -59,6 +59,23 @@ gpu-setup:
 		$$(ls wheels/megatron_core-*.whl 2>/dev/null | head -1 || true) $$(ls wheels/megatron_core-*.whl >/dev/null 2>&1 || echo "megatron-core==0.16.1")
 	@$(GPU_PY) -m pip install -q --no-deps --no-build-isolation --no-index -e .
 	@$(GPU_PY) -c "import torch, megatron.core, zo_megatron.offload.cpu_adam as a; print('[gpu-setup] torch', torch.__version__, 'cuda', torch.cuda.is_available(), '| cpu adam', a.info()['isa'])"
+
+# A lent GPU turned into evidence (tools/gpu_proof.py, docs/gpu.md): preflight, the GPU suite, a Llama
+# throughput sweep (synchronous / overlapped / delayed CPU step) and the planner's largest model for 3
+# iterations, in one command, offline. DRY_RUN=1 runs the same code path on a CPU at tiny sizes (CI
+# does). Results: $(OUT)/gpu_proof.json, .md, .png.
+OUT ?= gpu_proof
+DRY_RUN ?=
+GPU_PROOF_ARGS ?= --suite-workers 4
+
+gpu-proof:
+	@if [ -n "$(DRY_RUN)" ]; then \
+		$(MAKE) --no-print-directory setup && $(PY) tools/gpu_proof.py --dry-run --out "$(OUT)"; \
+	elif $(PYTHON) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then \
+		$(MAKE) --no-print-directory gpu-setup && $(GPU_PY) tools/gpu_proof.py --out "$(OUT)" $(GPU_PROOF_ARGS); \
+	else \
+		echo "error: $(PYTHON) has no CUDA torch: make gpu-proof needs a GPU (DRY_RUN=1 checks the tool on a CPU)" >&2; exit 2; \
+	fi
 
 # bench_train.py's default is every world and both precisions (hours on a 2-core CPU): override BENCH_ARGS
 BENCH_ARGS ?= --worlds 1,dp2 --precision fp32 --json bench_train.json

@@ -1,0 +1,543 @@
+#!/usr/bin/env python
+"""A lent GPU turned into evidence in one command: `make gpu-proof` (docs/gpu.md).
+
+    python tools/gpu_proof.py --out gpu_proof              # on a machine with one CUDA GPU, offline
+    python tools/gpu_proof.py --dry-run --out /tmp/proof   # the same code path on a CPU, tiny sizes
+
+Four phases, in this order, each with its own wall-clock budget so that a slow phase cannot eat
+the next one's time (a GPU is lent for about 15 minutes, start-up included):
+
+  preflight  seconds: python, torch (+ CUDA unless --dry-run), megatron-core, pybind11,
+             setuptools, pytest, the CPU Adam kernel, NVML. Anything missing is named with the fix
+             (docs/gpu.md has the `pip download` line that fills wheels/) before any GPU work.
+  suite      `pytest tests/gpu` (junit XML parsed: every test id and its outcome).
+  sweep      pretrain_gpt.py on a Llama shape (RMSNorm, SwiGLU, RoPE, GQA, untied output layer,
+             SDPA) at ~1B parameters, three CPU-step schedules of the ZeRO-Offload engine:
+             synchronous (--no-overlap-cpu-step), overlapped (--overlap-cpu-step), delayed
+             (--dpu --dpu-warmup-steps 2). Per run: median step time, tokens/s, TFLOP/s, MFU
+             (against the GPU's dense bf16 peak), median phases from --timeline, the device memory
+             NVML saw (the whole GPU, so CUDA context and NCCL included) against the planner's
+             device line, and the host peak RSS against its host line.
+  largest    the largest model of the same family (layers grown at the sweep's hidden size) that
+             the planner says this machine's host and device memory hold, trained for 3 iterations.
+
+It writes OUT/gpu_proof.json after every phase (a run cut short keeps what it measured),
+OUT/gpu_proof.png (step time and phases per schedule) and OUT/gpu_proof.md (the tables for
+docs/gpu.md, with device, driver, torch and commit). Every figure says where it came from:
+`"measured_on": "gpu"` only when CUDA ran it; a dry run says `"cpu (dry run: proves the tool, not
+the GPU)"` in the JSON and on every table.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import xml.etree.ElementTree as ET
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+GiB = 1 << 30
+# Dense bf16 peak (no sparsity) per GPU, for MFU: the vendors' data sheets.
+PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0, "GH200": 989.4, "B200": 2250.0}
+
+# Llama shapes of the sweep: (name, layers, hidden, heads, query groups, ffn). GPT-2 BPE vocabulary
+# (the job's bundled corpus), so params are a little under the Llama-3 namesakes.
+SWEEP_SHAPES = {"gpu": [("llama-1.2B", 16, 2048, 16, 8, 8192)],
+                "dry": [("llama-tiny", 2, 128, 4, 2, 256)]}
+SCHEDULES = [("synchronous", ["--no-overlap-cpu-step"]),
+             ("overlapped", ["--overlap-cpu-step"]),
+             ("delayed", ["--dpu", "--dpu-warmup-steps", "2"])]
+
+
+class ProofFailed(Exception):
+    pass
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def _git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return out.stdout.strip() + ("+dirty" if dirty else "") if out.returncode == 0 else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+# ---------------------------------------------------------------- preflight
+
+def preflight(dry_run: bool) -> dict:
+    """Seconds, before any GPU work: every piece the later phases need, or one line per gap."""
+    missing, facts = [], {"python": platform.python_version()}
+    if sys.version_info < (3, 11):
+        missing.append(f"python {platform.python_version()} < 3.11: use a python 3.11+ venv")
+    try:
+        import torch
+        facts["torch"] = torch.__version__
+        facts["cuda_available"] = torch.cuda.is_available()
+        if torch.cuda.is_available():
+            facts["device_name"] = torch.cuda.get_device_name(0)
+            facts["device_count"] = torch.cuda.device_count()
+            facts["device_memory_bytes"] = torch.cuda.get_device_properties(0).total_memory
+            facts["cuda"] = torch.version.cuda
+            try:
+                facts["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+            except Exception:  # noqa: BLE001 - informational
+                pass
+        elif not dry_run:
+            missing.append(f"torch {torch.__version__} sees no CUDA GPU: install a CUDA build of torch, or pass "
+                           "--dry-run (DRY_RUN=1) to check the tool on a CPU")
+    except ImportError:
+        missing.append("torch is not importable: install a CUDA build of torch first")
+    for mod, fix in (("megatron.core", "pip install --no-index wheels/megatron_core-0.16.1-*.whl"),
+                     ("pybind11", "pip install --no-index wheels/pybind11-*.whl"),
+                     ("setuptools", "pip install --no-index wheels/setuptools-*.whl"),
+                     ("pytest", "pip install --no-index wheels/pytest-*.whl (and its iniconfig, pluggy)"),
+                     ("transformers", "pip install --no-index wheels/transformers-*.whl (the suite compares with it)")):
+        try:
+            __import__(mod)
+        except ImportError:
+            missing.append(f"{mod} is not importable: {fix} (docs/gpu.md lists the pip download line)")
+    try:
+        from zo_megatron.offload import cpu_adam
+        info = cpu_adam.info()
+        facts["cpu_adam"] = info.get("isa")
+        if not info.get("extension"):
+            missing.append("the CPU Adam kernel is not built (torch fallback only): install zo_megatron with "
+                           "`pip install --no-build-isolation -e .` and a C++ compiler")
+    except Exception as e:  # noqa: BLE001 - reported as a gap
+        missing.append(f"zo_megatron does not import ({type(e).__name__}: {e}): `make gpu-setup`")
+    facts["nvml"] = _nvml_driver() if not dry_run else None
+    if not dry_run and facts["nvml"] is None:
+        missing.append("NVML is not readable (pynvml from nvidia-ml-py): device memory would not be measured")
+    facts["host_memory_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    facts["cpus"] = os.cpu_count()
+    facts["cpu_model"] = _cpu_model()
+    return {"ok": not missing, "missing": missing, "facts": facts}
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _nvml_driver() -> str | None:
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        v = pynvml.nvmlSystemGetDriverVersion()
+        return v.decode() if isinstance(v, bytes) else v
+    except Exception:  # noqa: BLE001 - no NVML: the caller says so
+        return None
+
+
+class NvmlPeak:
+    """Samples the GPU's used memory (NVML: every process, the CUDA context and NCCL included, which
+    torch's max_memory_allocated does not see) every `period` seconds; peak and baseline."""
+
+    def __init__(self, period: float = 0.1):
+        self.period, self.peak, self.baseline = period, 0, None
+        self._stop = threading.Event()
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+            self._h = pynvml.nvmlDeviceGetHandleByIndex(0)
+            self._read = lambda: pynvml.nvmlDeviceGetMemoryInfo(self._h).used
+            self.baseline = self._read()
+        except Exception:  # noqa: BLE001 - a dry run or no NVML: peak stays None
+            self._read = None
+
+    def __enter__(self):
+        if self._read is not None:
+            self._t = threading.Thread(target=self._run, daemon=True)
+            self._t.start()
+        return self
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._read())
+            self._stop.wait(self.period)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self._read is not None:
+            self._t.join()
+
+    def result(self) -> dict:
+        if self._read is None:
+            return {"nvml_peak_bytes": None, "nvml_baseline_bytes": None}
+        return {"nvml_peak_bytes": self.peak, "nvml_baseline_bytes": self.baseline,
+                "nvml_job_peak_bytes": self.peak - self.baseline}
+
+
+# ---------------------------------------------------------------- suite
+
+def run_suite(out: str, dry_run: bool, budget_s: float, workers: int) -> dict:
+    """`pytest tests/gpu`. With workers > 1 the timing probe (test_gpu_stream_connections) runs alone
+    first, then the rest under pytest-xdist: the other tests share the GPU without timing it."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    base = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "--durations=10"]
+    gpu_dir = os.path.join(ROOT, "tests", "gpu")
+    if dry_run:
+        env["ZO_GPU_SUITE_ON_CPU"] = "1"
+        # the CPU stand-ins of a few checks: proves the suite collects and runs, not CUDA
+        runs = [("suite", [gpu_dir, "-k", "tp_model_equals_hf or process_groups"])]
+    else:
+        env["ZO_REQUIRE_GPU_SUITE"] = "1"
+        env["ZO_GPU_MEASURE_DIR"] = out
+        probe = os.path.join(gpu_dir, "test_gpu_stream_connections.py")
+        runs = ([("suite_timing", [probe]), ("suite", [gpu_dir, "--deselect", probe, "-n", str(workers)])]
+                if workers > 1 else [("suite", [gpu_dir])])
+    t0, deadline, tests, rcs, tail = time.monotonic(), time.monotonic() + budget_s, [], [], ""
+    for name, extra in runs:
+        xml = os.path.join(out, f"{name}.xml")
+        try:
+            p = subprocess.run(base + extra + [f"--junitxml={xml}"], cwd=ROOT, env=env, capture_output=True,
+                               text=True, timeout=max(deadline - time.monotonic(), 10))
+            rcs.append(p.returncode)
+            tail += (p.stdout + p.stderr)[-4000:]
+        except subprocess.TimeoutExpired as e:
+            rcs.append("timeout")
+            tail += (e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or ""))[-4000:]
+        tests += _parse_junit(xml)
+    print(tail, flush=True)
+    counts = {k: sum(1 for t in tests if t["outcome"] == k) for k in ("passed", "failed", "error", "skipped")}
+    rc = next((r for r in rcs if r != 0), 0)
+    return {"returncode": rc, "seconds": round(time.monotonic() - t0, 1), "counts": counts, "tests": tests,
+            "output_tail": tail[-3000:]}
+
+
+def _parse_junit(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    out = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        outcome, message = "passed", ""
+        for tag in ("failure", "error", "skipped"):
+            el = case.find(tag)
+            if el is not None:
+                outcome, message = ("failed" if tag == "failure" else tag), (el.get("message") or "")[:500]
+        out.append({"id": f"{case.get('classname', '').split('.')[-1]}.py::{case.get('name')}",
+                    "outcome": outcome, "seconds": float(case.get("time", 0)), "message": message})
+    return out
+
+
+# ---------------------------------------------------------------- training runs
+
+def _shape_flags(layers: int, hidden: int, heads: int, groups: int, ffn: int) -> list[str]:
+    return ["--num-layers", str(layers), "--hidden-size", str(hidden), "--num-attention-heads", str(heads),
+            "--group-query-attention", "--num-query-groups", str(groups), "--ffn-hidden-size", str(ffn),
+            "--swiglu", "--position-embedding-type", "rope", "--normalization", "RMSNorm",
+            "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--use-flash-attn"]
+
+
+def _run_flags(dry_run: bool, iters: int) -> list[str]:
+    seq, mb = (64, 2) if dry_run else (2048, 4)
+    return ["--seq-length", str(seq), "--max-position-embeddings", str(seq), "--micro-batch-size", str(mb),
+            "--train-iters", str(iters), "--lr", "3e-4", "--lr-warmup-iters", "1", "--log-interval", "1",
+            "--eval-iters", "0", "--eval-interval", str(10 ** 6), "--seed", "1234",
+            "--bf16", "--zero-offload"]
+
+
+def plan_for(flags: list[str], dry_run: bool) -> dict:
+    """The planner's verdict on pretrain_gpt.py `flags` on this machine, as the job's own pre-launch
+    check computes it (training.loop.job_plan with this machine's memory)."""
+    from zo_megatron.training.loop import job_plan
+
+    args, env, vocab = _job_args(flags)
+    p = job_plan(args, env, 1, vocab)
+    return {"fits": p.fits, "params_total": p.params_total, "device_bytes_per_gpu": p.device_bytes_per_gpu,
+            "host_bytes_per_node": p.host_bytes_per_node, "reasons": p.reasons}
+
+
+def _job_args(flags: list[str]):
+    """pretrain_gpt.py's parsed flags, a one-rank launch and the model's vocabulary, as
+    tools/find_max_model.py builds them for the job's own plan."""
+    from types import SimpleNamespace
+
+    from zo_megatron.data import build_tokenizer
+    from zo_megatron.training.arguments import parse_args
+    from zo_megatron.training.loop import model_vocab_size
+
+    args = parse_args(flags)
+    return args, SimpleNamespace(local_world_size=1), model_vocab_size(args, build_tokenizer(None, None))
+
+
+def train(name: str, flags: list[str], out: str, budget_s: float, dry_run: bool) -> dict:
+    """pretrain_gpt.py under torchrun (one rank), its JSONL and timeline read back."""
+    jsonl, tl = os.path.join(out, f"{name}.jsonl"), os.path.join(out, f"{name}.timeline")
+    for f in (jsonl, tl):
+        if os.path.exists(f):
+            os.remove(f)
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
+    cmd = [torchrun, "--standalone", "--nproc-per-node", "1", os.path.join(ROOT, "pretrain", "pretrain_gpt.py"),
+           *flags, "--log-jsonl", jsonl, "--timeline", tl]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if dry_run:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    t0 = time.monotonic()
+    with NvmlPeak() as nv:
+        try:
+            p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=budget_s)
+            rc, text = p.returncode, p.stdout + p.stderr
+        except subprocess.TimeoutExpired as e:
+            rc = "timeout"
+            text = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+    row = {"name": name, "flags": flags, "returncode": rc, "wall_s": round(time.monotonic() - t0, 1), **nv.result()}
+    row.update(_read_jsonl(jsonl))
+    row["phases_median_s"] = _phase_medians(tl)
+    if rc != 0:
+        row["output_tail"] = text[-2500:]
+    print(f"[gpu-proof] {name}: rc {rc}, {row.get('median_step_s')} s/step, {row.get('tflops_per_rank')} TFLOP/s, "
+          f"nvml peak {row.get('nvml_peak_bytes')}", flush=True)
+    return row
+
+
+def _read_jsonl(path: str) -> dict:
+    if not os.path.exists(path):
+        return {}
+    rows = [json.loads(line) for line in open(path) if line.strip()]
+    train_rows = [r for r in rows if r.get("kind") == "train"]
+    setup = [r for r in rows if r.get("kind") == "setup_memory"]
+    if not train_rows:
+        return {"iterations": 0}
+    timed = train_rows[1:] or train_rows          # the first step pays for warm-up
+    med = lambda k: statistics.median(r[k] for r in timed)  # noqa: E731
+    out = {"iterations": train_rows[-1]["iteration"], "median_step_s": med("step_time_s"),
+           "tokens_per_s": med("tokens_per_s"), "tflops_per_rank": med("tflops_per_rank"),
+           "losses": [r["loss"] for r in train_rows],
+           "device_peak_allocated_bytes": max((r.get("device_peak_bytes") or 0) for r in train_rows) or None,
+           "host_rss_peak_bytes": max(r["host_rss_bytes"] for r in train_rows),
+           "host_model_state_bytes": train_rows[-1]["host_model_state_bytes"],
+           "device_model_state_bytes": train_rows[-1]["device_model_state_bytes"]}
+    if setup:
+        out["setup_phases"] = setup[0].get("phases")
+    return out
+
+
+def _phase_medians(path: str) -> dict:
+    if not os.path.exists(path):
+        return {}
+    per: dict[tuple[str, int], float] = {}
+    for line in open(path):
+        r = json.loads(line)
+        if r["iteration"] <= 1:                      # warm-up
+            continue
+        key = (r["phase"], r["iteration"])
+        per[key] = per.get(key, 0.0) + r["end"] - r["start"]
+    names = sorted({k[0] for k in per})
+    return {n: round(statistics.median(v for (p, _), v in per.items() if p == n), 4) for n in names}
+
+
+def sweep(out: str, dry_run: bool, budget_s: float, peak_tflops: float | None, iters: int) -> list[dict]:
+    rows, deadline = [], time.monotonic() + budget_s
+    for shape in SWEEP_SHAPES["dry" if dry_run else "gpu"]:
+        name, *dims = shape
+        base = _shape_flags(*dims) + _run_flags(dry_run, iters)
+        for sched, extra in SCHEDULES:
+            left = deadline - time.monotonic()
+            if left < 20:
+                rows.append({"name": f"{name}-{sched}", "skipped": "the sweep's time budget ran out"})
+                continue
+            flags = base + extra
+            row = train(f"{name}-{sched}", flags, out, left, dry_run)
+            row.update(schedule=sched, shape=name, plan=_safe_plan(flags, dry_run))
+            _add_ratios(row, peak_tflops)
+            rows.append(row)
+    return rows
+
+
+def _safe_plan(flags, dry_run):
+    try:
+        return plan_for(flags, dry_run)
+    except Exception as e:  # noqa: BLE001 - recorded, not fatal: the run itself is the evidence
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def _add_ratios(row: dict, peak_tflops: float | None) -> None:
+    if peak_tflops and row.get("tflops_per_rank"):
+        row["mfu"] = row["tflops_per_rank"] / peak_tflops
+    plan = row.get("plan") or {}
+    if row.get("nvml_peak_bytes") and plan.get("device_bytes_per_gpu"):
+        row["nvml_peak_vs_plan"] = row["nvml_peak_bytes"] / plan["device_bytes_per_gpu"]
+    if row.get("host_rss_peak_bytes") and plan.get("host_bytes_per_node"):
+        row["host_rss_vs_plan"] = row["host_rss_peak_bytes"] / plan["host_bytes_per_node"]
+
+
+def largest(out: str, dry_run: bool, budget_s: float, peak_tflops: float | None) -> dict:
+    """The planner's largest layer count at the sweep's hidden size on this machine, 3 iterations."""
+    from zo_megatron.planner import max_model
+    from zo_megatron.training.loop import job_plan_input
+
+    name, layers, *dims = SWEEP_SHAPES["dry" if dry_run else "gpu"][0]
+    run = _run_flags(dry_run, 3)
+    flags = _shape_flags(layers, *dims) + run + ["--no-overlap-cpu-step"]
+    args, env, vocab = _job_args(flags)
+    inp = job_plan_input(args, env, 1, vocab).replace(overlap_cpu_step=False)
+    if dry_run:   # a tiny machine so the dry run stays tiny: the same search, a 1 GiB host
+        inp = inp.replace(host_memory_bytes_per_node=GiB, gpu_memory_bytes=GiB, host_reserve_bytes=0)
+    params, shape = max_model(inp, "layers", max_layers=400)
+    if shape is None:
+        return {"skipped": "the planner fits no member of the family on this machine"}
+    flags = _shape_flags(shape["num_layers"], *dims) + run + ["--no-overlap-cpu-step"]
+    if dry_run:
+        flags += ["--skip-memory-check"]
+    row = train(f"largest-{shape['num_layers']}L", flags, out, budget_s, dry_run)
+    row.update(planner_params=params, planner_shape=shape, plan=_safe_plan(flags, dry_run))
+    _add_ratios(row, peak_tflops)
+    return row
+
+
+# ---------------------------------------------------------------- report
+
+def write_report(out: str, result: dict) -> None:
+    with open(os.path.join(out, "gpu_proof.json.partial"), "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    os.replace(os.path.join(out, "gpu_proof.json.partial"), os.path.join(out, "gpu_proof.json"))
+    with open(os.path.join(out, "gpu_proof.md"), "w") as f:
+        f.write(markdown(result))
+
+
+def _pct(v) -> str:
+    return "-" if v is None else f"{v:.1%}"
+
+
+def _gib(b) -> str:
+    return "-" if not b else f"{b / GiB:.2f}"
+
+
+def markdown(r: dict) -> str:
+    facts = r["preflight"]["facts"]
+    where = r["measured_on"]
+    lines = [f"### gpu_proof {r['commit']}, {r['started']}: measured on {where}", "",
+             f"Device: {facts.get('device_name', 'none')} ({_gib(facts.get('device_memory_bytes'))} GiB), driver "
+             f"{facts.get('nvml') or '-'}, torch {facts.get('torch')} (CUDA {facts.get('cuda') or '-'}, NCCL "
+             f"{facts.get('nccl') or '-'}), host {facts.get('cpu_model')} x {facts.get('cpus')} CPUs, "
+             f"{_gib(facts.get('host_memory_bytes'))} GiB; tool `tools/gpu_proof.py`.", ""]
+    s = r.get("suite")
+    if s:
+        c = s["counts"]
+        lines += [f"Suite: {c['passed']} passed, {c['failed']} failed, {c['error']} errors, {c['skipped']} skipped "
+                  f"in {s['seconds']} s (rc {s['returncode']}).", "", "| test | outcome | s |", "|---|---|---|"]
+        lines += [f"| `{t['id']}` | {t['outcome']} | {t['seconds']:.1f} |" for t in s["tests"]]
+        lines.append("")
+    rows = [x for x in r.get("sweep", []) if "median_step_s" in x] + ([r["largest"]] if r.get("largest", {}).get(
+        "median_step_s") else [])
+    if rows:
+        lines += ["| run | params | s/step | tokens/s | TFLOP/s | MFU | phases (median s) | NVML peak GiB | plan device GiB "
+                  "| host RSS GiB | plan host GiB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for x in rows:
+            plan = x.get("plan") or {}
+            ph = ", ".join(f"{k} {v:.3f}" for k, v in (x.get("phases_median_s") or {}).items())
+            lines.append(f"| {x['name']} | {(plan.get('params_total') or 0) / 1e9:.2f}B | {x['median_step_s']:.3f} | "
+                         f"{x['tokens_per_s']:,.0f} | {x['tflops_per_rank']:.1f} | "
+                         f"{_pct(x.get('mfu'))} | {ph} | {_gib(x.get('nvml_peak_bytes'))} | "
+                         f"{_gib(plan.get('device_bytes_per_gpu'))} | {_gib(x.get('host_rss_peak_bytes'))} | "
+                         f"{_gib(plan.get('host_bytes_per_node'))} |")
+    failed = [x for x in r.get("sweep", []) + [r.get("largest") or {}] if x.get("returncode") not in (0, None)]
+    for x in failed:
+        lines += ["", f"{x['name']} failed (rc {x['returncode']}):", "```", (x.get("output_tail") or "")[-1500:], "```"]
+    return "\n".join(lines) + "\n"
+
+
+def plot(out: str, result: dict) -> None:
+    rows = [x for x in result.get("sweep", []) if "median_step_s" in x]
+    if not rows:
+        return
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(8, 4))
+    names = [x["name"] for x in rows]
+    phases = sorted({k for x in rows for k in (x.get("phases_median_s") or {})})
+    for i, x in enumerate(rows):
+        ax.bar(i - 0.2, x["median_step_s"], 0.35, color="black", label="step" if i == 0 else None)
+        bottom = 0.0
+        for j, ph in enumerate(phases):
+            v = (x.get("phases_median_s") or {}).get(ph, 0.0)
+            ax.bar(i + 0.2, v, 0.35, bottom=bottom, color=plt.cm.tab10(j % 10), label=ph if i == 0 else None)
+            bottom += v
+    ax.set_xticks(range(len(names)), names, rotation=15)
+    ax.set_ylabel("seconds")
+    ax.set_title(f"gpu_proof {result['commit']} on {result['measured_on']}", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "gpu_proof.png"), dpi=110)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="gpu_proof.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="folder for gpu_proof.json, .md, .png and the runs' logs")
+    ap.add_argument("--dry-run", action="store_true", help="on a CPU: tiny sizes, the same code path")
+    ap.add_argument("--phases", default="suite,sweep,largest", help="comma-separated subset of suite,sweep,largest")
+    ap.add_argument("--suite-budget-s", type=float, default=240)
+    ap.add_argument("--sweep-budget-s", type=float, default=150)
+    ap.add_argument("--largest-budget-s", type=float, default=150)
+    ap.add_argument("--suite-workers", type=int, default=0, help="pytest-xdist workers (0: none)")
+    ap.add_argument("--iters", type=int, default=8, help="iterations per sweep run")
+    a = ap.parse_args(argv)
+    os.makedirs(a.out, exist_ok=True)
+    t0 = time.monotonic()
+    pre = preflight(a.dry_run)
+    facts = pre["facts"]
+    on_gpu = bool(facts.get("cuda_available")) and not a.dry_run
+    result = {"commit": _git_commit(), "started": _now(), "dry_run": a.dry_run,
+              "measured_on": "gpu" if on_gpu else "cpu (dry run: proves the tool, not the GPU)",
+              "preflight": pre}
+    print(f"[gpu-proof] preflight: {json.dumps(facts)}", flush=True)
+    if not pre["ok"]:
+        for m in pre["missing"]:
+            print(f"error: {m}", file=sys.stderr)
+        write_report(a.out, result)
+        return 2
+    name = facts.get("device_name") or ""
+    peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None) if on_gpu else None
+    result["peak_bf16_tflops"] = peak
+    want = set(a.phases.split(","))
+    if "suite" in want:
+        result["suite"] = run_suite(a.out, a.dry_run, a.suite_budget_s, a.suite_workers)
+        write_report(a.out, result)
+    if "sweep" in want:
+        result["sweep"] = sweep(a.out, a.dry_run, a.sweep_budget_s, peak, a.iters)
+        write_report(a.out, result)
+        plot(a.out, result)
+    if "largest" in want:
+        try:
+            result["largest"] = largest(a.out, a.dry_run, a.largest_budget_s, peak)
+        except Exception as e:  # noqa: BLE001 - recorded; the phases before it stand
+            result["largest"] = {"error": f"{type(e).__name__}: {e}"}
+    result["seconds"] = round(time.monotonic() - t0, 1)
+    write_report(a.out, result)
+    print(markdown(result))
+    ok = ((result.get("suite") or {}).get("returncode", 0) == 0
+          and all(x.get("returncode") == 0 for x in result.get("sweep", []) if "returncode" in x)
+          and (result.get("largest") or {}).get("returncode", 0) == 0)
+    print(f"[gpu-proof] {'OK' if ok else 'FAILED'} in {result['seconds']} s; measured on {result['measured_on']}; "
+          f"{os.path.join(a.out, 'gpu_proof.json')}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
