@@ -82,3 +82,75 @@ def test_tail_grad_nonfinite_is_found_in_any_one_piece():
             assert stats[1].item() == 1.0, (bad, counted)
             if counted:
                 assert not math.isfinite(stats[0].item())
+
+
+# aten ops that wait for the device on CUDA: reading a value back (item, nonzero, a boolean-mask
+# index, masked_select) or building a device tensor from Python data (torch.tensor -> lift_fresh,
+# a blocking pageable host->device copy).
+_SYNCING = ("aten.nonzero", "aten.masked_select", "aten._local_scalar_dense", "aten.item", "aten.is_nonzero",
+            "aten.equal", "aten.lift_fresh", "aten.lift_fresh_copy")
+
+
+class _RecordSyncs(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.syncs = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if name.startswith(_SYNCING):
+            self.syncs.append(name)
+        if name.startswith(("aten.index.Tensor", "aten.index_put")):
+            masks = [i for i in (args[1] if len(args) > 1 else []) if isinstance(i, torch.Tensor)
+                     and i.dtype in (torch.bool, torch.uint8)]
+            if masks:
+                self.syncs.append(f"{name} with a boolean mask")
+        return func(*args, **(kwargs or {}))
+
+
+def _reference_step(tail, master, exp_avg, exp_avg_sq, grad, steps, step, lr, grad_scale):
+    """The update as torch's fused functional Adam(W) gives it with a fresh grad_scale tensor."""
+    from torch.optim.adam import adam
+    from torch.optim.adamw import adamw
+
+    a = tail.adam
+    for decay in (True, False):
+        idx = [i for i, p in enumerate(tail.pieces) if p[2] == decay]
+        if not idx:
+            continue
+        sl = [slice(tail.pieces[i][0], tail.pieces[i][1]) for i in idx]
+        st = [steps[i].fill_(step - 1) for i in idx]
+        (adamw if a.adamw else adam)(
+            [master[s] for s in sl], [grad[s] for s in sl], [exp_avg[s] for s in sl], [exp_avg_sq[s] for s in sl],
+            [], st, fused=True, grad_scale=torch.tensor(1.0 / grad_scale, dtype=torch.float32), amsgrad=False,
+            beta1=a.beta1, beta2=a.beta2, lr=lr, weight_decay=a.weight_decay if decay else 0.0, eps=a.eps,
+            maximize=False)
+
+
+def test_tail_step_and_norm_make_no_host_sync_and_match_the_fused_functional_bit_for_bit():
+    """Issue 34: the norm pass indexed its norms with a boolean mask (nonzero: a device->host sync)
+    and every step built its grad_scale with torch.tensor(..., device=cuda) (a blocking pageable
+    copy). Neither may happen in a step; the update stays bit-identical to the functional's."""
+    from zo_megatron.optimizer_api import AdamConfig
+
+    seed = fresh_seed("device tail no host sync")
+    tail = _tail(seed)
+    tail.adam = AdamConfig(weight_decay=0.1)
+    gen = torch.Generator().manual_seed(seed + 1)
+    n = tail.grad.numel()
+    tail.master.copy_(torch.randn(n, generator=gen))
+    master, exp_avg, exp_avg_sq = tail.master.clone(), tail.exp_avg.clone(), tail.exp_avg_sq.clone()
+    steps = [torch.zeros((), dtype=torch.float32) for _ in tail.pieces]
+    for step, scale in enumerate((1.0, 1024.0, 1024.0, 3.0 * 2.0**-7, 1.0), start=1):   # the scale changes and repeats
+        g = torch.randn(n, generator=gen) * scale
+        tail.grad.copy_(g)
+        with _RecordSyncs() as rec:
+            tail.grad_sumsq_and_nonfinite()
+            tail.step(step, 1e-3 * step, scale)
+        assert not rec.syncs, f"step {step}: ops that wait for the device on CUDA: {rec.syncs}"
+        _reference_step(tail, master, exp_avg, exp_avg_sq, g.clone(), steps, step, 1e-3 * step, scale)
+        for name, got, want in (("master", tail.master, master), ("exp_avg", tail.exp_avg, exp_avg),
+                                ("exp_avg_sq", tail.exp_avg_sq, exp_avg_sq)):
+            assert torch.equal(got, want), f"step {step} (grad scale {scale}): {name} differs"
+    for f0, f1, d0, d1 in tail.flat_runs:
+        assert torch.equal(tail.flat[f0:f1], master[d0:d1])

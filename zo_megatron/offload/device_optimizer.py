@@ -41,7 +41,17 @@ class DeviceOptimizerTail:
             if d0 < d1:
                 self.flat_runs.append((lo + d0 - b.host_start, lo + d1 - b.host_start, d0 - cut, d1 - cut))
         self._steps = [torch.zeros((), dtype=torch.float32, device=device) for _ in self.pieces]
-        self._counted = torch.tensor([c for *_, c in self.pieces], dtype=torch.bool, device=device)
+        # Everything a step reads is decided here, so a step makes no host sync on CUDA (issue 34):
+        # the counted pieces' positions as an integer index built once (a boolean mask would call
+        # nonzero, a device->host sync, every step), the pieces of each weight-decay setting, and
+        # 1 / grad_scale in a persistent device scalar refilled with fill_ (a tensor built from a
+        # Python float each step is a blocking pageable host->device copy).
+        self._counted_idx = torch.tensor([i for i, (*_, c) in enumerate(self.pieces) if c], dtype=torch.long,
+                                         device=device)
+        self._groups = [(decay, [i for i, p in enumerate(self.pieces) if p[2] == decay]) for decay in (True, False)]
+        self._groups = [(decay, idx) for decay, idx in self._groups if idx]
+        self._inv_scale = torch.ones((), dtype=torch.float32, device=device)
+        self._inv_scale_value = 1.0
 
     @property
     def nbytes(self) -> int:
@@ -55,7 +65,7 @@ class DeviceOptimizerTail:
         anywhere makes its piece's norm, and so the verdict, non-finite; uncounted pieces (TP
         copies) are read for that verdict only."""
         norms = torch.stack(torch._foreach_norm([self.grad[a:e] for a, e, _, _ in self.pieces])).double()
-        sumsq = norms[self._counted].square().sum()
+        sumsq = norms.index_select(0, self._counted_idx).square().sum()
         bad = (~torch.isfinite(norms.sum())).double()
         return torch.stack([sumsq, bad])
 
@@ -63,16 +73,16 @@ class DeviceOptimizerTail:
     def step(self, step: int, lr: float, grad_scale: float) -> None:
         """One Adam(W) update of the tail (torch's fused kernel), then its parameters into `flat`."""
         a = self.adam
-        for decay in (True, False):
-            idx = [i for i, p in enumerate(self.pieces) if p[2] == decay]
-            if not idx:
-                continue
+        inv = 1.0 / grad_scale
+        if inv != self._inv_scale_value:       # rounded to fp32 by fill_ exactly as torch.tensor(inv) would be
+            self._inv_scale.fill_(inv)
+            self._inv_scale_value = inv
+        for decay, idx in self._groups:
             sl = [slice(self.pieces[i][0], self.pieces[i][1]) for i in idx]
             steps = [self._steps[i].fill_(step - 1) for i in idx]      # the kernel adds one
             (torch_adamw if a.adamw else torch_adam)(
                 [self.master[s] for s in sl], [self.grad[s] for s in sl], [self.exp_avg[s] for s in sl],
-                [self.exp_avg_sq[s] for s in sl], [], steps, fused=True,
-                grad_scale=torch.tensor(1.0 / grad_scale, dtype=torch.float32, device=self.grad.device),
+                [self.exp_avg_sq[s] for s in sl], [], steps, fused=True, grad_scale=self._inv_scale,
                 amsgrad=False, beta1=a.beta1, beta2=a.beta2, lr=lr,
                 weight_decay=a.weight_decay if decay else 0.0, eps=a.eps, maximize=False)
         self.write_params()
