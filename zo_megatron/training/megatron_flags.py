@@ -8,7 +8,11 @@ already does or only picks a kernel/performance path) or refused: all refused fl
 line are reported together in one line (megatron_compat.check_megatron_compat).
 
 docs/megatron_compat.md carries the whole table (written by `python -m
-zo_megatron.training.megatron_flags --write-doc`); tests/test_megatron_compat.py checks every row.
+zo_megatron.training.megatron_doc --write-doc`); tests/test_megatron_compat.py checks every row.
+
+This module reads only the data below it (megatron_flag_list) and never the parser: megatron_compat
+and arguments import it, not the other way round (tests/test_import_graph.py). The functions that
+need the parser or megatron_compat.REFUSED take them as arguments.
 """
 from __future__ import annotations
 
@@ -338,19 +342,3 @@ def parse_doc_table(text: str) -> list[tuple[str, str, str, str]]:
             rows.append((m.group(1), m.group(2), m.group(3), m.group(4)))
     return rows
 
-
-if __name__ == "__main__":
-    import os
-    import sys
-
-    from zo_megatron.training.arguments import build_parser
-    from zo_megatron.training.megatron_compat import REFUSED
-
-    text = markdown(build_parser(), REFUSED)
-    if "--write-doc" in sys.argv:
-        doc = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "megatron_compat.md")
-        old = open(doc).read()
-        new = old.split(BEGIN)[0] + text + old.split(END, 1)[1] if BEGIN in old else old.rstrip() + "\n\n" + text + "\n"
-        open(doc, "w").write(new)
-    else:
-        print(text)
