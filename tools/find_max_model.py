@@ -46,19 +46,20 @@ import json
 import math
 import os
 import re
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from types import SimpleNamespace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+for _p in (ROOT, os.path.dirname(os.path.abspath(__file__))):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
 
+# what this tool and tools/find_max_model_deepspeed.py both use lives in find_max_model_common (issue 36:
+# no import cycle); the names stay importable from here
+from find_max_model_common import TreeSampler, largest, run_command  # noqa: E402,F401
 from zo_megatron.planner.units import GiB, MiB, format_bytes  # noqa: E402
-from zo_megatron.training.metrics import proc_memory_bytes  # noqa: E402
 
 # Llama-3's ratios (the llama3-8b preset: 32 heads / 8 KV groups, ffn 14336 = 3.5 x 4096, vocab 128256)
 LLAMA_KV_RATIO = 4
@@ -253,62 +254,8 @@ class JobPlanner:
         return largest_fitting(self.fits, self.may_fit, limit)
 
 
-def largest(fits, limit: int) -> int:
-    """Largest k in [1, limit] with fits(k), for a monotone `fits` (0: none): the planner's search."""
-    from zo_megatron.planner import largest_monotone
-
-    return largest_monotone(fits, limit)
-
-
 # ------------------------------------------------------------------------------------------------
 # running a job and sampling its memory
-
-def _descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(name))
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo.extend(children.get(pid, []))
-    return out
-
-
-class TreeSampler(threading.Thread):
-    """Every `interval` s: VmRSS of every process under `root`, summed (peak kept), and each
-    process's VmHWM (its own peak, also between samples)."""
-
-    def __init__(self, root: int, interval: float = 0.05):
-        super().__init__(daemon=True)
-        self.root, self.interval = root, interval
-        self.peak_tree_rss, self.samples = 0, 0
-        self.hwm: dict[int, int] = {}
-        self._halt = threading.Event()
-
-    def run(self) -> None:
-        while not self._halt.is_set():
-            total = 0
-            for pid in _descendants(self.root):
-                st = proc_memory_bytes(pid)
-                total += st.get("vmrss", 0)
-                if "vmhwm" in st:
-                    self.hwm[pid] = max(self.hwm.get(pid, 0), st["vmhwm"])
-            self.peak_tree_rss = max(self.peak_tree_rss, total)
-            self.samples += 1
-            self._halt.wait(self.interval)
-
-    def stop(self) -> None:
-        self._halt.set()
-        self.join()
-
 
 def run_job(flags: list[str], nproc: int, host_bytes: int, log_jsonl: str, *, timeout: float,
             tag: str) -> dict:
@@ -321,37 +268,6 @@ def run_job(flags: list[str], nproc: int, host_bytes: int, log_jsonl: str, *, ti
             records = [json.loads(x) for x in f if x.strip()]
     run["records"] = records
     return run
-
-
-def run_command(script_and_args: list[str], nproc: int, host_bytes: int, *, timeout: float, tag: str) -> dict:
-    """A script under torchrun (`python -m torch.distributed.run`), seeing `host_bytes` as its node's
-    memory (SLURM_MEM_PER_NODE); its progress lines streamed with a prefix; the process tree's memory
-    sampled."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           *script_and_args]
-    env = dict(os.environ, SLURM_MEM_PER_NODE=str(host_bytes // MiB), PYTHONUNBUFFERED="1")
-    t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
-    sampler = TreeSampler(proc.pid)
-    sampler.start()
-    lines: list[str] = []
-    timer = threading.Timer(timeout, proc.kill)
-    timer.start()
-    try:
-        for line in proc.stdout:
-            line = line.rstrip("\n")
-            lines.append(line)
-            if line.startswith((" iter", "error:", "zo_megatron pretrain_gpt", " model:", " done:", " model states")):
-                print(f"  [{tag}] {line.strip()}", flush=True)
-        rc = proc.wait()
-    finally:
-        timer.cancel()
-        sampler.stop()
-    rank_codes = [int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", "\n".join(lines))]
-    return dict(command=cmd, rc=rc, rank_exit_codes=rank_codes, wall_s=round(time.monotonic() - t0, 1),
-                peak_tree_rss_bytes=sampler.peak_tree_rss, sum_process_hwm_bytes=sum(sampler.hwm.values()),
-                launcher_hwm_bytes=sampler.hwm.get(proc.pid, 0), samples=sampler.samples,
-                error_lines=[x for x in lines if x.startswith("error:")], output_tail=lines[-40:])
 
 
 # ------------------------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ for p in (ROOT, os.path.dirname(os.path.abspath(__file__))):
     if p not in sys.path:
         sys.path.insert(0, p)
 
+from find_max_model_common import largest, run_command  # noqa: E402
 from zo_megatron.planner.units import GiB, MiB, format_bytes  # noqa: E402
 
 
@@ -186,13 +187,11 @@ def worker(argv=None) -> int:
 # the search
 
 def run_size(a, rule, k: int, host: int, tmp: str) -> dict:
-    import find_max_model as fmm
-
     fields = _model_fields(rule, k)
     out = os.path.join(tmp, f"ds_{k}.json")
     cmd_tail = [os.path.abspath(__file__), "--worker", "--fields", json.dumps(fields), "--precision", a.precision,
                 "--micro-batch-size", str(a.micro_batch_size), "--train-iters", str(a.train_iters), "--out", out]
-    run = fmm.run_command(cmd_tail, a.tensor_parallel * a.data_parallel, host, timeout=a.timeout, tag=f"ds k={k}")
+    run = run_command(cmd_tail, a.tensor_parallel * a.data_parallel, host, timeout=a.timeout, tag=f"ds k={k}")
     res = json.load(open(out)) if os.path.exists(out) else {}
     run.update(size=k, shape=fields["shape"], params=res.get("params") or hf_params(fields),
                trained=run["rc"] == 0 and res.get("iterations") == a.train_iters, worker=res)
@@ -202,8 +201,6 @@ def run_size(a, rule, k: int, host: int, tmp: str) -> dict:
 def find(a, rule, host: int, run_proofs: bool = True) -> dict:
     """DeepSpeed's largest of `rule`'s family on `host` bytes: its estimator, then runs."""
     import torch
-
-    import find_max_model as fmm
 
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")      # DeepSpeed's CPU accelerator, explicitly
@@ -228,7 +225,7 @@ def find(a, rule, host: int, run_proofs: bool = True) -> dict:
         return (cpu + gpu * ranks <= host) if not cuda else (cpu <= host and gpu <= device)
 
     t0 = time.monotonic()
-    lo = fmm.largest(est_fits, a.max_size)
+    lo = largest(est_fits, a.max_size)
     k_est = lo
     out = dict(deepspeed=deepspeed.__version__, estimator="estimate_zero2_model_states_mem_needs(cpu_offload=True, "
                "additional_buffer_factor=1.5)", estimator_size=k_est)
@@ -289,7 +286,7 @@ def find(a, rule, host: int, run_proofs: bool = True) -> dict:
                 slope = 0
             if slope > 0 and use_model:
                 target = (budget - fixed) / slope
-                g = fmm.largest(lambda j: count(j) <= target, a.max_size)
+                g = largest(lambda j: count(j) <= target, a.max_size)
             else:
                 g = (lo + hi) // 2 if hi is not None else 2 * max(lo, 1)
             k = max(g, lo + 1) if hi is None else min(max(g, lo + 1), hi - 1)
