@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -452,3 +453,52 @@ def test_srun_mpi_pmi2_takes_the_local_rank_from_slurm(monkeypatch):
         discover_launch_env(_srun_pmi2(PMI_RANK="4"))
     with pytest.raises(ValueError, match="SLURM_LOCALID"):
         discover_launch_env(_srun_pmi2(SLURM_LOCALID="4"))
+
+
+def _fake_cuda(monkeypatch, count):
+    import torch
+
+    set_to = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "set_device", set_to.append)
+    return set_to
+
+
+def test_local_rank_beyond_the_visible_gpus_is_refused(monkeypatch):
+    """Issue 34: LOCAL_RANK >= the visible device count put two ranks on one GPU (local_rank %
+    count), silently; now one line naming LOCAL_RANK, the count and the fix, before any group."""
+    import torch
+    import torch.distributed as dist
+
+    from tests.seeds import fresh_seed
+    from zo_megatron.errors import UserError
+    from zo_megatron.parallel import collectives, init_parallel
+    from zo_megatron.parallel.state import _default_device
+
+    rng = random.Random(fresh_seed("local rank vs visible GPUs"))
+    count = rng.randint(1, 7)
+    set_to = _fake_cuda(monkeypatch, count)
+    for r in range(count):                       # every local rank below the count gets its own GPU
+        assert _default_device(r) == torch.device("cuda", r)
+
+    def rendezvous(*a, **k):
+        raise AssertionError("reached the rendezvous with two ranks on one GPU")
+
+    monkeypatch.setattr(dist, "init_process_group", rendezvous)
+    monkeypatch.setattr(collectives, "set_host_wait_timeout", lambda s: None)
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)   # restored if the old code set it
+    local = rng.randint(count, 2 * count + 1)
+    world = local + 1
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", ",".join(str(i) for i in range(count)))
+    for name, value in (("RANK", local), ("WORLD_SIZE", world), ("LOCAL_RANK", local), ("LOCAL_WORLD_SIZE", world),
+                        ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", 1)):   # nothing listens on port 1
+        monkeypatch.setenv(name, str(value))
+    with pytest.raises(UserError) as exc:
+        init_parallel(1)
+    msg = str(exc.value)
+    assert "\n" not in msg
+    assert f"LOCAL_RANK {local} of {world} processes" in msg and f"only {count} CUDA device(s) visible" in msg
+    assert f"launch at most {count} processes per node" in msg and "check CUDA_VISIBLE_DEVICES" in msg
+    assert getattr(exc.value, "every_rank", False), "the offending rank is not rank 0: it must print its line"
+    assert not set_to and not dist.is_initialized()

@@ -66,9 +66,19 @@ def validate_parallel_config(world_size: int, tensor_parallel: int, num_attentio
             f"pick hidden = heads x head_dim")
 
 
-def _default_device(local_rank: int) -> torch.device:
+def _default_device(local_rank: int, local_world_size: int | None = None) -> torch.device:
+    """This rank's device: GPU LOCAL_RANK of the node's visible ones (never two ranks on one GPU)."""
     if torch.cuda.is_available():
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
+        n = torch.cuda.device_count()
+        if local_rank >= n:
+            procs = f" of {local_world_size} processes on this node" if local_world_size else ""
+            err = ConfigError(
+                f"LOCAL_RANK {local_rank}{procs} but only {n} CUDA device(s) visible (CUDA_VISIBLE_DEVICES="
+                f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): ranks would share a GPU; launch at most {n} "
+                f"processes per node (torchrun --nproc-per-node {n}) or check CUDA_VISIBLE_DEVICES")
+            err.every_rank = True       # rank 0 (local rank 0) has its GPU: the ranks that do not say why
+            raise err
+        return torch.device("cuda", local_rank)
     return torch.device("cpu")
 
 
@@ -94,7 +104,7 @@ def init_parallel(tensor_parallel: int = 1, *, seed: int = 1234, num_attention_h
     megatron_cpu.apply()
     from megatron.core import parallel_state as mpu
 
-    device = _default_device(env.local_rank)
+    device = _default_device(env.local_rank, env.local_world_size)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if device.type == "cuda":
