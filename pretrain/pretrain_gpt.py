@@ -15,6 +15,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main(argv=None) -> int:
+    # First, before anything can start CUDA (parsing the flags may): CUDA_DEVICE_MAX_CONNECTIONS=1 at TP > 1
+    from zo_megatron.training.cuda_connections import set_cuda_device_max_connections
+
+    set_cuda_device_max_connections(argv)
     from zo_megatron.errors import UserError, is_first_rank, report_error
 
     try:

@@ -22,6 +22,7 @@ from zo_megatron.parallel import collectives
 from zo_megatron.parallel.megatron_notices import SUMMARY as NOTICES
 from zo_megatron.parallel.megatron_notices import hide_known_megatron_notices
 from zo_megatron.training.arguments import architecture_kwargs, check_batch_sizes, parse_args
+from zo_megatron.training.cuda_connections import set_cuda_device_max_connections
 from zo_megatron.training.metrics import Metrics, host_rss_bytes, human_bytes, model_flops_per_token, proc_memory_bytes
 from zo_megatron.training.schedule import LRScheduler
 from zo_megatron.training.user_report import (auto_fraction_reason, engine_words, extend_hint, run_header,
@@ -115,17 +116,11 @@ def check_free_space(path: str, need_bytes: int) -> None:
 
 
 def pretrain(argv=None) -> int:
+    # CUDA_DEVICE_MAX_CONNECTIONS=1 at TP > 1 (training/cuda_connections.py): pretrain_gpt.py's main()
+    # sets it first thing; here again, before parsing (which may start CUDA), for callers of pretrain().
+    set_cuda_device_max_connections(argv)
     hide_known_megatron_notices()                # before megatron-core is first imported
     args = parse_args(argv)
-    if args.tensor_parallel > 1:
-        # As Megatron-LM's launch scripts do: one hardware queue, so each TP layer's async
-        # all-reduce is scheduled before the weight-gradient GEMM it overlaps (set before CUDA starts).
-        # The cost (issue 27, item 4; unmeasured): in one in-order queue, the side stream's wait for
-        # a bucket's reduce-scatter (offload/device.py copy_home) may hold back backward kernels
-        # queued after it, where Megatron waits for its reduce-scatters only at the end of
-        # backward. The TP overlap is kept as Megatron has it; tests/gpu/test_gpu_stream_connections.py
-        # measures the stall on the first GPU lent, and docs/gpu.md says what to change if it shows.
-        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     from zo_megatron.parallel import validate_parallel_config
     from zo_megatron.parallel.launch_env import default_cpu_adam_threads, discover_launch_env
 
