@@ -75,7 +75,8 @@ class DeviceLayer:
             nbytes = t.numel() * t.element_size()
             err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0)
             if int(err) != 0:
-                raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed ({err}); retry with --no-pin-memory")
+                raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed ({err}); retry with --no-pin-memory "
+                                   "(host copies then block: backward serialises behind every copy home)")
             self._registered.append(t.data_ptr())
             self._keep.append(t)
         return t

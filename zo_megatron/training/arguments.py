@@ -108,7 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--bucket-size", type=int, default=40_000_000, help="gradient bucket size in elements")
     g.add_argument("--cpu-adam-threads", type=int, default=None,
                    help="OpenMP threads of the CPU Adam per rank (default: this rank's fair share of cores)")
-    g.add_argument("--no-pin-memory", action="store_true", help="CUDA: do not pin host buffers")
+    g.add_argument("--no-pin-memory", action="store_true",
+                   help="CUDA: do not pin host buffers (host copies then block: backward serialises behind every "
+                        "copy home; for when pinning fails)")
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action=argparse.BooleanOptionalAction, default=None,
                    help="gradient buckets and their reduce-scatter in fp32 (Megatron's name; default: on for "
                         "bf16 as in Megatron, off for fp16; doubles the bytes on the wire)")

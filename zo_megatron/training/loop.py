@@ -621,6 +621,15 @@ def _attention_line(cfg, ps) -> str:
     return text + ("; sequence parallel over TP " + str(ps.tp_size) if sp else "; no sequence parallelism")
 
 
+def _pin_memory_warnings(args, ps) -> list[str]:
+    """The banner's warning for --no-pin-memory where it costs time: ZeRO-Offload (the only path that
+    copies to the host) on a CUDA device, where a copy from pageable memory blocks the host."""
+    if args.no_pin_memory and args.zero_offload and ps.device.type == "cuda":
+        return [" warning: --no-pin-memory on a CUDA device: host copies then block, so backward serialises "
+                "behind every copy home (drop the flag unless pinning host memory fails)"]
+    return []
+
+
 def _banner(metrics, args, ps, cfg, optimizer, data_path, setup_s) -> None:
     total = cfg.num_parameters()
     local = sum(p.numel() for p in optimizer.model.parameters())
@@ -665,6 +674,7 @@ def _banner(metrics, args, ps, cfg, optimizer, data_path, setup_s) -> None:
         f" model states per rank: device {human_bytes(acc.device_model_state_bytes)}, host {human_bytes(acc.host_bytes)}"
         + (f"; planner: device {human_bytes(plan.device_bytes_per_gpu)}/rank, host {human_bytes(plan.host_bytes_per_node)}/node"
            if plan is not None else ""),
+        *_pin_memory_warnings(args, ps),
         f" set-up took {setup_s:.1f}s; {NOTICES}",
     ]
     for line in lines:

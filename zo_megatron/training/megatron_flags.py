@@ -32,6 +32,7 @@ _FUSION = ("performance only: selects a fused kernel; this job runs megatron-cor
            "path, with the same math")
 _NCCL = ("performance only: a communication/overlap tuning of Megatron's DDP or NCCL; ZeRO-Offload "
          "buckets and overlaps its own reduce-scatter (--bucket-size)")
+_PIN = "host buffers follow --no-pin-memory (host copies then block: backward serialises behind every copy home)"
 _CKPT_IO = ("performance only: how Megatron's dist-checkpointing schedules its I/O; checkpoints here are "
             "DCP directories written in parallel by every rank, atomically")
 
@@ -86,8 +87,8 @@ NO_OP = {
     "--disable-async-tensor-model-parallel-allreduce": _FUSION,
     "--distributed-timeout-seconds-after-init": "performance only: --distributed-timeout-minutes applies throughout",
     "--ddp-bucket-size": "ZeRO-Offload's bucket size is --bucket-size (elements)",
-    "--no-pin-cpu-grads": "host buffers follow --no-pin-memory",
-    "--no-pin-cpu-params": "host buffers follow --no-pin-memory",
+    "--no-pin-cpu-grads": _PIN,
+    "--no-pin-cpu-params": _PIN,
     "--use-torch-optimizer-for-cpu-offload": "the CPU optimizer is the CPU Adam kernel (torch's fused AdamW "
                                              "when the kernel is not built)",
     "--optimizer-cpu-offload": "with --zero-offload the optimizer runs on the CPU already",
