@@ -56,6 +56,8 @@ def _engine(ps, seed, precision, engine_kw, overlap):
     engine = ZeroOffloadEngine(model, precision=precision, adam=adam, clip_grad=NO_CLIP, bucket_size=3000,
                                dp_group=ps.dp_group, tp_rank=ps.tp_rank, device=ps.device,
                                overlap_cpu_step=overlap, race_check=overlap, **kw)
+    if overlap:     # every step speculates (no back-off after a rollback): every transition is covered
+        engine.schedule.max_backoff = 0
     return model, engine
 
 
@@ -152,8 +154,10 @@ def test_overlap_is_bit_identical_to_the_synchronous_step(tp, world, precision, 
     bad = extra.get("bad_step")
     assert out["skipped"] == [s == bad for s in range(STEPS)]
     assert out["sync_spec"] == [0] * STEPS                  # the synchronous engine speculates nothing
+    # A bucket the worker had not started when backward ended is updated after the validation,
+    # unspeculated: how many a step speculates depends on timing, but some steps do.
+    assert sum(out["spec"]) > 0, out["spec"]
     for s in range(STEPS):
-        assert out["spec"][s] > 0, (s, out["spec"])       # every step speculates its buckets
         clipped = _clip_at(s) == CLIPS and s != bad
         assert (out["clips"][s] < 1.0) == clipped or s == bad, (s, out["clips"])
         must_roll = clipped or s == bad or s == extra.get("silent_lr_step")
@@ -205,7 +209,10 @@ def test_a_speculated_kernel_runs_before_backward_returns(monkeypatch):
         engine.schedule.before_norm(engine)
         assert torch.equal(engine.flat, before), "speculated parameters reached the device before the commit"
         res = engine.step()
-        assert res.speculated_buckets >= 3 and res.rolled_back_buckets == 0
+        # >= 1, not every bucket: buckets the worker had not started when backward ended are
+        # updated after the validation, unspeculated (issue 34: speculating them then only adds
+        # the rollback backup's copies to the critical path)
+        assert res.speculated_buckets >= 1 and res.rolled_back_buckets == 0
         assert not torch.equal(engine.flat, before)
 
 
@@ -327,14 +334,23 @@ def test_the_job_overlaps_logs_the_counts_and_writes_the_timeline(tmp_path):
                    str(tmp_path / "sotu_text_document"), "--train-iters", "4", "--log-jsonl", str(log),
                    "--timeline", str(tl), *TINY], tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "CPU step overlapped with backward (--overlap-cpu-step" in r.stdout
+    assert "CPU step overlapped with backward (speculated per bucket, exact; --overlap-cpu-step: the whole " \
+           "partition speculated" in r.stdout
     rows = _rows(log, "train")
     assert [x["iteration"] for x in rows] == [1, 2, 3, 4]
+    backoff = hold = 0      # the schedule's back-off after a rollback (1, 2, 4, ... steps not speculated)
     for x in rows:
-        assert x["overlap_cpu_step"] is True and x["speculated_buckets"] > 1
+        assert x["overlap_cpu_step"] is True
         assert x["rolled_back_buckets"] in (0, x["speculated_buckets"])
-        # the demo clips at 1.0: a rollback exactly when the norm was above it
-        assert (x["rolled_back_buckets"] > 0) == (x["grad_norm"] > 1.0), x
+        if hold:
+            assert x["speculated_buckets"] == 0, (rows, x)
+            hold -= 1
+        elif x["speculated_buckets"]:
+            # the demo clips at 1.0: a rollback exactly when the norm was above it
+            assert (x["rolled_back_buckets"] > 0) == (x["grad_norm"] > 1.0), x
+            backoff = min(max(1, 2 * backoff), 64) if x["rolled_back_buckets"] else 0
+            hold = backoff
+    assert rows[0]["speculated_buckets"] > 0, rows
     assert f"speculated {rows[0]['speculated_buckets']} rolled back" in r.stdout
     phases = [json.loads(line)["phase"] for line in open(f"{tl}.rank0")]
     assert phases.count("cpu_step_speculated") >= 4 * 2

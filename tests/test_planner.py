@@ -131,8 +131,11 @@ def test_zero_offload_line_items():
     assert p.host_items["master_fp32"] == 4 * psi // N * p.ranks_per_node
     assert plan(base.replace(bf16_optimizer_states=True)).host_bytes_per_gpu == psi // N * (4 + 2 + 2 + 2)
     assert plan(base.replace(dpu=True)).host_bytes_per_gpu == psi // N * (4 + 4 + 4 + 2 + 2)
+    # accumulation in the fp32 main_grad where gradients are reduced in fp32 (issue 34, 2.5), else 16-bit
     accum = plan(base.replace(grad_accum_steps=4))
-    assert accum.device_items["grads_kept_across_microbatches"] == 2 * psi
+    assert accum.device_items["grads_kept_across_microbatches"] == (4 if accum.input.reduces_in_fp32() else 2) * psi
+    accum16 = plan(base.replace(grad_accum_steps=4, grad_reduce_fp32=False))
+    assert accum16.device_items["grads_kept_across_microbatches"] == 2 * psi
     fp32 = plan(base.replace(precision="fp32"))
     assert fp32.device_items["params_fp32"] == 4 * psi
     assert fp32.host_bytes_per_gpu == psi // N * 16

@@ -7,9 +7,9 @@ Times, best of --repeats, on one partition of --elements (fp32 master and moment
 in, bf16 parameters out: the engine's default bf16 call):
   - the CPU Adam kernel in place (the synchronous step),
   - the kernel out of place (reads master + moments from one set, writes them into another: what
-    the overlap does now, with alternate state buffers; a rollback then costs nothing more),
-  - the backup copy of master + moments the overlap took before each speculated in-place kernel
-    until the out-of-place kernel existed (a rollback was then a restore copy + a redo).
+    the overlap did with alternate state buffers, 2026-11-24 to 11-27),
+  - the backup copy of master + moments the overlap takes before each speculated in-place kernel
+    (issue 34: the speculated share is bounded by memory; a rollback is a restore copy + a redo).
 Sets alternate between the timed repeats as in the engine, so no call finds its output in cache.
 """
 from __future__ import annotations

@@ -10,7 +10,9 @@ One command, one table. For a GPT shape and each world (TP x DP) it runs, interl
 processes, the variants:
 
   zo_offload         zo_megatron's TP GPT + ZeroOffloadEngine (--zero-offload: fp32 master and
-                     Adam on the host, ONE CPU Adam kernel call per step)
+                     Adam on the host, ONE CPU Adam kernel call per step), with the CPU-step
+                     schedule the job would pick here (job_default_schedule: on CUDA the bounded
+                     --overlap-cpu-step auto, on a CPU the synchronous step)
   zo_offload_f0.5    the same with optimizer_offload_fraction=0.5 (--optimizer-offload-fraction
                      0.5: half of each rank's partition is updated on the device by fused AdamW)
   zo_baseline        the same TP GPT + zo_megatron's own non-offload baseline (PlainDDPOptimizer:
@@ -735,8 +737,8 @@ def _make(name, args, ps, cfg, mb, world):
             _FULL = gather_full_params(m, ps.tp_group, ps.tp_rank, ps.tp_size, args.vocab)
             del m
         ctx.full = _FULL
-    if name == "zo_offload":
-        return _ZoVariant(name, ctx, True)
+    if name == "zo_offload":                 # the job's default schedule on this device
+        return _ZoVariant(name, ctx, True, schedule=job_default_schedule(ctx))
     if name == "zo_offload_f0.5":
         return _ZoVariant(name, ctx, True, 0.5)
     if name == "zo_baseline":
@@ -757,6 +759,27 @@ def _make(name, args, ps, cfg, mb, world):
 
 
 _FULL = None
+
+
+def job_default_schedule(ctx) -> dict:
+    """The CPU-step schedule pretrain_gpt.py would run for this shape on this machine (issue 34,
+    2.8): its own flags through its own pre-launch plan (training.loop.job_plan), so `zo_offload`
+    measures what users run: on a CUDA device `--overlap-cpu-step auto` (the share the free host
+    memory holds, possibly none), on a CPU the synchronous step."""
+    from types import SimpleNamespace
+
+    from zo_megatron.training.arguments import parse_args
+    from zo_megatron.training.loop import job_plan
+
+    a, cfg, ps = ctx.args, ctx.cfg, ctx.ps
+    flags = ["--num-layers", str(a.layers), "--hidden-size", str(a.hidden), "--num-attention-heads", str(a.heads),
+             "--seq-length", str(cfg.max_position_embeddings), "--micro-batch-size", str(ctx.micro_batch),
+             "--tensor-parallel", str(ps.tp_size), "--bucket-size", str(a.bucket_size), "--zero-offload",
+             f"--{cfg.precision}", "--lr", str(a.lr), "--train-iters", "1"]
+    args = parse_args(flags)
+    job_plan(args, SimpleNamespace(local_world_size=ctx.world), ps.dp_size, a.vocab)
+    f = args.overlap_speculated_fraction
+    return dict(overlap_cpu_step=f > 0, overlap_speculated_fraction=f) if f > 0 else {}
 
 
 # ------------------------------------------------------------------------------------------------

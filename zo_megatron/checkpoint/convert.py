@@ -60,21 +60,12 @@ class Progress:
 
 def parse_size(text: str) -> int:
     """'5GB', '500MB', '1GiB', '123' (bytes) -> bytes."""
-    t = text.strip().upper()
-    for suffix, mult in (("GIB", 1 << 30), ("MIB", 1 << 20), ("KIB", 1 << 10), ("GB", 10**9), ("MB", 10**6),
-                         ("KB", 10**3), ("B", 1)):
-        if t.endswith(suffix):
-            num = t[: -len(suffix)].strip()
-            break
-    else:
-        num, mult = t, 1
+    from zo_megatron.planner.units import parse_bytes
+
     try:
-        value = float(num)
-    except ValueError:
-        raise UserError(f"--max-shard-size {text!r}: expected a size such as 5GB, 500MB or 1GiB") from None
-    if value <= 0:
-        raise UserError(f"--max-shard-size {text!r}: must be positive")
-    return int(value * mult)
+        return parse_bytes(text)
+    except ValueError as e:
+        raise UserError(f"--max-shard-size {e}") from None
 
 
 def _wrote(log: Log, path: str) -> None:

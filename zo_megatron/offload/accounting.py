@@ -21,8 +21,8 @@ class Accounting:
     host_accumulator_bytes: int = 0    # fp32 gradient accumulator (accumulate_on_host only)
     host_dpu_pending_bytes: int = 0    # DPU: the second landing set (gradient [+ accumulator])
     host_dpu_prediction_bytes: int = 0  # --dpu-weight-prediction: the fp32 master before the update
-    host_overlap_bytes: int = 0        # --overlap-cpu-step: spare set of master + moments
-                                       # [+ the 16-bit output apart from the gradient]
+    host_overlap_bytes: int = 0        # --overlap-cpu-step: the rollback backup of the speculated
+                                       # prefix (master + moments [+ the gradient the output overwrites])
     # Per step (reset by the engine at the start of each step's gradient sync):
     sent_bytes: int = 0
     received_bytes: int = 0

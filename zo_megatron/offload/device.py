@@ -119,11 +119,13 @@ class DeviceLayer:
             handle.run()
 
     def wait_landed(self, handle) -> None:
-        """Block the calling thread (any thread) until the copy home behind `handle` has landed."""
+        """Block the calling thread (any thread) until the copy home behind `handle` has landed:
+        on CUDA by polling with a timeout from now (a schedule's worker must neither spin a core in
+        cudaEventSynchronize nor wait forever behind a dead peer's collective)."""
         if handle is None:
             return
         if self.is_cuda:
-            handle.synchronize()
+            wait_event(handle, time.monotonic(), self.device)
         else:
             handle.run()
 
@@ -140,22 +142,7 @@ class DeviceLayer:
         self._reads.clear()                        # the side stream is idle: every copy has read
 
     def _wait_event(self, ev, issued: float) -> None:
-        """ev.synchronize(), but a collective that never completes (a dead or hung NCCL peer) ends
-        the wait after collectives.host_wait_timeout() seconds from when the work was queued with
-        CollectiveTimeout, instead of blocking in a stream synchronize until NCCL's watchdog
-        aborts the process without a word."""
-        limit = collectives.host_wait_timeout()
-        if limit is None:
-            ev.synchronize()
-            return
-        deadline, pause = issued + limit, 1e-5
-        while not ev.query():
-            if time.monotonic() > deadline:
-                raise collectives.CollectiveTimeout(
-                    f"timed out after {limit:g} s waiting on {self.device} for a collective's result "
-                    "(a peer died or hung)")
-            time.sleep(pause)
-            pause = min(2 * pause, 1e-3)
+        wait_event(ev, issued, self.device)
 
     def wait_device_reads(self) -> None:
         """Block the host until every host->device copy issued so far has read its host source:
@@ -208,3 +195,41 @@ class DeviceLayer:
         self._reads.clear()
         self._finalizer()
         self._keep.clear()
+
+
+def wait_event(ev, issued: float, device) -> None:
+    """ev.synchronize(), but polled (the host sleeps between queries, up to 1 ms: no core spins in
+    cudaEventSynchronize), and a collective that never completes (a dead or hung NCCL peer) ends
+    the wait after collectives.host_wait_timeout() seconds from `issued` with CollectiveTimeout,
+    instead of blocking until NCCL's watchdog aborts the process without a word."""
+    limit = collectives.host_wait_timeout()
+    deadline, pause = (None if limit is None else issued + limit), 1e-5
+    while not ev.query():
+        if deadline is not None and time.monotonic() > deadline:
+            raise collectives.CollectiveTimeout(
+                f"timed out after {limit:g} s waiting on {device} for a collective's result "
+                "(a peer died or hung)")
+        time.sleep(pause)
+        pause = min(2 * pause, 1e-3)
+
+
+def host_value(t: torch.Tensor) -> torch.Tensor:
+    """`t` on the host, for a host read (.item()). On CUDA the work queued before it is waited for
+    with wait_event's timeout first: a plain .item() blocks in cudaStreamSynchronize, behind any
+    collective of a dead peer, until NCCL's watchdog aborts the survivor (issue 34, 2.2)."""
+    if t.device.type != "cuda":
+        return t
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.current_stream(t.device))
+    wait_event(ev, time.monotonic(), t.device)
+    return t.cpu()
+
+
+def batch_to_device(batch: dict, device: torch.device) -> dict:
+    """A host batch's tensors on `device`. On CUDA through pinned memory and non-blocking: a copy
+    from pageable memory makes the host wait for the stream (untimed, see host_value); torch's
+    pinned-memory cache keeps each pinned buffer until its copy has read it."""
+    if device.type != "cuda":
+        return {k: v.to(device) for k, v in batch.items()}
+    return {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
+

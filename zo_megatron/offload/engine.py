@@ -31,8 +31,9 @@ at the price of one reduce-scatter per micro-batch.
 
 When the CPU Adam runs is a schedule (schedules.py draws the three timelines side by side):
 synchronous (above), delayed (DPU, `dpu_warmup_steps=W`, docs/dpu.md) or speculative
-(`overlap_cpu_step`, per-bucket CPU Adam during backward, validated and committed or rolled
-back: bit-identical to synchronous, docs/overlap.md).
+(`overlap_cpu_step`, per-bucket CPU Adam during backward for the share of the partition that
+`overlap_speculated_fraction` sets memory aside for, validated and committed or rolled back:
+bit-identical to synchronous, docs/overlap.md).
 
 Threads. The reduce-scatters are issued from the gradient hooks: on the main thread on CPU; on
 CUDA autograd runs post-accumulate hooks on its device thread while the main thread is blocked
@@ -92,7 +93,7 @@ class ZeroOffloadEngine:
                  host_grad_dtype: str | None = None, accumulate_on_host: bool = False,
                  dpu_warmup_steps: int | None = None, race_check: bool = False,
                  optimizer_offload_fraction: float = 1.0, tp_group=None, overlap_cpu_step: bool = False,
-                 dpu_weight_prediction: bool = False):
+                 dpu_weight_prediction: bool = False, overlap_speculated_fraction: float = 1.0):
         if precision not in _DTYPES:
             raise ConfigError(f"precision must be bf16, fp16 or fp32 (got {precision!r})")
         self.model = model
@@ -127,7 +128,11 @@ class ZeroOffloadEngine:
         if overlap_cpu_step and dpu_warmup_steps is not None:
             raise ConfigError("--overlap-cpu-step cannot be combined with --dpu (DPU already takes the CPU step "
                               "off the critical path, one update late): use one or the other")
-        self.overlap_cpu_step = bool(overlap_cpu_step)
+        if not 0.0 <= overlap_speculated_fraction <= 1.0:
+            raise ConfigError(f"the speculated share of the partition must be in [0, 1] (got {overlap_speculated_fraction!r})")
+        # --overlap-cpu-step with no host memory set aside for it speculates nothing: synchronous
+        self.overlap_cpu_step = bool(overlap_cpu_step) and overlap_speculated_fraction > 0
+        self.overlap_speculated_fraction = float(overlap_speculated_fraction) if self.overlap_cpu_step else 0.0
         f = optimizer_offload_fraction
         if not (isinstance(f, (int, float)) and 0.0 <= f <= 1.0):
             raise ConfigError(f"the optimizer offload fraction must be in [0, 1] (got {f!r})")
@@ -165,9 +170,10 @@ class ZeroOffloadEngine:
         self._norm_segments = [(a, e, c) for a, e, _, c in self._host_segments]
         self.step_count = 0
         if dpu_warmup_steps:
-            self.schedule = DelayedSchedule(dpu_warmup_steps, self._prev_master)
+            self.schedule = DelayedSchedule(dpu_warmup_steps, self._prev_master, self.device)
         elif self.overlap_cpu_step:
-            self.schedule = SpeculativeSchedule(self)
+            self.schedule = SpeculativeSchedule(self, self.overlap_speculated_fraction)
+            self.accounting.host_overlap_bytes = self.schedule.backup_bytes
         else:
             self.schedule = SynchronousSchedule()
         self._race_ref = None
@@ -177,6 +183,14 @@ class ZeroOffloadEngine:
         self._sync = True                   # do the hooks stream gradients into buckets?
         self._sync_pending = False          # a syncing backward ran and finish_grad_sync has not
         self._slot_index = {id(s): i for i, s in enumerate(self.layout.slots)}
+        # Micro-batches before the last add their gradients into an fp32 device buffer, as
+        # Megatron's main_grad, when gradients are reduced in fp32 (--accumulate-allreduce-grads-in-fp32,
+        # the bf16 default): accumulated in the 16-bit param.grad instead, 32 micro-batches lose up to
+        # ~16 ulps of bf16 (issue 34, 2.5). Allocated at the first such micro-batch (4 B/param).
+        self._fp32_accumulation = (self.reduce_dtype == torch.float32 and self.dtype != torch.float32
+                                   and not self.accumulate_on_host)
+        self._main_grad: torch.Tensor | None = None
+        self._main_grad_held = [False] * len(self.layout.slots)
         self.tp_group = tp_group
         self._sp_pieces = self._sequence_parallel_pieces()
         self._reset_bucket_state()
@@ -231,10 +245,8 @@ class ZeroOffloadEngine:
         # t+1's gradients land in one while the worker updates from the other.
         sets = 2 if self.dpu_warmup_steps else 1
         self._grads = [self.dev.host_empty(cut, self.host_grad_dtype) for _ in range(sets)]
-        if self.host_grad_dtype == self.dtype and not self.overlap_cpu_step:
+        if self.host_grad_dtype == self.dtype:
             self._params = self._grads
-        elif self.overlap_cpu_step:  # speculation keeps the gradient for a redo: the output is apart
-            self._params = [self.dev.host_empty(cut, self.dtype)]
         else:   # a separate 16-bit output: one is enough (it is read back before the next update)
             self._params = [self.dev.host_empty(cut, self.dtype)] * sets
         self._accs = [torch.empty(cut, dtype=torch.float32) for _ in range(sets)] \
@@ -260,9 +272,6 @@ class ZeroOffloadEngine:
         nbytes = lambda t: 0 if t is None else t.numel() * t.element_size()   # noqa: E731
         separate_out = self.host_grad_dtype != self.dtype          # a 16-bit output apart anyway
         acc.host_staging_bytes = nbytes(self._grads[0]) + (nbytes(self._params[0]) if separate_out else 0)
-        if self.overlap_cpu_step:   # the spare set of master + moments [+ the output apart]
-            acc.host_overlap_bytes = (cut * (4 + 2 * self.exp_avg.element_size())
-                                      + (0 if separate_out else nbytes(self._params[0])))
         acc.host_accumulator_bytes = nbytes(self._accs[0])
         acc.host_dpu_pending_bytes = sum(nbytes(g) + nbytes(a) for g, a in zip(self._grads[1:], self._accs[1:]))
         acc.host_dpu_prediction_bytes = nbytes(self._prev_master)
@@ -357,7 +366,20 @@ class ZeroOffloadEngine:
         def hook(param: torch.Tensor) -> None:
             if self._sync:
                 self._grad_ready(slot)
+            elif self._fp32_accumulation:
+                self._add_to_main_grad(slot)
         return hook
+
+    def _add_to_main_grad(self, slot) -> None:
+        """A micro-batch before the last: its 16-bit gradient into the fp32 main_grad, param.grad freed."""
+        if self._main_grad is None:
+            self._main_grad = self.dev.device_empty(self.layout.numel, torch.float32)
+        i = self._slot_index[id(slot)]
+        mg = self._main_grad[slot.start:slot.start + slot.numel]
+        g = slot.param.grad.reshape(-1)
+        mg.add_(g) if self._main_grad_held[i] else mg.copy_(g)
+        self._main_grad_held[i] = True
+        slot.param.grad = None
 
     def _reset_bucket_state(self) -> None:
         nb = len(self.layout.buckets)
@@ -393,11 +415,19 @@ class ZeroOffloadEngine:
 
     def _absorb(self, slot) -> None:
         i = self._slot_index[id(slot)]
-        if self._absorbed[i] or slot.param.grad is None:
+        held = self._main_grad_held[i]
+        if self._absorbed[i] or (slot.param.grad is None and not held):
             return
         bucket = self.layout.buckets[slot.bucket]
         off = slot.start - bucket.start
-        self._open[slot.bucket][1][off:off + slot.numel].copy_(slot.param.grad.reshape(-1))
+        view = self._open[slot.bucket][1][off:off + slot.numel]
+        if held:                                         # earlier micro-batches' fp32 sum, then this one's
+            view.copy_(self._main_grad[slot.start:slot.start + slot.numel])
+            if slot.param.grad is not None:
+                view.add_(slot.param.grad.reshape(-1))
+            self._main_grad_held[i] = False
+        else:
+            view.copy_(slot.param.grad.reshape(-1))
         slot.param.grad = None
         self._absorbed[i] = True
         self._count[slot.bucket] += 1
@@ -561,27 +591,30 @@ class ZeroOffloadEngine:
 
     @torch.no_grad()
     def _cpu_update(self, k: int, grad: torch.Tensor, step: int, lr: float, grad_scale: float,
-                    segments=None, phase: str | None = "cpu_step", state_from=None) -> None:
+                    segments=None, phase: str | None = "cpu_step", out: torch.Tensor | None = None) -> None:
         """ONE CPU Adam call over the partition's segments (default: all; on a schedule's worker
         under DPU and overlap): reads `grad`, updates master and moments, writes the 16-bit
-        parameters into set k. state_from: (master, exp_avg, exp_avg_sq) to read the old state
-        from (the out-of-place kernel, --overlap-cpu-step); the new state goes to the engine's."""
+        parameters into set k, or into `out` (a buffer of the partition's first out.numel()
+        elements, which the segments then lie in: --overlap-cpu-step's speculated parameters)."""
         t0 = time.monotonic()
         a = self.adam
-        out = self._params[k]
         full = segments is None
         segments = [(s, e, a.weight_decay if decay else 0.0)
                     for s, e, decay, _ in (self._host_segments if segments is None else segments)]
+        master, exp_avg, exp_avg_sq = self.master, self.exp_avg, self.exp_avg_sq
+        if out is None:
+            out = self._params[k]
+        else:                               # a prefix buffer: every tensor cut to the prefix
+            n = out.numel()
+            master, grad, exp_avg, exp_avg_sq = master[:n], grad[:n], exp_avg[:n], exp_avg_sq[:n]
         if segments:
-            master, exp_avg, exp_avg_sq = state_from or (self.master, self.exp_avg, self.exp_avg_sq)
             cpu_adam.adam_step_segments(
                 master, grad, exp_avg, exp_avg_sq, segments, step=step, lr=lr, beta1=a.beta1,
                 beta2=a.beta2, eps=a.eps, adamw=a.adamw, bias_correction=a.bias_correction,
-                grad_scale=grad_scale, param16_out=out if self.dtype != torch.float32 else None,
-                param_out=self.master, exp_avg_out=self.exp_avg, exp_avg_sq_out=self.exp_avg_sq)
+                grad_scale=grad_scale, param16_out=out if self.dtype != torch.float32 else None)
         if self.dtype == torch.float32:     # fp32 mode: the parameter copy is the master itself
             for s, e, _ in (((0, self._cut, 0.0),) if full else segments):
-                out[s:e].copy_(self.master[s:e])
+                out[s:e].copy_(master[s:e])
         if phase is not None:
             self._phases.append((phase, t0, time.monotonic()))
 
@@ -595,18 +628,26 @@ class ZeroOffloadEngine:
             out.append(self._phases.popleft())
         return out
 
-    def _params_to_device(self, k: int | None = None) -> None:
+    def _params_to_device(self, k: int | None = None, prefix: torch.Tensor | None = None) -> None:
         """Updated shards of set k -> device -> async all-gather over DP into the flat buffer; the
-        next forward is queued behind the gathers (on CUDA the host does not wait for them)."""
+        next forward is queued behind the gathers (on CUDA the host does not wait for them).
+        `prefix`: the partition's first prefix.numel() parameters come from it instead (the
+        speculated part of an --overlap-cpu-step commit)."""
         t0 = time.monotonic()
         host_param = self._params[self._cur if k is None else k]
+        p = 0 if prefix is None else prefix.numel()
         works = []
         esz = self.flat.element_size()
         for bucket in self.layout.buckets:
             lo, hi = bucket.shard_range(self.dp_rank)
             n = min(hi - lo, max(0, self._cut - bucket.host_start))   # the device tail is already there
+            a = bucket.host_start
+            m = min(n, max(0, p - a))                                 # the part that lies in the prefix
+            if m:
+                self.dev.copy_to_device(self.flat[lo:lo + m], prefix[a:a + m])
+            if n > m:
+                self.dev.copy_to_device(self.flat[lo + m:lo + n], host_param[a + m:a + n])
             if n:
-                self.dev.copy_to_device(self.flat[lo:lo + n], host_param[bucket.host_start:bucket.host_start + n])
                 self.accounting.h2d_bytes += n * esz
             works.append(collectives.all_gather(self.flat[bucket.start:bucket.end], self.flat[lo:hi],
                                                 self.dp_group, async_op=True))

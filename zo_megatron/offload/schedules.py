@@ -22,18 +22,18 @@ Delayed parameter update (`DelayedSchedule`, --dpu, from the W-th update on; pap
 
 Speculative overlap (`SpeculativeSchedule`, --overlap-cpu-step; docs/overlap.md):
 
-  main   |fwd t|bwd t......................|N|check|R|fwd t+1 ...
+  main   |fwd t|bwd t......................|N|check|A_rest|R|fwd t+1 ...
   comm          |rs0 h0|rs1 h1|rs2 h2|
-  worker               |A_0...|A_1...|A_2...|       (A_k reads the state, writes the spare set)
+  worker               |A_0...|A_1...|            (A_k backs up its segments' state, updates in place)
   Each bucket's CPU Adam starts as soon as its shard is home, speculating "clean and unclipped"
-  (clip coefficient 1, no overflow, the learning rate announced by expect_lr()). After backward
-  the main thread joins the worker, computes the norm, then checks: clean and unclipped -> commit
-  (R sends the staged parameters; nothing reached the device before); otherwise discard the
-  speculated segments (they went to the spare state set; the state before the step was only
-  read) and redo the whole step from the kept state (or skip). Every kernel call
-  covers whole segments with the same arguments as the synchronous call, and the kernel's result
-  per segment does not depend on how segments are grouped into calls, so the result is
-  bit-identical to the synchronous schedule in every case.
+  (clip coefficient 1, no overflow, the learning rate announced by expect_lr()), for the prefix
+  of the partition that the host memory set aside for it holds. After backward the main thread
+  takes back the buckets not started, computes the norm, then checks: clean and unclipped ->
+  commit (A_rest updates the segments not speculated, R sends the parameters; nothing reached the
+  device before); otherwise the backup is copied back and the whole step redone (or skipped).
+  Every kernel call covers whole segments with the same arguments as the synchronous call, and
+  the kernel's result per segment does not depend on how segments are grouped into calls, so the
+  result is bit-identical to the synchronous schedule in every case.
 
 Threads. Collectives are issued only where they are issued without a schedule: the norm's
 all-reduce and the all-gathers on the main thread, the reduce-scatters from the gradient hooks
@@ -44,6 +44,7 @@ collective: `WORKER_PREFIX` names it and tests record the thread of every collec
 """
 from __future__ import annotations
 
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -122,9 +123,11 @@ class DelayedSchedule(SynchronousSchedule):
 
     name = "delayed"
 
-    def __init__(self, warmup_steps: int, prev_master: torch.Tensor | None = None):
+    def __init__(self, warmup_steps: int, prev_master: torch.Tensor | None = None,
+                 device: torch.device = torch.device("cpu")):
         self.warmup_steps = warmup_steps
-        self.worker = ThreadPoolExecutor(1, thread_name_prefix=WORKER_PREFIX)
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix=WORKER_PREFIX, initializer=select_worker_device,
+                                         initargs=(device,))
         self.pending = None                # (future, landing set, StepResult) of the update in flight
         # --dpu-weight-prediction: the master before the update in flight (w_{t-1}); the device
         # then gets w_t + (w_t - w_{t-1}) instead of w_t (see _predicted_update).
@@ -196,39 +199,67 @@ class SpeculativeSchedule(SynchronousSchedule):
     """--overlap-cpu-step: per-bucket CPU Adam during the last micro-batch's backward, speculated
     clean and unclipped, validated after the norm, committed or rolled back (bit-identical).
 
-    Kept state: two sets of state buffers, the engine's master / exp_avg / exp_avg_sq and a spare
-    set of the same size (`spare`). When a speculating backward starts, the engine's attributes
-    are pointed at the spare set and the state before the step is kept aside (`kept`, never
-    written while kept). Every kernel call of the step is the out-of-place kernel reading `kept`
-    and writing the engine's set: each speculated bucket, the segments left at the commit, the
-    whole partition in a redo. Commit: nothing to copy, the kept set becomes the spare. Rollback:
-    the kept set is the engine's again (a skip) or the redo rewrites every segment of the other
-    set from it; either way the speculated values are discarded without a copy, so speculation
-    costs the kernel alone. The 16-bit (or fp32) parameters are written into a staging buffer of
-    their own (the engine's `_params`, not aliased to the gradient in this mode), so the gradient
-    survives for a redo and nothing reaches the device before step() commits.
+    Bounded by memory (issue 34): only a prefix of the partition is speculated, the segments that
+    end within `fraction` of it. Buckets come home in partition order and bucket 0 holds the last
+    layers, so the prefix is what backward produces first: the part with the most backward left
+    to hide behind. The rest of the partition is updated after validation, in place, as the
+    synchronous step does. With fraction 0 nothing is speculated (the engine then builds the
+    synchronous schedule instead).
 
-    Why the engine's attributes are re-pointed rather than the tensors' storage swapped: every
-    user of the host state reads `engine.master` / `exp_avg` / `exp_avg_sq` at the moment it needs
-    them (the kernel call, the fp32 parameter copy, `_state_pieces` behind state_dict,
-    load_state_dict, host_state_views for DCP checkpoints and the tools that read them,
-    reload_params_from_master; accounting takes sizes only; the device tail of a partial offload
-    has tensors of its own), and those that can run between a backward and its step() flush()
-    first, which points the attributes back at the state before the step. Nothing keeps a view
-    across a step, so re-pointing is enough; it is plain Python (Tensor.set_ would move storage
-    under views and the race check's snapshots without telling them), and a reader (or a test)
-    sees which set is live by identity. The two sets start as copies of each other (the elements
-    outside every segment, alignment padding, are then equal in both and never written).
+      partition  |segments 0..j-1: speculated (backup kept)|segments j..: after validation|
+                 0                                 limit <= fraction x partition
+
+    State kept for a rollback: before a speculated kernel writes segments [lo, hi) in place, the
+    worker copies their old master and moments into a backup of the prefix's size. Where the
+    synchronous step writes the updated parameters over the gradient it read (one staging buffer),
+    the speculated kernel writes them into a parameter buffer of the prefix's size instead: the
+    gradient must survive for the norm and a redo. A commit costs nothing more (the parameters of
+    the prefix go to the device from that buffer); a rollback copies the backup back over the
+    segments done, then the step is redone (or skipped) exactly as the synchronous one. Every
+    kernel call is the synchronous step's in-place kernel with the same arguments, and the
+    kernel's result per segment does not depend on how segments are grouped into calls, so the
+    result is bit-identical in every case. Host memory: `backup_bytes` = prefix x (fp32 master +
+    two moments [+ the 16-bit parameters]), the planner's `overlap_rollback` line
+    (planner.memory.overlap_rollback_host_bytes).
+
+    At the end of backward the main thread takes back the buckets the worker has not started
+    (their accumulation into the host accumulator runs there; their update waits for the
+    validation, in place and unspeculated): after backward, speculating would only add the
+    backup's copies to the critical path.
+
+    Rollbacks back off: a step whose speculation was rolled back is followed by 1, 2, 4, ... up to
+    64 steps that do not speculate (the synchronous step); a commit resets it (a step that
+    speculated no segment changes neither). While the gradient
+    norm is clipped every step (early training) the schedule is then the synchronous one plus a
+    rare probe. The decision depends only on the global norm, the overflow and the learning rate,
+    which every rank shares, so every rank speculates the same steps.
     """
 
     name = "speculative"
 
-    def __init__(self, engine):
-        self.worker = ThreadPoolExecutor(1, thread_name_prefix=WORKER_PREFIX)
-        self.spare: tuple | None = tuple(t.clone() for t in _live_state(engine))
-        self.kept: tuple | None = None      # the state before the step while the engine's set is written
+    def __init__(self, engine, fraction: float = 1.0):
+        if not 0.0 < fraction <= 1.0:
+            raise ValueError(f"the speculated fraction must be in (0, 1] (got {fraction!r})")
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix=WORKER_PREFIX, initializer=select_worker_device,
+                                         initargs=(engine.device,))
+        self.budget = math.floor(fraction * engine._cut)       # elements the backup holds
+        segs = engine._host_segments
+        self.limit = 0                                         # segments [0, limit) may be speculated
+        while self.limit < len(segs) and segs[self.limit][1] <= self.budget:
+            self.limit += 1
+        n = self.budget
+        self.backup = (torch.empty(n, dtype=engine.master.dtype), torch.empty(n, dtype=engine.exp_avg.dtype),
+                       torch.empty(n, dtype=engine.exp_avg_sq.dtype))
+        # Where the synchronous kernel writes the parameters over the gradient it reads (and the
+        # update reads that gradient, not the host accumulator), speculated parameters go apart.
+        aliased = any(p.data_ptr() == g.data_ptr() for p, g in zip(engine._params, engine._grads))
+        self.params = engine.dev.host_empty(n, engine.dtype) if aliased and not engine.accumulate_on_host else None
+        self.backup_bytes = sum(t.numel() * t.element_size() for t in (*self.backup, self.params) if t is not None)
         self.next_lr: float | None = None   # expect_lr(): the learning rate the coming step() gets
         self.last_lr: float = engine.adam.lr
+        self.max_backoff = 64               # (tests set 0 to speculate every step)
+        self.backoff = 0                    # steps not speculated after the last rollback ...
+        self.hold = 0                       # ... and how many of them are still to come
         self._reset()
 
     def _reset(self) -> None:
@@ -241,30 +272,23 @@ class SpeculativeSchedule(SynchronousSchedule):
         self._next_seg = 0                  # the first host segment not yet speculated
         self._race: list = []               # race_check: (name, view, snapshot) to verify at the join
 
-    # Main thread only, never while a speculated kernel runs (before backward, after the join).
-    def _write_spare(self, engine) -> None:
-        """The step's kernels will read the engine's state (kept) and write the spare set."""
-        self.kept = _live_state(engine)
-        _set_live_state(engine, self.spare)
-        self.spare = None
-
-    def _keep_written(self) -> None:
-        """Commit: the written set stays the engine's; the state before the step is the spare."""
-        self.spare, self.kept = self.kept, None
-
-    def _restore_kept(self, engine) -> None:
-        """Rollback without a redo: the state before the step is the engine's again."""
-        self.spare = _live_state(engine)
-        _set_live_state(engine, self.kept)
-        self.kept = None
+    def _restore(self, engine) -> None:
+        """Rollback: the segments done get their state from before the step back."""
+        if not self.done:
+            return
+        hi = engine._host_segments[self.done[-1]][1]
+        for live, kept in zip(_live_state(engine), self.backup):
+            live[:hi].copy_(kept[:hi])
 
     def on_backward_start(self, engine, last_micro_batch: bool) -> None:
-        if not last_micro_batch or self.active or not engine._host_segments:
+        if not last_micro_batch or self.active or not self.limit:
+            return
+        if self.hold:                       # backing off after a rollback: a synchronous step
+            self.hold -= 1
             return
         lr = self.next_lr if self.next_lr is not None else self.last_lr
         self.active = True
         self.args = (engine.step_count + 1, lr, 1.0 / engine.loss_scaler.scale, engine._micro == 0)
-        self._write_spare(engine)
 
     def on_bucket_home(self, engine, bucket, handle) -> None:
         """Main thread, right after bucket's copy home was queued: hand its CPU Adam to the worker."""
@@ -272,49 +296,55 @@ class SpeculativeSchedule(SynchronousSchedule):
             self.futures.append(self.worker.submit(self._speculate, engine, bucket, handle))
             self._queued.append((bucket, handle))
 
-    @torch.no_grad()
-    def _speculate(self, engine, bucket, handle) -> None:
-        """Worker: wait for the shard to be home, add it into the host accumulator, then update
-        every segment that is now complete (segments never straddle a call), reading the kept
-        state and writing the engine's."""
+    def _accumulate(self, engine, bucket, handle) -> int:
+        """Wait for the shard to be home and add it into the host accumulator (what backward()
+        does for the whole partition when nothing speculates). Returns the end of what landed."""
         hs, m = bucket.host_start, min(bucket.shard_numel, max(0, engine._cut - bucket.host_start))
         if not m:
-            return
+            return 0
         engine.dev.wait_landed(handle)
-        t0 = time.monotonic()                   # the phase is the worker's work, not its wait
-        step, lr, grad_scale, first_micro = self.args
-        if engine.accumulate_on_host:       # what backward() does for the whole partition otherwise
+        if engine.accumulate_on_host:
             acc, g = engine.host_acc[hs:hs + m], engine.host_grad[hs:hs + m]
-            acc.copy_(g) if first_micro else acc.add_(g)
-        segs, landed = engine._host_segments, hs + m
+            acc.copy_(g) if self.args[3] else acc.add_(g)
+        return hs + m
+
+    @torch.no_grad()
+    def _speculate(self, engine, bucket, handle) -> None:
+        """Worker: the shard home and accumulated, then every segment of the prefix that is now
+        complete (segments never straddle a call): back up its state, update it in place."""
+        landed = self._accumulate(engine, bucket, handle)
+        segs = engine._host_segments
         j0 = j = self._next_seg
-        while j < len(segs) and segs[j][1] <= landed:
+        while j < self.limit and segs[j][1] <= landed:
             j += 1
         if j == j0:
             return
-        self._next_seg = j
+        t0 = time.monotonic()                   # the phase is the worker's work, not its wait
+        step, lr, grad_scale, _ = self.args
         lo, hi = segs[j0][0], segs[j - 1][1]
+        for live, kept in zip(_live_state(engine), self.backup):
+            kept[lo:hi].copy_(live[lo:hi])
+        self._next_seg = j
         grad = engine._update_grad()
-        engine._cpu_update(engine._cur, grad, step, lr, grad_scale, segments=segs[j0:j], phase=None,
-                           state_from=self.kept)
+        engine._cpu_update(engine._cur, grad, step, lr, grad_scale, segments=segs[j0:j], phase=None, out=self.params)
         self.done.extend(range(j0, j))
         self.buckets += 1
         if engine.race_check:   # what the kernel read and wrote must not change until the join
-            read = (("gradient", grad), *zip(("old master", "old exp_avg", "old exp_avg_sq"), self.kept))
-            written = (*zip(("master", "exp_avg", "exp_avg_sq"), _live_state(engine)),
-                       ("staged parameters", engine._params[engine._cur]))
-            for name, t in (*read, *written):
+            named = (("gradient", grad), ("kept master", self.backup[0]), ("kept exp_avg", self.backup[1]),
+                     ("kept exp_avg_sq", self.backup[2]), ("master", engine.master), ("exp_avg", engine.exp_avg),
+                     ("exp_avg_sq", engine.exp_avg_sq),
+                     ("staged parameters", engine._params[engine._cur] if self.params is None else self.params))
+            for name, t in named:
                 self._race.append((name, lo, t[lo:hi], t[lo:hi].clone()))
         engine._phases.append(("cpu_step_speculated", t0, time.monotonic()))
 
     def before_norm(self, engine) -> None:
-        """Join the speculated kernels (an error is raised here) and run the race check.
+        """Join the worker (an error is raised here) and run the race check.
 
-        The buckets the worker has not started yet are taken back and run here, in order, after
-        the one it is running: the main thread would only wait for them, and where the CPU is
-        shared (the worker's every wake-up may wait for a time slice) the worker can be many
-        buckets behind. Cancelled from the last one back, so the taken ones are a suffix of the
-        queue (the worker takes tasks in order): the same calls in the same order, exact."""
+        The buckets the worker has not started yet are taken back: the main thread accumulates
+        them here, and their segments are updated after the validation, unspeculated. Cancelled
+        from the last one back, so the taken ones are a suffix of the queue (the worker takes
+        tasks in order) and the speculated segments stay a prefix."""
         if not self.futures:
             return
         t0 = time.monotonic()
@@ -329,7 +359,7 @@ class SpeculativeSchedule(SynchronousSchedule):
                 if not f.cancelled():
                     f.result()
             for args in reversed(taken):
-                self._speculate(engine, *args)
+                self._accumulate(engine, *args)
         finally:
             engine._phases.append(("cpu_step_wait", t0, time.monotonic()))
         for name, lo, view, snap in self._race:
@@ -342,35 +372,37 @@ class SpeculativeSchedule(SynchronousSchedule):
     def step(self, engine, found_inf: bool, grad_norm: float, scale: float, lr: float) -> StepResult:
         self.before_norm(engine)            # (already joined by the engine; kept for direct callers)
         self.next_lr, self.last_lr = None, lr
-        speculated, args, done = self.buckets, self.args, self.done
-        self._reset()
-        if self.kept is None:               # no speculating backward: the plain synchronous step
+        if not self.active:                 # no speculating backward: the plain synchronous step
+            self._reset()
             return super().step(engine, found_inf, grad_norm, scale, lr)
+        speculated, args, done = self.buckets, self.args, self.done
         clip_coef = 1.0 if found_inf else engine._clip_coef(grad_norm)
         step, spec_lr, spec_grad_scale, _ = args
         rollback = found_inf or clip_coef != 1.0 or lr != spec_lr or clip_coef / scale != spec_grad_scale \
             or step != engine.step_count + 1
         if rollback:
             t0 = time.monotonic()
-            if found_inf:                   # skip: the state before the step, untouched, is the engine's again
-                self._restore_kept(engine)
+            self._restore(engine)
             engine._phases.append(("cpu_step_rollback", t0, time.monotonic()))
-            if found_inf:
-                return StepResult(True, grad_norm, 0.0, scale, speculated_buckets=speculated,
-                                  rolled_back_buckets=speculated)
+        if done:                            # (a step that speculated nothing cost nothing: no change)
+            self.backoff = min(max(1, 2 * self.backoff), self.max_backoff) if rollback else 0
+            self.hold = self.backoff
+        self._reset()
+        if found_inf:
+            return StepResult(True, grad_norm, 0.0, scale, speculated_buckets=speculated,
+                              rolled_back_buckets=speculated)
         engine.step_count += 1
         k = engine._cur
         if engine._tail is not None:        # the device part needs no speculation
             engine._tail.step(engine.step_count, lr, clip_coef / scale)
-        # The redo rewrites every segment (the speculated values are discarded by being
-        # overwritten); a commit updates the segments whose gradients were complete only at the end
-        # (done is a prefix: buckets land in order). Both read the kept state.
+        # A redo updates every segment from the restored state; a commit the segments after the
+        # speculated ones (done is a prefix: buckets land in order). Both in place.
         rest = None if rollback else engine._host_segments[len(done):]
         if rest is None or rest:
-            engine._cpu_update(k, engine._update_grad(), engine.step_count, lr, clip_coef / scale, segments=rest,
-                               state_from=self.kept)
-        self._keep_written()
-        engine._params_to_device(k)
+            engine._cpu_update(k, engine._update_grad(), engine.step_count, lr, clip_coef / scale, segments=rest)
+        prefix = None if rollback or self.params is None or not done else \
+            self.params[:engine._host_segments[done[-1]][1]]
+        engine._params_to_device(k, prefix=prefix)
         return StepResult(False, grad_norm, clip_coef, scale, speculated_buckets=speculated,
                           rolled_back_buckets=speculated if rollback else 0)
 
@@ -378,8 +410,7 @@ class SpeculativeSchedule(SynchronousSchedule):
         """A speculating backward with no step() after it (a flush, checkpoint or close first):
         join and roll back, so the state is the one before that backward."""
         self.before_norm(engine)
-        if self.kept is not None:
-            self._restore_kept(engine)
+        self._restore(engine)
         self._reset()
 
     def flush(self, engine) -> StepResult | None:
@@ -388,17 +419,26 @@ class SpeculativeSchedule(SynchronousSchedule):
         return None
 
     def close(self) -> None:
+        """Cancel what the worker has not started (after an error nobody waits for those
+        updates), join the one it runs, raise its error."""
         futures, self.futures = self.futures, []
+        for f in reversed(futures):
+            f.cancel()
         if self.worker is not None:
-            self.worker.shutdown(wait=True)
+            self.worker.shutdown(wait=True, cancel_futures=True)
             self.worker = None
         for f in futures:
-            f.result()
+            if not f.cancelled():
+                f.result()
+
+
+def select_worker_device(device: torch.device) -> None:
+    """A schedule worker's initializer: its CUDA calls (event waits) go to the rank's GPU. A new
+    thread's current device is 0: without this, every rank whose GPU is not 0 would create a CUDA
+    context on GPU 0 at its worker's first CUDA call (issue 34, 2.1)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 def _live_state(engine) -> tuple:
     return engine.master, engine.exp_avg, engine.exp_avg_sq
-
-
-def _set_live_state(engine, state) -> None:
-    engine.master, engine.exp_avg, engine.exp_avg_sq = state

@@ -55,7 +55,8 @@ from __future__ import annotations
 
 from zo_megatron.planner.inputs import PRECISIONS, RECOMPUTE, Plan, PlanInput, plan_input_from_flags
 from zo_megatron.planner.memory import (_activation_items, _bucket_layout, _bytes16, _compute, _ranks_layout, _try,
-                                        may_fit, solve_offload_fraction)
+                                        may_fit, overlap_full_bytes_per_rank, solve_offload_fraction,
+                                        solve_overlap_fraction, resolve_overlap, OVERLAP_MODES)
 from zo_megatron.planner.paper import GOALS, baseline_maxima, our_maxima, paper_checks
 from zo_megatron.planner.params import (Architecture, count_params, default_ffn_size, layer_parameters,
                                         model_parameters, pad_vocab_size)
@@ -71,6 +72,6 @@ __all__ = [
     "GiB", "PlanInput", "Plan", "plan", "plan_input_from_flags", "max_model", "count_params", "pad_vocab_size",
     "HARDWARE_PRESETS", "MODEL_PRESETS", "MODEL_PRESET_NUMERICS", "apply_hardware_preset", "model_preset", "paper_checks",
     "baseline_maxima", "our_maxima", "GOALS", "FAMILIES",
-    "format_bytes", "format_params", "solve_offload_fraction", "Architecture", "default_ffn_size",
+    "format_bytes", "format_params", "solve_offload_fraction", "solve_overlap_fraction", "overlap_full_bytes_per_rank", "resolve_overlap", "OVERLAP_MODES", "Architecture", "default_ffn_size",
     "layer_parameters", "model_parameters", "may_fit", "largest_fitting", "largest_monotone",
 ]

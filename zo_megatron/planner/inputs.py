@@ -73,7 +73,8 @@ class PlanInput:
     host_grad_fp32: bool = False  # reduced gradients copied home in fp32 (needs grad_reduce_fp32)
     device_is_host: bool = False  # CPU runs: "device" bytes also live in host RAM
     optimizer_offload_fraction: float = 1.0  # share of each partition's optimizer on the host (Megatron's name)
-    overlap_cpu_step: bool = False  # --overlap-cpu-step: the spare state set (memory.overlap_rollback_host_bytes)
+    overlap_cpu_step: bool = False  # --overlap-cpu-step: the rollback backup (memory.overlap_rollback_host_bytes)
+    overlap_speculated_fraction: float = 1.0  # ... of this share of each rank's host partition
 
     def ffn(self) -> int:
         return default_ffn_size(self.hidden_size, self.swiglu) if self.ffn_hidden_size is None \

@@ -338,7 +338,8 @@ def _compute(inp: PlanInput, bucket_overfill: bool = True) -> Plan:
         if N > 1:
             dev["reduce_scatter_scratch"] = wg * bucket
         if inp.grad_accum_steps > 1 and not inp.accumulate_on_host:
-            dev["grads_kept_across_microbatches"] = w * psi_pad
+            # fp32 when reduced in fp32 (the engine's main_grad, as Megatron's), else 16-bit param.grad
+            dev["grads_kept_across_microbatches"] = (4 if wg == 4 else w) * psi_pad
         # --optimizer-offload-fraction F: the engine keeps the partition's first F on the host
         # (rounded to 64 elements) and the tail on the device: fp32 master, m, v and gradient there.
         tail = 0 if inp.optimizer_offload_fraction >= 1 else \
@@ -356,8 +357,10 @@ def _compute(inp: PlanInput, bucket_overfill: bool = True) -> Plan:
             host_gpu["param_staging_16bit"] = w * part
         if inp.grad_accum_steps > 1 and inp.accumulate_on_host:
             host_gpu["grad_accumulator_fp32"] = 4 * part
-        if inp.overlap_cpu_step:
-            host_gpu["overlap_rollback"] = overlap_rollback_host_bytes(part, w, wh, opt_b)
+        if inp.overlap_cpu_step and inp.overlap_speculated_fraction > 0:
+            host_gpu["overlap_rollback"] = overlap_rollback_host_bytes(
+                part, w, wh, opt_b, inp.overlap_speculated_fraction,
+                inp.grad_accum_steps > 1 and inp.accumulate_on_host)
         if inp.dpu:                       # the second landing set: gradients [+ fp32 accumulator]
             host_gpu["dpu_pending_grad"] = wh * part + (
                 4 * part if inp.grad_accum_steps > 1 and inp.accumulate_on_host else 0)
@@ -423,13 +426,84 @@ def _compute(inp: PlanInput, bucket_overfill: bool = True) -> Plan:
                 ranks_per_node=per_node, fits_device=fits_device, fits_host=fits_host)
 
 
-def overlap_rollback_host_bytes(part: int, param_bytes: int, host_grad_bytes: int, state_bytes: int) -> int:
-    """--overlap-cpu-step's extra host bytes for a host partition of `part` elements: the spare set
-    of fp32 master + both moments (the out-of-place kernel writes the step's new state there while
-    the state before it is kept for a rollback), and
-    the updated parameters' own staging buffer when it would otherwise share the gradient's (the
-    gradient must survive for a redo). Equals the engine's accounting.host_overlap_bytes."""
-    return part * (4 + 2 * state_bytes) + (param_bytes * part if host_grad_bytes == param_bytes else 0)
+def overlap_rollback_host_bytes(part: int, param_bytes: int, host_grad_bytes: int, state_bytes: int,
+                                fraction: float = 1.0, accumulate_on_host: bool = False) -> int:
+    """--overlap-cpu-step's extra host bytes for a host partition of `part` elements of which
+    `fraction` is speculated (offload/schedules.SpeculativeSchedule): the rollback backup of the
+    fp32 master + both moments of that prefix, and its own 16-bit parameter buffer where the
+    parameters would otherwise be written over the gradient the update reads (the gradient must
+    survive for the norm and a redo). Equals the engine's accounting.host_overlap_bytes."""
+    n = math.floor(fraction * part)
+    aliased = host_grad_bytes == param_bytes and not accumulate_on_host
+    return n * (4 + 2 * state_bytes) + (param_bytes * n if aliased else 0)
+
+
+def overlap_full_bytes_per_rank(inp: PlanInput) -> int:
+    """overlap_rollback_host_bytes at fraction 1 for this plan's host partition (one rank)."""
+    p = _compute(inp.replace(overlap_cpu_step=True, overlap_speculated_fraction=1.0))
+    return p.host_items.get("overlap_rollback", 0) // p.ranks_per_node
+
+
+def solve_overlap_fraction(inp: PlanInput, budget_bytes_per_rank: int | None = None) -> float:
+    """The share of each rank's host partition --overlap-cpu-step speculates, in steps of 1%.
+    budget_bytes_per_rank None (`auto`): as much as the host memory left free by everything else
+    holds, 0 when the run does not fit without the overlap; so `auto` never makes a fitting run not
+    fit. An explicit budget (--overlap-cpu-step-memory): the share it holds, at most 1 (whether the
+    run then fits is the plan's verdict)."""
+    full = overlap_full_bytes_per_rank(inp)
+    if full <= 0:
+        return 0.0
+    if budget_bytes_per_rank is not None:
+        return math.floor(min(1.0, budget_bytes_per_rank / full) * 100) / 100
+    base = _try(inp.replace(overlap_cpu_step=False))
+    if base is None or not base.fits:
+        return 0.0
+    f = math.floor(min(1.0, _free_host_bytes(base) / (full * base.ranks_per_node)) * 100) / 100
+    while f > 0:              # the 1% grid and the partition's rounding: step down until it fits
+        p = _try(inp.replace(overlap_cpu_step=True, overlap_speculated_fraction=f))
+        if p is not None and p.fits:
+            return f
+        f = round(f - 0.01, 2)
+    return 0.0
+
+
+OVERLAP_MODES = ("auto", "full", "memory", "off")
+
+
+def resolve_overlap(inp: PlanInput, mode: str | None, budget_bytes_per_rank: int | None = None) -> tuple[float, str]:
+    """--overlap-cpu-step as the job resolves it: (speculated share of each rank's host partition,
+    one line saying why). mode None is the default: `auto` on a GPU, off where the device is the
+    host (device and CPU Adam share the cores). Off without ZeRO-Offload or with DPU (which takes
+    the CPU step off the critical path already). `memory`: --overlap-cpu-step-memory's budget."""
+    if mode is None:
+        mode = "off" if inp.device_is_host else "auto"
+    if mode not in OVERLAP_MODES:
+        raise ValueError(f"overlap mode must be one of {OVERLAP_MODES}, got {mode!r}")
+    if mode == "off" or not inp.zero_offload or inp.dpu:
+        why = ("--no-overlap-cpu-step" if mode == "off" else "no --zero-offload" if not inp.zero_offload
+               else "--dpu" if inp.dpu else "")
+        return 0.0, f"CPU step overlap off ({why or 'the device is the host: it shares the cores'})"
+    full = overlap_full_bytes_per_rank(inp)
+    need = f"all of it would take {format_bytes(full)}/rank"
+    if mode == "full":
+        return 1.0, f"--overlap-cpu-step: the whole partition speculated ({need})"
+    f = solve_overlap_fraction(inp, budget_bytes_per_rank if mode == "memory" else None)
+    if mode == "memory":
+        return f, (f"--overlap-cpu-step-memory {format_bytes(budget_bytes_per_rank)}/rank: {f:.0%} of the partition "
+                   f"speculated ({need})")
+    if f == 0:
+        return 0.0, (f"--overlap-cpu-step auto: nothing speculated, the plan leaves no host memory free for the "
+                     f"rollback state ({need}); the CPU step is synchronous")
+    return f, (f"--overlap-cpu-step auto: {f:.0%} of the partition speculated, what the host memory the plan "
+               f"leaves free holds ({need})")
+
+
+def _free_host_bytes(p: Plan) -> int:
+    """Host bytes per node the plan leaves free (for a CPU device, of the unified memory too)."""
+    free = p.input.host_memory_bytes_per_node - p.host_bytes_per_node
+    if p.input.device_is_host:
+        free -= p.device_bytes_per_gpu * p.ranks_per_node
+    return max(0, free)
 
 
 def solve_offload_fraction(inp: PlanInput, step: float = 0.05) -> float | None:

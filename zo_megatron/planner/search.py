@@ -75,6 +75,13 @@ def _suggest(base: Plan) -> list[str]:
         if inp.zero_offload and inp.bucket_size > 5_000_000:
             add("smaller gradient buckets (`--bucket-size 5000000`)", inp.replace(bucket_size=5_000_000))
     if not base.fits_host:
+        if inp.overlap_cpu_step and inp.overlap_speculated_fraction > 0:
+            from zo_megatron.planner.memory import solve_overlap_fraction
+
+            f = solve_overlap_fraction(inp)
+            add(f"speculate only what the free host memory holds (`--overlap-cpu-step auto`: {f:.0%} of the "
+                "partition)" if f > 0 else "the synchronous CPU step (`--no-overlap-cpu-step`: no rollback state)",
+                inp.replace(overlap_cpu_step=f > 0, overlap_speculated_fraction=f))
         if inp.zero_offload and not inp.bf16_optimizer_states:
             add(f"keep Adam moments in bf16 on the host (`{BF16_STATES_FLAGS}`)",
                 inp.replace(bf16_optimizer_states=True))

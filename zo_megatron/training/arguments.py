@@ -60,6 +60,15 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+def _size_flag(text: str) -> int:
+    from zo_megatron.planner.units import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="pretrain_gpt.py",
@@ -136,12 +145,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --dpu: CPU Adam threads while it overlaps forward/backward (default: all but one "
                         "of --cpu-adam-threads on a GPU, the one left launches the device's kernels; half of them "
                         "on a CPU-only run, where torch keeps the rest)")
-    g.add_argument("--overlap-cpu-step", action=argparse.BooleanOptionalAction, default=None,
+    g.add_argument("--overlap-cpu-step", dest="overlap_cpu_step", nargs="?", const="full", default=None,
+                   choices=("auto", "full"), metavar="auto|full",
                    help="ZeRO-Offload: run each bucket's CPU Adam during backward, as soon as its gradients are "
                         "on the host, speculating the step is not clipped/skipped; validated after backward and "
                         "rolled back and redone where it was (bit-identical to the synchronous step; "
-                        "docs/overlap.md). Default: on for CUDA devices, off on CPU devices (device and CPU Adam "
-                        "share the cores there)")
+                        "docs/overlap.md). Keeping the state for a rollback costs host memory (up to 14 bytes per "
+                        "partition element), so the speculated share is bounded: `auto` (the default on CUDA "
+                        "devices) speculates what the host memory the planner leaves free holds, possibly "
+                        "nothing; alone or `full`, the whole partition (refused where that does not fit). Off on "
+                        "CPU devices by default (device and CPU Adam share the cores there)")
+    g.add_argument("--no-overlap-cpu-step", dest="overlap_cpu_step", action="store_const", const="off",
+                   help="ZeRO-Offload: the synchronous CPU step")
+    g.add_argument("--overlap-cpu-step-memory", type=_size_flag, default=None, metavar="SIZE",
+                   help="--overlap-cpu-step with this much host memory per rank for its rollback state (e.g. "
+                        "64GiB): the speculated share is what it holds, at most all")
     g.add_argument("--optimizer-offload-fraction", default="1.0", metavar="F|auto",
                    help="ZeRO-Offload: share of each rank's optimizer partition updated by the CPU Adam on the "
                         "host (Megatron's name; default 1.0: all of it). The rest keeps fp32 master and moments "
@@ -479,11 +497,16 @@ def finalize(args: argparse.Namespace) -> None:
         raise ConfigError(f"--save-interval must be >= 1 (got {args.save_interval})")
     if args.dpu and not args.zero_offload:
         raise ConfigError("--dpu delays the CPU optimizer's update: add --zero-offload")
-    if args.overlap_cpu_step and not args.zero_offload:
+    if args.overlap_cpu_step_memory is not None:
+        if args.overlap_cpu_step == "off":
+            raise ConfigError("--overlap-cpu-step-memory sets memory aside for --overlap-cpu-step, which "
+                              "--no-overlap-cpu-step turns off: drop one of them")
+        args.overlap_cpu_step = args.overlap_cpu_step or "memory"
+    if args.overlap_cpu_step in ("full", "memory") and not args.zero_offload:
         raise ConfigError("--overlap-cpu-step overlaps the CPU optimizer with backward: add --zero-offload")
     if args.dpu_weight_prediction and not args.dpu:
         raise ConfigError("--dpu-weight-prediction extrapolates the delayed update's parameters: add --dpu")
-    if args.overlap_cpu_step and args.dpu:
+    if args.overlap_cpu_step in ("full", "memory") and args.dpu:
         raise ConfigError("--overlap-cpu-step cannot be combined with --dpu (DPU already takes the CPU step off "
                           "the critical path, one update late): use one or the other")
     _check_offload_fraction(args)

@@ -52,3 +52,14 @@ def set_cuda_device_max_connections(argv=None) -> bool:
     # measures the stall on the first GPU lent, and docs/gpu.md says what to change if it shows.
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     return True
+
+
+def set_nccl_memory_defaults() -> None:
+    """NCCL_NVLS_ENABLE=0 unless the user set it. NVLink SHARP (NVLS, on by default from NCCL 2.17
+    on NVSwitch systems such as DGX H100) keeps multicast buffers per communicator that the memory
+    planner does not count and that were never measured here; a default may only use memory the plan
+    shows is free (issue 34, 2.7). NCCL_NVLS_ENABLE=1 turns it back on (faster large all-reduces on
+    NVSwitch, more device memory: leave margin in the plan). NCCL reads it when a communicator is
+    created, so this only has to run before the process group."""
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+

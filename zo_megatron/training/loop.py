@@ -18,11 +18,12 @@ import time
 import torch
 
 from zo_megatron.errors import UserError, report_error
+from zo_megatron.offload.device import batch_to_device, host_value
 from zo_megatron.parallel import collectives
 from zo_megatron.parallel.megatron_notices import SUMMARY as NOTICES
 from zo_megatron.parallel.megatron_notices import hide_known_megatron_notices
 from zo_megatron.training.arguments import architecture_kwargs, check_batch_sizes, parse_args
-from zo_megatron.training.cuda_connections import set_cuda_device_max_connections
+from zo_megatron.training.cuda_connections import set_cuda_device_max_connections, set_nccl_memory_defaults
 from zo_megatron.training.metrics import Metrics, host_rss_bytes, human_bytes, model_flops_per_token, proc_memory_bytes
 from zo_megatron.training.schedule import LRScheduler
 from zo_megatron.training.user_report import (auto_fraction_reason, engine_words, extend_hint, run_header,
@@ -52,11 +53,20 @@ def job_plan(args, env, dp: int, vocab_size: int, host_bytes: int | None = None)
     tools/find_max_model.py searches with this very function."""
     from zo_megatron.planner import plan
 
+    from zo_megatron.planner import resolve_overlap
+
     inp = job_plan_input(args, env, dp, vocab_size, host_bytes)
-    overlap = args.overlap_cpu_step if args.overlap_cpu_step is not None else bool(
-        args.zero_offload and not args.dpu and torch.cuda.is_available())   # _set_threads' default
-    inp = inp.replace(dpu=args.dpu, dpu_weight_prediction=args.dpu_weight_prediction, overlap_cpu_step=overlap, optimizer_offload_fraction=1.0 if args.optimizer_offload_fraction == "auto"
+    # --overlap-cpu-step as typed (None, auto, full, memory, off), kept apart from its resolution
+    mode = getattr(args, "overlap_cpu_step_mode", args.overlap_cpu_step)
+    args.overlap_cpu_step_mode = mode
+    inp = inp.replace(dpu=args.dpu, dpu_weight_prediction=args.dpu_weight_prediction,
+                      overlap_cpu_step=mode in ("full", "memory"),
+                      overlap_speculated_fraction=1.0 if mode == "full" else 0.0,
+                      optimizer_offload_fraction=1.0 if args.optimizer_offload_fraction == "auto"
                       else args.optimizer_offload_fraction)
+    if mode == "memory":
+        f, _ = resolve_overlap(inp, mode, args.overlap_cpu_step_memory)
+        inp = inp.replace(overlap_speculated_fraction=f)
     if args.optimizer_offload_fraction == "auto":
         from zo_megatron.planner import solve_offload_fraction
 
@@ -64,7 +74,11 @@ def job_plan(args, env, dp: int, vocab_size: int, host_bytes: int | None = None)
         args.optimizer_offload_fraction = 1.0 if f is None else f     # None: let the check below explain
         inp = inp.replace(optimizer_offload_fraction=args.optimizer_offload_fraction)
         args.offload_fraction_reason = auto_fraction_reason(inp, f)
-    return plan(inp)
+    # auto speculates what the memory left by everything else holds: resolved last
+    f, args.overlap_reason = resolve_overlap(inp, mode, args.overlap_cpu_step_memory)
+    args.overlap_speculated_fraction = f
+    args.overlap_cpu_step = f > 0
+    return plan(inp.replace(overlap_cpu_step=f > 0, overlap_speculated_fraction=f))
 
 
 def memory_check(args, env, dp: int, vocab_size: int) -> None:
@@ -119,6 +133,7 @@ def pretrain(argv=None) -> int:
     # CUDA_DEVICE_MAX_CONNECTIONS=1 at TP > 1 (training/cuda_connections.py): pretrain_gpt.py's main()
     # sets it first thing; here again, before parsing (which may start CUDA), for callers of pretrain().
     set_cuda_device_max_connections(argv)
+    set_nccl_memory_defaults()                   # NVLS off unless asked: its buffers are not planned
     hide_known_megatron_notices()                # before megatron-core is first imported
     args = parse_args(argv)
     from zo_megatron.parallel import validate_parallel_config
@@ -234,7 +249,8 @@ def _build_optimizer(args, model, ps):
                                  dpu_warmup_steps=args.dpu_warmup_steps if args.dpu else None,
                                  dpu_weight_prediction=args.dpu_weight_prediction,
                                  optimizer_offload_fraction=args.optimizer_offload_fraction,
-                                 overlap_cpu_step=args.overlap_cpu_step, **common)
+                                 overlap_cpu_step=args.overlap_cpu_step,
+                                 overlap_speculated_fraction=args.overlap_speculated_fraction, **common)
     return PlainDDPOptimizer(model.to(ps.device), **common)
 
 
@@ -251,6 +267,9 @@ def _agreed_exit(args, iteration: int, elapsed_s: float) -> str | None:
     return reason
 
 
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")   # model.loss's arguments, in order
+
+
 def _evaluate(model, optimizer, batches, eval_iters: int, ps, device) -> tuple[float, int]:
     """Mean loss over `eval_iters` micro-batches per rank, and the samples that covered (all DP ranks)."""
     optimizer.flush()                       # evaluate the parameters with every update applied
@@ -259,14 +278,14 @@ def _evaluate(model, optimizer, batches, eval_iters: int, ps, device) -> tuple[f
     with torch.no_grad(), optimizer.forward_context():
         for _ in range(eval_iters):
             b = next(batches)
-            loss = model.loss(b["tokens"].to(device), b["labels"].to(device), b["loss_mask"].to(device),
-                              b["position_ids"].to(device))
+            d = batch_to_device({k: b[k] for k in BATCH_KEYS}, device)
+            loss = model.loss(*(d[k] for k in BATCH_KEYS))
             total += loss.detach().double()
             count += 1
             samples = b["tokens"].shape[0]
     model.train()
     collectives.all_reduce(total, group=ps.dp_group)
-    return total.item() / (count * ps.dp_size), count * samples * ps.dp_size
+    return host_value(total).item() / (count * ps.dp_size), count * samples * ps.dp_size
 
 
 def _schedule_state(args, iteration: int) -> dict:
@@ -332,12 +351,16 @@ def _cycle(make, consumed: int = 0):
 def _set_threads(args, ps, adam_threads: int) -> None:
     """CPU Adam threads; with --dpu or --overlap-cpu-step the CPU Adam overlaps forward/backward,
     so on a CPU-only run the rank's threads are split between it and torch's intra-op pool
-    (docs/dpu.md). Also resolves --overlap-cpu-step's default (on for CUDA devices)."""
+    (docs/dpu.md)."""
     from zo_megatron.offload import cpu_adam
 
-    if args.overlap_cpu_step is None:   # on where the device and the CPU Adam are separate resources
-        args.overlap_cpu_step = bool(args.zero_offload and not args.dpu and ps.device.type == "cuda")
-    if args.dpu or args.overlap_cpu_step:
+    if ps.device.type == "cuda":
+        # The host's torch passes (host accumulation, --dpu-weight-prediction's extrapolation, the
+        # fp32 parameter copies, the reload from the master) get the cores the CPU Adam gets:
+        # torchrun exports OMP_NUM_THREADS=1, which left them on one core (issue 34, 2.4). Torch's
+        # GPU work does not use this pool; the main thread only launches kernels.
+        torch.set_num_threads(max(1, adam_threads))
+    if args.dpu or args.overlap_cpu_step:     # resolved by job_plan (the pre-launch memory check)
         if ps.device.type == "cuda":        # the device computes; one core keeps launching its kernels
             adam_threads = args.dpu_adam_threads or max(1, adam_threads - 1)
         else:
@@ -473,9 +496,9 @@ def _train(args, env, ps, tokenizer, data_path, cpu_adam_threads: int) -> int:
             phase = timeline.phase if timeline is not None else _no_phase
             for m in range(args.grad_accum_steps):
                 b = next(train_iter)
+                d = batch_to_device({k: b[k] for k in BATCH_KEYS}, ps.device)
                 with phase("forward", iteration + 1, m), optimizer.forward_context():
-                    loss = model.loss(b["tokens"].to(ps.device), b["labels"].to(ps.device),
-                                      b["loss_mask"].to(ps.device), b["position_ids"].to(ps.device))
+                    loss = model.loss(*(d[k] for k in BATCH_KEYS))
                     loss = inject.loss(iteration + 1, loss)
                 with phase("backward", iteration + 1, m):
                     optimizer.backward(loss / args.grad_accum_steps,
@@ -496,8 +519,9 @@ def _train(args, env, ps, tokenizer, data_path, cpu_adam_threads: int) -> int:
             iteration += 1
             consumed += gb
             metrics.advance()
-            if math.isfinite(step_loss.item()):
-                window["loss"] += step_loss.item()
+            step_loss = host_value(step_loss).item()     # a timed wait first (a dead peer: one line)
+            if math.isfinite(step_loss):
+                window["loss"] += step_loss
             else:
                 window["nan"] += 1
             window["n"] += 1
@@ -655,8 +679,8 @@ def _banner(metrics, args, ps, cfg, optimizer, data_path, setup_s) -> None:
            + (", device copy extrapolated by the last update (--dpu-weight-prediction)"
               if args.dpu_weight_prediction else "")
            + f" ({args.threads_line} per rank)" if args.dpu else "")
-        + ((f"; CPU step overlapped with backward (--overlap-cpu-step: speculated per bucket, exact; "
-            f"{args.threads_line} per rank)" if args.overlap_cpu_step else "; CPU step overlap off")
+        + ((f"; CPU step overlapped with backward (speculated per bucket, exact; {args.overlap_reason}; "
+            f"{args.threads_line} per rank)" if args.overlap_cpu_step else f"; {args.overlap_reason}")
            if args.zero_offload and not args.dpu else ""),
         f" model: {cfg.architecture_name()} {cfg.num_layers} layers x {cfg.hidden_size} hidden x {cfg.num_attention_heads} heads, "
         f"seq {args.seq_length}, vocab {cfg.vocab_size} (padded {cfg.padded_vocab_size(ps.tp_size)}), "
