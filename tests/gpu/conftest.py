@@ -39,3 +39,19 @@ def device() -> torch.device:
 def needs_cuda(reason: str):
     """For checks that only mean something on a GPU (pinned memory, the CUDA allocator)."""
     return pytest.mark.skipif(not HAVE_CUDA, reason=f"CUDA only: {reason}")
+
+
+def nvml_process_bytes(index: int = 0) -> int | None:
+    """This process's memory on GPU `index` as NVML sees it (CUDA context, allocator cache, cuBLAS
+    workspace and NCCL buffers included, which torch.cuda.max_memory_allocated does not count);
+    None where NVML or its per-process accounting is not available."""
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(index)
+        for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(h):
+            if proc.pid == os.getpid() and proc.usedGpuMemory is not None:
+                return int(proc.usedGpuMemory)
+    except Exception:  # noqa: BLE001 - no NVML: the caller says so
+        return None
+    return None
