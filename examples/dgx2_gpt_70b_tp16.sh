@@ -12,15 +12,31 @@
 #            dropout and layer-input activations split over the 16 TP ranks), as Megatron-LM's
 #            reference scripts launch TP > 1 jobs (e.g. examples/llama/train_llama3_8b_h100_fp8.sh:
 #            --attention-backend fused, --sequence-parallel).
-# Planner  : python tools/estimate_memory.py --zero-offload --preset dgx2 --model 70b --tensor-parallel 16 \
-#                --micro-batch-size 8 --fp16 --recompute-granularity full --use-flash-attn --sequence-parallel
-#   device per GPU : 10.63 GiB of 31.75 GiB  (params 8.27, grad buckets 0.15 + 0.08 for the
+# Planner  : python tools/estimate_memory.py --preset dgx2 --world-size 16 \
+#                --tensor-model-parallel-size 16 --num-layers 69 --hidden-size 9216 \
+#                --num-attention-heads 96 --seq-length 1024 --max-position-embeddings 1024 \
+#                --make-vocab-size-divisible-by 128 --micro-batch-size 8 --global-batch-size 8 \
+#                --train-iters 20000 --lr 1.0e-4 --min-lr 1.0e-5 --lr-decay-style cosine \
+#                --lr-warmup-iters 500 --lr-decay-iters 20000 --weight-decay 0.1 --adam-beta1 0.9 \
+#                --adam-beta2 0.95 --adam-eps 1e-8 --clip-grad 1.0 --fp16 \
+#                --initial-loss-scale 65536 --recompute-granularity full --use-flash-attn \
+#                --sequence-parallel --zero-offload --bucket-size 50000000 --seed 1234 \
+#                --save checkpoints/gpt-70b-tp16 --load checkpoints/gpt-70b-tp16 \
+#                --save-interval 1000 --eval-interval 1000 --eval-iters 10 --log-interval 1 \
+#                --log-jsonl checkpoints/gpt-70b-tp16/train.jsonl \
+#                --tensorboard-dir checkpoints/gpt-70b-tp16/tb
+#            (this script's own pretrain_gpt.py flags, on the DGX-2's 16 ranks)
+#   device per GPU : 10.64 GiB of 31.75 GiB  (params 8.27, grad buckets 0.19 + 0.05 for the
 #                    word-embedding bucket, layer inputs 0.61 ([s/16, b, h] each), peak of backward
 #                    on top 0.42 = sequence-parallel gather buffer 0.14 + recompute working set 0.14
 #                    + layer gradients 0.09 + tied-embedding gradient 0.05, fragmentation 0.10,
-#                    CUDA context 1.00); without the two flags 21.66 GiB (layer inputs 9.70).
-#   host per node  : 1,005.92 GiB of 1,536 GiB (fp32 master + Adam m + v 793.6, 16-bit staging
-#                    132.3, 16 processes x 3 GiB, 32 GiB OS reserve)
+#                    CUDA context 1.00); without the two flags 21.67 GiB (layer inputs 9.70).
+#   host per node  : 1,533.70 GiB of 1,536 GiB (fp32 master + Adam m + v 793.6, 16-bit staging
+#                    132.3, the CPU-step overlap's rollback state 527.8, 16 processes x 3 GiB,
+#                    32 GiB OS reserve). --overlap-cpu-step auto (the default on a GPU) speculates
+#                    57% of each rank's partition, what the host memory left free holds; all of it
+#                    would take 57.87 GiB per rank, 1,931.85 GiB per node: over the 1.5 TiB (the
+#                    job refuses --overlap-cpu-step full here). --no-overlap-cpu-step: 1,005.92 GiB.
 #   The same model WITHOUT --zero-offload needs 68.27 GiB per GPU (does not fit).
 #
 # CPU Adam threads: zo_megatron divides the cores each rank may use among the 16 local ranks

@@ -18,17 +18,36 @@
 #            --sequence-parallel (norm, dropout and layer-input activations split over the 8 TP
 #            ranks), as Megatron-LM's Llama-3 scripts launch (examples/llama/
 #            train_llama3_8b_h100_fp8.sh: --attention-backend fused, --sequence-parallel).
-# Planner  : python tools/estimate_memory.py --zero-offload --preset dgx2 --model llama3-70b \
-#                --tensor-model-parallel-size 8 --data-parallel-size 2 --micro-batch-size 1 \
-#                --seq-length 8192 --fp16 --recompute-granularity full --use-flash-attn --sequence-parallel
+# Planner  : python tools/estimate_memory.py --preset dgx2 --world-size 16 \
+#                --tensor-model-parallel-size 8 --num-layers 80 --hidden-size 8192 \
+#                --num-attention-heads 64 --group-query-attention --num-query-groups 8 \
+#                --ffn-hidden-size 28672 --swiglu --position-embedding-type rope \
+#                --rotary-base 500000 --normalization RMSNorm --norm-epsilon 1e-5 \
+#                --disable-bias-linear --untie-embeddings-and-output-weights --seq-length 8192 \
+#                --max-position-embeddings 8192 --make-vocab-size-divisible-by 128 \
+#                --vocab-size 128256 --micro-batch-size 1 --global-batch-size 2 \
+#                --train-iters 20000 --lr 1.5e-4 --min-lr 1.5e-5 --lr-decay-style cosine \
+#                --lr-warmup-iters 2000 --lr-decay-iters 20000 --weight-decay 0.1 --adam-beta1 0.9 \
+#                --adam-beta2 0.95 --adam-eps 1e-8 --clip-grad 1.0 --fp16 \
+#                --initial-loss-scale 65536 --recompute-granularity full --use-flash-attn \
+#                --sequence-parallel --zero-offload --seed 1234 --save checkpoints/llama3-70b \
+#                --load checkpoints/llama3-70b --save-interval 1000 --eval-interval 1000 \
+#                --eval-iters 10 --log-interval 1 --log-jsonl checkpoints/llama3-70b/train.jsonl
+#            (this script's own pretrain_gpt.py flags, on the DGX-2's 16 ranks; --vocab-size 128256
+#            stands for --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER_MODEL":
+#            the Llama-3 tokenizer's size, which the job reads from it; the planner accepts either)
 #   device per GPU : 20.75 GiB of 31.75 GiB  (params 16.43, grad buckets 0.15 + 0.41 for the
 #                    oversized embedding/output-layer buckets, reduce-scatter scratch 0.07, layer
 #                    inputs 1.25 ([s/8, b, h] each), peak on top 1.19 = the logits phase: 16-bit
 #                    logits 0.25 + their fp32 copy in the cross-entropy 0.49 + vocabulary-pad mask
 #                    0.25 + final-norm/output-layer inputs 0.08 + sequence-parallel gather buffer
 #                    0.12, fragmentation 0.24, CUDA context 1.00)
-#   host per node  : 1,000.20 GiB of 1,536 GiB (fp32 master + Adam m + v 788.7, 16-bit staging
-#                    131.5, 16 processes x 3 GiB, 32 GiB OS reserve)
+#   host per node  : 1,533.92 GiB of 1,536 GiB (fp32 master + Adam m + v 788.7, 16-bit staging
+#                    131.5, the CPU-step overlap's rollback state 533.7, 16 processes x 3 GiB,
+#                    32 GiB OS reserve). --overlap-cpu-step auto (the default on a GPU) speculates
+#                    58% of each rank's partition, what the host memory left free holds; all of it
+#                    would take 57.51 GiB per rank, 1,920.40 GiB per node: over the 1.5 TiB (the
+#                    job refuses --overlap-cpu-step full here). --no-overlap-cpu-step: 1,000.20 GiB.
 #   The same run WITHOUT --zero-offload needs 135.14 GiB per GPU (does not fit).
 #
 # CPU Adam threads: zo_megatron divides the cores each rank may use among the 16 local ranks

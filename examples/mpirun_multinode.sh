@@ -6,10 +6,21 @@
 #                dgx2-02 slots=16   ...
 # Model    : GPT-3 175B = 96 layers x 12288 hidden x 96 heads, seq 1024 (174.60B parameters).
 # Parallel : TP 16 inside a node x DP = NODES; micro-batch 2, global batch 2 x NODES.
-# Planner  : python tools/estimate_memory.py --zero-offload --preset dgx2 --model 175b --tensor-parallel 16 \
-#                --data-parallel-size 4 --micro-batch-size 2 --global-batch-size 8 --fp16 \
-#                --recompute-granularity full
-#   4 nodes: device 27.20 GiB per GPU (of 31.75), host 650.10 GiB per node (of 1,536).
+# Planner  : python tools/estimate_memory.py --preset dgx2 --world-size 64 \
+#                --tensor-model-parallel-size 16 --num-layers 96 --hidden-size 12288 \
+#                --num-attention-heads 96 --seq-length 1024 --max-position-embeddings 1024 \
+#                --make-vocab-size-divisible-by 128 --micro-batch-size 2 --global-batch-size 8 \
+#                --train-iters 50000 --lr 6.0e-5 --min-lr 6.0e-6 --lr-decay-style cosine \
+#                --lr-warmup-iters 1000 --lr-decay-iters 50000 --weight-decay 0.1 --adam-beta1 0.9 \
+#                --adam-beta2 0.95 --adam-eps 1e-8 --clip-grad 1.0 --fp16 \
+#                --initial-loss-scale 65536 --recompute-granularity full --zero-offload \
+#                --bucket-size 50000000 --seed 1234 --save checkpoints/gpt-175b \
+#                --load checkpoints/gpt-175b --save-interval 500 --eval-interval 1000 \
+#                --eval-iters 10 --log-interval 1 --log-jsonl checkpoints/gpt-175b/train.jsonl
+#            (this script's own pretrain_gpt.py flags with NODES=4: 64 ranks)
+#   4 nodes: device 27.25 GiB per GPU (of 31.75), host 1,220.21 GiB per node (of 1,536), of
+#   which 570.1 GiB is the CPU-step overlap's rollback state: --overlap-cpu-step auto speculates
+#   all of each rank's partition here (650.10 GiB with --no-overlap-cpu-step).
 #
 # Rendezvous: zo_megatron reads OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK/LOCAL_SIZE; with MASTER_ADDR
 # unset, rank 0 picks its address and a free port and broadcasts them with mpi4py

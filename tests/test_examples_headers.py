@@ -3,7 +3,10 @@
 Each example's header names the planner command it was computed with ("Planner  : python
 tools/estimate_memory.py ...", continued over `#` lines ending in a backslash) and quotes its two
 totals (device per GPU and host per node, in GiB, two decimals). The command is re-run here
-in-process; a planner change that moves a total fails this test until the header is updated.
+in-process through the tool's job_plan: the job's resolutions included (--optimizer-offload-fraction
+auto, the CPU-step overlap's default `auto` on a GPU), so the host total holds the overlap's
+rollback state as the job plans it; a planner change that moves a total fails this test until the
+header is updated. (tests/test_examples_fit.py checks that the command is the script's own.)
 """
 import re
 import shlex
@@ -41,7 +44,7 @@ def test_header_totals_are_the_planners(path):
     from zo_megatron import planner as P
 
     argv, text = _header(path)
-    p = P.plan(tool.build_input(tool.build_parser().parse_args(argv)))
+    p, _ = tool.job_plan(tool.build_parser().parse_args(argv))
     device, host = _DEVICE.search(text), _HOST.search(text)
     assert device and host, f"{path.name}: no device/host totals in the header"
     assert float(device.group(1).replace(",", "")) == round(p.device_bytes_per_gpu / P.GiB, 2), \

@@ -264,10 +264,11 @@ def test_cli_architecture_flags_change_the_answer():
         llama["device_bytes_per_gpu"]
 
 
+# the job's own refusals (arguments.finalize), which the tool runs on its command line
 @pytest.mark.parametrize("args, message", [
     (["--model", "llama3-70b", "--window-size", "4096,0"], "sliding-window attention is not supported"),
-    (["--model", "llama3-70b", "--tensor-model-parallel-size", "16"], "use TP 8"),
-    (["--model", "llama3-8b", "--num-query-groups", "5"], "not divisible by num_query_groups 5"),
+    (["--model", "llama3-70b", "--tensor-model-parallel-size", "16"], "use --tensor-model-parallel-size <= 8"),
+    (["--model", "llama3-8b", "--num-query-groups", "5"], "--num-query-groups 5 must divide --num-attention-heads 32"),
     (["--model", "llama3-8b", "--normalization", "ScaleNorm"], "invalid choice"),
 ])
 def test_cli_refuses_what_it_cannot_model_in_one_line(args, message):

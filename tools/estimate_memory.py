@@ -7,16 +7,28 @@
         --zero-offload --recompute-granularity full --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16 --max-model layers
     python tools/estimate_memory.py --preset h100-80gb --model llama3-8b --seq-length 8192 --zero-offload \
         --use-flash-attn --sequence-parallel --tensor-model-parallel-size 8
-    python tools/estimate_memory.py --num-layers 80 --hidden-size 8192 --num-attention-heads 64 \
-        --ffn-hidden-size 28672 --vocab-size 128256 --swiglu --group-query-attention --num-query-groups 8 \
-        --position-embedding-type rope --normalization RMSNorm --disable-bias-linear \
-        --untie-embeddings-and-output-weights          # Llama-3-70B by hand: the job's architecture flags
+    python tools/estimate_memory.py --world-size 16 --gpu-memory-gb 31.75 --host-memory-gb 1536 \
+        --gpus-per-node 16 --tensor-model-parallel-size 16 --num-layers 69 --hidden-size 9216 \
+        --num-attention-heads 96 --seq-length 1024 --micro-batch-size 8 --train-iters 20000 --lr 1e-4 \
+        --fp16 --recompute-granularity full --use-flash-attn --sequence-parallel --zero-offload \
+        --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR ...   # a pretrain_gpt.py command line
     python tools/estimate_memory.py --paper-check
 
-Model, architecture, batch and training flags are pretrain_gpt.py's, with its defaults (the
-architecture: GPT-2 unless its flags say otherwise; the output names the architecture planned) (no --zero-offload: the DDP
-baseline; dropout 0; the model's unfused fp32 softmax, or torch SDPA with --use-flash-attn), and the input is built by the same function
-as the job's pre-launch check (planner.plan_input_from_flags), so both give the same plan.
+It takes pretrain_gpt.py's command line: every flag the job accepts (its own parser,
+training/arguments.build_parser: data, schedule, logging and checkpoint flags are accepted and
+ignored where they do not change memory), parsed and checked by the job's own code (finalize), and
+resolved as the job resolves it on the target device: the demo model without shape flags,
+Megatron's defaults with them, bf16 on a GPU (a --preset's own precision where it names one: fp16
+on a V100), the CPU's rule with --preset cpu; the job's host reserve (min(32 GiB, host / 10)) and
+overheads; --tokenizer-type/--tokenizer-model/--vocab-file read as the job reads them for the
+vocabulary (model_vocab_size); then --optimizer-offload-fraction auto and the CPU-step overlap
+(--overlap-cpu-step [auto|full], --overlap-cpu-step-memory, --no-overlap-cpu-step; default auto on
+a GPU, off where the device is the host) exactly as the job's pre-launch check (loop.job_plan):
+the input is built by the same function (planner.plan_input_from_flags), so both give the same plan
+and the same speculated share. Its own flags: --model (a shape preset), --world-size or
+--data-parallel-size, the hardware (--preset, --gpu-memory-gb, --host-memory-gb, --gpus-per-node and
+the overheads) and the output (--json, --max-model, --paper-check). Unlike the job it does not
+require --train-iters and --lr, and --seq-length defaults to 1024 when a shape is given.
 Memory sizes are GiB (2^30 bytes).
 Exit status: 0 = fits (with --max-model: some model fits; with --paper-check: every reference
 point and goal holds), 1 = does not fit, 2 = bad input (one line on stderr).
@@ -35,11 +47,15 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from zo_megatron import planner as P
-from zo_megatron.errors import ConfigError  # noqa: E402
-from zo_megatron.training.arguments import (  # noqa: E402
-    add_architecture_flags, add_attention_flags, architecture_kwargs, check_attention_flags)
+from zo_megatron.errors import UserError  # noqa: E402
+from zo_megatron.training.arguments import build_parser as job_parser  # noqa: E402
+from zo_megatron.training.arguments import check_batch_sizes, finalize  # noqa: E402
+from zo_megatron.training.checkpoint_args import apply_checkpoint_args, given_dests  # noqa: E402
 
 PROG = "estimate_memory.py"
+SHAPE = ("num_layers", "hidden_size", "num_attention_heads")
+DEFAULT_SEQ_LENGTH = 1024        # with a shape and no --seq-length (the job requires the flag)
+GPT2_VOCAB_SIZE = 50257          # the bundled GPT-2 tokenizer's size: the job's default vocabulary
 
 
 class BadInput(Exception):
@@ -47,89 +63,62 @@ class BadInput(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2 (argparse prints usage + message otherwise)
+    """One-line errors (exit 2 in main); remembers the command line (the flags given)."""
+
+    def error(self, message):  # argparse prints usage + message otherwise
         raise BadInput(message)
+
+    def parse_known_args(self, args=None, namespace=None):
+        argv = sys.argv[1:] if args is None else list(args)
+        ns, extra = super().parse_known_args(argv, namespace)
+        ns.argv = argv
+        return ns, extra
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog=PROG, description=__doc__.split("\n\n")[0],
-                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    g = ap.add_argument_group("model")
+    """pretrain_gpt.py's parser (every flag, the job's defaults) plus this tool's own flags."""
+    ap = _Parser(prog=PROG, description=__doc__.split("\n\n")[0], parents=[job_parser()], add_help=False,
+                 allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
+                 usage="%(prog)s [pretrain_gpt.py's flags] [--model NAME] [--world-size N | --data-parallel-size N]"
+                       "\n       [--preset NAME] [--gpu-memory-gb G] [--host-memory-gb G] [--gpus-per-node N] ..."
+                       "\n       [--json] [--max-model {layers,hidden}] [--paper-check]")
+    for a in ap._actions:
+        if a.dest == "seq_length":
+            a.help = (f"tokens per sample (estimate_memory: {DEFAULT_SEQ_LENGTH} when a shape is given; the job "
+                      "requires it)")
+        elif a.dest == "vocab_size":
+            a.help = ("the model's vocabulary before padding (default: the tokenizer's size as the job reads it when "
+                      "a tokenizer flag names one, else the --model preset's, else GPT-2's 50257)")
+    g = ap.add_argument_group("estimate_memory: model preset and job size")
     g.add_argument("--model", choices=list(P.MODEL_PRESETS),
                    help="model preset: shape, and for llama3-8b, llama3-70b, qwen2-7b also vocabulary and "
                         "architecture (explicit flags override it)")
-    g.add_argument("--num-layers", type=int)
-    g.add_argument("--hidden-size", type=int)
-    g.add_argument("--num-attention-heads", type=int)
-    g.add_argument("--seq-length", type=int, default=1024)
-    g.add_argument("--max-position-embeddings", type=int)
-    g.add_argument("--ffn-hidden-size", type=int,
-                   help="MLP size (default 4 x hidden; int(4h x 2/3 / 64) x 64 with --swiglu)")
-    g.add_argument("--vocab-size", type=int, help="tokenizer vocabulary (default: the preset's, else GPT-2's 50257)")
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    g.add_argument("--attention-dropout", type=float, default=0.0)
-    g.add_argument("--hidden-dropout", type=float, default=0.0)
-    g = ap.add_argument_group("architecture (pretrain_gpt.py's flags; default GPT-2: learned positions, LayerNorm, "
-                              "GELU, biases, tied embeddings)")
-    add_architecture_flags(g)
-
-    g = ap.add_argument_group("attention and sequence parallelism (pretrain_gpt.py's flags)")
-    add_attention_flags(g)
-
-    g = ap.add_argument_group("parallelism and batch")
-    g.add_argument("--tensor-model-parallel-size", "--tensor-parallel", dest="tensor_parallel", type=int, default=1)
     g.add_argument("--data-parallel-size", dest="dp", type=int)
-    g.add_argument("--world-size", type=int, help="TP x DP (alternative to --data-parallel-size)")
-    g.add_argument("--micro-batch-size", type=int, default=1)
-    g.add_argument("--global-batch-size", type=int,
-                   help="default: micro-batch x DP (no gradient accumulation)")
-
-    g = ap.add_argument_group("training")
-    prec = g.add_mutually_exclusive_group()
-    prec.add_argument("--bf16", dest="precision", action="store_const", const="bf16")
-    prec.add_argument("--fp16", dest="precision", action="store_const", const="fp16")
-    prec.add_argument("--fp32", dest="precision", action="store_const", const="fp32")
-    g.add_argument("--zero-offload", dest="zero_offload", action="store_true", default=False,
-                   help="optimizer states and step on the host (as pretrain_gpt.py: off by default)")
-    g.add_argument("--no-zero-offload", dest="zero_offload", action="store_false",
+    g.add_argument("--world-size", type=int, help="TP x DP, the job's ranks (alternative to --data-parallel-size)")
+    g.add_argument("--no-zero-offload", dest="zero_offload", action="store_false", default=False,
                    help="(default) baseline: DDP + Adam on the device (16 bytes/param)")
-    g.add_argument("--dpu", action="store_true", help="delayed parameter update")
-    g.add_argument("--dpu-weight-prediction", action="store_true",
-                   help="with --dpu: the device copy extrapolated by the last update (+4 host bytes/param/DP)")
-    g.add_argument("--recompute-activations", action="store_true", help="Megatron's shorthand for --recompute-granularity selective")
-    g.add_argument("--recompute-granularity", choices=["full", "selective"])
-    g.add_argument("--recompute-method", choices=["uniform", "block"],
-                   help="with full: checkpoints of N layers (uniform, default) or only the first N layers (block)")
-    g.add_argument("--recompute-num-layers", type=int, help="N for --recompute-method (default 1)")
-    g.add_argument("--bucket-size", type=int, default=40_000_000, help="elements per gradient bucket")
-    g.add_argument("--exp-avg-dtype", choices=["fp32", "bf16"], default="fp32",
-                   help="dtype of Adam's first moment on the host (pretrain_gpt.py's flag)")
-    g.add_argument("--exp-avg-sq-dtype", choices=["fp32", "bf16"], default="fp32",
-                   help="dtype of Adam's second moment on the host (must match --exp-avg-dtype)")
     g.add_argument("--bf16-optimizer-states", action="store_true", help=argparse.SUPPRESS)  # old name
-    g.add_argument("--accumulate-allreduce-grads-in-fp32", action=argparse.BooleanOptionalAction, default=None,
-                   help="fp32 gradient buckets + reduce-scatter (default: on for bf16, as pretrain_gpt.py)")
-    g.add_argument("--main-grads-dtype", choices=["fp32", "bf16", "fp16"],
-                   help="dtype of the gradients copied to the host (default: the parameter dtype)")
-    g.add_argument("--accumulate-grads-on-host", action="store_true",
-                   help="fp32 host gradient accumulator instead of 16-bit device gradients across micro-batches")
 
-    g = ap.add_argument_group("hardware")
+    g = ap.add_argument_group("estimate_memory: hardware (default: a GPU, the PlanInput defaults: V100-32GB, "
+                              "1.5 TiB host, every rank on one node)")
     g.add_argument("--preset", choices=list(P.HARDWARE_PRESETS),
                    help="; ".join(f"{k}: {v['description']}" for k, v in P.HARDWARE_PRESETS.items()))
-    g.add_argument("--gpu-memory-gb", type=float, help="GiB per GPU")
+    g.add_argument("--gpu-memory-gb", type=float, help="GiB per GPU (with --preset cpu: the host's, unified)")
     g.add_argument("--host-memory-gb", type=float, help="GiB of host RAM per node")
-    g.add_argument("--gpus-per-node", type=int)
-    g.add_argument("--device-overhead-gb", type=float, help="CUDA context etc. per GPU (default 1)")
-    g.add_argument("--host-overhead-gb", type=float, help="per process on the host (default 3)")
-    g.add_argument("--host-reserve-gb", type=float, help="OS/page cache per node (default 32)")
+    g.add_argument("--gpus-per-node", type=int, help="ranks per node (default: every rank on one node)")
+    g.add_argument("--device-overhead-gb", type=float, help="CUDA context etc. per GPU (default 1; 0 on cpu)")
+    g.add_argument("--host-overhead-gb", type=float, help="per process on the host (default 3; 0.6 on cpu)")
+    g.add_argument("--host-reserve-gb", type=float,
+                   help="OS/page cache per node (default: the job's, min(32, 10%% of the host memory))")
     g.add_argument("--fragmentation", type=float, help="allocator margin on transient bytes (0.1)")
 
-    g = ap.add_argument_group("output")
+    g = ap.add_argument_group("estimate_memory: output")
     g.add_argument("--json", action="store_true", help="print JSON instead of a table")
     g.add_argument("--max-model", choices=list(P.FAMILIES),
                    help="largest model that fits: 'layers' keeps hidden/heads and grows layers; "
-                        "'hidden' keeps layers/heads and grows hidden in steps of lcm(128, heads)")
+                        "'hidden' keeps layers/heads and grows hidden in steps of lcm(128, heads). The CPU-step "
+                        "overlap never shrinks it: searched with the overlap off (`auto` and the default), then "
+                        "resolved on the result")
     g.add_argument("--paper-check", action="store_true",
                    help="the ZeRO-Offload paper's reference points and our maxima")
     return ap
@@ -139,10 +128,12 @@ def _gib(x: float | None) -> int | None:
     return None if x is None else int(round(x * P.GiB))
 
 
-def _apply_preset(args, parser: argparse.ArgumentParser) -> dict:
-    """The preset's fields where the command line left the flag at its default; returns the shape."""
+def _apply_preset(args, parser: argparse.ArgumentParser) -> tuple[dict, int | None]:
+    """The --model preset's flags where the command line left them at their defaults; returns
+    (its shape, its vocabulary or None)."""
     preset = P.model_preset(args.model) if args.model else {}
-    shape = {k: preset.pop(k) for k in ("num_layers", "hidden_size", "num_attention_heads") if k in preset}
+    shape = {k: preset.pop(k) for k in SHAPE if k in preset}
+    vocab = preset.pop("vocab_size", None)
     for key, value in preset.items():
         if key == "num_query_groups":
             if not args.group_query_attention:
@@ -154,31 +145,61 @@ def _apply_preset(args, parser: argparse.ArgumentParser) -> dict:
     for key, value in P.MODEL_PRESET_NUMERICS.get(args.model, {}).items():
         if getattr(args, key) == parser.get_default(key):
             setattr(args, key, value)
-    if args.vocab_size is None:
-        args.vocab_size = 50257
-    return shape
+    return shape, vocab
 
 
-def build_input(args, parser: argparse.ArgumentParser | None = None) -> P.PlanInput:
-    shape = _apply_preset(args, parser or build_parser())
-    for key in ("num_layers", "hidden_size", "num_attention_heads"):
-        if getattr(args, key) is not None:
-            shape[key] = getattr(args, key)
-    if args.max_model == "layers":
-        shape.setdefault("num_layers", 1)
-    if args.max_model == "hidden" and "num_attention_heads" in shape:
-        shape.setdefault("hidden_size", math.lcm(128, shape["num_attention_heads"]))
-    missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads") if k not in shape]
-    if missing:
-        raise BadInput("give --model or --" + ", --".join(m.replace("_", "-") for m in missing))
-    for key, value in shape.items():
-        setattr(args, key, value)
+def _cpu_default_precision() -> str:
+    """arguments.default_precision's rule for a CPU device: bf16 where the CPU runs it natively."""
+    from zo_megatron.training.arguments import _cpu_flags
+
+    return "bf16" if _cpu_flags() & {"avx512_bf16", "amx_bf16"} else "fp32"
+
+
+def _device_is_host(args) -> bool:
+    return bool(args.preset and P.HARDWARE_PRESETS[args.preset].get("device_is_host"))
+
+
+def _job_args(args, parser: argparse.ArgumentParser) -> int | None:
+    """What pretrain_gpt.py's parse_args does after argparse (checkpoint arguments, defaults, the
+    job's checks), with this tool's presets and the target device's defaults; returns the model
+    preset's vocabulary (None: none)."""
+    argv = getattr(args, "argv", None)
+    args.given = given_dests(parser, argv) if argv is not None else {
+        a.dest for a in parser._actions if a.option_strings and getattr(args, a.dest, None) != a.default}
     try:
-        architecture_kwargs(args)     # the job's own refusals (e.g. --window-size)
-        check_attention_flags(args)   # -> args.core_attention; SP off at TP 1 (with the job's warning)
-    except ConfigError as e:
+        if args.use_checkpoint_args:
+            apply_checkpoint_args(parser, args, args.given)
+        shape, vocab = _apply_preset(args, parser)
+        for key, value in shape.items():
+            if getattr(args, key) is None:
+                setattr(args, key, value)
+        if args.max_model == "layers" and args.num_layers is None:
+            args.num_layers = 1
+        if args.max_model == "hidden" and args.hidden_size is None and args.num_attention_heads is not None:
+            args.hidden_size = math.lcm(128, args.num_attention_heads)
+        given = [k for k in SHAPE if getattr(args, k) is not None]
+        if given and len(given) < len(SHAPE):
+            raise BadInput("give --model or --" + ", --".join(k.replace("_", "-") for k in SHAPE if k not in given))
+        if given and not getattr(args, "checkpoint_demo", False):
+            # what the job requires with a shape but memory does not depend on
+            if args.seq_length is None:
+                args.seq_length = DEFAULT_SEQ_LENGTH
+            if args.train_iters is None and args.train_samples is None:
+                args.train_iters = max(1, args.lr_warmup_iters or 0, args.lr_decay_iters or 0)
+            if args.lr is None:
+                args.lr = max(1e-4, args.min_lr or 0.0)
+        if args.bf16_optimizer_states:
+            args.exp_avg_dtype = args.exp_avg_sq_dtype = "bf16"
+        if args.precision is None:   # the target's default: the job's on a GPU, a preset's own (V100: fp16)
+            named = P.HARDWARE_PRESETS[args.preset].get("precision") if args.preset else None
+            args.precision = named or (_cpu_default_precision() if _device_is_host(args) else "bf16")
+        finalize(args)
+    except UserError as e:
         raise BadInput(str(e)) from None
+    return vocab
 
+
+def _data_parallel(args) -> int:
     tp = args.tensor_parallel
     if args.dp is not None and args.world_size is not None and args.dp * tp != args.world_size:
         raise BadInput(f"--world-size {args.world_size} != TP {tp} x --data-parallel-size {args.dp}")
@@ -190,30 +211,130 @@ def build_input(args, parser: argparse.ArgumentParser | None = None) -> P.PlanIn
         dp = args.world_size // tp
     else:
         dp = 1
-    if args.bf16_optimizer_states:
-        args.exp_avg_dtype = args.exp_avg_sq_dtype = "bf16"
-    if args.exp_avg_dtype != args.exp_avg_sq_dtype:
-        raise BadInput("--exp-avg-dtype and --exp-avg-sq-dtype must match")
-    if args.micro_batch_size < 1 or dp < 1:
-        raise BadInput("--micro-batch-size and the data parallel size must be >= 1")
-    inp = P.plan_input_from_flags(args, data_parallel=dp, vocab_size=args.vocab_size)
+    if dp < 1:
+        raise BadInput("the data parallel size must be >= 1")
+    return dp
+
+
+def _vocab_size(args, preset_vocab: int | None) -> int:
+    """The job's vocabulary (loop.model_vocab_size) when a tokenizer flag names a tokenizer; else
+    --vocab-size, the --model preset's, or the bundled GPT-2 tokenizer's 50257."""
+    if args.tokenizer_type == "HuggingFaceTokenizer" or args.vocab_file or args.merge_file:
+        from zo_megatron.data import build_tokenizer
+        from zo_megatron.training.loop import model_vocab_size
+
+        try:
+            tok = build_tokenizer(args.vocab_file, args.merge_file, allow_custom_vocab=args.allow_custom_vocab,
+                                  tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model)
+            return model_vocab_size(args, tok)
+        except UserError as e:
+            raise BadInput(str(e)) from None
+    return args.vocab_size or preset_vocab or GPT2_VOCAB_SIZE
+
+
+def build_input(args, parser: argparse.ArgumentParser | None = None) -> P.PlanInput:
+    """The job's PlanInput for this command line before the job's own resolutions (as
+    loop.job_plan_input): flags, vocabulary, data parallel size and the target's hardware."""
+    parser = parser or build_parser()
+    preset_vocab = _job_args(args, parser)
+    dp = _data_parallel(args)
+    try:
+        check_batch_sizes(args, dp)
+    except UserError as e:
+        raise BadInput(str(e)) from None
+    inp = P.plan_input_from_flags(args, data_parallel=dp, vocab_size=_vocab_size(args, preset_vocab))
     if args.preset:
-        inp = P.apply_hardware_preset(inp, args.preset, keep_precision=args.precision is not None)
+        inp = P.apply_hardware_preset(inp, args.preset, keep_precision=True)
     overrides = {
-        "precision": args.precision,
         "gpu_memory_bytes": _gib(args.gpu_memory_gb),
         "host_memory_bytes_per_node": _gib(args.host_memory_gb),
         "gpus_per_node": args.gpus_per_node,
         "device_overhead_bytes": _gib(args.device_overhead_gb),
         "host_overhead_bytes_per_rank": _gib(args.host_overhead_gb),
-        "host_reserve_bytes": _gib(args.host_reserve_gb),
         "fragmentation": args.fragmentation,
     }
     inp = inp.replace(**{k: v for k, v in overrides.items() if v is not None})
+    if inp.device_is_host and args.gpu_memory_gb is None:   # the job: the device's memory is the host's
+        inp = inp.replace(gpu_memory_bytes=inp.host_memory_bytes_per_node)
+    host = inp.host_memory_bytes_per_node
+    # loop.job_plan_input's reserve: min(32 GiB, a tenth of the node's memory)
+    reserve = _gib(args.host_reserve_gb) if args.host_reserve_gb is not None else min(32 * P.GiB, host // 10)
+    inp = inp.replace(host_reserve_bytes=reserve)
     if args.preset == "cpu" and args.gpus_per_node is None:
         inp = inp.replace(gpus_per_node=None)
     inp.validate()
     return inp
+
+
+def resolve(inp: P.PlanInput, args) -> tuple[P.PlanInput, dict]:
+    """loop.job_plan's resolution of `inp` (build_input's): --optimizer-offload-fraction auto, then
+    the CPU-step overlap (--overlap-cpu-step's mode; None: auto on a GPU, off where the device is
+    the host), resolved last. Returns the input the job plans and what it prints about them."""
+    mode = args.overlap_cpu_step            # None, auto, full, memory (--overlap-cpu-step-memory), off
+    budget = args.overlap_cpu_step_memory
+    auto_offload = args.optimizer_offload_fraction == "auto"
+    inp = inp.replace(overlap_cpu_step=mode in ("full", "memory"),
+                      overlap_speculated_fraction=1.0 if mode == "full" else 0.0,
+                      optimizer_offload_fraction=1.0 if auto_offload else args.optimizer_offload_fraction)
+    if mode == "memory":
+        f, _ = P.resolve_overlap(inp, mode, budget)
+        inp = inp.replace(overlap_speculated_fraction=f)
+    info = {}
+    if auto_offload:
+        from zo_megatron.training.user_report import auto_fraction_reason
+
+        f = P.solve_offload_fraction(inp)
+        inp = inp.replace(optimizer_offload_fraction=1.0 if f is None else f)
+        info["optimizer_offload_fraction_reason"] = auto_fraction_reason(inp, f)
+    f, reason = P.resolve_overlap(inp, mode, budget)
+    info.update(overlap_speculated_fraction=f, overlap_reason=reason)
+    return inp.replace(overlap_cpu_step=f > 0, overlap_speculated_fraction=f), info
+
+
+def job_plan(args, parser: argparse.ArgumentParser | None = None) -> tuple[P.Plan, dict]:
+    """The plan of this command line as the job's pre-launch check computes it, and what it says
+    about its resolutions (overlap_speculated_fraction, overlap_reason, ...)."""
+    inp, info = resolve(build_input(args, parser), args)
+    return P.plan(inp), info
+
+
+def _search_input(inp: P.PlanInput, args) -> P.PlanInput:
+    """What --max-model searches with: the overlap off for `auto` and the default (it only takes
+    memory the plan leaves free, so it must not shrink the model); an explicit `full` or
+    --overlap-cpu-step-memory as the job would run it; --optimizer-offload-fraction auto at 1."""
+    mode = args.overlap_cpu_step
+    frac = 1.0 if args.optimizer_offload_fraction == "auto" else args.optimizer_offload_fraction
+    inp = inp.replace(optimizer_offload_fraction=frac, overlap_cpu_step=False, overlap_speculated_fraction=0.0)
+    if mode not in ("full", "memory") or not inp.zero_offload or inp.dpu:
+        return inp
+    f = 1.0 if mode == "full" else P.solve_overlap_fraction(inp.replace(overlap_cpu_step=True),
+                                                            args.overlap_cpu_step_memory)
+    return inp.replace(overlap_cpu_step=f > 0, overlap_speculated_fraction=f)
+
+
+def max_model(inp: P.PlanInput, args) -> tuple[int, dict | None, P.PlanInput]:
+    """(largest parameter count, its shape or None, its input before the job's resolutions)."""
+    family = args.max_model
+    if family == "layers":
+        def make(k):
+            return inp.replace(num_layers=k)
+        limit = 100_000
+    else:
+        step = math.lcm(128, inp.num_attention_heads)
+
+        def make(k):
+            return inp.replace(hidden_size=k * step)
+        limit = max(1, 1_000_000 // step)
+    if args.overlap_cpu_step in ("full", "memory"):     # the overlap's share depends on the size
+        k = P.largest_fitting(lambda k: P.plan(_search_input(make(k), args)).fits,
+                              lambda k: P.may_fit(_search_input(make(k), args)), limit)
+        if k == 0:
+            return 0, None, make(1)
+        best = P.plan(_search_input(make(k), args))
+        shape = {key: getattr(best.input, key) for key in SHAPE}
+        return best.params_total, shape, inp.replace(**shape)
+    max_params, shape = P.max_model(_search_input(inp, args), family)
+    return max_params, shape, inp.replace(**shape) if shape else make(1)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -223,7 +344,21 @@ def _g(n) -> str:
     return f"{n / P.GiB:10,.2f}"
 
 
-def print_plan(p: P.Plan, title: str = "zo_megatron memory plan") -> None:
+def _cpu_step_line(p: P.Plan) -> str:
+    """How the CPU step runs in this plan (--overlap-cpu-step and its share, DPU, or no offload)."""
+    i = p.input
+    if not i.zero_offload:
+        return "Adam on the device (no --zero-offload)"
+    if i.dpu:
+        return "CPU Adam one step behind, overlapping the next forward/backward (--dpu)"
+    if i.overlap_cpu_step and i.overlap_speculated_fraction > 0:
+        rb = p.host_items.get("overlap_rollback", 0)
+        return (f"overlapped with backward (--overlap-cpu-step): {i.overlap_speculated_fraction:.0%} of each rank's "
+                f"host partition speculated, its rollback state {P.format_bytes(rb)} per node")
+    return "synchronous, after backward (nothing speculated: no rollback state on the host)"
+
+
+def print_plan(p: P.Plan, title: str = "zo_megatron memory plan", overlap_reason: str | None = None) -> None:
     i = p.input
     rc = i.normalized_recompute() or "off"
     if rc == "full" and (i.recompute_method, i.recompute_num_layers) != ("uniform", 1):
@@ -240,11 +375,17 @@ def print_plan(p: P.Plan, title: str = "zo_megatron memory plan") -> None:
     print(f"  training   {i.precision}, micro-batch {i.micro_batch_size}, grad accumulation "
           f"{i.grad_accum_steps}, recompute {rc}, ZeRO-Offload {'on' if i.zero_offload else 'off'}, "
           f"DPU {'on' if i.dpu else 'off'}, bucket {i.bucket_size:,} elements, optimizer states "
-          f"{'bf16' if i.bf16_optimizer_states else 'fp32'}")
+          f"{'bf16' if i.bf16_optimizer_states else 'fp32'}"
+          + (f", {i.optimizer_offload_fraction:.0%} of the optimizer on the host"
+             if i.zero_offload and i.optimizer_offload_fraction < 1 else ""))
+    print(f"  CPU step   {_cpu_step_line(p)}")
+    if overlap_reason:
+        print(f"  overlap    {overlap_reason}")
     print(f"  attention  {'torch SDPA (--use-flash-attn)' if i.attention_backend == 'sdpa' else 'local (s x s scores)'}"
           f", sequence parallel {'on' if i.sp() else 'off'}")
     print(f"  hardware   {P.format_bytes(i.gpu_memory_bytes)} per GPU, "
-          f"{P.format_bytes(i.host_memory_bytes_per_node)} host per node")
+          f"{P.format_bytes(i.host_memory_bytes_per_node)} host per node"
+          + (" (the device is the host: unified)" if i.device_is_host else ""))
     print()
     print(f"  {'device, per GPU':<40}{'GiB':>10}")
     for k, v in p.device_items.items():
@@ -265,6 +406,16 @@ def print_plan(p: P.Plan, title: str = "zo_megatron memory plan") -> None:
         print("  suggestions:")
         for s in p.suggestions:
             print(f"    * {s}")
+
+
+def plan_dict(p: P.Plan, info: dict) -> dict:
+    """Plan.to_dict() with the job's resolutions beside `fits` (overlap_speculated_fraction, 0 to 1)."""
+    d = {}
+    for k, v in p.to_dict().items():
+        d[k] = v
+        if k == "fits":
+            d.update(info)
+    return d
 
 
 def run_paper_check(as_json: bool) -> int:
@@ -314,12 +465,11 @@ def main(argv=None) -> int:
             return run_paper_check(args.json)
         inp = build_input(args, parser)
         if args.max_model:
-            max_params, shape = P.max_model(inp, args.max_model)
-            best = P.plan(inp.replace(**shape)) if shape else P.plan(inp.replace(
-                **({"num_layers": 1} if args.max_model == "layers" else
-                   {"hidden_size": math.lcm(128, inp.num_attention_heads)})))
+            max_params, shape, best_inp = max_model(inp, args)
+            resolved, info = resolve(best_inp, args)     # auto resolved on the largest model
+            best = P.plan(resolved)
             if args.json:
-                d = best.to_dict()
+                d = plan_dict(best, info)
                 d.update(max_params=max_params, max_shape=shape, family=args.max_model)
                 print(json.dumps(d, indent=2))
             else:
@@ -327,16 +477,17 @@ def main(argv=None) -> int:
                     print(f"largest model ({args.max_model} family): {P.format_params(max_params)} "
                           f"= {shape['num_layers']} layers x {shape['hidden_size']} hidden x "
                           f"{shape['num_attention_heads']} heads\n")
-                    print_plan(best, "plan for that model")
+                    print_plan(best, "plan for that model", info["overlap_reason"])
                 else:
                     print(f"no model of the {args.max_model} family fits; the smallest:\n")
-                    print_plan(best, "plan for the smallest model")
+                    print_plan(best, "plan for the smallest model", info["overlap_reason"])
             return 0 if max_params > 0 else 1
-        p = P.plan(inp)
+        resolved, info = resolve(inp, args)
+        p = P.plan(resolved)
         if args.json:
-            print(json.dumps(p.to_dict(), indent=2))
+            print(json.dumps(plan_dict(p, info), indent=2))
         else:
-            print_plan(p)
+            print_plan(p, overlap_reason=info["overlap_reason"])
         return 0 if p.fits else 1
     except (BadInput, ValueError) as exc:
         msg = str(exc).splitlines()[0] if str(exc) else repr(exc)
