@@ -364,12 +364,15 @@ def _phase_medians(path: str) -> dict:
     return {n: round(statistics.median(v for (p, _), v in per.items() if p == n), 4) for n in names}
 
 
-def sweep(out: str, dry_run: bool, budget_s: float, peak_tflops: float | None, iters: int) -> list[dict]:
+def sweep(out: str, dry_run: bool, budget_s: float, peak_tflops: float | None, iters: int,
+          schedules: list[str] | None = None) -> list[dict]:
     rows, deadline = [], time.monotonic() + budget_s
     for shape in SWEEP_SHAPES["dry" if dry_run else "gpu"]:
         name, *dims = shape
         base = _shape_flags(*dims) + _run_flags(dry_run, iters)
         for sched, extra in SCHEDULES:
+            if schedules and sched not in schedules:
+                continue
             left = deadline - time.monotonic()
             if left < 20:
                 rows.append({"name": f"{name}-{sched}", "skipped": "the sweep's time budget ran out"})
@@ -519,6 +522,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep-budget-s", type=float, default=180)
     ap.add_argument("--largest-budget-s", type=float, default=90)
     ap.add_argument("--suite-workers", type=int, default=0, help="pytest-xdist workers (0: none)")
+    ap.add_argument("--schedules", default=",".join(name for name, _ in SCHEDULES),
+                    help="comma-separated subset of the sweep's schedules")
     ap.add_argument("--iters", type=int, default=None, help="iterations per sweep run (8; 3 in a dry run)")
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
@@ -544,7 +549,7 @@ def main(argv=None) -> int:
         write_report(a.out, result)
     if "sweep" in want:
         iters = a.iters or (3 if a.dry_run else 8)
-        result["sweep"] = sweep(a.out, a.dry_run, a.sweep_budget_s, peak, iters)
+        result["sweep"] = sweep(a.out, a.dry_run, a.sweep_budget_s, peak, iters, a.schedules.split(","))
         write_report(a.out, result)
         plot(a.out, result)
     if "largest" in want:
