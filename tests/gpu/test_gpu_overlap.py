@@ -30,5 +30,7 @@ def test_overlap_on_cuda_is_bit_identical_to_the_synchronous_step(precision, acc
     assert not out["mismatches"], out["mismatches"]
     bad = extra.get("bad_step")
     assert out["skipped"] == [s == bad for s in range(STEPS)]
-    assert all(n > 0 for n in out["spec"])
+    # buckets the worker had not started when backward ended are updated unspeculated (issue 34):
+    # the count per step depends on timing, but speculation ran
+    assert sum(out["spec"]) > 0, out["spec"]
     assert any(r == 0 for r in out["rolled"]) and any(r > 0 for r in out["rolled"])     # both paths ran

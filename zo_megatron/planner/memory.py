@@ -475,14 +475,15 @@ def resolve_overlap(inp: PlanInput, mode: str | None, budget_bytes_per_rank: int
     one line saying why). mode None is the default: `auto` on a GPU, off where the device is the
     host (device and CPU Adam share the cores). Off without ZeRO-Offload or with DPU (which takes
     the CPU step off the critical path already). `memory`: --overlap-cpu-step-memory's budget."""
+    host_default = mode is None and inp.device_is_host
     if mode is None:
-        mode = "off" if inp.device_is_host else "auto"
+        mode = "off" if host_default else "auto"
     if mode not in OVERLAP_MODES:
         raise ValueError(f"overlap mode must be one of {OVERLAP_MODES}, got {mode!r}")
     if mode == "off" or not inp.zero_offload or inp.dpu:
-        why = ("--no-overlap-cpu-step" if mode == "off" else "no --zero-offload" if not inp.zero_offload
-               else "--dpu" if inp.dpu else "")
-        return 0.0, f"CPU step overlap off ({why or 'the device is the host: it shares the cores'})"
+        why = ("the device is the host: it shares the cores" if host_default else "--no-overlap-cpu-step"
+               if mode == "off" else "no --zero-offload" if not inp.zero_offload else "--dpu")
+        return 0.0, f"CPU step overlap off ({why})"
     full = overlap_full_bytes_per_rank(inp)
     need = f"all of it would take {format_bytes(full)}/rank"
     if mode == "full":
@@ -492,8 +493,10 @@ def resolve_overlap(inp: PlanInput, mode: str | None, budget_bytes_per_rank: int
         return f, (f"--overlap-cpu-step-memory {format_bytes(budget_bytes_per_rank)}/rank: {f:.0%} of the partition "
                    f"speculated ({need})")
     if f == 0:
-        return 0.0, (f"--overlap-cpu-step auto: nothing speculated, the plan leaves no host memory free for the "
-                     f"rollback state ({need}); the CPU step is synchronous")
+        base = _try(inp.replace(overlap_cpu_step=False))
+        why = ("the run does not fit even without it" if base is None or not base.fits
+               else "the plan leaves no host memory free for the rollback state")
+        return 0.0, f"--overlap-cpu-step auto: nothing speculated, {why} ({need}); the CPU step is synchronous"
     return f, (f"--overlap-cpu-step auto: {f:.0%} of the partition speculated, what the host memory the plan "
                f"leaves free holds ({need})")
 
