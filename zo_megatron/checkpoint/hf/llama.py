@@ -22,6 +22,7 @@ is the TP layout's business (checkpoint/tp_layout.py), not this file's.
 from __future__ import annotations
 
 import itertools
+import json
 from dataclasses import dataclass, field
 
 import torch
@@ -45,15 +46,42 @@ class Variant:
     bias_fields: dict = field(default_factory=dict)         # config field -> the linears it gives biases
     fixed_biases: tuple = ()                                # linears that always have biases
     full_attention: dict = field(default_factory=dict)      # what to write for full attention
+    # which layers slide, as the family's HF model reads its config (`sliding_layers`): None (no
+    # window), "every_layer" (Mistral: sliding_window alone; its model ignores layer_types) or
+    # "layer_types" (Qwen2: use_sliding_window, then layer_types, or 4.x's max_window_layers)
+    window: str | None = None
 
 
 VARIANTS = (
     Variant("LlamaForCausalLM", "llama", "LlamaConfig",
             bias_fields={"attention_bias": ("qkv", "proj"), "mlp_bias": ("fc1", "fc2")}),
-    Variant("MistralForCausalLM", "mistral", "MistralConfig", full_attention={"sliding_window": None}),
+    Variant("MistralForCausalLM", "mistral", "MistralConfig", full_attention={"sliding_window": None},
+            window="every_layer"),
     Variant("Qwen2ForCausalLM", "qwen2", "Qwen2Config", fixed_biases=("qkv",),
-            full_attention={"use_sliding_window": False}),
+            full_attention={"use_sliding_window": False}, window="layer_types"),
 )
+
+
+def sliding_layers(variant: Variant, cfg) -> tuple[int | None, list[int]]:
+    """(window, the layers whose attention it limits) as transformers' model of `variant` reads the
+    config object: MistralAttention passes config.sliding_window to every layer (layer_types is not
+    read: transformers warns and ignores it); Qwen2 slides only with use_sliding_window, in the layers
+    layer_types names "sliding_attention" (5.x, and 4.x since layer_types), else those from
+    max_window_layers on (older 4.x, whose config keeps sliding_window when use_sliding_window is
+    false: the model reads the flag)."""
+    window = getattr(cfg, "sliding_window", None)
+    if variant.window is None or window is None:
+        return None, []
+    n = cfg.num_hidden_layers
+    if variant.window == "every_layer":
+        return window, list(range(n))
+    if not getattr(cfg, "use_sliding_window", False):
+        return None, []
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types:
+        return window, [i for i, t in enumerate(layer_types) if t == "sliding_attention"]
+    first = getattr(cfg, "max_window_layers", 0) or 0
+    return window, list(range(first, n))
 
 
 # ---- the model's architecture in our terms
@@ -68,6 +96,17 @@ def _our_biases(meta: dict) -> frozenset:
 def _bias_flags(biases: frozenset) -> tuple[bool, bool] | None:
     """(add_bias_linear, add_qkv_bias) for a set of linears with biases; None if megatron cannot."""
     return {frozenset(_LINEARS): (True, False), frozenset({"qkv"}): (False, True), frozenset(): (False, False)}.get(biases)
+
+
+def _ranges(layers: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    out, start = [], None
+    for i, x in enumerate(layers):
+        start = x if start is None else start
+        if i + 1 == len(layers) or layers[i + 1] != x + 1:
+            out.append(f"{start}-{x}" if x != start else str(x))
+            start = None
+    return ", ".join(out)
 
 
 # ---- rope, both config schemas
@@ -255,13 +294,16 @@ class LlamaFamily(HFFamily):
 
         if cfg.hidden_act != "silu":
             refuse(f"hidden_act={cfg.hidden_act!r}", "the MLP must be SwiGLU (silu), megatron's --swiglu")
-        window, max_pos = getattr(cfg, "sliding_window", None), cfg.max_position_embeddings
-        layer_types = getattr(cfg, "layer_types", None)
-        if window is not None and window < max_pos and (layer_types is None or "sliding_attention" in layer_types):
-            refuse(f"sliding_window={window} (max_position_embeddings {max_pos})",
+        max_pos = cfg.max_position_embeddings
+        window, sliding = sliding_layers(self.variant, cfg)
+        if window is not None and window < max_pos and sliding:
+            ignored = " (it ignores layer_types)" if self.variant.window == "every_layer" and \
+                getattr(cfg, "layer_types", None) else ""
+            full = ", ".join(f"{k} {json.dumps(v)}" for k, v in self.variant.full_attention.items())
+            refuse(f"sliding_window={window} (max_position_embeddings {max_pos}) in layers {_ranges(sliding)} of "
+                   f"{self.architecture}{ignored}",
                    "sliding-window attention is not supported (megatron-core's window mask is CUDA-only); "
-                   "only full-attention models convert (sliding_window null"
-                   + (", use_sliding_window false)" if "use_sliding_window" in self.variant.full_attention else ")"))
+                   f"only full-attention models convert ({full})")
         biases = self._hf_biases(cfg)
         flags = _bias_flags(biases)
         if flags is None:
