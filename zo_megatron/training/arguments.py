@@ -11,6 +11,7 @@ import sys
 
 from zo_megatron.errors import ConfigError
 from zo_megatron.training.checkpoint_args import apply_checkpoint_args, given_dests
+from zo_megatron.training.load_target import check_load_target
 from zo_megatron.training.megatron_compat import add_megatron_compat_flags, check_megatron_compat
 from zo_megatron.training.megatron_flags import add_remaining_megatron_flags
 from zo_megatron.training.schedule import DECAY_STYLES, WSD_DECAY_STYLES
@@ -248,7 +249,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("checkpointing")
     g.add_argument("--save", default=None, help="directory to save checkpoints to")
-    g.add_argument("--load", default=None, help="directory to resume from (its latest checkpoint)")
+    g.add_argument("--load", default=None,
+                   help="directory to resume from (its latest checkpoint); with no checkpoint there yet the "
+                        "job warns and starts from random weights, as Megatron-LM (`--save X --load X` works "
+                        "from the first launch)")
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true",
+                   help="with --load: stop with one error line instead of starting from random weights when "
+                        "no checkpoint is there (Megatron-LM's flag)")
     g.add_argument("--save-interval", type=int, default=None, help="iterations between checkpoints")
     g.add_argument("--force-save-lock", action="store_true",
                    help="take over --save's lock (SAVE/zo_megatron.lock) even when its holder runs on another host "
@@ -425,6 +432,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.given = given_dests(parser, argv)
     args.argv = argv              # the command line as typed (error messages quote a working one)
+    # --load with no checkpoint yet: start fresh with a warning, as Megatron-LM (before the
+    # checkpoint's args are read); a wrong target gets its fix
+    args.load_note = check_load_target(args)
     if args.use_checkpoint_args:
         apply_checkpoint_args(parser, args, args.given)
     finalize(args)

@@ -198,8 +198,6 @@ def _check_inputs(args, env, dp):
         except ImportError:
             raise UserError("--wandb-project needs the wandb package: pip install wandb "
                             "(WANDB_MODE=offline logs without an account)") from None
-    if args.load and not os.path.isdir(args.load):
-        raise UserError(f"--load {args.load}: no such directory")
     if args.save:
         check_save_dir(args.save)
         if env.rank == 0:
@@ -699,6 +697,7 @@ def _banner(metrics, args, ps, cfg, optimizer, data_path, setup_s) -> None:
         + (f"; planner: device {human_bytes(plan.device_bytes_per_gpu)}/rank, host {human_bytes(plan.host_bytes_per_node)}/node"
            if plan is not None else ""),
         *_pin_memory_warnings(args, ps),
+        *([f" {args.load_note}"] if getattr(args, "load_note", None) else []),
         f" set-up took {setup_s:.1f}s; {NOTICES}",
     ]
     for line in lines:

@@ -60,7 +60,6 @@ NO_OP = {
     "--disable-ckpt-fully-parallel-save": _CKPT_IO,
     "--dist-ckpt-optim-fully-reshardable": "optimizer states reshard to any TP x DP on load already",
     "--distrib-optim-fully-reshardable-mem-efficient": _CKPT_IO,
-    "--exit-on-missing-checkpoint": "a --load that finds no checkpoint already stops with one error line",
     "--log-validation-ppl-to-tensorboard": "validation perplexity is always written (eval/val_ppl)",
     "--log-memory-to-tensorboard": "model-state and RSS bytes are always written to TensorBoard and the JSONL",
     "--log-timers-to-tensorboard": "step time is always written (train/step_time_s); --timeline has phases",

@@ -1,0 +1,74 @@
+"""--load as Megatron-LM users expect it (issue 35, items 1 and 2).
+
+`--save X --load X` works from the first launch: no checkpoint under X -> a warning and random
+weights (Megatron-LM's behaviour), unless --exit-on-missing-checkpoint; then the next launch
+resumes. A target that is not a checkpoint root gets its fix in one line, never "drop --load"."""
+import argparse
+import json
+import os
+
+import pytest
+
+from tests.test_pretrain import TINY, _rows, _single, sotu_prefix  # noqa: F401 (a fixture)
+from zo_megatron.errors import UserError
+from zo_megatron.training.load_target import check_load_target
+
+
+def _args(load, **kw):
+    return argparse.Namespace(load=load, exit_on_missing_checkpoint=kw.get("exit", False),
+                              use_checkpoint_args=kw.get("use_args", False))
+
+
+def test_no_checkpoint_yet_warns_and_starts_fresh(tmp_path):
+    for d, why in ((tmp_path / "nowhere", "no such directory"), (tmp_path, "no latest_checkpointed_iteration.txt")):
+        a = _args(str(d))
+        note = check_load_target(a)
+        assert a.load is None and note.startswith("warning: --load") and why in note
+        assert "--exit-on-missing-checkpoint" in note and "drop --load" not in note
+
+
+@pytest.mark.parametrize("flag,match", [("exit", "--exit-on-missing-checkpoint is given"),
+                                        ("use_args", "--use-checkpoint-args takes the model")])
+def test_a_missing_checkpoint_is_refused_where_asked_or_needed(tmp_path, flag, match):
+    a = _args(str(tmp_path / "ck"), **{flag: True})
+    with pytest.raises(UserError, match=match) as e:
+        check_load_target(a)
+    assert "\n" not in str(e.value)
+
+
+def test_an_iteration_directory_is_answered_with_its_parent(tmp_path):
+    root = tmp_path / "ck"
+    (root / "iter_0000070").mkdir(parents=True)
+    (root / "latest_checkpointed_iteration.txt").write_text("70")
+    (root / "iter_0000070" / "checkpoint.json").write_text("{}")
+    with pytest.raises(UserError) as e:
+        check_load_target(_args(str(root / "iter_0000070")))
+    msg = str(e.value)
+    assert f"pass its parent directory (--load {root})" in msg and "drop --load" not in msg
+    assert check_load_target(_args(str(root))) is None                 # the root itself: resume
+
+
+def test_a_hugging_face_model_directory_is_answered_with_the_conversion(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(UserError) as e:
+        check_load_target(_args(str(tmp_path)))
+    msg = str(e.value)
+    assert "a Hugging Face model (LlamaForCausalLM)" in msg and "convert_checkpoint.py from-hf --input" in msg
+
+
+def test_save_x_load_x_trains_on_the_first_launch_and_resumes_on_the_second(sotu_prefix, tmp_path):
+    ck, log = tmp_path / "ck", tmp_path / "log.jsonl"
+    common = ["--zero-offload", "--fp32", "--data-path", sotu_prefix, "--save", str(ck), "--load", str(ck),
+              "--save-interval", "2", "--log-jsonl", str(log), *TINY]
+    first = _single([*common, "--train-iters", "4", "--exit-interval", "2"], tmp_path)     # stops after 2
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert f"warning: --load {ck}: no checkpoint there yet (no such directory); starting from randomly" in first.stdout
+    assert os.path.isfile(ck / "latest_checkpointed_iteration.txt")
+    second = _single([*common, "--train-iters", "4"], tmp_path)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "warning: --load" not in second.stdout
+    iters = [r["iteration"] for r in _rows(log, "train")]
+    assert iters == [1, 2, 3, 4], iters                              # the second launch resumed at 3
+    refused = _single([*common, "--train-iters", "4", "--load", str(tmp_path / "empty"),
+                       "--exit-on-missing-checkpoint"], tmp_path)
+    assert refused.returncode == 2 and refused.stderr.count("error:") == 1, refused.stderr[-2000:]

@@ -1,0 +1,72 @@
+"""What `--load DIR` finds, decided before anything reads it (Megatron-LM's semantics, issue 35).
+
+Megatron-LM's launch scripts pass `--save X --load X` from the first launch on: with no
+checkpoint under X, Megatron warns and starts from random weights, unless
+`--exit-on-missing-checkpoint` is given. The job does the same. A DIR that holds something else
+than a checkpoint root is not "missing" but a wrong target, answered with its fix (never "drop
+--load", which would throw away the work DIR points to):
+
+  DIR/latest_checkpointed_iteration.txt         a checkpoint root: resume (checkpoint/verify.py)
+  DIR = ROOT/iter_0000070 (checkpoint.json)     one iteration: pass ROOT
+  DIR/config.json with model_type/architectures a Hugging Face model: convert it first
+  nothing, or DIR does not exist                 no checkpoint yet: start fresh, with a warning
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+
+from zo_megatron.checkpoint.layout import LATEST, MANIFEST
+from zo_megatron.errors import UserError
+
+_ITER_DIR = re.compile(r"iter_\d{7}")
+
+
+def check_load_target(args) -> str | None:
+    """Apply the rules above to args.load. Returns the warning line when the job will start from
+    random weights (args.load is then None); raises UserError for a wrong target, or for a missing
+    checkpoint with --exit-on-missing-checkpoint or --use-checkpoint-args."""
+    d = args.load
+    if not d or os.path.isfile(os.path.join(d, LATEST)):
+        return None
+    norm = os.path.normpath(d)
+    parent = os.path.dirname(norm) or "."
+    if _ITER_DIR.fullmatch(os.path.basename(norm)) and (
+            os.path.isfile(os.path.join(norm, MANIFEST)) or os.path.isfile(os.path.join(parent, LATEST))):
+        raise UserError(f"--load {d}: that is one iteration of a checkpoint; pass its parent directory "
+                        f"(--load {parent}), which resumes from the iteration its {LATEST} names")
+    hf = _hf_model_type(d)
+    if hf is not None:
+        raise UserError(f"--load {d}: a Hugging Face model ({hf}), not a zo_megatron checkpoint; convert it: "
+                        f"python tools/convert_checkpoint.py from-hf --input {d} --output CKPT --tensor-parallel N, "
+                        f"then launch with --load CKPT --finetune and the flags it prints")
+    why = "no such directory" if not os.path.exists(d) else f"no {LATEST} in it"
+    if getattr(args, "exit_on_missing_checkpoint", False):
+        raise UserError(f"--load {d}: no checkpoint there ({why}) and --exit-on-missing-checkpoint is given: "
+                        "point --load at a checkpoint directory, or drop --exit-on-missing-checkpoint to start "
+                        "from random weights")
+    if getattr(args, "use_checkpoint_args", False):
+        raise UserError(f"--use-checkpoint-args takes the model from --load's checkpoint, but --load {d} holds none "
+                        f"({why}): give the model flags instead, or point --load at a checkpoint")
+    args.load = None
+    return (f"warning: --load {d}: no checkpoint there yet ({why}); starting from randomly initialised weights, "
+            "as Megatron-LM does (--exit-on-missing-checkpoint stops instead)")
+
+
+def _hf_model_type(d: str) -> str | None:
+    """The model_type (or architecture) of a Hugging Face model directory, None if d is not one."""
+    path = os.path.join(d, "config.json")
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, "rb") as f:
+            cfg = json.loads(f.read(1 << 20))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(cfg, dict):
+        return None
+    arch = cfg.get("architectures")
+    if isinstance(arch, list) and arch and isinstance(arch[0], str):
+        return arch[0]
+    return cfg["model_type"] if isinstance(cfg.get("model_type"), str) else None
