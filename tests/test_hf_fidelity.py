@@ -118,3 +118,37 @@ def test_layer_types_are_read_only_by_the_families_whose_model_reads_them(tmp_pa
         use_sliding_window=True, sliding_window=WINDOW, max_window_layers=0, layer_types=full)), seed + 1)
     convert.from_hf(qwen2, str(tmp_path / "qwen2_ck"), tensor_parallel=1, log=quiet)
     close(our_logits(str(tmp_path / "qwen2_ck"), tokens), hf_logits(qwen2, tokens))
+
+
+# ---------------------------------------------------------------- item 12 (c): use_sliding_window
+
+
+def test_a_qwen2_config_read_as_transformers_4x_reads_it_slides_only_with_use_sliding_window(tmp_path, monkeypatch):
+    """transformers 4.x's Qwen2Config keeps sliding_window when use_sliding_window is false (and older
+    4.x has no layer_types); its model does not slide then (DeepSeek-R1-Distill-Qwen's config:
+    use_sliding_window false, sliding_window 4096). Old code: refused, with the advice to set
+    use_sliding_window false, which the config already says. Here the installed transformers'
+    config object is made to hold what 4.x's holds."""
+    from zo_megatron.checkpoint import convert
+    from zo_megatron.checkpoint.hf import FAMILIES
+
+    seed = fresh_seed("qwen2 4.x use_sliding_window")
+    qwen2 = make_hf(tmp_path / "qwen2", transformers.Qwen2Config(**common(use_sliding_window=False)), seed)
+    edit_config(qwen2, sliding_window=WINDOW, max_window_layers=0, layer_types=None, transformers_version="4.45.0")
+    family = FAMILIES["Qwen2ForCausalLM"]
+    read = family.read_config
+
+    def as_4x(cfg_json, where):
+        cfg = read(cfg_json, where)
+        cfg.sliding_window, cfg.layer_types = cfg_json["sliding_window"], None    # 4.x's attributes
+        return cfg
+
+    monkeypatch.setattr(family, "read_config", as_4x)
+    convert.from_hf(qwen2, str(tmp_path / "ck"), tensor_parallel=1, log=quiet)
+    tokens = tokens_for(seed)
+    close(our_logits(str(tmp_path / "ck"), tokens), hf_logits(qwen2, tokens))
+    # and with use_sliding_window true, 4.x's layers from max_window_layers on slide: refused
+    edit_config(qwen2, use_sliding_window=True, max_window_layers=1)
+    from zo_megatron.errors import UserError
+    with pytest.raises(UserError, match=f"sliding_window={WINDOW} .* in layers 1 of Qwen2ForCausalLM"):
+        convert.from_hf(qwen2, str(tmp_path / "ck2"), tensor_parallel=1, log=quiet)
