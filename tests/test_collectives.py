@@ -2,6 +2,8 @@
 import ast
 from pathlib import Path
 
+import pytest
+
 import torch
 
 from tests.harness import run_world
@@ -250,3 +252,47 @@ def test_settle_gives_up_once_with_a_warning(monkeypatch):
         collectives._settle((a,))                # no longer waits, no second warning
     assert [str(w.message)[:40] for w in caught] == ["the process group's backend still held a"]
     assert collectives._settling is False and keep._use_count() == 1
+
+
+class _FakeCudaAlias:
+    """A CUDA tensor handed to gloo: gloo's worker keeps a reference for a few queries after the
+    collective, then lets go (as tests/test_collectives' CPU cases show gloo does)."""
+
+    device = torch.device("cuda", 0)
+
+    def __init__(self, log):
+        self.log, self.count = log, 3
+
+    def detach(self):
+        self.log.append("aliased")
+        return self
+
+    def _use_count(self):
+        self.log.append("queried")
+        self.count -= 1
+        return max(self.count, 1)
+
+
+@pytest.mark.parametrize("config,settled", [("cpu:gloo,cuda:gloo", True), ("cpu:gloo,cuda:nccl", False)])
+def test_cuda_tensors_gloo_handles_are_settled_and_nccls_are_not(monkeypatch, config, settled):
+    """Issue 34, 2.6: the two-ranks-on-one-GPU test worlds send CUDA tensors through gloo, whose
+    worker thread can hold the last reference past the collective (the interpreter-exit abort of
+    issue 27 item 7): those are aliased and settled like CPU tensors; NCCL's are left alone (its
+    wait only orders streams)."""
+    from zo_megatron.parallel import collectives
+
+    group = object()
+    monkeypatch.setattr(collectives, "_active", lambda: True)
+    monkeypatch.setattr(collectives.dist, "get_backend_config", lambda g=None: config)
+    collectives._gloo_types_of_group.pop(id(group), None)
+    log, seen = [], []
+    t = _FakeCudaAlias(log)
+
+    def fake_all_reduce(a, async_op, **kw):
+        seen.append(a)
+        return None
+
+    collectives._issue(fake_all_reduce, (t,), False, group=group)
+    collectives._gloo_types_of_group.pop(id(group), None)
+    assert seen == [t]
+    assert (log[:1] == ["aliased"] and log.count("queried") >= 2) if settled else log == [], log

@@ -103,11 +103,38 @@ def _check_device(t: torch.Tensor, group) -> None:
             f"backend={default_backend(torch.device('cuda'))!r} (zo_megatron.parallel.init_parallel does)")
 
 
-def _aliases(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """What the backend gets: CPU tensors as private aliases to settle (module docstring); CUDA
-    tensors as they are (NCCL's wait() only orders streams, so the host cannot wait for NCCL to let
-    go without losing the overlap; destroy_process_group shuts NCCL down)."""
-    return tuple(t.detach() if t.device.type == "cpu" else t for t in tensors)
+_gloo_types_of_group: dict[int, frozenset[str]] = {}
+
+
+def _gloo_device_types(group) -> frozenset[str]:
+    """The device types whose tensors this group hands to gloo: "cpu" always on our groups, "cuda"
+    too where CUDA tensors go through gloo (two ranks sharing one GPU: `cpu:gloo,cuda:gloo`)."""
+    key = id(group)
+    types = _gloo_types_of_group.get(key)
+    if types is None:
+        config = dist.get_backend_config(group) if _active() else "gloo"
+        parts = [p.split(":") for p in config.split(",")]
+        if len(parts) == 1 and len(parts[0]) == 1:          # one backend for every device ("gloo")
+            types = frozenset({"cpu", "cuda"}) if parts[0][0] == "gloo" else frozenset()
+        else:
+            types = frozenset(p[0] for p in parts if len(p) == 2 and p[1] == "gloo")
+        _gloo_types_of_group[key] = types
+    return types
+
+
+def _aliases(*tensors: torch.Tensor, group=None) -> tuple[torch.Tensor, ...]:
+    """What the backend gets: tensors gloo handles as private aliases to settle (module
+    docstring), on the CPU and, where a group sends CUDA tensors through gloo, on the GPU too
+    (issue 34, 2.6: the two-ranks-on-one-GPU test worlds); tensors NCCL handles as they are
+    (NCCL's wait() only orders streams, so the host cannot wait for NCCL to let go without losing
+    the overlap; destroy_process_group shuts NCCL down)."""
+    gloo = _gloo_device_types(group)
+    return tuple(t.detach() if t.device.type in gloo else t for t in tensors)
+
+
+def _held_by_gloo(aliases, group) -> list:
+    gloo = _gloo_device_types(group)
+    return [a for a in aliases if a.device.type in gloo]
 
 
 SETTLE_LIMIT_S = 30.0           # a backend that keeps references longer: warn once, stop settling
@@ -122,7 +149,7 @@ def _settle(aliases) -> None:
     global _settling
     start, delay = None, 1e-5
     for a in aliases:
-        while _settling and a.device.type == "cpu" and a._use_count() > 1:
+        while _settling and a._use_count() > 1:
             if start is None:
                 start = time.monotonic()
             elif time.monotonic() - start > SETTLE_LIMIT_S:
@@ -153,13 +180,15 @@ class _Settling:
 
 def _issue(fn, tensors, async_op: bool, **kwargs):
     """fn(*aliases of tensors, **kwargs): settled before it returns, or by its Work's wait()."""
-    aliases = _aliases(*tensors)
+    group = kwargs.get("group")
+    aliases = _aliases(*tensors, group=group)
     work = fn(*aliases, async_op=async_op, **kwargs)
+    held = _held_by_gloo(aliases, group)
     if not async_op:
         del work
-        _settle(aliases)
+        _settle(held)
         return None
-    return _Settling(work, aliases)
+    return _Settling(work, held)
 
 
 def all_reduce(t: torch.Tensor, op: str = "sum", group=None) -> torch.Tensor:
@@ -252,9 +281,9 @@ def all_gather_list(t: torch.Tensor, group) -> list[torch.Tensor]:
         return [t]
     _check_device(t, group)
     parts = [torch.empty_like(t) for _ in range(n)]
-    src = _aliases(t.contiguous())
+    src = _aliases(t.contiguous(), group=group)
     dist.all_gather(parts, src[0], group=group)
-    _settle(parts + list(src))
+    _settle(_held_by_gloo(parts + list(src), group))
     return parts
 
 
