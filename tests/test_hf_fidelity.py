@@ -152,3 +152,113 @@ def test_a_qwen2_config_read_as_transformers_4x_reads_it_slides_only_with_use_sl
     from zo_megatron.errors import UserError
     with pytest.raises(UserError, match=f"sliding_window={WINDOW} .* in layers 1 of Qwen2ForCausalLM"):
         convert.from_hf(qwen2, str(tmp_path / "ck2"), tensor_parallel=1, log=quiet)
+
+
+# ---------------------------------------------------------------- item 11: from-megatron's allow-list
+
+# a Llama-shaped model as Megatron-LM's args describe it (to-megatron's args: Megatron's names)
+MEGATRON_META = dict(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=FFN,
+                     vocab_size=VOCAB, max_position_embeddings=POS, position_embedding_type="rope",
+                     rotary_base=10000, normalization="RMSNorm", swiglu=True, num_query_groups=GROUPS,
+                     untie_embeddings_and_output_weights=True, add_bias_linear=False, layernorm_epsilon=1e-5)
+
+
+def megatron_checkpoint(directory, seed, **arg_changes) -> str:
+    """A Megatron-LM torch checkpoint (TP 2) of MEGATRON_META with random weights, whose saved args
+    have `arg_changes` on top of what a core_v0.16.1 launch of a Llama script records."""
+    import signal
+
+    from megatron.core.transformer.enums import AttnBackend
+
+    from zo_megatron.checkpoint import megatron_lm
+    from zo_megatron.checkpoint.arch import full_meta, param_shapes
+
+    meta = full_meta(MEGATRON_META)
+    g = torch.Generator().manual_seed(seed)
+    weights = {k: torch.randn(shape, generator=g) * 0.1 for k, shape in param_shapes(meta).items()}
+    ns = megatron_lm.megatron_args(meta, tp=2, iteration=7, divisible_by=128, seq_length=POS, precision="bf16")
+    # what a real run's args hold besides the model: training, data, parallel layout, kernels, bookkeeping
+    vars(ns).update(
+        lr=3e-4, min_lr=3e-5, micro_batch_size=1, global_batch_size=8, train_iters=100, data_path=["/data/x_text"],
+        save="/ckpt", load="/ckpt", attention_backend=AttnBackend.auto, transformer_impl="transformer_engine",
+        sequence_parallel=True, recompute_granularity="selective", masked_softmax_fusion=True,
+        apply_rope_fusion=True, world_size=8, rank=0, data_parallel_size=4, params_dtype=torch.bfloat16,
+        fp8="hybrid", fp8_recipe="delayed", exit_signal=signal.SIGTERM, attention_dropout=0.0, hidden_dropout=0.0,
+        init_method_std=0.008, weight_decay=0.1, clip_grad=1.0, seed=1234, context_parallel_size=2,
+        use_distributed_optimizer=True, overlap_grad_reduce=True, tokenizer_type="NullTokenizer",
+        norm_epsilon=1e-5, layernorm_zero_centered_gamma=False, softmax_type="vanilla", glu_linear_offset=0.0,
+        moe_router_topk=2, kv_lora_rank=512, wandb_project="llama", iteration=7)
+    vars(ns).update(arg_changes)
+    megatron_lm.write(str(directory), weights, ns)
+    return str(directory)
+
+
+@pytest.mark.parametrize("arg,value", [
+    ("qk_l2_norm", True), ("apply_residual_connection_post_layernorm", True), ("softmax_type", "off-by-one"),
+    ("no_rope_freq", 4), ("glu_linear_offset", 1.0), ("activation_func_clamp_value", 7.0),
+    # core_v0.16.1 saves --apply-layernorm-1p as layernorm_zero_centered_gamma (old code: apply_layernorm_1p only)
+    ("layernorm_zero_centered_gamma", True),
+    # an arg no Megatron-LM release from-megatron knows, not at a neutral value
+    ("some_future_model_option", 3),
+])
+def test_from_megatron_refuses_every_arg_that_changes_the_model(tmp_path, capsys, arg, value):
+    """Megatron-LM args that change what the weights compute and that zo_megatron's GPT does not build
+    (the job refuses all of them as flags): one error line naming the arg, exit 2, nothing written.
+    Old code (a deny-list of six other args) converted each of these and dropped its effect."""
+    from tests.test_convert_llama import _cli
+
+    seed = fresh_seed(f"megatron arg {arg}")
+    src = megatron_checkpoint(tmp_path / "megatron", seed, **{arg: value})
+    capsys.readouterr()
+    rc = _cli().main(["from-megatron", "--input", src, "--output", str(tmp_path / "out"), "--tensor-parallel", "1"])
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip() and "%" not in ln]
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
+    assert f"args.{arg}={value!r}" in lines[0], lines[0]
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_from_megatron_converts_a_real_run_s_args_and_names_every_bad_one(tmp_path):
+    """The args of a real run (training, data, layout, kernels, fp8 recipe, bookkeeping, Megatron's
+    enums and signal) convert, the weights exactly; several non-neutral args are named together."""
+    from zo_megatron.checkpoint import convert, megatron_lm
+    from zo_megatron.checkpoint.reader import CheckpointReader
+    from zo_megatron.errors import UserError
+
+    import subprocess
+    import sys
+
+    seed = fresh_seed("megatron real args")
+    src = megatron_checkpoint(tmp_path / "megatron", seed, some_future_flag=None, another_future_flag=False)
+    # the tool in a process of its own (in this one megatron-core's import registered its own safe globals)
+    tool = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "convert_checkpoint.py")
+    r = subprocess.run([sys.executable, tool, "from-megatron", "--input", src, "--output", str(tmp_path / "ck"),
+                        "--tensor-parallel", "1"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    full, _, _, _ = megatron_lm.read(src)
+    got = CheckpointReader(str(tmp_path / "ck")).read_weights()
+    assert set(got) == set(full) and all(torch.equal(got[k], full[k].float()) for k in full)
+    bad = megatron_checkpoint(tmp_path / "bad", seed, qk_l2_norm=True, softmax_type="learnable")
+    with pytest.raises(UserError) as e:
+        convert.from_megatron(bad, str(tmp_path / "ck2"), tensor_parallel=1, log=quiet)
+    assert "args.qk_l2_norm=True" in str(e.value) and "args.softmax_type='learnable'" in str(e.value)
+
+
+def test_every_megatron_default_is_neutral():
+    """A run that sets no model option converts: every flag of Megatron-LM core_v0.16.1 at its default
+    (training/megatron_flag_list.py) passes the allow-list, and each NEUTRAL arg's Megatron default
+    is one of its neutral values."""
+    import argparse
+
+    from zo_megatron.checkpoint import megatron_allow as M
+    from zo_megatron.training.megatron_flag_list import FLAGS
+
+    defaults = {}
+    for flag, _group, _takes, default in FLAGS:
+        dest = M._DEST_OF.get(flag) or flag[2:].replace("-", "_")
+        if dest not in M.READ and not default.startswith("<"):
+            defaults.setdefault(dest, M._literal(default))
+    assert M.non_neutral(argparse.Namespace(**defaults)) == []
+    for name in M.NEUTRAL:
+        if name in defaults:
+            assert M.non_neutral(argparse.Namespace(**{name: defaults[name]})) == [], name

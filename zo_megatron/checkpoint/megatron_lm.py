@@ -15,7 +15,8 @@ them in Megatron-LM with `--finetune` (or `--no-load-optim --no-load-rng`).
 
 Reading never runs pickled code: `torch.load(weights_only=True)` with only plain-data classes
 allowed (argparse.Namespace, NumPy arrays for Megatron's saved RNG states, io.BytesIO for
-Transformer Engine's extra state, and megatron-core's own Enum types); anything else is refused
+Transformer Engine's extra state, megatron-core's own Enum types and
+signal.Signals for args.exit_signal); anything else is refused
 with the class named. Both the local layer names and Transformer Engine's fused-LayerNorm names
 (`linear_qkv.layer_norm_weight`, ...) are read.
 """
@@ -31,6 +32,7 @@ import re
 import torch
 
 from zo_megatron.checkpoint.arch import full_meta, head_dim, query_groups
+from zo_megatron.checkpoint.megatron_allow import non_neutral
 from zo_megatron.checkpoint.tp_layout import (EXTRA_STATE_LAYERS, OUTPUT_LAYER, WORD_EMBEDDING, local_rows,
                                               padded_vocab_size, partition_stride, tp_axis)
 from zo_megatron.model.sharding import split_pieces
@@ -43,7 +45,8 @@ GPT2_VOCAB = 50257
 _OURS = "gpt."                                  # our module wraps megatron-core's GPTModel as .gpt
 _PLAIN_GLOBALS = {"argparse.Namespace", "_io.BytesIO", "numpy.ndarray", "numpy.dtype",
                   "numpy.core.multiarray._reconstruct", "numpy._core.multiarray._reconstruct",
-                  "numpy.core.multiarray.scalar", "numpy._core.multiarray.scalar"}
+                  "numpy.core.multiarray.scalar", "numpy._core.multiarray.scalar",
+                  "signal.Signals"}                # args.exit_signal (core_v0.16.1: signal.SIGTERM)
 _TE_NAMES = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
              "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
              "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
@@ -82,34 +85,21 @@ def megatron_args(meta: dict, *, tp: int, iteration: int, divisible_by: int, seq
         consumed_train_samples=consumed_samples, consumed_valid_samples=consumed_valid_samples)
 
 
-_UNSUPPORTED = (   # (args field, value, what it means): models zo_megatron's GPTModel does not build
-    ("squared_relu", True, "a squared-ReLU MLP"),
-    ("quick_geglu", True, "a quick-GeGLU MLP"),
-    ("apply_layernorm_1p", True, "LayerNorm with the 1+gamma parametrisation"),
-    ("rotary_interleaved", True, "interleaved rotary embeddings"),
-    ("multi_latent_attention", True, "multi-latent attention"),
-    ("attention_output_gate", True, "a gated attention output"),
-)
-
-
 def meta_from_args(args: argparse.Namespace, vocab: int, where: str) -> dict:
     """The model's architecture (GPTConfig fields) from Megatron-LM's saved args; one line for
     what zo_megatron does not build."""
     def refuse(what):
         raise UserError(f"{where}: {what}: zo_megatron's GPT does not build it")
 
-    for field, bad, what in _UNSUPPORTED:
-        if getattr(args, field, None) == bad:
-            refuse(f"args.{field}={bad!r} ({what})")
     if getattr(args, "pipeline_model_parallel_size", 1) not in (None, 1):
         raise UserError(f"{where}: pipeline_model_parallel_size={args.pipeline_model_parallel_size}: "
                         "merge the pipeline stages first (Megatron-LM's tools/checkpoint/convert.py --target-pipeline-parallel-size 1)")
-    if getattr(args, "num_experts", None):
-        refuse(f"args.num_experts={args.num_experts} (mixture of experts)")
-    if getattr(args, "window_size", None) not in (None, -1, (-1, -1), [-1, -1]):
-        refuse(f"args.window_size={args.window_size} (sliding-window attention)")
-    if getattr(args, "rotary_seq_len_interpolation_factor", None) not in (None, 1):
-        refuse(f"args.rotary_seq_len_interpolation_factor={args.rotary_seq_len_interpolation_factor}")
+    bad = non_neutral(args)                     # an allow-list: every arg is read, inert or at its neutral value
+    if bad:
+        them = "it" if len(bad) == 1 else "them"
+        raise UserError(f"{where}: {'; '.join(bad)}: zo_megatron's GPT does not build {them}, so the weights would "
+                        f"compute another function; only checkpoints trained without {them} convert "
+                        "(zo_megatron/checkpoint/megatron_allow.py lists what converts)")
     swiglu = bool(getattr(args, "swiglu", False))
     if not swiglu and not getattr(args, "openai_gelu", False):
         refuse("args.openai_gelu=False with a GELU MLP (the erf GELU; zo_megatron's GPT-2 MLP is the tanh GELU, "
