@@ -72,3 +72,31 @@ def test_save_x_load_x_trains_on_the_first_launch_and_resumes_on_the_second(sotu
     refused = _single([*common, "--train-iters", "4", "--load", str(tmp_path / "empty"),
                        "--exit-on-missing-checkpoint"], tmp_path)
     assert refused.returncode == 2 and refused.stderr.count("error:") == 1, refused.stderr[-2000:]
+
+
+def test_ckpt_step_resumes_from_that_iteration(sotu_prefix, tmp_path):
+    """--ckpt-step N (Megatron-LM's flag; a no-op before issue 35) loads iteration N, not the latest;
+    an iteration the directory does not hold is one line naming those it does."""
+    ck, log = tmp_path / "ck", tmp_path / "log.jsonl"
+    common = ["--zero-offload", "--fp32", "--data-path", sotu_prefix, "--save", str(ck), "--save-interval", "2",
+              "--train-iters", "4", *TINY]
+    r = _single([*common, "--log-jsonl", str(tmp_path / "first.jsonl")], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert sorted(os.listdir(ck)) == ["iter_0000002", "iter_0000004", "latest_checkpointed_iteration.txt"]
+    again = _single([*common, "--load", str(ck), "--ckpt-step", "2", "--log-jsonl", str(log)], tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert [row["iteration"] for row in _rows(log, "train")] == [3, 4]
+    first = {row["iteration"]: row["loss"] for row in _rows(tmp_path / "first.jsonl", "train")}
+    assert {row["iteration"]: row["loss"] for row in _rows(log, "train")} == {3: first[3], 4: first[4]}
+    missing = _single([*common, "--load", str(ck), "--ckpt-step", "3"], tmp_path)
+    assert missing.returncode == 2 and missing.stderr.count("error:") == 1, missing.stderr[-2000:]
+    assert "no committed checkpoint of iteration 3" in missing.stderr and "(it holds 2, 4)" in missing.stderr
+
+
+def test_a_missing_lr_says_why_the_demo_defaults_do_not_apply():
+    from zo_megatron.errors import ConfigError
+    from zo_megatron.training.arguments import parse_args
+
+    with pytest.raises(ConfigError, match=r"--lr is required: the model shape is given \(--num-layers --hidden-size --num-attention-heads\)"):
+        parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+                    "--train-iters", "3"])

@@ -44,6 +44,7 @@ class LoadOptions:
     override_opt_param_scheduler: bool = False
     use_checkpoint_opt_param_scheduler: bool = False
     train_iters: int | None = None
+    step: int | None = None                    # --ckpt-step: this iteration instead of the latest
     # (saved schedule, this run's, checkpoint iteration) -> the fix to print, or None: the job's words
     # for the common case of a schedule mismatch (extending a finished run)
     schedule_hint: object = None
@@ -132,7 +133,7 @@ def load_checkpoint(root: str, *, ps, model, optimizer, vocab_size: int, model_m
     # The checks read only files (no collectives): under `agree` (collectives.all_ranks_agree in
     # the job) a problem one rank finds is reported, with its rank, by every rank.
     with agree():
-        d, manifest = read_manifest(root)
+        d, manifest = read_manifest(root, opts.step)
         where = os.path.join(d, MANIFEST)
         _check_model(manifest, model_meta, where, tokenizer_vocab, describe_diff, model_fix)
         converted_from = manifest.get("converted_from") if manifest.get("weights_only") else None

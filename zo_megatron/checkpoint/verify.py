@@ -49,7 +49,10 @@ def read_manifest(root: str, iteration: int | None = None) -> tuple[str, dict]:
                             f"{iter_dir(root, iteration)} does not exist; point --load at a complete checkpoint")
     d = iter_dir(root, iteration)
     if not os.path.isdir(d):
-        raise UserError(f"{d} does not exist: no committed checkpoint of iteration {iteration} under {root}")
+        have = sorted(int(n[5:]) for n in os.listdir(root) if n.startswith("iter_") and n[5:].isdigit()) \
+            if os.path.isdir(root) else []
+        raise UserError(f"{d} does not exist: no committed checkpoint of iteration {iteration} under {root} "
+                        f"(it holds {', '.join(map(str, have)) or 'none'})")
     manifest = read_json(os.path.join(d, MANIFEST), "checkpoint manifest")
     where = os.path.join(d, MANIFEST)
     if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:

@@ -253,6 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="directory to resume from (its latest checkpoint); with no checkpoint there yet the "
                         "job warns and starts from random weights, as Megatron-LM (`--save X --load X` works "
                         "from the first launch)")
+    g.add_argument("--ckpt-step", type=int, default=None, metavar="N",
+                   help="with --load: resume from iteration N's checkpoint instead of the latest (Megatron-LM's "
+                        "flag; the directory must hold iter_N)")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true",
                    help="with --load: stop with one error line instead of starting from random weights when "
                         "no checkpoint is there (Megatron-LM's flag)")
@@ -472,7 +475,14 @@ def finalize(args: argparse.Namespace) -> None:
                 args.demo_filled.add(k)
     for k in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "train_iters", "lr"):
         if getattr(args, k) is None:
-            raise ConfigError(f"--{k.replace('_', '-')} is required when the model shape is given")
+            # why the demo's defaults do not apply: the user's shape flags, or the checkpoint's model
+            typed = [f"--{s.replace('_', '-')}" for s in ("num_layers", "hidden_size", "num_attention_heads")
+                     if s in getattr(args, "given", ())]
+            why = ("the model comes from the checkpoint (--use-checkpoint-args), which does not record it"
+                   if getattr(args, "use_checkpoint_args", False) and not typed else
+                   "the model shape is given" + (f" ({' '.join(typed)})" if typed else ""))
+            raise ConfigError(f"--{k.replace('_', '-')} is required: {why}; the demo's defaults apply only "
+                              "without model flags")
     if args.precision is None:
         args.precision, args.precision_reason = default_precision()
     else:

@@ -68,7 +68,7 @@ def apply_checkpoint_args(parser: argparse.ArgumentParser, args: argparse.Namesp
 
     if not args.load:
         raise ConfigError("--use-checkpoint-args reads the model from the checkpoint given by --load: add --load DIR")
-    d, manifest = read_manifest(args.load)
+    d, manifest = read_manifest(args.load, getattr(args, "ckpt_step", None))
     model = manifest.get("model") or {}
     saved = manifest.get("args") or {}
     if not model:

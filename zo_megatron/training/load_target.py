@@ -17,7 +17,7 @@ import json
 import os
 import re
 
-from zo_megatron.checkpoint.layout import LATEST, MANIFEST
+from zo_megatron.checkpoint.layout import LATEST, MANIFEST, iter_dir
 from zo_megatron.errors import UserError
 
 _ITER_DIR = re.compile(r"iter_\d{7}")
@@ -28,7 +28,12 @@ def check_load_target(args) -> str | None:
     random weights (args.load is then None); raises UserError for a wrong target, or for a missing
     checkpoint with --exit-on-missing-checkpoint or --use-checkpoint-args."""
     d = args.load
-    if not d or os.path.isfile(os.path.join(d, LATEST)):
+    step = getattr(args, "ckpt_step", None)
+    if step is not None and not d:
+        raise UserError("--ckpt-step picks an iteration of --load's checkpoint: add --load DIR")
+    if step is not None and step < 0:
+        raise UserError(f"--ckpt-step {step}: an iteration number is >= 0")
+    if not d or os.path.isfile(os.path.join(d, LATEST)) or (step is not None and os.path.isdir(iter_dir(d, step))):
         return None
     norm = os.path.normpath(d)
     parent = os.path.dirname(norm) or "."

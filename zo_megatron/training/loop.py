@@ -312,7 +312,8 @@ def _resume(args, ps, model, optimizer, vocab_size: int, tokenizer_vocab: int, m
             no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng, finetune=args.finetune,
             override_opt_param_scheduler=args.override_opt_param_scheduler,
             use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
-            train_iters=args.train_iters, schedule_hint=extend_hint(args)), agree=collectives.all_ranks_agree)
+            train_iters=args.train_iters, schedule_hint=extend_hint(args), step=args.ckpt_step),
+        agree=collectives.all_ranks_agree)
     if res.opt_param_scheduler is not None:             # --use-checkpoint-opt_param-scheduler
         s = res.opt_param_scheduler
         args.lr, args.min_lr, args.lr_warmup_iters = s["max_lr"], s["min_lr"], s["lr_warmup_steps"]

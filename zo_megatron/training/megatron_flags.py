@@ -111,7 +111,6 @@ NO_OP = {
     "--use-tp-pp-dp-mapping": "rank order: TP groups are the adjacent ranks, as Megatron's default",
     "--legacy-tokenizer": "the GPT-2 BPE tokenizer is Megatron's legacy GPT2BPETokenizer",
     "--no-create-attention-mask-in-dataloader": "the causal mask is built in the model",
-    "--ckpt-step": "--load resumes from latest_checkpointed_iteration.txt",
 }
 
 NO_OP.update({
