@@ -163,7 +163,7 @@ MEGATRON_META = dict(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=
                      untie_embeddings_and_output_weights=True, add_bias_linear=False, layernorm_epsilon=1e-5)
 
 
-def megatron_checkpoint(directory, seed, **arg_changes) -> str:
+def megatron_checkpoint(directory, seed, vocab=VOCAB, **arg_changes) -> str:
     """A Megatron-LM torch checkpoint (TP 2) of MEGATRON_META with random weights, whose saved args
     have `arg_changes` on top of what a core_v0.16.1 launch of a Llama script records."""
     import signal
@@ -173,7 +173,7 @@ def megatron_checkpoint(directory, seed, **arg_changes) -> str:
     from zo_megatron.checkpoint import megatron_lm
     from zo_megatron.checkpoint.arch import full_meta, param_shapes
 
-    meta = full_meta(MEGATRON_META)
+    meta = full_meta({**MEGATRON_META, "vocab_size": vocab})
     g = torch.Generator().manual_seed(seed)
     weights = {k: torch.randn(shape, generator=g) * 0.1 for k, shape in param_shapes(meta).items()}
     ns = megatron_lm.megatron_args(meta, tp=2, iteration=7, divisible_by=128, seq_length=POS, precision="bf16")
@@ -262,3 +262,61 @@ def test_every_megatron_default_is_neutral():
     for name in M.NEUTRAL:
         if name in defaults:
             assert M.non_neutral(argparse.Namespace(**{name: defaults[name]})) == [], name
+
+
+# ---------------------------------------------------------------- item 12 (a): the vocabulary of a HF tokenizer run
+
+
+def test_from_megatron_takes_the_vocabulary_from_the_run_s_hugging_face_tokenizer(tmp_path, capsys):
+    """Megatron-LM saves no vocab_size without --vocab-size; its HuggingFaceTokenizer's vocabulary is
+    len(tokenizer) (Megatron's _HuggingFaceTokenizer.vocab_size), padded to the rows in the files.
+    The tokenizer path in the args is read when it is a local directory (old code: refused, 'the
+    model's real vocabulary size is unknown', no fix named); else the line names --tokenizer-model
+    DIR and --vocab-size N, which both convert."""
+    from tests.hf_tokenizer import HF_VOCAB_SIZE, make_hf_tokenizer
+    from tests.test_convert_llama import _cli
+    from zo_megatron.checkpoint import megatron_lm
+    from zo_megatron.checkpoint.reader import CheckpointReader
+
+    seed = fresh_seed("megatron hf tokenizer vocab")
+    tok = make_hf_tokenizer(tmp_path / "tok")
+    args = dict(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=tok, vocab_size=None)
+    src = megatron_checkpoint(tmp_path / "megatron", seed, vocab=HF_VOCAB_SIZE, **args)
+    cli = _cli()
+    capsys.readouterr()
+
+    def convert(*extra, out, input=src):
+        rc = cli.main(["from-megatron", "--input", input, "--output", str(tmp_path / out), "--tensor-parallel", "2",
+                       *extra])
+        return rc, "\n".join(ln for ln in capsys.readouterr().err.splitlines() if ln.strip() and "%" not in ln)
+
+    rc, err = convert(out="ck")
+    assert rc == 0, err
+    full = megatron_lm.read(src, vocab_size=HF_VOCAB_SIZE)[0]
+    assert full["gpt.embedding.word_embeddings.weight"].shape[0] == HF_VOCAB_SIZE
+    reader = CheckpointReader(str(tmp_path / "ck"))
+    assert reader.model_meta["vocab_size"] == HF_VOCAB_SIZE and reader.manifest.get("tokenizer_files")
+    got = reader.read_weights()
+    assert all(torch.equal(got[k], full[k].float()) for k in full)
+    # the directory is not here: the line names both fixes; each converts
+    moved = str(tmp_path / "tok_moved")
+    os.rename(tok, moved)
+    rc, err = convert(out="ck_missing")
+    assert rc == 2 and err.count("\n") == 0 and "--tokenizer-model DIR" in err and "--vocab-size N" in err, err
+    assert tok in err and not os.path.exists(tmp_path / "ck_missing")
+    rc, err = convert("--tokenizer-model", moved, out="ck_flag")
+    assert rc == 0, err
+    assert CheckpointReader(str(tmp_path / "ck_flag")).manifest.get("tokenizer_files")
+    rc, err = convert("--vocab-size", str(HF_VOCAB_SIZE), out="ck_vocab")
+    assert rc == 0 and CheckpointReader(str(tmp_path / "ck_vocab")).model_meta["vocab_size"] == HF_VOCAB_SIZE, err
+    # a vocabulary the rows cannot hold, another tokenizer type, a --vocab-size the args contradict
+    rc, err = convert("--vocab-size", "99999", out="ck_big")
+    assert rc == 2 and err.startswith("error: ") and "99999" in err and err.count("\n") == 0, err
+    other = megatron_checkpoint(tmp_path / "sp", seed, vocab=HF_VOCAB_SIZE, tokenizer_type="SentencePieceTokenizer",
+                                tokenizer_model="/nowhere/tokenizer.model", vocab_size=None)
+    rc, err = convert(out="ck_sp", input=other)
+    assert rc == 2 and "--vocab-size N" in err and err.count("\n") == 0, err
+    with_vocab = megatron_checkpoint(tmp_path / "with_vocab", seed, vocab=HF_VOCAB_SIZE,
+                                     **{**args, "vocab_size": HF_VOCAB_SIZE})
+    rc, err = convert("--vocab-size", "1999", out="ck_wv", input=with_vocab)
+    assert rc == 2 and "vocab_size=2000" in err and "--vocab-size 1999" in err and err.count("\n") == 0, err

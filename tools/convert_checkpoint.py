@@ -6,6 +6,7 @@
     python tools/convert_checkpoint.py from-hf --input DIR --output CKPT --tensor-parallel N
     python tools/convert_checkpoint.py to-megatron --load CKPT --output DIR
     python tools/convert_checkpoint.py from-megatron --input DIR --output CKPT --tensor-parallel N
+                                                     [--vocab-size N] [--tokenizer-model DIR]
     python tools/convert_checkpoint.py to-fp32 --load CKPT --output PATH [--max-shard-size 5GB]
     python tools/convert_checkpoint.py reshard --load CKPT --output CKPT2 --target-tensor-parallel-size N
                                                [--target-data-parallel-size M]
@@ -75,6 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("from-megatron", help="a weights-only zo_megatron checkpoint from a Megatron-LM torch checkpoint")
     common(p, "input")
     p.add_argument("--tensor-parallel", "--tensor-model-parallel-size", dest="tensor_parallel", type=int, required=True)
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="the model's real vocabulary, when the run's args have none (it was run without --vocab-size)")
+    p.add_argument("--tokenizer-model", default=None,
+                   help="the run's Hugging Face tokenizer directory, when the path in its args is not here (gives "
+                        "the vocabulary, len(tokenizer), and is copied into the checkpoint)")
 
     p = sub.add_parser("to-fp32", help="consolidated fp32 master weights as safetensors (zero_to_fp32's job)")
     common(p, "load")
@@ -99,7 +105,8 @@ def run(argv: list[str] | None = None) -> int:
     elif a.command == "to-megatron":
         convert.to_megatron(a.load, a.output, iteration=a.iteration, tensor_parallel=a.tensor_parallel, force=a.force)
     elif a.command == "from-megatron":
-        convert.from_megatron(a.input, a.output, tensor_parallel=a.tensor_parallel, force=a.force)
+        convert.from_megatron(a.input, a.output, tensor_parallel=a.tensor_parallel, vocab_size=a.vocab_size,
+                              tokenizer_model=a.tokenizer_model, force=a.force)
     elif a.command == "to-fp32":
         convert.to_fp32(a.load, a.output, iteration=a.iteration, max_shard_size=a.max_shard_size, force=a.force)
     elif a.command == "reshard":

@@ -269,10 +269,16 @@ def to_megatron(load: str, output: str, *, iteration: int | None = None, tensor_
         + (f"; its tokenizer: --tokenizer-model {saved_tok}" if has_tokenizer else ""))
 
 
-def from_megatron(input_dir: str, output: str, *, tensor_parallel: int, force: bool = False, log: Log = print) -> None:
+def from_megatron(input_dir: str, output: str, *, tensor_parallel: int, vocab_size: int | None = None,
+                  tokenizer_model: str | None = None, force: bool = False, log: Log = print) -> None:
+    """vocab_size / tokenizer_model: the run's vocabulary / Hugging Face tokenizer when its args lack
+    them (Megatron-LM saves no vocab_size without --vocab-size)."""
     if not os.path.isdir(input_dir):
         raise UserError(f"--input {input_dir}: no such directory; point it at a Megatron-LM checkpoint directory")
-    weights, ns, it, vocab = megatron_lm.read(input_dir, progress=Progress("reading TP ranks"))
+    if vocab_size is not None and vocab_size < 1:
+        raise UserError(f"--vocab-size {vocab_size}: must be >= 1")
+    weights, ns, it, vocab = megatron_lm.read(input_dir, progress=Progress("reading TP ranks"), vocab_size=vocab_size,
+                                              tokenizer_model=tokenizer_model)
     meta = megatron_lm.meta_from_args(ns, vocab, os.path.join(input_dir, megatron_lm.TRACKER))
     expected = param_shapes(meta)
     got = {k: tuple(v.shape) for k, v in weights.items()}
@@ -287,8 +293,9 @@ def from_megatron(input_dir: str, output: str, *, tensor_parallel: int, force: b
     args = {"make_vocab_size_divisible_by": meta["make_vocab_size_divisible_by"],
             "seq_length": getattr(ns, "seq_length", None)}
     # Megatron-LM keeps only the tokenizer's path: bring its files along when that directory is here
-    tok = getattr(ns, "tokenizer_model", None)
-    tok = tok if getattr(ns, "tokenizer_type", None) == "HuggingFaceTokenizer" and tok and os.path.isdir(tok) else None
+    tok = tokenizer_model or getattr(ns, "tokenizer_model", None)
+    tok = tok if (tokenizer_model or getattr(ns, "tokenizer_type", None) == "HuggingFaceTokenizer") and tok \
+        and os.path.isdir(tok) else None
     _write_weights_checkpoint(output, weights, meta, tp=tensor_parallel, args=args, force=force, log=log,
                               converted_from=f"Megatron-LM {os.path.abspath(input_dir)} iteration {it}",
                               tokenizer_from=tok)

@@ -245,9 +245,46 @@ def find_iteration_dir(in_dir: str) -> tuple[str, int]:
     return d, it
 
 
-def read(in_dir: str, *, progress=None) -> tuple[dict[str, torch.Tensor], argparse.Namespace, int, int]:
+def _vocab_size(args: argparse.Namespace, where: str, vocab_size: int | None, tokenizer_model: str | None) -> int:
+    """The model's real (unpadded) vocabulary: args.vocab_size (Megatron's --vocab-size), else what
+    the run's tokenizer gives Megatron-LM: GPT-2's 50257, or len(tokenizer) for a HuggingFaceTokenizer
+    (its _HuggingFaceTokenizer.vocab_size), read from --tokenizer-model or the args' path when that
+    is a local directory. vocab_size / tokenizer_model: from-megatron's flags."""
+    saved = getattr(args, "vocab_size", None)
+    if saved is not None:
+        if vocab_size is not None and vocab_size != saved:
+            raise UserError(f"{where}: args.vocab_size={saved}, --vocab-size {vocab_size} here: drop --vocab-size "
+                            "(the checkpoint records its vocabulary)")
+        return int(saved)
+    if vocab_size is not None:
+        return vocab_size
+    kind = getattr(args, "tokenizer_type", None)
+    if kind == "GPT2BPETokenizer":
+        return GPT2_VOCAB
+    fixes = "pass --vocab-size N (the vocabulary the run's tokenizer gave Megatron-LM)"
+    if kind != "HuggingFaceTokenizer":
+        raise UserError(f"{where}: tokenizer_type={kind!r} and no vocab_size: the model's real vocabulary size is "
+                        f"not in the checkpoint; {fixes}")
+    from zo_megatron.data.errors import DataError
+    from zo_megatron.data.tokenizer import HuggingFaceTokenizer
+
+    path = tokenizer_model or getattr(args, "tokenizer_model", None)
+    source = f"--tokenizer-model {path}" if tokenizer_model else f"args.tokenizer_model={path!r}"
+    fixes = "pass --tokenizer-model DIR (the run's Hugging Face tokenizer) or --vocab-size N (len(tokenizer))"
+    if not path or not os.path.isdir(path):
+        raise UserError(f"{where}: a HuggingFaceTokenizer run with no vocab_size, and {source} is not a directory "
+                        f"here, so the model's real vocabulary size is unknown: {fixes}")
+    try:
+        return HuggingFaceTokenizer(path).vocab_size
+    except DataError as exc:
+        raise UserError(f"{where}: {source} cannot be read as the run's tokenizer ({exc}); {fixes}") from None
+
+
+def read(in_dir: str, *, progress=None, vocab_size: int | None = None,
+         tokenizer_model: str | None = None) -> tuple[dict[str, torch.Tensor], argparse.Namespace, int, int]:
     """(full unpadded weights by our names, in the files' dtype, args, iteration, vocab size) of a
-    Megatron-LM checkpoint."""
+    Megatron-LM checkpoint; vocab_size / tokenizer_model give the vocabulary when the args do not
+    (_vocab_size)."""
     d, it = find_iteration_dir(in_dir)
     ranks = sorted(n for n in os.listdir(d) if _MP_DIR.match(n))
     if not ranks:
@@ -278,12 +315,7 @@ def read(in_dir: str, *, progress=None) -> tuple[dict[str, torch.Tensor], argpar
     saved_tp = getattr(args, "tensor_model_parallel_size", tp)
     if saved_tp != tp:
         raise UserError(f"{d}: args say tensor_model_parallel_size={saved_tp} but there are {tp} mp_rank directories")
-    vocab = getattr(args, "vocab_size", None)
-    if vocab is None:
-        if getattr(args, "tokenizer_type", None) != "GPT2BPETokenizer":
-            raise UserError(f"{where}: tokenizer_type={getattr(args, 'tokenizer_type', None)!r} and no vocab_size: "
-                            "the model's real vocabulary size is unknown (only GPT2BPETokenizer's is implied)")
-        vocab = GPT2_VOCAB
+    vocab = _vocab_size(args, where, vocab_size, tokenizer_model)
     keys = set(shards[0])
     for r, sh in enumerate(shards[1:], 1):
         if set(sh) != keys:
@@ -311,7 +343,8 @@ def read(in_dir: str, *, progress=None) -> tuple[dict[str, torch.Tensor], argpar
                     t.narrow(axis, full_off, n).copy_(sh[k].narrow(axis, local_off, n))
         if vocab_rows:
             if t.shape[0] < vocab:
-                raise UserError(f"{where}: {k} has {t.shape[0]} rows for a vocabulary of {vocab}")
+                raise UserError(f"{where}: {k} has {t.shape[0]} rows for a vocabulary of {vocab}: not the run's "
+                                "vocabulary (give the run's --vocab-size or --tokenizer-model)")
             t = t[:vocab]
         full[_OURS + k] = t.contiguous()          # the files' dtype: the writer converts box by box
     return full, args, it, vocab
