@@ -14,10 +14,20 @@ KNOWN_HARMLESS = (
     r"Transformer Engine and Apex are not installed\. Falling back to",
     r"full scope is deprecated\. Use empty cuda_graph_scope to capture the whole layer",
 )
+# torch 2.13 deprecates the two collectives megatron-core's sequence-parallel mappings call
+# (tensor_parallel/mappings.py); zo_megatron's own collectives call their successors
+# (parallel/collectives.py), so these FutureWarnings of every TP x SP run are megatron-core's
+TORCH_DEPRECATIONS_MEGATRON_CALLS = (
+    r"`torch\.distributed\.all_gather_into_tensor` is deprecated\. Please use `torch\.distributed\.all_gather_single`",
+    r"`torch\.distributed\.reduce_scatter_tensor` is deprecated\. Please use `torch\.distributed\.reduce_scatter_single`",
+)
 SUMMARY = ("hidden: megatron-core's notices that Apex/Transformer Engine are absent (its local layers "
-           "are used) and a CUDA-graph deprecation (no graphs are captured); other warnings are shown")
+           "are used), a CUDA-graph deprecation (no graphs are captured) and torch's deprecation of two "
+           "collectives its sequence-parallel layers call; other warnings are shown")
 
 
 def hide_known_megatron_notices() -> None:
     for pattern in KNOWN_HARMLESS:
         warnings.filterwarnings("ignore", message=pattern, category=UserWarning)
+    for pattern in TORCH_DEPRECATIONS_MEGATRON_CALLS:
+        warnings.filterwarnings("ignore", message=pattern, category=FutureWarning)
