@@ -100,3 +100,28 @@ def test_a_missing_lr_says_why_the_demo_defaults_do_not_apply():
     with pytest.raises(ConfigError, match=r"--lr is required: the model shape is given \(--num-layers --hidden-size --num-attention-heads\)"):
         parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
                     "--train-iters", "3"])
+
+
+def test_a_resume_that_changes_the_run_says_so_one_line_each(sotu_prefix, tmp_path):
+    """Issue 35, item 4: precision, global batch and sequence length that differ from the
+    checkpoint's are named with both values; an unchanged resume says nothing."""
+    ck = tmp_path / "ck"
+    common = ["--zero-offload", "--data-path", sotu_prefix, "--save", str(ck), "--save-interval", "2",
+              "--train-iters", "4", "--lr-decay-iters", "4", *TINY]
+    r = _single([*common, "--fp32", "--exit-interval", "2"], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    same = _single([*common, "--fp32", "--load", str(ck), "--exit-interval", "3", "--save-interval", "100"], tmp_path)
+    assert same.returncode == 0, same.stderr[-3000:]
+    assert "this resume changes" not in same.stdout
+    changed = _single([*common, "--bf16", "--load", str(ck), "--global-batch-size", "8", "--seq-length", "32",
+                       "--max-position-embeddings", "64"],
+                      tmp_path)
+    assert changed.returncode == 0, changed.stderr[-3000:]
+    lines = [ln.strip() for ln in changed.stdout.splitlines() if "this resume changes" in ln]
+    assert lines == ["warning: this resume changes the precision: fp32 in the checkpoint, bf16 now (the 16-bit "
+                     "weights are re-derived from the fp32 master)",
+                     "warning: this resume changes --global-batch-size: 4 in the checkpoint, 8 now (samples per "
+                     "step change: consumed samples and the schedule keep counting, tokens per step do not match "
+                     "the earlier steps)",
+                     "warning: this resume changes --seq-length: 64 in the checkpoint, 32 now (tokens per sample "
+                     "change)"], lines

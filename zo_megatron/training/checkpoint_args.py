@@ -102,3 +102,23 @@ def apply_checkpoint_args(parser: argparse.ArgumentParser, args: argparse.Namesp
     args.from_checkpoint = set(taken)
     args.from_checkpoint_flags = [show(parser, f, getattr(args, f))[0] for f in taken]
     args.checkpoint_demo = bool(saved.get("demo", False))   # the defaults its run was trained with
+
+
+# What a resume may change that changes the run (Megatron-LM does not warn; the checkpoint records
+# its args, so we can): (field, flag, what it means for the run)
+RUN_CHANGES = (("precision", "--bf16/--fp16/--fp32", "the 16-bit weights are re-derived from the fp32 master"),
+               ("global_batch_size", "--global-batch-size", "samples per step change: consumed samples and the "
+                "schedule keep counting, tokens per step do not match the earlier steps"),
+               ("seq_length", "--seq-length", "tokens per sample change"))
+
+
+def run_changes(saved: dict, args) -> list[str]:
+    """One ' warning: ...' line per setting of RUN_CHANGES that differs between the checkpoint's
+    saved args and this run, naming both values."""
+    out = []
+    for field, flag, meaning in RUN_CHANGES:
+        if field in saved and saved[field] is not None and getattr(args, field, None) != saved[field]:
+            out.append(f" warning: this resume changes {flag.split('/')[0] if field != 'precision' else 'the precision'}: "
+                       f"{saved[field]} in the checkpoint, {getattr(args, field, None)} now ({meaning})")
+    return out
+

@@ -327,6 +327,13 @@ def _resume(args, ps, model, optimizer, vocab_size: int, tokenizer_vocab: int, m
     else:
         metrics.print(f" resumed from {res.path} at iteration {res.iteration} ({res.consumed_samples} samples "
                       f"consumed) in {time.monotonic() - t0:.2f}s")
+        from zo_megatron.checkpoint.layout import MANIFEST
+        from zo_megatron.checkpoint.safe_load import read_json
+        from zo_megatron.training.checkpoint_args import run_changes
+
+        saved = read_json(os.path.join(res.path, MANIFEST), "checkpoint manifest").get("args") or {}
+        for line in run_changes(saved, args):
+            metrics.print(line)
     return res.iteration, res.consumed_samples, res.consumed_valid_samples
 
 
