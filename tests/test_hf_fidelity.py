@@ -320,3 +320,59 @@ def test_from_megatron_takes_the_vocabulary_from_the_run_s_hugging_face_tokenize
                                      **{**args, "vocab_size": HF_VOCAB_SIZE})
     rc, err = convert("--vocab-size", "1999", out="ck_wv", input=with_vocab)
     assert rc == 2 and "vocab_size=2000" in err and "--vocab-size 1999" in err and err.count("\n") == 0, err
+
+
+# ---------------------------------------------------------------- item 13: what to-hf writes besides the weights
+
+LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=8192)
+
+
+def test_to_hf_writes_both_rope_schemas_and_keeps_generation_config_and_eos_lists(tmp_path):
+    """Under transformers 5 to-hf wrote only rope_parameters, so a 4.x reader (rope_theta +
+    rope_scaling) silently took theta 10000 and no scaling: both schemas are written, and each
+    alone reads as the source's rope. The source's generation_config.json (sampling settings, an
+    eos list) and config.json's multi-id eos_token_id (Llama-3.x Instruct's) come back through
+    from-hf -> to-hf (old code: eos from the tokenizer, one id; a generation config made from it)."""
+    from tests.hf_tokenizer import HF_VOCAB_SIZE, make_hf_tokenizer
+    from zo_megatron.checkpoint import convert
+
+    seed = fresh_seed("to-hf rope schemas and generation config")
+    cases = {
+        "llama": transformers.LlamaConfig(**common(vocab_size=HF_VOCAB_SIZE, max_position_embeddings=16384,
+                                                   eos_token_id=[1, 2], rope_parameters=LLAMA3_ROPE)),
+        "qwen2": transformers.Qwen2Config(**common(vocab_size=HF_VOCAB_SIZE, use_sliding_window=False,
+                                                   rope_parameters=dict(rope_type="default", rope_theta=1e6))),
+    }
+    gen = dict(bos_token_id=0, eos_token_id=[1, 2], do_sample=True, temperature=0.6, top_p=0.9)
+    for i, (name, cfg) in enumerate(cases.items()):
+        src = make_hf(tmp_path / name, cfg, seed + i)
+        make_hf_tokenizer(src)
+        if name == "llama":
+            transformers.GenerationConfig(**gen).save_pretrained(src)
+        convert.from_hf(src, str(tmp_path / f"{name}_ck"), tensor_parallel=1, log=quiet)
+        back = str(tmp_path / f"{name}_back")
+        convert.to_hf(str(tmp_path / f"{name}_ck"), back, log=quiet)
+        written = json.load(open(os.path.join(back, "config.json")))
+        source = json.load(open(os.path.join(src, "config.json")))
+        rope = source["rope_parameters"]
+        assert written["rope_parameters"] == rope, name
+        assert written.get("rope_theta") == rope["rope_theta"], (name, written.get("rope_theta"))
+        scaling = None if rope["rope_type"] == "default" else {k: v for k, v in rope.items() if k != "rope_theta"}
+        assert "rope_scaling" in written and written["rope_scaling"] == scaling, (name, written.get("rope_scaling"))
+        # each schema alone reads as the source's rope (transformers 5 converts the 4.x keys itself)
+        for drop in (("rope_theta", "rope_scaling"), ("rope_parameters",)):
+            edited = str(tmp_path / f"{name}_without_{drop[0]}")
+            os.makedirs(edited)
+            json.dump({k: v for k, v in written.items() if k not in drop}, open(os.path.join(edited, "config.json"), "w"))
+            assert transformers.AutoConfig.from_pretrained(edited).rope_parameters == \
+                transformers.AutoConfig.from_pretrained(src).rope_parameters, (name, drop)
+        assert written["eos_token_id"] == source["eos_token_id"] and written["bos_token_id"] == source["bos_token_id"]
+        if name == "llama":
+            assert written["eos_token_id"] == [1, 2]
+            ours = json.load(open(os.path.join(back, "generation_config.json")))
+            theirs = json.load(open(os.path.join(src, "generation_config.json")))
+            assert {k: v for k, v in ours.items() if k != "transformers_version"} == \
+                {k: v for k, v in theirs.items() if k != "transformers_version"}
+            g = transformers.GenerationConfig.from_pretrained(back)
+            assert g.eos_token_id == [1, 2] and g.do_sample and g.temperature == 0.6 and g.top_p == 0.9

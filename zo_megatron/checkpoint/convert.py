@@ -17,6 +17,7 @@ and renamed when complete (writer.atomic_output).
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -43,6 +44,7 @@ Log = Callable[[str], None]
 DEFAULT_DIVISIBLE_BY = 128                      # Megatron's --make-vocab-size-divisible-by default
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _HF_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+GENERATION_CONFIG = "generation_config.json"
 
 
 class Progress:
@@ -202,6 +204,10 @@ def to_hf(load: str, output: str, *, iteration: int | None = None, dtype: str = 
     else:
         tok = _gpt2_tokenizer(reader, vocab_file, merge_file)
         special = dict(bos_token_id=None, eos_token_id=None)
+    source = reader.manifest.get("hf_config") or {}
+    generation = reader.manifest.get("hf_generation_config")
+    if tokenizer_model is None:                 # the model's own ids (an eos list), not one tokenizer's
+        special.update({k: v for k, v in source.items() if k in special})
     weights = reader.read_weights()
     sd = family.to_hf_state(weights, meta)
     del weights
@@ -210,7 +216,20 @@ def to_hf(load: str, output: str, *, iteration: int | None = None, dtype: str = 
     with atomic_output(output, force=force) as tmp:
         save_torch_state_dict(sd, tmp, max_shard_size=shard)
         config.save_pretrained(tmp)
-        GenerationConfig.from_model_config(config).save_pretrained(tmp)
+        extra = family.config_json_extra(meta)
+        if extra:                               # the other transformers schema's keys too
+            path = os.path.join(tmp, hf.CONFIG)
+            with open(path) as f:
+                written = json.load(f)
+            with open(path, "w") as f:
+                json.dump({**written, **extra}, f, indent=2, sort_keys=True)
+                f.write("\n")
+        if generation is not None and tokenizer_model is None:     # the source's, as it was
+            with open(os.path.join(tmp, GENERATION_CONFIG), "w") as f:
+                json.dump(generation, f, indent=2)
+                f.write("\n")
+        else:
+            GenerationConfig.from_model_config(config).save_pretrained(tmp)
         if tok_dir is not None:                 # the tokenizer's own files, as they are
             copy_hf_tokenizer(tok_dir, tmp)
         else:
@@ -239,7 +258,27 @@ def from_hf(input_dir: str, output: str, *, tensor_parallel: int, force: bool = 
     args = {"make_vocab_size_divisible_by": meta["make_vocab_size_divisible_by"], **run_args}
     _write_weights_checkpoint(output, weights, meta, tp=tensor_parallel, args=args, force=force, log=log,
                               converted_from=f"Hugging Face {family.architecture} {os.path.abspath(input_dir)}",
-                              extra={"hf_architecture": family.architecture}, tokenizer_from=input_dir)
+                              extra={"hf_architecture": family.architecture, **_hf_source(input_dir, cfg_json)},
+                              tokenizer_from=input_dir)
+
+
+def _hf_source(input_dir: str, cfg_json: dict) -> dict:
+    """What to-hf writes back besides the architecture: config.json's special token ids as the
+    model's config has them (Llama-3.x Instruct's eos_token_id is a list; a tokenizer has one eos),
+    and generation_config.json as it is (sampling settings, eos lists)."""
+    out = {"hf_config": {k: cfg_json[k] for k in ("bos_token_id", "eos_token_id") if cfg_json.get(k) is not None}}
+    path = os.path.join(input_dir, GENERATION_CONFIG)
+    if os.path.isfile(path):
+        try:
+            with open(path) as f:
+                gen = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise UserError(f"{path}: cannot be read as JSON ({str(exc).splitlines()[0][:160]}); fix or remove "
+                            "it") from None
+        if not isinstance(gen, dict):
+            raise UserError(f"{path}: not a JSON object; fix or remove it")
+        out["hf_generation_config"] = gen
+    return out
 
 
 # ---------------------------------------------------------------- Megatron-LM
@@ -307,8 +346,6 @@ def to_fp32(load: str, output: str, *, iteration: int | None = None, max_shard_s
             force: bool = False, log: Log = print) -> None:
     """The fp32 master weights under the model's parameter names as safetensors: OUTPUT.safetensors
     as one file, or a directory with model.safetensors or shards + model.safetensors.index.json."""
-    import json
-
     from safetensors.torch import save_file
 
     reader = CheckpointReader(load, iteration)

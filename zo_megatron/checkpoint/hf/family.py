@@ -53,6 +53,11 @@ class HFFamily(abc.ABC):
     def hf_config(self, meta: dict, *, dtype: str, args: dict, bos_token_id, eos_token_id):
         """The transformers config object to save next to the weights."""
 
+    def config_json_extra(self, meta: dict) -> dict:
+        """Keys to add to the config.json the installed transformers wrote: what readers of the other
+        config schema need (none unless the family has two)."""
+        return {}
+
 
 def read_config_json(input_dir: str) -> dict:
     """config.json of a HF model directory; a hub id or a missing file is one line."""

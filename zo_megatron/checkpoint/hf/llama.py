@@ -152,15 +152,23 @@ def _rope_meta(cfg, where: str) -> dict:
     return out
 
 
-def _rope_config(cls, meta: dict) -> dict:
-    """The rope kwargs of a transformers config class, in the schema the installed version reads."""
+def _rope_schemas(meta: dict) -> tuple[dict, dict]:
+    """The model's rope as transformers 5's `rope_parameters` and as 4.x's `rope_theta` + `rope_scaling`."""
     params = {"rope_type": "default", "rope_theta": float(meta.get("rotary_base", 10000))}
     if meta.get("use_rope_scaling"):
         params.update(rope_type="llama3", factor=float(meta.get("rope_scaling_factor", 8.0)), **LLAMA3_FIXED)
-    if "rope_parameters" in getattr(cls, "__dataclass_fields__", {}) or hasattr(cls, "rope_parameters"):
-        return {"rope_parameters": params}                        # transformers >= 5
     scaling = None if params["rope_type"] == "default" else {k: v for k, v in params.items() if k != "rope_theta"}
-    return {"rope_theta": params["rope_theta"], "rope_scaling": scaling}   # transformers 4.x
+    return {"rope_parameters": params}, {"rope_theta": params["rope_theta"], "rope_scaling": scaling}
+
+
+def _reads_rope_parameters(cls) -> bool:
+    return "rope_parameters" in getattr(cls, "__dataclass_fields__", {}) or hasattr(cls, "rope_parameters")
+
+
+def _rope_config(cls, meta: dict) -> dict:
+    """The rope kwargs of a transformers config class, in the schema the installed version reads."""
+    v5, v4 = _rope_schemas(meta)
+    return v5 if _reads_rope_parameters(cls) else v4
 
 
 # ---- names and shapes
@@ -366,6 +374,12 @@ class LlamaFamily(HFFamily):
 
     def to_hf_state(self, weights: dict[str, torch.Tensor], meta: dict) -> dict[str, torch.Tensor]:
         return to_hf(weights, meta)
+
+    def config_json_extra(self, meta: dict) -> dict:
+        """transformers 5 writes only rope_parameters; a 4.x reader would silently take theta 10000 and
+        no scaling from such a file: the 4.x keys too (5.x reads them as the same rope)."""
+        v5, v4 = _rope_schemas(meta)
+        return v4 if _reads_rope_parameters(self._config_class()) else v5
 
     def hf_config(self, meta: dict, *, dtype: str, args: dict, bos_token_id, eos_token_id):
         cls = self._config_class()
