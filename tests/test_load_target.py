@@ -125,3 +125,23 @@ def test_a_resume_that_changes_the_run_says_so_one_line_each(sotu_prefix, tmp_pa
                      "the earlier steps)",
                      "warning: this resume changes --seq-length: 64 in the checkpoint, 32 now (tokens per sample "
                      "change)"], lines
+
+
+def test_use_checkpoint_args_takes_the_checkpoints_own_tokenizer(tmp_path, hf_tokenizer_dir):
+    """Issue 35, item 3: --use-checkpoint-args resumed with the tokenizer path typed at the first
+    launch, so a resume where that path no longer exists failed though the checkpoint holds its
+    own fingerprinted copy; it now uses the copy."""
+    import shutil
+
+    tok = tmp_path / "tok"
+    shutil.copytree(hf_tokenizer_dir, tok)
+    ck = tmp_path / "ck"
+    first = _single(["--zero-offload", "--fp32", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+                     str(tok), "--save", str(ck), "--train-iters", "3", "--exit-interval", "2", *TINY], tmp_path,
+                    timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    shutil.rmtree(tok)                                   # the typed path is gone
+    again = _single(["--zero-offload", "--fp32", "--load", str(ck), "--use-checkpoint-args", "--train-iters", "3",
+                     "--use-checkpoint-opt_param-scheduler"], tmp_path, timeout=300)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
+    assert "resumed from" in again.stdout and f"HuggingFaceTokenizer {ck}/iter_0000002/tokenizer" in again.stdout

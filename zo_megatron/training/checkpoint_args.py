@@ -16,11 +16,14 @@ architecture fields work without a table here: `add_bias_linear` is shown as
 from __future__ import annotations
 
 import argparse
+import os
 
+from zo_megatron.data.tokenizer import CHECKPOINT_TOKENIZER_DIR
 from zo_megatron.errors import ConfigError
 
 # Taken from the checkpoint's saved arguments when the command line does not give them
 # (Megatron's non-forced _set_arg: tokenizer, sequence length, vocabulary padding).
+TOKENIZER_FLAGS = {"tokenizer_type", "tokenizer_model", "vocab_file", "merge_file"}
 FROM_SAVED_ARGS = ("seq_length", "tokenizer_type", "tokenizer_model", "vocab_file", "merge_file",
                    "allow_custom_vocab", "make_vocab_size_divisible_by")
 # Megatron's OptimizerParamScheduler state -> this parser's dests (--use-checkpoint-opt_param-scheduler).
@@ -89,6 +92,13 @@ def apply_checkpoint_args(parser: argparse.ArgumentParser, args: argparse.Namesp
         if field in saved and field not in given and field not in taken and hasattr(args, field):
             setattr(args, field, saved[field])
             taken.append(field)
+    # The tokenizer: the checkpoint's own fingerprinted copy (a save keeps the run's Hugging Face
+    # tokenizer files in tokenizer/; from-hf puts the model's there), not the path typed at the first
+    # launch, which need not exist where this run resumes (issue 35, item 3)
+    tok_dir = os.path.join(d, CHECKPOINT_TOKENIZER_DIR)
+    if manifest.get("tokenizer_files") and os.path.isdir(tok_dir) and not given & TOKENIZER_FLAGS:
+        args.tokenizer_type, args.tokenizer_model = "HuggingFaceTokenizer", tok_dir
+        taken.extend(f for f in ("tokenizer_type", "tokenizer_model") if f not in taken)
     sched = manifest.get("opt_param_scheduler") or {}
     if args.use_checkpoint_opt_param_scheduler and sched:
         # the loader trains with the checkpoint's schedule: no need to repeat --lr and company here
