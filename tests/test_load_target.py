@@ -145,3 +145,26 @@ def test_use_checkpoint_args_takes_the_checkpoints_own_tokenizer(tmp_path, hf_to
                      "--use-checkpoint-opt_param-scheduler"], tmp_path, timeout=300)
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
     assert "resumed from" in again.stdout and f"HuggingFaceTokenizer {ck}/iter_0000002/tokenizer" in again.stdout
+
+
+LLAMA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+         "--untie-embeddings-and-output-weights"]
+
+
+@pytest.mark.parametrize("rope", [True, False], ids=["rope", "learned"])
+def test_a_rope_model_may_continue_at_a_longer_context(sotu_prefix, tmp_path, rope):
+    """Issue 35, item 5: RoPE has no position table, so --max-position-embeddings above the
+    checkpoint's is a longer context, not another model; a learned table must still match."""
+    ck = tmp_path / "ck"
+    arch = LLAMA if rope else []
+    base = ["--zero-offload", "--fp32", "--data-path", sotu_prefix, "--train-iters", "3", "--lr-decay-iters", "3",
+            *TINY, *arch]
+    first = _single([*base, "--save", str(ck), "--exit-interval", "2"], tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    longer = _single([*base, "--load", str(ck), "--seq-length", "128", "--max-position-embeddings", "128",
+                      "--override-opt_param-scheduler"], tmp_path)
+    if rope:
+        assert longer.returncode == 0, longer.stderr[-3000:]
+        assert "resumed from" in longer.stdout and "--seq-length: 64 in the checkpoint, 128 now" in longer.stdout
+    else:
+        assert longer.returncode == 2 and "--max-position-embeddings: 64 in the checkpoint, 128 here" in longer.stderr

@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from zo_megatron.checkpoint import content
-from zo_megatron.checkpoint.layout import MANIFEST, rng_file
+from zo_megatron.checkpoint.layout import CARRIED_KEYS, MANIFEST, rng_file
 from zo_megatron.checkpoint.planner import BoxLoadPlanner
 from zo_megatron.checkpoint.safe_load import SafeFileSystemReader, first_line, read_dcp_metadata, read_json
 from zo_megatron.checkpoint.verify import check_files, check_tensors, read_manifest
@@ -81,8 +81,11 @@ def _check_model(manifest: dict, model_meta: dict, where: str, tokenizer_vocab: 
     if saved.get("vocab_size") != model_meta.get("vocab_size"):
         _refuse_vocabulary(manifest, int(saved["vocab_size"]), int(model_meta["vocab_size"]),
                            model_meta["vocab_size"] if tokenizer_vocab is None else tokenizer_vocab, where)
+    # RoPE has no position table: such a model may continue at another context length (Megatron-LM
+    # and HF extend Llama's context the same way); a learned table's size must match
+    rope = saved.get("position_embedding_type") == "rope" == model_meta.get("position_embedding_type")
     diffs = [describe_diff(k, saved.get(k), v) for k, v in model_meta.items()
-             if k != "vocab_size" and saved.get(k) != v]
+             if k != "vocab_size" and saved.get(k) != v and not (rope and k == "max_position_embeddings")]
     if diffs:
         raise UserError(f"{where}: this run's model differs from the checkpoint's ({'; '.join(diffs)}): {fix}")
 
@@ -187,6 +190,10 @@ def load_checkpoint(root: str, *, ps, model, optimizer, vocab_size: int, model_m
             content.set_baseline_step(optimizer, optimizer.step_count)
     if optimizer.holds_master_weights:
         optimizer.reload_params_from_master()
+    # what from-hf recorded goes on with the model: its saves keep it, and a sliding window limits
+    # the sequence length the model accepts (GPTModelTP.forward)
+    model.checkpoint_carried = {k: manifest[k] for k in CARRIED_KEYS if k in manifest}
+    model.attention_window = manifest.get("attention_window")
     restored = "no"
     if rng_state is not None:
         try:
