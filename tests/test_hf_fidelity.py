@@ -98,10 +98,11 @@ def test_layer_types_are_read_only_by_the_families_whose_model_reads_them(tmp_pa
     """transformers' Mistral ignores `layer_types` and slides every layer when sliding_window is set;
     Qwen2 reads it. A Mistral config whose layer_types say full attention with a window below
     max_position_embeddings is not a full-attention model (old code: converted as one, logits 1.29
-    relative off at seq 40); a Qwen2 config with use_sliding_window but only full-attention layer
-    types is one (converted, logits equal transformers')."""
+    relative off at seq 40): every layer's window is recorded (item 12b: the job then refuses
+    sequences longer than it); a Qwen2 config with use_sliding_window but only full-attention layer
+    types is one (converted, no window, logits equal transformers')."""
     from zo_megatron.checkpoint import convert
-    from zo_megatron.errors import UserError
+    from zo_megatron.checkpoint.reader import CheckpointReader
 
     seed = fresh_seed("layer_types")
     tokens = tokens_for(seed)
@@ -110,13 +111,14 @@ def test_layer_types_are_read_only_by_the_families_whose_model_reads_them(tmp_pa
     mistral = make_hf(tmp_path / "mistral", transformers.MistralConfig(**common(sliding_window=WINDOW)), seed)
     edit_config(mistral, layer_types=full)
     assert transformers.AutoConfig.from_pretrained(mistral).layer_types == full     # the file says it; Mistral
-    with pytest.raises(UserError, match=f"sliding_window={WINDOW}"):                # slides anyway
-        convert.from_hf(mistral, str(tmp_path / "mistral_ck"), tensor_parallel=1, log=quiet)
-    assert not os.path.exists(tmp_path / "mistral_ck")
+    convert.from_hf(mistral, str(tmp_path / "mistral_ck"), tensor_parallel=1, log=quiet)   # slides anyway
+    window = CheckpointReader(str(tmp_path / "mistral_ck")).manifest.get("attention_window")
+    assert window is not None and window["tokens"] == WINDOW and window["layers"] == list(range(LAYERS)), window
 
     qwen2 = make_hf(tmp_path / "qwen2", transformers.Qwen2Config(**common(
         use_sliding_window=True, sliding_window=WINDOW, max_window_layers=0, layer_types=full)), seed + 1)
     convert.from_hf(qwen2, str(tmp_path / "qwen2_ck"), tensor_parallel=1, log=quiet)
+    assert "attention_window" not in CheckpointReader(str(tmp_path / "qwen2_ck")).manifest
     close(our_logits(str(tmp_path / "qwen2_ck"), tokens), hf_logits(qwen2, tokens))
 
 
@@ -131,6 +133,7 @@ def test_a_qwen2_config_read_as_transformers_4x_reads_it_slides_only_with_use_sl
     config object is made to hold what 4.x's holds."""
     from zo_megatron.checkpoint import convert
     from zo_megatron.checkpoint.hf import FAMILIES
+    from zo_megatron.checkpoint.reader import CheckpointReader
 
     seed = fresh_seed("qwen2 4.x use_sliding_window")
     qwen2 = make_hf(tmp_path / "qwen2", transformers.Qwen2Config(**common(use_sliding_window=False)), seed)
@@ -147,11 +150,12 @@ def test_a_qwen2_config_read_as_transformers_4x_reads_it_slides_only_with_use_sl
     convert.from_hf(qwen2, str(tmp_path / "ck"), tensor_parallel=1, log=quiet)
     tokens = tokens_for(seed)
     close(our_logits(str(tmp_path / "ck"), tokens), hf_logits(qwen2, tokens))
-    # and with use_sliding_window true, 4.x's layers from max_window_layers on slide: refused
+    assert "attention_window" not in CheckpointReader(str(tmp_path / "ck")).manifest
+    # with use_sliding_window true, 4.x's layers from max_window_layers on slide (the window is recorded)
     edit_config(qwen2, use_sliding_window=True, max_window_layers=1)
-    from zo_megatron.errors import UserError
-    with pytest.raises(UserError, match=f"sliding_window={WINDOW} .* in layers 1 of Qwen2ForCausalLM"):
-        convert.from_hf(qwen2, str(tmp_path / "ck2"), tensor_parallel=1, log=quiet)
+    convert.from_hf(qwen2, str(tmp_path / "ck2"), tensor_parallel=1, log=quiet)
+    window = CheckpointReader(str(tmp_path / "ck2")).manifest["attention_window"]
+    assert window["tokens"] == WINDOW and window["layers"] == [1], window
 
 
 # ---------------------------------------------------------------- item 11: from-megatron's allow-list
@@ -376,3 +380,92 @@ def test_to_hf_writes_both_rope_schemas_and_keeps_generation_config_and_eos_list
                 {k: v for k, v in theirs.items() if k != "transformers_version"}
             g = transformers.GenerationConfig.from_pretrained(back)
             assert g.eos_token_id == [1, 2] and g.do_sample and g.temperature == 0.6 and g.top_p == 0.9
+
+
+# ---------------------------------------------------------------- item 12 (b): a window that does not bind
+
+TEXT = "The state of the Union is strong."
+
+
+def test_a_mistral_sliding_window_converts_trains_where_it_does_not_bind_and_comes_back(tmp_path):
+    """Mistral-7B-v0.1 has sliding_window 4096: up to 4096 tokens its attention is full attention, so
+    training at --seq-length <= 4096 is exact (old code: from-hf refused it). from-hf records the
+    window; our model's logits equal transformers' at a length the window does not bind; the job
+    refuses a longer --seq-length in one line naming the limit, trains at one that fits (its first
+    loss is transformers'), and its save keeps the window, the architecture, the eos list and the
+    generation config, which to-hf writes back."""
+    import numpy as np
+
+    from tests.harness import free_port
+    from tests.hf_tokenizer import HF_VOCAB_SIZE, make_hf_tokenizer
+    from tests.test_checkpoint_resume import _run_jobs
+    from zo_megatron.checkpoint import convert
+    from zo_megatron.checkpoint.reader import CheckpointReader
+    from zo_megatron.data.preprocess import preprocess
+    from zo_megatron.data.tokenizer import build_tokenizer
+
+    seed = fresh_seed("mistral sliding window")
+    cfg = transformers.MistralConfig(**common(vocab_size=HF_VOCAB_SIZE, sliding_window=WINDOW, eos_token_id=[1, 2]))
+    src = make_hf(tmp_path / "mistral", cfg, seed)
+    make_hf_tokenizer(src)
+    transformers.GenerationConfig(bos_token_id=0, eos_token_id=[1, 2], temperature=0.7, do_sample=True) \
+        .save_pretrained(src)
+    ck = str(tmp_path / "ck")
+    lines = []
+    convert.from_hf(src, ck, tensor_parallel=1, log=lines.append)
+    window = CheckpointReader(ck).manifest["attention_window"]
+    assert window["tokens"] == WINDOW and window["architecture"] == "MistralForCausalLM", window
+    assert any(f"sliding window of {WINDOW} tokens" in ln for ln in lines), lines
+    short = tokens_for(seed, WINDOW)
+    close(our_logits(ck, short), hf_logits(src, short))
+
+    # the job: one document of exactly one sample's length (every sample is that document)
+    tok_dir = os.path.join(ck, "iter_0000000", "tokenizer")
+    (tmp_path / "txt").mkdir()
+    (tmp_path / "txt" / "doc.txt").write_text(TEXT)
+    prefix = preprocess([str(tmp_path / "txt" / "doc.txt")], str(tmp_path / "data"), progress=False,
+                        tokenizer_type="HuggingFaceTokenizer", tokenizer_model=tok_dir).prefixes["text"]
+    tok = build_tokenizer(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=tok_dir)
+    doc = torch.tensor([*tok.encode(TEXT), tok.eod])
+    assert np.fromfile(prefix + ".bin", dtype=np.uint16).tolist() == doc.tolist()
+    seq = len(doc)
+    assert seq <= WINDOW, seq
+    (flags,) = [ln.removeprefix("  model flags: ").split() for ln in lines if ln.startswith("  model flags: ")]
+    common_argv = [*flags, "--micro-batch-size", "1", "--global-batch-size", "1", "--lr", "1e-3",
+                   "--lr-warmup-iters", "0", "--train-iters", "2", "--log-interval", "1", "--eval-iters", "0",
+                   "--no-progress-bar", "--split", "100,0,0", "--fp32", "--skip-memory-check", "--seed", str(seed),
+                   "--data-path", prefix, "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", tok_dir,
+                   "--load", ck]
+    log = str(tmp_path / "log.jsonl")
+    jobs = [(free_port(), [*common_argv, "--seq-length", str(SEQ)]),
+            (free_port(), [*common_argv, "--seq-length", str(seq), "--save", str(tmp_path / "out"),
+                           "--log-jsonl", log])]
+    out = run_world(_run_jobs, 1, jobs, str(tmp_path / "cache"), timeout=400)[0]
+    msg = out[0].get("error", "")
+    assert "\n" not in msg and f"sliding window of {WINDOW} tokens" in msg and f"--seq-length <= {WINDOW}" in msg, \
+        out[0]
+    assert out[1].get("rc") == 0, out[1]
+    with open(log) as f:
+        losses = {r["iteration"]: r["loss"] for r in map(json.loads, f) if r["kind"] == "train"}
+    tokens, labels = doc[None, :], torch.cat([doc[1:], doc[:1]])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(src, local_files_only=True, dtype=torch.float32,
+                                                           attn_implementation="eager").eval()
+    with torch.no_grad():
+        ref = torch.nn.functional.cross_entropy(hf(tokens).logits[0].double(), labels).item()
+    assert losses[1] == pytest.approx(ref, rel=1e-5), (losses[1], ref)
+
+    # the trained checkpoint keeps what to-hf writes back
+    saved = CheckpointReader(str(tmp_path / "out")).manifest
+    assert saved["attention_window"] == window and saved["hf_architecture"] == "MistralForCausalLM"
+    back = str(tmp_path / "back")
+    convert.to_hf(str(tmp_path / "out"), back, log=quiet)
+    written = json.load(open(os.path.join(back, "config.json")))
+    assert written["architectures"] == ["MistralForCausalLM"] and written["sliding_window"] == WINDOW, written
+    assert written["eos_token_id"] == [1, 2]
+    assert transformers.GenerationConfig.from_pretrained(back).temperature == 0.7
+    model = transformers.AutoModelForCausalLM.from_pretrained(back, local_files_only=True)
+    assert type(model).__name__ == "MistralForCausalLM" and model.config.sliding_window == WINDOW
+    # a family that cannot express the window is refused
+    from zo_megatron.errors import UserError
+    with pytest.raises(UserError, match="sliding window"):
+        convert.to_hf(ck, str(tmp_path / "as_llama"), architecture="LlamaForCausalLM", log=quiet)

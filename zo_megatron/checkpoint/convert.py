@@ -194,7 +194,13 @@ def to_hf(load: str, output: str, *, iteration: int | None = None, dtype: str = 
     reader = CheckpointReader(load, iteration)
     log(reader.describe())
     meta, args = full_meta(reader.model_meta), reader.args
-    family = hf.family_for_model(meta, architecture or reader.manifest.get("hf_architecture"), reader.dir)
+    window = reader.manifest.get("attention_window")
+    recorded = reader.manifest.get("hf_architecture") or (window or {}).get("architecture")
+    family = hf.family_for_model(meta, architecture or recorded, reader.dir)
+    if window is not None and family.architecture != window.get("architecture"):
+        raise UserError(f"{reader.dir}: the model has {window.get('architecture')}'s sliding window of "
+                        f"{window.get('tokens')} tokens, which {family.architecture} cannot express: write it as "
+                        f"--architecture {window.get('architecture')}")
     shard = parse_size(max_shard_size)
     saved_tok = os.path.join(reader.dir, TOKENIZER_DIR)         # the tokenizer the run trained with
     tok_dir = tokenizer_model or (saved_tok if os.path.isdir(saved_tok) else None)
@@ -212,7 +218,7 @@ def to_hf(load: str, output: str, *, iteration: int | None = None, dtype: str = 
     sd = family.to_hf_state(weights, meta)
     del weights
     sd = {k: v.to(_DTYPES[dtype]).contiguous() for k, v in sd.items()}
-    config = family.hf_config(meta, dtype=_HF_DTYPE_NAMES[dtype], args=args, **special)
+    config = family.hf_config(meta, dtype=_HF_DTYPE_NAMES[dtype], args=args, window=window, **special)
     with atomic_output(output, force=force) as tmp:
         save_torch_state_dict(sd, tmp, max_shard_size=shard)
         config.save_pretrained(tmp)
@@ -256,10 +262,18 @@ def from_hf(input_dir: str, output: str, *, tensor_parallel: int, force: bool = 
     log(f"read {input_dir}: Hugging Face {family.architecture}, {meta['num_layers']} layers x {meta['hidden_size']} "
         f"hidden, {meta['num_attention_heads']} heads{groups}, vocab {meta['vocab_size']}, {n:,} parameters")
     args = {"make_vocab_size_divisible_by": meta["make_vocab_size_divisible_by"], **run_args}
+    window = family.attention_window(cfg)
+    extra = {"hf_architecture": family.architecture, **_hf_source(input_dir, cfg_json)}
+    if window is not None:
+        extra["attention_window"] = window
     _write_weights_checkpoint(output, weights, meta, tp=tensor_parallel, args=args, force=force, log=log,
                               converted_from=f"Hugging Face {family.architecture} {os.path.abspath(input_dir)}",
-                              extra={"hf_architecture": family.architecture, **_hf_source(input_dir, cfg_json)},
-                              tokenizer_from=input_dir)
+                              extra=extra, tokenizer_from=input_dir)
+    if window is not None:
+        log(f"  attention: a sliding window of {window['tokens']} tokens ({len(window['layers'])} of "
+            f"{meta['num_layers']} layers), which up to {window['tokens']} tokens is full attention: the job trains "
+            f"it exactly at --seq-length <= {window['tokens']} and refuses longer sequences; to-hf writes the "
+            "window back")
 
 
 def _hf_source(input_dir: str, cfg_json: dict) -> dict:
@@ -303,6 +317,10 @@ def to_megatron(load: str, output: str, *, iteration: int | None = None, tensor_
     with atomic_output(output, force=force) as tmp:
         megatron_lm.write(tmp, weights, ns, progress=Progress("writing TP ranks"))
     _wrote(log, output)
+    window = reader.manifest.get("attention_window")
+    if window is not None:
+        log(f"  note: the sliding window ({window['tokens']} tokens, from {window['architecture']}) is not written: "
+            f"Megatron-LM's model attends fully, which is the same at --seq-length <= {window['tokens']}")
     log(f"  Megatron-LM torch format, TP{tp}, iteration {reader.iteration}: load it in Megatron-LM with "
         "--finetune (no optimizer or RNG state is included)"
         + (f"; its tokenizer: --tokenizer-model {saved_tok}" if has_tokenizer else ""))

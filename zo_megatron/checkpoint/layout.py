@@ -19,6 +19,10 @@ import re
 LATEST = "latest_checkpointed_iteration.txt"
 MANIFEST = "checkpoint.json"
 PARTIAL = ".partial"
+# checkpoint.json keys from-hf writes that the job's loads and saves carry on (what to-hf writes
+# back): the Hugging Face architecture, config.json's bos/eos ids, generation_config.json, and a
+# sliding window (the job refuses sequences longer than it)
+CARRIED_KEYS = ("hf_architecture", "hf_config", "hf_generation_config", "attention_window")
 _ITER_RE = re.compile(r"^iter_(\d{7,})$")
 
 

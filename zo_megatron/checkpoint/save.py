@@ -125,6 +125,7 @@ def save_checkpoint(root: str, iteration: int, *, ps, model, optimizer, vocab_si
             "args": json_safe(args), "files": files, "checksums": checksums,
             "tokenizer_type": getattr(tokenizer, "tokenizer_type", None),
             "tokenizer_fingerprint": getattr(tokenizer, "fingerprint", None),
+            **(getattr(model, "checkpoint_carried", None) or {}),     # from the checkpoint it loaded (load.py)
         }
         if tokenizer_files:
             manifest["tokenizer_files"] = [f"{CHECKPOINT_TOKENIZER_DIR}/{n}" for n in tokenizer_files]

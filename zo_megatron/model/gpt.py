@@ -174,6 +174,10 @@ class GPTModelTP(torch.nn.Module):
         # Pad columns of this rank's logits shard; they must never reach the softmax.
         self._n_vocab_pad = n_pad
         self._mask_cache: dict = {}
+        # set by checkpoint/load.py from the checkpoint it loads: a sliding window (a model
+        # converted from Hugging Face) the model is exact within, and what its saves carry on
+        self.attention_window: dict | None = None
+        self.checkpoint_carried: dict = {}
 
     def _mask(self, seq_length: int, device) -> torch.Tensor:
         key = (seq_length, str(device))
@@ -184,6 +188,11 @@ class GPTModelTP(torch.nn.Module):
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [b, s] -> this TP rank's logits shard [b, s, V_pad/t]; pad columns are -inf."""
         b, s = tokens.shape
+        if self.attention_window is not None and s > self.attention_window["tokens"]:
+            w = self.attention_window
+            raise ConfigError(f"--seq-length {s}: the loaded model ({w.get('architecture')}) attends over a sliding "
+                              f"window of {w['tokens']} tokens, which zo_megatron does not implement; up to "
+                              f"{w['tokens']} tokens the window changes nothing: use --seq-length <= {w['tokens']}")
         if self.sequence_parallel and s % self.tp_size:
             raise ConfigError(f"sequence parallelism splits the sequence over TP: sequence length {s} is not "
                               f"divisible by TP {self.tp_size}; use a multiple of {self.tp_size}")

@@ -50,8 +50,14 @@ class HFFamily(abc.ABC):
         """HF state dict (a tied lm_head left out: transformers re-ties it on load)."""
 
     @abc.abstractmethod
-    def hf_config(self, meta: dict, *, dtype: str, args: dict, bos_token_id, eos_token_id):
-        """The transformers config object to save next to the weights."""
+    def hf_config(self, meta: dict, *, dtype: str, args: dict, bos_token_id, eos_token_id, window: dict | None = None):
+        """The transformers config object to save next to the weights (`window`: attention_window's
+        record, written back when the family has one)."""
+
+    def attention_window(self, cfg) -> dict | None:
+        """The sliding window transformers' model of this config applies ({"tokens": W, "layers",
+        "architecture", "hf": its config fields}), None for full attention."""
+        return None
 
     def config_json_extra(self, meta: dict) -> dict:
         """Keys to add to the config.json the installed transformers wrote: what readers of the other

@@ -182,7 +182,8 @@ class GPT2Family(HFFamily):
         sd.pop("lm_head.weight")                # tied to transformer.wte.weight: HF re-ties it on load
         return sd
 
-    def hf_config(self, meta: dict, *, dtype: str, args: dict, bos_token_id, eos_token_id):
+    def hf_config(self, meta: dict, *, dtype: str, args: dict, bos_token_id, eos_token_id, window: dict | None = None):
+        assert window is None, "convert.to_hf writes a window only with the family it was read from"
         return hf_config(meta, dtype=dtype, hidden_dropout=float(args.get("hidden_dropout") or 0.0),
                          attention_dropout=float(args.get("attention_dropout") or 0.0),
                          bos_token_id=bos_token_id, eos_token_id=eos_token_id)

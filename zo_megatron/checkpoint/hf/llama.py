@@ -303,15 +303,6 @@ class LlamaFamily(HFFamily):
         if cfg.hidden_act != "silu":
             refuse(f"hidden_act={cfg.hidden_act!r}", "the MLP must be SwiGLU (silu), megatron's --swiglu")
         max_pos = cfg.max_position_embeddings
-        window, sliding = sliding_layers(self.variant, cfg)
-        if window is not None and window < max_pos and sliding:
-            ignored = " (it ignores layer_types)" if self.variant.window == "every_layer" and \
-                getattr(cfg, "layer_types", None) else ""
-            full = ", ".join(f"{k} {json.dumps(v)}" for k, v in self.variant.full_attention.items())
-            refuse(f"sliding_window={window} (max_position_embeddings {max_pos}) in layers {_ranges(sliding)} of "
-                   f"{self.architecture}{ignored}",
-                   "sliding-window attention is not supported (megatron-core's window mask is CUDA-only); "
-                   f"only full-attention models convert ({full})")
         biases = self._hf_biases(cfg)
         flags = _bias_flags(biases)
         if flags is None:
@@ -334,6 +325,19 @@ class LlamaFamily(HFFamily):
         meta = full_meta(meta)
         args = {"hidden_dropout": 0.0, "attention_dropout": float(getattr(cfg, "attention_dropout", 0.0) or 0.0)}
         return meta, args
+
+    def attention_window(self, cfg) -> dict | None:
+        """A sliding window as transformers' model applies it (sliding_layers): {"tokens": W, "layers",
+        "architecture", "hf": the config fields that say it}. Up to W tokens a window changes nothing,
+        so the model converts and trains exactly at sequences <= W (the job refuses longer ones)."""
+        window, sliding = sliding_layers(self.variant, cfg)
+        if window is None or not sliding:
+            return None
+        names = ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types") \
+            if self.variant.window == "layer_types" else ("sliding_window",)
+        fields = {n: getattr(cfg, n) for n in names if getattr(cfg, n, None) is not None}
+        fields["sliding_window"] = window
+        return {"tokens": int(window), "layers": sliding, "architecture": self.architecture, "hf": fields}
 
     def read_state(self, input_dir: str, cfg, meta: dict) -> dict[str, torch.Tensor]:
         sd = read_state_dict(input_dir)
@@ -381,7 +385,7 @@ class LlamaFamily(HFFamily):
         v5, v4 = _rope_schemas(meta)
         return v4 if _reads_rope_parameters(self._config_class()) else v5
 
-    def hf_config(self, meta: dict, *, dtype: str, args: dict, bos_token_id, eos_token_id):
+    def hf_config(self, meta: dict, *, dtype: str, args: dict, bos_token_id, eos_token_id, window: dict | None = None):
         cls = self._config_class()
         ours = _our_biases(meta)
         extra = {name: set(lin) <= ours for name, lin in self.variant.bias_fields.items()}
@@ -397,7 +401,8 @@ class LlamaFamily(HFFamily):
                    tie_word_embeddings=not meta.get("untie_embeddings_and_output_weights", False),
                    attention_dropout=float(args.get("attention_dropout") or 0.0), bos_token_id=bos_token_id,
                    eos_token_id=eos_token_id, architectures=[self.architecture], dtype=dtype,
-                   **_rope_config(cls, meta), **extra, **self.variant.full_attention)
+                   **_rope_config(cls, meta), **extra,
+                   **{**self.variant.full_attention, **(window["hf"] if window else {})})
 
 
 FAMILIES = tuple(LlamaFamily(v) for v in VARIANTS)
