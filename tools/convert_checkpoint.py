@@ -11,8 +11,8 @@
     python tools/convert_checkpoint.py reshard --load CKPT --output CKPT2 --target-tensor-parallel-size N
                                                [--target-data-parallel-size M]
 
-Hugging Face architectures: GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM (full attention),
-Qwen2ForCausalLM. CKPT is a `pretrain_gpt.py --save` directory. Outputs are written under a temporary name and
+Hugging Face architectures: GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM (a
+sliding window: trained at --seq-length up to it). CKPT is a `pretrain_gpt.py --save` directory. Outputs are written under a temporary name and
 renamed when complete; an existing non-empty output is refused unless --force. Wrong input gets
 one `error:` line and exit 2. See docs/checkpoints.md.
 """

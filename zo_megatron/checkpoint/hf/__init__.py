@@ -1,7 +1,7 @@
 """Hugging Face model families <-> zo_megatron: one mapping module per family, chosen here.
 
     gpt2.py    GPT2LMHeadModel
-    llama.py   LlamaForCausalLM, MistralForCausalLM (full attention), Qwen2ForCausalLM (their
+    llama.py   LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM (their
                differences are data: llama.VARIANTS)
 
 from-hf picks the family from config.json's `architectures` (or, when a config has none, its

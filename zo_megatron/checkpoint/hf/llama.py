@@ -2,8 +2,8 @@
 
 The three are one decoder (RoPE, RMSNorm, SwiGLU MLP, grouped-query attention, optionally untied
 output layer); they differ only in a few config fields, written here as data (`VARIANTS`):
-which linear layers carry biases and which config field says so, and what a full-attention
-config must say about the sliding window.
+which linear layers carry biases and which config field says so, what a full-attention config
+says about the sliding window, and which layers a window limits (`sliding_layers`).
 
     HF (model.layers.{i}.)                     megatron-core (decoder.layers.{i}.)
     input_layernorm                         -> input_layernorm
