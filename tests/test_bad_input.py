@@ -61,8 +61,12 @@ def _cases(d):
         ("data ids beyond the vocabulary (another tokenizer)", [*data, *hf, f"{d}/hf"], {},
          "preprocessed with GPT2BPETokenizer"),
         # checkpoints
-        ("load a missing directory", [*data, "--load", f"{d}/no_such_ckpt"], {}, "no_such_ckpt"),
-        ("load without latest", [*data, "--load", f"{d}/empty_ckpt"], {}, "empty_ckpt"),
+        # (issue 35: without --exit-on-missing-checkpoint a --load with no checkpoint starts fresh, as
+        # Megatron-LM; the refusal is now that flag's)
+        ("load a missing directory", [*data, "--load", f"{d}/no_such_ckpt", "--exit-on-missing-checkpoint"], {},
+         "no_such_ckpt"),
+        ("load without latest", [*data, "--load", f"{d}/empty_ckpt", "--exit-on-missing-checkpoint"], {},
+         "empty_ckpt"),
         ("load a garbage latest", [*data, "--load", f"{d}/garbage_ckpt"], {}, "garbage_ckpt"),
         ("load another architecture", [*data, "--load", ck, "--hidden-size", "64"], {},
          "--hidden-size: 32 in the checkpoint, 64 here"),

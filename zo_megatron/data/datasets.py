@@ -214,7 +214,8 @@ def parse_data_path(data_path: Sequence[str] | str) -> tuple[list[str], list[flo
 
 def _parse_split(split: str) -> list[float]:
     """Megatron's --split: up to three weights separated by commas (or '/'), e.g. '969,30,1'."""
-    text = str(split).strip()
+    # Megatron-LM's scripts write --split "'99,1,0'" (the inner quotes reach argv); Megatron strips them
+    text = str(split).strip().strip("'\"").strip()
     vals = []
     if re.fullmatch(r"[0-9.]+(\s*[,/]\s*[0-9.]+){0,2}", text):
         try:

@@ -54,9 +54,8 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message):
         from zo_megatron.errors import is_first_rank, record_error_line
 
-        if is_first_rank():
-            self.print_usage(sys.stderr)
-            sys.stderr.write(f"{self.prog}: error: {message}\n")    # last: the line a reader sees
+        if is_first_rank():        # one line (the usage of every Megatron flag would be ~100 lines)
+            sys.stderr.write(f"{self.prog}: error: {message} ({self.prog} --help lists the flags)\n")
         record_error_line(f"{self.prog}: error: {message}")        # torchrun's root cause
         sys.exit(2)
 
@@ -195,6 +194,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lr-decay-style", choices=DECAY_STYLES, default=None, help="shape of the decay")
     g.add_argument("--lr-warmup-iters", type=int, default=None, help="linear warmup iterations")
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
+    g.add_argument("--lr-warmup-samples", type=int, default=None,
+                   help="with --train-samples: warmup in samples (Megatron-LM's; a multiple of the global batch)")
+    g.add_argument("--lr-decay-samples", type=int, default=None,
+                   help="with --train-samples: decay in samples (Megatron-LM's; a multiple of the global batch)")
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="Megatron-LM's context parallelism: only 1 (none) is supported; long sequences: "
+                        "--recompute-granularity, --use-flash-attn, --sequence-parallel")
     g.add_argument("--lr-warmup-fraction", type=float, default=None,
                    help="warmup as a fraction of the decay (Megatron's; instead of --lr-warmup-iters)")
     g.add_argument("--lr-warmup-init", type=float, default=0.0, help="rate of the first warmup update")
@@ -321,6 +327,10 @@ def add_architecture_flags(g) -> None:
     spellings: --disable-bias-linear (add_bias_linear=False), --group-query-attention."""
     g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute",
                    help="learned_absolute (GPT-2) or rope (rotary, Llama / Mistral / Qwen2)")
+    g.add_argument("--use-rotary-position-embeddings", action="store_true",
+                   help="Megatron-LM's older spelling of --position-embedding-type rope")
+    g.add_argument("--no-position-embedding", action="store_true",
+                   help="Megatron-LM: no learned position table; accepted with rope (which has none)")
     g.add_argument("--rotary-base", type=int, default=10000, help="RoPE base (theta); Llama-3: 500000")
     g.add_argument("--rotary-percent", type=float, default=1.0,
                    help="share of each head's channels that RoPE rotates, in (0, 1]")
@@ -453,6 +463,19 @@ def origin(args: argparse.Namespace, dest: str) -> str:
     return ""
 
 
+def _megatron_position_aliases(args: argparse.Namespace) -> None:
+    """Megatron-LM's older rope flags: --use-rotary-position-embeddings is rope; --no-position-embedding
+    drops the learned table, which only rope can do without (positions must come from somewhere)."""
+    if getattr(args, "use_rotary_position_embeddings", False):
+        if "position_embedding_type" in getattr(args, "given", ()) and args.position_embedding_type != "rope":
+            raise ConfigError(f"--use-rotary-position-embeddings and --position-embedding-type "
+                              f"{args.position_embedding_type} disagree: give one")
+        args.position_embedding_type = "rope"
+    if getattr(args, "no_position_embedding", False) and args.position_embedding_type != "rope":
+        raise ConfigError("--no-position-embedding without rope leaves the model no positions: add "
+                          "--position-embedding-type rope (or --use-rotary-position-embeddings)")
+
+
 def finalize(args: argparse.Namespace) -> None:
     """Fill demo or Megatron defaults, then reject inconsistent values (one line each)."""
     shape_given = any(getattr(args, k) is not None for k in ("num_layers", "hidden_size", "num_attention_heads"))
@@ -483,6 +506,7 @@ def finalize(args: argparse.Namespace) -> None:
                    "the model shape is given" + (f" ({' '.join(typed)})" if typed else ""))
             raise ConfigError(f"--{k.replace('_', '-')} is required: {why}; the demo's defaults apply only "
                               "without model flags")
+    _megatron_position_aliases(args)
     if args.precision is None:
         args.precision, args.precision_reason = default_precision()
     else:
@@ -494,6 +518,13 @@ def finalize(args: argparse.Namespace) -> None:
                           f"{args.max_position_embeddings}")
     if args.recompute_activations and args.recompute_granularity is None:
         args.recompute_granularity = "selective"
+    for unit in ("warmup", "decay"):        # Megatron's sample-based schedule: --train-samples only
+        samples = getattr(args, f"lr_{unit}_samples")
+        if samples is not None and args.train_samples is None:
+            raise ConfigError(f"--lr-{unit}-samples is for sample-based runs (--train-samples); with "
+                              f"--train-iters use --lr-{unit}-iters")
+        if samples is not None and f"lr_{unit}_iters" in getattr(args, "given", ()):
+            raise ConfigError(f"--lr-{unit}-samples and --lr-{unit}-iters both set the {unit}: give one")
     if args.lr_decay_iters is None and args.train_samples is None:
         args.lr_decay_iters = args.train_iters
     check_megatron_compat(args)
@@ -656,6 +687,13 @@ def check_batch_sizes(args: argparse.Namespace, dp_size: int) -> None:
             f"--global-batch-size {args.global_batch_size} is not a multiple of --micro-batch-size "
             f"{args.micro_batch_size} x DP {dp_size} = {per_step}: use a multiple of {per_step}")
     args.grad_accum_steps = args.global_batch_size // per_step
+    for unit in ("warmup", "decay"):   # the sample-based schedule in iterations: the same rates per step
+        samples = getattr(args, f"lr_{unit}_samples", None)
+        if samples is not None:
+            if samples % args.global_batch_size:
+                raise ConfigError(f"--lr-{unit}-samples {samples} is not a multiple of the global batch "
+                                  f"{args.global_batch_size}: use a multiple (the schedule steps once per batch)")
+            setattr(args, f"lr_{unit}_iters", samples // args.global_batch_size)
     if args.train_samples is not None:                # Megatron: iterations = samples // global batch
         args.train_iters = args.train_samples // args.global_batch_size
         if args.train_iters < 1:

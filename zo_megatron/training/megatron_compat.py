@@ -57,6 +57,10 @@ def check_megatron_compat(args: argparse.Namespace) -> None:
     must change at once), then the consistency checks one line each; called from arguments.finalize."""
     refused = [f"{flag}: {why}; {instead}" for flag, (why, instead) in REFUSED.items()
                if getattr(args, flag[2:].replace("-", "_"))]
+    if getattr(args, "context_parallel_size", 1) != 1:       # 1 (Megatron's default) is accepted
+        refused.append(f"--context-parallel-size {args.context_parallel_size}: context parallelism is not "
+                       "supported; for long sequences use --recompute-granularity full, --use-flash-attn and "
+                       "--sequence-parallel")
     if args.pipeline_model_parallel_size != 1:
         refused.append(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: pipeline parallelism "
                        "is not supported; use --tensor-model-parallel-size (and ZeRO-Offload for memory)")

@@ -122,18 +122,19 @@ NO_OP.update({
 REFUSED_WHY = {
     "--apply-query-key-layer-scaling": "attention scores are scaled by 1/sqrt(head_dim) with the softmax in fp32; "
                                        "the fp16 layer-scaling variant is not used",
-    "--apply-layernorm-1p": "the model is GPT-2 (plain LayerNorm)",
-    "--apply-residual-connection-post-layernorm": "the model is GPT-2 (pre-LayerNorm residuals)",
+    "--apply-layernorm-1p": "LayerNorm-1p (zero-centred gamma) is not implemented: --normalization LayerNorm "
+                            "or RMSNorm",
+    "--apply-residual-connection-post-layernorm": "post-norm residuals are not implemented (pre-norm, as GPT-2 "
+                                                  "and Llama)",
     "--fp32-residual-connection": "residuals stay in the model's precision, as GPT-2",
-    "--squared-relu": "the MLP activation is GPT-2's GELU", "--quick-geglu": "the MLP activation is GPT-2's GELU",
+    "--squared-relu": "the MLP activation is GELU or SwiGLU (--swiglu)",
+    "--quick-geglu": "the MLP activation is GELU or SwiGLU (--swiglu)",
     "--eod-mask-loss": "documents are packed with EOD tokens and the loss covers every token, as Megatron's default",
     "--reset-attention-mask": "documents are packed with EOD tokens and attend across them, as Megatron's default",
     "--reset-position-ids": "positions run over the whole sample, as Megatron's default",
     "--train-data-path": "use --data-path with --split", "--valid-data-path": "use --data-path with --split",
     "--test-data-path": "use --data-path with --split", "--data-args-path": "use --data-path",
     "--per-split-data-args-path": "use --data-path with --split",
-    "--lr-decay-samples": "with --train-samples the schedule counts samples already; use --lr-decay-iters",
-    "--lr-warmup-samples": "use --lr-warmup-iters or --lr-warmup-fraction",
     "--lr-wsd-decay-samples": "use --lr-wsd-decay-iters",
     "--no-save-optim": "checkpoints always hold the optimizer and RNG states (resume is exact); load with "
                        "--no-load-optim instead",
@@ -172,8 +173,8 @@ REFUSED_WHY = {
                              "use --no-accumulate-allreduce-grads-in-fp32 for bf16",
     "--yaml-cfg": "give flags on the command line", "--spec": "the layer spec is megatron-core's local GPT spec",
 }
-for _flag in ("--rotary-interleaved", "--use-rotary-position-embeddings", "--no-position-embedding",
-              "--rotary-seq-len-interpolation-factor", "--no-rope-freq", "--rope-type", "--mrope-section"):
+for _flag in ("--rotary-interleaved", "--rotary-seq-len-interpolation-factor", "--no-rope-freq", "--rope-type",
+              "--mrope-section"):
     REFUSED_WHY[_flag] = ("positions are set by --position-embedding-type (learned_absolute or rope, with "
                           "--rotary-base, --rotary-percent, --use-rope-scaling); this variant is not supported")
 
