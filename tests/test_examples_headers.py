@@ -9,7 +9,6 @@ rollback state as the job plans it; a planner change that moves a total fails th
 header is updated. (tests/test_examples_fit.py checks that the command is the script's own.)
 """
 import re
-import shlex
 from pathlib import Path
 
 import pytest
@@ -22,16 +21,10 @@ _HOST = re.compile(r"(?:host per node  :|host per machine  :|host) ([\d,]+\.\d\d
 
 
 def _header(path: Path) -> tuple[list[str], str]:
-    lines = [ln[1:].strip() for ln in path.read_text().splitlines() if ln.startswith("#") and not ln.startswith("#!")]
-    text = "\n".join(lines)
-    start = next(i for i, ln in enumerate(lines) if ln.startswith("Planner") and "estimate_memory.py" in ln)
-    cmd = lines[start].split(":", 1)[1].strip()
-    i = start
-    while cmd.endswith("\\"):
-        i += 1
-        cmd = cmd[:-1].strip() + " " + lines[i].strip()
-    argv = shlex.split(cmd)
-    return argv[argv.index("tools/estimate_memory.py") + 1:], text
+    """(the header's planner command's arguments, the header's text)."""
+    from tests import example_scripts as X
+
+    return X.planner_argv(path), "\n".join(X.header_lines(path))
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
