@@ -33,13 +33,10 @@ def common(**over):
 
 
 def make_hf(directory, cfg, seed: int) -> str:
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.1)
-    model.save_pretrained(str(directory))
-    return str(directory)
+    """A transformers model of `cfg` with random weights, saved without a tokenizer."""
+    from tests.test_convert_llama import make_hf_model
+
+    return make_hf_model(directory, cfg, seed, tokenizer=False)
 
 
 def edit_config(directory, **changes):
@@ -394,15 +391,12 @@ def test_a_mistral_sliding_window_converts_trains_where_it_does_not_bind_and_com
     refuses a longer --seq-length in one line naming the limit, trains at one that fits (its first
     loss is transformers'), and its save keeps the window, the architecture, the eos list and the
     generation config, which to-hf writes back."""
-    import numpy as np
 
     from tests.harness import free_port
     from tests.hf_tokenizer import HF_VOCAB_SIZE, make_hf_tokenizer
     from tests.test_checkpoint_resume import _run_jobs
     from zo_megatron.checkpoint import convert
     from zo_megatron.checkpoint.reader import CheckpointReader
-    from zo_megatron.data.preprocess import preprocess
-    from zo_megatron.data.tokenizer import build_tokenizer
 
     seed = fresh_seed("mistral sliding window")
     cfg = transformers.MistralConfig(**common(vocab_size=HF_VOCAB_SIZE, sliding_window=WINDOW, eos_token_id=[1, 2]))
@@ -421,13 +415,9 @@ def test_a_mistral_sliding_window_converts_trains_where_it_does_not_bind_and_com
 
     # the job: one document of exactly one sample's length (every sample is that document)
     tok_dir = os.path.join(ck, "iter_0000000", "tokenizer")
-    (tmp_path / "txt").mkdir()
-    (tmp_path / "txt" / "doc.txt").write_text(TEXT)
-    prefix = preprocess([str(tmp_path / "txt" / "doc.txt")], str(tmp_path / "data"), progress=False,
-                        tokenizer_type="HuggingFaceTokenizer", tokenizer_model=tok_dir).prefixes["text"]
-    tok = build_tokenizer(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=tok_dir)
-    doc = torch.tensor([*tok.encode(TEXT), tok.eod])
-    assert np.fromfile(prefix + ".bin", dtype=np.uint16).tolist() == doc.tolist()
+    from tests.test_vocab_size import one_document_dataset
+
+    prefix, doc = one_document_dataset(tmp_path, tok_dir, TEXT)
     seq = len(doc)
     assert seq <= WINDOW, seq
     (flags,) = [ln.removeprefix("  model flags: ").split() for ln in lines if ln.startswith("  model flags: ")]

@@ -24,6 +24,24 @@ TEXT = ("Mr. Speaker, Mr. Vice President, Members of the Congress, I come before
         "on the state of the Union, and the state of the Union is strong.")
 
 
+
+def one_document_dataset(tmp_path, tok_dir: str, text: str):
+    """`text` as one document preprocessed with the Hugging Face tokenizer in tok_dir: (the dataset
+    prefix, its token ids BOS ... EOS as a tensor), the file checked against the tokenizer."""
+    import numpy as np
+
+    from zo_megatron.data import build_tokenizer
+    from zo_megatron.data.preprocess import preprocess
+
+    (tmp_path / "txt").mkdir()
+    (tmp_path / "txt" / "doc.txt").write_text(text)
+    prefix = preprocess([str(tmp_path / "txt" / "doc.txt")], str(tmp_path / "data"), progress=False,
+                        tokenizer_type="HuggingFaceTokenizer", tokenizer_model=tok_dir).prefixes["text"]
+    tok = build_tokenizer(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=tok_dir)
+    doc = torch.tensor([*tok.encode(text), tok.eod])                        # BOS ... EOS
+    assert np.fromfile(prefix + ".bin", dtype=np.uint16).tolist() == doc.tolist()   # < 65500 tokens: uint16
+    return prefix, doc
+
 def _qwen2(directory, seed):
     cfg = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
@@ -41,13 +59,10 @@ def _qwen2(directory, seed):
 
 
 def test_a_qwen2_from_hf_loads_with_vocab_size_and_its_first_loss_is_transformers(tmp_path):
-    import numpy as np
 
     from tests.harness import free_port, run_world
     from tests.test_checkpoint_resume import _run_jobs
     from zo_megatron.checkpoint import convert
-    from zo_megatron.data.preprocess import preprocess
-    from zo_megatron.data.tokenizer import build_tokenizer
 
     seed = fresh_seed("qwen2 --vocab-size")
     hf_dir = _qwen2(tmp_path / "hf", seed)
@@ -58,14 +73,7 @@ def test_a_qwen2_from_hf_loads_with_vocab_size_and_its_first_loss_is_transformer
     assert flags.endswith(f" --vocab-size {VOCAB}"), flags
     tok_dir = os.path.join(ck, "iter_0000000", "tokenizer")
 
-    (tmp_path / "txt").mkdir()
-    (tmp_path / "txt" / "doc.txt").write_text(TEXT)
-    prefix = preprocess([str(tmp_path / "txt" / "doc.txt")], str(tmp_path / "data"), progress=False,
-                        tokenizer_type="HuggingFaceTokenizer", tokenizer_model=tok_dir).prefixes["text"]
-    tok = build_tokenizer(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=tok_dir)
-    doc = torch.tensor([*tok.encode(TEXT), tok.eod])                        # BOS ... EOS
-    on_disk = np.fromfile(prefix + ".bin", dtype=np.uint16)                 # < 65500 tokens: uint16
-    assert on_disk.tolist() == doc.tolist()
+    prefix, doc = one_document_dataset(tmp_path, tok_dir, TEXT)
     seq = len(doc)
     assert 16 < seq <= 128 and int(doc.max()) < HF_VOCAB_SIZE
 
