@@ -21,7 +21,8 @@ def test_the_dry_run_runs_every_phase_and_says_it_is_not_a_gpu_result(tmp_path):
     suite = res["suite"]
     assert suite["returncode"] == 0 and suite["counts"]["passed"] >= 1 and not suite["counts"]["failed"]
     runs = [x for x in res["sweep"] if "returncode" in x]
-    assert [x["schedule"] for x in runs] == ["synchronous", "overlapped-auto", "overlapped-full", "delayed"]
+    assert [x["schedule"] for x in runs] == ["synchronous", "overlapped-auto", "overlapped-full", "delayed",
+                                             "delayed-predicted"]
     for x in runs + [res["largest"]]:
         assert x["returncode"] == 0 and x["iterations"] >= 3 and x["median_step_s"] > 0, x
         assert x["plan"]["fits"] and x["host_rss_peak_bytes"] > 0

@@ -14,7 +14,8 @@ the next one's time (a GPU is lent for about 15 minutes, start-up included):
   sweep      pretrain_gpt.py on a Llama shape (RMSNorm, SwiGLU, RoPE, GQA, untied output layer,
              SDPA) at ~1B parameters, the CPU-step schedules of the ZeRO-Offload engine:
              synchronous (--no-overlap-cpu-step), overlapped as the CUDA default (--overlap-cpu-step
-             auto) and in full (--overlap-cpu-step), delayed (--dpu --dpu-warmup-steps 2). Per run: median step time, tokens/s, TFLOP/s, MFU
+             auto) and in full (--overlap-cpu-step), delayed (--dpu --dpu-warmup-steps 2) and
+             delayed with --dpu-weight-prediction (whose extrapolation is host-side torch work). Per run: median step time, tokens/s, TFLOP/s, MFU
              (against the GPU's dense bf16 peak), median phases from --timeline, the device memory
              NVML saw (the whole GPU, so CUDA context and NCCL included) against the planner's
              device line, and the host peak RSS against its host line.
@@ -56,7 +57,9 @@ SWEEP_SHAPES = {"gpu": [("llama-1.2B", 16, 2048, 16, 8, 8192)],
 SCHEDULES = [("synchronous", ["--no-overlap-cpu-step"]),
              ("overlapped-auto", ["--overlap-cpu-step", "auto"]),     # the CUDA default
              ("overlapped-full", ["--overlap-cpu-step"]),
-             ("delayed", ["--dpu", "--dpu-warmup-steps", "2"])]
+             ("delayed", ["--dpu", "--dpu-warmup-steps", "2"]),
+             # the host's torch passes (issue 34, 2.4: they ran on one core under torchrun on CUDA)
+             ("delayed-predicted", ["--dpu", "--dpu-warmup-steps", "2", "--dpu-weight-prediction"])]
 
 
 class ProofFailed(Exception):

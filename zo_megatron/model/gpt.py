@@ -185,14 +185,19 @@ class GPTModelTP(torch.nn.Module):
             self._mask_cache[key] = causal_attention_mask(seq_length, device)
         return self._mask_cache[key]
 
-    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens [b, s] -> this TP rank's logits shard [b, s, V_pad/t]; pad columns are -inf."""
-        b, s = tokens.shape
-        if self.attention_window is not None and s > self.attention_window["tokens"]:
-            w = self.attention_window
+    def check_window(self, s: int) -> None:
+        """A loaded model with a sliding window (checkpoint/load.py sets attention_window) runs exactly
+        only where the window does not bind."""
+        w = self.attention_window
+        if w is not None and s > w["tokens"]:
             raise ConfigError(f"--seq-length {s}: the loaded model ({w.get('architecture')}) attends over a sliding "
                               f"window of {w['tokens']} tokens, which zo_megatron does not implement; up to "
                               f"{w['tokens']} tokens the window changes nothing: use --seq-length <= {w['tokens']}")
+
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [b, s] -> this TP rank's logits shard [b, s, V_pad/t]; pad columns are -inf."""
+        b, s = tokens.shape
+        self.check_window(s)
         if self.sequence_parallel and s % self.tp_size:
             raise ConfigError(f"sequence parallelism splits the sequence over TP: sequence length {s} is not "
                               f"divisible by TP {self.tp_size}; use a multiple of {self.tp_size}")

@@ -314,6 +314,7 @@ def _resume(args, ps, model, optimizer, vocab_size: int, tokenizer_vocab: int, m
             use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
             train_iters=args.train_iters, schedule_hint=extend_hint(args), step=args.ckpt_step),
         agree=collectives.all_ranks_agree)
+    model.check_window(args.seq_length)     # a loaded sliding window that binds: refused before training
     if res.opt_param_scheduler is not None:             # --use-checkpoint-opt_param-scheduler
         s = res.opt_param_scheduler
         args.lr, args.min_lr, args.lr_warmup_iters = s["max_lr"], s["min_lr"], s["lr_warmup_steps"]
