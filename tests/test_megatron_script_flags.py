@@ -55,3 +55,17 @@ def test_the_sample_based_schedule_equals_its_iteration_form(sotu_prefix, tmp_pa
     assert rates[0] == rates[1] and len(rates[0]) == 6, rates
     bad = _single([*base, "--train-samples", "24", "--lr-warmup-samples", "6"], tmp_path)
     assert bad.returncode == 2 and "is not a multiple of the global batch 4" in bad.stderr
+
+
+def test_every_problem_of_a_command_line_is_in_one_message():
+    """Issue 35, item 9: a value out of range and a refused flag came one launch at a time
+    (`--lr -1 --pipeline-model-parallel-size 2` reported only the refusal); now one line has all."""
+    with pytest.raises(ConfigError) as e:
+        parse_args([*SHAPE[:-4], "--train-iters", "4", "--lr", "-1", "--pipeline-model-parallel-size", "2"])
+    msg = str(e.value)
+    assert "\n" not in msg and "--pipeline-model-parallel-size 2: pipeline parallelism" in msg
+    assert "--lr -1.0 is out of range: it must be > 0" in msg and msg.endswith("(1 flag refused, 1 value out of range)")
+    with pytest.raises(ConfigError) as two:
+        parse_args([*SHAPE, "--lr", "-1", "--min-lr", "-2"])
+    assert str(two.value) == ("--lr -1.0 is out of range: it must be > 0 | --min-lr -2.0 is out of range: it must "
+                              "be >= 0 (2 values out of range)")

@@ -527,7 +527,8 @@ def finalize(args: argparse.Namespace) -> None:
             raise ConfigError(f"--lr-{unit}-samples and --lr-{unit}-iters both set the {unit}: give one")
     if args.lr_decay_iters is None and args.train_samples is None:
         args.lr_decay_iters = args.train_iters
-    check_megatron_compat(args)
+    # every refused flag and every value out of range in ONE line (issue 35, item 9)
+    check_megatron_compat(args, also=range_problems(args))
     from zo_megatron.data.errors import DataError
     from zo_megatron.data.tokenizer import check_tokenizer_flags
 
@@ -540,7 +541,6 @@ def finalize(args: argparse.Namespace) -> None:
     for k in ("micro_batch_size", "train_iters", "log_interval", "eval_interval", "tensor_parallel"):
         if getattr(args, k) < 1:
             raise ConfigError(f"--{k.replace('_', '-')} must be >= 1 (got {getattr(args, k)})")
-    _check_ranges(args)
     _check_architecture(args)
     if args.bucket_size < 1:
         raise ConfigError(f"--bucket-size must be >= 1 element (got {args.bucket_size})")
@@ -658,23 +658,26 @@ def _check_offload_fraction(args: argparse.Namespace) -> None:
                               "--exp-avg-dtype/--exp-avg-sq-dtype bf16 or use --optimizer-offload-fraction 1")
 
 
-def _check_ranges(args: argparse.Namespace) -> None:
-    """Every numeric flag in its range, and the learning-rate flags consistent: one line each."""
+def range_problems(args: argparse.Namespace) -> list[str]:
+    """Every numeric flag out of its range, and the learning-rate flags inconsistent: one clause
+    each (check_megatron_compat reports them in one line with the refused flags)."""
     import math
 
+    out = []
     for name, ok, want in _RANGES:
         v = getattr(args, name, None)
         if v is None:
             continue
         if isinstance(v, float) and not math.isfinite(v) or not ok(v):
-            raise ConfigError(f"--{name.replace('_', '-')} {v}{origin(args, name)} is out of range: it must be {want}")
-    if args.min_lr > args.lr:
-        raise ConfigError(f"--min-lr {args.min_lr:g}{origin(args, 'min_lr')} exceeds --lr {args.lr:g}"
-                          f"{origin(args, 'lr')}: the decay would climb; use --min-lr <= --lr")
+            out.append(f"--{name.replace('_', '-')} {v}{origin(args, name)} is out of range: it must be {want}")
+    if args.min_lr > args.lr and not any(p.startswith(("--lr ", "--min-lr ")) for p in out):   # not twice
+        out.append(f"--min-lr {args.min_lr:g}{origin(args, 'min_lr')} exceeds --lr {args.lr:g}"
+                   f"{origin(args, 'lr')}: the decay would climb; use --min-lr <= --lr")
     if args.lr_warmup_iters > args.train_iters:
-        raise ConfigError(f"--lr-warmup-iters {args.lr_warmup_iters}{origin(args, 'lr_warmup_iters')} exceeds "
-                          f"--train-iters {args.train_iters}{origin(args, 'train_iters')}: the run would end before "
-                          "the warmup does; lower it")
+        out.append(f"--lr-warmup-iters {args.lr_warmup_iters}{origin(args, 'lr_warmup_iters')} exceeds "
+                   f"--train-iters {args.train_iters}{origin(args, 'train_iters')}: the run would end before "
+                   "the warmup does; lower it")
+    return out
 
 
 def check_batch_sizes(args: argparse.Namespace, dp_size: int) -> None:

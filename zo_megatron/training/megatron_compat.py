@@ -52,9 +52,10 @@ def add_megatron_compat_flags(p: argparse.ArgumentParser) -> None:
         g.add_argument(flag, action="store_true", help=S)
 
 
-def check_megatron_compat(args: argparse.Namespace) -> None:
-    """Every refused flag or value of the command line in ONE line (a launch script learns all it
-    must change at once), then the consistency checks one line each; called from arguments.finalize."""
+def check_megatron_compat(args: argparse.Namespace, also: list[str] = ()) -> None:
+    """Every refused flag or value of the command line in ONE line, with `also` (the values out of
+    range: arguments.range_problems), so a launch script learns all it must change at once; then
+    the consistency checks one line each; called from arguments.finalize."""
     refused = [f"{flag}: {why}; {instead}" for flag, (why, instead) in REFUSED.items()
                if getattr(args, flag[2:].replace("-", "_"))]
     if getattr(args, "context_parallel_size", 1) != 1:       # 1 (Megatron's default) is accepted
@@ -74,9 +75,12 @@ def check_megatron_compat(args: argparse.Namespace) -> None:
         refused.append("--use-distributed-optimizer: the partitioned optimizer here is ZeRO-Offload; "
                        "add --zero-offload")
     refused += [f"{r}; drop it" for r in refused_given(args)]
-    if refused:
-        more = f" ({len(refused)} flags refused)" if len(refused) > 1 else ""
-        raise ConfigError(" | ".join(refused) + more)
+    if refused or also:
+        counts = [f"{len(refused)} flag{'s' * (len(refused) != 1)} refused"] if len(refused) > 1 or (refused and also) \
+            else []
+        counts += [f"{len(also)} value{'s' * (len(also) != 1)} out of range"] if len(also) > 1 or (also and refused) \
+            else []
+        raise ConfigError(" | ".join([*refused, *also]) + (f" ({', '.join(counts)})" if counts else ""))
     if args.recompute_method is not None or args.recompute_num_layers is not None:
         if args.recompute_granularity != "full":
             flag = "--recompute-method" if args.recompute_method is not None else "--recompute-num-layers"
