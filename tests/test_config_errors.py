@@ -125,7 +125,7 @@ def test_abbreviated_flags_are_refused_and_argparse_errors_print_on_rank_0_only(
 
 def test_save_must_be_a_creatable_directory(tmp_path):
     from zo_megatron.errors import UserError
-    from zo_megatron.training.loop import check_save_dir
+    from zo_megatron.training.prelaunch import check_save_dir
 
     check_save_dir(str(tmp_path / "new" / "deeper"))          # creatable: fine, nothing created
     assert not (tmp_path / "new").exists()

@@ -3,7 +3,7 @@ item 1): every pretrain_gpt.py flag, the job's defaults on the target device (de
 a GPU, the host reserve), the tokenizer's vocabulary, --optimizer-offload-fraction auto and the
 CPU-step overlap (--overlap-cpu-step [auto|full], --overlap-cpu-step-memory, --no-overlap-cpu-step;
 default auto on a GPU, off where the device is the host), compared with the job's own
-training/loop.job_plan (CUDA mocked for a GPU target); --json's overlap_speculated_fraction, the
+training/prelaunch.job_plan (CUDA mocked for a GPU target); --json's overlap_speculated_fraction, the
 table's overlap lines, and --max-model, which the overlap never shrinks."""
 from __future__ import annotations
 
@@ -54,8 +54,8 @@ def plan(*argv):
 
 
 def job_reference(job_argv, *, world, per_node, host_bytes, gpu_bytes, vocab=50257):
-    """(plan, args) of training/loop.job_plan for this command line; gpu_bytes None: a CPU device."""
-    from zo_megatron.training import loop
+    """(plan, args) of training/prelaunch.job_plan for this command line; gpu_bytes None: a CPU device."""
+    from zo_megatron.training import prelaunch
     from zo_megatron.training.arguments import check_batch_sizes, parse_args
 
     cuda = gpu_bytes is not None
@@ -65,7 +65,7 @@ def job_reference(job_argv, *, world, per_node, host_bytes, gpu_bytes, vocab=502
         args = parse_args(job_argv)
         dp = world // args.tensor_parallel
         check_batch_sizes(args, dp)
-        p = loop.job_plan(args, SimpleNamespace(local_world_size=per_node), dp, vocab, host_bytes)
+        p = prelaunch.job_plan(args, SimpleNamespace(local_world_size=per_node), dp, vocab, host_bytes)
     return p, args
 
 

@@ -8,7 +8,7 @@ pretrain_gpt.py command line is planned by tools/estimate_memory.py on the hardw
 "Hardware :" line states (GPU model and count, host memory per node; a DGX-2 is 16x V100-32GB with
 1.5 TiB), with the job's own world size and ranks per node from the launcher's arguments. It must
 fit, and the CPU-step overlap's speculated share must be what the job prints: the job's own
-pre-launch computation (training/loop.job_plan, its parser, tokenizer and vocabulary, CUDA mocked
+pre-launch computation (training/prelaunch.job_plan, its parser, tokenizer and vocabulary, CUDA mocked
 for a GPU target) and planner.resolve_overlap on the same input give the same share and reason,
 and the tool's input is the job's.
 
@@ -71,9 +71,9 @@ def estimate_argv(launch: X.Launch, hw: X.Hardware, extra=()) -> list[str]:
 
 
 def job_reference(launch: X.Launch, hw: X.Hardware, extra=()):
-    """The job's own pre-launch plan (loop.job_plan) of this command line on that hardware."""
+    """The job's own pre-launch plan (prelaunch.job_plan) of this command line on that hardware."""
     from zo_megatron.data import build_tokenizer
-    from zo_megatron.training import loop
+    from zo_megatron.training import prelaunch
     from zo_megatron.training.arguments import check_batch_sizes, parse_args
 
     cuda = hw.gpu is not None
@@ -86,7 +86,7 @@ def job_reference(launch: X.Launch, hw: X.Hardware, extra=()):
         tok = build_tokenizer(args.vocab_file, args.merge_file, allow_custom_vocab=args.allow_custom_vocab,
                               tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model)
         env = SimpleNamespace(local_world_size=launch.ranks_per_node)
-        plan = loop.job_plan(args, env, dp, loop.model_vocab_size(args, tok), hw.host_memory_bytes_per_node)
+        plan = prelaunch.job_plan(args, env, dp, prelaunch.model_vocab_size(args, tok), hw.host_memory_bytes_per_node)
     return plan, args
 
 

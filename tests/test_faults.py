@@ -184,7 +184,7 @@ def test_save_directory_without_room_for_a_checkpoint_is_refused_before_training
     from collections import namedtuple
 
     from zo_megatron.errors import UserError
-    from zo_megatron.training.loop import check_free_space, checkpoint_bytes
+    from zo_megatron.training.prelaunch import check_free_space, checkpoint_bytes
 
     need = checkpoint_bytes(124_000_000, True, False)
     assert need == 124_000_000 * 16                     # weights + master + two fp32 moments

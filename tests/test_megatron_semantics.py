@@ -30,20 +30,22 @@ def run(tmp_path_factory):
     wrapper.write_text(textwrap.dedent(f"""
         import sys, time
         import zo_megatron.checkpoint as ck
+        import zo_megatron.training.evaluation as evaluation
         import zo_megatron.training.loop as loop
+        import zo_megatron.training.trainer as trainer
         class Clock:
             offset = 0.0
             def __getattr__(self, name):
                 return getattr(time, name)
             def monotonic(self):
                 return time.monotonic() + self.offset
-        clock = loop.time = Clock()
-        ev, sv = loop._evaluate, ck.save_checkpoint
+        clock = trainer.time = Clock()
+        ev, sv = evaluation.Evaluator.run, ck.save_checkpoint
         def slow_eval(*a, **k):
             clock.offset += {SLOW_S}; return ev(*a, **k)
         def slow_save(*a, **k):
             clock.offset += {SLOW_S}; return sv(*a, **k)
-        loop._evaluate, ck.save_checkpoint = slow_eval, slow_save
+        evaluation.Evaluator.run, ck.save_checkpoint = slow_eval, slow_save
         sys.exit(loop.pretrain(sys.argv[1:]))
     """))
     log = d / "log.jsonl"

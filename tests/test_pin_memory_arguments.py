@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from zo_megatron.training import loop
+from zo_megatron.training import user_report
 from zo_megatron.training.arguments import build_parser, check_batch_sizes, parse_args
 
 CAVEAT = "host copies then block"
@@ -71,13 +71,13 @@ def test_the_banner_warns_on_a_cuda_device(monkeypatch, flags, device, warned):
     model = torch.nn.Linear(4, 4)
     optimizer = types.SimpleNamespace(model=model, accounting=types.SimpleNamespace(device_model_state_bytes=0,
                                                                                     host_bytes=0))
-    monkeypatch.setattr(loop, "_attention_line", lambda cfg, ps: "sdpa")
+    monkeypatch.setattr(user_report, "attention_line", lambda cfg, ps: "sdpa")
     printed = []
-    loop._banner(types.SimpleNamespace(print=printed.append), args, _ps(device),
+    user_report.banner(types.SimpleNamespace(print=printed.append), args, _ps(device),
                  GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, precision="fp32"), optimizer,
                  ["demo"], 0.1)
     lines = [line for line in printed if "--no-pin-memory" in line]
     assert len(lines) == (1 if warned else 0), printed
     if warned:
         assert "\n" not in lines[0] and "warning" in lines[0] and CAVEAT in lines[0] and SERIAL in lines[0]
-        assert lines[0] == loop._pin_memory_warnings(args, _ps(device))[0]
+        assert lines[0] == user_report.pin_memory_warnings(args, _ps(device))[0]

@@ -118,7 +118,7 @@ def test_flops_per_token_equals_a_gemm_by_gemm_count(shape):
 
 def _job_input(argv, dp, **env):
     from zo_megatron.training.arguments import check_batch_sizes
-    from zo_megatron.training.loop import job_plan_input
+    from zo_megatron.training.prelaunch import job_plan_input
 
     args = parse_args(argv)
     check_batch_sizes(args, dp)

@@ -332,13 +332,13 @@ _FULL = None
 
 def job_default_schedule(ctx) -> dict:
     """The CPU-step schedule pretrain_gpt.py would run for this shape on this machine (issue 34,
-    2.8): its own flags through its own pre-launch plan (training.loop.job_plan), so `zo_offload`
+    2.8): its own flags through its own pre-launch plan (training.prelaunch.job_plan), so `zo_offload`
     measures what users run: on a CUDA device `--overlap-cpu-step auto` (the share the free host
     memory holds, possibly none), on a CPU the synchronous step."""
     from types import SimpleNamespace
 
     from zo_megatron.training.arguments import parse_args
-    from zo_megatron.training.loop import job_plan
+    from zo_megatron.training.prelaunch import job_plan
 
     a, cfg, ps = ctx.args, ctx.cfg, ctx.ps
     flags = ["--num-layers", str(a.layers), "--hidden-size", str(a.hidden), "--num-attention-heads", str(a.heads),

@@ -23,7 +23,7 @@ on a V100), the CPU's rule with --preset cpu; the job's host reserve (min(32 GiB
 overheads; --tokenizer-type/--tokenizer-model/--vocab-file read as the job reads them for the
 vocabulary (model_vocab_size); then --optimizer-offload-fraction auto and the CPU-step overlap
 (--overlap-cpu-step [auto|full], --overlap-cpu-step-memory, --no-overlap-cpu-step; default auto on
-a GPU, off where the device is the host) exactly as the job's pre-launch check (loop.job_plan):
+a GPU, off where the device is the host) exactly as the job's pre-launch check (prelaunch.job_plan):
 the input is built by the same function (planner.plan_input_from_flags), so both give the same plan
 and the same speculated share. Its own flags: --model (a shape preset), --world-size or
 --data-parallel-size, the hardware (--preset, --gpu-memory-gb, --host-memory-gb, --gpus-per-node and
@@ -217,11 +217,11 @@ def _data_parallel(args) -> int:
 
 
 def _vocab_size(args, preset_vocab: int | None) -> int:
-    """The job's vocabulary (loop.model_vocab_size) when a tokenizer flag names a tokenizer; else
+    """The job's vocabulary (prelaunch.model_vocab_size) when a tokenizer flag names a tokenizer; else
     --vocab-size, the --model preset's, or the bundled GPT-2 tokenizer's 50257."""
     if args.tokenizer_type == "HuggingFaceTokenizer" or args.vocab_file or args.merge_file:
         from zo_megatron.data import build_tokenizer
-        from zo_megatron.training.loop import model_vocab_size
+        from zo_megatron.training.prelaunch import model_vocab_size
 
         try:
             tok = build_tokenizer(args.vocab_file, args.merge_file, allow_custom_vocab=args.allow_custom_vocab,
@@ -234,7 +234,7 @@ def _vocab_size(args, preset_vocab: int | None) -> int:
 
 def build_input(args, parser: argparse.ArgumentParser | None = None) -> P.PlanInput:
     """The job's PlanInput for this command line before the job's own resolutions (as
-    loop.job_plan_input): flags, vocabulary, data parallel size and the target's hardware."""
+    prelaunch.job_plan_input): flags, vocabulary, data parallel size and the target's hardware."""
     parser = parser or build_parser()
     preset_vocab = _job_args(args, parser)
     dp = _data_parallel(args)
@@ -257,7 +257,7 @@ def build_input(args, parser: argparse.ArgumentParser | None = None) -> P.PlanIn
     if inp.device_is_host and args.gpu_memory_gb is None:   # the job: the device's memory is the host's
         inp = inp.replace(gpu_memory_bytes=inp.host_memory_bytes_per_node)
     host = inp.host_memory_bytes_per_node
-    # loop.job_plan_input's reserve: min(32 GiB, a tenth of the node's memory)
+    # prelaunch.job_plan_input's reserve: min(32 GiB, a tenth of the node's memory)
     reserve = _gib(args.host_reserve_gb) if args.host_reserve_gb is not None else min(32 * P.GiB, host // 10)
     inp = inp.replace(host_reserve_bytes=reserve)
     if args.preset == "cpu" and args.gpus_per_node is None:
@@ -267,7 +267,7 @@ def build_input(args, parser: argparse.ArgumentParser | None = None) -> P.PlanIn
 
 
 def resolve(inp: P.PlanInput, args) -> tuple[P.PlanInput, dict]:
-    """loop.job_plan's resolution of `inp` (build_input's): --optimizer-offload-fraction auto, then
+    """prelaunch.job_plan's resolution of `inp` (build_input's): --optimizer-offload-fraction auto, then
     the CPU-step overlap (--overlap-cpu-step's mode; None: auto on a GPU, off where the device is
     the host), resolved last. Returns the input the job plans and what it prints about them."""
     mode = args.overlap_cpu_step            # None, auto, full, memory (--overlap-cpu-step-memory), off

@@ -12,7 +12,7 @@ Steps (each prints a progress line):
 1. **Plan.** A shape rule gives one model per size k: `--grow layers` (hidden and heads fixed, k
    layers) or `--grow hidden` (layers and heads fixed, hidden = k x lcm(128, heads)). The search
    (exponential, then binary, over k) asks, for each k, the very function the job's pre-launch
-   check runs (`training.loop.job_plan`: the job's flags parsed by the job's parser, the planner's
+   check runs (`training.prelaunch.job_plan`: the job's flags parsed by the job's parser, the planner's
    one builder, the job's overlap / offload-fraction defaults) with this machine's memory, and
    prints the largest k that fits.
 2. **Prove it.** `pretrain/pretrain_gpt.py` under torchrun (`python -m torch.distributed.run`)
@@ -215,14 +215,14 @@ class JobPlanner:
     def vocab(self, args) -> int:
         if self._vocab is None:
             from zo_megatron.data import build_tokenizer
-            from zo_megatron.training.loop import model_vocab_size
+            from zo_megatron.training.prelaunch import model_vocab_size
 
             tok = build_tokenizer(None, None)
             self._vocab = model_vocab_size(args, tok)
         return self._vocab
 
     def plan(self, k: int):
-        from zo_megatron.training.loop import job_plan
+        from zo_megatron.training.prelaunch import job_plan
 
         args = self._parse(self.rule.job_flags(k))
         env = SimpleNamespace(local_world_size=self.ranks)

@@ -279,8 +279,8 @@ def _run_flags(dry_run: bool, iters: int) -> list[str]:
 
 def plan_for(flags: list[str], dry_run: bool) -> dict:
     """The planner's verdict on pretrain_gpt.py `flags` on this machine, as the job's own pre-launch
-    check computes it (training.loop.job_plan with this machine's memory)."""
-    from zo_megatron.training.loop import job_plan
+    check computes it (training.prelaunch.job_plan with this machine's memory)."""
+    from zo_megatron.training.prelaunch import job_plan
 
     args, env, vocab = _job_args(flags)
     p = job_plan(args, env, 1, vocab)
@@ -295,7 +295,7 @@ def _job_args(flags: list[str]):
 
     from zo_megatron.data import build_tokenizer
     from zo_megatron.training.arguments import parse_args
-    from zo_megatron.training.loop import model_vocab_size
+    from zo_megatron.training.prelaunch import model_vocab_size
 
     args = parse_args(flags)
     return args, SimpleNamespace(local_world_size=1), model_vocab_size(args, build_tokenizer(None, None))
@@ -414,7 +414,7 @@ def _add_ratios(row: dict, peak_tflops: float | None) -> None:
 def largest(out: str, dry_run: bool, budget_s: float, peak_tflops: float | None) -> dict:
     """The planner's largest layer count at the sweep's hidden size on this machine, 3 iterations."""
     from zo_megatron.planner import max_model
-    from zo_megatron.training.loop import job_plan_input
+    from zo_megatron.training.prelaunch import job_plan_input
 
     name, layers, *dims = SWEEP_SHAPES["dry" if dry_run else "gpu"][0]
     run = _run_flags(dry_run, 3)

@@ -1,6 +1,7 @@
 """What the job tells the user about its own choices: where a banner value came from (demo
 default, checkpoint), which optimizer engine runs where, why `--optimizer-offload-fraction auto`
-chose its share, the fix for extending a finished run, and the header record of a run's log."""
+chose its share, the fix for extending a finished run, the header record of a run's log, and the
+banner a run opens with."""
 from __future__ import annotations
 
 import os
@@ -8,6 +9,8 @@ import time
 
 import torch
 
+from zo_megatron.parallel.megatron_notices import SUMMARY as NOTICES
+from zo_megatron.training.metrics import human_bytes
 from zo_megatron.training.schedule import LRScheduler
 
 
@@ -108,3 +111,80 @@ def value_sources(args, dests, checkpoint_flags=()) -> str:
     if checkpoint_flags:
         parts.append(f"from the checkpoint (--use-checkpoint-args): {', '.join(checkpoint_flags)}")
     return f" ({'; '.join(parts)})" if parts else ""
+
+
+def attention_line(cfg, ps) -> str:
+    """Which core attention runs (for SDPA: which kernel) and whether sequence parallelism is on."""
+    if cfg.attention_backend == "sdpa":
+        from zo_megatron.model.attention import describe_kernel
+
+        heads = cfg.num_attention_heads
+        groups = getattr(cfg, "query_groups", heads)
+        head_dim = getattr(cfg, "head_dim", cfg.hidden_size // heads)
+        text = describe_kernel(heads, groups, head_dim, ps.tp_size, cfg.dtype, ps.device, cfg.attention_dropout)
+    else:
+        text = "megatron-core local DotProductAttention (s x s scores stored)"
+    sp = cfg.sequence_parallel and ps.tp_size > 1
+    return text + ("; sequence parallel over TP " + str(ps.tp_size) if sp else "; no sequence parallelism")
+
+
+def pin_memory_warnings(args, ps) -> list[str]:
+    """The banner's warning for --no-pin-memory where it costs time: ZeRO-Offload (the only path that
+    copies to the host) on a CUDA device, where a copy from pageable memory blocks the host."""
+    if args.no_pin_memory and args.zero_offload and ps.device.type == "cuda":
+        return [" warning: --no-pin-memory on a CUDA device: host copies then block, so backward serialises "
+                "behind every copy home (drop the flag unless pinning host memory fails)"]
+    return []
+
+
+def banner(metrics, args, ps, cfg, optimizer, data_path, setup_s) -> None:
+    """The run's opening lines: layout, precision and engine, model, attention, batch, data, memory."""
+    total = cfg.num_parameters()
+    local = sum(p.numel() for p in optimizer.model.parameters())
+    acc = optimizer.accounting
+    src = "embedded State of the Union corpus (233 addresses, public domain)" if not args.data_path else " ".join(data_path)
+    if args.mock_data:
+        src = "bundled demo corpus (--mock-data)"
+    elif not args.data_path and not args.demo:   # a model shape was given but no data: say it loudly
+        src = ("!!! NO --data-path GIVEN: training on the bundled demo corpus (233 State of the Union "
+               "addresses), not your data; pass --data-path PREFIX !!!")
+    plan = getattr(args, "memory_plan", None)
+    lines = [
+        f"zo_megatron pretrain_gpt: {'DEMO defaults, ' if args.demo else ''}world {ps.world_size} = TP {ps.tp_size} x DP {ps.dp_size}, "
+        f"device {ps.device.type}, {args.precision}, {engine_words(args)}",
+        f" precision: {args.precision} ({args.precision_reason}); gradients reduced in "
+        f"{'fp32' if args.accumulate_allreduce_grads_in_fp32 or args.precision == 'fp32' else args.precision}"
+        + (f", copied home as {args.main_grads_dtype or args.precision}" if args.zero_offload else "")
+        + (", accumulated on the host in fp32" if args.accumulate_grads_on_host else "")
+        + (f"; optimizer {args.optimizer_offload_fraction:.0%} on the host, the rest on the device"
+           if args.zero_offload and args.optimizer_offload_fraction < 1 else "")
+        + (f"; {args.offload_fraction_reason}" if getattr(args, "offload_fraction_reason", None) else "")
+        + (f"; delayed parameter update after {args.dpu_warmup_steps} exact updates"
+           + (", device copy extrapolated by the last update (--dpu-weight-prediction)"
+              if args.dpu_weight_prediction else "")
+           + f" ({args.threads_line} per rank)" if args.dpu else "")
+        + ((f"; CPU step overlapped with backward (speculated per bucket, exact; {args.overlap_reason}; "
+            f"{args.threads_line} per rank)" if args.overlap_cpu_step else f"; {args.overlap_reason}")
+           if args.zero_offload and not args.dpu else ""),
+        f" model: {cfg.architecture_name()} {cfg.num_layers} layers x {cfg.hidden_size} hidden x {cfg.num_attention_heads} heads, "
+        f"seq {args.seq_length}, vocab {cfg.vocab_size} (padded {cfg.padded_vocab_size(ps.tp_size)}), "
+        f"{total / 1e6:.1f}M params ({local / 1e6:.1f}M on this TP rank)"
+        + value_sources(args, ("num_layers", "hidden_size", "num_attention_heads", "seq_length"),
+                        getattr(args, "from_checkpoint_flags", ())),
+        f" attention: {attention_line(cfg, ps)}",
+        f" batch: global {args.global_batch_size} = micro {args.micro_batch_size} x DP {ps.dp_size} x accumulation "
+        f"{args.grad_accum_steps}; {args.train_iters} iterations, lr {args.lr:g} {args.lr_decay_style} "
+        f"(warmup {args.lr_warmup_iters}, min {args.min_lr:g})"
+        + value_sources(args, ("micro_batch_size", "train_iters", "lr", "lr_decay_style", "lr_warmup_iters",
+                               "min_lr")),
+        f" data: {src}" + (f"; tokenizer: HuggingFaceTokenizer {args.tokenizer_model}"
+                           if args.tokenizer_type == "HuggingFaceTokenizer" else ""),
+        f" model states per rank: device {human_bytes(acc.device_model_state_bytes)}, host {human_bytes(acc.host_bytes)}"
+        + (f"; planner: device {human_bytes(plan.device_bytes_per_gpu)}/rank, host {human_bytes(plan.host_bytes_per_node)}/node"
+           if plan is not None else ""),
+        *pin_memory_warnings(args, ps),
+        *([f" {args.load_note}"] if getattr(args, "load_note", None) else []),
+        f" set-up took {setup_s:.1f}s; {NOTICES}",
+    ]
+    for line in lines:
+        metrics.print(line)

@@ -1,0 +1,122 @@
+"""The trainer's components, each built by one function from the job's arguments: threads,
+metrics, the model's config, the datasets, the optimizer engine, the timeline.
+
+A new feature plugs in here (a component, or an engine schedule chosen in `build_optimizer`),
+not as a branch in the trainer's loop.
+"""
+from __future__ import annotations
+
+import torch
+
+from zo_megatron.training.arguments import architecture_kwargs
+from zo_megatron.training.metrics import Metrics
+
+
+def set_threads(args, ps, adam_threads: int) -> None:
+    """CPU Adam threads; with --dpu or --overlap-cpu-step the CPU Adam overlaps forward/backward,
+    so on a CPU-only run the rank's threads are split between it and torch's intra-op pool
+    (docs/dpu.md)."""
+    from zo_megatron.offload import cpu_adam
+
+    if ps.device.type == "cuda":
+        # The host's torch passes (host accumulation, --dpu-weight-prediction's extrapolation, the
+        # fp32 parameter copies, the reload from the master) get the cores the CPU Adam gets:
+        # torchrun exports OMP_NUM_THREADS=1, which left them on one core (issue 34, 2.4). Torch's
+        # GPU work does not use this pool; the main thread only launches kernels.
+        torch.set_num_threads(max(1, adam_threads))
+    if args.dpu or args.overlap_cpu_step:     # resolved by job_plan (the pre-launch memory check)
+        if ps.device.type == "cuda":        # the device computes; one core keeps launching its kernels
+            adam_threads = args.dpu_adam_threads or max(1, adam_threads - 1)
+        else:
+            total = adam_threads
+            adam_threads = args.dpu_adam_threads or max(1, total // 2)
+            torch.set_num_threads(max(1, total - adam_threads))
+    cpu_adam.set_num_threads(adam_threads)
+    args.threads_line = f"CPU Adam {adam_threads} threads, torch {torch.get_num_threads()}"
+
+
+def build_metrics(args, ps) -> Metrics:
+    """Console (rank 0), --log-jsonl, --tensorboard-dir, W&B; the run's header record first."""
+    from zo_megatron.training.user_report import run_header
+
+    metrics = Metrics(enabled=ps.rank == 0, total_iters=args.train_iters, jsonl_path=args.log_jsonl,
+                      tensorboard_dir=args.tensorboard_dir, progress_bar=not args.no_progress_bar,
+                      wandb=dict(project=args.wandb_project, name=args.wandb_exp_name, dir=args.wandb_save_dir,
+                                 config=vars(args)) if args.wandb_project else None)
+    metrics.header(run_header(args, ps))
+    return metrics
+
+
+def model_config(args):
+    """The model's GPTConfig from the job's flags (the vocabulary as the pre-launch check resolved it)."""
+    from zo_megatron.model import GPTConfig
+
+    return GPTConfig(**architecture_kwargs(args), vocab_size=args.model_vocab_size, precision=args.precision,
+                     hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+                     init_method_std=args.init_method_std, recompute=args.recompute_granularity,
+                     recompute_method=args.recompute_method or "uniform",
+                     recompute_num_layers=args.recompute_num_layers or 1,
+                     attention_backend=args.core_attention, sequence_parallel=args.sequence_parallel)
+
+
+def build_datasets(args, tokenizer, data_path):
+    """(train, validation) datasets sized for the whole run (a collective: megatron's index-cache barrier)."""
+    from zo_megatron.data import build_gpt_datasets
+
+    gb = args.global_batch_size
+    n_evals = args.train_iters // args.eval_interval + 1
+    train_ds, valid_ds, _ = build_gpt_datasets(
+        data_path, args.split, args.seq_length, args.seed, tokenizer,
+        train_samples=args.train_iters * gb, valid_samples=n_evals * args.eval_iters * gb,
+        test_samples=0, cache_dir=args.data_cache_path)
+    return train_ds, valid_ds
+
+
+def build_optimizer(args, model, ps):
+    """The optimizer engine: ZeRO-Offload (with the CPU step's schedule its flags choose) or the plain
+    DDP + AdamW baseline; both implement optimizer_api.TrainingOptimizer."""
+    from zo_megatron.offload.engine import AdamConfig, ZeroOffloadEngine
+    from zo_megatron.offload.loss_scaler import ConstantLossScaler, DynamicLossScaler
+    from zo_megatron.training.plain_optimizer import PlainDDPOptimizer
+
+    adam = AdamConfig(lr=args.lr, beta1=args.adam_beta1, beta2=args.adam_beta2, eps=args.adam_eps,
+                      weight_decay=args.weight_decay, state_dtype=args.exp_avg_dtype)
+    if args.precision == "fp16":
+        scaler = ConstantLossScaler(args.loss_scale) if args.loss_scale else DynamicLossScaler(
+            initial_scale=args.initial_loss_scale, min_scale=args.min_loss_scale,
+            growth_interval=args.loss_scale_window, hysteresis=args.hysteresis)
+    else:
+        scaler = ConstantLossScaler(1.0)
+    common = dict(precision=args.precision, adam=adam, clip_grad=args.clip_grad, dp_group=ps.dp_group,
+                  tp_rank=ps.tp_rank, loss_scaler=scaler, no_decay_embeddings=args.no_weight_decay_embeddings,
+                  tp_group=ps.tp_group)
+    if args.zero_offload:
+        return ZeroOffloadEngine(model, bucket_size=args.bucket_size, pin_memory=not args.no_pin_memory,
+                                 device=ps.device, grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
+                                 host_grad_dtype=args.main_grads_dtype,
+                                 accumulate_on_host=args.accumulate_grads_on_host and args.grad_accum_steps > 1,
+                                 dpu_warmup_steps=args.dpu_warmup_steps if args.dpu else None,
+                                 dpu_weight_prediction=args.dpu_weight_prediction,
+                                 optimizer_offload_fraction=args.optimizer_offload_fraction,
+                                 overlap_cpu_step=args.overlap_cpu_step,
+                                 overlap_speculated_fraction=args.overlap_speculated_fraction, **common)
+    return PlainDDPOptimizer(model.to(ps.device), **common)
+
+
+def build_timeline(args, ps):
+    """--timeline's per-phase trace (training/timeline.py), or None."""
+    from zo_megatron.training.timeline import Timeline
+
+    return Timeline(args.timeline, ps.rank, ps.world_size, ps.device) if args.timeline else None
+
+
+def flops_per_token(args, cfg, ps) -> float:
+    """The model's FLOPs per token for the log's TFLOP/s (recomputed layers counted twice)."""
+    from zo_megatron.training.metrics import model_flops_per_token
+
+    recomputed = 0
+    if cfg.recompute == "full":             # block N: only the first N layers run forward twice
+        recomputed = (min(cfg.recompute_num_layers, cfg.num_layers) if cfg.recompute_method == "block"
+                      else cfg.num_layers)
+    return model_flops_per_token(cfg, args.seq_length, cfg.padded_vocab_size(ps.tp_size),
+                                 args.recompute_granularity, recomputed_layers=recomputed)

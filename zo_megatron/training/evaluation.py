@@ -1,0 +1,80 @@
+"""Evaluation: the validation split's endless micro-batches and the mean loss over --eval-iters.
+
+Megatron's semantics: --eval-iters counts global batches (accumulation x micro-batches per
+rank), the validation samples consumed are counted (a resumed run continues where it stopped),
+and the parameters evaluated have every pending (delayed) update applied.
+"""
+from __future__ import annotations
+
+import torch
+
+from zo_megatron.errors import UserError
+from zo_megatron.offload.device import batch_to_device, host_value
+from zo_megatron.parallel import collectives
+
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")   # model.loss's arguments, in order
+
+
+def loss_inputs(batch: dict, device: torch.device) -> list[torch.Tensor]:
+    """model.loss's arguments from one host micro-batch, on the device (pinned, non-blocking)."""
+    d = batch_to_device({k: batch[k] for k in BATCH_KEYS}, device)
+    return [d[k] for k in BATCH_KEYS]
+
+
+def cycle(make, consumed: int = 0):
+    """Endless micro-batches from `make(start)` (a fresh DP iterator per pass over a split),
+    continuing after `consumed` samples (all ranks together) as a resumed run must."""
+    first = make(0)
+    per_pass = (len(first.dataset) // first.global_micro_batch) * first.global_micro_batch
+    start = consumed % per_pass if per_pass else 0
+    while True:
+        produced = False
+        for b in make(start):
+            produced = True
+            yield b
+        start = 0
+        if not produced:
+            raise UserError("the validation split holds fewer samples than one micro-batch per DP rank: "
+                            "lower --micro-batch-size or give the split more documents")
+
+
+def evaluate(model, optimizer, batches, eval_iters: int, ps, device) -> tuple[float, int]:
+    """Mean loss over `eval_iters` micro-batches per rank, and the samples that covered (all DP ranks)."""
+    optimizer.flush()                       # evaluate the parameters with every update applied
+    model.eval()
+    total, count = torch.zeros((), dtype=torch.float64, device=device), 0
+    with torch.no_grad(), optimizer.forward_context():
+        for _ in range(eval_iters):
+            b = next(batches)
+            loss = model.loss(*loss_inputs(b, device))
+            total += loss.detach().double()
+            count += 1
+            samples = b["tokens"].shape[0]
+    model.train()
+    collectives.all_reduce(total, group=ps.dp_group)
+    return host_value(total).item() / (count * ps.dp_size), count * samples * ps.dp_size
+
+
+class Evaluator:
+    """The trainer's evaluation component: when it is due and what it measured last."""
+
+    def __init__(self, args, ps, valid_ds, consumed_valid: int):
+        from zo_megatron.data import DPBatches
+
+        self.args, self.ps = args, ps
+        self.consumed_valid = consumed_valid
+        self.last_loss: float | None = None
+        self.batches = cycle(lambda start: DPBatches(valid_ds, args.micro_batch_size, ps.dp_rank, ps.dp_size,
+                                                     consumed_samples=start), consumed_valid)
+
+    def due(self, iteration: int) -> bool:
+        a = self.args
+        return a.eval_iters > 0 and (iteration % a.eval_interval == 0 or iteration == a.train_iters)
+
+    def run(self, model, optimizer) -> tuple[float, int]:
+        """(mean loss, samples it covered); --eval-iters counts global batches, as Megatron's."""
+        loss, n = evaluate(model, optimizer, self.batches, self.args.eval_iters * self.args.grad_accum_steps,
+                           self.ps, self.ps.device)
+        self.consumed_valid += n
+        self.last_loss = loss
+        return loss, n

@@ -1,0 +1,76 @@
+"""The log interval: what one window of iterations measured, written as one log line.
+
+Each iteration adds its loss and the optimizer's step result; every --log-interval iterations the
+window becomes a row (training/metrics.py writes it to the console, JSONL, TensorBoard, W&B) and
+starts over. As Megatron's interval timer, time spent evaluating or saving is paused out of it.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+
+from zo_megatron.parallel import collectives
+from zo_megatron.training.metrics import host_rss_bytes
+
+
+class StepLog:
+    """One log window. `clock` is the trainer's monotonic clock (one clock for the whole job)."""
+
+    def __init__(self, metrics, args, ps, optimizer, flops_per_token: float, start_iter: int, clock):
+        self.metrics, self.args, self.ps, self.optimizer = metrics, args, ps, optimizer
+        self.flops_per_token, self.start_iter, self.clock = flops_per_token, start_iter, clock
+        self.grad_norm, self.delayed = 0.0, False
+        self._reset()
+
+    def _reset(self) -> None:
+        self.loss, self.n, self.skipped, self.nan = 0.0, 0, 0, 0
+        self.speculated, self.rolled_back = 0, 0
+        self.t = self.clock()
+
+    def record(self, loss: float, res, delayed: bool) -> None:
+        """One iteration: its loss (a host float; NaN/inf counted apart) and the optimizer's StepResult."""
+        if math.isfinite(loss):
+            self.loss += loss
+        else:
+            self.nan += 1
+        self.n += 1
+        self.skipped += int(res.skipped)
+        self.speculated += res.speculated_buckets
+        self.rolled_back += res.rolled_back_buckets
+        self.grad_norm, self.delayed = res.grad_norm, delayed
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Evaluation and checkpoint saving stay out of the interval timer (as Megatron's)."""
+        t0 = self.clock()
+        try:
+            yield
+        finally:
+            self.t += self.clock() - t0
+
+    def write(self, iteration: int, lr: float, res) -> None:
+        """The window as one row, then a fresh window. The loss is the mean over the window's finite
+        losses of every DP rank."""
+        args, ps = self.args, self.ps
+        stats = torch.tensor([self.loss, self.n - self.nan], dtype=torch.float64)
+        collectives.all_reduce(stats, group=ps.dp_group)
+        dt = self.clock() - self.t
+        tokens = self.n * args.global_batch_size * args.seq_length
+        acc = self.optimizer.accounting
+        self.metrics.log_train({
+            "iteration": iteration, "loss": stats[0].item() / max(stats[1].item(), 1.0), "lr": lr,
+            "grad_norm": self.grad_norm, "loss_scale": res.loss_scale, "skipped": self.skipped,
+            "nan_iterations": self.nan, "tokens_per_s": tokens / dt, "step_time_s": dt / max(self.n, 1),
+            "tflops_per_rank": self.flops_per_token * tokens / dt / ps.world_size / 1e12,
+            "device_model_state_bytes": acc.device_model_state_bytes, "host_model_state_bytes": acc.host_bytes,
+            "host_rss_bytes": host_rss_bytes(), "comm_bytes_per_step": acc.sent_bytes,
+            # --overlap-cpu-step: buckets whose CPU Adam ran during backward / were undone and redone
+            "speculated_buckets": self.speculated, "rolled_back_buckets": self.rolled_back,
+            "overlap_cpu_step": bool(getattr(args, "overlap_cpu_step", False)),
+            "device_peak_bytes": torch.cuda.max_memory_allocated(ps.device) if ps.device.type == "cuda" else None,
+            "delayed_update": self.delayed,
+            "_iters_done_this_run": iteration - self.start_iter,
+        })
+        self._reset()
