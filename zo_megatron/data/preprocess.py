@@ -342,106 +342,39 @@ def preprocess(inputs: Sequence[str], output_prefix: str, json_keys: Sequence[st
     keys = list(json_keys) if json_keys else ["text"]
     if len(set(keys)) != len(keys):
         raise DataError(f"--json-keys has duplicates: {' '.join(keys)}")
-    if documents is None:
-        sources = resolve_inputs(inputs, keys[0])
-        total_bytes = sum(s.size for s in sources)
-        docs = _iter_documents(sources, keys)
-    else:
-        if len(keys) != 1:
-            raise DataError("a document stream has exactly one key")
-        documents = list(documents)
-        total_bytes = sum(n for _, n in documents)
-        docs = (([text], n) for text, n in documents)
+    docs, total_bytes = _document_stream(inputs, keys, documents)
     if workers < 1:
         raise DataError(f"--workers {workers}: must be >= 1")
     if tokenizer is None:
         tokenizer = build_tokenizer(vocab_file, merge_file, allow_custom_vocab, tokenizer_type=tokenizer_type,
                                     tokenizer_model=tokenizer_model)
     output_prefix = os.path.abspath(os.path.expanduser(str(output_prefix)))
-    out_dir = os.path.dirname(output_prefix)
-    created = []                       # removed again if the run fails: no empty folder left behind
-    d = out_dir
-    while not os.path.exists(d):
-        created.append(d)
-        d = os.path.dirname(d)
-    os.makedirs(out_dir, exist_ok=True)
-
-    idx_mod = _indexed_dataset_module()
+    created = _make_dirs(os.path.dirname(output_prefix))
     import numpy as np
 
-    dtype = np.dtype(idx_mod.DType.optimal_dtype(tokenizer.vocab_size))
-    prefixes = {k: output_prefix_for(output_prefix, k) for k in keys}
-    tag = f".tmp-{os.getpid()}-{int(time.time() * 1000) % 10**9}"
-    tmp = {k: (p + tag + ".bin", p + tag + ".idx", p + tag + ".meta") for k, p in prefixes.items()}
-    builders = {}
+    dtype = np.dtype(_indexed_dataset_module().DType.optimal_dtype(tokenizer.vocab_size))
+    writers = _KeyWriters({k: output_prefix_for(output_prefix, k) for k in keys}, dtype,
+                          eod=tokenizer.eod if append_eod else None)
     progress_ = _Progress(total_bytes, progress, log_interval)
-    n_docs = n_tokens = n_empty = 0
-    id_range = {k: [None, None] for k in keys}    # min, max id written per key
-    n_key_docs = {k: 0 for k in keys}
-    n_key_tokens = {k: 0 for k in keys}
-    eod = np.asarray([tokenizer.eod], dtype=dtype)
+    n_docs = n_tokens = 0
     try:
-        for k in keys:
-            builders[k] = idx_mod.IndexedDatasetBuilder(tmp[k][0], dtype=dtype.type)
+        writers.open()
         t_work = time.monotonic()
-        stream = _encoded_stream(_iter_batches(docs), tokenizer, dtype, workers)
-        for encoded, nbytes in stream:
+        for encoded, nbytes in _encoded_stream(_iter_batches(docs), tokenizer, dtype, workers):
             b_docs = b_tokens = 0
             for doc in encoded:
-                written = False
-                for k, arr in zip(keys, doc):
-                    if arr.size == 0:
-                        n_empty += 1
-                        continue
-                    if append_eod:
-                        arr = np.concatenate([arr, eod])
-                    lo, hi = int(arr.min()), int(arr.max())
-                    rng = id_range[k]
-                    rng[0] = lo if rng[0] is None else min(rng[0], lo)
-                    rng[1] = hi if rng[1] is None else max(rng[1], hi)
-                    n_key_docs[k] += 1
-                    n_key_tokens[k] += arr.size
-                    builders[k].add_document(arr, [arr.size])
-                    b_tokens += arr.size
-                    written = True
-                b_docs += written
+                tokens = writers.add(doc)
+                b_docs += tokens > 0
+                b_tokens += tokens
             n_docs += b_docs
             n_tokens += b_tokens
             progress_.update(nbytes, b_docs, b_tokens)
         progress_.close()
-        for k in keys:
-            if len(builders[k].sequence_lengths) == 0:
-                where = " ".join(map(str, inputs)) if documents is None else "document stream"
-                raise DataError(f"--input {where}: no non-empty {k!r} documents, nothing to write")
-        for k in keys:
-            builders[k].finalize(tmp[k][1])
-            _fsync(tmp[k][0])
-            _fsync(tmp[k][1])
-            meta = dataset_meta(tokenizer, idx_path=tmp[k][1], bin_path=tmp[k][0], min_token_id=id_range[k][0],
-                                max_token_id=id_range[k][1], documents=n_key_docs[k], tokens=n_key_tokens[k])
-            with open(tmp[k][2], "w", encoding="utf-8") as f:
-                json.dump(meta, f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-        # Commit: the .idx appears last, so a dataset is either complete or absent by its final name
-        # (a leftover .meta.json of an older pair no longer matches the new .idx and is ignored).
-        for k, p in prefixes.items():
-            if os.path.exists(p + ".idx"):
-                os.unlink(p + ".idx")
-            os.replace(tmp[k][0], p + ".bin")
-            os.replace(tmp[k][2], meta_path(p))
-            os.replace(tmp[k][1], p + ".idx")
+        writers.check_nonempty(" ".join(map(str, inputs)) if documents is None else "document stream")
+        writers.commit(tokenizer)
     except BaseException:
         progress_.close()
-        for k, (b, i, m) in tmp.items():
-            if k in builders:
-                try:
-                    builders[k].data_file.close()
-                except Exception:
-                    pass
-            for f in (b, i, m):
-                if os.path.exists(f):
-                    os.unlink(f)
+        writers.abort()
         for d in created:              # deepest first; only if still empty
             try:
                 os.rmdir(d)
@@ -450,7 +383,111 @@ def preprocess(inputs: Sequence[str], output_prefix: str, json_keys: Sequence[st
         raise
     t_end = time.monotonic()
     return PreprocessResult(documents=n_docs, tokens=n_tokens, seconds=t_end - t0,
-                            prefixes=prefixes, skipped_empty=n_empty, work_seconds=t_end - t_work)
+                            prefixes=writers.prefixes, skipped_empty=writers.n_empty, work_seconds=t_end - t_work)
+
+
+def _document_stream(inputs, keys, documents):
+    """(documents as ([text per key], nbytes), their total bytes) from the input files or a given stream."""
+    if documents is None:
+        sources = resolve_inputs(inputs, keys[0])
+        return _iter_documents(sources, keys), sum(s.size for s in sources)
+    if len(keys) != 1:
+        raise DataError("a document stream has exactly one key")
+    documents = list(documents)
+    return (([text], n) for text, n in documents), sum(n for _, n in documents)
+
+
+def _make_dirs(out_dir: str) -> list[str]:
+    """Create `out_dir`; returns the directories created, deepest first (removed again if the run
+    fails: no empty folder left behind)."""
+    created = []
+    d = out_dir
+    while not os.path.exists(d):
+        created.append(d)
+        d = os.path.dirname(d)
+    os.makedirs(out_dir, exist_ok=True)
+    return created
+
+
+class _KeyWriters:
+    """One indexed dataset per json key, written under temporary names and committed by rename: a
+    dataset is either complete or absent by its final name, and a failed run leaves nothing."""
+
+    def __init__(self, prefixes: dict[str, str], dtype, eod: int | None):
+        import numpy as np
+
+        self.prefixes, self.dtype = prefixes, dtype
+        self.eod = None if eod is None else np.asarray([eod], dtype=dtype)
+        tag = f".tmp-{os.getpid()}-{int(time.time() * 1000) % 10**9}"
+        self.tmp = {k: (p + tag + ".bin", p + tag + ".idx", p + tag + ".meta") for k, p in prefixes.items()}
+        self.builders = {}
+        self.id_range = {k: [None, None] for k in prefixes}    # min, max id written per key
+        self.n_docs = {k: 0 for k in prefixes}
+        self.n_tokens = {k: 0 for k in prefixes}
+        self.n_empty = 0
+
+    def open(self) -> None:
+        idx_mod = _indexed_dataset_module()
+        for k in self.prefixes:
+            self.builders[k] = idx_mod.IndexedDatasetBuilder(self.tmp[k][0], dtype=self.dtype.type)
+
+    def add(self, doc) -> int:
+        """One document (an array of ids per key, in key order); returns the tokens written (0: all empty)."""
+        import numpy as np
+
+        written = 0
+        for k, arr in zip(self.prefixes, doc):
+            if arr.size == 0:
+                self.n_empty += 1
+                continue
+            if self.eod is not None:
+                arr = np.concatenate([arr, self.eod])
+            lo, hi = int(arr.min()), int(arr.max())
+            rng = self.id_range[k]
+            rng[0] = lo if rng[0] is None else min(rng[0], lo)
+            rng[1] = hi if rng[1] is None else max(rng[1], hi)
+            self.n_docs[k] += 1
+            self.n_tokens[k] += arr.size
+            self.builders[k].add_document(arr, [arr.size])
+            written += arr.size
+        return written
+
+    def check_nonempty(self, where: str) -> None:
+        for k in self.prefixes:
+            if len(self.builders[k].sequence_lengths) == 0:
+                raise DataError(f"--input {where}: no non-empty {k!r} documents, nothing to write")
+
+    def commit(self, tokenizer) -> None:
+        for k in self.prefixes:
+            b, i, m = self.tmp[k]
+            self.builders[k].finalize(i)
+            _fsync(b)
+            _fsync(i)
+            meta = dataset_meta(tokenizer, idx_path=i, bin_path=b, min_token_id=self.id_range[k][0],
+                                max_token_id=self.id_range[k][1], documents=self.n_docs[k], tokens=self.n_tokens[k])
+            with open(m, "w", encoding="utf-8") as f:
+                json.dump(meta, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+        # The .idx appears last, so a dataset is either complete or absent by its final name
+        # (a leftover .meta.json of an older pair no longer matches the new .idx and is ignored).
+        for k, p in self.prefixes.items():
+            if os.path.exists(p + ".idx"):
+                os.unlink(p + ".idx")
+            os.replace(self.tmp[k][0], p + ".bin")
+            os.replace(self.tmp[k][2], meta_path(p))
+            os.replace(self.tmp[k][1], p + ".idx")
+
+    def abort(self) -> None:
+        for k, (b, i, m) in self.tmp.items():
+            if k in self.builders:
+                try:
+                    self.builders[k].data_file.close()
+                except Exception:
+                    pass
+            for f in (b, i, m):
+                if os.path.exists(f):
+                    os.unlink(f)
 
 
 # ----------------------------------------------------------------------------- CLI
