@@ -305,7 +305,6 @@ def _compute(inp: PlanInput, bucket_overfill: bool = True) -> Plan:
     bucket_size elements (see may_fit)."""
     inp.validate()
     t, N = inp.tensor_parallel, inp.data_parallel
-    w = _bytes16(inp.precision)
     S = inp.max_position_embeddings or inp.seq_length
     V_pad = pad_vocab_size(inp.vocab_size, t, inp.make_vocab_size_divisible_by)
     counts = count_params(inp.num_layers, inp.hidden_size, V_pad, S, t, inp.ffn(),
@@ -317,62 +316,11 @@ def _compute(inp: PlanInput, bucket_overfill: bool = True) -> Plan:
     world, nodes, per_node = _ranks_layout(inp)
     warnings: list[str] = []
 
-    dev: dict[str, int] = {}
-    host_gpu: dict[str, int] = {}
     opt_b = 2 if inp.bf16_optimizer_states else 4
-    p16 = "params_fp32" if w == 4 else "params_16bit"
     if inp.zero_offload:
-        bucket = min(inp.bucket_size, psi_pad)
-        n_buckets, max_bucket = _bucket_layout(inp, V_pad, S, chunk)
-        if not bucket_overfill:
-            max_bucket = min(max_bucket, bucket)
-        buffers = min(2, n_buckets)       # the engine allocates one buffer when one bucket holds it all
-        wg = 4 if inp.reduces_in_fp32() else w    # bytes per gradient element in the buckets
-        wh = 4 if inp.host_grad_fp32 else w       # bytes per gradient element copied home
-        dev[p16] = w * psi_pad
-        dev["grad_buckets_x2"] = buffers * wg * bucket
-        if max_bucket > bucket:           # a parameter never straddles buckets: the largest (the word
-            dev["grad_bucket_oversize"] = buffers * wg * (max_bucket - bucket)   # embedding) may overfill one
-        if wg != wh and not inp.device_is_host:   # fp32 shards narrowed on the GPU before the copy home
-            dev["grad_narrow_scratch"] = buffers * wh * (max_bucket // N)
-        if N > 1:
-            dev["reduce_scatter_scratch"] = wg * bucket
-        if inp.grad_accum_steps > 1 and not inp.accumulate_on_host:
-            # fp32 when reduced in fp32 (the engine's main_grad, as Megatron's), else 16-bit param.grad
-            dev["grads_kept_across_microbatches"] = (4 if wg == 4 else w) * psi_pad
-        # --optimizer-offload-fraction F: the engine keeps the partition's first F on the host
-        # (rounded to 64 elements) and the tail on the device: fp32 master, m, v and gradient there.
-        tail = 0 if inp.optimizer_offload_fraction >= 1 else \
-            part - min(part, round(inp.optimizer_offload_fraction * part / 64) * 64)
-        if tail:
-            dev["optimizer_on_device_fp32"] = 16 * tail
-        part -= tail
-        host_gpu["master_fp32"] = 4 * part
-        host_gpu["adam_exp_avg"] = opt_b * part
-        host_gpu["adam_exp_avg_sq"] = opt_b * part
-        if wh == w:                       # one buffer: gradients in, updated parameters out
-            host_gpu["grad_param_staging" + ("_fp32" if w == 4 else "_16bit")] = w * part
-        else:
-            host_gpu["grad_staging_fp32"] = 4 * part
-            host_gpu["param_staging_16bit"] = w * part
-        if inp.grad_accum_steps > 1 and inp.accumulate_on_host:
-            host_gpu["grad_accumulator_fp32"] = 4 * part
-        if inp.overlap_cpu_step and inp.overlap_speculated_fraction > 0:
-            host_gpu["overlap_rollback"] = overlap_rollback_host_bytes(
-                part, w, wh, opt_b, inp.overlap_speculated_fraction,
-                inp.grad_accum_steps > 1 and inp.accumulate_on_host)
-        if inp.dpu:                       # the second landing set: gradients [+ fp32 accumulator]
-            host_gpu["dpu_pending_grad"] = wh * part + (
-                4 * part if inp.grad_accum_steps > 1 and inp.accumulate_on_host else 0)
-        if inp.dpu_weight_prediction:     # the fp32 master before the update in flight
-            host_gpu["dpu_weight_prediction"] = 4 * part
+        dev, host_gpu = _offload_model_states(inp, psi_pad, part, chunk, V_pad, S, opt_b, bucket_overfill)
     else:
-        dev[p16] = w * psi
-        dev["grads_fp32" if w == 4 else "grads_16bit"] = w * psi
-        if w == 2:
-            dev["master_fp32"] = 4 * psi
-        dev["adam_exp_avg"] = opt_b * psi
-        dev["adam_exp_avg_sq"] = opt_b * psi
+        dev, host_gpu = _device_model_states(inp, psi, opt_b), {}
     act = _activation_items(inp, V_pad)
     dev.update(act)
     dev["allocator_fragmentation"] = int(inp.fragmentation * sum(act.values()))
@@ -424,6 +372,76 @@ def _compute(inp: PlanInput, bucket_overfill: bool = True) -> Plan:
                 replicated_params_per_tp_rank=counts["replicated_per_tp_rank"],
                 vocab_size_padded=V_pad, world_size=world, num_nodes=nodes,
                 ranks_per_node=per_node, fits_device=fits_device, fits_host=fits_host)
+
+
+def _offload_model_states(inp: PlanInput, psi_pad: int, part: int, chunk: int, V_pad: int, S: int, opt_b: int,
+                          bucket_overfill: bool) -> tuple[dict[str, int], dict[str, int]]:
+    """ZeRO-Offload's model states: (device items per GPU, host items per GPU) for a partition of
+    `part` elements of a TP rank's `psi_pad` (padded) parameters."""
+    w = _bytes16(inp.precision)
+    p16 = "params_fp32" if w == 4 else "params_16bit"
+    dev: dict[str, int] = {}
+    host_gpu: dict[str, int] = {}
+    N = inp.data_parallel
+    bucket = min(inp.bucket_size, psi_pad)
+    n_buckets, max_bucket = _bucket_layout(inp, V_pad, S, chunk)
+    if not bucket_overfill:
+        max_bucket = min(max_bucket, bucket)
+    buffers = min(2, n_buckets)       # the engine allocates one buffer when one bucket holds it all
+    wg = 4 if inp.reduces_in_fp32() else w    # bytes per gradient element in the buckets
+    wh = 4 if inp.host_grad_fp32 else w       # bytes per gradient element copied home
+    dev[p16] = w * psi_pad
+    dev["grad_buckets_x2"] = buffers * wg * bucket
+    if max_bucket > bucket:           # a parameter never straddles buckets: the largest (the word
+        dev["grad_bucket_oversize"] = buffers * wg * (max_bucket - bucket)   # embedding) may overfill one
+    if wg != wh and not inp.device_is_host:   # fp32 shards narrowed on the GPU before the copy home
+        dev["grad_narrow_scratch"] = buffers * wh * (max_bucket // N)
+    if N > 1:
+        dev["reduce_scatter_scratch"] = wg * bucket
+    if inp.grad_accum_steps > 1 and not inp.accumulate_on_host:
+        # fp32 when reduced in fp32 (the engine's main_grad, as Megatron's), else 16-bit param.grad
+        dev["grads_kept_across_microbatches"] = (4 if wg == 4 else w) * psi_pad
+    # --optimizer-offload-fraction F: the engine keeps the partition's first F on the host
+    # (rounded to 64 elements) and the tail on the device: fp32 master, m, v and gradient there.
+    tail = 0 if inp.optimizer_offload_fraction >= 1 else \
+        part - min(part, round(inp.optimizer_offload_fraction * part / 64) * 64)
+    if tail:
+        dev["optimizer_on_device_fp32"] = 16 * tail
+    part -= tail
+    host_gpu["master_fp32"] = 4 * part
+    host_gpu["adam_exp_avg"] = opt_b * part
+    host_gpu["adam_exp_avg_sq"] = opt_b * part
+    if wh == w:                       # one buffer: gradients in, updated parameters out
+        host_gpu["grad_param_staging" + ("_fp32" if w == 4 else "_16bit")] = w * part
+    else:
+        host_gpu["grad_staging_fp32"] = 4 * part
+        host_gpu["param_staging_16bit"] = w * part
+    if inp.grad_accum_steps > 1 and inp.accumulate_on_host:
+        host_gpu["grad_accumulator_fp32"] = 4 * part
+    if inp.overlap_cpu_step and inp.overlap_speculated_fraction > 0:
+        host_gpu["overlap_rollback"] = overlap_rollback_host_bytes(
+            part, w, wh, opt_b, inp.overlap_speculated_fraction,
+            inp.grad_accum_steps > 1 and inp.accumulate_on_host)
+    if inp.dpu:                       # the second landing set: gradients [+ fp32 accumulator]
+        host_gpu["dpu_pending_grad"] = wh * part + (
+            4 * part if inp.grad_accum_steps > 1 and inp.accumulate_on_host else 0)
+    if inp.dpu_weight_prediction:     # the fp32 master before the update in flight
+        host_gpu["dpu_weight_prediction"] = 4 * part
+    return dev, host_gpu
+
+
+def _device_model_states(inp: PlanInput, psi: int, opt_b: int) -> dict[str, int]:
+    """The plain DDP + AdamW baseline: every model state on the device."""
+    w = _bytes16(inp.precision)
+    p16 = "params_fp32" if w == 4 else "params_16bit"
+    dev: dict[str, int] = {}
+    dev[p16] = w * psi
+    dev["grads_fp32" if w == 4 else "grads_16bit"] = w * psi
+    if w == 2:
+        dev["master_fp32"] = 4 * psi
+    dev["adam_exp_avg"] = opt_b * psi
+    dev["adam_exp_avg_sq"] = opt_b * psi
+    return dev
 
 
 def overlap_rollback_host_bytes(part: int, param_bytes: int, host_grad_bytes: int, state_bytes: int,
