@@ -1,2 +1,3 @@
-"""The training job: arguments -> components (data, model, optimizer engine, schedule, metrics,
-checkpoints) -> one loop that composes them (training/loop.py)."""
+"""The training job: arguments -> pre-launch checks (prelaunch.py) -> the Trainer (trainer.py),
+which builds the components (data, model, optimizer engine, schedule, metrics, checkpoints) and
+runs one loop that composes them. Entry: loop.pretrain()."""
