@@ -47,8 +47,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 GiB = 1 << 30
-# Dense bf16 peak (no sparsity) per GPU, for MFU: the vendors' data sheets.
-PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0, "GH200": 989.4, "B200": 2250.0}
 
 # Llama shapes of the sweep: (name, layers, hidden, heads, query groups, ffn). GPT-2 BPE vocabulary
 # (the job's bundled corpus), so params are a little under the Llama-3 namesakes.
@@ -544,7 +542,9 @@ def main(argv=None) -> int:
         write_report(a.out, result)
         return 2
     name = facts.get("device_name") or ""
-    peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None) if on_gpu else None
+    from zo_megatron.training.metrics import peak_tflops_of       # the job's own MFU denominator
+
+    peak = peak_tflops_of(name) if on_gpu else None
     result["peak_bf16_tflops"] = peak
     want = set(a.phases.split(","))
     if "suite" in want:

@@ -6,8 +6,10 @@ against tokens, every run overlaid and labelled.
 
 Each LOG is what --log-jsonl wrote. A file may hold several runs (--log-jsonl appends): each run
 starts with its "header" record (arguments, versions, git commit, world layout), so a resumed run
-is its own labelled curve. Tokens are iterations x global batch x sequence length of that run.
-Files from before header records are one run each (no token axis: the batch is unknown).
+is its own labelled curve. The token axis is each record's `consumed_tokens` (the job's count, right
+across a resume that changed the global batch); logs from before that field fall back to iterations
+x global batch x sequence length of the run's header. Files from before header records are one run
+each (no token axis: the batch is unknown).
 """
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ def fail(msg: str) -> None:
 
 
 def runs_of(path: str) -> list[dict]:
-    """[{header, train: [(iteration, loss)], eval: [(iteration, val_loss)]}] in file order."""
+    """[{header, train: [(iteration, loss, consumed_tokens)], eval: [(iteration, val_loss, consumed_tokens)]}]
+    in file order (consumed_tokens None in logs from before that field)."""
     if not os.path.isfile(path):
         fail(f"{path}: no such file; pass the file given to --log-jsonl")
     runs: list[dict] = []
@@ -39,13 +42,24 @@ def runs_of(path: str) -> list[dict]:
             if kind == "header" or not runs:
                 runs.append({"header": r if kind == "header" else {}, "train": [], "eval": []})
             if kind == "train" and "loss" in r:
-                runs[-1]["train"].append((r["iteration"], r["loss"]))
+                runs[-1]["train"].append((r["iteration"], r["loss"], r.get("consumed_tokens")))
             elif kind == "eval" and "val_loss" in r:
-                runs[-1]["eval"].append((r["iteration"], r["val_loss"]))
+                runs[-1]["eval"].append((r["iteration"], r["val_loss"], r.get("consumed_tokens")))
     runs = [r for r in runs if r["train"] or r["eval"]]
     if not runs:
         fail(f"{path}: no train or eval records")
     return runs
+
+
+def token_axis(run: dict, kind: str) -> list[int] | None:
+    """The x values of a run's `kind` ("train"/"eval") records on the token axis: each record's
+    consumed_tokens, else iteration x global batch x sequence length (None: unknown)."""
+    recs = run[kind]
+    if recs and all(t is not None for _, _, t in recs):
+        return [t for _, _, t in recs]
+    args = run["header"].get("args", {})
+    per_it = (args.get("global_batch_size") or 0) * (args.get("seq_length") or 0)
+    return [i * per_it for i, _, _ in recs] if per_it else None
 
 
 def label_of(path: str, i: int, n: int, header: dict) -> str:
@@ -86,17 +100,15 @@ def main(argv=None) -> int:
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for k, (lab, r) in enumerate(curves):
         c = colors[k % len(colors)]
-        args = r["header"].get("args", {})
-        per_it = (args.get("global_batch_size") or 0) * (args.get("seq_length") or 0)
-        for ax, scale in ((ax_it, 1), (ax_tok, per_it)):
-            if not scale:
+        for kind, style in (("train", dict(lw=1.2)), ("eval", dict(lw=0, marker="o", ms=5))):
+            if not r[kind]:
                 continue
-            if r["train"]:
-                x, y = zip(*r["train"])
-                ax.plot([i * scale for i in x], y, color=c, lw=1.2, label=f"{lab} train")
-            if r["eval"]:
-                x, y = zip(*r["eval"])
-                ax.plot([i * scale for i in x], y, color=c, lw=0, marker="o", ms=5, label=f"{lab} validation")
+            name = "train" if kind == "train" else "validation"
+            y = [v for _, v, _ in r[kind]]
+            ax_it.plot([i for i, _, _ in r[kind]], y, color=c, label=f"{lab} {name}", **style)
+            x_tok = token_axis(r, kind)
+            if x_tok is not None:
+                ax_tok.plot(x_tok, y, color=c, label=f"{lab} {name}", **style)
     ax_it.set_xlabel("iteration")
     ax_tok.set_xlabel("tokens")
     for ax in (ax_it, ax_tok):

@@ -115,29 +115,35 @@ class Metrics:
         done = row.pop("_iters_done_this_run", it)
         eta = elapsed / max(done, 1) * (self.total_iters - it)
         gn = row["grad_norm"]
-        line = (f" iter {it:>6}/{self.total_iters} | loss {row['loss']:.4f} | lr {row['lr']:.3e} | "
+        when = f"[{row['time'].replace('T', ' ').replace('+00:00', ' UTC')}] " if row.get("time") else ""
+        line = (f" {when}iter {it:>6}/{self.total_iters} | loss {row['loss']:.4f} | lr {row['lr']:.3e} | "
                 f"grad norm {gn:.3f} | loss scale {row['loss_scale']:.0f} | "
                 f"skipped {row['skipped']} nan {row['nan_iterations']} | "
                 + (f"speculated {row['speculated_buckets']} rolled back {row['rolled_back_buckets']} | "
                    if row.get("overlap_cpu_step") else "")
+                + (f"consumed {row['consumed_samples']:,} samples | " if "consumed_samples" in row else "")
                 + f"{row['tokens_per_s']:,.0f} tok/s | "
-                f"{row['tflops_per_rank']:.3f} TFLOP/s/rank | {row['step_time_s'] * 1000:.0f} ms/it | "
+                f"{row['tflops_per_rank']:.3f} TFLOP/s/rank | "
+                + (f"MFU {row['mfu']:.1%} | " if row.get("mfu") is not None else "")
+                + f"{row['step_time_s'] * 1000:.0f} ms/it | "
                 f"model states dev {human_bytes(row['device_model_state_bytes'])} "
-                f"host {human_bytes(row['host_model_state_bytes'])} | rss {human_bytes(row['host_rss_bytes'])} | "
-                + (f"device peak {human_bytes(row['device_peak_bytes'])} | " if row.get("device_peak_bytes") else "")
+                f"host {human_bytes(row['host_model_state_bytes'])} | " + _peak_words(row)
                 + f"elapsed {human_time(elapsed)} eta {human_time(eta)}")
         if self._bar is not None:
             self._bar.set_postfix(loss=f"{row['loss']:.3f}", refresh=False)
         self.print(line)
         self._write({k: v for k, v in row.items() if not k.startswith("_")}, "train")
 
-    def log_eval(self, iteration: int, val_loss: float, split: str = "validation", eval_samples: int | None = None) -> None:
+    def log_eval(self, iteration: int, val_loss: float, split: str = "validation", eval_samples: int | None = None,
+                 consumed_tokens: int | None = None) -> None:
         if not self.enabled:
             return
         ppl = math.exp(min(val_loss, 50.0))
         self.print(f" {split} loss at iteration {iteration} | lm loss {val_loss:.4f} | lm loss PPL {ppl:.3f}"
                    + (f" | {eval_samples} samples" if eval_samples is not None else ""))
         row = {"iteration": iteration, "val_loss": val_loss, "val_ppl": ppl, "split": split}
+        if consumed_tokens is not None:          # training tokens so far: plot_loss.py's token axis
+            row["consumed_tokens"] = consumed_tokens
         if eval_samples is not None:
             row["eval_samples"] = eval_samples
         self._write(row, "eval")
@@ -206,6 +212,36 @@ class Metrics:
                 f.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def _peak_words(row: dict) -> str:
+    """The log line's memory peaks: every rank's maximum and which rank, or rank 0's own."""
+    if row.get("host_peak_bytes_max") is None:
+        return f"rss {human_bytes(row['host_rss_bytes'])} | " + (
+            f"device peak {human_bytes(row['device_peak_bytes'])} | " if row.get("device_peak_bytes") else "")
+    words = f"host peak {human_bytes(row['host_peak_bytes_max'])} (rank {row['host_peak_rank']}) | "
+    if row.get("device_peak_bytes_max") is not None:
+        words += f"device peak {human_bytes(row['device_peak_bytes_max'])} (rank {row['device_peak_rank']}) | "
+    return words
+
+
+# Dense 16-bit tensor-core peak (no sparsity) per GPU, TFLOP/s, from the vendors' data sheets: the
+# denominator of MFU. The most specific name first (an "H100 PCIe" is not an SXM H100).
+PEAK_BF16_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.4, "GH200": 989.4, "H200": 989.4,
+                    "A100": 312.0, "B200": 2250.0}
+
+
+def device_peak_tflops(device) -> float | None:
+    """The device's dense bf16 peak (PEAK_BF16_TFLOPS), None where unknown: every CPU, unlisted GPUs."""
+    import torch
+
+    if getattr(device, "type", device) != "cuda" or not torch.cuda.is_available():
+        return None
+    return peak_tflops_of(torch.cuda.get_device_name(device))
+
+
+def peak_tflops_of(name: str) -> float | None:
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
 
 
 def _start_wandb(*, project: str, name: str | None, dir: str | None, config: dict):

@@ -7,12 +7,13 @@ starts over. As Megatron's interval timer, time spent evaluating or saving is pa
 from __future__ import annotations
 
 import contextlib
+import datetime
 import math
 
 import torch
 
 from zo_megatron.parallel import collectives
-from zo_megatron.training.metrics import host_rss_bytes
+from zo_megatron.training.metrics import device_peak_tflops, host_rss_bytes
 
 
 class StepLog:
@@ -22,6 +23,7 @@ class StepLog:
         self.metrics, self.args, self.ps, self.optimizer = metrics, args, ps, optimizer
         self.flops_per_token, self.start_iter, self.clock = flops_per_token, start_iter, clock
         self.grad_norm, self.delayed = 0.0, False
+        self.peak_tflops = device_peak_tflops(ps.device)    # None where unknown (every CPU): no MFU
         self._reset()
 
     def _reset(self) -> None:
@@ -50,27 +52,54 @@ class StepLog:
         finally:
             self.t += self.clock() - t0
 
-    def write(self, iteration: int, lr: float, res) -> None:
+    def write(self, iteration: int, lr: float, res, consumed_samples: int) -> None:
         """The window as one row, then a fresh window. The loss is the mean over the window's finite
-        losses of every DP rank."""
+        losses of every DP rank; the memory peaks are every rank's (one small gather per record)."""
         args, ps = self.args, self.ps
         stats = torch.tensor([self.loss, self.n - self.nan], dtype=torch.float64)
         collectives.all_reduce(stats, group=ps.dp_group)
+        host_peak = host_rss_bytes()
+        device_peak = torch.cuda.max_memory_allocated(ps.device) if ps.device.type == "cuda" else None
+        peaks = rank_peaks(host_peak, device_peak)
         dt = self.clock() - self.t
         tokens = self.n * args.global_batch_size * args.seq_length
+        tflops = self.flops_per_token * tokens / dt / ps.world_size / 1e12
         acc = self.optimizer.accounting
         self.metrics.log_train({
-            "iteration": iteration, "loss": stats[0].item() / max(stats[1].item(), 1.0), "lr": lr,
+            "iteration": iteration, "time": wall_clock(), "consumed_samples": consumed_samples,
+            "consumed_tokens": consumed_samples * args.seq_length,
+            "loss": stats[0].item() / max(stats[1].item(), 1.0), "lr": lr,
             "grad_norm": self.grad_norm, "loss_scale": res.loss_scale, "skipped": self.skipped,
             "nan_iterations": self.nan, "tokens_per_s": tokens / dt, "step_time_s": dt / max(self.n, 1),
-            "tflops_per_rank": self.flops_per_token * tokens / dt / ps.world_size / 1e12,
+            "tflops_per_rank": tflops, "mfu": tflops / self.peak_tflops if self.peak_tflops else None,
             "device_model_state_bytes": acc.device_model_state_bytes, "host_model_state_bytes": acc.host_bytes,
-            "host_rss_bytes": host_rss_bytes(), "comm_bytes_per_step": acc.sent_bytes,
+            "host_rss_bytes": host_peak, "comm_bytes_per_step": acc.sent_bytes,
             # --overlap-cpu-step: buckets whose CPU Adam ran during backward / were undone and redone
             "speculated_buckets": self.speculated, "rolled_back_buckets": self.rolled_back,
             "overlap_cpu_step": bool(getattr(args, "overlap_cpu_step", False)),
-            "device_peak_bytes": torch.cuda.max_memory_allocated(ps.device) if ps.device.type == "cuda" else None,
+            "device_peak_bytes": device_peak,
+            **peaks,
             "delayed_update": self.delayed,
             "_iters_done_this_run": iteration - self.start_iter,
         })
         self._reset()
+
+
+def wall_clock() -> str:
+    """Now, as an ISO 8601 UTC timestamp to the second (what a log line and a JSONL record carry)."""
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def rank_peaks(host_peak: int, device_peak: int | None) -> dict:
+    """Every rank's peak host memory (its own VmHWM) and device memory (CUDA's peak allocated; None
+    on a CPU), gathered over the world: per-rank lists in rank order, their maximum and its rank."""
+    mine = torch.tensor([host_peak, -1 if device_peak is None else device_peak], dtype=torch.int64)
+    rows = torch.stack(collectives.all_gather_list(mine, None)).tolist()
+    host = [r[0] for r in rows]
+    out = {"host_peak_bytes_per_rank": host, "host_peak_bytes_max": max(host),
+           "host_peak_rank": host.index(max(host))}
+    if device_peak is None:
+        return {**out, "device_peak_bytes_per_rank": None, "device_peak_bytes_max": None, "device_peak_rank": None}
+    dev = [r[1] for r in rows]
+    return {**out, "device_peak_bytes_per_rank": dev, "device_peak_bytes_max": max(dev),
+            "device_peak_rank": dev.index(max(dev))}

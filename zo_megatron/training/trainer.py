@@ -136,7 +136,7 @@ class Trainer:
             self.advance(res)
             self.log.record(host_value(loss).item(), res, delayed=self._delayed(res))   # a timed wait first
             if st.iteration % args.log_interval == 0 or st.iteration == args.train_iters:
-                self.log.write(st.iteration, lr, res)
+                self.log.write(st.iteration, lr, res, st.consumed_samples)
             if self.evaluator is not None and self.evaluator.due(st.iteration):
                 self.evaluate()
             exit_reason = self.exit_reason()
@@ -197,7 +197,8 @@ class Trainer:
         with self.log.paused():             # as Megatron: evaluation stays out of the interval timer
             loss, n_samples = self.evaluator.run(self.model, self.optimizer)
             self.state.consumed_valid_samples = self.evaluator.consumed_valid
-            self.metrics.log_eval(self.state.iteration, loss, eval_samples=n_samples)
+            self.metrics.log_eval(self.state.iteration, loss, eval_samples=n_samples,
+                                  consumed_tokens=self.state.consumed_samples * self.args.seq_length)
 
     def save(self) -> None:
         st = self.state

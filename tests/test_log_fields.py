@@ -1,0 +1,112 @@
+"""Issue 35, item 17: the log says how far the run is (consumed samples and tokens, right across a
+resume that changes the global batch), when (a wall-clock timestamp), how well the device is used
+(MFU where its peak is known) and every rank's memory peak, not rank 0's only; tools/plot_loss.py
+puts each record at its consumed tokens."""
+import datetime
+import json
+import os
+import sys
+
+import pytest
+
+from tests.harness import run_world
+from tests.test_checkpoint_args import ROOT, SHAPE, _main
+
+BALLAST_MIB = 192
+RUN = ["--micro-batch-size", "2", "--lr", "1e-3", "--no-progress-bar", "--fp32", "--log-interval", "1",
+       "--eval-interval", "2", "--eval-iters", "1", "--split", "80,20,0", "--zero-offload", "--lr-decay-iters", "6"]
+
+
+def _main_with_ballast(rank, argv):
+    """Rank 1 holds BALLAST_MIB more resident memory than rank 0 for the whole run."""
+    ballast = b"\x01" * (BALLAST_MIB << 20) if rank == 1 else b""     # filled: every page resident
+    try:
+        return _main(rank, argv)
+    finally:
+        del ballast
+
+
+def _rows(path, kind):
+    return [r for r in map(json.loads, open(path)) if r.get("kind") == kind]
+
+
+def test_consumed_tokens_time_and_every_ranks_peak_across_a_resume_that_changes_the_batch(tmp_path):
+    from zo_megatron.data import extract_corpus
+    from zo_megatron.data.preprocess import preprocess
+
+    d = str(tmp_path)
+    preprocess(extract_corpus(f"{d}/txt", limit=6), f"{d}/sotu", progress=False)
+    log, ckpt, seq = f"{d}/log.jsonl", f"{d}/ckpt", 16
+    common = [*SHAPE, *RUN, "--data-path", f"{d}/sotu_text_document", "--log-jsonl", log, "--save", ckpt]
+    started = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)
+    for gb, iters in ((4, 4), (8, 6)):                     # the resume doubles the global batch
+        res = run_world(_main_with_ballast, 2, [*common, "--global-batch-size", str(gb), "--train-iters",
+                                                str(iters), *(["--load", ckpt] if gb == 8 else [])], timeout=300)
+        assert all(rc == 0 for rc, _, _ in res), res[0][2][-3000:] + res[1][2][-3000:]
+    ended = datetime.datetime.now(datetime.timezone.utc)
+    train, evals = _rows(log, "train"), _rows(log, "eval")
+    assert [r["iteration"] for r in train] == [1, 2, 3, 4, 5, 6]
+    want = [4, 8, 12, 16, 24, 32]                         # samples: 4 per iteration, then 8
+    assert [r["consumed_samples"] for r in train] == want
+    assert [r["consumed_tokens"] for r in train] == [s * seq for s in want]
+    by_iter = {r["iteration"]: r["consumed_tokens"] for r in train}
+    assert evals and all(e["consumed_tokens"] == by_iter[e["iteration"]] for e in evals)
+    times = [datetime.datetime.fromisoformat(r["time"]) for r in train]
+    assert all(t.utcoffset() == datetime.timedelta(0) for t in times)
+    assert started <= times[0] and times == sorted(times) and times[-1] <= ended
+    for r in train:
+        assert r["mfu"] is None                           # a CPU has no known peak
+        per_rank = r["host_peak_bytes_per_rank"]
+        assert len(per_rank) == 2 and per_rank[0] == r["host_rss_bytes"]     # rank 0's own, same sample
+        assert per_rank[1] - per_rank[0] > (BALLAST_MIB - 48) << 20, per_rank
+        assert r["host_peak_bytes_max"] == per_rank[1] and r["host_peak_rank"] == 1
+        assert r["device_peak_bytes_per_rank"] is None and r["device_peak_bytes_max"] is None
+
+    # plot_loss: the second run's points sit at their consumed tokens, not iteration x its batch
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import plot_loss
+
+    runs = plot_loss.runs_of(log)
+    assert len(runs) == 2
+    assert plot_loss.token_axis(runs[1], "train") == [24 * seq, 32 * seq]
+    assert plot_loss.token_axis(runs[1], "train") != [i * 8 * seq for i in (5, 6)]
+
+
+def test_a_log_without_consumed_tokens_falls_back_to_its_headers_batch(tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import plot_loss
+
+    log = tmp_path / "old.jsonl"
+    rows = [{"kind": "header", "args": {"global_batch_size": 4, "seq_length": 32}},
+            {"kind": "train", "iteration": 1, "loss": 9.0}, {"kind": "train", "iteration": 2, "loss": 8.0},
+            {"kind": "eval", "iteration": 2, "val_loss": 8.5}]
+    log.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run,) = plot_loss.runs_of(str(log))
+    assert plot_loss.token_axis(run, "train") == [128, 256] and plot_loss.token_axis(run, "eval") == [256]
+    run["header"] = {}
+    assert plot_loss.token_axis(run, "train") is None
+
+
+@pytest.mark.parametrize("name, peak", [("NVIDIA H100 80GB HBM3", 989.4), ("NVIDIA H100 PCIe", 756.0),
+                                        ("NVIDIA H200", 989.4), ("NVIDIA A100-SXM4-80GB", 312.0),
+                                        ("NVIDIA GeForce RTX 4090", None)])
+def test_mfu_denominator_by_device_name(name, peak):
+    from zo_megatron.training.metrics import peak_tflops_of
+
+    assert peak_tflops_of(name) == peak
+
+
+def test_the_log_line_names_time_consumed_samples_mfu_and_the_peak_rank(capsys):
+    from zo_megatron.training.metrics import Metrics
+
+    m = Metrics(enabled=True, total_iters=10, progress_bar=False)
+    row = {"iteration": 3, "time": "2026-11-27T12:00:05+00:00", "consumed_samples": 1536, "loss": 5.0, "lr": 1e-4,
+           "grad_norm": 1.0, "loss_scale": 1.0, "skipped": 0, "nan_iterations": 0, "tokens_per_s": 100.0,
+           "step_time_s": 0.5, "tflops_per_rank": 123.0, "mfu": 0.124, "device_model_state_bytes": 1 << 30,
+           "host_model_state_bytes": 7 << 30, "host_rss_bytes": 3 << 30, "host_peak_bytes_max": 5 << 30,
+           "host_peak_rank": 3, "device_peak_bytes_max": 60 << 30, "device_peak_rank": 2}
+    m.log_train(row)
+    line = capsys.readouterr().out
+    assert line.startswith(" [2026-11-27 12:00:05 UTC] iter      3/10 | loss 5.0000")
+    assert "consumed 1,536 samples" in line and "MFU 12.4%" in line
+    assert "host peak 5.0 GiB (rank 3)" in line and "device peak 60.0 GiB (rank 2)" in line
