@@ -60,6 +60,9 @@ def _cases(d):
         ("HF tokenizer needing remote code", [*data, *hf, f"{d}/hf_remote"], {}, "trust_remote_code"),
         ("data ids beyond the vocabulary (another tokenizer)", [*data, *hf, f"{d}/hf"], {},
          "preprocessed with GPT2BPETokenizer"),
+        # issue 35, item 17: ids that fit but mean other text were two warnings, now one refusal
+        ("data of another tokenizer whose ids fit", ["--data-path", f"{d}/hfdata_text_document"], {},
+         "add --allow-other-tokenizer-data"),
         # checkpoints
         # (issue 35: without --exit-on-missing-checkpoint a --load with no checkpoint starts fresh, as
         # Megatron-LM; the refusal is now that flag's)
@@ -159,6 +162,10 @@ def test_bad_input_table(tmp_path):
     from tests.hf_tokenizer import make_hf_tokenizer
 
     make_hf_tokenizer(f"{d}/hf")
+    from zo_megatron.data import build_tokenizer
+
+    preprocess(extract_corpus(f"{d}/txt", limit=2), f"{d}/hfdata", progress=False,
+               tokenizer=build_tokenizer(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=f"{d}/hf"))
     make_hf_tokenizer(f"{d}/hf_no_json", without=("tokenizer.json",))
     make_hf_tokenizer(f"{d}/hf_remote", config_update={"auto_map": {"AutoTokenizer": ["t.Tok", None]}})
 

@@ -65,7 +65,7 @@ def test_tokenizer_matches_autotokenizer(hf_tokenizer_dir):
     texts = _random_texts(seed, corpus, 40) + corpus
     batch = tok.encode_batch(texts)
     for text, ids in zip(texts, batch):
-        expected = ref(text).input_ids
+        expected = ref(text, split_special_tokens=True).input_ids   # "</s>" in a text is text (issue 35, 14)
         assert ids == expected == tok.encode(text)
         assert ids[0] == ref.bos_token_id                  # the config adds BOS, as Llama's does
         assert tok.decode(ids) == ref.decode(expected, skip_special_tokens=False)
@@ -95,7 +95,7 @@ def test_preprocess_ids_equal_autotokenizer(hf_tokenizer_dir, tmp_path, workers)
     docs = _read_docs(prefix)
     assert len(docs) == len(texts)
     for text, ids in zip(texts, docs):                   # every id against transformers
-        assert ids == ref(text).input_ids + [ref.eos_token_id]
+        assert ids == ref(text, split_special_tokens=True).input_ids + [ref.eos_token_id]
     meta = json.load(open(prefix + ".meta.json"))
     flat = [i for d in docs for i in d]
     assert meta["tokenizer_type"] == "HuggingFaceTokenizer" and meta["tokenizer_model"] == hf_tokenizer_dir
@@ -103,6 +103,38 @@ def test_preprocess_ids_equal_autotokenizer(hf_tokenizer_dir, tmp_path, workers)
         (len(ref), ref.eos_token_id, max(flat), min(flat), len(flat))
     assert meta["tokenizer_fingerprint"] == build_tokenizer(tokenizer_type="HuggingFaceTokenizer",
                                                             tokenizer_model=hf_tokenizer_dir).fingerprint
+
+
+def test_special_token_text_inside_a_document_is_text_unless_parsed(hf_tokenizer_dir, tmp_path):
+    """Issue 35, item 14: "</s>" / "<s>" written inside a document became real EOD / BOS ids mid-document
+    on the HF path (the GPT-2 path encodes them as text). Now text by default; --parse-special-tokens
+    gives Megatron-LM's ids (tokenizer(text).input_ids). Checked against AutoTokenizer, every id."""
+    from transformers import AutoTokenizer
+
+    from zo_megatron.data.preprocess import main as preprocess_main
+
+    seed = fresh_seed()
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    ref = AutoTokenizer.from_pretrained(hf_tokenizer_dir, local_files_only=True)
+    words = ["state", "union", "the", "</s>", "<s>", "law", "of", "people"]
+    texts = [" ".join(rng.choice(words) for _ in range(rng.randint(3, 30))) + " </s> end" for _ in range(12)]
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    eos, bos = ref.eos_token_id, ref.bos_token_id
+    for parse in (False, True):
+        out = tmp_path / f"p{int(parse)}"
+        rc = preprocess_main(["--input", str(src), "--output-prefix", str(out), *HF, hf_tokenizer_dir,
+                              "--workers", "2", *(["--parse-special-tokens"] if parse else [])])   # spec() carries it
+        assert rc == 0
+        docs = _read_docs(f"{out}_text_document")
+        want = [list(ref(t, split_special_tokens=not parse).input_ids) + [eos] for t in texts]
+        assert docs == want
+        inner = [i for d in docs for i in d[1:-1]]          # BOS first, the appended EOD last
+        assert (eos in inner or bos in inner) == parse
+    with pytest.raises(DataError) as e:                      # GPT-2's BPE never parses them
+        build_tokenizer(parse_special_tokens=True)
+    assert "--parse-special-tokens applies to --tokenizer-type HuggingFaceTokenizer" in _one_line(e)
 
 
 def test_dataset_record_and_vocabulary_check(hf_tokenizer_dir, tmp_path):
@@ -126,13 +158,20 @@ def test_dataset_record_and_vocabulary_check(hf_tokenizer_dir, tmp_path):
     assert g + ".bin" in msg and "GPT2BPETokenizer" in msg and f"[0, {HF_VOCAB_SIZE})" in msg
     import logging
 
+    # fits, but another tokenizer made it: the ids mean other text, refused (issue 35, item 17: was a
+    # warning, said twice); --allow-other-tokenizer-data ("warn") says it once, "accept" not at all
+    with pytest.raises(DataError) as e:
+        validate_data_prefix(h, gpt2)
+    msg = _one_line(e)
+    assert "HuggingFaceTokenizer" in msg and "not this run's tokenizer" in msg and "--allow-other-tokenizer-data" in msg
     seen = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: seen.append(record.getMessage())
     log = logging.getLogger("zo_megatron.data.datasets")
     log.addHandler(handler)
     try:
-        validate_data_prefix(h, gpt2)                    # fits, but another tokenizer made it: a warning
+        validate_data_prefix(h, gpt2, "warn")
+        validate_data_prefix(h, gpt2, "accept")
     finally:
         log.removeHandler(handler)
     assert len(seen) == 1 and "HuggingFaceTokenizer" in seen[0] and "not this run's tokenizer" in seen[0]
@@ -181,7 +220,8 @@ def test_cache_keys_follow_the_tokenizer(hf_tokenizer_dir, tmp_path, monkeypatch
     caches = {}
     for name, tok in (("a", hf), ("b", hf2)):
         cache = tmp_path / f"cache_{name}"
-        build_gpt_datasets([prefix], "100,0,0", 32, 1, tok, 8, 0, 0, cache_dir=str(cache))
+        # hf2 did not make the data (refused by default since issue 35, item 17): accepted here on purpose
+        build_gpt_datasets([prefix], "100,0,0", 32, 1, tok, 8, 0, 0, cache_dir=str(cache), other_tokenizer="accept")
         caches[name] = {f for _, _, fs in os.walk(cache) for f in fs if f.endswith(".npy")}
         assert caches[name]
     assert not caches["a"] & caches["b"]                  # file names carry the key's hash

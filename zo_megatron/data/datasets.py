@@ -64,7 +64,10 @@ def _preprocess_hint(prefix: str) -> str:
     return f"build it with: python tools/preprocess_data.py --input <text> --output-prefix {out}"
 
 
-def validate_data_prefix(prefix: str, tokenizer=None) -> DatasetInfo:
+OTHER_TOKENIZER_FLAG = "--allow-other-tokenizer-data"
+
+
+def validate_data_prefix(prefix: str, tokenizer=None, other_tokenizer: str = "error") -> DatasetInfo:
     """Check a Megatron dataset prefix (PREFIX.bin + PREFIX.idx) before training on it.
 
     Raises DataError (one line naming the file and the fix) for: missing files, an .idx that is
@@ -73,7 +76,9 @@ def validate_data_prefix(prefix: str, tokenizer=None) -> DatasetInfo:
     id >= vocab_size. The ids are checked against the largest id recorded by the preprocessing in
     PREFIX.meta.json when that record still matches the pair (dataset_meta.py), else by reading
     the tokens (all of them up to 256 MB of .bin, evenly spread windows beyond). A record naming
-    another tokenizer whose ids fit is only warned about.
+    another tokenizer whose ids fit means the ids stand for other text: `other_tokenizer` "error"
+    (the default) refuses it, "warn" (the job's --allow-other-tokenizer-data) says it once, "accept"
+    says nothing (a second look at data already checked).
     """
     import numpy as np
 
@@ -154,12 +159,16 @@ def validate_data_prefix(prefix: str, tokenizer=None) -> DatasetInfo:
                                 f"was preprocessed with {made_by}; re-run tools/preprocess_data.py with this "
                                 f"run's tokenizer (--tokenizer-type/--tokenizer-model), or train with that one")
             fp = getattr(tokenizer, "fingerprint", None)
-            if (fp is not None and meta.get("tokenizer_fingerprint") != fp
-                    and os.environ.get("RANK", "0") == "0"):      # once per job, not once per rank
-                logger.warning("%s was preprocessed with %s, not this run's tokenizer (%s); its ids fit the "
-                               "vocabulary, but they mean other text: re-run tools/preprocess_data.py with this "
-                               "run's tokenizer unless that is intended", prefix, made_by,
-                               getattr(tokenizer, "tokenizer_type", type(tokenizer).__name__))
+            if fp is not None and meta.get("tokenizer_fingerprint") != fp and other_tokenizer != "accept":
+                what = (f"{prefix} was preprocessed with {made_by}, not this run's tokenizer "
+                        f"({getattr(tokenizer, 'tokenizer_type', type(tokenizer).__name__)}): its ids fit the "
+                        "vocabulary, but they mean other text")
+                if other_tokenizer == "error":
+                    raise DataError(f"{what}; re-run tools/preprocess_data.py with this run's tokenizer "
+                                    f"(--tokenizer-type/--tokenizer-model), or add {OTHER_TOKENIZER_FLAG} if that "
+                                    "is intended")
+                if os.environ.get("RANK", "0") == "0":          # once per job, not once per rank
+                    logger.warning("%s (%s given)", what, OTHER_TOKENIZER_FLAG)
             return DatasetInfo(prefix, dtype.name, int(n_seq), int(n_doc - 1), n_tokens)
         data = np.memmap(bin_path, dtype=dtype, mode="r")
         if bin_size <= _FULL_SCAN_BYTES:
@@ -303,7 +312,7 @@ def _split_that_fits(which: int, documents: int) -> str | None:
 
 def build_gpt_datasets(data_path: Sequence[str] | str, split: str, seq_length: int, seed: int,
                        tokenizer, train_samples: int, valid_samples: int, test_samples: int,
-                       cache_dir: str | None = None):
+                       cache_dir: str | None = None, other_tokenizer: str = "error"):
     """(train, valid, test) megatron-core datasets; an entry is None when its split is empty.
 
     data_path: ["prefix"], ["w1", "p1", "w2", "p2", ...] (weights, normalised) or
@@ -322,7 +331,7 @@ def build_gpt_datasets(data_path: Sequence[str] | str, split: str, seq_length: i
     sizes = [int(train_samples), int(valid_samples), int(test_samples)]
     if any(s < 0 for s in sizes):
         raise DataError(f"sample counts must be >= 0, got train/valid/test {sizes}")
-    infos = [validate_data_prefix(p, tokenizer) for p in prefixes]
+    infos = [validate_data_prefix(p, tokenizer, other_tokenizer) for p in prefixes]
     if len(prefixes) == 1:
         weights = None  # one dataset: no blending layer
     elif weights is None:

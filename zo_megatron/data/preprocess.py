@@ -330,7 +330,8 @@ def preprocess(inputs: Sequence[str], output_prefix: str, json_keys: Sequence[st
                log_interval: float = 10.0, progress: bool = True,
                tokenizer: Tokenizer | None = None,
                documents: Iterable[tuple[str, int]] | None = None, *,
-               tokenizer_type: str = GPT2_TOKENIZER, tokenizer_model: str | None = None) -> PreprocessResult:
+               tokenizer_type: str = GPT2_TOKENIZER, tokenizer_model: str | None = None,
+               parse_special_tokens: bool = False) -> PreprocessResult:
     """Tokenize `inputs` into ``{output_prefix}_{key}_document.{bin,idx}`` per json key.
 
     `documents` (internal, used by the embedded corpus): an iterable of (text, nbytes) used instead
@@ -347,7 +348,7 @@ def preprocess(inputs: Sequence[str], output_prefix: str, json_keys: Sequence[st
         raise DataError(f"--workers {workers}: must be >= 1")
     if tokenizer is None:
         tokenizer = build_tokenizer(vocab_file, merge_file, allow_custom_vocab, tokenizer_type=tokenizer_type,
-                                    tokenizer_model=tokenizer_model)
+                                    tokenizer_model=tokenizer_model, parse_special_tokens=parse_special_tokens)
     output_prefix = os.path.abspath(os.path.expanduser(str(output_prefix)))
     created = _make_dirs(os.path.dirname(output_prefix))
     import numpy as np
@@ -517,6 +518,10 @@ def get_parser() -> argparse.ArgumentParser:
     g.add_argument("--merge-file", default=None, help="GPT-2 merges.txt (default: bundled copy)")
     g.add_argument("--allow-custom-vocab", action="store_true",
                    help="accept --vocab-file/--merge-file that are not GPT-2's (hash is logged)")
+    g.add_argument("--parse-special-tokens", action="store_true",
+                   help="HuggingFaceTokenizer: special-token text inside a document (\"</s>\", \"<|im_start|>\") "
+                        "becomes the special ids, as Megatron-LM's tokenizer does (default: encoded as ordinary "
+                        "text, so a document cannot inject an end-of-document or BOS id)")
     g.add_argument("--append-eod", action=argparse.BooleanOptionalAction, default=True,
                    help="append the end-of-document token after each document: GPT-2's <|endoftext|>, a "
                         "Hugging Face tokenizer's eos token (default: on)")
@@ -548,7 +553,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                          vocab_file=args.vocab_file, merge_file=args.merge_file,
                          allow_custom_vocab=args.allow_custom_vocab, append_eod=args.append_eod,
                          workers=args.workers, log_interval=args.log_interval,
-                         tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model)
+                         tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
+                         parse_special_tokens=args.parse_special_tokens)
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -26,7 +26,11 @@ silently builds an empty tokenizer in transformers 5.x.
 Hugging Face (--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR), Megatron-LM's
 _HuggingFaceTokenizer semantics: ``AutoTokenizer.from_pretrained(DIR)``, ids =
 ``tokenizer(text).input_ids`` (BOS/EOS added as the tokenizer's own config says), eod = its eos
-token, vocab_size = ``len(tokenizer)`` (added tokens included). Read offline from a local directory
+token, vocab_size = ``len(tokenizer)`` (added tokens included) -- with one guard, as on the GPT-2
+path: special-token text inside a document ("</s>", "<|endoftext|>", "<|im_start|>") is encoded as
+ordinary text (``split_special_tokens=True``), so a document cannot inject an end-of-document or
+BOS id mid-document. Megatron-LM's tokenizer maps such text to the special ids;
+``parse_special_tokens=True`` (tools/preprocess_data.py --parse-special-tokens) gives its ids exactly. Read offline from a local directory
 (``local_files_only``) holding tokenizer.json + tokenizer_config.json, never with
 ``trust_remote_code``: a directory whose config asks for custom code (an ``auto_map`` entry) is
 refused, since files from users never run code.
@@ -244,9 +248,10 @@ class HuggingFaceTokenizer(Tokenizer):
 
     tokenizer_type = HF_TOKENIZER
 
-    def __init__(self, model_dir: str):
+    def __init__(self, model_dir: str, parse_special_tokens: bool = False):
         path = check_hf_tokenizer_dir(model_dir)
         self.model_dir = path
+        self.parse_special_tokens = bool(parse_special_tokens)
         self.files = tuple(hf_tokenizer_files(path))
         h = hashlib.sha256(f"{HF_TOKENIZER}\n".encode())
         for f in self.files:
@@ -286,14 +291,15 @@ class HuggingFaceTokenizer(Tokenizer):
         self.bos = tok.bos_token_id
 
     def spec(self) -> tuple:
-        return (HF_TOKENIZER, self.model_dir)
+        return (HF_TOKENIZER, self.model_dir, self.parse_special_tokens)
 
     def encode(self, text: str) -> list[int]:
-        return list(self._tok(text).input_ids)
+        return list(self._tok(text, split_special_tokens=not self.parse_special_tokens).input_ids)
 
     def encode_batch(self, texts: Iterable[str]) -> list[list[int]]:
         texts = list(texts)
-        return [list(x) for x in self._tok(texts).input_ids] if texts else []
+        return [list(x) for x in self._tok(texts, split_special_tokens=not self.parse_special_tokens).input_ids] \
+            if texts else []
 
     def __repr__(self) -> str:
         return (f"HuggingFaceTokenizer(vocab_size={self.vocab_size}, eod={self.eod}, "
@@ -323,14 +329,19 @@ def check_tokenizer_flags(tokenizer_type: str, tokenizer_model: str | None, voca
 
 def build_tokenizer(vocab_file: str | None = None, merge_file: str | None = None,
                     allow_custom_vocab: bool = False, *, tokenizer_type: str = GPT2_TOKENIZER,
-                    tokenizer_model: str | None = None) -> Tokenizer:
+                    tokenizer_model: str | None = None, parse_special_tokens: bool = False) -> Tokenizer:
     """The tokenizer Megatron-LM's flags name. GPT2BPETokenizer (default): the bundled files, or user
     files that must match GPT-2's pinned hashes unless ``allow_custom_vocab`` (CLI:
     --allow-custom-vocab). HuggingFaceTokenizer: the directory `tokenizer_model`. Raises DataError
-    with a one-line message naming the flag or file and the fix."""
+    with a one-line message naming the flag or file and the fix. `parse_special_tokens`
+    (HuggingFaceTokenizer only): special-token text in a document becomes the special ids, as
+    Megatron-LM's tokenizer does, instead of ordinary text."""
     check_tokenizer_flags(tokenizer_type, tokenizer_model, vocab_file, merge_file, allow_custom_vocab)
     if tokenizer_type == HF_TOKENIZER:
-        return HuggingFaceTokenizer(tokenizer_model)
+        return HuggingFaceTokenizer(tokenizer_model, parse_special_tokens)
+    if parse_special_tokens:
+        raise DataError("--parse-special-tokens applies to --tokenizer-type HuggingFaceTokenizer: GPT-2's BPE "
+                        "encodes special-token text as text, as Megatron-LM's GPT2BPETokenizer does; drop the flag")
     vocab, vocab_sha = _checked_file(vocab_file, BUNDLED_VOCAB_FILE, GPT2_VOCAB_SHA256,
                                      "vocab file", "--vocab-file", allow_custom_vocab)
     merges, merges_sha = _checked_file(merge_file, BUNDLED_MERGE_FILE, GPT2_MERGES_SHA256,
@@ -343,7 +354,7 @@ def tokenizer_from_spec(spec: tuple) -> Tokenizer:
     if spec[0] == GPT2_TOKENIZER:
         return build_tokenizer(spec[1], spec[2], allow_custom_vocab=True)
     if spec[0] == HF_TOKENIZER:
-        return HuggingFaceTokenizer(spec[1])
+        return HuggingFaceTokenizer(*spec[1:])
     raise ValueError(f"unknown tokenizer spec {spec!r}")
 
 

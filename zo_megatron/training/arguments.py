@@ -251,6 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json (default: bundled)")
     g.add_argument("--merge-file", default=None, help="GPT-2 merges.txt (default: bundled)")
     g.add_argument("--allow-custom-vocab", action="store_true", help="accept BPE files that are not GPT-2's")
+    g.add_argument("--allow-other-tokenizer-data", action="store_true",
+                   help="train on data preprocessed with another tokenizer whose ids fit the vocabulary (they "
+                        "mean other text: refused without this flag)")
     g.add_argument("--data-cache-path", default=None, help="where dataset indices are cached")
 
     g = p.add_argument_group("checkpointing")

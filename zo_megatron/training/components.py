@@ -68,7 +68,8 @@ def build_datasets(args, tokenizer, data_path):
     train_ds, valid_ds, _ = build_gpt_datasets(
         data_path, args.split, args.seq_length, args.seed, tokenizer,
         train_samples=args.train_iters * gb, valid_samples=n_evals * args.eval_iters * gb,
-        test_samples=0, cache_dir=args.data_cache_path)
+        test_samples=0, cache_dir=args.data_cache_path,
+        other_tokenizer="accept" if args.allow_other_tokenizer_data else "error")   # checked before launch
     return train_ds, valid_ds
 
 

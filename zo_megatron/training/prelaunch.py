@@ -161,7 +161,7 @@ def check_inputs(args, env, dp):
         from zo_megatron.data import parse_data_path
 
         for prefix in parse_data_path(args.data_path)[0]:
-            validate_data_prefix(prefix, tokenizer)
+            validate_data_prefix(prefix, tokenizer, "warn" if args.allow_other_tokenizer_data else "error")
         data_path = args.data_path
     else:
         from zo_megatron.data import default_data_prefix
