@@ -226,7 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("mixed precision")
     m = g.add_mutually_exclusive_group()
     m.add_argument("--bf16", dest="precision", action="store_const", const="bf16",
-                   help="bf16 (default on GPUs and on CPUs with native bf16: AVX512_BF16 or AMX)")
+                   help="bf16 (default on GPUs, and on CPUs with native bf16 (AVX512_BF16 or AMX) where a cached "
+                        "start-up measurement finds it faster than fp32)")
     m.add_argument("--fp16", dest="precision", action="store_const", const="fp16",
                    help="fp16 with dynamic loss scaling")
     m.add_argument("--fp32", dest="precision", action="store_const", const="fp32",
@@ -421,19 +422,22 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def default_precision() -> tuple[str, str]:
-    """(precision, why): bf16 on GPUs and on CPUs that run bf16 natively, fp32 on other CPUs.
-
-    Without AVX512_BF16 or AMX a CPU emulates bf16 matmuls (measured on an AVX2 EPYC: 26x slower
-    than fp32), so the CPU path defaults to fp32 there."""
+def default_precision() -> tuple[str, str, bool]:
+    """(precision, why, measured): bf16 on GPUs; on a CPU whose flags promise native bf16 (AVX512_BF16
+    or AMX) the faster of bf16 and fp32 by a short cached measurement (training/cpu_precision.py:
+    such a CPU may still run bf16 slower); fp32 on other CPUs, which emulate bf16 matmuls (measured on
+    an AVX2 EPYC: 26x slower than fp32)."""
     import torch
 
     if torch.cuda.is_available():
-        return "bf16", "GPU"
+        return "bf16", "GPU", False
     native = sorted(_cpu_flags() & {"avx512_bf16", "amx_bf16"})
     if native:
-        return "bf16", f"CPU with native bf16 ({', '.join(native)})"
-    return "fp32", "CPU without native bf16 (no AVX512_BF16/AMX): bf16 would be emulated; --bf16 to force"
+        from zo_megatron.data.corpus import default_cache_dir
+        from zo_megatron.training.cpu_precision import choose
+
+        return (*choose(native, default_cache_dir()), True)
+    return "fp32", "CPU without native bf16 (no AVX512_BF16/AMX): bf16 would be emulated; --bf16 to force", False
 
 
 _PARSER = None
@@ -511,9 +515,9 @@ def finalize(args: argparse.Namespace) -> None:
                               "without model flags")
     _megatron_position_aliases(args)
     if args.precision is None:
-        args.precision, args.precision_reason = default_precision()
+        args.precision, args.precision_reason, args.precision_measured = default_precision()
     else:
-        args.precision_reason = "chosen by flag"
+        args.precision_reason, args.precision_measured = "chosen by flag", False
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     if args.seq_length > args.max_position_embeddings:

@@ -17,6 +17,7 @@ from __future__ import annotations
 from zo_megatron.parallel import collectives
 from zo_megatron.parallel.megatron_notices import hide_known_megatron_notices
 from zo_megatron.training.arguments import parse_args
+from zo_megatron.training.cpu_precision import agree_across_ranks
 from zo_megatron.training.cuda_connections import set_cuda_device_max_connections, set_nccl_memory_defaults
 from zo_megatron.training.prelaunch import check_inputs, check_launch, hidden_check
 
@@ -37,6 +38,7 @@ def pretrain(argv=None) -> int:
     ps = init_parallel(args.tensor_parallel, seed=args.seed, num_attention_heads=args.num_attention_heads,
                        hidden_size=hidden_check(args), timeout_s=args.distributed_timeout_minutes * 60)
     try:
+        agree_across_ranks(args)                 # a CPU precision chosen by measurement: one for all ranks
         with collectives.all_ranks_agree():
             tokenizer, data_path = check_inputs(args, env, env.world_size // args.tensor_parallel)
     except BaseException:

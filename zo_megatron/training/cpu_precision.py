@@ -1,0 +1,127 @@
+"""On a CPU, bf16 or fp32 by what this CPU measures, not by its flags alone.
+
+A CPU without AVX512_BF16 or AMX emulates bf16 matmuls (26x slower than fp32 on an AVX2 EPYC): the
+job runs fp32 there without measuring. A CPU with them may still be slower in bf16: an Intel Xeon
+with AVX512_BF16 under KVM (no AMX exposed) ran bf16 matmuls at 85 GFLOP/s against fp32's 148 at
+the demo's shapes, and `make demo` took 14 minutes. So where the flags promise native bf16, the job
+times one matmul in each dtype (about half a second) and takes bf16 only if it is faster.
+
+The result is cached per machine (CPU model, its bf16 flags, torch version, threads) in
+`$ZO_MEGATRON_CACHE/cpu_precision.json`; the ranks of one node take turns under a file lock, so
+one of them measures and the others read its verdict (ranks measuring at once would slow each
+other and could disagree). Ranks on different nodes agree after the process groups exist
+(`agree_across_ranks`): if any rank measured fp32, every rank runs fp32.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import time
+
+SHAPE = (1024, 1024, 1024)          # m, k, n: one MLP-sized matmul
+MIN_SECONDS = 0.15                  # per dtype, after one warm-up call
+
+
+def matmul_gflops(dtype_name: str, shape=SHAPE, min_seconds: float = MIN_SECONDS) -> float:
+    """GFLOP/s of torch.matmul at `shape` in `dtype_name` ("bf16" / "fp32") on this CPU."""
+    import torch
+
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
+    m, k, n = shape
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(m, k, generator=g).to(dtype)
+    b = torch.randn(k, n, generator=g).to(dtype)
+    torch.matmul(a, b)                                  # warm-up: kernel selection, caches
+    calls, t0 = 0, time.perf_counter()
+    while True:
+        torch.matmul(a, b)
+        calls += 1
+        dt = time.perf_counter() - t0
+        if dt >= min_seconds:
+            return 2.0 * m * k * n * calls / dt / 1e9
+
+
+def machine_key(native: list[str]) -> str:
+    """What the verdict depends on: the CPU model, its bf16 flags, torch's version and threads."""
+    import torch
+
+    model = "unknown cpu"
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model)
+    return f"{model} | {','.join(native)} | torch {torch.__version__} | {torch.get_num_threads()} threads"
+
+
+def choose(native: list[str], cache_dir: str, measure=None) -> tuple[str, str]:
+    """(precision, why) for a CPU whose flags name `native` bf16 support: the cached verdict for this
+    machine, else a measurement (`measure`, default matmul_gflops; written to the cache)."""
+    measure = measure or matmul_gflops
+    key = machine_key(native)
+    path = os.path.join(cache_dir, "cpu_precision.json")
+    os.makedirs(cache_dir, exist_ok=True)
+    with _locked(path + ".lock"):
+        cache = _read(path)
+        rec = cache.get(key)
+        cached = isinstance(rec, dict) and all(isinstance(rec.get(k), (int, float)) and rec[k] > 0
+                                               for k in ("bf16_gflops", "fp32_gflops"))
+        if not cached:
+            rec = {"bf16_gflops": measure("bf16"), "fp32_gflops": measure("fp32"),
+                   "measured": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+            cache[key] = rec
+            _write(path, cache)
+    bf16, fp32 = rec["bf16_gflops"], rec["fp32_gflops"]
+    how = (f"{'cached measurement' if cached else 'measured'} on this CPU ({', '.join(native)}): "
+           f"bf16 matmul {bf16:.0f} vs fp32 {fp32:.0f} GFLOP/s")
+    if bf16 > fp32:
+        return "bf16", f"{how}; --fp32 to force"
+    return "fp32", f"{how}, bf16 {fp32 / max(bf16, 1e-9):.1f}x slower; --bf16 to force"
+
+
+def agree_across_ranks(args) -> None:
+    """After the process groups exist: a measured choice is the same on every rank (fp32 if any rank
+    measured fp32: nodes may differ). A no-op for a precision given by flag or by the device."""
+    if not getattr(args, "precision_measured", False):
+        return
+    import torch
+
+    from zo_megatron.parallel import collectives
+
+    fp32 = collectives.all_reduce(torch.tensor([1.0 if args.precision == "fp32" else 0.0]), "max")
+    if fp32.item() and args.precision != "fp32":
+        if args.main_grads_dtype not in (None, "fp32"):
+            from zo_megatron.errors import UserError
+
+            raise UserError(f"the ranks' CPUs measured different precisions (this one bf16, another fp32) and "
+                            f"--main-grads-dtype {args.main_grads_dtype} fits only bf16: add --bf16 or --fp32")
+        args.precision = "fp32"
+        args.precision_reason += "; fp32 because another rank's CPU measured bf16 slower"
+
+
+@contextlib.contextmanager
+def _locked(path: str):
+    import fcntl
+
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _read(path: str) -> dict:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}                          # missing or damaged: measured again and rewritten
+
+
+def _write(path: str, data: dict) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
