@@ -374,16 +374,16 @@ def test_the_job_trains_with_dpu_writes_a_timeline_and_it_plots(tmp_path):
     import json
     import os
 
-    from tests.test_pretrain import TINY, _rows, _torchrun
+    from tests.test_pretrain import TINY, _job, _rows
     from zo_megatron.data import extract_corpus
     from zo_megatron.data.preprocess import preprocess
 
     files = extract_corpus(str(tmp_path / "txt"), limit=8)
     preprocess(files, str(tmp_path / "sotu"), progress=False)
     log, tl = tmp_path / "log.jsonl", tmp_path / "run.timeline"
-    r = _torchrun(["--zero-offload", "--dpu", "--dpu-warmup-steps", "3", "--data-path",
-                   str(tmp_path / "sotu_text_document"), "--train-iters", "8", "--log-jsonl", str(log),
-                   "--timeline", str(tl), *TINY], tmp_path)
+    r = _job(["--zero-offload", "--dpu", "--dpu-warmup-steps", "3", "--data-path",
+              str(tmp_path / "sotu_text_document"), "--train-iters", "8", "--log-jsonl", str(log),
+              "--timeline", str(tl), *TINY], tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "delayed parameter update after 3 exact updates" in r.stdout
     assert [e["iteration"] for e in _rows(log, "eval")] == [4, 8]

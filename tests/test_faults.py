@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.test_pretrain import ROOT, SCRIPT, TINY, TORCHRUN, _clean_env, _rows, _torchrun
+from tests.test_pretrain import SCRIPT, TINY, TORCHRUN, _clean_env, _job, _rows
 from tests.harness import free_port
 
 
@@ -44,17 +44,15 @@ def test_nan_steps_are_skipped_everywhere_and_a_run_of_them_stops_with_a_checkpo
     save, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
     args = ["--zero-offload", "--data-path", corpus, "--train-iters", "12", "--save", str(save),
             "--log-jsonl", str(log), "--max-skipped-iters", "3", *TINY, *FP32]
-    r = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node=2", SCRIPT, *args], capture_output=True,
-                       text=True, timeout=300, env=_env(tmp_path, ZO_FAULT_INJECT="nan@1:2;nan@1:4,5,6"))
+    r = _job(args, tmp_path, ZO_FAULT_INJECT="nan@1:2;nan@1:4,5,6")
     assert r.returncode != 0, r.stdout[-2000:]
     assert "error: 3 consecutive iterations (up to 6) were skipped for a NaN/inf loss or gradient" in r.stderr
     train = {row["iteration"]: row for row in _rows(log, "train")}
     assert [i for i, row in sorted(train.items()) if row["skipped"]] == [2, 4, 5, 6]
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
     # the checkpoint holds the state after iteration 3 (the last good step): it resumes, finite
-    r2 = _torchrun(["--zero-offload", "--data-path", corpus, "--train-iters", "8", "--lr-decay-iters", "12",
-                    "--load", str(save),
-                    "--log-jsonl", str(tmp_path / "resumed.jsonl"), *TINY, *FP32], tmp_path)
+    r2 = _job(["--zero-offload", "--data-path", corpus, "--train-iters", "8", "--lr-decay-iters", "12",
+               "--load", str(save), "--log-jsonl", str(tmp_path / "resumed.jsonl"), *TINY, *FP32], tmp_path)
     assert r2.returncode == 0, r2.stderr[-3000:]
     resumed = _rows(tmp_path / "resumed.jsonl", "train")
     assert [row["iteration"] for row in resumed] == [7, 8]
@@ -64,7 +62,7 @@ def test_nan_steps_are_skipped_everywhere_and_a_run_of_them_stops_with_a_checkpo
 def test_sigterm_on_one_rank_stops_every_rank_with_a_checkpoint_and_resume_is_exact(corpus, tmp_path):
     common = ["--zero-offload", "--data-path", corpus, "--train-iters", "6", *TINY, *FP32]
     straight = tmp_path / "straight.jsonl"
-    assert _torchrun([*common, "--log-jsonl", str(straight)], tmp_path).returncode == 0
+    assert _job([*common, "--log-jsonl", str(straight)], tmp_path).returncode == 0
     save, log = tmp_path / "ckpt", tmp_path / "stopped.jsonl"
     r = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node=2", SCRIPT, *common, "--save", str(save),
                         "--log-jsonl", str(log)], capture_output=True, text=True, timeout=300,
@@ -73,7 +71,7 @@ def test_sigterm_on_one_rank_stops_every_rank_with_a_checkpoint_and_resume_is_ex
     assert f"stopped by SIGTERM after iteration 3; resume with --load {save}" in r.stdout
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
     resumed = tmp_path / "resumed.jsonl"
-    r2 = _torchrun([*common, "--load", str(save), "--log-jsonl", str(resumed)], tmp_path)
+    r2 = _job([*common, "--load", str(save), "--log-jsonl", str(resumed)], tmp_path)
     assert r2.returncode == 0, r2.stderr[-3000:]
     ref = {row["iteration"]: row["loss"] for row in _rows(straight, "train")}
     got = {row["iteration"]: row["loss"] for row in _rows(log, "train") + _rows(resumed, "train")}
@@ -202,9 +200,7 @@ def test_a_save_that_fails_midway_keeps_the_previous_checkpoint_and_stops_with_o
     resumes; the failed save's partial directory is removed by the next save."""
     save = tmp_path / "ckpt"
     common = ["--zero-offload", "--data-path", corpus, "--save", str(save), "--save-interval", "2", *TINY, *FP32]
-    r = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node=2", SCRIPT, *common, "--train-iters", "6"],
-                       capture_output=True, text=True, timeout=300,
-                       env=_env(tmp_path, ZO_FAULT_INJECT="enospc@0:4;enospc@1:4"))
+    r = _job([*common, "--train-iters", "6"], tmp_path, ZO_FAULT_INJECT="enospc@0:4;enospc@1:4")
     assert r.returncode != 0
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1, r.stderr[-3000:]
@@ -212,7 +208,7 @@ def test_a_save_that_fails_midway_keeps_the_previous_checkpoint_and_stops_with_o
     assert "No space left on device" in errors[0] and "previous checkpoint (iteration 2) is intact" in errors[0], \
         errors[0]
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
-    r2 = _torchrun([*common, "--train-iters", "6", "--load", str(save)], tmp_path)
+    r2 = _job([*common, "--train-iters", "6", "--load", str(save)], tmp_path)
     assert r2.returncode == 0, r2.stderr[-3000:]
     assert "resumed from" in r2.stdout and "iteration 2" in r2.stdout
     assert sorted(os.listdir(save)) == ["iter_0000002", "iter_0000004", "iter_0000006",

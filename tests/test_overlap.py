@@ -323,16 +323,16 @@ def test_planner_overlap_line_equals_the_engine_accounting():
 def test_the_job_overlaps_logs_the_counts_and_writes_the_timeline(tmp_path):
     import json
 
-    from tests.test_pretrain import TINY, _rows, _torchrun
+    from tests.test_pretrain import TINY, _job, _rows
     from zo_megatron.data import extract_corpus
     from zo_megatron.data.preprocess import preprocess
 
     files = extract_corpus(str(tmp_path / "txt"), limit=8)
     preprocess(files, str(tmp_path / "sotu"), progress=False)
     log, tl = tmp_path / "log.jsonl", tmp_path / "run.timeline"
-    r = _torchrun(["--zero-offload", "--overlap-cpu-step", "--bucket-size", "20000", "--data-path",
-                   str(tmp_path / "sotu_text_document"), "--train-iters", "4", "--log-jsonl", str(log),
-                   "--timeline", str(tl), *TINY], tmp_path)
+    r = _job(["--zero-offload", "--overlap-cpu-step", "--bucket-size", "20000", "--data-path",
+              str(tmp_path / "sotu_text_document"), "--train-iters", "4", "--log-jsonl", str(log),
+              "--timeline", str(tl), *TINY], tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "CPU step overlapped with backward (speculated per bucket, exact; --overlap-cpu-step: the whole " \
            "partition speculated" in r.stdout

@@ -1,9 +1,18 @@
-"""pretrain_gpt.py end to end, from the command line, on real text (a slice of the SOTU corpus)."""
+"""pretrain_gpt.py end to end, from the command line, on real text (a slice of the SOTU corpus).
+
+The job runs through pretrain_gpt.main() on a local world of forked ranks (`_job`, `_single`:
+tests/harness.py's forkserver has imported torch and megatron-core once, so a run costs seconds,
+not torchrun's ~8 s of interpreter start-up per process); `_torchrun` and `_single_process` start
+the real launcher or a fresh interpreter, for the tests that are about launching.
+"""
+import contextlib
+import io
 import json
 import os
 import shutil
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -38,13 +47,46 @@ def sotu_prefix(tmp_path_factory):
 
 
 def _torchrun(args, tmp_path, nproc=2, timeout=300):
+    """The job under the real torchrun (for what the launcher itself does: signals, killed ranks)."""
     cmd = [TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", SCRIPT, *args]
     return subprocess.run(cmd, env=_clean_env(tmp_path), capture_output=True, text=True, timeout=timeout)
 
 
-def _single(args, tmp_path, timeout=120):
+def _single_process(args, tmp_path, timeout=120):
+    """The job as `python pretrain_gpt.py ...` in a fresh interpreter, no launcher."""
     return subprocess.run([sys.executable, SCRIPT, *args], env=_clean_env(tmp_path), capture_output=True,
                           text=True, timeout=timeout)
+
+
+def _rank_job(rank, argv, env):
+    """One rank of the job: pretrain_gpt.main(argv) with its stdout and stderr captured."""
+    os.environ.update(env)
+    sys.path.insert(0, os.path.join(ROOT, "pretrain"))
+    import pretrain_gpt
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = pretrain_gpt.main(argv)
+        except SystemExit as exc:
+            rc = exc.code if isinstance(exc.code, int) else 1
+    return rc, out.getvalue(), err.getvalue()
+
+
+def _job(args, tmp_path, nproc=2, timeout=300, **env):
+    """The job on `nproc` forked ranks, as subprocess.run reports a launch: the first non-zero
+    exit status (0 if none), every rank's stdout and stderr in rank order."""
+    from tests.harness import run_world
+
+    env = {"ZO_MEGATRON_CACHE": str(tmp_path / "cache"), **env}
+    res = run_world(_rank_job, nproc, [str(a) for a in args], env, timeout=timeout)
+    return types.SimpleNamespace(returncode=next((rc for rc, _, _ in res if rc), 0),
+                                 stdout="".join(o for _, o, _ in res), stderr="".join(e for _, _, e in res))
+
+
+def _single(args, tmp_path, timeout=120):
+    """The job on one forked rank (see `_job`)."""
+    return _job(args, tmp_path, nproc=1, timeout=timeout)
 
 
 def _rows(path, kind):
@@ -55,7 +97,7 @@ def _rows(path, kind):
 def test_tp2_zero_offload_trains_on_real_text(sotu_prefix, tmp_path):
     log = tmp_path / "log.jsonl"
     save = tmp_path / "ckpt"
-    r = _torchrun(["--tensor-parallel", "2", "--zero-offload", "--data-path", sotu_prefix, "--train-iters", "12",
+    r = _job(["--tensor-parallel", "2", "--zero-offload", "--data-path", sotu_prefix, "--train-iters", "12",
                    "--log-jsonl", str(log), "--save", str(save), *TINY], tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     train, evals = _rows(log, "train"), _rows(log, "eval")
@@ -150,7 +192,7 @@ def test_offload_and_ddp_baseline_agree_in_fp32_and_baseline_runs_bf16(sotu_pref
                         # the planner finds that the whole optimizer fits on the (CPU) device
                         ("offload_auto", ["--zero-offload", "--fp32", "--optimizer-offload-fraction", "auto"])):
         log = tmp_path / f"{name}.jsonl"
-        r = _torchrun([*common, *extra, "--log-jsonl", str(log)], tmp_path)
+        r = _job([*common, *extra, "--log-jsonl", str(log)], tmp_path)
         assert r.returncode == 0, name + r.stderr[-3000:]
         losses[name] = [row["loss"] for row in _rows(log, "train")]
         out[name] = r.stdout
@@ -171,7 +213,7 @@ def test_activation_recompute_does_not_change_the_math(sotu_prefix, tmp_path):
     for name, extra in (("none", []), ("full", ["--recompute-granularity", "full"]),
                         ("selective", ["--recompute-activations"])):
         log = tmp_path / f"{name}.jsonl"
-        r = _torchrun([*common, *extra, "--log-jsonl", str(log)], tmp_path)
+        r = _job([*common, *extra, "--log-jsonl", str(log)], tmp_path)
         assert r.returncode == 0, name + r.stderr[-3000:]
         losses[name] = [row["loss"] for row in _rows(log, "train")]
     assert losses["full"] == losses["none"]

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.test_pretrain import ROOT, SCRIPT, TINY, _clean_env, _single, _torchrun, sotu_prefix  # noqa: F401
+from tests.test_pretrain import ROOT, SCRIPT, TINY, _clean_env, _single_process, _torchrun, sotu_prefix  # noqa: F401
 
 ARGS = ["--tensor-parallel", "2", "--zero-offload", "--train-iters", "4", *TINY, "--eval-interval", "100"]
 
@@ -75,7 +75,7 @@ def test_fake_slurm_matches_torchrun(sotu_prefix, torchrun_losses, tmp_path):
 
 def test_memory_check_refuses_a_run_that_cannot_fit(sotu_prefix, tmp_path):
     # 2 layers x 16384 hidden is ~6.4B params: 26 GB of bf16 weights alone on this machine's "device".
-    r = _single(["--num-layers", "2", "--hidden-size", "16384", "--num-attention-heads", "128",
+    r = _single_process(["--num-layers", "2", "--hidden-size", "16384", "--num-attention-heads", "128",
                  "--seq-length", "64", "--lr", "1e-4", "--train-iters", "1", "--data-path", sotu_prefix,
                  "--save", str(tmp_path / "save")], tmp_path)
     assert r.returncode == 2, r.stderr[-2000:]
