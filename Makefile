@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.zo_installed
 TORCH_CPU ?= torch==2.13.0
 NPROC  ?= 2
 
-.PHONY: setup demo test test-gpu gpu-setup gpu-proof bench clean
+.PHONY: setup demo test test-all test-gpu gpu-setup gpu-proof bench clean
 
 setup: $(STAMP)
 
@@ -30,8 +30,22 @@ demo: setup
 
 # ZO_REQUIRE_KERNEL=1: with a C++ compiler present, a CPU Adam kernel that did not build fails the
 # run (tests/requirements_check.py) instead of silently testing the torch fallback only.
-test: setup
-	ZO_REQUIRE_KERNEL=1 $(PY) -m pytest tests -q --durations=15
+# TEST_WORKERS pytest-xdist workers (2: the CI machine's cores; the multi-rank tests start 2-4
+# ranks each); --dist loadgroup keeps a module with an expensive module fixture on one worker.
+# It prints the slowest tests and its own duration, set-up included (docs/testing.md).
+# test-all adds the exhaustive variants marked slow.
+TEST_WORKERS ?= 2
+PYTEST_ARGS  := tests -q -n $(TEST_WORKERS) --dist loadgroup --durations=15
+
+test:
+	@start=$$(date +%s); $(MAKE) --no-print-directory setup && \
+	ZO_REQUIRE_KERNEL=1 $(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	echo "[make test] $$(( $$(date +%s) - start )) s including set-up, exit $$rc"; exit $$rc
+
+test-all:
+	@start=$$(date +%s); $(MAKE) --no-print-directory setup && \
+	ZO_REQUIRE_KERNEL=1 $(PY) -m pytest $(PYTEST_ARGS) -m ""; rc=$$?; \
+	echo "[make test-all] $$(( $$(date +%s) - start )) s including set-up, exit $$rc"; exit $$rc
 
 # The GPU suite (tests/gpu). On a machine whose $(PYTHON) has a CUDA torch, it runs in $(GPU_VENV):
 # a venv that sees that torch (system site packages; if $(PYTHON) is itself a venv, a .pth file adds

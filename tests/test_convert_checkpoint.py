@@ -24,6 +24,9 @@ from tests.harness import free_port, run_world
 from tests.seeds import fresh_seed
 from tests.test_checkpoint_resume import _losses, _world
 
+# one xdist worker runs this module: its module fixture `converted` is built once (make test: --dist loadgroup)
+pytestmark = pytest.mark.xdist_group("test_convert_checkpoint")
+
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 

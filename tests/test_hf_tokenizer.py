@@ -307,11 +307,9 @@ def test_pretrain_with_hf_tokenizer_saves_it(hf_tokenizer_dir, tmp_path):
             "--micro-batch-size", "4", "--lr", "3e-3", "--lr-decay-iters", "8", "--log-interval", "1",
             "--eval-iters", "0", "--no-progress-bar", "--split", "100,0,0", "--fp32", "--data-path", prefix,
             "--save", str(save), "--log-jsonl", str(log), *HF, hf_tokenizer_dir]
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "OMPI_", "PMI_", "SLURM_", "TORCHELASTIC"))}
-    env.update(ZO_MEGATRON_CACHE=str(tmp_path / "cache"), PYTHONPATH=ROOT)
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain", "pretrain_gpt.py"), *argv, "--train-iters", "6"],
-                       env=env, capture_output=True, text=True, timeout=300)
+    from tests.test_pretrain import _single
+
+    r = _single([*argv, "--train-iters", "6"], tmp_path, timeout=300)      # one forked rank
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert f"tokenizer: HuggingFaceTokenizer {hf_tokenizer_dir}" in r.stdout and "vocab 2000 (padded 2048)" in r.stdout
     losses = [row["loss"] for row in map(json.loads, open(log)) if row["kind"] == "train"]
@@ -330,9 +328,7 @@ def test_pretrain_with_hf_tokenizer_saves_it(hf_tokenizer_dir, tmp_path):
     ref = _reference(str(it / "tokenizer"))                # the copy loads as the same tokenizer
     assert ref("Fellow citizens").input_ids == hf.encode("Fellow citizens")
     # it resumes (the tokenizer/ folder is no obstacle to the checkpoint's checks)
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain", "pretrain_gpt.py"), *argv, "--train-iters", "8",
-                        "--load", str(save)],
-                       env=env, capture_output=True, text=True, timeout=300)
+    r = _single([*argv, "--train-iters", "8", "--load", str(save)], tmp_path, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     resumed = [row for row in map(json.loads, open(log)) if row["kind"] == "train"][len(losses):]
     assert [row["iteration"] for row in resumed] == [7, 8]

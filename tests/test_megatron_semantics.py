@@ -4,16 +4,51 @@ an evaluation covers (--eval-iters counts global batches), and that evaluation a
 stay out of the training log's timings (Megatron stops its interval timer around them)."""
 import json
 import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 
+from tests.harness import run_world
 from tests.megatron_reference import megatron_get_lr
+
+# one xdist worker runs this module: its module fixture `run` is built once (make test: --dist loadgroup)
+pytestmark = pytest.mark.xdist_group("test_megatron_semantics")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SLOW_S = 1000.0
+
+
+def _slow_eval_and_save_job(rank, argv, env):
+    """The job on a forked rank (tests/harness.py) whose evaluation and checkpoint saving each move
+    the trainer's clock SLOW_S seconds on."""
+    import time
+
+    import zo_megatron.checkpoint as ck
+    import zo_megatron.training.evaluation as evaluation
+    import zo_megatron.training.trainer as trainer
+    from tests.test_pretrain import _rank_job
+
+    class Clock:
+        offset = 0.0
+
+        def __getattr__(self, name):
+            return getattr(time, name)
+
+        def monotonic(self):
+            return time.monotonic() + self.offset
+
+    clock = trainer.time = Clock()
+    ev, sv = evaluation.Evaluator.run, ck.save_checkpoint
+
+    def slow_eval(*a, **k):
+        clock.offset += SLOW_S
+        return ev(*a, **k)
+
+    def slow_save(*a, **k):
+        clock.offset += SLOW_S
+        return sv(*a, **k)
+
+    evaluation.Evaluator.run, ck.save_checkpoint = slow_eval, slow_save
+    return _rank_job(rank, argv, env)
 
 
 @pytest.fixture(scope="module")
@@ -26,28 +61,6 @@ def run(tmp_path_factory):
     preprocess(files, str(d / "sotu"), progress=False)
     # Evaluation and checkpoint saving are made slow on purpose -- on the loop's clock, which jumps
     # SLOW_S seconds inside them (deterministic on a loaded machine): that time must not reach the log.
-    wrapper = d / "run.py"
-    wrapper.write_text(textwrap.dedent(f"""
-        import sys, time
-        import zo_megatron.checkpoint as ck
-        import zo_megatron.training.evaluation as evaluation
-        import zo_megatron.training.loop as loop
-        import zo_megatron.training.trainer as trainer
-        class Clock:
-            offset = 0.0
-            def __getattr__(self, name):
-                return getattr(time, name)
-            def monotonic(self):
-                return time.monotonic() + self.offset
-        clock = trainer.time = Clock()
-        ev, sv = evaluation.Evaluator.run, ck.save_checkpoint
-        def slow_eval(*a, **k):
-            clock.offset += {SLOW_S}; return ev(*a, **k)
-        def slow_save(*a, **k):
-            clock.offset += {SLOW_S}; return sv(*a, **k)
-        evaluation.Evaluator.run, ck.save_checkpoint = slow_eval, slow_save
-        sys.exit(loop.pretrain(sys.argv[1:]))
-    """))
     log = d / "log.jsonl"
     args = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
             "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "9", "--fp16",
@@ -55,10 +68,9 @@ def run(tmp_path_factory):
             "--log-interval", "1", "--eval-interval", "3", "--eval-iters", "2", "--save", str(d / "ckpt"),
             "--save-interval", "5", "--exit-interval", "8", "--split", "80,20,0", "--no-progress-bar", "--data-path",
             str(d / "sotu_text_document"), "--log-jsonl", str(log)]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))}
-    env.update(PYTHONPATH=ROOT, ZO_MEGATRON_CACHE=str(d / "cache"))
-    r = subprocess.run([sys.executable, str(wrapper), *args], env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (rc, out, err), = run_world(_slow_eval_and_save_job, 1, args, {"ZO_MEGATRON_CACHE": str(d / "cache")},
+                                timeout=300)
+    assert rc == 0, out[-3000:] + err[-3000:]
     rows = [json.loads(line) for line in open(log)]
     return [x for x in rows if x["kind"] == "train"], [x for x in rows if x["kind"] == "eval"], d
 

@@ -3,8 +3,6 @@ points, our maxima, and the CLI (tools/estimate_memory.py)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -238,8 +236,10 @@ def test_our_maxima_meet_the_goals():
 # CLI
 
 def _cli(*args):
-    return subprocess.run([sys.executable, str(CLI), *args], capture_output=True, text=True,
-                          timeout=60, cwd=REPO)
+    """tools/estimate_memory.py's command line, in this process (tests/cli.py)."""
+    from tests.cli import run_tool
+
+    return run_tool("estimate_memory", *args, cwd=REPO)
 
 
 def test_cli_json_and_exit_codes():

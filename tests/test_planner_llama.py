@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -227,7 +225,10 @@ def test_layer_saved_bytes_match_megatron_core():
 # the CLI
 
 def _cli(*args):
-    return subprocess.run([sys.executable, str(CLI), *args], capture_output=True, text=True, timeout=120)
+    """tools/estimate_memory.py's command line, in this process (tests/cli.py)."""
+    from tests.cli import run_tool
+
+    return run_tool("estimate_memory", *args)
 
 
 def test_cli_llama_presets_and_architecture_line():

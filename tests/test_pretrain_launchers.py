@@ -11,6 +11,9 @@ import pytest
 
 from tests.test_pretrain import ROOT, SCRIPT, TINY, _clean_env, _single_process, _torchrun, sotu_prefix  # noqa: F401
 
+# one xdist worker runs this module: its module fixture `torchrun_losses` is built once (make test: --dist loadgroup)
+pytestmark = pytest.mark.xdist_group("test_pretrain_launchers")
+
 ARGS = ["--tensor-parallel", "2", "--zero-offload", "--train-iters", "4", *TINY, "--eval-interval", "100"]
 
 

@@ -1,7 +1,6 @@
 """A check failing on a rank other than 0 is reported once, with its rank (issue 17, item 12)."""
 import glob
 import os
-import subprocess
 import sys
 
 from tests.harness import run_world
@@ -67,9 +66,10 @@ def test_a_damaged_checkpoint_file_of_rank_1_is_one_line_naming_it(tmp_path):
               "--micro-batch-size", "2", "--lr", "1e-3", "--lr-decay-iters", "4", "--eval-iters", "0", "--no-progress-bar", "--zero-offload",
               "--data-path", str(tmp_path / "sotu_text_document"), "--split", "100,0,0"]
 
-    def job(*extra):
-        return subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node=2", SCRIPT, *common, *extra], env=env,
-                              capture_output=True, text=True, timeout=240)
+    def job(*extra):                    # two forked ranks (tests/test_pretrain.py's _job), not torchrun
+        from tests.test_pretrain import _job
+
+        return _job([*common, *extra], tmp_path, timeout=240)
 
     r = job("--train-iters", "2", "--save", str(ck))
     assert r.returncode == 0, r.stderr[-3000:]
@@ -83,7 +83,7 @@ def test_a_damaged_checkpoint_file_of_rank_1_is_one_line_naming_it(tmp_path):
     # every rank checks every file before anything is loaded: the lowest rank reports, once
     assert len(errors) == 1 and errors[0].startswith("error: rank ") and "__1_0.distcp" in errors[0], \
         r.stderr[-3000:]
-    # torchrun prints its own ChildFailedError report; no rank of ours prints a traceback.
+    # no rank of ours prints a traceback
     ours = (os.path.join(ROOT, "zo_megatron"), os.path.join(ROOT, "pretrain"))
     assert not any(ln.strip().startswith(tuple(f'File "{p}' for p in ours)) for ln in r.stderr.splitlines()), \
         r.stderr[-3000:]
