@@ -60,6 +60,7 @@ from zo_megatron.offload.device_optimizer import DeviceOptimizerTail
 from zo_megatron.offload.flat_buffer import ALIGN, FlatLayout
 from zo_megatron.offload.loss_scaler import ConstantLossScaler, DynamicLossScaler
 from zo_megatron.offload.schedules import DelayedSchedule, SpeculativeSchedule, SynchronousSchedule
+from zo_megatron.offload.sequence_parallel_grads import SequenceParallelGrads
 from zo_megatron.optimizer_api import AdamConfig, StepResult
 from zo_megatron.parallel import collectives
 
@@ -192,7 +193,7 @@ class ZeroOffloadEngine:
         self._main_grad: torch.Tensor | None = None
         self._main_grad_held = [False] * len(self.layout.slots)
         self.tp_group = tp_group
-        self._sp_pieces = self._sequence_parallel_pieces()
+        self._sp_grads = SequenceParallelGrads(self.layout, self.tp_group)
         self._reset_bucket_state()
         self._hooks = [s.param.register_post_accumulate_grad_hook(self._make_hook(s)) for s in self.layout.slots]
 
@@ -446,7 +447,7 @@ class ZeroOffloadEngine:
         """Reduce-scatter bucket b (averaged over DP, async) and queue its shard's copy home."""
         bucket = self.layout.buckets[b]
         i, buf = self._open.pop(b)
-        self._reduce_sequence_parallel(b, buf)
+        self._sp_grads.reduce(b, buf)
         n = bucket.shard_numel
         if self.dp_size > 1:
             buf.div_(self.dp_size)
@@ -487,50 +488,6 @@ class ZeroOffloadEngine:
         self._sync_pending = False
 
     # ------------------------------------------------------------------- sequence parallelism
-    # megatron-core's rule (distributed/finalize_model_grads.py): a parameter tagged
-    # `sequence_parallel` (norm weights/biases, row-parallel biases) is replicated over TP but saw
-    # only this rank's 1/TP of the sequence, so its gradient is summed over the TP group. Here
-    # that sum runs inside the bucket, just before the bucket's DP reduce-scatter: one TP
-    # all-reduce of the bucket's tagged elements (packed). Every TP rank has the same layout, so
-    # the pieces line up; the sums are linear, so the order with the DP reduction is free.
-    def _sequence_parallel_pieces(self) -> dict[int, list[tuple[int, int]]]:
-        """bucket -> [(offset in the bucket, numel)] of its sequence-parallel parameters."""
-        pieces: dict[int, list[tuple[int, int]]] = {}
-        for s in self.layout.slots:
-            if getattr(s.param, "sequence_parallel", False):
-                pieces.setdefault(s.bucket, []).append((s.start - self.layout.buckets[s.bucket].start, s.numel))
-        if not pieces:
-            return {}
-        if self.tp_group is None:
-            raise ConfigError("the model has sequence-parallel parameters: pass the engine its TP group "
-                              "(tp_group=...) so their gradients are summed over TP")
-        if collectives.group_size(self.tp_group) == 1:
-            return {}
-        sig = torch.tensor([len(pieces), sum(n for p in pieces.values() for _, n in p), self.layout.numel],
-                           dtype=torch.int64)
-        lo = collectives.all_reduce(sig.clone(), "min", self.tp_group)
-        hi = collectives.all_reduce(sig.clone(), "max", self.tp_group)
-        if not torch.equal(lo, hi):
-            raise ConfigError(f"TP ranks disagree on the sequence-parallel parameters (buckets/elements/flat size "
-                              f"{sig.tolist()} here, {lo.tolist()}..{hi.tolist()} across TP): every TP rank must "
-                              "build the same model with the same --sequence-parallel and --bucket-size")
-        return pieces
-
-    def _reduce_sequence_parallel(self, b: int, buf: torch.Tensor) -> None:
-        pieces = self._sp_pieces.get(b)
-        if not pieces:
-            return
-        if len(pieces) == 1:
-            off, n = pieces[0]
-            collectives.all_reduce(buf[off:off + n], group=self.tp_group)
-            return
-        packed = torch.cat([buf[off:off + n] for off, n in pieces])
-        collectives.all_reduce(packed, group=self.tp_group)
-        at = 0
-        for off, n in pieces:
-            buf[off:off + n].copy_(packed[at:at + n])
-            at += n
-
     # -------------------------------------------------------------------------------------- step
     def step(self, lr: float | None = None) -> StepResult:
         """Finish the gradient sync, check and clip on the main thread, then let the schedule run
