@@ -58,14 +58,14 @@ def test_cpu_default_precision_follows_native_bf16(monkeypatch, tmp_path):
     monkeypatch.setenv("ZO_MEGATRON_CACHE", str(tmp_path))
     monkeypatch.setattr(cpu_precision, "matmul_gflops", lambda d: {"bf16": 200.0, "fp32": 100.0}[d])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(arguments, "_cpu_flags", lambda: {"avx2", "fma"})
+    monkeypatch.setattr(cpu_precision, "cpu_flags", lambda: {"avx2", "fma"})
     assert arguments.parse_args([]).precision == "fp32"
     assert "without native bf16" in arguments.parse_args([]).precision_reason
     for native in ("avx512_bf16", "amx_bf16"):
-        monkeypatch.setattr(arguments, "_cpu_flags", lambda native=native: {"avx2", native})
+        monkeypatch.setattr(cpu_precision, "cpu_flags", lambda native=native: {"avx2", native})
         args = arguments.parse_args([])
         assert args.precision == "bf16" and native in args.precision_reason
-    monkeypatch.setattr(arguments, "_cpu_flags", lambda: {"avx2"})
+    monkeypatch.setattr(cpu_precision, "cpu_flags", lambda: {"avx2"})
     assert arguments.parse_args(["--bf16"]).precision == "bf16"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert arguments.parse_args([]).precision == "bf16"

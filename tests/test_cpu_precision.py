@@ -22,7 +22,7 @@ def test_native_flags_and_a_slower_bf16_choose_fp32_and_the_cache_is_used(cache,
     where bf16 is faster gets bf16; the second run reads the verdict instead of measuring."""
     from zo_megatron.training import arguments, cpu_precision
 
-    monkeypatch.setattr(arguments, "_cpu_flags", lambda: {"avx2", "avx512_bf16"})
+    monkeypatch.setattr(cpu_precision, "cpu_flags", lambda: {"avx2", "avx512_bf16"})
     calls = []
     speeds = {"bf16": 85.0, "fp32": 148.0}
     monkeypatch.setattr(cpu_precision, "matmul_gflops", lambda d: calls.append(d) or speeds[d])
@@ -42,7 +42,7 @@ def test_native_flags_and_a_slower_bf16_choose_fp32_and_the_cache_is_used(cache,
     open(os.path.join(cache, "cpu_precision.json"), "w").write("{not json")    # damaged: measured again
     assert arguments.parse_args([]).precision == "bf16" and len(calls) == 6
     assert arguments.parse_args(["--fp32"]).precision_reason == "chosen by flag"
-    monkeypatch.setattr(arguments, "_cpu_flags", lambda: {"avx2"})                # no native bf16: no measuring
+    monkeypatch.setattr(cpu_precision, "cpu_flags", lambda: {"avx2"})                # no native bf16: no measuring
     args = arguments.parse_args([])
     assert args.precision == "fp32" and not args.precision_measured and len(calls) == 6
 

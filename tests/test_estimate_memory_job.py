@@ -109,8 +109,9 @@ def test_defaults_are_the_jobs_on_the_target_device():
     assert (i.num_layers, i.hidden_size, i.num_attention_heads, i.seq_length, i.micro_batch_size) == (4, 256, 4, 256, 8)
     assert i.device_is_host and i.gpu_memory_bytes == i.host_memory_bytes_per_node == 16 * GiB
     assert i.host_reserve_bytes == int(1.6 * GiB)                   # the job's: a tenth of the host
-    from zo_megatron.training.arguments import _cpu_flags
-    assert i.precision == ("bf16" if _cpu_flags() & {"avx512_bf16", "amx_bf16"} else "fp32")
+    from zo_megatron.training.cpu_precision import default_precision    # the job's own choice on this CPU
+    with mock.patch.object(torch.cuda, "is_available", return_value=False):
+        assert i.precision == default_precision()[0]
     # a GPU: bf16, Megatron's defaults with a shape (micro-batch 1), seq 1024 when not given
     p, _ = plan("--num-layers", 2, "--hidden-size", 256, "--num-attention-heads", 4, "--host-memory-gb", 100)
     i = p.input

@@ -1,7 +1,7 @@
 """CUDA_DEVICE_MAX_CONNECTIONS=1 at TP > 1 is set before anything can start CUDA (issue 34, section 2).
 
 CUDA reads the variable once, when it initialises. The job set it after parsing its flags, and
-parsing calls torch.cuda.is_available() (arguments.default_precision), so on a GPU it could come
+parsing calls torch.cuda.is_available() (cpu_precision.default_precision), so on a GPU it could come
 too late. pretrain_gpt.py's main() now sets it first, from the raw command line
 (training/cuda_connections.py); checked here in a fresh process that records the environment at
 the first call into CUDA.

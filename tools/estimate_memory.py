@@ -149,13 +149,12 @@ def _apply_preset(args, parser: argparse.ArgumentParser) -> tuple[dict, int | No
 
 
 def _cpu_default_precision() -> str:
-    """arguments.default_precision's choice for a CPU device (this CPU's, measured and cached where its
+    """cpu_precision.default_precision's choice for a CPU device (this CPU's, measured and cached where its
     flags promise native bf16)."""
     from zo_megatron.data.corpus import default_cache_dir
-    from zo_megatron.training.arguments import _cpu_flags
-    from zo_megatron.training.cpu_precision import choose
+    from zo_megatron.training.cpu_precision import choose, cpu_flags
 
-    native = sorted(_cpu_flags() & {"avx512_bf16", "amx_bf16"})
+    native = sorted(cpu_flags() & {"avx512_bf16", "amx_bf16"})
     return choose(native, default_cache_dir())[0] if native else "fp32"
 
 

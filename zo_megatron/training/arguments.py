@@ -411,35 +411,6 @@ def _check_architecture(args: argparse.Namespace) -> None:
     cfg.check_query_groups_tp(args.tensor_parallel)    # heads and TP: validate_parallel_config
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def default_precision() -> tuple[str, str, bool]:
-    """(precision, why, measured): bf16 on GPUs; on a CPU whose flags promise native bf16 (AVX512_BF16
-    or AMX) the faster of bf16 and fp32 by a short cached measurement (training/cpu_precision.py:
-    such a CPU may still run bf16 slower); fp32 on other CPUs, which emulate bf16 matmuls (measured on
-    an AVX2 EPYC: 26x slower than fp32)."""
-    import torch
-
-    if torch.cuda.is_available():
-        return "bf16", "GPU", False
-    native = sorted(_cpu_flags() & {"avx512_bf16", "amx_bf16"})
-    if native:
-        from zo_megatron.data.corpus import default_cache_dir
-        from zo_megatron.training.cpu_precision import choose
-
-        return (*choose(native, default_cache_dir()), True)
-    return "fp32", "CPU without native bf16 (no AVX512_BF16/AMX): bf16 would be emulated; --bf16 to force", False
-
-
 _PARSER = None
 
 
@@ -515,6 +486,8 @@ def finalize(args: argparse.Namespace) -> None:
                               "without model flags")
     _megatron_position_aliases(args)
     if args.precision is None:
+        from zo_megatron.training.cpu_precision import default_precision
+
         args.precision, args.precision_reason, args.precision_measured = default_precision()
     else:
         args.precision_reason, args.precision_measured = "chosen by flag", False

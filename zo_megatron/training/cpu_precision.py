@@ -24,6 +24,35 @@ SHAPE = (1024, 1024, 1024)          # m, k, n: one MLP-sized matmul
 MIN_SECONDS = 0.15                  # per dtype, after one warm-up call
 
 
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (/proc/cpuinfo; empty where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def default_precision() -> tuple[str, str, bool]:
+    """(precision, why, measured): bf16 on GPUs; on a CPU whose flags promise native bf16 (AVX512_BF16
+    or AMX) the faster of bf16 and fp32 by a short cached measurement (`choose`:
+    such a CPU may still run bf16 slower); fp32 on other CPUs, which emulate bf16 matmuls (measured on
+    an AVX2 EPYC: 26x slower than fp32)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return "bf16", "GPU", False
+    native = sorted(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+    if native:
+        from zo_megatron.data.corpus import default_cache_dir
+
+        return (*choose(native, default_cache_dir()), True)
+    return "fp32", "CPU without native bf16 (no AVX512_BF16/AMX): bf16 would be emulated; --bf16 to force", False
+
+
 def matmul_gflops(dtype_name: str, shape=SHAPE, min_seconds: float = MIN_SECONDS) -> float:
     """GFLOP/s of torch.matmul at `shape` in `dtype_name` ("bf16" / "fp32") on this CPU."""
     import torch

@@ -1,7 +1,7 @@
 """CUDA_DEVICE_MAX_CONNECTIONS=1 at TP > 1, set before anything can start CUDA.
 
 CUDA reads the variable once, when it initialises, and parsing the arguments already calls
-torch.cuda.is_available() (arguments.default_precision), which may initialise it. So the job's
+torch.cuda.is_available() (cpu_precision.default_precision), which may initialise it. So the job's
 entry point (pretrain/pretrain_gpt.py main()) sets it first, from the raw command line, before
 parsing or importing anything that might touch CUDA; training.loop.pretrain() calls this again
 before its parsing, for callers that start there (idempotent: setdefault, and a variable already
