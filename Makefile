@@ -31,11 +31,12 @@ demo: setup
 # ZO_REQUIRE_KERNEL=1: with a C++ compiler present, a CPU Adam kernel that did not build fails the
 # run (tests/requirements_check.py) instead of silently testing the torch fallback only.
 # TEST_WORKERS pytest-xdist workers (2: the CI machine's cores; the multi-rank tests start 2-4
-# ranks each); --dist loadgroup keeps a module with an expensive module fixture on one worker.
+# ranks each); --dist worksteal balances the tail (tests/harness.built_once shares an expensive
+# module fixture between the workers).
 # It prints the slowest tests and its own duration, set-up included (docs/testing.md).
 # test-all adds the exhaustive variants marked slow.
 TEST_WORKERS ?= 2
-PYTEST_ARGS  := tests -q -n $(TEST_WORKERS) --dist loadgroup --durations=15
+PYTEST_ARGS  := tests -q -n $(TEST_WORKERS) --dist worksteal --durations=15
 
 test:
 	@start=$$(date +%s); $(MAKE) --no-print-directory setup && \

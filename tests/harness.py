@@ -130,3 +130,30 @@ def _run_world_once(fn, world_size: int, args: tuple, kwargs: dict, timeout: flo
     if errors:
         raise AssertionError("rank failed:\n" + "\n".join(errors))
     return [outs[r] for r in range(world_size)]
+
+
+def built_once(tmp_path_factory, name: str, build):
+    """`build(directory)` run once per test session and shared by every pytest-xdist worker: the
+    first worker to ask builds it under a lock (xdist's recipe: the workers' base temp directories
+    share a parent), the others wait and read its result (anything run_world can return) and files.
+    For an expensive module fixture whose tests xdist spreads over both workers. Returns (result,
+    the directory build wrote to)."""
+    import fcntl
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    directory, done = root / f"once_{name}", root / f"once_{name}.pt"
+    with open(root / f"once_{name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if not done.exists():
+                directory.mkdir(exist_ok=True)
+                buf = io.BytesIO()
+                torch.save(build(directory), buf)
+                tmp = done.with_suffix(".tmp")
+                tmp.write_bytes(buf.getvalue())
+                os.replace(tmp, done)
+            return torch.load(io.BytesIO(done.read_bytes()), weights_only=True), directory
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)

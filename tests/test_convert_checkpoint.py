@@ -20,12 +20,9 @@ import os
 import pytest
 import torch
 
-from tests.harness import free_port, run_world
+from tests.harness import built_once, free_port, run_world
 from tests.seeds import fresh_seed
 from tests.test_checkpoint_resume import _losses, _world
-
-# one xdist worker runs this module: its module fixture `converted` is built once (make test: --dist loadgroup)
-pytestmark = pytest.mark.xdist_group("test_convert_checkpoint")
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -200,8 +197,12 @@ def _close(ours, ref):
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
+    return built_once(tmp_path_factory, "convert_checkpoint", _convert_all)[0]    # once for both xdist workers
+
+
+def _convert_all(directory):
     seed = fresh_seed("convert_checkpoint")
-    d = str(tmp_path_factory.mktemp("convert"))
+    d = str(directory)
     worlds = [(4, [4, 2, 1]), (2, [2, 1]), (1, [1])]       # the 4-rank world writes the reshard first
     res, reshard_load = {}, None
     for n, layouts in worlds:

@@ -23,9 +23,6 @@ from tests.harness import free_port, run_world
 from tests.hf_tokenizer import HF_VOCAB_SIZE, make_hf_tokenizer
 from tests.seeds import fresh_seed
 
-# one xdist worker runs this module: its module fixture `models` is built once (make test: --dist loadgroup)
-pytestmark = pytest.mark.xdist_group("test_convert_llama")
-
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 

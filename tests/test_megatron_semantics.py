@@ -7,11 +7,8 @@ import os
 
 import pytest
 
-from tests.harness import run_world
+from tests.harness import built_once, run_world
 from tests.megatron_reference import megatron_get_lr
-
-# one xdist worker runs this module: its module fixture `run` is built once (make test: --dist loadgroup)
-pytestmark = pytest.mark.xdist_group("test_megatron_semantics")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SLOW_S = 1000.0
@@ -53,10 +50,14 @@ def _slow_eval_and_save_job(rank, argv, env):
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
+    rows, d = built_once(tmp_path_factory, "megatron_semantics", _semantics_run)   # once for both workers
+    return [x for x in rows if x["kind"] == "train"], [x for x in rows if x["kind"] == "eval"], d
+
+
+def _semantics_run(d):
     from zo_megatron.data import extract_corpus
     from zo_megatron.data.preprocess import preprocess
 
-    d = tmp_path_factory.mktemp("semantics")
     files = extract_corpus(str(d / "txt"), limit=8)
     preprocess(files, str(d / "sotu"), progress=False)
     # Evaluation and checkpoint saving are made slow on purpose -- on the loop's clock, which jumps
@@ -71,8 +72,7 @@ def run(tmp_path_factory):
     (rc, out, err), = run_world(_slow_eval_and_save_job, 1, args, {"ZO_MEGATRON_CACHE": str(d / "cache")},
                                 timeout=300)
     assert rc == 0, out[-3000:] + err[-3000:]
-    rows = [json.loads(line) for line in open(log)]
-    return [x for x in rows if x["kind"] == "train"], [x for x in rows if x["kind"] == "eval"], d
+    return [json.loads(line) for line in open(log)]
 
 
 def test_lr_of_every_update_is_megatrons_and_skipped_steps_do_not_advance(run):

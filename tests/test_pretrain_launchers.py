@@ -9,10 +9,8 @@ import sys
 
 import pytest
 
+from tests.harness import built_once
 from tests.test_pretrain import ROOT, SCRIPT, TINY, _clean_env, _single_process, _torchrun, sotu_prefix  # noqa: F401
-
-# one xdist worker runs this module: its module fixture `torchrun_losses` is built once (make test: --dist loadgroup)
-pytestmark = pytest.mark.xdist_group("test_pretrain_launchers")
 
 ARGS = ["--tensor-parallel", "2", "--zero-offload", "--train-iters", "4", *TINY, "--eval-interval", "100"]
 
@@ -30,10 +28,12 @@ def _free_port():
 
 @pytest.fixture(scope="module")
 def torchrun_losses(sotu_prefix, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("torchrun")
-    r = _torchrun([*ARGS, "--data-path", sotu_prefix, "--log-jsonl", str(tmp / "log.jsonl")], tmp)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return _losses(tmp / "log.jsonl")
+    def build(tmp):
+        r = _torchrun([*ARGS, "--data-path", sotu_prefix, "--log-jsonl", str(tmp / "log.jsonl")], tmp)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return _losses(tmp / "log.jsonl")
+
+    return built_once(tmp_path_factory, "torchrun_losses", build)[0]     # once for both xdist workers
 
 
 def test_mpiexec_matches_torchrun(sotu_prefix, torchrun_losses, tmp_path):
