@@ -19,7 +19,7 @@ def main(argv=None) -> int:
     from zo_megatron.training.cuda_connections import set_cuda_device_max_connections
 
     set_cuda_device_max_connections(argv)
-    from zo_megatron.errors import UserError, is_first_rank, report_error
+    from zo_megatron.errors import UserError, is_first_rank, let_the_first_rank_report, report_error
 
     try:
         from zo_megatron.training.loop import pretrain
@@ -28,6 +28,8 @@ def main(argv=None) -> int:
     except UserError as exc:
         rank0 = is_first_rank() or getattr(exc, "every_rank", False)
         report_error(str(exc), print_it=rank0 and not getattr(exc, "reported", False))
+        if not rank0:
+            let_the_first_rank_report()   # the launcher ends the job at the first exit: rank 0's line first
         return 2
     except KeyboardInterrupt:
         return 130

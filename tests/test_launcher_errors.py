@@ -56,3 +56,34 @@ def test_mpirun_prints_the_line_once_and_exits_2(tmp_path):
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
     out = r.stdout + r.stderr
     assert out.count("error: --lr -1.0 is out of range") == 1, out[-2000:]
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_a_rank_that_does_not_print_the_refusal_exits_after_the_one_that_does(rank, monkeypatch, capsys):
+    """A launcher ends the whole job at the first non-zero exit (Open MPI's prterun, torchrun's
+    agent). Rank 1, which does not print a refusal, exited at once and got rank 0 killed before its
+    line was out: CI's `mpirun -n 2 ... --lr -1` showed only prterun's notice naming rank 1. Now a
+    rank that does not print waits errors.REPORT_GRACE_S first; rank 0 prints and exits at once."""
+    import time
+
+    from zo_megatron import errors
+
+    sys.path.insert(0, os.path.dirname(SCRIPT))
+    import pretrain_gpt
+
+    monkeypatch.setattr(errors, "REPORT_GRACE_S", 1.0)
+    slept, real_sleep = [], time.sleep
+    monkeypatch.setattr(errors.time, "sleep", lambda s: slept.append(s) or real_sleep(s))
+    for k in [k for k in os.environ if k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "OMPI_", "PMI_", "SLURM_"))]:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    t0 = time.monotonic()
+    rc = pretrain_gpt.main([*SHAPE, "--lr", "-1"])
+    waited = time.monotonic() - t0
+    err = capsys.readouterr().err
+    assert rc == 2
+    if rank == "0":
+        assert err.strip().splitlines()[-1].startswith("error: --lr -1.0 is out of range") and slept == []
+    else:
+        assert "error:" not in err and slept == [1.0] and waited >= 1.0, (err, slept, waited)

@@ -22,6 +22,9 @@ class ConfigError(UserError):
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 # Each launcher's global-rank variable, in parallel/launch_env.py's order of precedence.
 _RANK_VARS = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
+_SIZE_VARS = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
+# How long a rank that does not print a refusal waits before exiting (let_the_first_rank_report)
+REPORT_GRACE_S = 3.0
 
 
 def is_first_rank() -> bool:
@@ -31,6 +34,33 @@ def is_first_rank() -> bool:
         if name in os.environ:
             return os.environ[name].strip() == "0"
     return True
+
+
+def let_the_first_rank_report() -> None:
+    """On a rank that does not print the job's refusal, wait REPORT_GRACE_S before exiting.
+
+    A launcher ends the whole job at the first non-zero exit (Open MPI's prterun, torchrun's agent).
+    A silent rank that exits at once can get the printing rank killed before its one line is out:
+    `mpirun -n 2 pretrain_gpt.py --lr -1` showed only prterun's notice naming rank 1. The wait costs
+    a refused multi-rank launch 3 s; a world of one never waits."""
+    sizes = [os.environ[n] for n in _SIZE_VARS if n in os.environ]
+    try:
+        world = int(sizes[0]) if sizes else 1
+    except ValueError:
+        world = 2                     # unreadable: assume a world, waiting is the safe side
+    if world <= 1:
+        return
+    import signal
+
+    def exit_now(signum, frame):      # the launcher's teardown once the printing rank is out
+        sys.stderr.flush()
+        os._exit(2)                   # this rank's status stays the refusal's, not -15 (SIGTERM)
+
+    old = signal.signal(signal.SIGTERM, exit_now)
+    try:
+        time.sleep(REPORT_GRACE_S)
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def record_error_line(line: str) -> None:
