@@ -1,11 +1,8 @@
 """--use-checkpoint-args (Megatron's): resume and fine-tune from a checkpoint without repeating its
 model flags, at another TP size; flags that disagree are one line naming each with both values;
 without the flag, a mismatch names the flags and suggests it, and demo defaults say they are."""
-import contextlib
-import io
 import json
 import os
-import sys
 
 from tests.harness import run_world
 
@@ -16,16 +13,10 @@ RUN = ["--micro-batch-size", "2", "--lr", "1e-3", "--lr-decay-iters", "6", "--ev
 
 
 def _main(rank, argv):
-    sys.path.insert(0, os.path.join(ROOT, "pretrain"))
-    import pretrain_gpt
+    """One rank of the job, its (exit status, stdout, stderr): tests/test_pretrain.py's _rank_job."""
+    from tests.test_pretrain import _rank_job
 
-    err, out = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
-        try:
-            rc = pretrain_gpt.main(argv)
-        except SystemExit as exc:
-            rc = exc.code
-    return rc, out.getvalue(), err.getvalue()
+    return _rank_job(rank, argv, {})
 
 
 def _losses(path):

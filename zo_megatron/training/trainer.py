@@ -49,6 +49,9 @@ class TrainState:
 
 
 class Trainer:
+    """One training job on this rank: `run()` builds the components (`build`), trains (`train`) and
+    closes everything, whatever happens."""
+
     def __init__(self, args, env, ps, tokenizer, data_path):
         from zo_megatron.parallel.launch_env import default_cpu_adam_threads
 
@@ -194,6 +197,7 @@ class Trainer:
         return bool(a.dpu and not res.skipped and self.optimizer.step_count >= a.dpu_warmup_steps)
 
     def evaluate(self) -> None:
+        """--eval-iters global batches of the validation split, logged; the consumed count moves on."""
         with self.log.paused():             # as Megatron: evaluation stays out of the interval timer
             loss, n_samples = self.evaluator.run(self.model, self.optimizer)
             self.state.consumed_valid_samples = self.evaluator.consumed_valid
@@ -201,6 +205,7 @@ class Trainer:
                                   consumed_tokens=self.state.consumed_samples * self.args.seq_length)
 
     def save(self) -> None:
+        """A checkpoint of this iteration (pending updates flushed first: checkpointing.Checkpointer)."""
         st = self.state
         with self.log.paused():             # as Megatron: saving stays out of the interval timer
             self.checkpointer.save(st.iteration, st.consumed_samples, st.consumed_valid_samples)
@@ -229,6 +234,8 @@ class Trainer:
 
     # ---- the end ------------------------------------------------------------------------------
     def finish(self, stop_reason: str | None) -> int:
+        """A stop saves (if --save) and says how to resume; a finished run applies its last delayed
+        update and prints the final validation loss."""
         args, st = self.args, self.state
         if stop_reason is not None:
             if args.save and self.checkpointer.saved_at != st.iteration:
@@ -254,6 +261,7 @@ class Trainer:
         return 0
 
     def _warn_dpu_never_starts(self) -> None:
+        """--dpu given but the run ends before its warm-up does: say so (every update is exact)."""
         args, opt = self.args, self.optimizer
         if not args.dpu:
             return
