@@ -170,12 +170,13 @@ def _value_for(flag, takes_value, megatron_default):
 
 
 def test_every_row_of_the_full_table_behaves_as_its_class_says():
-    """implemented: the parser defines the flag; no-op: it passes every check of the job; refused: one
-    line naming it with the table's reason. Rows implemented by another issue's branch are checked
+    """implemented: the parser defines the flag; no-op: it passes every check of the job and the
+    banner lists it (noops_given, nothing else); refused: one line naming it with the table's reason. Rows implemented by another issue's branch are checked
     only once that branch defines them (then as implemented)."""
     from zo_megatron.training.arguments import build_parser
     from zo_megatron.training.megatron_flag_list import FLAGS
-    from zo_megatron.training.megatron_flags import IMPLEMENTED_ELSEWHERE, NOOP_DEST, REFUSED_DEST, parse_doc_table
+    from zo_megatron.training.megatron_flags import (IMPLEMENTED_ELSEWHERE, NOOP_DEST, REFUSED_DEST, noops_given,
+                                                     parse_doc_table)
 
     parser = build_parser()
     actions = {o: a for a in parser._actions for o in a.option_strings}
@@ -193,9 +194,12 @@ def test_every_row_of_the_full_table_behaves_as_its_class_says():
             argv.append("--zero-offload")
         if status == "no-op":
             try:
-                _job_args(argv)
+                args = _job_args(argv)
             except (ConfigError, SystemExit) as exc:
                 failures.append(f"{flag}: no-op but refused: {exc}")
+                continue
+            if noops_given(args) != [flag]:          # the banner lists it (issue 35, item 9)
+                failures.append(f"{flag}: a no-op the banner would not list: {noops_given(args)}")
         else:
             try:
                 _job_args(argv)
@@ -223,3 +227,18 @@ def test_a_copy_pasted_megatron_script_gets_every_refusal_in_one_line_and_its_fu
     for f in ("--num-experts: mixture of experts", "--context-parallel-size 2: context parallelism",
               "--pipeline-model-parallel-size 2: pipeline", "--fp8-format: FP8"):
         assert f in msg, (f, msg)
+
+
+def test_the_banner_names_the_megatron_flags_it_accepted_as_no_ops():
+    """Issue 35, item 9: a copied launch script sees which of its flags do nothing here, in one line;
+    a command line without any gets no such line."""
+    from zo_megatron.training.user_report import noop_lines
+
+    args = _job_args(["--use-mcore-models", "--no-persist-layer-norm", "--log-throughput", "--zero-offload",
+                      "--use-distributed-optimizer", "--lr-decay-style", "cosine"])
+    (line,) = noop_lines(args)
+    head, flags = line.split("): ", 1)
+    assert head == " accepted as no-ops (nothing to do in this job; docs/megatron_compat.md says why for each"
+    assert sorted(flags.split(" ")) == sorted(["--use-mcore-models", "--no-persist-layer-norm", "--log-throughput",
+                                               "--use-distributed-optimizer"])
+    assert noop_lines(_job_args(["--zero-offload"])) == []

@@ -290,6 +290,19 @@ def refused_given(args: argparse.Namespace) -> list[str]:
     return out
 
 
+def noops_given(args: argparse.Namespace) -> list[str]:
+    """Every Megatron flag on the command line that is accepted without effect (NO_OP, NO_OP_OURS),
+    in Megatron's order: what the banner lists, so a copied launch script shows what it asked for
+    that does nothing here."""
+    given = set(getattr(args, "given", ()))
+    out = []
+    for flag, _, _, _ in FLAGS:
+        name = flag[2:].replace("-", "_")
+        if getattr(args, NOOP_DEST + name, None) not in (None, False) or (flag in NO_OP_OURS and name in given):
+            out.append(flag)
+    return out
+
+
 def table(parser: argparse.ArgumentParser, compat_refused: dict) -> list[tuple[str, str, str, str]]:
     """(flag, Megatron group, status, why) for every Megatron flag, against this parser."""
     actions = {o: a for a in parser._actions for o in a.option_strings}

@@ -137,6 +137,15 @@ def pin_memory_warnings(args, ps) -> list[str]:
     return []
 
 
+def noop_lines(args) -> list[str]:
+    """The banner's line naming the Megatron-LM flags given that do nothing here (issue 35, item 9)."""
+    from zo_megatron.training.megatron_flags import noops_given
+
+    flags = noops_given(args)
+    return [f" accepted as no-ops (nothing to do in this job; docs/megatron_compat.md says why for each): "
+            f"{' '.join(flags)}"] if flags else []
+
+
 def banner(metrics, args, ps, cfg, optimizer, data_path, setup_s) -> None:
     """The run's opening lines: layout, precision and engine, model, attention, batch, data, memory."""
     total = cfg.num_parameters()
@@ -183,6 +192,7 @@ def banner(metrics, args, ps, cfg, optimizer, data_path, setup_s) -> None:
         + (f"; planner: device {human_bytes(plan.device_bytes_per_gpu)}/rank, host {human_bytes(plan.host_bytes_per_node)}/node"
            if plan is not None else ""),
         *pin_memory_warnings(args, ps),
+        *noop_lines(args),
         *([f" {args.load_note}"] if getattr(args, "load_note", None) else []),
         f" set-up took {setup_s:.1f}s; {NOTICES}",
     ]
