@@ -193,6 +193,21 @@ class Schedule:
         self.extrapolate = False
 
 
+def update(sched: Schedule, k: int, master, device, grads, lr: float, dc_lambda: float = 1.0):
+    """Update k from the gradients computed on `device` (p_k): clip, step the master in place
+    (w_k -> w_{k+1}); returns (the device copy for iteration k+1, w_k, the norm before clipping)."""
+    if sched.arm == "dc":                                   # g + lambda g*g*(w_k - p_k)
+        for g, w, p in zip(grads, master, device):
+            g.addcmul_(g * g, w - p, value=dc_lambda)
+    norm = clip_(grads, 1.0)
+    predicted = sched.fresh_gradient(master, grads, lr) if sched.arm.startswith("fresh-gradient") else None
+    before = [m.clone() for m in master]
+    sched.opt.step(master, grads, lr)
+    nxt = sched.device_after(k, master, before, predicted)
+    sched.remember(before)
+    return nxt, before, norm
+
+
 def run(arm: str, seed: int, cfg: dict) -> dict:
     """One arm, one seed: the training curve, the validation curve and the device-weight error."""
     import torch
@@ -246,16 +261,8 @@ def run(arm: str, seed: int, cfg: dict) -> dict:
         loss.backward()
         with torch.no_grad():
             grads = [p.grad.detach().clone() for p in device]
-            if arm == "dc":                                     # g + lambda g*g*(w_k - p_k)
-                for g, w, p in zip(grads, master, device):
-                    g.addcmul_(g * g, w - p, value=cfg["dc_lambda"])
-            norm = clip_(grads, 1.0)
-            lr = lr_at(k, cfg)
-            predicted = sched.fresh_gradient(master, grads, lr) if arm.startswith("fresh-gradient") else None
-            before = [m.clone() for m in master]
-            opt.step(master, grads, lr)
-            set_device(sched.device_after(k, master, before, predicted))
-            sched.remember(before)
+            nxt, before, norm = update(sched, k, master, device, grads, lr_at(k, cfg), cfg["dc_lambda"])
+            set_device(nxt)
         out["train"].append((k, loss.item()))
         out["grad_norm"].append((k, norm))
         if k % cfg["eval_interval"] == 0 or k == T:
