@@ -51,6 +51,7 @@ from functools import partial
 
 import torch
 
+from zo_megatron.offload.dpu_diagnostics import WeightError
 from zo_megatron.optimizer_api import StepResult
 
 WORKER_PREFIX = "zo-cpu-step"       # the worker threads' name prefix: they never issue a collective
@@ -132,6 +133,9 @@ class DelayedSchedule(SynchronousSchedule):
         # --dpu-weight-prediction: the master before the update in flight (w_{t-1}); the device
         # then gets w_t + (w_t - w_{t-1}) instead of w_t (see _predicted_update).
         self.prev_master = prev_master
+        # Debug only (issue 37): the device copy's distance to the exact weights, ZO_DPU_DIAGNOSTICS
+        # (dpu_diagnostics.py); None, and nothing done, when the variable is unset.
+        self.diagnostics = WeightError.from_env()
 
     def _predicted_update(self, engine, k: int, grad, step: int, lr: float, grad_scale: float) -> None:
         """Worker: the CPU Adam of g_t, then the device copy extrapolated by this update.
@@ -157,6 +161,8 @@ class DelayedSchedule(SynchronousSchedule):
         clip_coef = engine._clip_coef(grad_norm)
         engine.step_count += 1
         result = StepResult(False, grad_norm, clip_coef, scale)
+        if self.diagnostics is not None:
+            self.diagnostics.before_submit(engine)
         k = engine._cur
         update = (k, engine._update_grad(), engine.step_count, lr, clip_coef / scale)
         kernel = engine._cpu_update if self.prev_master is None else partial(self._predicted_update, engine)
@@ -175,6 +181,8 @@ class DelayedSchedule(SynchronousSchedule):
         t0 = time.monotonic()
         future.result()
         engine._phases.append(("cpu_step_wait", t0, time.monotonic()))
+        if self.diagnostics is not None:
+            self.diagnostics.after_join(engine, from_step=predicted)
         if self.prev_master is not None and not predicted:
             engine._params[k].copy_(engine.master)
         engine._params_to_device(k)
