@@ -59,24 +59,35 @@ def hf_logits(directory, tokens) -> torch.Tensor:
         return model(tokens).logits
 
 
-def _our_logits(rank, ck, tokens):
+def models_logits(cks: dict, tokens) -> dict:
+    """In a rank (TP 1, parallel state set up): our model's logits from each checkpoint `cks` names."""
     from zo_megatron.checkpoint.reader import CheckpointReader
     from zo_megatron.model import GPTConfig, build_gpt_model
     from zo_megatron.model.config import ARCH_FIELDS
     from zo_megatron.model.sharding import load_full_params
+
+    out = {}
+    for name, ck in cks.items():
+        reader = CheckpointReader(ck)
+        cfg = GPTConfig(**{k: reader.model_meta[k] for k in ARCH_FIELDS}, precision="fp32")
+        model = build_gpt_model(cfg, 0, 1, 1)
+        load_full_params(model, reader.read_weights(), 0, 1, cfg.vocab_size)
+        with torch.no_grad():
+            out[name] = model(tokens).float()[..., :cfg.vocab_size].clone()
+    return out
+
+
+def _our_logits(rank, cks, tokens):
     from zo_megatron.parallel import init_parallel
 
-    reader = CheckpointReader(ck)
-    cfg = GPTConfig(**{k: reader.model_meta[k] for k in ARCH_FIELDS}, precision="fp32")
     init_parallel(1)
-    model = build_gpt_model(cfg, 0, 1, 1)
-    load_full_params(model, reader.read_weights(), 0, 1, cfg.vocab_size)
-    with torch.no_grad():
-        return model(tokens).float()[..., :cfg.vocab_size].clone()
+    return models_logits(cks, tokens)
 
 
 def our_logits(ck, tokens):
-    return run_world(_our_logits, 1, ck, tokens, timeout=120)[0]
+    """Our model's logits from the checkpoint `ck`, or {name: logits} for a dict of them (one process)."""
+    out = run_world(_our_logits, 1, ck if isinstance(ck, dict) else {"": ck}, tokens, timeout=120)[0]
+    return out if isinstance(ck, dict) else out[""]
 
 
 def close(ours, ref):
@@ -521,3 +532,64 @@ def test_every_architecture_the_docs_name_converts(tmp_path):
         assert json.load(open(os.path.join(src, "config.json")))["architectures"] == [name]
         convert.from_hf(src, str(tmp_path / f"{name}_ck"), tensor_parallel=1, log=quiet)
         assert name in SUPPORTED, name
+
+
+def _job_checkpoint(directory, seed: int, tokenizer: str, **arch) -> str:
+    """A weights-only checkpoint of the architecture `arch` with random weights and no recorded Hugging
+    Face architecture, as the job's own runs have (to-hf then picks the class)."""
+    from zo_megatron.checkpoint.arch import full_meta, param_shapes
+    from zo_megatron.checkpoint.convert import _write_weights_checkpoint
+
+    meta = full_meta(arch)
+    g = torch.Generator().manual_seed(seed)
+    weights = {k: torch.randn(shape, generator=g) * 0.1 + (1.0 if k.endswith("layernorm.weight") else 0.0)
+               for k, shape in param_shapes(meta).items()}
+    _write_weights_checkpoint(str(directory), weights, meta, tp=1, converted_from="test", args={}, force=False,
+                              log=quiet, tokenizer_from=tokenizer)
+    return str(directory)
+
+
+def test_to_hf_of_a_head_dim_other_than_hidden_over_heads(tmp_path, capsys):
+    """--kv-channels makes hidden differ from heads x head dim. to-hf writes it exactly as the class that
+    can say so: Llama's head_dim (hidden 96, 8 heads of 16); with hidden 40 not a multiple of 6 heads
+    transformers' LlamaConfig refuses the config (old code: a raw StrictDataclassClassValidationError
+    with --architecture LlamaForCausalLM), so it is written as MistralForCausalLM, and naming Llama is
+    one line naming Mistral. GPT-2 has no head_dim: one line naming why and what writes such a model
+    (old code: '--hidden-size ... is not divisible' for to-hf, a flag it does not take)."""
+    from tests.hf_tokenizer import HF_VOCAB_SIZE, make_hf_tokenizer
+    from tests.test_convert_llama import _cli
+    from zo_megatron.checkpoint import convert
+
+    seed = fresh_seed("to-hf head_dim")
+    tok = make_hf_tokenizer(tmp_path / "tok")
+    llama = dict(num_layers=LAYERS, ffn_hidden_size=FFN, vocab_size=HF_VOCAB_SIZE, max_position_embeddings=POS,
+                 position_embedding_type="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=False,
+                 untie_embeddings_and_output_weights=True)
+    cks = {"LlamaForCausalLM": _job_checkpoint(tmp_path / "h96", seed, tok, **llama, hidden_size=96,
+                                               num_attention_heads=8, num_query_groups=4, kv_channels=16),
+           "MistralForCausalLM": _job_checkpoint(tmp_path / "h40", seed + 1, tok, **llama, hidden_size=40,
+                                                 num_attention_heads=6, num_query_groups=2, kv_channels=8)}
+    tokens = tokens_for(seed)
+    ours = our_logits(cks, tokens)
+    for arch, ck in cks.items():
+        for given in (None, arch):
+            back = str(tmp_path / f"{arch}_{given}")
+            convert.to_hf(ck, back, architecture=given, log=quiet)
+            assert json.load(open(os.path.join(back, "config.json")))["architectures"] == [arch]
+            close(ours[arch], hf_logits(back, tokens))
+
+    gpt2 = _job_checkpoint(tmp_path / "gpt2", seed + 2, tok, num_layers=LAYERS, hidden_size=48, num_attention_heads=4,
+                           kv_channels=16, ffn_hidden_size=FFN, vocab_size=HF_VOCAB_SIZE, max_position_embeddings=POS)
+    cli = _cli()
+    capsys.readouterr()
+    for ck, given, says in ((cks["MistralForCausalLM"], "LlamaForCausalLM",
+                             ["LlamaConfig refuses it", "not a multiple", "--architecture MistralForCausalLM"]),
+                            (gpt2, None, ["GPT2LMHeadModel has no head_dim", "48 / 4 = 12", "the model's is 16",
+                                          "to-megatron and to-fp32"]),
+                            (gpt2, "GPT2LMHeadModel", ["GPT2LMHeadModel has no head_dim", "to-megatron and to-fp32"])):
+        out = str(tmp_path / "refused")
+        rc = cli.main(["to-hf", "--load", ck, "--output", out, *(["--architecture", given] if given else [])])
+        lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip() and "%" not in ln]
+        assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), lines
+        assert all(s in lines[0] for s in says), lines
+        assert not os.path.exists(out)

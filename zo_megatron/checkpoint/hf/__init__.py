@@ -45,7 +45,10 @@ def family_for_model(meta: dict, architecture: str | None, where: str) -> HFFami
             raise UserError(f"--architecture {architecture}: not supported; supported: {', '.join(SUPPORTED)}")
         why = family.why_not(meta)
         if why is not None:
-            raise UserError(f"{where}: the model cannot be written as {architecture}: {why}")
+            others = [name for name, f in FAMILIES.items() if name != architecture and f.why_not(meta) is None]
+            fix = (f"write it as --architecture {others[0]} (or leave --architecture out)" if others else
+                   "no supported architecture expresses it; to-megatron and to-fp32 write any model")
+            raise UserError(f"{where}: the model cannot be written as {architecture}: {why}; {fix}")
         return family
     reasons = []
     for family in FAMILIES.values():
@@ -53,4 +56,5 @@ def family_for_model(meta: dict, architecture: str | None, where: str) -> HFFami
         if why is None:
             return family
         reasons.append(why)
-    raise UserError(f"{where}: no supported Hugging Face architecture expresses this model ({'; '.join(reasons)})")
+    raise UserError(f"{where}: no supported Hugging Face architecture expresses this model ({'; '.join(reasons)}): "
+                    "to-megatron and to-fp32 write any model")

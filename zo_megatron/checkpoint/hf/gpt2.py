@@ -171,10 +171,15 @@ class GPT2Family(HFFamily):
 
     def why_not(self, meta: dict) -> str | None:
         meta = full_meta(meta)
-        gpt2 = full_meta({k: meta[k] for k in _SHAPE + _FREE})       # the same shape as GPT-2
+        # the same shape as GPT-2 (its head dim compared below: GPT2Config has no head_dim)
+        gpt2 = full_meta({**{k: meta[k] for k in _SHAPE + _FREE}, "kv_channels": meta["kv_channels"]})
         for key, want in gpt2.items():
             if meta[key] != want:
                 return f"GPT-2 has {key}={want!r} (the model has {meta[key]!r})"
+        h, heads, d = meta["hidden_size"], meta["num_attention_heads"], meta["kv_channels"]
+        if h % heads or d != h // heads:
+            return (f"GPT2LMHeadModel has no head_dim: its head dim is n_embd / n_head = {h} / {heads}"
+                    f"{' (not whole)' if h % heads else f' = {h // heads}'}, the model's is {d} (--kv-channels)")
         return None
 
     def to_hf_state(self, weights: dict[str, torch.Tensor], meta: dict) -> dict[str, torch.Tensor]:

@@ -374,6 +374,18 @@ class LlamaFamily(HFFamily):
             return f"{self.architecture} cannot have biases on exactly {sorted(_our_biases(meta)) or 'no linear layer'}"
         if meta["num_attention_heads"] % query_groups(meta):
             return f"num_query_groups {query_groups(meta)} does not divide the heads"
+        return self._config_refuses(meta)
+
+    def _config_refuses(self, meta: dict) -> str | None:
+        """What the installed transformers' config class refuses of the model, as a phrase; None if it
+        takes it (LlamaConfig validates hidden_size % num_attention_heads even with a head_dim)."""
+        from huggingface_hub.errors import StrictDataclassError
+
+        try:
+            self.hf_config(meta, dtype="float32", args={}, bos_token_id=None, eos_token_id=None)
+        except (StrictDataclassError, ValueError, TypeError) as exc:
+            cause = exc.__cause__ or exc
+            return f"transformers' {self.variant.config_class} refuses it ({str(cause).strip().splitlines()[-1][:200]})"
         return None
 
     def to_hf_state(self, weights: dict[str, torch.Tensor], meta: dict) -> dict[str, torch.Tensor]:
