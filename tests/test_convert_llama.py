@@ -189,15 +189,12 @@ def test_megatron_round_trip_is_bit_exact(models):
 
 # ---------------------------------------------------------------- megatron-core loads the files
 
-def _megatron_core_gpt(args, tp):
-    """megatron-core's GPTModel from a TransformerConfig built from Megatron-LM's saved args
-    (independent of zo_megatron.model), as Megatron-LM's own loader would build it."""
+def _megatron_core_config(args, tp):
+    """megatron-core's TransformerConfig from Megatron-LM's saved args (independent of zo_megatron.model)."""
     import torch.nn.functional as F
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    config = TransformerConfig(
+    return TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
         num_query_groups=args.num_query_groups, kv_channels=args.kv_channels, ffn_hidden_size=args.ffn_hidden_size,
         gated_linear_unit=args.swiglu, activation_func=F.silu, normalization=args.normalization,
@@ -206,7 +203,15 @@ def _megatron_core_gpt(args, tp):
         tensor_model_parallel_size=tp, params_dtype=torch.float32, use_cpu_initialization=True,
         perform_initialization=False, gradient_accumulation_fusion=False, masked_softmax_fusion=False,
         bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False)
-    return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization=args.normalization),
+
+
+def _megatron_core_gpt(args, tp):
+    """megatron-core's GPTModel from Megatron-LM's saved args, as Megatron-LM's own loader would build it."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return GPTModel(config=_megatron_core_config(args, tp),
+                    transformer_layer_spec=get_gpt_layer_local_spec(normalization=args.normalization),
                     vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
                     share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
                     position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
@@ -326,8 +331,8 @@ def test_wrong_input_is_one_error_line_exit_2_and_nothing_written(models, tmp_pa
         ("config without weights", str(no_weights), "no weights (model.safetensors"),
         ("llama3 rope with other fixed values", _edited_copy(llama, scratch / "rope", rope_parameters={
             **rope, "high_freq_factor": 2.0}), "high_freq_factor=2.0"),
-        ("yarn rope", _edited_copy(llama, scratch / "yarn", rope_parameters={
-            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0}), "rope_type='yarn'"),
+        ("dynamic rope", _edited_copy(llama, scratch / "dynamic", rope_parameters={
+            "rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}), "rope_type='dynamic'"),
         ("GELU Llama", _edited_copy(llama, scratch / "gelu", hidden_act="gelu"), "hidden_act='gelu'"),
         ("attention bias without MLP bias", _edited_copy(llama, scratch / "bias", attention_bias=True),
          "attention_bias=True, mlp_bias=False"),

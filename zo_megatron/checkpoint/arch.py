@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from zo_megatron.errors import UserError
-from zo_megatron.model.config import ARCH_FIELDS, GPTConfig
+from zo_megatron.model.config import ARCH_FIELDS, YARN_FIELDS, GPTConfig
 
 # GPTConfig's defaults (GPT-2) for the fields an old checkpoint does not record
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(GPTConfig)
@@ -85,12 +85,13 @@ def job_flags(meta: dict, hf_tokenizer: bool = False) -> str:
     flags = [f"--num-layers {m['num_layers']}", f"--hidden-size {m['hidden_size']}",
              f"--num-attention-heads {m['num_attention_heads']}", f"--ffn-hidden-size {m['ffn_hidden_size']}",
              f"--max-position-embeddings {m['max_position_embeddings']}"]
-    if m["position_embedding_type"] == "rope":
-        flags += ["--position-embedding-type rope", f"--rotary-base {m['rotary_base']}"]
+    if m["position_embedding_type"] != "learned_absolute":
+        flags += [f"--position-embedding-type {m['position_embedding_type']}", f"--rotary-base {m['rotary_base']}"]
         if m["rotary_percent"] != 1.0:
             flags.append(f"--rotary-percent {m['rotary_percent']:g}")
         if m["use_rope_scaling"]:
             flags += ["--use-rope-scaling", f"--rope-scaling-factor {m['rope_scaling_factor']:g}"]
+        flags += _yarn_flags(m)
     if m["normalization"] != "LayerNorm":
         flags.append(f"--normalization {m['normalization']}")
     if m["layernorm_epsilon"] != DEFAULTS["layernorm_epsilon"]:
@@ -114,6 +115,26 @@ def job_flags(meta: dict, hf_tokenizer: bool = False) -> str:
     if hf_tokenizer:
         flags.append(f"--vocab-size {m['vocab_size']}")
     return " ".join(flags)
+
+
+def _num(x: float) -> str:
+    """A float as short as it reads back exactly (a resume compares the values)."""
+    return f"{x:g}" if float(f"{x:g}") == x else repr(float(x))
+
+
+def _yarn_flags(m: dict) -> list[str]:
+    """YaRN's flags (Megatron-LM's names): the factor and original context always, the rest when not
+    megatron-core's defaults."""
+    if m["position_embedding_type"] != "yarn":
+        return []
+    flags = [f"--rotary-scaling-factor {_num(m['rotary_scaling_factor'])}",
+             f"--yarn-original-max-position-embeddings {m['yarn_original_max_position_embeddings']}"]
+    for name in ("yarn_beta_fast", "yarn_beta_slow", "mscale", "mscale_all_dim"):
+        if m[name] != YARN_FIELDS[name]:
+            flags.append(f"--{name.replace('_', '-')} {_num(m[name])}")
+    if not m["yarn_correction_range_round_to_int"]:
+        flags.append("--no-yarn-correction-range-round-to-int")
+    return flags
 
 
 def check_tensor_parallel(meta: dict, tp: int, flag: str = "--tensor-parallel") -> None:

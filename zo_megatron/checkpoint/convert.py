@@ -321,6 +321,9 @@ def to_megatron(load: str, output: str, *, iteration: int | None = None, tensor_
     if window is not None:
         log(f"  note: the sliding window ({window['tokens']} tokens, from {window['architecture']}) is not written: "
             f"Megatron-LM's model attends fully, which is the same at --seq-length <= {window['tokens']}")
+    if meta["position_embedding_type"] == "yarn":
+        log("  note: YaRN's args have Megatron-LM core_v0.19's names (position_embedding_type 'yarn', yarn_*, "
+            "rotary_scaling_factor, mscale, mscale_all_dim): core_v0.16.1's pretrain_gpt.py cannot build a YaRN GPT")
     log(f"  Megatron-LM torch format, TP{tp}, iteration {reader.iteration}: load it in Megatron-LM with "
         "--finetune (no optimizer or RNG state is included)"
         + (f"; its tokenizer: --tokenizer-model {saved_tok}" if has_tokenizer else ""))

@@ -82,8 +82,10 @@ def _check_model(manifest: dict, model_meta: dict, where: str, tokenizer_vocab: 
         _refuse_vocabulary(manifest, int(saved["vocab_size"]), int(model_meta["vocab_size"]),
                            model_meta["vocab_size"] if tokenizer_vocab is None else tokenizer_vocab, where)
     # RoPE has no position table: such a model may continue at another context length (Megatron-LM
-    # and HF extend Llama's context the same way); a learned table's size must match
-    rope = saved.get("position_embedding_type") == "rope" == model_meta.get("position_embedding_type")
+    # and HF extend Llama's context the same way; YaRN's frequencies depend on its original context,
+    # not on this one); a learned table's size must match
+    rope = saved.get("position_embedding_type") in ("rope", "yarn") and \
+        saved.get("position_embedding_type") == model_meta.get("position_embedding_type")
     diffs = [describe_diff(k, saved.get(k), v) for k, v in model_meta.items()
              if k != "vocab_size" and saved.get(k) != v and not (rope and k == "max_position_embeddings")]
     if diffs:

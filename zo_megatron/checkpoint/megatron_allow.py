@@ -32,6 +32,9 @@ READ = frozenset({
     "qk_layernorm", "untie_embeddings_and_output_weights", "tensor_model_parallel_size",
     "pipeline_model_parallel_size", "vocab_size", "padded_vocab_size", "tokenizer_type", "tokenizer_model",
     "seq_length",
+    # YaRN (position_embedding_type "yarn"; Megatron-LM core_v0.19 on): read with it, inert without it
+    "rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow",
+    "yarn_correction_range_round_to_int", "mscale", "mscale_all_dim",
 })
 
 # arg -> (values under which the model is zo_megatron's GPT, what another value means)

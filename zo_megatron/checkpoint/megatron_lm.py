@@ -35,6 +35,7 @@ from zo_megatron.checkpoint.arch import full_meta, head_dim, query_groups
 from zo_megatron.checkpoint.megatron_allow import non_neutral
 from zo_megatron.checkpoint.tp_layout import (EXTRA_STATE_LAYERS, OUTPUT_LAYER, WORD_EMBEDDING, local_rows,
                                               padded_vocab_size, partition_stride, tp_axis)
+from zo_megatron.model.config import YARN_FIELDS
 from zo_megatron.model.sharding import split_pieces
 from zo_megatron.errors import UserError
 
@@ -69,7 +70,7 @@ def megatron_args(meta: dict, *, tp: int, iteration: int, divisible_by: int, seq
         position_embedding_type=meta["position_embedding_type"], add_position_embedding=True,
         use_rotary_position_embeddings=rope, rotary_base=meta["rotary_base"], rotary_percent=meta["rotary_percent"],
         rotary_interleaved=False, rotary_seq_len_interpolation_factor=None, use_rope_scaling=meta["use_rope_scaling"],
-        rope_scaling_factor=meta["rope_scaling_factor"],
+        rope_scaling_factor=meta["rope_scaling_factor"], **_yarn_args(meta),
         make_vocab_size_divisible_by=divisible_by, vocab_size=meta["vocab_size"],
         padded_vocab_size=padded_vocab_size(meta["vocab_size"], divisible_by, tp), tokenizer_type=tokenizer_type,
         tokenizer_model=tokenizer_model,
@@ -83,6 +84,22 @@ def megatron_args(meta: dict, *, tp: int, iteration: int, divisible_by: int, seq
         swiglu=meta["swiglu"], squared_relu=False, openai_gelu=not meta["swiglu"], transformer_impl="local",
         ckpt_format="torch", bf16=precision == "bf16", fp16=precision == "fp16", iteration=iteration,
         consumed_train_samples=consumed_samples, consumed_valid_samples=consumed_valid_samples)
+
+
+def _yarn_args(meta: dict) -> dict:
+    """YaRN's args under Megatron-LM's names (core_v0.19 on: --position-embedding-type yarn, its
+    --yarn-* flags, the MLA group's --rotary-scaling-factor, --mscale, --mscale-all-dim); none for
+    another position embedding (the args then are what they were before YaRN)."""
+    return {k: meta[k] for k in YARN_FIELDS} if meta["position_embedding_type"] == "yarn" else {}
+
+
+def _yarn_meta(args: argparse.Namespace, pos: str) -> dict:
+    """YaRN's fields from Megatron-LM's args, unset ones at the values Megatron-LM gives them
+    (core_v0.19's _apply_yarn_config_from_args: megatron-core's YarnRotaryEmbedding defaults)."""
+    if pos != "yarn":
+        return {}
+    return {k: type(default)(default if getattr(args, k, None) is None else getattr(args, k))
+            for k, default in YARN_FIELDS.items()}
 
 
 def meta_from_args(args: argparse.Namespace, vocab: int, where: str) -> dict:
@@ -106,7 +123,7 @@ def meta_from_args(args: argparse.Namespace, vocab: int, where: str) -> dict:
                "Megatron-LM's --openai-gelu)")
     pos = "rope" if getattr(args, "use_rotary_position_embeddings", False) else \
         getattr(args, "position_embedding_type", "learned_absolute")
-    if pos not in ("learned_absolute", "rope"):
+    if pos not in ("learned_absolute", "rope", "yarn"):
         refuse(f"args.position_embedding_type={pos!r}")
     norm = getattr(args, "normalization", "LayerNorm")
     if norm not in ("LayerNorm", "RMSNorm"):
@@ -119,7 +136,7 @@ def meta_from_args(args: argparse.Namespace, vocab: int, where: str) -> dict:
         num_layers=args.num_layers, hidden_size=h, num_attention_heads=heads, ffn_hidden_size=ffn, vocab_size=vocab,
         max_position_embeddings=args.max_position_embeddings,
         make_vocab_size_divisible_by=int(getattr(args, "make_vocab_size_divisible_by", None) or 128),
-        position_embedding_type=pos, rotary_base=int(getattr(args, "rotary_base", 10000)),
+        position_embedding_type=pos, rotary_base=int(getattr(args, "rotary_base", 10000)), **_yarn_meta(args, pos),
         rotary_percent=float(getattr(args, "rotary_percent", 1.0)),
         use_rope_scaling=bool(getattr(args, "use_rope_scaling", False)),
         rope_scaling_factor=float(getattr(args, "rope_scaling_factor", 8.0)), normalization=norm,

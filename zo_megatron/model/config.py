@@ -16,7 +16,10 @@ from zo_megatron.errors import ConfigError
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "yarn")
+# YaRN's settings (megatron-core's YarnRotaryEmbedding; Megatron-LM's flag dests, core_v0.19 on): field -> default
+YARN_FIELDS = {"rotary_scaling_factor": 1.0, "yarn_original_max_position_embeddings": 4096, "yarn_beta_fast": 32.0,
+               "yarn_beta_slow": 1.0, "yarn_correction_range_round_to_int": True, "mscale": 1.0, "mscale_all_dim": 0.0}
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
 # The fields that define the architecture: recorded in checkpoints and compared on resume.
@@ -24,7 +27,7 @@ ARCH_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_s
                "max_position_embeddings", "make_vocab_size_divisible_by", "position_embedding_type",
                "rotary_base", "rotary_percent", "use_rope_scaling", "rope_scaling_factor", "normalization",
                "layernorm_epsilon", "swiglu", "num_query_groups", "kv_channels",
-               "untie_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias", "qk_layernorm")
+               "untie_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias", "qk_layernorm", *YARN_FIELDS)
 
 
 def swiglu_ffn_size(hidden_size: int) -> int:
@@ -52,11 +55,19 @@ class GPTConfig:
     attention_dropout: float = 0.0
     init_method_std: float = 0.02
     layernorm_epsilon: float = 1e-5             # --norm-epsilon (also the RMSNorm epsilon)
-    position_embedding_type: str = "learned_absolute"   # "learned_absolute" | "rope"
+    position_embedding_type: str = "learned_absolute"   # "learned_absolute" | "rope" | "yarn"
     rotary_base: int = 10000
     rotary_percent: float = 1.0
     use_rope_scaling: bool = False              # Llama-3.1 frequency scaling (megatron-core's fixed constants)
     rope_scaling_factor: float = 8.0
+    # YaRN (position_embedding_type "yarn"): Hugging Face's rope_type "yarn" (docs/models.md)
+    rotary_scaling_factor: float = 1.0          # its factor
+    yarn_original_max_position_embeddings: int = 4096
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_correction_range_round_to_int: bool = True     # HF's `truncate`
+    mscale: float = 1.0                         # the attention factor is get_mscale(factor, mscale) /
+    mscale_all_dim: float = 0.0                 #   get_mscale(factor, mscale_all_dim)
     normalization: str = "LayerNorm"            # "LayerNorm" | "RMSNorm"
     swiglu: bool = False                        # gated SiLU MLP: linear_fc1 is [gate; up]
     num_query_groups: int | None = None         # grouped-query attention: G key/value heads (None: one per head)
@@ -119,11 +130,12 @@ class GPTConfig:
             raise ConfigError(f"--rope-scaling-factor {self.rope_scaling_factor}: must be > 0")
         if self.use_rope_scaling and self.position_embedding_type != "rope":
             raise ConfigError("--use-rope-scaling scales rotary embeddings: add --position-embedding-type rope")
+        self._check_yarn()
         if self.layernorm_epsilon <= 0:
             raise ConfigError(f"--norm-epsilon {self.layernorm_epsilon}: must be > 0")
         if self.kv_channels is not None and self.kv_channels < 1:
             raise ConfigError(f"--kv-channels {self.kv_channels}: must be >= 1")
-        if self.position_embedding_type == "rope" and self.head_dim * self.rotary_percent < 2:
+        if self.position_embedding_type != "learned_absolute" and self.head_dim * self.rotary_percent < 2:
             raise ConfigError(f"--rotary-percent {self.rotary_percent} of head dim {self.head_dim} rotates "
                               "no channel pair: raise it")
         g = self.query_groups
@@ -133,6 +145,21 @@ class GPTConfig:
         if self.ffn_size < 1:
             raise ConfigError(f"--swiglu with --hidden-size {self.hidden_size} gives an FFN size of 0 "
                               "(int(4h*2/3/64)*64): give --ffn-hidden-size")
+
+    def _check_yarn(self) -> None:
+        if self.position_embedding_type != "yarn":
+            off = [f"--{k.replace('_', '-')}" for k, v in YARN_FIELDS.items() if getattr(self, k) != v]
+            if off:
+                raise ConfigError(f"{', '.join(off)} set{'s' if len(off) == 1 else ''} YaRN: add "
+                                  "--position-embedding-type yarn (or drop it)")
+            return
+        if self.rotary_percent != 1.0:
+            raise ConfigError(f"--rotary-percent {self.rotary_percent} with --position-embedding-type yarn: "
+                              "megatron-core's YaRN rotates the whole head; drop --rotary-percent")
+        for name in ("rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast",
+                     "yarn_beta_slow"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be > 0")
 
     def check_query_groups_tp(self, tensor_parallel: int) -> None:
         """Grouped-query attention: megatron-core's local attention splits num_query_groups over
@@ -173,9 +200,11 @@ class GPTConfig:
 
     def architecture_name(self) -> str:
         """"GPT-2", or the parts that differ from it, e.g. "RoPE+RMSNorm+SwiGLU+GQA(8 groups)+untied"."""
+        yarn = (f", YaRN x{self.rotary_scaling_factor:g} of {self.yarn_original_max_position_embeddings}"
+                if self.position_embedding_type == "yarn" else "")
         parts = [("RoPE" + (f"(base {self.rotary_base}" + (f", scaled x{self.rope_scaling_factor:g}" if
-                                                           self.use_rope_scaling else "") + ")"))
-                 if self.position_embedding_type == "rope" else "",
+                                                           self.use_rope_scaling else "") + yarn + ")"))
+                 if self.position_embedding_type != "learned_absolute" else "",
                  "RMSNorm" if self.normalization == "RMSNorm" else "",
                  "SwiGLU" if self.swiglu else "",
                  f"GQA({self.query_groups} groups)" if self.query_groups != self.num_attention_heads else "",

@@ -4,7 +4,8 @@ GPT-2 exactly means: learned absolute positions, pre-LayerNorm (eps 1e-5), GELU 
 approximation, biases everywhere, tied input/output embeddings, a final LayerNorm, attention
 scaled by 1/sqrt(head_dim) with softmax in fp32. The architecture fields of GPTConfig switch on
 RoPE (unfused pure-torch path), RMSNorm (torch.nn.RMSNorm via megatron's WrappedTorchNorm),
-SwiGLU, grouped-query attention, an untied output layer, qkv-only biases and q/k norms.
+SwiGLU, grouped-query attention, an untied output layer, qkv-only biases and q/k norms; RoPE
+with Llama-3.1 scaling or YaRN (megatron-core's YarnRotaryEmbedding).
 
 Parameters (names under `gpt.`; [..] only when the architecture has them) and their TP splits,
 t = TP size, d = head dim, G = query groups, f = FFN size, H = heads:
@@ -39,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from zo_megatron.errors import ConfigError
-from zo_megatron.model.config import GPTConfig
+from zo_megatron.model.config import YARN_FIELDS, GPTConfig
 from zo_megatron.model.sharding import shard_info, shard_of
 
 
@@ -99,7 +100,7 @@ def transformer_config(cfg: GPTConfig, tensor_parallel: int):
     elif cfg.recompute == "selective":
         recompute = dict(recompute_granularity="selective")
     cfg.check_tensor_parallel(tensor_parallel)
-    return TransformerConfig(
+    config = TransformerConfig(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
         num_attention_heads=cfg.num_attention_heads,
@@ -138,6 +139,13 @@ def transformer_config(cfg: GPTConfig, tensor_parallel: int):
         sequence_parallel=cfg.sequence_parallel and tensor_parallel > 1,
         **recompute,
     )
+    if cfg.position_embedding_type == "yarn":
+        # megatron-core 0.16's GPTModel and attention read YaRN's settings as config attributes
+        # TransformerConfig does not declare (getattr(config, "yarn_beta_fast"), ...); Megatron-LM
+        # sets them the same way (core_v0.19's argument_utils._apply_yarn_config_from_args)
+        for name in YARN_FIELDS:
+            setattr(config, name if name.startswith("yarn_") else f"yarn_{name}", getattr(cfg, name))
+    return config
 
 
 class GPTModelTP(torch.nn.Module):

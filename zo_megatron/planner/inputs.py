@@ -9,7 +9,7 @@ from zo_megatron.planner.params import Architecture, default_ffn_size
 from zo_megatron.planner.units import GiB, MiB
 
 PRECISIONS = ("bf16", "fp16", "fp32")
-POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "yarn")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 RECOMPUTE = (None, "full", "selective")
 ATTENTION_BACKENDS = ("local", "sdpa")
@@ -29,7 +29,7 @@ class PlanInput:
     max_position_embeddings: int | None = None  # None: = seq_length
     ffn_hidden_size: int | None = None  # None: Megatron's default (4h; int(4h·2/3/64)·64 with swiglu)
     # architecture: GPTConfig's field names (the job's flags), defaults = GPT-2
-    position_embedding_type: str = "learned_absolute"  # "learned_absolute" | "rope"
+    position_embedding_type: str = "learned_absolute"  # "learned_absolute" | "rope" | "yarn"
     rotary_percent: float = 1.0
     normalization: str = "LayerNorm"  # "LayerNorm" | "RMSNorm"
     swiglu: bool = False

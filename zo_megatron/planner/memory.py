@@ -57,7 +57,7 @@ def _attention_saved(inp: PlanInput) -> int:
     w = _bytes16(inp.precision)
     t = inp.tensor_parallel
     a, g, d = inp.num_attention_heads // t, inp.query_groups() // t, inp.head_dim()
-    rope, qk_norm = inp.position_embedding_type == "rope", inp.qk_layernorm
+    rope, qk_norm = inp.position_embedding_type in ("rope", "yarn"), inp.qk_layernorm
     q_is_view = g == a or g == 1                  # q's reshape to heads needs no copy
     if inp.attention_backend == "sdpa":
         # SDPA reads q, k, v as strided views (no flatten). k/v stay grouped (enable_gqa) in the CPU
@@ -117,7 +117,7 @@ def _layer_saved(inp: PlanInput) -> tuple[int, int, int]:
         # sequence parallel: norms, dropouts and the qkv / fc1 inputs (each linear saves its local
         # [s/t, b, h] input and re-gathers it in backward) hold 1/t of the sequence
         replicated //= t
-    if inp.position_embedding_type == "rope":    # cos and sin tables for q and for k, per layer
+    if inp.position_embedding_type in ("rope", "yarn"):    # cos and sin tables for q and for k, per layer
         replicated += 4 * w * s * int(inp.head_dim() * inp.rotary_percent)
     return replicated, split, _scores_saved(inp)
 

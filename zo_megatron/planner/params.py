@@ -15,7 +15,7 @@ from dataclasses import dataclass
 class Architecture:
     """The shape-defining choices beyond layers/hidden/heads, named as GPTConfig's fields."""
 
-    position_embedding_type: str = "learned_absolute"   # "learned_absolute" | "rope"
+    position_embedding_type: str = "learned_absolute"   # "learned_absolute" | "rope" | "yarn"
     rotary_percent: float = 1.0
     normalization: str = "LayerNorm"                     # "LayerNorm" | "RMSNorm"
     swiglu: bool = False

@@ -10,6 +10,7 @@ import os
 import sys
 
 from zo_megatron.errors import ConfigError
+from zo_megatron.model.config import YARN_FIELDS
 from zo_megatron.training.checkpoint_args import apply_checkpoint_args, given_dests
 from zo_megatron.training.load_target import check_load_target
 from zo_megatron.training.megatron_compat import add_megatron_compat_flags, check_megatron_compat
@@ -329,8 +330,9 @@ def add_architecture_flags(g) -> None:
     """Megatron-LM's flags for Llama / Mistral / Qwen2-shaped models (same names, defaults and
     meaning; docs/models.md). Their dests are GPTConfig's field names, except the two Megatron
     spellings: --disable-bias-linear (add_bias_linear=False), --group-query-attention."""
-    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute",
-                   help="learned_absolute (GPT-2) or rope (rotary, Llama / Mistral / Qwen2)")
+    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "yarn"], default="learned_absolute",
+                   help="learned_absolute (GPT-2), rope (rotary, Llama / Mistral / Qwen2) or yarn (rotary with "
+                        "YaRN's frequencies and attention factor: --rotary-scaling-factor and the --yarn-* flags)")
     g.add_argument("--use-rotary-position-embeddings", action="store_true",
                    help="Megatron-LM's older spelling of --position-embedding-type rope")
     g.add_argument("--no-position-embedding", action="store_true",
@@ -342,6 +344,7 @@ def add_architecture_flags(g) -> None:
                    help="Llama-3.1 RoPE frequency scaling (megatron-core's: low/high frequency factors 1/4, "
                         "original context 8192)")
     g.add_argument("--rope-scaling-factor", type=float, default=8.0, help="with --use-rope-scaling: the factor")
+    _add_yarn_flags(g)
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm",
                    help="the norm of every layer and the final norm")
     g.add_argument("--norm-epsilon", "--layernorm-epsilon", dest="layernorm_epsilon", type=float, default=1e-5,
@@ -367,6 +370,24 @@ def add_architecture_flags(g) -> None:
     g.add_argument("--window-size", default=None, metavar="LEFT,RIGHT",
                    help="sliding-window attention: not supported (megatron-core builds its mask on CUDA "
                         "only); only -1 (full attention) is accepted")
+
+
+def _add_yarn_flags(g) -> None:
+    """YaRN (--position-embedding-type yarn): Megatron-LM's names (core_v0.19 on; the factor and the
+    mscale pair are flags of its MLA group) and megatron-core's YarnRotaryEmbedding defaults."""
+    g.add_argument("--rotary-scaling-factor", type=float, default=1.0, help="YaRN: the context extension factor")
+    g.add_argument("--yarn-original-max-position-embeddings", type=int, default=4096,
+                   help="YaRN: the context the model was trained at before the extension")
+    g.add_argument("--yarn-beta-fast", type=float, default=32.0, help="YaRN: rotations above which a dim is not scaled")
+    g.add_argument("--yarn-beta-slow", type=float, default=1.0, help="YaRN: rotations below which a dim is fully scaled")
+    g.add_argument("--yarn-correction-range-round-to-int", action="store_true", default=True,
+                   help="YaRN: round the ramp's ends outward (the default; Hugging Face's truncate)")
+    g.add_argument("--no-yarn-correction-range-round-to-int", dest="yarn_correction_range_round_to_int",
+                   action="store_false", help="YaRN: keep the ramp's ends fractional (truncate: false)")
+    g.add_argument("--mscale", type=float, default=1.0,
+                   help="YaRN: cos and sin are scaled by get_mscale(factor, mscale) / get_mscale(factor, "
+                        "mscale-all-dim), get_mscale(f, m) = 0.1 m ln f + 1")
+    g.add_argument("--mscale-all-dim", type=float, default=0.0, help="YaRN: see --mscale")
 
 
 def _full_attention_window(value) -> bool:
@@ -397,7 +418,7 @@ def architecture_kwargs(args: argparse.Namespace) -> dict:
         layernorm_epsilon=args.layernorm_epsilon, swiglu=args.swiglu,
         # Megatron-LM: --num-query-groups counts only with --group-query-attention
         num_query_groups=args.num_query_groups if args.group_query_attention else None,
-        kv_channels=args.kv_channels,
+        kv_channels=args.kv_channels, **{name: getattr(args, name) for name in YARN_FIELDS},
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
         add_bias_linear=args.add_bias_linear, add_qkv_bias=args.add_qkv_bias, qk_layernorm=args.qk_layernorm)
 
@@ -449,7 +470,7 @@ def _megatron_position_aliases(args: argparse.Namespace) -> None:
             raise ConfigError(f"--use-rotary-position-embeddings and --position-embedding-type "
                               f"{args.position_embedding_type} disagree: give one")
         args.position_embedding_type = "rope"
-    if getattr(args, "no_position_embedding", False) and args.position_embedding_type != "rope":
+    if getattr(args, "no_position_embedding", False) and args.position_embedding_type == "learned_absolute":
         raise ConfigError("--no-position-embedding without rope leaves the model no positions: add "
                           "--position-embedding-type rope (or --use-rotary-position-embeddings)")
 

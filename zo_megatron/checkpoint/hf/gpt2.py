@@ -11,6 +11,7 @@ import torch
 from zo_megatron.checkpoint.arch import full_meta
 from zo_megatron.checkpoint.hf.family import HFFamily
 from zo_megatron.errors import UserError
+from zo_megatron.model.config import YARN_FIELDS
 
 _PREFIX = "gpt."
 
@@ -137,7 +138,7 @@ def meta_from_hf_config(cfg, where: str) -> dict:
 
 # architecture fields a GPT2Config holds, or that do not apply to it (any value)
 _SHAPE = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size", "max_position_embeddings")
-_FREE = ("layernorm_epsilon", "make_vocab_size_divisible_by", "rotary_base", "rope_scaling_factor")
+_FREE = ("layernorm_epsilon", "make_vocab_size_divisible_by", "rotary_base", "rope_scaling_factor", *YARN_FIELDS)
 
 
 class GPT2Family(HFFamily):

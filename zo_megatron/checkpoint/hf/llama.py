@@ -29,6 +29,7 @@ import torch
 
 from zo_megatron.checkpoint.arch import full_meta, head_dim, query_groups
 from zo_megatron.checkpoint.hf.family import HFFamily, read_state_dict
+from zo_megatron.checkpoint.hf.rope import ROPE_REFUSED, ROPE_TYPES, yarn_meta, yarn_parameters
 from zo_megatron.errors import UserError
 
 _OURS = "gpt."
@@ -147,15 +148,20 @@ def _rope_meta(cfg, where: str) -> dict:
             if float(p.get(k, want)) != want:
                 refuse(f"llama3 rope scaling with {k}={p.get(k)}", f"only the factor is configurable; {k} is {want}")
         out.update(use_rope_scaling=True, rope_scaling_factor=float(p["factor"]))
+    elif kind == "yarn":
+        out.update(yarn_meta(p, cfg.max_position_embeddings, refuse))
     elif kind != "default":
-        refuse(f"rope_type={kind!r}", "supported: 'default' and 'llama3' (--use-rope-scaling --rope-scaling-factor)")
+        refuse(f"rope_type={kind!r}", f"supported: {', '.join(map(repr, ROPE_TYPES))}; {ROPE_REFUSED.get(kind, '')}"
+               .rstrip("; "))
     return out
 
 
 def _rope_schemas(meta: dict) -> tuple[dict, dict]:
     """The model's rope as transformers 5's `rope_parameters` and as 4.x's `rope_theta` + `rope_scaling`."""
     params = {"rope_type": "default", "rope_theta": float(meta.get("rotary_base", 10000))}
-    if meta.get("use_rope_scaling"):
+    if meta.get("position_embedding_type") == "yarn":
+        params.update(yarn_parameters(meta))
+    elif meta.get("use_rope_scaling"):
         params.update(rope_type="llama3", factor=float(meta.get("rope_scaling_factor", 8.0)), **LLAMA3_FIXED)
     scaling = None if params["rope_type"] == "default" else {k: v for k, v in params.items() if k != "rope_theta"}
     return {"rope_parameters": params}, {"rope_theta": params["rope_theta"], "rope_scaling": scaling}
@@ -364,7 +370,10 @@ class LlamaFamily(HFFamily):
 
     def why_not(self, meta: dict) -> str | None:
         meta = full_meta(meta)
-        needs = (("position_embedding_type", "rope", "rotary positions"), ("normalization", "RMSNorm", "RMSNorm"),
+        if meta.get("position_embedding_type") not in ("rope", "yarn"):
+            return f"{self.architecture} has rotary positions (position_embedding_type=" \
+                   f"{meta.get('position_embedding_type')!r})"
+        needs = (("normalization", "RMSNorm", "RMSNorm"),
                  ("swiglu", True, "a SwiGLU MLP"), ("qk_layernorm", False, "no QK LayerNorm"),
                  ("rotary_percent", 1.0, "RoPE on the whole head (--rotary-percent 1)"))
         for key, want, what in needs:
