@@ -78,7 +78,7 @@ def test_implemented_flags_do_what_the_table_says():
         _job_args(["--distributed-backend", "nccl"])
     with pytest.raises(ConfigError, match="--train-samples and --train-iters"):
         parse_args([*SHAPE, "--train-samples", "64", "--train-iters", "3"])
-    with pytest.raises(ConfigError, match="--mock-data and --data-path"):
+    with pytest.raises(ConfigError, match="--data-path and --mock-data"):
         _job_args(["--mock-data", "--data-path", "x"])
 
 

@@ -222,13 +222,14 @@ def _data_parallel(args) -> int:
 def _vocab_size(args, preset_vocab: int | None) -> int:
     """The job's vocabulary (prelaunch.model_vocab_size) when a tokenizer flag names a tokenizer; else
     --vocab-size, the --model preset's, or the bundled GPT-2 tokenizer's 50257."""
-    if args.tokenizer_type == "HuggingFaceTokenizer" or args.vocab_file or args.merge_file:
+    if args.tokenizer_type in ("HuggingFaceTokenizer", "NullTokenizer") or args.vocab_file or args.merge_file:
         from zo_megatron.data import build_tokenizer
         from zo_megatron.training.prelaunch import model_vocab_size
 
         try:
             tok = build_tokenizer(args.vocab_file, args.merge_file, allow_custom_vocab=args.allow_custom_vocab,
-                                  tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model)
+                                  tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
+                                  vocab_size=args.vocab_size)
             return model_vocab_size(args, tok)
         except UserError as e:
             raise BadInput(str(e)) from None

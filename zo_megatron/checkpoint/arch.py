@@ -27,6 +27,16 @@ def full_meta(meta: dict) -> dict:
     return GPTConfig(**known, precision="fp32").arch_meta()
 
 
+def unit_centred_gamma(weights: dict, meta: dict) -> tuple[dict, dict]:
+    """A zero-centred-gamma model (--apply-layernorm-1p: each norm scales by 1 + weight) as the same
+    model with ordinary norms (scale = weight): every norm weight plus 1, the flag off. Exact in the
+    fp32 of the master weights; what Hugging Face's LayerNorm/RMSNorm classes can express."""
+    if not meta.get("layernorm_zero_centered_gamma"):
+        return weights, meta
+    out = {k: (v + 1 if k.endswith("layernorm.weight") else v) for k, v in weights.items()}
+    return out, {**meta, "layernorm_zero_centered_gamma": False}
+
+
 def query_groups(meta: dict) -> int:
     return meta.get("num_query_groups") or meta["num_attention_heads"]
 
@@ -110,6 +120,8 @@ def job_flags(meta: dict, hf_tokenizer: bool = False) -> str:
             flags.append("--add-qkv-bias")
     if m["qk_layernorm"]:
         flags.append("--qk-layernorm")
+    if m["layernorm_zero_centered_gamma"]:
+        flags.append("--apply-layernorm-1p")
     if m["make_vocab_size_divisible_by"] != DEFAULTS["make_vocab_size_divisible_by"]:
         flags.append(f"--make-vocab-size-divisible-by {m['make_vocab_size_divisible_by']}")
     if hf_tokenizer:

@@ -29,7 +29,8 @@ from typing import Callable
 import torch
 
 from zo_megatron.checkpoint import hf, megatron_lm
-from zo_megatron.checkpoint.arch import check_tensor_parallel, full_meta, job_flags, param_shapes, query_groups
+from zo_megatron.checkpoint.arch import (check_tensor_parallel, full_meta, job_flags, param_shapes, query_groups,
+                                         unit_centred_gamma)
 from zo_megatron.checkpoint.boxes import Box
 from zo_megatron.checkpoint.content import EXP_AVG, EXP_AVG_SQ, MODEL
 from zo_megatron.checkpoint.layout import rng_file
@@ -146,6 +147,9 @@ def _gpt2_tokenizer(reader: CheckpointReader, vocab_file: str | None, merge_file
     if bool(vocab_file) != bool(merge_file):
         raise UserError("give both --vocab-file and --merge-file (the tokenizer the checkpoint was trained with)")
     if not vocab_file:
+        if reader.manifest.get("tokenizer_type") == "NullTokenizer":
+            raise UserError(f"{reader.dir}: trained with --tokenizer-type NullTokenizer (ids, no text): a Hugging "
+                            f"Face model needs the tokenizer that made those ids: pass --tokenizer-model DIR")
         if reader.args.get("allow_custom_vocab") or vocab != megatron_lm.GPT2_VOCAB:
             raise UserError(f"{reader.dir}: trained with a vocabulary that is not GPT-2's ({vocab} tokens) and no "
                             f"{TOKENIZER_DIR}/ folder: pass --tokenizer-model DIR (a Hugging Face tokenizer) or "
@@ -196,7 +200,8 @@ def to_hf(load: str, output: str, *, iteration: int | None = None, dtype: str = 
     meta, args = full_meta(reader.model_meta), reader.args
     window = reader.manifest.get("attention_window")
     recorded = reader.manifest.get("hf_architecture") or (window or {}).get("architecture")
-    family = hf.family_for_model(meta, architecture or recorded, reader.dir)
+    family = hf.family_for_model({**meta, "layernorm_zero_centered_gamma": False}, architecture or recorded,
+                                 reader.dir)       # a zero-centred gamma is folded into the weights below
     if window is not None and family.architecture != window.get("architecture"):
         raise UserError(f"{reader.dir}: the model has {window.get('architecture')}'s sliding window of "
                         f"{window.get('tokens')} tokens, which {family.architecture} cannot express: write it as "
@@ -214,7 +219,7 @@ def to_hf(load: str, output: str, *, iteration: int | None = None, dtype: str = 
     generation = reader.manifest.get("hf_generation_config")
     if tokenizer_model is None:                 # the model's own ids (an eos list), not one tokenizer's
         special.update({k: v for k, v in source.items() if k in special})
-    weights = reader.read_weights()
+    weights, meta = unit_centred_gamma(reader.read_weights(), meta)      # HF's norms scale by the weight
     sd = family.to_hf_state(weights, meta)
     del weights
     sd = {k: v.to(_DTYPES[dtype]).contiguous() for k, v in sd.items()}

@@ -29,7 +29,8 @@ READ = frozenset({
     "num_query_groups", "max_position_embeddings", "make_vocab_size_divisible_by", "position_embedding_type",
     "use_rotary_position_embeddings", "rotary_base", "rotary_percent", "use_rope_scaling", "rope_scaling_factor",
     "normalization", "norm_epsilon", "layernorm_epsilon", "swiglu", "openai_gelu", "add_bias_linear", "add_qkv_bias",
-    "qk_layernorm", "untie_embeddings_and_output_weights", "tensor_model_parallel_size",
+    "qk_layernorm", "apply_layernorm_1p", "layernorm_zero_centered_gamma", "untie_embeddings_and_output_weights",
+    "tensor_model_parallel_size",
     "pipeline_model_parallel_size", "vocab_size", "padded_vocab_size", "tokenizer_type", "tokenizer_model",
     "seq_length",
     # YaRN (position_embedding_type "yarn"; Megatron-LM core_v0.19 on): read with it, inert without it
@@ -45,8 +46,6 @@ NEUTRAL: dict[str, tuple[tuple, str]] = {
     "no_rope_freq": ((None, 0, [], ()), "layers without RoPE"),
     "glu_linear_offset": ((0.0, 0, None), "an offset added to the GLU's linear half"),
     "activation_func_clamp_value": ((None,), "a clamped MLP activation"),
-    "layernorm_zero_centered_gamma": ((False, None), "LayerNorm with the 1+gamma parametrisation (--apply-layernorm-1p)"),
-    "apply_layernorm_1p": ((False, None), "LayerNorm with the 1+gamma parametrisation"),
     "squared_relu": ((False, None), "a squared-ReLU MLP"),
     "quick_geglu": ((False, None), "a quick-GeGLU MLP"),
     "rotary_interleaved": ((False, None), "interleaved rotary embeddings"),

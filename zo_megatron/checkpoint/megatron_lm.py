@@ -78,7 +78,8 @@ def megatron_args(meta: dict, *, tp: int, iteration: int, divisible_by: int, seq
         untie_embeddings_and_output_weights=meta["untie_embeddings_and_output_weights"],
         # Megatron-LM before 2026-01 names the epsilon norm_epsilon, later layernorm_epsilon (TransformerConfig's)
         normalization=meta["normalization"], norm_epsilon=meta["layernorm_epsilon"],
-        layernorm_epsilon=meta["layernorm_epsilon"], apply_layernorm_1p=False, qk_layernorm=meta["qk_layernorm"],
+        layernorm_epsilon=meta["layernorm_epsilon"], apply_layernorm_1p=meta["layernorm_zero_centered_gamma"],
+        qk_layernorm=meta["qk_layernorm"],
         # Megatron-LM keeps add_qkv_bias True whenever add_bias_linear is
         add_bias_linear=meta["add_bias_linear"], add_qkv_bias=meta["add_bias_linear"] or meta["add_qkv_bias"],
         swiglu=meta["swiglu"], squared_relu=False, openai_gelu=not meta["swiglu"], transformer_impl="local",
@@ -145,7 +146,10 @@ def meta_from_args(args: argparse.Namespace, vocab: int, where: str) -> dict:
         kv_channels=getattr(args, "kv_channels", None),
         untie_embeddings_and_output_weights=bool(getattr(args, "untie_embeddings_and_output_weights", False)),
         add_bias_linear=bias, add_qkv_bias=not bias and bool(getattr(args, "add_qkv_bias", False)),
-        qk_layernorm=bool(getattr(args, "qk_layernorm", False))))
+        qk_layernorm=bool(getattr(args, "qk_layernorm", False)),
+        # Megatron-LM's --apply-layernorm-1p (its TransformerConfig field in newer saves): the same raw weights
+        layernorm_zero_centered_gamma=bool(getattr(args, "apply_layernorm_1p", False)
+                                           or getattr(args, "layernorm_zero_centered_gamma", False))))
 
 
 def _local_name(key: str) -> str:

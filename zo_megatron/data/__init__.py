@@ -17,6 +17,7 @@ _LAZY = {
     "extract_corpus": "zo_megatron.data.corpus",
     "iter_corpus_documents": "zo_megatron.data.corpus",
     "build_gpt_datasets": "zo_megatron.data.datasets",
+    "build_mock_gpt_datasets": "zo_megatron.data.datasets",
     "validate_data_prefix": "zo_megatron.data.datasets",
     "parse_data_path": "zo_megatron.data.datasets",
     "DatasetInfo": "zo_megatron.data.datasets",

@@ -280,6 +280,27 @@ def _megatron():
     return BlendedMegatronDatasetBuilder, GPTDataset, GPTDatasetConfig
 
 
+def _index_cache(cache_dir: str | None) -> str:
+    """Where megatron-core keeps the datasets' document/sample/shuffle indices (created)."""
+    from zo_megatron.data.corpus import default_cache_dir
+
+    cache = os.path.abspath(os.path.expanduser(cache_dir or os.path.join(default_cache_dir(), "gpt_indices")))
+    os.makedirs(cache, exist_ok=True)
+    return cache
+
+
+def _index_build_lock(cache: str):
+    """Under torch.distributed megatron orders the ranks itself (rank 0 builds, barrier); independent
+    processes sharing the cache take a file lock, so one builds while the others wait."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return contextlib.nullcontext()
+    from zo_megatron.data.corpus import file_lock
+
+    return file_lock(os.path.join(cache, ".build.lock"))
+
+
 @contextlib.contextmanager
 def _process_group_if_needed(needed: bool):
     """A private 1-rank gloo group while megatron's BlendedDataset needs get_rank()."""
@@ -340,10 +361,7 @@ def build_gpt_datasets(data_path: Sequence[str] | str, split: str, seq_length: i
         weights = [float(info.tokens) for info in infos]
 
     Builder, GPTDataset, GPTDatasetConfig = _megatron()
-    from zo_megatron.data.corpus import default_cache_dir
-
-    cache = os.path.abspath(os.path.expanduser(cache_dir or os.path.join(default_cache_dir(),
-                                                                        "gpt_indices")))
+    cache = _index_cache(cache_dir)
     adapter = _MegatronTokenizer(tokenizer, {p: _idx_fingerprint(p) for p in prefixes})
     config = GPTDatasetConfig(
         random_seed=int(seed), sequence_length=int(seq_length), blend=(prefixes, weights),
@@ -373,18 +391,37 @@ def build_gpt_datasets(data_path: Sequence[str] | str, split: str, seq_length: i
                                    "the dataset has too few documents to split; use a larger one")
                                 + (f", or {ways}" if ways else ""))
             config.split_matrix[i] = None
-    os.makedirs(cache, exist_ok=True)
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        lock = contextlib.nullcontext()  # megatron orders the ranks (rank 0 builds, barrier)
-    else:  # independent processes sharing the cache: one builds while the others wait
-        from zo_megatron.data.corpus import file_lock
-
-        lock = file_lock(os.path.join(cache, ".build.lock"))
-    with lock, _process_group_if_needed(weights is not None):
+    with _index_build_lock(cache), _process_group_if_needed(weights is not None):
         datasets = Builder(GPTDataset, sizes, lambda: True, config).build()
     return tuple(datasets)
+
+
+def build_mock_gpt_datasets(split: str, seq_length: int, seed: int, tokenizer, train_samples: int,
+                            valid_samples: int, test_samples: int = 0, cache_dir: str | None = None):
+    """(train, valid, test) of Megatron-LM's --mock-data: megatron-core's MockGPTDataset, built as
+    Megatron-LM's pretrain_gpt.py builds it (no blend: config.mock). Its documents are megatron-core's
+    own (100,000 of random length, each 1, 2, 3, ... modulo the vocabulary, then the end-of-document
+    id; the lengths are drawn from a fixed seed, the order from `seed`), so a run measures speed and
+    memory, not learning. Items are those of :func:`build_gpt_datasets`. Collective as it is."""
+    _parse_split(split)
+    if int(seq_length) < 1:
+        raise DataError(f"--seq-length {seq_length}: must be >= 1")
+    sizes = [int(train_samples), int(valid_samples), int(test_samples)]
+    Builder, _, GPTDatasetConfig = _megatron()
+    from megatron.core.datasets.gpt_dataset import MockGPTDataset
+
+    cache = _index_cache(cache_dir)         # the index of ~200M mock tokens takes seconds: kept, as Megatron's
+    config = GPTDatasetConfig(
+        random_seed=int(seed), sequence_length=int(seq_length), blend=None, split=str(split).strip(),
+        path_to_cache=cache, tokenizer=_MegatronTokenizer(tokenizer, {"mock": "MockGPTDataset"}),
+        reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False,
+        num_dataset_builder_threads=1)
+    for i, bookends in enumerate(config.split_matrix):      # a split asked for nothing is not built
+        if bookends is not None and sizes[i] == 0:
+            config.split_matrix[i] = None
+    with _index_build_lock(cache), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*mock.*")
+        return tuple(Builder(MockGPTDataset, sizes, lambda: True, config).build())
 
 
 # ----------------------------------------------------------------------------- batching

@@ -48,7 +48,7 @@ from typing import Iterable, Iterator, Sequence
 
 from zo_megatron.data.errors import DataError
 from zo_megatron.data.dataset_meta import dataset_meta, meta_path
-from zo_megatron.data.tokenizer import GPT2_TOKENIZER, TOKENIZER_TYPES, Tokenizer, build_tokenizer, tokenizer_from_spec
+from zo_megatron.data.tokenizer import GPT2_TOKENIZER, TEXT_TOKENIZER_TYPES, Tokenizer, build_tokenizer, tokenizer_from_spec
 
 logger = logging.getLogger(__name__)
 
@@ -509,7 +509,7 @@ def get_parser() -> argparse.ArgumentParser:
     g.add_argument("--split-sentences", action="store_true", help=argparse.SUPPRESS)
     g.add_argument("--keep-newlines", action="store_true", help=argparse.SUPPRESS)
     g = p.add_argument_group("tokenizer")
-    g.add_argument("--tokenizer-type", default=GPT2_TOKENIZER, choices=TOKENIZER_TYPES,
+    g.add_argument("--tokenizer-type", default=GPT2_TOKENIZER, choices=TEXT_TOKENIZER_TYPES,
                    help="GPT2BPETokenizer (default: the bundled GPT-2 BPE) or HuggingFaceTokenizer "
                         "(AutoTokenizer from --tokenizer-model, offline, no remote code)")
     g.add_argument("--tokenizer-model", default=None, metavar="DIR",

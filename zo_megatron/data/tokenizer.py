@@ -1,9 +1,9 @@
 """The job's tokenizers: GPT-2's byte-level BPE (bundled) and Hugging Face tokenizers (--tokenizer-model).
 
-Both satisfy one narrow interface (see :class:`Tokenizer`): tokenizer_type, vocab_size, eod,
+All satisfy one narrow interface (see :class:`Tokenizer`): tokenizer_type, vocab_size, eod,
 fingerprint, encode / encode_batch / decode, spec() (what a worker process needs to build the same
 tokenizer) and files (what a checkpoint copies). :func:`build_tokenizer` picks one from
-Megatron-LM's flags (--tokenizer-type GPT2BPETokenizer | HuggingFaceTokenizer).
+Megatron-LM's flags (--tokenizer-type GPT2BPETokenizer | HuggingFaceTokenizer | NullTokenizer).
 
 GPT-2 (--tokenizer-type GPT2BPETokenizer, the default), built from the bundled vocab.json + merges.txt.
 
@@ -34,6 +34,10 @@ BOS id mid-document. Megatron-LM's tokenizer maps such text to the special ids;
 (``local_files_only``) holding tokenizer.json + tokenizer_config.json, never with
 ``trust_remote_code``: a directory whose config asks for custom code (an ``auto_map`` entry) is
 refused, since files from users never run code.
+
+Null (--tokenizer-type NullTokenizer --vocab-size N), Megatron-LM's _NullTokenizer: data that is
+already ids (or --mock-data). Ids 0..N-1 are the data's, N is the end-of-document id, so the
+vocabulary is N + 1 (Megatron pads that, not N); text is ids written in decimal, space-separated.
 """
 
 from __future__ import annotations
@@ -61,7 +65,9 @@ EOD_TOKEN = "<|endoftext|>"
 
 GPT2_TOKENIZER = "GPT2BPETokenizer"
 HF_TOKENIZER = "HuggingFaceTokenizer"
-TOKENIZER_TYPES = (GPT2_TOKENIZER, HF_TOKENIZER)
+NULL_TOKENIZER = "NullTokenizer"
+TOKENIZER_TYPES = (GPT2_TOKENIZER, HF_TOKENIZER, NULL_TOKENIZER)
+TEXT_TOKENIZER_TYPES = (GPT2_TOKENIZER, HF_TOKENIZER)     # tools/preprocess_data.py: text -> ids
 # The files AutoTokenizer may read from a tokenizer directory: hashed into the fingerprint and
 # copied into checkpoints (tokenizer/). Model weights and config.json are not the tokenizer's.
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -306,11 +312,64 @@ class HuggingFaceTokenizer(Tokenizer):
                 f"model_dir={self.model_dir!r})")
 
 
+class NullTokenizer(Tokenizer):
+    """Megatron-LM's NullTokenizer: ids in, ids out. `vocab_size_without_eod` is --vocab-size N; the
+    end-of-document id is N and the vocabulary N + 1, as in Megatron-LM (so checkpoints agree)."""
+
+    tokenizer_type = NULL_TOKENIZER
+
+    def __init__(self, vocab_size_without_eod: int):
+        n = int(vocab_size_without_eod)
+        if n < 1:
+            raise DataError(f"--tokenizer-type NullTokenizer --vocab-size {n}: the vocabulary must be >= 1 "
+                            "(ids 0..N-1; N is the end-of-document id)")
+        self.vocab_size_without_eod = n
+        self.vocab_size = n + 1
+        self.eod = n
+        self.fingerprint = hashlib.sha256(f"{NULL_TOKENIZER}\n{n}\n".encode()).hexdigest()
+
+    def spec(self) -> tuple:
+        return (NULL_TOKENIZER, self.vocab_size_without_eod)
+
+    def encode(self, text: str) -> list[int]:
+        try:
+            ids = [int(x) for x in text.split()]
+        except ValueError:
+            raise ValueError("NullTokenizer reads ids written in decimal, separated by spaces") from None
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        return ids
+
+    def encode_batch(self, texts: Iterable[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        return " ".join(str(i) for i in ids)
+
+    def __repr__(self) -> str:
+        return f"NullTokenizer(vocab_size={self.vocab_size}, eod={self.eod})"
+
+
 def check_tokenizer_flags(tokenizer_type: str, tokenizer_model: str | None, vocab_file: str | None = None,
-                          merge_file: str | None = None, allow_custom_vocab: bool = False) -> None:
+                          merge_file: str | None = None, allow_custom_vocab: bool = False,
+                          vocab_size: int | None = None) -> None:
     """The tokenizer flags agree with each other (no file is read); DataError otherwise."""
     if tokenizer_type not in TOKENIZER_TYPES:
         raise DataError(f"--tokenizer-type {tokenizer_type}: supported are {', '.join(TOKENIZER_TYPES)}")
+    if tokenizer_type == NULL_TOKENIZER:
+        given = [f for f, v in (("--tokenizer-model", tokenizer_model), ("--vocab-file", vocab_file),
+                                ("--merge-file", merge_file), ("--allow-custom-vocab", allow_custom_vocab)) if v]
+        if given:
+            raise DataError(f"--tokenizer-type NullTokenizer reads no files: drop {' and '.join(given)}")
+        if vocab_size is None:
+            raise DataError("--tokenizer-type NullTokenizer needs --vocab-size N (ids 0..N-1 in the data; "
+                            "N becomes the end-of-document id), as in Megatron-LM")
+        return
     if tokenizer_type == HF_TOKENIZER:
         if not tokenizer_model:
             raise DataError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model DIR: add it (a local "
@@ -329,14 +388,20 @@ def check_tokenizer_flags(tokenizer_type: str, tokenizer_model: str | None, voca
 
 def build_tokenizer(vocab_file: str | None = None, merge_file: str | None = None,
                     allow_custom_vocab: bool = False, *, tokenizer_type: str = GPT2_TOKENIZER,
-                    tokenizer_model: str | None = None, parse_special_tokens: bool = False) -> Tokenizer:
+                    tokenizer_model: str | None = None, parse_special_tokens: bool = False,
+                    vocab_size: int | None = None) -> Tokenizer:
     """The tokenizer Megatron-LM's flags name. GPT2BPETokenizer (default): the bundled files, or user
     files that must match GPT-2's pinned hashes unless ``allow_custom_vocab`` (CLI:
     --allow-custom-vocab). HuggingFaceTokenizer: the directory `tokenizer_model`. Raises DataError
     with a one-line message naming the flag or file and the fix. `parse_special_tokens`
     (HuggingFaceTokenizer only): special-token text in a document becomes the special ids, as
-    Megatron-LM's tokenizer does, instead of ordinary text."""
-    check_tokenizer_flags(tokenizer_type, tokenizer_model, vocab_file, merge_file, allow_custom_vocab)
+    Megatron-LM's tokenizer does, instead of ordinary text. NullTokenizer: ids only, `vocab_size`
+    (--vocab-size N) ids plus the end-of-document id N."""
+    check_tokenizer_flags(tokenizer_type, tokenizer_model, vocab_file, merge_file, allow_custom_vocab, vocab_size)
+    if tokenizer_type == NULL_TOKENIZER:
+        if parse_special_tokens:
+            raise DataError("--parse-special-tokens applies to --tokenizer-type HuggingFaceTokenizer; drop it")
+        return NullTokenizer(vocab_size)
     if tokenizer_type == HF_TOKENIZER:
         return HuggingFaceTokenizer(tokenizer_model, parse_special_tokens)
     if parse_special_tokens:
@@ -355,6 +420,8 @@ def tokenizer_from_spec(spec: tuple) -> Tokenizer:
         return build_tokenizer(spec[1], spec[2], allow_custom_vocab=True)
     if spec[0] == HF_TOKENIZER:
         return HuggingFaceTokenizer(*spec[1:])
+    if spec[0] == NULL_TOKENIZER:
+        return NullTokenizer(spec[1])
     raise ValueError(f"unknown tokenizer spec {spec!r}")
 
 

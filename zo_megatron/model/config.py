@@ -27,7 +27,8 @@ ARCH_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_s
                "max_position_embeddings", "make_vocab_size_divisible_by", "position_embedding_type",
                "rotary_base", "rotary_percent", "use_rope_scaling", "rope_scaling_factor", "normalization",
                "layernorm_epsilon", "swiglu", "num_query_groups", "kv_channels",
-               "untie_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias", "qk_layernorm", *YARN_FIELDS)
+               "untie_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
+               "layernorm_zero_centered_gamma", *YARN_FIELDS)
 
 
 def swiglu_ffn_size(hidden_size: int) -> int:
@@ -76,6 +77,7 @@ class GPTConfig:
     add_bias_linear: bool = True
     add_qkv_bias: bool = False                  # qkv bias even without add_bias_linear (Qwen2)
     qk_layernorm: bool = False
+    layernorm_zero_centered_gamma: bool = False  # --apply-layernorm-1p: every norm scales by (1 + weight), weight from 0
     recompute: str | None = None                # None | "full" (whole layers) | "selective" (attention core)
     recompute_method: str = "uniform"           # full only: "uniform" (groups of N layers) | "block" (first N)
     recompute_num_layers: int = 1               # full only: N (megatron's --recompute-num-layers)
@@ -211,7 +213,8 @@ class GPTConfig:
                  "untied" if self.untie_embeddings_and_output_weights else "",
                  "no-bias" if not self.add_bias_linear else "",
                  "qkv-bias" if self.add_qkv_bias and not self.add_bias_linear else "",
-                 "qk-norm" if self.qk_layernorm else ""]
+                 "qk-norm" if self.qk_layernorm else "",
+                 "norm-1p" if self.layernorm_zero_centered_gamma else ""]
         parts = [p for p in parts if p]
         return "+".join(parts) if parts else "GPT-2"
 

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 
 from zo_megatron.errors import ConfigError
 from zo_megatron.model.config import YARN_FIELDS, GPTConfig
+from zo_megatron.model.norms import scale_of
 from zo_megatron.model.sharding import shard_info, shard_of
 
 
@@ -60,7 +61,9 @@ class TPQKNorm:
 
     def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_):
         norm_cls = _TPSummedRMSNorm if config.normalization == "RMSNorm" else _TPSummedLayerNorm
-        return norm_cls(hidden_size, eps=eps)
+        norm = norm_cls(hidden_size, eps=eps)
+        norm.zero_centered_gamma = bool(getattr(config, "layernorm_zero_centered_gamma", False))
+        return norm
 
 
 def _tp_summed(weight):
@@ -71,12 +74,12 @@ def _tp_summed(weight):
 
 class _TPSummedRMSNorm(torch.nn.RMSNorm):
     def forward(self, x):
-        return F.rms_norm(x, self.normalized_shape, _tp_summed(self.weight), self.eps)
+        return F.rms_norm(x, self.normalized_shape, _tp_summed(scale_of(self)), self.eps)
 
 
 class _TPSummedLayerNorm(torch.nn.LayerNorm):
     def forward(self, x):
-        return F.layer_norm(x, self.normalized_shape, _tp_summed(self.weight), _tp_summed(self.bias), self.eps)
+        return F.layer_norm(x, self.normalized_shape, _tp_summed(scale_of(self)), _tp_summed(self.bias), self.eps)
 
 
 def layer_spec(cfg: GPTConfig):
@@ -112,6 +115,7 @@ def transformer_config(cfg: GPTConfig, tensor_parallel: int):
         normalization=cfg.normalization,
         layernorm_epsilon=cfg.layernorm_epsilon,
         qk_layernorm=cfg.qk_layernorm,
+        layernorm_zero_centered_gamma=cfg.layernorm_zero_centered_gamma,
         init_method_std=cfg.init_method_std,
         # SwiGLU: silu(gate) * up with linear_fc1 = [gate; up]; otherwise GPT-2's tanh GELU
         activation_func=F.silu if cfg.swiglu else functools.partial(F.gelu, approximate="tanh"),
@@ -266,7 +270,7 @@ def init_weights_(model: GPTModelTP, seed: int) -> None:
     rank keeps its shard: so TP=1/2/4 runs start from the same model. Weights N(0, 0.02) (also the
     untied output layer and SwiGLU's whole [gate; up] fc1, sharded with stride 2), output
     projections N(0, 0.02/sqrt(2L)) (GPT-2 and Megatron), biases 0, norm weights 1 (LayerNorm,
-    RMSNorm, q/k norms).
+    RMSNorm, q/k norms; 0 with a zero-centred gamma, whose scale is 1 + weight).
     """
     cfg = model.cfg
     out_std = cfg.init_method_std / (2.0 * cfg.num_layers) ** 0.5
@@ -274,7 +278,7 @@ def init_weights_(model: GPTModelTP, seed: int) -> None:
         local_name = name.removeprefix("gpt.")
         info = shard_info(local_name, p, model.tp_rank, model.tp_size, cfg.vocab_size)
         if local_name.endswith("layernorm.weight"):
-            p.fill_(1.0)
+            p.fill_(0.0 if cfg.layernorm_zero_centered_gamma else 1.0)     # the scale starts at 1 either way
             continue
         if local_name.endswith(".bias"):
             p.zero_()

@@ -12,6 +12,11 @@ RowParallelLinear marks its (replicated) bias the same way.
 These are torch.nn.LayerNorm / torch.nn.RMSNorm themselves (same parameter names `weight` and
 `bias`, same kernels): a model built with them computes exactly what WrappedTorchNorm's does,
 and checkpoints do not depend on the choice.
+
+Zero-centred gamma (Megatron-LM's --apply-layernorm-1p, config.layernorm_zero_centered_gamma): the
+norm scales by (1 + weight) and the weight starts at 0, as megatron-core's FusedLayerNorm does
+(`self.weight + 1` in the parameter's dtype), so weight decay pulls the scale towards 1, not 0.
+WrappedTorchNorm refuses it; Apex and Transformer Engine, which have it, are not used here.
 """
 from __future__ import annotations
 
@@ -21,8 +26,7 @@ from zo_megatron.errors import ConfigError
 
 
 def _check_config(config) -> None:
-    for flag, why in (("layernorm_zero_centered_gamma", "zero-centred gamma"),
-                      ("persist_layer_norm", "persistent (Apex) layer norm"),
+    for flag, why in (("persist_layer_norm", "persistent (Apex) layer norm"),
                       ("memory_efficient_layer_norm", "memory-efficient (Apex) layer norm")):
         if getattr(config, flag, False):
             raise ConfigError(f"{why} is not supported by zo_megatron's torch norms: turn {flag} off")
@@ -34,6 +38,11 @@ def mark_sequence_parallel(module: torch.nn.Module, sequence_parallel: bool) -> 
         p.sequence_parallel = bool(sequence_parallel)
 
 
+def scale_of(norm) -> torch.Tensor | None:
+    """The norm's effective scale: its weight, or 1 + weight with a zero-centred gamma."""
+    return norm.weight + 1 if norm.zero_centered_gamma and norm.weight is not None else norm.weight
+
+
 class LayerNorm(torch.nn.LayerNorm):
     """torch.nn.LayerNorm built from megatron-core's norm arguments; parameters tagged for SP."""
 
@@ -42,7 +51,11 @@ class LayerNorm(torch.nn.LayerNorm):
                  sequence_parallel: bool | None = None):
         _check_config(config)
         super().__init__(normalized_shape=hidden_size, eps=eps)
+        self.zero_centered_gamma = bool(getattr(config, "layernorm_zero_centered_gamma", False))
         mark_sequence_parallel(self, config.sequence_parallel if sequence_parallel is None else sequence_parallel)
+
+    def forward(self, x):
+        return torch.nn.functional.layer_norm(x, self.normalized_shape, scale_of(self), self.bias, self.eps)
 
 
 class RMSNorm(torch.nn.RMSNorm):
@@ -53,7 +66,11 @@ class RMSNorm(torch.nn.RMSNorm):
                  sequence_parallel: bool | None = None):
         _check_config(config)
         super().__init__(normalized_shape=hidden_size, eps=eps)
+        self.zero_centered_gamma = bool(getattr(config, "layernorm_zero_centered_gamma", False))
         mark_sequence_parallel(self, config.sequence_parallel if sequence_parallel is None else sequence_parallel)
+
+    def forward(self, x):
+        return torch.nn.functional.rms_norm(x, self.normalized_shape, scale_of(self), self.eps)
 
 
 class Norm:

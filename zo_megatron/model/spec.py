@@ -4,17 +4,22 @@ attention and norms swapped in where the config asks for them.
 
   attention_backend "local"  megatron-core's DotProductAttention (materialises s² scores)
                     "sdpa"   model/attention.py's SDPAttention (torch SDPA, causal)
-  sequence_parallel          model/norms.py's Norm (LayerNorm or RMSNorm, as config.normalization)
-                             for the layer norms and the final norm: megatron-core's torch norm
-                             refuses sequence parallelism. q/k norms are left as they are: they
-                             act on this rank's heads over the whole sequence, not on a shard.
+  sequence_parallel, or      model/norms.py's Norm (LayerNorm or RMSNorm, as config.normalization)
+  a zero-centred gamma       for the layer norms and the final norm: megatron-core's torch norm
+                             refuses both. q/k norms are left as they are (model/gpt.py's
+                             TPQKNorm handles the gamma): they act on this rank's heads over the
+                             whole sequence, not on a shard.
 
-With neither, the spec is the architecture's layer spec untouched: the GPT-2 model is built from
-the very same modules as before these options existed.
+With none of these, the spec is the architecture's layer spec untouched: the GPT-2 model is built
+from the very same modules as before these options existed.
 """
 from __future__ import annotations
 
 from zo_megatron.model.config import GPTConfig
+
+
+def _our_norms(cfg: GPTConfig, sequence_parallel: bool) -> bool:
+    return sequence_parallel or cfg.layernorm_zero_centered_gamma
 
 
 def layer_spec_with(cfg: GPTConfig, spec, sequence_parallel: bool):
@@ -26,7 +31,7 @@ def layer_spec_with(cfg: GPTConfig, spec, sequence_parallel: bool):
         from zo_megatron.model.attention import SDPAttention
 
         layer.self_attention.submodules.core_attention = SDPAttention
-    if sequence_parallel:
+    if _our_norms(cfg, sequence_parallel):
         from zo_megatron.model.norms import Norm
 
         layer.input_layernorm = Norm
@@ -36,10 +41,10 @@ def layer_spec_with(cfg: GPTConfig, spec, sequence_parallel: bool):
 
 def decoder_spec(cfg: GPTConfig, spec, sequence_parallel: bool):
     """What GPTModel's `transformer_layer_spec` gets: the layer spec, or, with sequence
-    parallelism, the block's submodules so that the final norm is ours too (megatron-core would
-    build its default torch norm there, which refuses sequence parallelism)."""
+    parallelism or a zero-centred gamma, the block's submodules so that the final norm is ours too
+    (megatron-core would build its default torch norm there, which refuses both)."""
     spec = layer_spec_with(cfg, spec, sequence_parallel)
-    if not sequence_parallel:
+    if not _our_norms(cfg, sequence_parallel):
         return spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 

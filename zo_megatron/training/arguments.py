@@ -124,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action=argparse.BooleanOptionalAction, default=None,
                    help="gradient buckets and their reduce-scatter in fp32 (Megatron's name; default: on for "
                         "bf16 as in Megatron, off for fp16; doubles the bytes on the wire)")
+    g.add_argument("--grad-reduce-in-bf16", dest="accumulate_allreduce_grads_in_fp32", action="store_false", default=None,
+                   help="bf16 gradient buckets reduce-scattered in bf16 (Megatron's name; = "
+                        "--no-accumulate-allreduce-grads-in-fp32)")
     g.add_argument("--main-grads-dtype", choices=["fp32", "bf16", "fp16"], default=None,
                    help="ZeRO-Offload: dtype of the reduced gradients copied to the host for the CPU Adam "
                         "(default: the 16-bit parameter dtype, 2 bytes/param over PCIe; fp32 needs fp32 "
@@ -243,9 +246,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--data-path", nargs="*", default=None,
                    help="PREFIX, or WEIGHT PREFIX WEIGHT PREFIX ... (default: the embedded SOTU corpus)")
     g.add_argument("--split", default="969, 30, 1", help="train, valid, test proportions")
-    g.add_argument("--tokenizer-type", default="GPT2BPETokenizer", choices=["GPT2BPETokenizer", "HuggingFaceTokenizer"],
+    g.add_argument("--tokenizer-type", default="GPT2BPETokenizer",
+                   choices=["GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer"],
                    help="GPT2BPETokenizer: GPT-2's BPE (bundled files); HuggingFaceTokenizer: AutoTokenizer from "
-                        "--tokenizer-model (offline, no remote code; eod = its eos, vocabulary = len(tokenizer)). "
+                        "--tokenizer-model (offline, no remote code; eod = its eos, vocabulary = len(tokenizer)); "
+                        "NullTokenizer (with --vocab-size N): data that is ids already, or --mock-data; id N is the "
+                        "end of document, the vocabulary N + 1 (Megatron-LM's). "
                         "The data must be preprocessed with the same tokenizer")
     g.add_argument("--tokenizer-model", default=None, metavar="DIR",
                    help="HuggingFaceTokenizer: a local directory with tokenizer.json and tokenizer_config.json "
@@ -367,6 +373,9 @@ def add_architecture_flags(g) -> None:
                    help="a bias on the query/key/value projection even with --disable-bias-linear (Qwen2)")
     g.add_argument("--qk-layernorm", action="store_true",
                    help="normalise queries and keys per head (with --normalization's norm) before RoPE")
+    g.add_argument("--apply-layernorm-1p", action="store_true",
+                   help="zero-centred gamma: every norm (LayerNorm or RMSNorm) scales by 1 + weight, the weight "
+                        "starting at 0 (Megatron-LM's LayerNorm-1p; exported to Hugging Face as 1 + weight)")
     g.add_argument("--window-size", default=None, metavar="LEFT,RIGHT",
                    help="sliding-window attention: not supported (megatron-core builds its mask on CUDA "
                         "only); only -1 (full attention) is accepted")
@@ -420,7 +429,8 @@ def architecture_kwargs(args: argparse.Namespace) -> dict:
         num_query_groups=args.num_query_groups if args.group_query_attention else None,
         kv_channels=args.kv_channels, **{name: getattr(args, name) for name in YARN_FIELDS},
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
-        add_bias_linear=args.add_bias_linear, add_qkv_bias=args.add_qkv_bias, qk_layernorm=args.qk_layernorm)
+        add_bias_linear=args.add_bias_linear, add_qkv_bias=args.add_qkv_bias, qk_layernorm=args.qk_layernorm,
+        layernorm_zero_centered_gamma=args.apply_layernorm_1p)
 
 
 def _check_architecture(args: argparse.Namespace) -> None:
@@ -535,7 +545,7 @@ def finalize(args: argparse.Namespace) -> None:
 
     try:
         check_tokenizer_flags(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file,
-                              args.allow_custom_vocab)
+                              args.allow_custom_vocab, args.vocab_size)
     except DataError as e:                       # a flag conflict, reported before any file is read
         raise ConfigError(str(e)) from None
     check_attention_flags(args)

@@ -99,6 +99,9 @@ def apply_checkpoint_args(parser: argparse.ArgumentParser, args: argparse.Namesp
     if manifest.get("tokenizer_files") and os.path.isdir(tok_dir) and not given & TOKENIZER_FLAGS:
         args.tokenizer_type, args.tokenizer_model = "HuggingFaceTokenizer", tok_dir
         taken.extend(f for f in ("tokenizer_type", "tokenizer_model") if f not in taken)
+    if args.tokenizer_type == "NullTokenizer" and "vocab_size" in taken and "vocab_size" not in given:
+        # the model's rows are NullTokenizer's N + 1 (its ids and the EOD id); its flag is N, as typed
+        args.vocab_size = saved.get("vocab_size") or model["vocab_size"] - 1
     sched = manifest.get("opt_param_scheduler") or {}
     if args.use_checkpoint_opt_param_scheduler and sched:
         # the loader trains with the checkpoint's schedule: no need to repeat --lr and company here

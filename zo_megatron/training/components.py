@@ -61,10 +61,15 @@ def model_config(args):
 
 def build_datasets(args, tokenizer, data_path):
     """(train, validation) datasets sized for the whole run (a collective: megatron's index-cache barrier)."""
-    from zo_megatron.data import build_gpt_datasets
+    from zo_megatron.data import build_gpt_datasets, build_mock_gpt_datasets
 
     gb = args.global_batch_size
     n_evals = args.train_iters // args.eval_interval + 1
+    if data_path is None:                       # --mock-data
+        train_ds, valid_ds, _ = build_mock_gpt_datasets(
+            args.split, args.seq_length, args.seed, tokenizer, train_samples=args.train_iters * gb,
+            valid_samples=n_evals * args.eval_iters * gb, cache_dir=args.data_cache_path)
+        return train_ds, valid_ds
     train_ds, valid_ds, _ = build_gpt_datasets(
         data_path, args.split, args.seq_length, args.seed, tokenizer,
         train_samples=args.train_iters * gb, valid_samples=n_evals * args.eval_iters * gb,

@@ -28,12 +28,17 @@ def add_megatron_compat_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--exit-duration-in-mins", type=float, default=None,
                    help="stop (saving a checkpoint if --save) once the job has run this many minutes")
     g.add_argument("--mock-data", action="store_true",
-                   help="train without --data-path on the bundled demo corpus (Megatron: random tokens)")
+                   help="Megatron-LM's mock data: megatron-core's MockGPTDataset (documents of counting ids, "
+                        "random lengths; for speed and memory runs, nothing to learn), no --data-path")
+    g.add_argument("--embedded-corpus", action="store_true",
+                   help="train on the embedded State of the Union corpus, tokenized with the run's tokenizer "
+                        "(what a run without --data-path does; this flag says it is intended: no banner warning)")
     g.add_argument("--log-throughput", action="store_true", help="no-op: tokens/s and TFLOP/s are always logged")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
                    help="nccl on GPUs, gloo on CPUs (the only pairs supported; default: by device)")
     g.add_argument("--use-distributed-optimizer", action="store_true",
-                   help="no-op with --zero-offload (the optimizer state is already partitioned over DP)")
+                   help="no-op: with --zero-offload the optimizer state is partitioned over DP already; without "
+                        "it the plain optimizer keeps whole replicas (same updates)")
     g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local",
                    help="only local (megatron-core's own layers)")
     g.add_argument("--ckpt-format", choices=["torch", "torch_dist", "zarr"], default="torch_dist",
@@ -44,6 +49,16 @@ def add_megatron_compat_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute-num-layers", type=int, default=None,
                    help="with --recompute-granularity full: layers per checkpoint (uniform) or layers recomputed "
                    "(block); default 1")
+    g.add_argument("--profile", action="store_true",
+                   help="record iterations --profile-step-start+1 .. --profile-step-end with torch.profiler, one "
+                        "Chrome trace per rank of --profile-ranks, into --tensorboard-dir (else --save/profile, "
+                        "else ./profile) (training/profiling.py)")
+    g.add_argument("--profile-step-start", type=int, default=10, help="with --profile: completed iterations "
+                   "before the trace starts (Megatron's default 10)")
+    g.add_argument("--profile-step-end", type=int, default=12, help="with --profile: completed iterations when "
+                   "it stops (Megatron's default 12)")
+    g.add_argument("--profile-ranks", type=int, nargs="+", default=[0], help="with --profile: the global ranks "
+                   "that record (Megatron's default: 0)")
     g.add_argument("--wandb-project", default=None,
                    help="log to Weights & Biases (needs wandb; WANDB_MODE=offline is honoured)")
     g.add_argument("--wandb-exp-name", default=None, help="W&B run name")
@@ -71,9 +86,6 @@ def check_megatron_compat(args: argparse.Namespace, also: list[str] = ()) -> Non
     if args.ckpt_format != "torch_dist":
         refused.append(f"--ckpt-format {args.ckpt_format}: checkpoints are torch.distributed.checkpoint "
                        "directories (Megatron's torch_dist); use --ckpt-format torch_dist (the default)")
-    if args.use_distributed_optimizer and not args.zero_offload:
-        refused.append("--use-distributed-optimizer: the partitioned optimizer here is ZeRO-Offload; "
-                       "add --zero-offload")
     refused += [f"{r}; drop it" for r in refused_given(args)]
     if refused or also:
         counts = [f"{len(refused)} flag{'s' * (len(refused) != 1)} refused"] if len(refused) > 1 or (refused and also) \
@@ -100,8 +112,13 @@ def check_megatron_compat(args: argparse.Namespace, also: list[str] = ()) -> Non
             raise ConfigError(f"--{name.replace('_', '-')} {v} is out of range: it must be >= 1")
     if args.exit_duration_in_mins is not None and not args.exit_duration_in_mins > 0:
         raise ConfigError(f"--exit-duration-in-mins {args.exit_duration_in_mins} is out of range: it must be > 0")
-    if args.mock_data and args.data_path:
-        raise ConfigError("--mock-data and --data-path contradict each other: give one")
+    sources = [f for f, on in (("--data-path", bool(args.data_path)), ("--mock-data", args.mock_data),
+                               ("--embedded-corpus", args.embedded_corpus)) if on]
+    if len(sources) > 1:
+        raise ConfigError(f"{' and '.join(sources)} contradict each other: give one")
+    if args.tokenizer_type == "NullTokenizer" and not (args.data_path or args.mock_data):
+        raise ConfigError("--tokenizer-type NullTokenizer reads ids, not text, so it cannot tokenize the embedded "
+                          "corpus: add --mock-data, or --data-path PREFIX of data that is ids already")
 
 
 def check_backend(args: argparse.Namespace, cuda: bool) -> None:

@@ -39,13 +39,22 @@ _CKPT_IO = ("performance only: how Megatron's dist-checkpointing schedules its I
 # Flags this job's parser defines that are accepted without effect (they describe what it does).
 NO_OP_OURS = {
     "--log-throughput": "tokens/s and TFLOP/s per rank are always in the log line and the JSONL",
-    "--use-distributed-optimizer": "with --zero-offload the optimizer state is already partitioned over DP "
-                                   "(without it: refused, add --zero-offload)",
+    "--use-distributed-optimizer": "with --zero-offload the optimizer state is already partitioned over DP; "
+                                   "without it the plain optimizer keeps whole replicas (the same updates; "
+                                   "the memory plan counts them)",
 }
 
 # Megatron flags this parser does not define, accepted without effect: flag -> why.
 NO_OP = {
     "--use-mcore-models": "the model is megatron-core's GPTModel (mcore), always",
+    "--use-pytorch-profiler": "--profile always records with torch.profiler here (Megatron's other recorder is "
+                              "an external nsys)",
+    "--calculate-per-token-loss": "the same loss here: every micro-batch holds micro-batch x sequence tokens and "
+                                  "none is masked (no --eod-mask-loss), so the token mean of the global batch is "
+                                  "the mean of the micro-batch means",
+    "--tiktoken-pattern": "read only by Megatron's TikTokenizer, which is not offered (--tokenizer-type)",
+    "--tiktoken-num-special-tokens": "read only by Megatron's TikTokenizer, which is not offered (--tokenizer-type)",
+    "--tiktoken-special-tokens": "read only by Megatron's TikTokenizer, which is not offered (--tokenizer-type)",
     "--no-persist-layer-norm": "the LayerNorm is torch's (no persistent Apex kernel is used)",
     "--attention-softmax-in-fp32": "the attention softmax runs in fp32 already",
     "--no-gradient-accumulation-fusion": "gradients accumulate through autograd (no fused wgrad kernel)",
@@ -122,8 +131,6 @@ NO_OP.update({
 REFUSED_WHY = {
     "--apply-query-key-layer-scaling": "attention scores are scaled by 1/sqrt(head_dim) with the softmax in fp32; "
                                        "the fp16 layer-scaling variant is not used",
-    "--apply-layernorm-1p": "LayerNorm-1p (zero-centred gamma) is not implemented: --normalization LayerNorm "
-                            "or RMSNorm",
     "--apply-residual-connection-post-layernorm": "post-norm residuals are not implemented (pre-norm, as GPT-2 "
                                                   "and Llama)",
     "--fp32-residual-connection": "residuals stay in the model's precision, as GPT-2",
@@ -154,14 +161,11 @@ REFUSED_WHY = {
     "--test-mode": "evaluation runs during training (--eval-interval, --eval-iters)",
     "--full-validation": "use --eval-iters N (global batches per evaluation)",
     "--multiple-validation-sets": "one validation split (--split)",
-    "--calculate-per-token-loss": "the loss is the token mean of each micro-batch, Megatron's default",
     "--init-method-xavier-uniform": "weights start as normal(0, --init-method-std), as GPT-2",
     "--embedding-init-method-std": "all weights use --init-method-std, as GPT-2",
     "--start-weight-decay": "weight decay is constant (--weight-decay)",
     "--end-weight-decay": "weight decay is constant (--weight-decay)",
     "--weight-decay-incr-style": "weight decay is constant (--weight-decay)",
-    "--decoupled-lr": "one learning rate for every parameter (--lr)",
-    "--decoupled-min-lr": "one learning rate for every parameter (--min-lr)",
     "--data-parallel-random-init": "DP replicas start from the same weights (the ZeRO partitions need it)",
     "--recompute-modules": "use --recompute-granularity selective (the attention core) or full",
     "--cpu-offloading-num-layers": "activation offloading is not supported; use --recompute-granularity",
@@ -169,8 +173,6 @@ REFUSED_WHY = {
     "--offload-modules": "activation offloading is not supported; use --recompute-granularity",
     "--main-params-dtype": "the master weights are fp32 (on the host with --zero-offload)",
     "--use-precision-aware-optimizer": "use --exp-avg-dtype/--exp-avg-sq-dtype bf16 (CPU Adam states) instead",
-    "--grad-reduce-in-bf16": "bf16 gradients are reduced in fp32 (--accumulate-allreduce-grads-in-fp32); "
-                             "use --no-accumulate-allreduce-grads-in-fp32 for bf16",
     "--yaml-cfg": "give flags on the command line", "--spec": "the layer spec is megatron-core's local GPT spec",
 }
 for _flag in ("--rotary-interleaved", "--rotary-seq-len-interpolation-factor", "--no-rope-freq", "--rope-type",
@@ -204,8 +206,9 @@ PATTERNS = [
                 "with --tokenizer-model DIR"),
     (r"^--log-|^--no-log-|^--disable-log-", "refused",
      "this quantity is not logged here (docs/logging.md lists what is); drop the flag"),
-    (r"^--(profile|use-pytorch-profiler|record-memory-history|memory-snapshot-path)", "refused",
-     "profiling hooks are not wired in; use --timeline FILE (per-phase times) or torch.profiler around the job"),
+    (r"^--(record-memory-history|memory-snapshot-path)", "refused",
+     "CUDA memory snapshots are not wired in; the log and JSONL carry every rank's host and device peaks, "
+     "--profile records a torch.profiler trace"),
     (r"^--non-persistent|^--persistent-save|^--use-persistent-ckpt|^--replication|^--save-(retain|dgrads|wgrads)",
      "refused", "local/non-persistent checkpointing is not supported: checkpoints go to --save every "
                 "--save-interval, atomically (--keep-last K to bound them)"),
@@ -239,7 +242,7 @@ GROUP_REASONS = {
     "msc": "Multi-Storage Client paths are not supported: --save/--load take local or mounted directories",
     "autoresume": "ADLR autoresume is not integrated: --exit-signal-handler saves and exits 0 on SIGTERM",
     "sft": "supervised fine-tuning datasets are not supported (pretraining on indexed datasets)",
-    "profiling": "profiling hooks are not wired in; use --timeline FILE or torch.profiler around the job",
+    "profiling": "not wired in: --profile (torch.profiler) and --timeline FILE (per-phase times) are",
     "Transformer-Engine": "Transformer Engine is not used",
 }
 DEFAULT_REFUSED = "not implemented by this job (docs/megatron_compat.md)"

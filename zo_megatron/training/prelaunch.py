@@ -30,6 +30,7 @@ def check_launch(args):
     from zo_megatron.parallel import validate_parallel_config
     from zo_megatron.parallel.launch_env import discover_launch_env
     from zo_megatron.training.megatron_compat import check_backend
+    from zo_megatron.training.profiling import check_profile_args
 
     try:
         env = discover_launch_env()
@@ -44,6 +45,7 @@ def check_launch(args):
     check_batch_sizes(args, env.world_size // args.tensor_parallel)
     LRScheduler.from_args(args)                  # its one-line errors now, before any process group
     check_backend(args, torch.cuda.is_available())
+    check_profile_args(args, env.world_size)
     return env
 
 
@@ -155,7 +157,8 @@ def check_inputs(args, env, dp):
     from zo_megatron.data import build_tokenizer, validate_data_prefix
 
     tokenizer = build_tokenizer(args.vocab_file, args.merge_file, allow_custom_vocab=args.allow_custom_vocab,
-                                tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model)
+                                tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
+                                vocab_size=args.vocab_size)
     args.model_vocab_size = model_vocab_size(args, tokenizer)
     if args.data_path:
         from zo_megatron.data import parse_data_path
@@ -163,6 +166,8 @@ def check_inputs(args, env, dp):
         for prefix in parse_data_path(args.data_path)[0]:
             validate_data_prefix(prefix, tokenizer, "warn" if args.allow_other_tokenizer_data else "error")
         data_path = args.data_path
+    elif args.mock_data:
+        data_path = None                        # megatron-core's MockGPTDataset (components.build_datasets)
     else:
         from zo_megatron.data import default_data_prefix
 
@@ -195,7 +200,7 @@ def model_vocab_size(args, tokenizer) -> int:
     """The model's vocabulary before padding: --vocab-size when given (Megatron-LM's flag; a
     checkpoint whose vocabulary is larger than its tokenizer, as Qwen2's is), else the tokenizer's.
     Every id the tokenizer makes must have a row, so a smaller --vocab-size is refused."""
-    if args.vocab_size is None:
+    if args.vocab_size is None or tokenizer.tokenizer_type == "NullTokenizer":   # its --vocab-size N: N + 1
         return int(tokenizer.vocab_size)
     if args.vocab_size < tokenizer.vocab_size:
         raise UserError(f"--vocab-size {args.vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size} "

@@ -2,7 +2,7 @@
 
     Trainer(args, env, ps, tokenizer, data_path).run()
       build:  metrics + faults -> checkpointer (the --save lock) -> model config -> datasets -> model
-              -> optimizer engine -> timeline -> resume (--load) -> banner -> batches, evaluator,
+              -> optimizer engine -> timeline, profiler -> resume (--load) -> banner -> batches, evaluator,
               step log, LR schedule
       loop:   one iteration's timeline, top to bottom (`train`): get batches + forward/backward,
               optimizer step, advance the schedule, log, evaluate, exit checks, save
@@ -30,6 +30,7 @@ from zo_megatron.training import components, faults
 from zo_megatron.training.checkpointing import Checkpointer
 from zo_megatron.training.evaluation import Evaluator, loss_inputs
 from zo_megatron.training.metrics import proc_memory_bytes
+from zo_megatron.training.profiling import build_profiler
 from zo_megatron.training.schedule import LRScheduler
 from zo_megatron.training.step_log import StepLog
 from zo_megatron.training.user_report import banner
@@ -109,6 +110,9 @@ class Trainer:
         self.timeline = components.build_timeline(args, ps)
         if self.timeline is not None:
             self.stack.callback(self.timeline.close)
+        self.profiler = build_profiler(args, ps)            # --profile on this rank, else None
+        if self.profiler is not None:
+            self.stack.callback(lambda: self.profiler.close(self.state.iteration))
         # every ARCH_FIELDS field: a resume must match them all
         self.checkpointer.attach(self.model, self.optimizer, self.cfg.vocab_size, self.cfg.arch_meta(), self.tokenizer)
         if args.load:
@@ -132,14 +136,16 @@ class Trainer:
         args, st = self.args, self.state
         stop_reason = None
         while st.iteration < args.train_iters:
+            if self.profiler is not None:               # --profile: its window's first edge
+                self.profiler.begin_if_due(st.iteration)
             self.inject.at_iteration_start(st.iteration + 1)
-            lr = self.scheduler.get_lr()
-            loss = self.forward_backward(lr)           # every micro-batch of one global batch
-            res = self.optimizer.step(lr)
+            lr, decoupled_lr = self.scheduler.get_lr(), self.scheduler.get_decoupled_lr()   # None: no --decoupled-lr
+            loss = self.forward_backward(lr, decoupled_lr)   # every micro-batch of one global batch
+            res = self.optimizer.step(lr, decoupled_lr)
             self.advance(res)
             self.log.record(host_value(loss).item(), res, delayed=self._delayed(res))   # a timed wait first
             if st.iteration % args.log_interval == 0 or st.iteration == args.train_iters:
-                self.log.write(st.iteration, lr, res, st.consumed_samples)
+                self.log.write(st.iteration, lr, res, st.consumed_samples, decoupled_lr)
             if self.evaluator is not None and self.evaluator.due(st.iteration):
                 self.evaluate()
             exit_reason = self.exit_reason()
@@ -185,6 +191,8 @@ class Trainer:
                                f"CPU Adam of each step overlaps the next step's forward/backward "
                                f"(--dpu-warmup-steps {args.dpu_warmup_steps})")
         st.iteration += 1
+        if self.profiler is not None:                   # --profile: its window's last edge
+            self.profiler.end_if_due(st.iteration)
         st.consumed_samples += args.global_batch_size
         self.metrics.advance()
         scaler = opt.loss_scaler                # fp16: skips while the scale searches do not count

@@ -153,7 +153,10 @@ def banner(metrics, args, ps, cfg, optimizer, data_path, setup_s) -> None:
     acc = optimizer.accounting
     src = "embedded State of the Union corpus (233 addresses, public domain)" if not args.data_path else " ".join(data_path)
     if args.mock_data:
-        src = "bundled demo corpus (--mock-data)"
+        src = ("mock data (--mock-data: megatron-core's MockGPTDataset, documents of counting ids; "
+               "for speed and memory, nothing to learn)")
+    elif args.embedded_corpus:
+        src += " (--embedded-corpus)"
     elif not args.data_path and not args.demo:   # a model shape was given but no data: say it loudly
         src = ("!!! NO --data-path GIVEN: training on the bundled demo corpus (233 State of the Union "
                "addresses), not your data; pass --data-path PREFIX !!!")
