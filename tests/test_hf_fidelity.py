@@ -208,8 +208,6 @@ def megatron_checkpoint(directory, seed, vocab=VOCAB, **arg_changes) -> str:
 @pytest.mark.parametrize("arg,value", [
     ("qk_l2_norm", True), ("apply_residual_connection_post_layernorm", True), ("softmax_type", "off-by-one"),
     ("no_rope_freq", 4), ("glu_linear_offset", 1.0), ("activation_func_clamp_value", 7.0),
-    # core_v0.16.1 saves --apply-layernorm-1p as layernorm_zero_centered_gamma (old code: apply_layernorm_1p only)
-    ("layernorm_zero_centered_gamma", True),
     # an arg no Megatron-LM release from-megatron knows, not at a neutral value
     ("some_future_model_option", 3),
 ])
@@ -228,6 +226,22 @@ def test_from_megatron_refuses_every_arg_that_changes_the_model(tmp_path, capsys
     assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
     assert f"args.{arg}={value!r}" in lines[0], lines[0]
     assert not os.path.exists(tmp_path / "out")
+
+
+@pytest.mark.parametrize("arg", ["layernorm_zero_centered_gamma", "apply_layernorm_1p"])
+def test_from_megatron_reads_layernorm_1p(tmp_path, arg):
+    """--apply-layernorm-1p (core_v0.16.1 saves it as layernorm_zero_centered_gamma, older releases as
+    apply_layernorm_1p) is built now (tests/test_layernorm_1p.py): the checkpoint converts and records it
+    (the parametrisation is Megatron's, so the weights convert as they are); old code refused it."""
+    from zo_megatron.checkpoint import convert
+    from zo_megatron.checkpoint.reader import CheckpointReader
+
+    seed = fresh_seed(f"megatron 1p {arg}")
+    src = megatron_checkpoint(tmp_path / "megatron", seed, **{arg: True})
+    convert.from_megatron(src, str(tmp_path / "out"), tensor_parallel=1, log=lambda _: None)
+    reader = CheckpointReader(str(tmp_path / "out"))
+    assert reader.model_meta["layernorm_zero_centered_gamma"] is True
+    assert "--apply-layernorm-1p" in convert.job_flags(reader.model_meta)
 
 
 def test_from_megatron_converts_a_real_run_s_args_and_names_every_bad_one(tmp_path):
