@@ -196,3 +196,37 @@ def test_the_reproduction_adamw_is_torchs_and_nadamw_its_definition():
         torch.testing.assert_close(a, b.detach(), rtol=1e-12, atol=1e-14)
     for a, b in zip(nad, w):
         np.testing.assert_allclose(a.numpy(), b, rtol=1e-12, atol=1e-14)
+
+
+# ------------------------------------------------------------ the convergence tool's report
+def test_the_convergence_report_cost_and_diagnostics_from_runs():
+    import argparse
+
+    import dpu_convergence as conv
+
+    def run(final, tps, host, err):
+        train = [(i, 6.0 - 0.01 * i) for i in range(1, 61)]
+        return {"train": train, "val": [(30, final + 0.5), (60, final)], "final_val_loss": final,
+                "weight_error": [(i, err) for i in range(10, 61, 10)], "median_tokens_per_s": tps,
+                "host_model_state_bytes": host, "device_model_state_bytes": 100, "host_peak_bytes_max": host + 7,
+                "spikes": dpu_report.spike_counts(train)}
+
+    runs = {"exact": {1: run(5.0, 100.0, 1000, 0.0), 2: run(5.2, 110.0, 1000, 0.0)},
+            "dpu": {1: run(5.5, 150.0, 1400, 1.0), 2: run(5.6, 160.0, 1400, 1.0)},
+            "dpu+weight-prediction": {1: run(5.2, 140.0, 1800, 0.3), 2: run(5.4, 150.0, 1800, 0.2)}}
+    args = argparse.Namespace(mode="demo", dpu_warmup_steps=40, train_iters=None, nproc=1, tensor_parallel=1,
+                              jobs=1, tolerance=0.02)
+    out = conv.report(runs, args, "fp32", [])
+    assert out["best"] == "dpu+weight-prediction" and out["final_val_loss_exact"] == pytest.approx(5.1)
+    assert out["relative_gap"] == pytest.approx(0.45 / 5.1) and not out["within_tolerance"]
+    c = out["cost"]
+    assert c["dpu"]["tokens_per_s_vs_exact"] == pytest.approx(155 / 105)
+    assert c["dpu+weight-prediction"]["tokens_per_s_vs_dpu"] == pytest.approx(145 / 155)
+    assert c["dpu+weight-prediction"]["extra_host_bytes"] == 800 and c["dpu"]["extra_device_bytes"] == 0
+    d = out["diagnostics"]
+    assert d["dpu+weight-prediction"]["mean_weight_error_after_warmup"] == pytest.approx(0.25)
+    assert d["exact"]["mean_weight_error_after_warmup"] == 0.0 and d["dpu"]["spikes_per_seed"] == {1: 0, 2: 0}
+    assert out["summary"]["dpu"]["meets_target"] is False
+    long_flags = conv.mode_flags("long", None, None)
+    assert long_flags[long_flags.index("--train-iters") + 1] == "2000" and "--num-layers" in long_flags
+    assert "--num-layers" not in conv.mode_flags("demo", None, None)

@@ -1,133 +1,290 @@
 #!/usr/bin/env python3
 """Does the delayed parameter update converge like exact updates? Train each way and compare.
 
-    python tools/dpu_convergence.py [--train-iters 300] [--dpu-warmup-steps 40] [--out-dir docs/img]
-                                    [--nproc 2] [--mitigation weight-prediction ...]
-                                    [-- extra pretrain_gpt.py flags]
+    python tools/dpu_convergence.py [--mode demo|long] [--seeds 3] [--precision fp32 ...]
+                                    [--dpu-warmup-steps 40] [--mitigation weight-prediction ...]
+                                    [--nproc N] [--tensor-parallel N] [--jobs N] [--out-dir docs/img]
+                                    [--runs-dir DIR] [--reuse] [-- extra pretrain_gpt.py flags]
 
-Runs pretrain_gpt.py (the demo model on the embedded corpus unless extra flags say otherwise)
-with --zero-offload: once with exact updates, once with --dpu, and once with --dpu plus each
+Runs pretrain_gpt.py with --zero-offload: with exact updates, with --dpu, and with --dpu plus each
 staleness mitigation named by --mitigation (default: every one the job has, MITIGATIONS below;
-`--mitigation none` for none), from the same seed on the same batches, evaluating every
---eval-interval iterations. Writes dpu_convergence.json (every curve, the final validation losses
-and each one's relative gap to exact updates), dpu_convergence.png (training and validation loss
-against iteration) and, from the DPU run, dpu_timeline.* (the --timeline files and their plot).
-Exit 0 when the best delayed run (plain or mitigated) ends within --tolerance (default 2%) of
-exact updates, 1 otherwise.
+`--mitigation none` for none), each arm with --seeds seeds (--seed, --seed + 1, ...: the seed sets
+the initialisation and the data order, so one seed gives every arm the same start and batches).
+
+  --mode demo   the demo model (4 x 256, seq 256) on the embedded corpus, 300 iterations,
+                evaluated every 25 (the tool's mode before issue 37; default; --nproc 2, TP=2).
+  --mode long   2 x 128, seq 128, same recipe, 2000 iterations (W=40 is 2% of the run),
+                evaluated every 100 (--nproc 1, TP=1: small enough for 2 cores).
+
+Per arm and seed it records, from the job's JSONL (--log-interval 1): the training loss of every
+iteration, the validation curve, the loss spikes (tools/dpu_report.py), tokens/s, and the job's own
+host and device model-state bytes; and, every 10 updates, ||device weights - exact weights|| /
+||last update|| (the engine's debug path ZO_DPU_DIAGNOSTICS, offload/dpu_diagnostics.py; 0 by
+construction with exact updates).
+
+Writes under --out-dir, named dpu_convergence[_long][_PRECISION] (PRECISION when --precision is
+given: one report per precision): .json (every curve, each arm's mean, spread and gap to exact with
+its uncertainty, the diagnostics, the cost: tokens/s relative to exact and to plain DPU, extra host
+and device bytes) and .png (loss curves and the weight error, mean over seeds with a min..max band);
+in the demo mode at the job's default precision also dpu_timeline.png from plain DPU's first seed.
+The runs' own logs go to --runs-dir (--reuse: a complete log with the same settings is read instead
+of run again, so an interrupted long measurement resumes).
+Exit 0 when the best delayed arm's mean gap is within --tolerance (default 2%) of exact updates in
+every precision, 1 otherwise.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+
+import dpu_report  # noqa: E402
 
 # Staleness mitigations of --dpu the job implements: name -> the flags added to --dpu (docs/dpu.md).
 MITIGATIONS = {"weight-prediction": ["--dpu-weight-prediction"]}
+DEFAULT_LAYOUT = {"demo": (2, 2), "long": (1, 1)}          # (--nproc, --tensor-parallel)
 
 
-def _run(name: str, flags: list[str], nproc: int, out_dir: str) -> dict:
-    log = os.path.join(out_dir, f"dpu_convergence_{name}.jsonl")
-    if os.path.exists(log):
-        os.remove(log)
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    cmd = [torchrun, "--standalone", f"--nproc-per-node={nproc}", os.path.join(ROOT, "pretrain", "pretrain_gpt.py"),
-           "--zero-offload", "--log-jsonl", log, "--no-progress-bar", *flags]
-    print(f"[{name}] {' '.join(cmd[1:])}", flush=True)
-    t0 = time.monotonic()
-    p = subprocess.run(cmd, capture_output=True, text=True)
-    if p.returncode != 0:
-        sys.stderr.write(p.stdout[-3000:] + p.stderr[-3000:])
-        print(f"error: the {name} run failed (exit {p.returncode}); its output is above", file=sys.stderr)
-        sys.exit(2)
+class RunFailed(Exception):
+    pass
+
+
+def mode_flags(mode: str, train_iters: int | None, eval_interval: int | None) -> list[str]:
+    """pretrain_gpt.py flags of a mode. demo: the job's own demo defaults; long: the same recipe
+    spelled out (a model shape given, the demo's defaults no longer apply)."""
+    m = dpu_report.MODES[mode]
+    iters = train_iters or m["train_iters"]
+    flags = ["--train-iters", str(iters), "--eval-interval", str(eval_interval or m["eval_interval"]),
+             "--log-interval", "1"]
+    if mode == "long":
+        flags += ["--num-layers", str(m["layers"]), "--hidden-size", str(m["hidden"]),
+                  "--num-attention-heads", str(m["heads"]), "--seq-length", str(m["seq"]),
+                  "--micro-batch-size", str(m["batch"]), "--lr", "1e-3", "--min-lr", "1e-4",
+                  "--lr-warmup-iters", "30", "--lr-decay-style", "cosine", "--weight-decay", "0.1",
+                  "--adam-beta2", "0.95", "--eval-iters", "10"]
+    return flags
+
+
+def _complete(log: str, flags: list[str]) -> bool:
+    """A log that ran these flags to the end (its header's command line, its last evaluation)."""
+    if not os.path.exists(log):
+        return False
     rows = [json.loads(line) for line in open(log)]
-    train = [(r["iteration"], r["loss"]) for r in rows if r["kind"] == "train"]
-    val = [(r["iteration"], r["val_loss"]) for r in rows if r["kind"] == "eval"]
-    step = [r["step_time_s"] for r in rows if r["kind"] == "train"]
-    print(f"[{name}] {time.monotonic() - t0:.0f} s; final validation loss {val[-1][1]:.4f}", flush=True)
-    return {"train": train, "val": val, "wall_s": time.monotonic() - t0,
-            "median_step_time_s": sorted(step)[len(step) // 2]}
+    heads = [r for r in rows if r.get("kind") == "header"]
+    iters = int(flags[flags.index("--train-iters") + 1])
+    return (len(heads) == 1 and heads[0].get("argv", flags) == flags
+            and any(r.get("kind") == "eval" and r["iteration"] == iters for r in rows))
 
 
-def _plot(runs: dict, path: str, warmup: int) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def run_one(name: str, seed: int, flags: list[str], nproc: int, runs_dir: str, reuse: bool) -> dict:
+    """One arm, one seed: the job, then its curves, diagnostics and cost from its logs."""
+    tag = f"{name}_seed{seed}"
+    log, diag = os.path.join(runs_dir, f"{tag}.jsonl"), os.path.join(runs_dir, f"{tag}.diag.jsonl")
+    flags = [*flags, "--seed", str(seed)]
+    t0 = time.monotonic()
+    if not (reuse and _complete(log, flags)):
+        for path in (log, diag):
+            if os.path.exists(path):
+                os.remove(path)
+        torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+        cmd = [torchrun, "--standalone", f"--nproc-per-node={nproc}", os.path.join(ROOT, "pretrain", "pretrain_gpt.py"),
+               "--zero-offload", "--log-jsonl", log, "--no-progress-bar", *flags]
+        env = dict(os.environ)
+        if "--dpu" in flags:
+            env["ZO_DPU_DIAGNOSTICS"] = f"{diag}:{dpu_report.DIAG_EVERY}"
+        print(f"[{tag}] {' '.join(cmd[1:])}", flush=True)
+        p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if p.returncode != 0:
+            sys.stderr.write(p.stdout[-3000:] + p.stderr[-3000:])
+            raise RunFailed(f"the {tag} run failed (exit {p.returncode}); its output is above")
+        _stamp_argv(log, flags)
+    rows = [json.loads(line) for line in open(log)]
+    train = [r for r in rows if r["kind"] == "train"]
+    val = [(r["iteration"], r["val_loss"]) for r in rows if r["kind"] == "eval" and r.get("split", "validation") == "validation"]
+    weight_error = [(r["update"], r["weight_error"]) for r in map(json.loads, open(diag))
+                    if r["weight_error"] is not None] if os.path.exists(diag) else []
+    if "--dpu" not in flags:
+        weight_error = [(r["iteration"], 0.0) for r in train if r["iteration"] % dpu_report.DIAG_EVERY == 0]
+    warm = int(flags[flags.index("--dpu-warmup-steps") + 1]) if "--dpu-warmup-steps" in flags else 40
+    steady = [r for r in train if r["iteration"] > warm + 5] or train
+    last = train[-1]
+    print(f"[{tag}] {time.monotonic() - t0:.0f} s; final validation loss {val[-1][1]:.4f}", flush=True)
+    return {"train": [(r["iteration"], r["loss"]) for r in train], "val": val, "weight_error": weight_error,
+            "grad_norm": [(r["iteration"], r["grad_norm"]) for r in train],
+            "final_val_loss": val[-1][1], "wall_s": time.monotonic() - t0,
+            "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),
+            "median_step_time_s": statistics.median(r["step_time_s"] for r in steady),
+            "host_model_state_bytes": last["host_model_state_bytes"],
+            "device_model_state_bytes": last["device_model_state_bytes"],
+            "host_peak_bytes_max": last.get("host_peak_bytes_max"),
+            "spikes": dpu_report.spike_counts([(r["iteration"], r["loss"]) for r in train])}
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    colors = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3"]
-    for name, color in zip(runs, colors):
-        it, loss = zip(*runs[name]["train"])
-        ax.plot(it, loss, color=color, alpha=0.45, lw=1, label=f"{name}: training loss")
-        it, loss = zip(*runs[name]["val"])
-        ax.plot(it, loss, "o-", color=color, lw=2, label=f"{name}: validation loss")
-    ax.axvline(warmup, color="#999999", ls="--", lw=1, label=f"DPU starts (update {warmup})")
-    ax.set_xlabel("iteration")
-    ax.set_ylabel("loss (nats)")
-    ax.set_title("Delayed parameter update (and its mitigations) vs exact updates\n(same seed, same batches)",
-                 fontsize=10)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+
+def _stamp_argv(log: str, flags: list[str]) -> None:
+    """Note the tool's flags in the log's header, so --reuse can tell a run of other settings."""
+    rows = [json.loads(line) for line in open(log)]
+    for r in rows:
+        if r.get("kind") == "header":
+            r["argv"] = flags
+    with open(log + ".partial", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    os.replace(log + ".partial", log)
 
 
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+def cost(runs: dict) -> dict:
+    """Per arm: tokens/s (mean over seeds of each run's median after the delay starts), relative to
+    exact and to plain DPU, and the model-state bytes it adds to exact's (host and device, as the
+    job's accounting counts them) and its measured host peak's difference."""
+    def mean(arm, key):
+        vals = [r[key] for r in runs[arm].values() if r.get(key) is not None]
+        return statistics.fmean(vals) if vals else None
+
+    out = {}
+    for arm in runs:
+        tps = mean(arm, "median_tokens_per_s")
+        row = {"tokens_per_s": tps}
+        for ref in ("exact", "dpu"):
+            if ref in runs and ref != arm:
+                row[f"tokens_per_s_vs_{ref}"] = tps / mean(ref, "median_tokens_per_s")
+        if "exact" in runs:
+            for key, label in (("host_model_state_bytes", "extra_host_bytes"),
+                               ("device_model_state_bytes", "extra_device_bytes"),
+                               ("host_peak_bytes_max", "extra_host_peak_bytes")):
+                a, e = mean(arm, key), mean("exact", key)
+                row[label] = None if a is None or e is None else a - e
+        out[arm] = row
+    return out
+
+
+def diagnostics(runs: dict, warmup: int) -> dict:
+    """Per arm: the weight error averaged over the delayed updates (mean over seeds) and the loss
+    spikes per seed."""
+    out = {}
+    for arm, by_seed in runs.items():
+        errs = [statistics.fmean(v for it, v in r["weight_error"] if it > warmup and v is not None)
+                for r in by_seed.values() if any(it > warmup for it, _ in r["weight_error"])]
+        out[arm] = {"mean_weight_error_after_warmup": statistics.fmean(errs) if errs else None,
+                    "spikes_per_seed": {s: r["spikes"]["total"] for s, r in by_seed.items()}}
+    return out
+
+
+def report(runs: dict, args, precision: str | None, extra: list[str]) -> dict:
+    """The JSON of one precision (the keys of the tool before issue 37 kept, now means over seeds)."""
+    finals = {arm: {s: r["final_val_loss"] for s, r in by.items()} for arm, by in runs.items()}
+    as_issued = args.dpu_warmup_steps == 40 and not args.train_iters and not extra
+    summary = dpu_report.summary(finals, args.mode if as_issued else "")
+    exact = summary["exact"]["final_val_loss"]["mean"]
+    rows = {arm: {"final_val_loss": row["final_val_loss"]["mean"], "relative_gap": row["gap_to_exact"]["gap"],
+                  "gap_2sigma": row["gap_to_exact"]["gap_2sigma"]}
+            for arm, row in summary.items() if arm != "exact"}
+    best = min(rows, key=lambda n: rows[n]["relative_gap"])
+    return {"mode": args.mode, "precision": precision or "job default", "seeds": sorted(finals["exact"]),
+            "train_iters": runs["exact"][min(runs["exact"])]["train"][-1][0],
+            "dpu_warmup_steps": args.dpu_warmup_steps, "nproc": args.nproc, "tensor_parallel": args.tensor_parallel,
+            "jobs": args.jobs, "extra_flags": extra, "final_val_loss_exact": exact,
+            "final_val_loss_dpu": rows["dpu"]["final_val_loss"], "relative_gap": rows["dpu"]["relative_gap"],
+            "delayed_runs": rows, "best": best, "best_relative_gap": rows[best]["relative_gap"],
+            "within_tolerance": rows[best]["relative_gap"] <= args.tolerance, "tolerance": args.tolerance,
+            "summary": summary, "diagnostics": diagnostics(runs, args.dpu_warmup_steps), "cost": cost(runs),
+            "runs": runs}
+
+
+def _timeline(runs_dir: str, out_dir: str, warmup: int) -> None:
+    timeline = os.path.join(runs_dir, "dpu_timeline")
+    it = warmup + 5
+    subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plot_timeline.py"), timeline, "--iterations",
+                    f"{it}:{it + 3}", "--out", os.path.join(out_dir, "dpu_timeline.png"),
+                    "--title", f"--dpu timeline, iterations {it}-{it + 3}"], check=True)
+
+
+def _parse(argv):
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--train-iters", type=int, default=300)
-    ap.add_argument("--eval-interval", type=int, default=25)
+    ap.add_argument("--mode", choices=sorted(dpu_report.MODES), default="demo")
+    ap.add_argument("--seeds", type=int, default=3, help="seeds per arm (init and data order)")
+    ap.add_argument("--seed", type=int, default=1234, help="the first seed")
+    ap.add_argument("--precision", action="append", choices=["fp32", "bf16"],
+                    help="run every arm in this precision (repeatable; default: the job's own choice)")
+    ap.add_argument("--train-iters", type=int, default=None, help="default: the mode's")
+    ap.add_argument("--eval-interval", type=int, default=None, help="default: the mode's")
     ap.add_argument("--dpu-warmup-steps", type=int, default=40)
-    ap.add_argument("--nproc", type=int, default=2, help="ranks (default 2: TP=2 as `make demo`)")
-    ap.add_argument("--tensor-parallel", type=int, default=2)
+    ap.add_argument("--nproc", type=int, default=None, help="ranks (default: demo 2 as `make demo`, long 1)")
+    ap.add_argument("--tensor-parallel", type=int, default=None, help="default: demo 2, long 1")
     ap.add_argument("--out-dir", default="docs/img")
+    ap.add_argument("--runs-dir", default=None,
+                    help="the runs' logs (default: $ZO_MEGATRON_CACHE/dpu_convergence_runs)")
+    ap.add_argument("--reuse", action="store_true", help="read a complete log of the same settings instead of running")
     ap.add_argument("--tolerance", type=float, default=0.02, help="relative final validation-loss gap allowed")
     ap.add_argument("--jobs", type=int, default=1,
-                    help="runs at once (they are independent: same seed, same batches); each uses --nproc "
-                         "processes, so use it where the machine has cores to spare")
+                    help="runs at once (independent); each uses --nproc processes: use it where the machine has "
+                         "cores to spare (tokens/s are then measured under each other's load)")
     ap.add_argument("--mitigation", action="append", choices=[*MITIGATIONS, "none"],
                     help="a --dpu staleness mitigation to run as well (repeatable; default: all of them)")
     args = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    nproc, tp = DEFAULT_LAYOUT[args.mode]
+    args.nproc = args.nproc or nproc
+    args.tensor_parallel = args.tensor_parallel or tp
+    return args, extra
+
+
+def main(argv=None) -> int:
+    args, extra = _parse(sys.argv[1:] if argv is None else argv)
     mitigations = [m for m in (args.mitigation or list(MITIGATIONS)) if m != "none"]
-    os.makedirs(args.out_dir, exist_ok=True)
-    common = ["--tensor-parallel", str(args.tensor_parallel), "--train-iters", str(args.train_iters),
-              "--eval-interval", str(args.eval_interval), *extra]
-    timeline = os.path.join(args.out_dir, "dpu_timeline")
-    dpu_flags = ["--dpu", "--dpu-warmup-steps", str(args.dpu_warmup_steps)]
-    plans = {"exact": common, "dpu": [*common, *dpu_flags, "--timeline", timeline],
-             **{f"dpu+{m}": [*common, *dpu_flags, *MITIGATIONS[m]] for m in mitigations}}
-    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
-        futures = {name: pool.submit(_run, name, flags, args.nproc, args.out_dir) for name, flags in plans.items()}
-        runs = {name: f.result() for name, f in futures.items()}
-    exact, dpu = runs["exact"]["val"][-1][1], runs["dpu"]["val"][-1][1]
-    gap = (dpu - exact) / exact             # signed: > 0 when the delayed run ends behind
-    rows = {name: {"final_val_loss": r["val"][-1][1], "relative_gap": (r["val"][-1][1] - exact) / exact}
-            for name, r in runs.items() if name != "exact"}
-    best = min(rows, key=lambda n: rows[n]["relative_gap"])
-    result = {"train_iters": args.train_iters, "dpu_warmup_steps": args.dpu_warmup_steps, "nproc": args.nproc,
-              "tensor_parallel": args.tensor_parallel, "extra_flags": extra,
-              "final_val_loss_exact": exact, "final_val_loss_dpu": dpu, "relative_gap": gap,
-              "delayed_runs": rows, "best": best, "best_relative_gap": rows[best]["relative_gap"],
-              "within_tolerance": rows[best]["relative_gap"] <= args.tolerance, "tolerance": args.tolerance,
-              "runs": runs}
-    with open(os.path.join(args.out_dir, "dpu_convergence.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    _plot(runs, os.path.join(args.out_dir, "dpu_convergence.png"), args.dpu_warmup_steps)
-    it = args.dpu_warmup_steps + 5
-    subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plot_timeline.py"), timeline, "--iterations",
-                    f"{it}:{it + 3}", "--out", timeline + ".png",
-                    "--title", f"--dpu timeline, iterations {it}-{it + 3}"], check=True)
-    print(f"final validation loss: exact {exact:.4f}")
-    for name, row in rows.items():
-        print(f"  {name:28s} {row['final_val_loss']:.4f}  gap {row['relative_gap']:+.2%} "
-              f"({'within' if row['relative_gap'] <= args.tolerance else 'OUTSIDE'} {args.tolerance:.0%})")
-    print(f"best delayed run: {best}; wrote {args.out_dir}/dpu_convergence.json and .png")
-    return 0 if result["within_tolerance"] else 1
+    from zo_megatron.data.corpus import default_cache_dir
+
+    out_ok = True
+    for precision in args.precision or [None]:
+        base = "dpu_convergence" + ("" if args.mode == "demo" else f"_{args.mode}") + (f"_{precision}" if precision else "")
+        runs_dir = os.path.join(args.runs_dir or os.path.join(default_cache_dir(), "dpu_convergence_runs"), base)
+        os.makedirs(runs_dir, exist_ok=True)
+        os.makedirs(args.out_dir, exist_ok=True)
+        common = ["--tensor-parallel", str(args.tensor_parallel),
+                  *mode_flags(args.mode, args.train_iters, args.eval_interval),
+                  *([f"--{precision}"] if precision else []), *extra]
+        dpu_flags = ["--dpu", "--dpu-warmup-steps", str(args.dpu_warmup_steps)]
+        plans = {"exact": common, "dpu": [*common, *dpu_flags],
+                 **{f"dpu+{m}": [*common, *dpu_flags, *MITIGATIONS[m]] for m in mitigations}}
+        seeds = [args.seed + i for i in range(args.seeds)]
+        timeline = args.mode == "demo" and precision is None
+        with ThreadPoolExecutor(max(1, args.jobs)) as pool:       # seed-major: paired runs finish together
+            futures = {(n, s): pool.submit(run_one, n, s, f + (["--timeline", os.path.join(runs_dir, "dpu_timeline")]
+                                                               if timeline and n == "dpu" and s == seeds[0] else []),
+                                           args.nproc, runs_dir, args.reuse)
+                       for s in seeds for n, f in plans.items()}
+            try:
+                runs = {n: {s: futures[n, s].result() for s in seeds} for n in plans}
+            except RunFailed as e:
+                for f in futures.values():
+                    f.cancel()
+                print(f"error: {e}", file=sys.stderr)
+                return 2
+        result = report(runs, args, precision, extra)
+        with open(os.path.join(args.out_dir, base + ".json"), "w") as f:
+            json.dump(result, f, indent=1)
+        dpu_report.plot(runs, os.path.join(args.out_dir, base + ".png"),
+                        f"DPU vs exact, {args.mode} mode{', ' + precision if precision else ''}", args.dpu_warmup_steps)
+        if timeline:
+            _timeline(runs_dir, args.out_dir, args.dpu_warmup_steps)
+        print(f"final validation loss, {args.mode} mode{', ' + precision if precision else ''} "
+              f"({len(seeds)} seeds):")
+        print("\n".join(dpu_report.format_summary(result["summary"])))
+        for arm, c in result["cost"].items():
+            print(f"  {arm:28s} {c['tokens_per_s']:.0f} tokens/s"
+                  + "".join(f", x{c[k]:.3f} vs {k.rsplit('_', 1)[1]}" for k in ("tokens_per_s_vs_exact", "tokens_per_s_vs_dpu") if k in c)
+                  + (f", +{c['extra_host_bytes'] / 2**20:.1f} MiB host, +{c['extra_device_bytes'] / 2**20:.1f} MiB device"
+                     if c.get("extra_host_bytes") is not None else "")
+                  + f"; weight error {result['diagnostics'][arm]['mean_weight_error_after_warmup'] or 0:.3f}")
+        print(f"best delayed run: {result['best']}; wrote {args.out_dir}/{base}.json and .png")
+        out_ok = out_ok and result["within_tolerance"]
+    return 0 if out_ok else 1
 
 
 if __name__ == "__main__":
