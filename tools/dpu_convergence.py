@@ -197,6 +197,10 @@ def report(runs: dict, args, precision: str | None, extra: list[str]) -> dict:
             "runs": runs}
 
 
+def _fmt(x) -> str:
+    return "n/a" if x is None else f"{x:.3f}"
+
+
 def _timeline(runs_dir: str, out_dir: str, warmup: int) -> None:
     timeline = os.path.join(runs_dir, "dpu_timeline")
     it = warmup + 5
@@ -281,7 +285,7 @@ def main(argv=None) -> int:
                   + "".join(f", x{c[k]:.3f} vs {k.rsplit('_', 1)[1]}" for k in ("tokens_per_s_vs_exact", "tokens_per_s_vs_dpu") if k in c)
                   + (f", +{c['extra_host_bytes'] / 2**20:.1f} MiB host, +{c['extra_device_bytes'] / 2**20:.1f} MiB device"
                      if c.get("extra_host_bytes") is not None else "")
-                  + f"; weight error {result['diagnostics'][arm]['mean_weight_error_after_warmup'] or 0:.3f}")
+                  + f"; weight error {_fmt(result['diagnostics'][arm]['mean_weight_error_after_warmup'])}")
         print(f"best delayed run: {result['best']}; wrote {args.out_dir}/{base}.json and .png")
         out_ok = out_ok and result["within_tolerance"]
     return 0 if out_ok else 1
