@@ -588,3 +588,17 @@ def test_user_flow_llama_from_hf_trains_under_torchrun_at_tp2_then_to_hf_generat
     ours, _ = run_world(_our_logits, 1, str(tmp_path / "out"), gen, timeout=120)[0]
     with torch.no_grad():
         close(ours, hf(gen).logits)
+
+
+def test_to_megatron_warns_that_megatron_lm_drops_the_rope_scaling_factor(models, tmp_path):
+    """Megatron-LM's model builders pass --use-rope-scaling to GPTModel but not --rope-scaling-factor (so
+    megatron-core's default 8 applies there): a model with another factor (the llama config's 4) says so."""
+    from zo_megatron.checkpoint import convert
+
+    lines = []
+    convert.to_megatron(os.path.join(models["d"], "llama_ck_tp1"), str(tmp_path / "m"), log=lines.append)
+    warned = [ln for ln in lines if "rope_scaling_factor" in ln or "--rope-scaling-factor" in ln]
+    assert len(warned) == 1 and "factor is 4;" in warned[0] and "would build factor 8" in warned[0], lines
+    lines.clear()
+    convert.to_megatron(os.path.join(models["d"], "qwen2_ck_tp1"), str(tmp_path / "q"), log=lines.append)
+    assert not [ln for ln in lines if "--rope-scaling-factor" in ln], lines      # no scaling: no warning

@@ -329,6 +329,12 @@ def to_megatron(load: str, output: str, *, iteration: int | None = None, tensor_
     if meta["position_embedding_type"] == "yarn":
         log("  note: YaRN's args have Megatron-LM core_v0.19's names (position_embedding_type 'yarn', yarn_*, "
             "rotary_scaling_factor, mscale, mscale_all_dim): core_v0.16.1's pretrain_gpt.py cannot build a YaRN GPT")
+    if meta["use_rope_scaling"] and meta["rope_scaling_factor"] != 8.0:
+        # Megatron-LM's GPTModel builders pass rope_scaling but not rope_scaling_factor (core_v0.16.1 to
+        # its main branch), so megatron-core's default factor 8 applies there whatever the args say
+        log(f"  warning: the model's Llama-3.1 RoPE scaling factor is {meta['rope_scaling_factor']:g}; Megatron-LM's "
+            "pretrain_gpt.py passes --use-rope-scaling to its GPTModel but not --rope-scaling-factor, so it would "
+            "build factor 8 (megatron-core's default): pass rope_scaling_factor to GPTModel in its model builder")
     log(f"  Megatron-LM torch format, TP{tp}, iteration {reader.iteration}: load it in Megatron-LM with "
         "--finetune (no optimizer or RNG state is included)"
         + (f"; its tokenizer: --tokenizer-model {saved_tok}" if has_tokenizer else ""))
