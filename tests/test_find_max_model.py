@@ -100,7 +100,7 @@ def test_the_search_finds_the_largest_size_past_a_dip_in_memory():
 def test_tool_trains_the_largest_and_the_next_size_is_refused(tmp_path):
     out = tmp_path / "edge.json"
     png = tmp_path / "edge.png"
-    host = "940MiB"
+    host = "1212MiB"     # the OS reserve is at least 256 MiB (issue 35 item 16): the model still gets more than at 940
     argv = ["--host-memory", host, "--hidden-size", "128", "--num-attention-heads", "4", "--fp32",
             "--seq-length", "16", "--json", str(out), "--png", str(png)]
     res = subprocess.run([sys.executable, TOOL, *argv], capture_output=True, text=True, timeout=300,
@@ -110,7 +110,7 @@ def test_tool_trains_the_largest_and_the_next_size_is_refused(tmp_path):
     r = json.loads(out.read_text())
     ours = r["ours"]
     # the size it ran is the planner's largest (re-planned here, independently of the tool's search)
-    planner = fmm.JobPlanner(fmm.Rule(_tool_args(argv)), 940 * MiB, 1)
+    planner = fmm.JobPlanner(fmm.Rule(_tool_args(argv)), 1212 * MiB, 1)
     k = ours["size"]
     assert planner.fits(k) and not planner.fits(k + 1)
     assert ours["shape"] == {"num_layers": k, "hidden_size": 128, "num_attention_heads": 4}

@@ -20,7 +20,8 @@ sys.path.insert(0, str(REPO / "tools"))
 import estimate_memory  # noqa: E402
 
 HARDWARE = ("gpu_memory_bytes", "host_memory_bytes_per_node", "gpus_per_node", "device_overhead_bytes",
-            "host_overhead_bytes_per_rank", "host_reserve_bytes", "device_is_host", "fragmentation")
+            "host_overhead_bytes_per_rank", "host_overhead_bytes_per_node", "host_reserve_bytes", "device_is_host",
+            "fragmentation")
 
 
 @pytest.mark.parametrize("ffn_mult", [None, 3, 8])
@@ -181,6 +182,11 @@ def _suggestion_cases():
         ([*shape, "--bf16", "--micro-batch-size", "1", "--zero-offload"], 8, small_host),
         ([*shape, "--bf16", "--micro-batch-size", "8", "--zero-offload", "--tensor-model-parallel-size", "2"], 1,
          small_gpu),
+        # issue 35 item 16: accumulation on the host, a shorter sequence, TP on the same ranks (DP 4 -> 2)
+        ([*shape, "--bf16", "--micro-batch-size", "1", "--global-batch-size", "32", "--zero-offload",
+          "--recompute-granularity", "full"], 4, dict(small_gpu, gpu_memory_bytes=32 * P.GiB, gpus_per_node=4)),
+        (["--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "16384",
+          "--train-iters", "10", "--lr", "1e-4", "--bf16", "--zero-offload"], 1, dict(small_gpu, gpus_per_node=1)),
     ]
 
 
@@ -203,13 +209,15 @@ def test_every_suggested_flag_is_a_real_pretrain_gpt_flag_that_does_what_it_says
                 given = [a for a in argv if a not in ("--bf16", "--fp16", "--fp32")]
             new = parse_args([*given, *flags])                    # parses, and passes the job's checks
             seen.update(f for f in flags if f.startswith("--"))
-            changed = P.plan_input_from_flags(new, data_parallel=dp, vocab_size=50257, **hw)
+            same_ranks = re.search(r"launched on the same (\d+) ranks: DP (\d+)", s)   # TP up, DP down
+            changed = P.plan_input_from_flags(new, data_parallel=int(same_ranks.group(2)) if same_ranks else dp,
+                                              vocab_size=50257, **hw)
             assert s.endswith(P._describe(P.plan(changed))), (s, P._describe(P.plan(changed)))
             n += 1
     assert n >= 6
     assert {"--zero-offload", "--recompute-granularity", "--micro-batch-size", "--tensor-model-parallel-size",
             "--bf16", "--bucket-size", "--exp-avg-dtype", "--exp-avg-sq-dtype", "--use-flash-attn",
-            "--sequence-parallel"} <= seen, seen
+            "--sequence-parallel", "--accumulate-grads-on-host", "--seq-length", "--global-batch-size"} <= seen, seen
 
 
 # ------------------------------------------------------------------------------------------------

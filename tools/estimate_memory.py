@@ -19,7 +19,7 @@ training/arguments.build_parser: data, schedule, logging and checkpoint flags ar
 ignored where they do not change memory), parsed and checked by the job's own code (finalize), and
 resolved as the job resolves it on the target device: the demo model without shape flags,
 Megatron's defaults with them, bf16 on a GPU (a --preset's own precision where it names one: fp16
-on a V100), the CPU's rule with --preset cpu; the job's host reserve (min(32 GiB, host / 10)) and
+on a V100), the CPU's rule with --preset cpu; the job's host reserve (min(32 GiB, max(256 MiB, host/10))) and
 overheads; --tokenizer-type/--tokenizer-model/--vocab-file read as the job reads them for the
 vocabulary (model_vocab_size); then --optimizer-offload-fraction auto and the CPU-step overlap
 (--overlap-cpu-step [auto|full], --overlap-cpu-step-memory, --no-overlap-cpu-step; default auto on
@@ -109,14 +109,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device-overhead-gb", type=float, help="CUDA context etc. per GPU (default 1; 0 on cpu)")
     g.add_argument("--host-overhead-gb", type=float, help="per process on the host (default 3; 0.6 on cpu)")
     g.add_argument("--host-reserve-gb", type=float,
-                   help="OS/page cache per node (default: the job's, min(32, 10%% of the host memory))")
+                   help="OS/page cache per node (default: the job's, min(32, max(0.25, 10%% of the host memory)))")
     g.add_argument("--fragmentation", type=float, help="allocator margin on transient bytes (0.1)")
 
     g = ap.add_argument_group("estimate_memory: output")
     g.add_argument("--json", action="store_true", help="print JSON instead of a table")
     g.add_argument("--max-model", choices=list(P.FAMILIES),
                    help="largest model that fits: 'layers' keeps hidden/heads and grows layers; "
-                        "'hidden' keeps layers/heads and grows hidden in steps of lcm(128, heads). The CPU-step "
+                        "'hidden' keeps layers and grows hidden: GPT-2 in steps of lcm(128, heads), heads kept; a "
+                        "Llama-family model keeps its head dim, heads per KV group and ffn/hidden ratio. The CPU-step "
                         "overlap never shrinks it: searched with the overlap off (`auto` and the default), then "
                         "resolved on the result")
     g.add_argument("--paper-check", action="store_true",
@@ -261,8 +262,8 @@ def build_input(args, parser: argparse.ArgumentParser | None = None) -> P.PlanIn
     if inp.device_is_host and args.gpu_memory_gb is None:   # the job: the device's memory is the host's
         inp = inp.replace(gpu_memory_bytes=inp.host_memory_bytes_per_node)
     host = inp.host_memory_bytes_per_node
-    # prelaunch.job_plan_input's reserve: min(32 GiB, a tenth of the node's memory)
-    reserve = _gib(args.host_reserve_gb) if args.host_reserve_gb is not None else min(32 * P.GiB, host // 10)
+    # prelaunch.job_plan_input's reserve: min(32 GiB, max(256 MiB, a tenth of the node's memory))
+    reserve = _gib(args.host_reserve_gb) if args.host_reserve_gb is not None else P.os_reserve_bytes(host)
     inp = inp.replace(host_reserve_bytes=reserve)
     if args.preset == "cpu" and args.gpus_per_node is None:
         inp = inp.replace(gpus_per_node=None)
@@ -319,24 +320,18 @@ def _search_input(inp: P.PlanInput, args) -> P.PlanInput:
 def max_model(inp: P.PlanInput, args) -> tuple[int, dict | None, P.PlanInput]:
     """(largest parameter count, its shape or None, its input before the job's resolutions)."""
     family = args.max_model
-    if family == "layers":
-        def make(k):
-            return inp.replace(num_layers=k)
-        limit = 100_000
-    else:
-        step = math.lcm(128, inp.num_attention_heads)
 
-        def make(k):
-            return inp.replace(hidden_size=k * step)
-        limit = max(1, 1_000_000 // step)
+    def make(k):
+        return P.family_member(inp, family, k)
     if args.overlap_cpu_step in ("full", "memory"):     # the overlap's share depends on the size
+        limit = 100_000 if family == "layers" else max(1, 1_000_000 // make(1).hidden_size)
         k = P.largest_fitting(lambda k: P.plan(_search_input(make(k), args)).fits,
                               lambda k: P.may_fit(_search_input(make(k), args)), limit)
         if k == 0:
             return 0, None, make(1)
         best = P.plan(_search_input(make(k), args))
         shape = {key: getattr(best.input, key) for key in SHAPE}
-        return best.params_total, shape, inp.replace(**shape)
+        return best.params_total, shape, make(k)
     max_params, shape = P.max_model(_search_input(inp, args), family)
     return max_params, shape, inp.replace(**shape) if shape else make(1)
 

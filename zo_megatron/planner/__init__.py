@@ -19,7 +19,8 @@ b16 = 2 bytes (bf16/fp16) or 4 (fp32):
   host per GPU           Ψ/N · (4 master + 4|2 m + 4|2 v + b16 staging [+ 4 fp32 host gradients:
                          staging 4 + 2 params] [+ 4 host accumulator] [+ DPU: another gradient staging
                          [+ accumulator]])
-  host per node          host per GPU x ranks on the node + per-process overhead x ranks + OS reserve
+  host per node          host per GPU x ranks on the node + per-process overhead x ranks (+ the launcher's,
+                         once) + OS reserve (min(32 GiB, max(256 MiB, host/10)): inputs.os_reserve_bytes)
   activations            stored: Korthikanti et al. 2022, s·b·h·(10 + 24/t + 5·a·s/(h·t)) bytes per layer
                          (16-bit, dropout, no sequence parallel); full recompute stores b16·s·b·h per
                          layer. On top, the largest of three phases that never coexist: the logits
@@ -53,8 +54,9 @@ Layers (each module imports only those above it):
 """
 from __future__ import annotations
 
-from zo_megatron.planner.inputs import PRECISIONS, RECOMPUTE, Plan, PlanInput, plan_input_from_flags
-from zo_megatron.planner.memory import (_activation_items, _bucket_layout, _bytes16, _compute, _ranks_layout, _try,
+from zo_megatron.planner.inputs import (PRECISIONS, RECOMPUTE, Plan, PlanInput, os_reserve_bytes,
+                                        plan_input_from_flags)
+from zo_megatron.planner.memory import (PLAN_ERROR_MARGIN, _activation_items, _bucket_layout, _bytes16, _compute, _ranks_layout, _try,
                                         may_fit, overlap_full_bytes_per_rank, solve_offload_fraction,
                                         solve_overlap_fraction, resolve_overlap, OVERLAP_MODES)
 from zo_megatron.planner.paper import GOALS, baseline_maxima, our_maxima, paper_checks
@@ -62,8 +64,8 @@ from zo_megatron.planner.params import (Architecture, count_params, default_ffn_
                                         model_parameters, pad_vocab_size)
 from zo_megatron.planner.presets import (HARDWARE_PRESETS, MODEL_PRESET_NUMERICS, MODEL_PRESETS, apply_hardware_preset,
                                          model_preset)
-from zo_megatron.planner.search import (BF16_STATES_FLAGS, FAMILIES, _describe, _suggest, largest_fitting,
-                                        largest_monotone, max_model, plan)
+from zo_megatron.planner.search import (BF16_STATES_FLAGS, FAMILIES, _describe, _suggest, family_member,
+                                        largest_fitting, largest_monotone, max_model, plan)
 from zo_megatron.planner.units import GiB, MiB, format_bytes, format_params
 
 from typing import Any
@@ -73,5 +75,6 @@ __all__ = [
     "HARDWARE_PRESETS", "MODEL_PRESETS", "MODEL_PRESET_NUMERICS", "apply_hardware_preset", "model_preset", "paper_checks",
     "baseline_maxima", "our_maxima", "GOALS", "FAMILIES",
     "format_bytes", "format_params", "solve_offload_fraction", "solve_overlap_fraction", "overlap_full_bytes_per_rank", "resolve_overlap", "OVERLAP_MODES", "Architecture", "default_ffn_size",
-    "layer_parameters", "model_parameters", "may_fit", "largest_fitting", "largest_monotone",
+    "layer_parameters", "model_parameters", "may_fit", "largest_fitting", "largest_monotone", "os_reserve_bytes",
+    "PLAN_ERROR_MARGIN", "family_member",
 ]

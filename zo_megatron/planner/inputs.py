@@ -15,6 +15,23 @@ RECOMPUTE = (None, "full", "selective")
 ATTENTION_BACKENDS = ("local", "sdpa")
 
 
+# The OS reserve: host memory per node the plan leaves to everything but the job (the kernel, page
+# cache, other processes). A tenth of the node's memory (the job's rule since issue 34), at most
+# 32 GiB (a big node's OS and page cache do not grow with its RAM: 1.5 TiB DGX-2 -> 32 GiB, a 64 GiB
+# workstation -> 6.4 GiB, not half of it) and at least 256 MiB: the most free memory Linux itself keeps
+# (vm.min_free_kbytes = sqrt(16 x RAM in KiB), capped at 256 MiB; 66 MiB on the 24 GiB test machine),
+# below which it reclaims or OOM-kills. docs/memory_planner.md, "Host".
+OS_RESERVE_DIVISOR = 10               # a tenth
+OS_RESERVE_CAP_BYTES = 32 * GiB
+OS_RESERVE_FLOOR_BYTES = 256 * MiB
+
+
+def os_reserve_bytes(host_bytes: int) -> int:
+    """min(32 GiB, max(256 MiB, host / 10)): the reserve the job, estimate_memory.py and
+    find_max_model.py keep on a node with `host_bytes` of memory."""
+    return min(OS_RESERVE_CAP_BYTES, max(OS_RESERVE_FLOOR_BYTES, host_bytes // OS_RESERVE_DIVISOR))
+
+
 @dataclass
 class PlanInput:
     """A training configuration. Shape fields use Megatron's names; bytes are bytes.
@@ -65,7 +82,8 @@ class PlanInput:
     # overheads and layout
     device_overhead_bytes: int = 1 * GiB  # CUDA context + cuBLAS workspace + NCCL buffers
     host_overhead_bytes_per_rank: int = 3 * GiB  # python + torch + megatron + CUDA host side
-    host_reserve_bytes: int = 32 * GiB  # OS, page cache, data loader on the node
+    host_overhead_bytes_per_node: int = 0  # the launcher (torchrun's agent), once per node
+    host_reserve_bytes: int | None = None  # OS, page cache, data loader on the node; None: os_reserve_bytes(host)
     fragmentation: float = 0.10  # caching-allocator margin on the transient device bytes
     partition_alignment: int = 128  # elements; each DP partition is a multiple of this
     accumulate_on_host: bool = False  # True: fp32 host accumulator instead of device 16-bit grads
@@ -104,6 +122,11 @@ class PlanInput:
         if self.qk_layernorm:
             parts.append("qk norm")
         return f"{'GPT-2' if gpt2 else 'Llama-family'} ({', '.join(parts)})"
+
+    def reserve(self) -> int:
+        """The OS reserve this plan keeps free on each node: host_reserve_bytes, or the rule."""
+        return os_reserve_bytes(self.host_memory_bytes_per_node) if self.host_reserve_bytes is None \
+            else self.host_reserve_bytes
 
     def sp(self) -> bool:
         """Sequence parallelism in effect (the job turns it off at TP = 1, as Megatron-LM)."""
@@ -205,8 +228,9 @@ class PlanInput:
         for name in ("gpu_memory_bytes", "host_memory_bytes_per_node"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
-        for name in ("device_overhead_bytes", "host_overhead_bytes_per_rank", "host_reserve_bytes"):
-            if getattr(self, name) < 0:
+        for name in ("device_overhead_bytes", "host_overhead_bytes_per_rank", "host_overhead_bytes_per_node",
+                     "host_reserve_bytes"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
         if not 0 <= self.fragmentation < 1:
             raise ValueError(f"fragmentation must be in [0, 1), got {self.fragmentation}")

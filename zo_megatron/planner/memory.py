@@ -328,8 +328,8 @@ def _compute(inp: PlanInput, bucket_overfill: bool = True) -> Plan:
 
     host_per_gpu = sum(host_gpu.values())
     host_node = {k: v * per_node for k, v in host_gpu.items()}
-    host_node["process_overhead"] = inp.host_overhead_bytes_per_rank * per_node
-    host_node["os_reserve"] = inp.host_reserve_bytes
+    host_node["process_overhead"] = inp.host_overhead_bytes_per_rank * per_node + inp.host_overhead_bytes_per_node
+    host_node["os_reserve"] = inp.reserve()
     device_total = sum(dev.values())
     host_total = sum(host_node.values())
 
@@ -363,6 +363,8 @@ def _compute(inp: PlanInput, bucket_overfill: bool = True) -> Plan:
         warnings.append(f"world size {world} does not fill {nodes} nodes of {inp.gpus_per_node}")
     if inp.dpu and inp.grad_accum_steps > 1:
         warnings.append("DPU with gradient accumulation: the pending gradient is the accumulated one")
+    if fits:
+        warnings += _margin_warnings(inp, device_total, host_total, per_node)
 
     return Plan(input=inp, fits=fits, reasons=reasons, suggestions=[], warnings=warnings,
                 device_bytes_per_gpu=device_total, host_bytes_per_gpu=host_per_gpu,
@@ -372,6 +374,36 @@ def _compute(inp: PlanInput, bucket_overfill: bool = True) -> Plan:
                 replicated_params_per_tp_rank=counts["replicated_per_tp_rank"],
                 vocab_size_padded=V_pad, world_size=world, num_nodes=nodes,
                 ranks_per_node=per_node, fits_device=fits_device, fits_host=fits_host)
+
+
+# How far a measured peak has been from the plan (docs/memory_planner.md, "The edge, measured":
+# process-tree peak RSS against the planned total, CPU runs of tools/find_max_model.py at 3 and
+# 12 GiB: within 5% either way once the CPU process overhead was measured). A plan closer than
+# this to a budget fits on paper but may not in the run.
+PLAN_ERROR_MARGIN = 0.05
+
+
+def _margin_warnings(inp: PlanInput, device_total: int, host_total: int, per_node: int) -> list[str]:
+    """One line per check that fits with less headroom than PLAN_ERROR_MARGIN of what it plans (the
+    OS reserve is no planned use: it is the headroom's own part)."""
+    reserve = inp.reserve()
+    checks = [("host", host_total - reserve, inp.host_memory_bytes_per_node - reserve)]
+    if inp.device_is_host:        # one RAM: the unified check is the one that binds
+        checks = [("unified", device_total * per_node + host_total - reserve,
+                   inp.host_memory_bytes_per_node - reserve)]
+    else:
+        checks.insert(0, ("device", device_total, inp.gpu_memory_bytes))
+    out = []
+    for name, planned, budget in checks:
+        free = budget - planned
+        if 0 <= free < PLAN_ERROR_MARGIN * planned:
+            out.append(f"near the edge: the {name} plan, {format_bytes(planned)}, leaves {format_bytes(free)} of "
+                       f"{format_bytes(budget)}" + ("" if name == "device" else f" (the host less its "
+                                                    f"{format_bytes(reserve)} OS reserve)")
+                       + f" free ({free / planned:.1%} of the plan); measured peaks have been up to "
+                       f"{PLAN_ERROR_MARGIN:.0%} from their plan (docs/memory_planner.md, \"The edge, measured\"), "
+                       "so the run may not fit: leave more room")
+    return out
 
 
 def _offload_model_states(inp: PlanInput, psi_pad: int, part: int, chunk: int, V_pad: int, S: int, opt_b: int,

@@ -46,7 +46,7 @@ HARDWARE_PRESETS: dict[str, dict[str, Any]] = {
         precision="bf16", description="DGX H100: 8x H100-80GB, 2 TiB host"),
     "cpu": dict(  # CPU runs (gloo): one process per "GPU", all of them in this machine's RAM
         gpu_memory_bytes=None, gpus_per_node=None, host_memory_bytes_per_node=None,
-        device_overhead_bytes=0, host_overhead_bytes_per_rank=CPU_PROCESS_OVERHEAD_BYTES, host_reserve_bytes=1 * GiB,
+        device_overhead_bytes=0, host_overhead_bytes_per_rank=CPU_PROCESS_OVERHEAD_BYTES,
         device_is_host=True, fused_softmax=False, description="this machine's CPU and RAM (device = host RAM)"),
 }
 

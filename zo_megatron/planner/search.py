@@ -4,7 +4,8 @@ from __future__ import annotations
 import math
 
 from zo_megatron.planner.inputs import Plan, PlanInput
-from zo_megatron.planner.memory import _compute, _try, may_fit
+from zo_megatron.planner.params import Architecture
+from zo_megatron.planner.memory import _compute, _ranks_layout, _try, may_fit
 from zo_megatron.planner.units import format_bytes
 
 
@@ -61,15 +62,7 @@ def _suggest(base: Plan) -> list[str]:
                 add(f"lower the micro-batch to {mb} (`--micro-batch-size {mb} --global-batch-size "
                     f"{mb * accum * inp.data_parallel}`: grad accumulation {accum}, {what})",
                     inp.replace(micro_batch_size=mb, grad_accum_steps=accum))
-        t = inp.tensor_parallel * 2
-        limit = inp.gpus_per_node if inp.gpus_per_node and inp.gpus_per_node > 1 else 16
-        while t <= min(limit, inp.num_attention_heads):
-            if inp.num_attention_heads % t == 0:
-                p = add(f"raise tensor parallel to {t} (`--tensor-model-parallel-size {t}`, "
-                        f"launched on {t * inp.data_parallel} ranks)", inp.replace(tensor_parallel=t))
-                if p is not None and p.fits_device:
-                    break
-            t *= 2
+        _tp_suggestions(inp, add, global_batch)
         if inp.precision == "fp32":
             add("train in bf16 (`--bf16`; or `--fp16`)", inp.replace(precision="bf16"))
         if inp.zero_offload and inp.bucket_size > 5_000_000:
@@ -98,6 +91,7 @@ def _suggest(base: Plan) -> list[str]:
             add(f"spread over more nodes: launch {inp.tensor_parallel * dp} ranks for data parallel {dp} "
                 f"({math.ceil(inp.tensor_parallel * dp / inp.gpus_per_node)} nodes)",
                 inp.replace(data_parallel=dp))
+    _accumulation_and_sequence_suggestions(base, add)
     # all of the memory savers at once (micro-batch kept: with ZeRO-Offload, trading micro-batch
     # for accumulation costs b16·Ψ of device memory), then also micro-batch 1
     combo = inp.replace(zero_offload=True, recompute="full", bf16_optimizer_states=True, dpu=False)
@@ -110,6 +104,81 @@ def _suggest(base: Plan) -> list[str]:
             f"{BF16_STATES_FLAGS} --micro-batch-size 1 --global-batch-size {inp.grad_accum_steps * inp.data_parallel}`"
             f"{', drop --dpu' if inp.dpu else ''})", combo.replace(micro_batch_size=1))
     return out
+
+
+def _devices(inp: PlanInput) -> int:
+    """The devices this job may be laid over without more hardware: its ranks, or the GPUs of the
+    nodes it occupies when the node has more (gpus_per_node: the job's ranks per node in its own
+    pre-launch check, a hardware preset's GPUs per node in estimate_memory.py)."""
+    world, nodes, _ = _ranks_layout(inp)
+    return max(world, nodes * inp.gpus_per_node) if inp.gpus_per_node else world
+
+
+def _tp_suggestions(inp: PlanInput, add, global_batch: int) -> None:
+    """A larger TP on the devices the job has (never more: a one-GPU machine gets none), within a
+    node; where TP x DP would need more devices, the same ranks with a smaller DP (global batch kept)."""
+    devices, ranks = _devices(inp), inp.tensor_parallel * inp.data_parallel
+    node = min(inp.gpus_per_node or devices, devices)
+    t = inp.tensor_parallel * 2
+    while t <= min(node, inp.num_attention_heads):
+        dp = inp.data_parallel if t * inp.data_parallel <= devices else ranks // t
+        if inp.num_attention_heads % t == 0 and dp >= 1 and t * dp <= devices and \
+                global_batch % (inp.micro_batch_size * dp) == 0:
+            changed = inp.replace(tensor_parallel=t, data_parallel=dp,
+                                  grad_accum_steps=global_batch // (inp.micro_batch_size * dp))
+            how = (f"launched on {t * dp} ranks" if dp == inp.data_parallel else
+                   f" --global-batch-size {global_batch}`, launched on the same {t * dp} ranks: DP {dp}")
+            p = add(f"raise tensor parallel to {t} (`--tensor-model-parallel-size {t}"
+                    + ("`, " if dp == inp.data_parallel else "") + f"{how})", changed)
+            if p is not None and p.fits_device:
+                break
+        t *= 2
+
+
+def _shortfall(p: Plan) -> int:
+    """Bytes over budget, summed over the plan's checks (device, host, unified on a CPU)."""
+    i = p.input
+    over = max(0, p.device_bytes_per_gpu - i.gpu_memory_bytes) + \
+        max(0, p.host_bytes_per_node - i.host_memory_bytes_per_node)
+    if i.device_is_host:
+        over += max(0, p.device_bytes_per_gpu * p.ranks_per_node + p.host_bytes_per_node - i.host_memory_bytes_per_node)
+    return over
+
+
+def _activations_bind(p: Plan) -> bool:
+    """Whether the activations are what is over: every failing check would fit without them."""
+    i = p.input
+    act = sum(v for k, v in p.device_items.items() if k.startswith(("activations", "logits"))
+              or k == "allocator_fragmentation")
+    if p.host_bytes_per_node > i.host_memory_bytes_per_node or act <= 0:
+        return False        # the host holds no activations
+    device_over = p.device_bytes_per_gpu - i.gpu_memory_bytes
+    unified_over = p.device_bytes_per_gpu * p.ranks_per_node + p.host_bytes_per_node - i.host_memory_bytes_per_node
+    return device_over <= act and (not i.device_is_host or unified_over <= act * p.ranks_per_node)
+
+
+def _accumulation_and_sequence_suggestions(base: Plan, add) -> None:
+    """`--accumulate-grads-on-host` where the gradients kept across micro-batches are what it saves
+    (it moves them from the device into an fp32 host accumulator: only where that lowers the need),
+    and a shorter `--seq-length` where the activations bind (the shortest halving that fits)."""
+    inp = base.input
+    if inp.zero_offload and inp.grad_accum_steps > 1 and not inp.accumulate_on_host:
+        p = _try(inp.replace(accumulate_on_host=True))
+        if p is not None and _shortfall(p) < _shortfall(base):
+            add("accumulate gradients on the host in fp32 (`--accumulate-grads-on-host`: no gradients kept on the "
+                "device across micro-batches)", inp.replace(accumulate_on_host=True))
+    if not _activations_bind(base):
+        return
+    s, unit = inp.seq_length, inp.tensor_parallel if inp.sp() else 1
+    while s // 2 >= max(unit, 1) and (s // 2) % unit == 0:
+        s //= 2
+        p = _try(inp.replace(seq_length=s))
+        if p is not None and p.fits:
+            keep = inp.max_position_embeddings is not None and inp.position_embedding_type == "learned_absolute"
+            add(f"shorter sequences: the activations are what is over (`--seq-length {s}"
+                + (f" --max-position-embeddings {inp.max_position_embeddings}" if keep else "") + "`)",
+                inp.replace(seq_length=s))
+            return
 
 
 def plan(inp: PlanInput) -> Plan:
@@ -133,32 +202,55 @@ def max_model(inp_template: PlanInput, family: str = "layers", *, max_layers: in
     """Largest model of a shape family that fits `inp_template`'s hardware and settings.
 
     family="layers": hidden size and heads fixed, num_layers grows (1, 2, 3, ...).
-    family="hidden": num_layers and heads fixed, hidden grows in steps of lcm(128, heads)
-                     (so the head dimension stays an integer and hidden stays a multiple of 128).
+    family="hidden": num_layers fixed, hidden grows (`family_member`: GPT-2 in steps of lcm(128,
+                     heads) with the heads fixed; a Llama-family template keeping its proportions).
     Returns (params_total, {"num_layers", "hidden_size", "num_attention_heads"}), or (0, None)
     when even the smallest member does not fit. Exact although memory is not monotone along a
     family (largest_fitting).
     """
     if family not in FAMILIES:
         raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
-    if family == "layers":
-        def make(k):
-            return inp_template.replace(num_layers=k)
-        limit = max_layers
-    else:
-        step = math.lcm(128, inp_template.num_attention_heads)
-
-        def make(k):
-            return inp_template.replace(hidden_size=k * step)
-        limit = max(1, max_hidden // step)
-
-    lo = largest_fitting(lambda k: _compute(make(k)).fits, lambda k: may_fit(make(k)), limit)
+    limit = max_layers if family == "layers" else \
+        max(1, max_hidden // family_member(inp_template, family, 1).hidden_size)
+    lo = largest_fitting(lambda k: _compute(family_member(inp_template, family, k)).fits,
+                         lambda k: may_fit(family_member(inp_template, family, k)), limit)
     if lo == 0:
         return 0, None
-    best = _compute(make(lo))
+    best = _compute(family_member(inp_template, family, lo))
     shape = {"num_layers": best.input.num_layers, "hidden_size": best.input.hidden_size,
              "num_attention_heads": best.input.num_attention_heads}
+    if best.input.arch() != Architecture() and family == "hidden":    # the grown Llama's own proportions
+        shape.update(num_query_groups=best.input.num_query_groups, ffn_hidden_size=best.input.ffn_hidden_size)
     return best.params_total, shape
+
+
+def family_member(template: PlanInput, family: str, k: int) -> PlanInput:
+    """Size k of a shape family (max_model's): k layers, or a k-th hidden size.
+
+    GPT-2 (the template's architecture is GPT-2's): hidden = k x lcm(128, heads), heads fixed.
+    Llama family (any other architecture: rope, RMSNorm, SwiGLU, GQA, untied...): the template's
+    proportions kept, so the grown model is a Llama shape: its head dimension (128 for the llama3
+    presets) and its heads per KV group; k x TP query groups (TP must divide them), hidden = heads x
+    head dim; an explicit ffn size grown in the template's ratio to hidden (Llama-3's 3.5h = 1.3 x
+    8/3 h) and rounded up as Meta's reference code does, to a multiple (the largest power of two up to
+    1024 that divides the template's ffn: 1024 for Llama-3, as its multiple_of)."""
+    if family == "layers":
+        return template.replace(num_layers=k)
+    if template.arch() == Architecture():
+        return template.replace(hidden_size=k * math.lcm(128, template.num_attention_heads))
+    d, groups = template.head_dim(), template.query_groups()
+    per_group = template.num_attention_heads // groups
+    new_groups = k * template.tensor_parallel
+    heads = new_groups * per_group
+    hidden = heads * d
+    changes = dict(hidden_size=hidden, num_attention_heads=heads,
+                   num_query_groups=new_groups if template.num_query_groups is not None else None)
+    f0 = template.ffn_hidden_size
+    if f0 is not None:
+        multiple = math.lcm(next(m for m in (1024, 512, 256, 128, 64, 32, 16, 8, 4, 2, 1) if f0 % m == 0),
+                            template.tensor_parallel)
+        changes["ffn_hidden_size"] = -(-f0 * hidden // (template.hidden_size * multiple)) * multiple
+    return template.replace(**changes)
 
 
 def largest_fitting(fits, may_fit, limit: int) -> int:

@@ -59,7 +59,7 @@ def job_plan_input(args, env, dp: int, vocab_size: int, host_bytes: int | None =
     """This run's PlanInput: its flags through the planner's one builder, and this machine
     (`host_bytes`: the host memory to plan for; None: what this node allows, memory_limit_bytes)."""
     from zo_megatron.parallel.launch_env import memory_limit_bytes
-    from zo_megatron.planner import GiB, plan_input_from_flags
+    from zo_megatron.planner import GiB, os_reserve_bytes, plan_input_from_flags
     from zo_megatron.planner.presets import CPU_PROCESS_OVERHEAD_BYTES
 
     cuda = torch.cuda.is_available()
@@ -68,7 +68,7 @@ def job_plan_input(args, env, dp: int, vocab_size: int, host_bytes: int | None =
         args, data_parallel=dp, vocab_size=vocab_size,
         gpu_memory_bytes=torch.cuda.get_device_properties(0).total_memory if cuda else host,
         host_memory_bytes_per_node=host, gpus_per_node=env.local_world_size, device_is_host=not cuda,
-        device_overhead_bytes=GiB if cuda else 0, host_reserve_bytes=min(32 * GiB, host // 10),
+        device_overhead_bytes=GiB if cuda else 0, host_reserve_bytes=os_reserve_bytes(host),
         host_overhead_bytes_per_rank=3 * GiB if cuda else CPU_PROCESS_OVERHEAD_BYTES)
 
 
