@@ -107,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--host-memory-gb", type=float, help="GiB of host RAM per node")
     g.add_argument("--gpus-per-node", type=int, help="ranks per node (default: every rank on one node)")
     g.add_argument("--device-overhead-gb", type=float, help="CUDA context etc. per GPU (default 1; 0 on cpu)")
-    g.add_argument("--host-overhead-gb", type=float, help="per process on the host (default 3; 0.6 on cpu)")
+    g.add_argument("--host-overhead-gb", type=float,
+                   help="per process on the host (default 3; 0.49 on cpu, + 0.22 once per node for the launcher)")
     g.add_argument("--host-reserve-gb", type=float,
                    help="OS/page cache per node (default: the job's, min(32, max(0.25, 10%% of the host memory)))")
     g.add_argument("--fragmentation", type=float, help="allocator margin on transient bytes (0.1)")

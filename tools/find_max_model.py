@@ -32,12 +32,14 @@ The job sees the memory given here: `--host-memory` reaches it as SLURM_MEM_PER_
 the limits the job reads (parallel/launch_env.memory_limit_bytes), so the tool and the job plan with
 the same number. Default: MemAvailable of /proc/meminfo (what is free now, not MemTotal). On a CPU
 run the "device" is host memory (one RAM for both: the planner's unified check), so there is no
-separate device peak. `--device-memory` applies to CUDA runs only (the plan; the job still checks the
-GPU it sees).
+separate device peak. `--device-memory` plans for a GPU of that memory (the job's plan on CUDA,
+without asking CUDA): with `--skip-run` also from a CPU-only host; a run still needs the GPU (the job
+checks the one it sees).
 
-Exit status: 0 the largest model trained and the next size was refused by the pre-launch check
-(or, with --skip-run, a model fits), 1 a step did not behave as planned (the run failed or the
-next size was not refused), 2 bad input (one line).
+Exit status: 0 the largest model trained within the memory given and the next size was refused by
+the pre-launch check (or, with --skip-run, a model fits), 1 a step did not behave as planned (the
+run failed, its process tree's peak went over the memory given, or the next size was not refused),
+2 bad input (one line).
 """
 from __future__ import annotations
 
@@ -121,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--host-memory", type=parse_bytes, default=None,
                    help="host memory for the plan and the job (default: MemAvailable of /proc/meminfo)")
     g.add_argument("--device-memory", type=parse_bytes, default=None,
-                   help="GPU memory for the plan (CUDA only; on a CPU run device = host memory)")
+                   help="GPU memory for the plan (with --skip-run also on a host without a GPU; on a CPU run "
+                        "device = host memory)")
     g = p.add_argument_group("what to do")
     g.add_argument("--skip-run", action="store_true", help="plan only")
     g.add_argument("--deepspeed", action="store_true", help="also find DeepSpeed ZeRO-2 + CPU offload's largest")
@@ -226,12 +229,9 @@ class JobPlanner:
 
         args = self._parse(self.rule.job_flags(k))
         env = SimpleNamespace(local_world_size=self.ranks)
-        p = job_plan(args, env, self.ranks // args.tensor_parallel, self.vocab(args), self.host)
-        if self.device is not None and not p.input.device_is_host:
-            from zo_megatron.planner import plan
-
-            p = plan(p.input.replace(gpu_memory_bytes=self.device))
-        return p
+        # with --device-memory: the job's plan on a GPU of that memory (CUDA is not asked: a CPU-only
+        # host can plan for one with --skip-run)
+        return job_plan(args, env, self.ranks // args.tensor_parallel, self.vocab(args), self.host, self.device)
 
     def fits(self, k: int) -> bool:
         if k not in self.probes:
@@ -318,6 +318,26 @@ def compare(p, run: dict) -> dict:
     if planned_total:
         out["tree_peak_over_planned"] = measured["tree_peak_rss"] / planned_total - 1
     return out
+
+
+def within_budget(run: dict, host: int) -> bool:
+    """A run holds its plan only if its process tree's peak stayed within the memory the job was
+    given (`host`: SLURM_MEM_PER_NODE, the limit a real allocation enforces); over it is a failed
+    plan, however well it trained here."""
+    return run["peak_tree_rss_bytes"] <= host
+
+
+def run_verdict(run: dict, cmp_: dict, host: int, within: bool) -> str:
+    """The run's memory line: its peak against the plan and against the budget."""
+    over = cmp_.get("tree_peak_over_planned", 0)
+    from zo_megatron.planner import PLAN_ERROR_MARGIN
+
+    return (f"tree peak RSS {format_bytes(run['peak_tree_rss_bytes'])} vs planned "
+            f"{format_bytes(cmp_['planned_total_bytes'])} ({100 * over:+.1f}%"
+            + (f", outside the planner's {PLAN_ERROR_MARGIN:.0%}" if abs(over) > PLAN_ERROR_MARGIN else "") + "); "
+            + (f"within the {format_bytes(host)} budget" if within else
+               f"OVER the {format_bytes(host)} budget by {format_bytes(run['peak_tree_rss_bytes'] - host)}: "
+               "the plan failed (a job held to that limit would be killed)"))
 
 
 def plot(result: dict, path: str) -> None:
@@ -414,8 +434,9 @@ def main(argv=None) -> int:
 
         cuda = torch.cuda.is_available()
         rule = Rule(a)
-        if a.device_memory is not None and not cuda:
-            raise ValueError("--device-memory: this is a CPU run, where the device is host memory; give --host-memory")
+        if a.device_memory is not None and not cuda and not a.skip_run:
+            raise ValueError("--device-memory: no GPU here to run on (a CPU run's device is host memory); add "
+                             "--skip-run to plan for a GPU of that memory, or give --host-memory")
         host = a.host_memory if a.host_memory is not None else mem_available_bytes()
         host = host // MiB * MiB                     # the job gets it in MiB (SLURM_MEM_PER_NODE)
         ranks = a.tensor_parallel * a.data_parallel
@@ -431,7 +452,9 @@ def main(argv=None) -> int:
         msg = str(exc) if isinstance(exc, ValueError) else "the flags above are not valid for pretrain_gpt.py"
         print(f"find_max_model.py: error: {msg}", file=sys.stderr)
         return 2
-    where = "CPU run: device = host memory" if not cuda else \
+    gpu = cuda or a.device_memory is not None
+    where = "CPU run: device = host memory" if not gpu else \
+        f"planned for a GPU of {format_bytes(a.device_memory)} (none here: --skip-run)" if not cuda else \
         f"CUDA: {torch.cuda.get_device_name(0)}, device {format_bytes(a.device_memory or torch.cuda.get_device_properties(0).total_memory)}"
     print(f"find_max_model: {rule.describe()}, {a.precision}, TP {a.tensor_parallel} x DP {a.data_parallel}, "
           f"seq {a.seq_length}, micro-batch {a.micro_batch_size}; host memory {format_bytes(host)}"
@@ -447,8 +470,10 @@ def main(argv=None) -> int:
           f"does not fit", flush=True)
     for r in p.reasons:
         print(f"    {r}")
+    for w in p.warnings:
+        print(f"    ! {w}")
     result = dict(tool="tools/find_max_model.py", argv=sys.argv[1:] if argv is None else list(argv),
-                  **job, device_is_host=not cuda, machine=machine(),
+                  **job, device_is_host=not gpu, machine=machine(),
                   ours=dict(rule=rule.describe(), size=k, shape=rule.shape(k), params=p.params_total,
                             job_flags=rule.job_flags(k), planned_fits=True, next_size_params=p_next.params_total,
                             plan_reasons=p.reasons, next_size_plan_reasons=p_next.reasons,
@@ -462,10 +487,9 @@ def main(argv=None) -> int:
             trained = run["rc"] == 0 and any(r.get("kind") == "train" and r["iteration"] == a.train_iters
                                              for r in run["records"])
             cmp_ = compare(p, run)
+            within = within_budget(run, host)
             print(f"  run: {'trained' if trained else 'FAILED (exit ' + str(run['rc']) + ')'} in {run['wall_s']}s; "
-                  f"tree peak RSS {format_bytes(run['peak_tree_rss_bytes'])} vs planned "
-                  f"{format_bytes(cmp_['planned_total_bytes'])} ({100 * cmp_.get('tree_peak_over_planned', 0):+.1f}%)",
-                  flush=True)
+                  f"{run_verdict(run, cmp_, host, within)}", flush=True)
             print(f"  run: next size k = {k + 1} ({p_next.params_total / 1e6:.1f}M params): expecting the "
                   f"pre-launch check to refuse it ...", flush=True)
             nxt = run_job(rule.job_flags(k + 1), ranks, host, os.path.join(tmp, "next.jsonl"), timeout=a.timeout,
@@ -476,8 +500,9 @@ def main(argv=None) -> int:
                   f" in {nxt['wall_s']}s", flush=True)
         for r in (run, nxt):
             r.pop("records")
-        result["ours"].update(trained=trained, run=run, comparison=cmp_, next_size_refused=refused, next_run=nxt)
-        ok = trained and refused
+        result["ours"].update(trained=trained, run=run, comparison=cmp_, next_size_refused=refused, next_run=nxt,
+                              budget_bytes=host, within_budget=within)
+        ok = trained and within and refused
     if a.json and a.deepspeed and not a.deepspeed_from:   # ours is known: keep it even if the DeepSpeed side is interrupted
         with open(a.json, "w") as f:
             json.dump(result, f, indent=1, default=str)

@@ -13,7 +13,7 @@ peer, never a dependency: it is imported only here, and only when `--deepspeed` 
    DeepSpeed expects, its bf16/fp16 section for 16-bit training, fp32 master and Adam on the CPU)
    under torchrun, its process tree's peak RSS sampled as for ours. A run *fits* when it trains and its
    peak stays within the budget the planner gives our processes (host memory minus the planner's OS
-   reserve, min(32 GiB, host/10)). The search starts at the estimator's size and brackets the edge
+   reserve, min(32 GiB, max(256 MiB, host/10))). The search starts at the estimator's size and brackets the edge
    by runs: a linear model of the peak in parameters (fixed cost + bytes/param from the runs so far)
    and bisection (doubling while no size fails) take turns proposing the next size (the peak is
    noisy by tens of MiB: the model alone creeps), at most --deepspeed-max-runs runs. DeepSpeed's CPU
@@ -37,6 +37,7 @@ for p in (ROOT, os.path.dirname(os.path.abspath(__file__))):
         sys.path.insert(0, p)
 
 from find_max_model_common import largest, run_command  # noqa: E402
+from zo_megatron.planner.inputs import os_reserve_bytes  # noqa: E402
 from zo_megatron.planner.units import GiB, MiB, format_bytes  # noqa: E402
 
 
@@ -220,9 +221,9 @@ def find(a, rule, host: int, run_proofs: bool = True) -> dict:
 
     count = ParamCounter(rule)
 
-    def est_fits(k):
+    def est_fits(k):                     # a GPU plan also from a CPU-only host (--skip-run --device-memory)
         cpu, gpu = estimator_bytes(count(k), ranks)
-        return (cpu + gpu * ranks <= host) if not cuda else (cpu <= host and gpu <= device)
+        return (cpu + gpu * ranks <= host) if not (cuda or a.device_memory) else (cpu <= host and gpu <= device)
 
     t0 = time.monotonic()
     lo = largest(est_fits, a.max_size)
@@ -255,7 +256,7 @@ def find(a, rule, host: int, run_proofs: bool = True) -> dict:
                 builder.load(verbose=False)
         print(f"  deepspeed: CPU Adam op{' and shared-memory comm op' if ranks > 1 else ''} ready "
               f"({time.monotonic() - t1:.1f}s)", flush=True)
-    budget = host - min(32 * GiB, host // 10)
+    budget = host - os_reserve_bytes(host)
     out["run_budget_bytes"] = budget
     runs: dict[int, dict] = {}
     with tempfile.TemporaryDirectory(prefix="find_max_model_ds_") as tmp:

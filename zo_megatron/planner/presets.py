@@ -22,12 +22,18 @@ def _host_ram_bytes() -> int:
         return 16 * GiB
 
 
-# A CPU (gloo) rank's own resident set, not counting model states or activations: measured by
-# tools/find_max_model.py (docs/memory_planner.md, "The edge, measured") at 0.37-0.38 GiB after
-# imports, process group and data, plus torchrun's launcher at 0.22 GiB per node. 0.6 GiB per rank
-# covers both at one rank and over-counts the launcher by 0.22 GiB per extra rank (the earlier
-# guess, 1 GiB per rank, made the plan 10.6% larger than the measured peak at DP=2).
-CPU_PROCESS_OVERHEAD_BYTES = 614 * MiB
+# A CPU (gloo) rank's own resident set, not counting model states or activations, and torchrun's
+# launcher, measured by tools/find_max_model.py (docs/memory_planner.md, "The edge, measured"):
+# - a rank: 0.37 GiB after imports, process group and data (0.37-0.38 at every size measured), plus
+#   0.06-0.12 GiB more once it trains (not itemized: what the rank grows beyond its model states and
+#   planned activations at hidden 256-1024, 4-40 layers, bf16 and fp32; issue 35 item 16)
+#   -> 0.49 GiB per rank;
+# - the launcher: 0.22 GiB, once per node (it was counted per rank, as 0.6 GiB per rank, which
+#   over-counted it at DP=2).
+# These hold because the job keeps glibc from holding freed tensors (training/host_allocator.py):
+# without that a rank's resident set grew by up to 0.42 GiB more at hidden 512 (+14% at 3 GiB).
+CPU_PROCESS_OVERHEAD_BYTES = 502 * MiB
+CPU_LAUNCHER_OVERHEAD_BYTES = 222 * MiB
 
 # GPU capacities are what torch.cuda.get_device_properties().total_memory reports (approximately);
 # the CUDA context is a separate line item (device_overhead_bytes).
@@ -47,6 +53,7 @@ HARDWARE_PRESETS: dict[str, dict[str, Any]] = {
     "cpu": dict(  # CPU runs (gloo): one process per "GPU", all of them in this machine's RAM
         gpu_memory_bytes=None, gpus_per_node=None, host_memory_bytes_per_node=None,
         device_overhead_bytes=0, host_overhead_bytes_per_rank=CPU_PROCESS_OVERHEAD_BYTES,
+        host_overhead_bytes_per_node=CPU_LAUNCHER_OVERHEAD_BYTES,
         device_is_host=True, fused_softmax=False, description="this machine's CPU and RAM (device = host RAM)"),
 }
 

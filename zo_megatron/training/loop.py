@@ -32,8 +32,13 @@ def pretrain(argv=None) -> int:
     hide_known_megatron_notices()                # before megatron-core is first imported
     args = parse_args(argv)
     env = check_launch(args)
+    import torch
+
     from zo_megatron.parallel import destroy_parallel, init_parallel
+    from zo_megatron.training.host_allocator import keep_host_memory_plannable
     from zo_megatron.training.trainer import Trainer
+
+    keep_host_memory_plannable(not torch.cuda.is_available())   # before the data and the model: as planned
 
     ps = init_parallel(args.tensor_parallel, seed=args.seed, num_attention_heads=args.num_attention_heads,
                        hidden_size=hidden_check(args), timeout_s=args.distributed_timeout_minutes * 60)

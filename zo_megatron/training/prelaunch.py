@@ -55,30 +55,35 @@ def hidden_check(args) -> int | None:
     return args.hidden_size if args.kv_channels is None else None
 
 
-def job_plan_input(args, env, dp: int, vocab_size: int, host_bytes: int | None = None):
+def job_plan_input(args, env, dp: int, vocab_size: int, host_bytes: int | None = None,
+                   device_bytes: int | None = None):
     """This run's PlanInput: its flags through the planner's one builder, and this machine
-    (`host_bytes`: the host memory to plan for; None: what this node allows, memory_limit_bytes)."""
+    (`host_bytes`: the host memory to plan for; None: what this node allows, memory_limit_bytes;
+    `device_bytes`: plan for a GPU of that memory, as the job on CUDA would, without asking CUDA:
+    tools/find_max_model.py --skip-run --device-memory on a CPU-only host; None: this machine's)."""
     from zo_megatron.parallel.launch_env import memory_limit_bytes
     from zo_megatron.planner import GiB, os_reserve_bytes, plan_input_from_flags
-    from zo_megatron.planner.presets import CPU_PROCESS_OVERHEAD_BYTES
+    from zo_megatron.planner.presets import CPU_LAUNCHER_OVERHEAD_BYTES, CPU_PROCESS_OVERHEAD_BYTES
 
-    cuda = torch.cuda.is_available()
+    cuda = device_bytes is not None or torch.cuda.is_available()
+    if cuda and device_bytes is None:
+        device_bytes = torch.cuda.get_device_properties(0).total_memory
     host = memory_limit_bytes() if host_bytes is None else host_bytes
     return plan_input_from_flags(
-        args, data_parallel=dp, vocab_size=vocab_size,
-        gpu_memory_bytes=torch.cuda.get_device_properties(0).total_memory if cuda else host,
+        args, data_parallel=dp, vocab_size=vocab_size, gpu_memory_bytes=device_bytes if cuda else host,
         host_memory_bytes_per_node=host, gpus_per_node=env.local_world_size, device_is_host=not cuda,
         device_overhead_bytes=GiB if cuda else 0, host_reserve_bytes=os_reserve_bytes(host),
-        host_overhead_bytes_per_rank=3 * GiB if cuda else CPU_PROCESS_OVERHEAD_BYTES)
+        host_overhead_bytes_per_rank=3 * GiB if cuda else CPU_PROCESS_OVERHEAD_BYTES,
+        host_overhead_bytes_per_node=0 if cuda else CPU_LAUNCHER_OVERHEAD_BYTES)
 
 
-def job_plan(args, env, dp: int, vocab_size: int, host_bytes: int | None = None):
+def job_plan(args, env, dp: int, vocab_size: int, host_bytes: int | None = None, device_bytes: int | None = None):
     """The planner's verdict on this run exactly as the pre-launch check computes it (the CPU-step
     overlap default and --optimizer-offload-fraction auto resolved; `args` gets the fraction).
-    tools/find_max_model.py searches with this very function."""
+    tools/find_max_model.py searches with this very function (`device_bytes`: job_plan_input's)."""
     from zo_megatron.planner import plan, resolve_overlap
 
-    inp = job_plan_input(args, env, dp, vocab_size, host_bytes)
+    inp = job_plan_input(args, env, dp, vocab_size, host_bytes, device_bytes)
     # --overlap-cpu-step as typed (None, auto, full, memory, off), kept apart from its resolution
     mode = getattr(args, "overlap_cpu_step_mode", args.overlap_cpu_step)
     args.overlap_cpu_step_mode = mode
