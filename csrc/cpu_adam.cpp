@@ -521,14 +521,17 @@ void adam_step(uintptr_t p, uintptr_t g, int gd, uintptr_t m, uintptr_t v, int s
 }
 
 // adam_step over segments [seg_start[j], seg_end[j]) of the same buffers, each with its own weight
-// decay (its own Hyper, and L2 only where its decay is nonzero, as adam_step decides per call).
+// decay (its own Hyper, and L2 only where its decay is nonzero, as adam_step decides per call) and,
+// when seg_lr is given, its own learning rate (--decoupled-lr: still one parallel region).
 void adam_step_segments(uintptr_t p, uintptr_t g, int gd, uintptr_t m, uintptr_t v, int sd, uintptr_t o,
                         int od, const std::vector<size_t>& seg_start, const std::vector<size_t>& seg_end,
                         const std::vector<double>& seg_wd, long long step, double lr, double beta1,
                         double beta2, double eps, bool adamw, bool bias_correction, double grad_scale,
-                        uintptr_t pw, uintptr_t mw, uintptr_t vw) {
+                        uintptr_t pw, uintptr_t mw, uintptr_t vw, const std::vector<double>& seg_lr) {
   if (seg_end.size() != seg_start.size() || seg_wd.size() != seg_start.size())
     throw std::invalid_argument("seg_start, seg_end and seg_wd must have the same length");
+  if (!seg_lr.empty() && seg_lr.size() != seg_start.size())
+    throw std::invalid_argument("seg_lr must be empty or as long as seg_start");
   if (seg_start.empty()) return;
   if (!p || !g || !m || !v) throw std::invalid_argument("null data pointer");
   if (step < 1) throw std::invalid_argument("step must be >= 1 (1-based)");
@@ -537,8 +540,10 @@ void adam_step_segments(uintptr_t p, uintptr_t g, int gd, uintptr_t m, uintptr_t
   std::vector<char> l2;
   hyp.reserve(seg_wd.size());
   l2.reserve(seg_wd.size());
-  for (const double wd : seg_wd) {
-    hyp.push_back(make_hyper(step, lr, beta1, beta2, eps, wd, adamw, bias_correction, grad_scale));
+  for (size_t j = 0; j < seg_wd.size(); ++j) {
+    const double wd = seg_wd[j];
+    hyp.push_back(make_hyper(step, seg_lr.empty() ? lr : seg_lr[j], beta1, beta2, eps, wd, adamw,
+                             bias_correction, grad_scale));
     l2.push_back(!adamw && wd != 0.0);
   }
   const int isa = g_isa;
@@ -839,9 +844,10 @@ PYBIND11_MODULE(_cpu_adam, mod) {
           py::arg("seg_wd"), py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
           py::arg("eps"), py::arg("adamw"), py::arg("bias_correction"), py::arg("grad_scale"),
           py::arg("param_out") = 0, py::arg("exp_avg_out") = 0, py::arg("exp_avg_sq_out") = 0,
+          py::arg("seg_lr") = std::vector<double>(),
           "adam_step over the sorted, disjoint segments [seg_start[j], seg_end[j]) of the same "
-          "buffers, weight decay seg_wd[j], in one parallel pass; other elements are not touched "
-          "(neither in the inputs nor in the out buffers).");
+          "buffers, weight decay seg_wd[j] (learning rate seg_lr[j] if given, else lr), in one "
+          "parallel pass; other elements are not touched (neither in the inputs nor in the out buffers).");
   mod.def("grad_sumsq_and_finite", &grad_sumsq_and_finite, py::arg("grad"), py::arg("grad_dtype"),
           py::arg("n"), "(sum of squares in fp64, all finite) of n elements.");
   mod.def("grad_sumsq_and_finite_segments", &grad_sumsq_and_finite_segments, py::arg("grad"),

@@ -677,6 +677,41 @@ def test_adam_step_segments_equals_per_segment_calls(gdtype, sdtype, out_mode, a
                 check_fp32_result(where, (p, m, v), (rp, rm, rv, sp, sm))
 
 
+def test_adam_step_segments_with_a_rate_per_segment_equals_per_segment_calls():
+    """lrs (--decoupled-lr: the embedding's segments at their own rate, still one kernel call) ==
+    one adam_step per segment at that segment's rate, bit for bit, on every path, chunked (more
+    than kMinParallel elements) or not; a list of the wrong length is an error."""
+    rng = np.random.default_rng(fresh_seed("segments per-segment lr"))
+    rates = (2e-3, 5e-4, 0.0)
+    for segs, n in (random_segments(rng, 120, 2, lambda r: float(r.choice(SEG_WDS))),
+                    random_segments(rng, 40, 0, lambda r: float(r.choice(SEG_WDS)))):
+        lrs = [float(rng.choice(rates)) for _ in segs]
+        p0, m0, v0, grads = make_problem(n, "bf16", 1, int(rng.integers(2 ** 31)), n_steps=2)
+
+        def run(path, segmented):
+            p, m, v = (torch.from_numpy(x.copy()) for x in (p0, m0, v0))
+            gbuf = torch.empty(n, dtype=grads[0].dtype)
+            kw = dict(adamw=True, bias_correction=True, grad_scale=GRAD_SCALE, **HP)
+            with use_path(path):
+                for k, g in enumerate(grads):
+                    gbuf.copy_(g)
+                    if segmented:
+                        ca.adam_step_segments(p, gbuf, m, v, segs, step=1 + k, lr=1e-3, lrs=lrs, param16_out=gbuf, **kw)
+                        continue
+                    for (a, b, wd), lr in zip(segs, lrs):
+                        ca.adam_step(p[a:b], gbuf[a:b], m[a:b], v[a:b], step=1 + k, lr=lr, weight_decay=wd,
+                                     param16_out=gbuf[a:b], **kw)
+            return p, m, v, gbuf
+
+        for path in PATHS:
+            for name, x, y in zip(("param", "exp_avg", "exp_avg_sq", "param16_out"), run(path, True), run(path, False)):
+                assert_same_bits(f"[{path} {len(segs)} segments] {name} vs per-segment adam_step", x, y)
+    p, g = torch.zeros(8), torch.zeros(8)
+    with pytest.raises(ValueError, match="lrs has 1 rates for 2 segments"):
+        ca.adam_step_segments(p, g, torch.zeros(8), torch.zeros(8), [(0, 4, 0.0), (4, 8, 0.0)], step=1, lr=1e-3,
+                              lrs=[1e-3], **HP)
+
+
 @pytest.mark.parametrize("gdtype", list(GRAD_DTYPES))
 def test_grad_sumsq_and_finite_segments(gdtype):
     """Counted segments' sum == the per-segment sums (1e-12 relative); non-finite values count

@@ -21,7 +21,8 @@ which means in place). The arithmetic is the same, so the bits are those of the 
 --overlap-cpu-step keeps the old state this way (alternate state buffers, docs/overlap.md).
 
 ``adam_step_segments`` / ``grad_sumsq_and_finite_segments`` do the same over a list of disjoint
-ranges of the buffers (each with its own weight decay / norm flag) in ONE kernel call, split over
+ranges of the buffers (each with its own weight decay / norm flag, and optionally its own learning
+rate: --decoupled-lr) in ONE kernel call, split over
 the threads by total size: the engine's partition is cut wherever weight decay changes (every bias
 and LayerNorm, several small segments per layer), and as separate calls each segment would pay a
 Python call and a thread fork, and one below the kernel's threading threshold runs on one thread.
@@ -316,12 +317,13 @@ def grad_sumsq_and_finite(grad) -> tuple[float, bool]:
 def adam_step_segments(param, grad, exp_avg, exp_avg_sq, segments, *, step: int, lr: float, beta1: float,
                        beta2: float, eps: float, adamw: bool = True, bias_correction: bool = True,
                        grad_scale: float = 1.0, param16_out=None, param_out=None, exp_avg_out=None,
-                       exp_avg_sq_out=None) -> None:
+                       exp_avg_sq_out=None, lrs=None) -> None:
     """``adam_step`` on each segment of the (flat) buffers, in one kernel call.
 
-    segments: sequence of (start, end, weight_decay), sorted, disjoint, 0 <= start < end <= numel.
+    segments: sequence of (start, end, weight_decay), sorted, disjoint, 0 <= start < end <= numel;
+    lrs: None (every segment at ``lr``) or one learning rate per segment.
     The result is bit-identical to one ``adam_step`` per segment on the slices [start:end] (same
-    arguments, that segment's weight_decay); elements outside every segment are not touched (in
+    arguments, that segment's weight_decay and rate); elements outside every segment are not touched (in
     the inputs nor in the out buffers). The tensors are checked as in ``adam_step`` (out of place
     with ``param_out`` / ``exp_avg_out`` / ``exp_avg_sq_out``, bit-identical to in place); a bad
     segment list raises ValueError naming the segment.
@@ -332,13 +334,16 @@ def adam_step_segments(param, grad, exp_avg, exp_avg_sq, segments, *, step: int,
     if not starts:
         return
     wds = [float(wd) for wd in wds]
+    lrs = [float(lr)] * len(starts) if lrs is None else [float(x) for x in lrs]
+    if len(lrs) != len(starts):
+        raise ValueError(f"lrs has {len(lrs)} rates for {len(starts)} segments: give one per segment")
     if _use_fallback or _ext is None:
         _warn_fallback_once()
         p, g, m, v = param.view(-1), grad.view(-1), exp_avg.view(-1), exp_avg_sq.view(-1)
         o = None if param16_out is None else param16_out.view(-1)
         flat_outs = [None if t is None else t.view(-1) for t in outs]
-        for a, b, wd in zip(starts, ends, wds):
-            _torch_adam_step(p[a:b], g[a:b], m[a:b], v[a:b], step, float(lr), float(beta1), float(beta2),
+        for a, b, wd, rate in zip(starts, ends, wds, lrs):
+            _torch_adam_step(p[a:b], g[a:b], m[a:b], v[a:b], step, rate, float(beta1), float(beta2),
                              float(eps), wd, bool(adamw), bool(bias_correction), float(grad_scale),
                              None if o is None else o[a:b], [None if t is None else t[a:b] for t in flat_outs])
         return
@@ -347,7 +352,9 @@ def adam_step_segments(param, grad, exp_avg, exp_avg_sq, segments, *, step: int,
                             0 if param16_out is None else param16_out.data_ptr(),
                             _NONE_CODE if param16_out is None else _DTYPE_CODE[param16_out.dtype],
                             starts, ends, wds, step, float(lr), float(beta1), float(beta2), float(eps),
-                            bool(adamw), bool(bias_correction), float(grad_scale), *map(_ptr, outs))
+                            bool(adamw), bool(bias_correction), float(grad_scale), *map(_ptr, outs),
+                            # one rate for all: the call of a kernel built before per-segment rates
+                            **({} if all(x == float(lr) for x in lrs) else {"seg_lr": lrs}))
 
 
 def grad_sumsq_and_finite_segments(grad, segments) -> tuple[float, bool]:
