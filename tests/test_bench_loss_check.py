@@ -82,7 +82,7 @@ def _cpu_adam_covers_only(engine, segments):
     segments it updates only, so the others are filled from the master, as an engine that forgot
     them would leave them)."""
     skipped = torch.ones(engine.master.numel(), dtype=torch.bool)
-    for s, e, _, _ in segments:
+    for s, e, *_ in segments:
         skipped[s:e] = False
     engine._host_segments = segments
     update = engine._cpu_update
@@ -102,7 +102,7 @@ def _engine_row(bench, seed, precision, name, breakage=None):
                            adam=AdamConfig(lr=lr, beta1=0.9, beta2=0.95, weight_decay=WD)) as engine:
         if breakage == "half":              # the CPU Adam covers only the first half of the partition
             half = engine.master.numel() // 2
-            _cpu_adam_covers_only(engine, [(s, min(e, half), d, c) for s, e, d, c in engine._host_segments
+            _cpu_adam_covers_only(engine, [(s, min(e, half), *rest) for s, e, *rest in engine._host_segments
                                            if s < half])
         if breakage == "vectors":           # the CPU Adam skips what takes no weight decay: biases
             _cpu_adam_covers_only(engine, [seg for seg in engine._host_segments if seg[2]])

@@ -63,9 +63,9 @@ def test_tail_grad_sumsq_is_one_pass_without_a_copy_and_matches_float64():
     big = [m[:3] for m in rec.made if m[2] >= 64 and m[3] != own]    # more than one number per piece
     assert not big, f"the norm pass made tensors of the gradient's size: {big[:5]} (tail of {n})"
     assert not [m for m in rec.made if m[1] == torch.float64 and m[2] > len(tail.pieces)]
-    ref = sum(float(tail.grad[a:e].double().square().sum()) for a, e, _, c in tail.pieces if c)
+    ref = sum(float(tail.grad[a:e].double().square().sum()) for a, e, _, c, _ in tail.pieces if c)
     # fp32 squares and sums of a piece of k elements: relative error <= (k + 3) u (u = 2^-24)
-    k = max(e - a for a, e, _, _ in tail.pieces)
+    k = max(e - a for a, e, *_ in tail.pieces)
     assert abs(stats[0].item() - ref) <= 2 * (k + 3) * 2.0**-24 * ref, (stats[0].item(), ref)
     assert stats[0].item() < float(tail.grad.double().square().sum()), "TP copies must not be in the sum"
     assert stats[1].item() == 0.0
@@ -76,7 +76,7 @@ def test_tail_grad_nonfinite_is_found_in_any_one_piece():
     for bad in (float("inf"), float("-inf"), float("nan")):
         for counted in (True, False):          # a counted piece, and a TP copy read only for this
             tail = _tail(seed)
-            a, e, _, _ = [p for p in tail.pieces if p[3] == counted][-1]
+            a, e, *_ = [p for p in tail.pieces if p[3] == counted][-1]
             tail.grad[a + (e - a) // 2] = bad
             stats = tail.grad_sumsq_and_nonfinite()
             assert stats[1].item() == 1.0, (bad, counted)

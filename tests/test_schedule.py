@@ -135,3 +135,82 @@ def test_state_dict_round_trip_and_mismatch():
 def test_bad_settings_are_one_line(kw, match):
     with pytest.raises(ConfigError, match=match):
         LRScheduler.from_args(_args(**kw))
+
+
+def _decoupled(rng, a):
+    """A decoupled peak above the floor it decays to, and --decoupled-min-lr given or not."""
+    a.decoupled_lr = rng.uniform(max(a.min_lr, 1e-4), 5e-3)
+    a.decoupled_min_lr = rng.choice([None, rng.uniform(0, a.decoupled_lr)])
+    return a
+
+
+def test_decoupled_rate_is_megatrons_decoupled_param_group_on_a_grid():
+    """--decoupled-lr / --decoupled-min-lr: the rate megatron-core's OptimizerParamScheduler gives
+    the param group its _get_param_groups builds for them (the default group's max_lr/min_lr
+    overridden by get_standard_config_overrides' decoupled entry), every update; the other group
+    keeps --lr's rate."""
+    from megatron.core.optimizer import OptimizerConfig, get_standard_config_overrides
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    rng = random.Random(fresh_seed("decoupled lr megatron class"))
+    floors = set()
+    for a in map(lambda a: _decoupled(rng, a), _grid(rng)):
+        gbs = a.global_batch_size
+        config = OptimizerConfig(lr=a.lr, min_lr=a.min_lr, decoupled_lr=a.decoupled_lr,
+                                 decoupled_min_lr=a.decoupled_min_lr)
+        override = next(v for k, v in get_standard_config_overrides(config).items()
+                        if k.attr == "is_embedding_or_output_parameter")
+        groups = [{"max_lr": a.lr, "min_lr": a.min_lr}, {"max_lr": a.lr, "min_lr": a.min_lr, **override}]
+        floors.add(groups[1]["min_lr"] == a.min_lr)
+        opt = argparse.Namespace(param_groups=groups)
+        m = OptimizerParamScheduler(
+            opt, init_lr=a.lr_warmup_init, max_lr=a.lr, min_lr=a.min_lr, lr_warmup_steps=a.lr_warmup_iters * gbs,
+            lr_decay_steps=(a.lr_decay_iters or a.train_iters) * gbs, lr_decay_style=a.lr_decay_style,
+            start_wd=0.1, end_wd=0.1, wd_incr_steps=1, wd_incr_style="constant",
+            wsd_decay_steps=a.lr_wsd_decay_iters * gbs if a.lr_wsd_decay_iters else None,
+            lr_wsd_decay_style=a.lr_wsd_decay_style)
+        s = LRScheduler.from_args(a)
+        for _ in range(a.train_iters + 3):
+            assert s.get_lr() == pytest.approx(groups[0]["lr"], rel=1e-12, abs=1e-15), a
+            assert s.get_decoupled_lr() == pytest.approx(groups[1]["lr"], rel=1e-12, abs=1e-15), a
+            s.step(gbs)
+            m.step(gbs)
+    assert floors == {True, False}, "both floors (--decoupled-min-lr given or not) must be drawn"
+
+
+def test_decoupled_rate_warms_up_then_decays_to_decoupled_min_lr():
+    """Llama-3 8B's flags (--decoupled-lr 5.0e-4 --decoupled-min-lr 4.5e-5) on a 4-iteration warmup
+    and a cosine decay over 10, by Megatron's formula written out."""
+    s = LRScheduler.from_args(_args(lr=1.5e-4, min_lr=1e-5, lr_warmup_iters=4, train_iters=10, lr_decay_style="cosine",
+                                    decoupled_lr=5.0e-4, decoupled_min_lr=4.5e-5))
+    for k in range(12):             # update k + 1 uses the rate after k updates (8 samples each)
+        want = 5.0e-4 * k / 4 if k <= 4 else \
+            4.5e-5 + 0.5 * (math.cos(math.pi * min(k - 4, 6) / 6) + 1.0) * (5.0e-4 - 4.5e-5)
+        assert s.get_decoupled_lr() == pytest.approx(want, rel=1e-12, abs=1e-18), k
+        s.step(8)
+    assert s.get_decoupled_lr() == 4.5e-5 and s.get_lr() == 1e-5
+
+
+def test_decoupled_min_lr_alone_changes_nothing_as_in_megatron():
+    s = LRScheduler.from_args(_args(decoupled_min_lr=4.5e-5))
+    assert s.get_decoupled_lr() is None and s.state_dict()["decoupled_min_lr"] is None
+
+
+def test_the_decoupled_rates_are_part_of_the_schedule_state():
+    a = _args(lr_warmup_iters=3, train_iters=20, lr_decay_style="cosine", decoupled_lr=4e-3, decoupled_min_lr=1e-6)
+    s = LRScheduler.from_args(a)
+    s.step(56)
+    other = LRScheduler.from_args(_args(lr_warmup_iters=3, train_iters=20, lr_decay_style="cosine", decoupled_lr=3e-3))
+    with pytest.raises(ConfigError, match="decoupled_lr"):
+        other.load_state_dict(s.state_dict())
+    other.load_state_dict(s.state_dict(), use_checkpoint=True)
+    assert other.get_decoupled_lr() == s.get_decoupled_lr() and other.decoupled_min_lr == 1e-6
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(decoupled_lr=1e-3, decoupled_min_lr=2e-3), "^--decoupled-min-lr 0.002 exceeds --decoupled-lr 0.001"),
+    (dict(decoupled_lr=1e-6), "^--decoupled-lr 1e-06 is below --min-lr 1e-05"),
+])
+def test_a_climbing_decoupled_decay_is_one_line(kw, match):
+    with pytest.raises(ConfigError, match=match):
+        LRScheduler.from_args(_args(**kw))

@@ -40,7 +40,7 @@ class TrainingOptimizer(Protocol):
 
         for each micro-batch:  with opt.forward_context(): loss = model(...)
                                opt.backward(loss / A, last_micro_batch=...)
-        opt.step(lr)
+        opt.step(lr, decoupled_lr)
         ...
         opt.flush()            before evaluation, a checkpoint, or the end of training
     """
@@ -57,7 +57,10 @@ class TrainingOptimizer(Protocol):
 
     def backward(self, loss: torch.Tensor, *, last_micro_batch: bool = True) -> None: ...
 
-    def step(self, lr: float | None = None) -> StepResult: ...
+    def step(self, lr: float | None = None, decoupled_lr: float | None = None) -> StepResult:
+        """One update at learning rate `lr` (None: AdamConfig.lr); the parameters megatron-core marks
+        `is_embedding_or_output_parameter` (the word embedding and output layer weights, Megatron's
+        --decoupled-lr group) at `decoupled_lr` (None: `lr`)."""
 
     def flush(self) -> StepResult | None:
         """Apply any update still pending (delayed parameter update); None when nothing was."""

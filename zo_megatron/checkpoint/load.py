@@ -27,11 +27,15 @@ from zo_megatron.errors import UserError
 from zo_megatron.model.config import complete_arch_meta
 from zo_megatron.parallel.rng_state import restore_rng_state
 
-# Megatron's OptimizerParamScheduler keys that must agree on resume (its _check_and_set).
-SCHEDULER_KEYS = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style")
+# Megatron's OptimizerParamScheduler keys that must agree on resume (its _check_and_set), and the
+# decoupled param group's max_lr/min_lr (Megatron keeps those in the optimizer's param groups;
+# absent from checkpoints written before --decoupled-lr: None, no decoupled group).
+SCHEDULER_KEYS = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style",
+                  "decoupled_lr", "decoupled_min_lr")
 _SCHEDULER_FLAGS = {"max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": "--lr-warmup-iters",
                     "lr_decay_steps": "--lr-decay-iters (default: --train-iters)",
-                    "lr_decay_style": "--lr-decay-style"}
+                    "lr_decay_style": "--lr-decay-style", "decoupled_lr": "--decoupled-lr",
+                    "decoupled_min_lr": "--decoupled-min-lr"}
 
 
 @dataclass
@@ -115,9 +119,9 @@ def _check_scheduler(saved: dict | None, current: dict, opts: LoadOptions, where
     if opts.override_opt_param_scheduler or saved is None:
         return None
     if opts.use_checkpoint_opt_param_scheduler:
-        return {k: saved[k] for k in SCHEDULER_KEYS}
+        return {k: saved.get(k) for k in SCHEDULER_KEYS}
     diffs = [f"{k} {saved.get(k)!r} in the checkpoint, {current[k]!r} here ({_SCHEDULER_FLAGS[k]})"
-             for k in SCHEDULER_KEYS if saved.get(k) != current[k]]
+             for k in SCHEDULER_KEYS if saved.get(k) != current.get(k)]
     hint = opts.schedule_hint(saved, current, opts.iteration) if diffs and opts.schedule_hint else None
     if hint:
         raise UserError(f"{where}: {hint}")

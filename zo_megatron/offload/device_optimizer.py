@@ -7,7 +7,8 @@
 `--optimizer-offload-fraction F` (Megatron-core's name) keeps the first F of every rank's
 partition on the host, as ZeRO-Offload does with all of it, and the contiguous tail 1 - F on the
 device: fp32 master, both Adam moments and an fp32 gradient buffer there (16 bytes per element),
-updated by torch's fused Adam(W) in two calls (with and without weight decay). The tail is a run
+updated by torch's fused Adam(W), one call per weight-decay setting and learning rate (the
+decoupled one of the word embedding and output layer, --decoupled-lr, apart). The tail is a run
 of whole shards of the last buckets (and part of one), so its reduced gradients never leave the
 device and its updated parameters are written into the flat buffer directly, before the usual
 all-gather. On a GPU the device update's kernels are queued first and run while the CPU Adam
@@ -30,8 +31,9 @@ class DeviceOptimizerTail:
         self.exp_avg = torch.zeros(n, dtype=torch.float32, device=device)
         self.exp_avg_sq = torch.zeros(n, dtype=torch.float32, device=device)
         self.grad = torch.zeros(n, dtype=torch.float32, device=device)
-        # Runs of the tail with one weight-decay setting / norm rule (offsets into the tail).
-        self.pieces = [(max(s.start, cut) - cut, s.end - cut, s.decay, s.counted)
+        # Runs of the tail with one weight-decay setting / norm rule / learning rate (offsets into
+        # the tail): (start, end, decay, counted, decoupled).
+        self.pieces = [(max(s.start, cut) - cut, s.end - cut, s.decay, s.counted, s.decoupled)
                        for s in layout.segments if s.end > cut]
         # Where each piece of the tail lives in the flat parameter buffer.
         self.flat_runs = []
@@ -46,10 +48,11 @@ class DeviceOptimizerTail:
         # nonzero, a device->host sync, every step), the pieces of each weight-decay setting, and
         # 1 / grad_scale in a persistent device scalar refilled with fill_ (a tensor built from a
         # Python float each step is a blocking pageable host->device copy).
-        self._counted_idx = torch.tensor([i for i, (*_, c) in enumerate(self.pieces) if c], dtype=torch.long,
+        self._counted_idx = torch.tensor([i for i, p in enumerate(self.pieces) if p[3]], dtype=torch.long,
                                          device=device)
-        self._groups = [(decay, [i for i, p in enumerate(self.pieces) if p[2] == decay]) for decay in (True, False)]
-        self._groups = [(decay, idx) for decay, idx in self._groups if idx]
+        self._groups = [((decay, dec), [i for i, p in enumerate(self.pieces) if (p[2], p[4]) == (decay, dec)])
+                        for dec in (False, True) for decay in (True, False)]
+        self._groups = [(key, idx) for key, idx in self._groups if idx]
         self._inv_scale = torch.ones((), dtype=torch.float32, device=device)
         self._inv_scale_value = 1.0
 
@@ -64,26 +67,28 @@ class DeviceOptimizerTail:
         multi_tensor_l2norm): an fp32 norm per piece, their squares summed in float64. A NaN/inf
         anywhere makes its piece's norm, and so the verdict, non-finite; uncounted pieces (TP
         copies) are read for that verdict only."""
-        norms = torch.stack(torch._foreach_norm([self.grad[a:e] for a, e, _, _ in self.pieces])).double()
+        norms = torch.stack(torch._foreach_norm([self.grad[a:e] for a, e, *_ in self.pieces])).double()
         sumsq = norms.index_select(0, self._counted_idx).square().sum()
         bad = (~torch.isfinite(norms.sum())).double()
         return torch.stack([sumsq, bad])
 
     @torch.no_grad()
-    def step(self, step: int, lr: float, grad_scale: float) -> None:
-        """One Adam(W) update of the tail (torch's fused kernel), then its parameters into `flat`."""
+    def step(self, step: int, lr: float, grad_scale: float, decoupled_lr: float | None = None) -> None:
+        """One Adam(W) update of the tail (torch's fused kernel), then its parameters into `flat`;
+        the decoupled pieces at `decoupled_lr` (None: `lr`)."""
         a = self.adam
         inv = 1.0 / grad_scale
         if inv != self._inv_scale_value:       # rounded to fp32 by fill_ exactly as torch.tensor(inv) would be
             self._inv_scale.fill_(inv)
             self._inv_scale_value = inv
-        for decay, idx in self._groups:
+        for (decay, decoupled), idx in self._groups:
             sl = [slice(self.pieces[i][0], self.pieces[i][1]) for i in idx]
             steps = [self._steps[i].fill_(step - 1) for i in idx]      # the kernel adds one
             (torch_adamw if a.adamw else torch_adam)(
                 [self.master[s] for s in sl], [self.grad[s] for s in sl], [self.exp_avg[s] for s in sl],
                 [self.exp_avg_sq[s] for s in sl], [], steps, fused=True, grad_scale=self._inv_scale,
-                amsgrad=False, beta1=a.beta1, beta2=a.beta2, lr=lr,
+                amsgrad=False, beta1=a.beta1, beta2=a.beta2,
+                lr=decoupled_lr if decoupled and decoupled_lr is not None else lr,
                 weight_decay=a.weight_decay if decay else 0.0, eps=a.eps, maximize=False)
         self.write_params()
 

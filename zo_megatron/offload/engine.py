@@ -48,7 +48,6 @@ import collections
 import contextlib
 import math
 import time
-from dataclasses import asdict
 
 import torch
 
@@ -57,6 +56,7 @@ from zo_megatron.offload import cpu_adam
 from zo_megatron.offload.accounting import Accounting
 from zo_megatron.offload.device import DeviceLayer
 from zo_megatron.offload.device_optimizer import DeviceOptimizerTail
+from zo_megatron.offload.engine_state import EngineState
 from zo_megatron.offload.flat_buffer import ALIGN, FlatLayout
 from zo_megatron.offload.loss_scaler import ConstantLossScaler, DynamicLossScaler
 from zo_megatron.offload.schedules import DelayedSchedule, SpeculativeSchedule, SynchronousSchedule
@@ -72,10 +72,10 @@ def default_grad_reduce_in_fp32(precision: str) -> bool:
     return precision == "bf16"
 
 
-class ZeroOffloadEngine:
+class ZeroOffloadEngine(EngineState):
     """The offload optimizer engine (see the module docstring). Use as a context manager, or call
     close(): it unregisters pinned host memory and removes the gradient hooks. Implements
-    `optimizer_api.TrainingOptimizer`.
+    `optimizer_api.TrainingOptimizer` (its checkpoint state: engine_state.EngineState).
 
     The model may be built on the host in fp32 (recommended for large models): its parameters are
     copied into the flat 16-bit buffer on `device` one at a time, so the device never holds more
@@ -165,10 +165,10 @@ class ZeroOffloadEngine:
         except BaseException:
             self.dev.close()
             raise
-        # The host's segments, cut where the device tail begins.
-        self._host_segments = [(s.start, min(s.end, self._cut), s.decay, s.counted)
+        # The host's segments (start, end, decay, counted, decoupled), cut where the device tail begins.
+        self._host_segments = [(s.start, min(s.end, self._cut), s.decay, s.counted, s.decoupled)
                                for s in self.layout.segments if s.start < self._cut]
-        self._norm_segments = [(a, e, c) for a, e, _, c in self._host_segments]
+        self._norm_segments = [(a, e, c) for a, e, _, c, _ in self._host_segments]
         self.step_count = 0
         if dpu_warmup_steps:
             self.schedule = DelayedSchedule(dpu_warmup_steps, self._prev_master, self.device)
@@ -489,10 +489,11 @@ class ZeroOffloadEngine:
 
     # ------------------------------------------------------------------- sequence parallelism
     # -------------------------------------------------------------------------------------- step
-    def step(self, lr: float | None = None) -> StepResult:
+    def step(self, lr: float | None = None, decoupled_lr: float | None = None) -> StepResult:
         """Finish the gradient sync, check and clip on the main thread, then let the schedule run
         the CPU Adam (schedules.py): at once, in the background (DPU), or commit/redo what it
-        speculated during backward (overlap)."""
+        speculated during backward (overlap). `decoupled_lr`: the word embedding's and output
+        layer's rate (Megatron's --decoupled-lr; None: `lr`)."""
         self.check_params()
         t0 = time.monotonic()
         self.finish_grad_sync()
@@ -503,13 +504,18 @@ class ZeroOffloadEngine:
         scale = self.loss_scaler.scale
         found_inf, grad_norm = self._global_grad_norm(scale)
         self.loss_scaler.update(found_inf)
-        return self.schedule.step(self, found_inf, grad_norm, scale, self.adam.lr if lr is None else lr)
+        return self.schedule.step(self, found_inf, grad_norm, scale, self._rates(lr, decoupled_lr))
 
-    def expect_lr(self, lr: float) -> None:
-        """The learning rate the coming step() will be given, announced before backward so a
-        speculated CPU step uses it (another rate at step() is exact too: a rollback)."""
+    def _rates(self, lr: float | None, decoupled_lr: float | None) -> tuple[float, float]:
+        """(rate of every parameter, rate of the decoupled ones): what the schedules pass on."""
+        lr = self.adam.lr if lr is None else lr
+        return lr, lr if decoupled_lr is None else decoupled_lr
+
+    def expect_lr(self, lr: float, decoupled_lr: float | None = None) -> None:
+        """The learning rates the coming step() will be given, announced before backward so a
+        speculated CPU step uses them (other rates at step() are exact too: a rollback)."""
         if isinstance(self.schedule, SpeculativeSchedule):
-            self.schedule.next_lr = lr
+            self.schedule.next_lr = self._rates(lr, decoupled_lr)
 
     def _global_grad_norm(self, scale: float) -> tuple[bool, float]:
         """(found inf/nan, grad norm before clipping) over every TP and DP rank."""
@@ -548,16 +554,17 @@ class ZeroOffloadEngine:
 
     @torch.no_grad()
     def _cpu_update(self, k: int, grad: torch.Tensor, step: int, lr: float, grad_scale: float,
-                    segments=None, phase: str | None = "cpu_step", out: torch.Tensor | None = None) -> None:
+                    segments=None, phase: str | None = "cpu_step", out: torch.Tensor | None = None,
+                    decoupled_lr: float | None = None) -> None:
         """ONE CPU Adam call over the partition's segments (default: all; on a schedule's worker
-        under DPU and overlap): reads `grad`, updates master and moments, writes the 16-bit
-        parameters into set k, or into `out` (a buffer of the partition's first out.numel()
-        elements, which the segments then lie in: --overlap-cpu-step's speculated parameters)."""
+        under DPU and overlap), the decoupled ones at `decoupled_lr` (None: `lr`): reads `grad`,
+        updates master and moments, writes the 16-bit parameters into set k, or into `out` (a
+        buffer of the partition's first out.numel() elements, which the segments then lie in:
+        --overlap-cpu-step's speculated parameters)."""
         t0 = time.monotonic()
         a = self.adam
         full = segments is None
-        segments = [(s, e, a.weight_decay if decay else 0.0)
-                    for s, e, decay, _ in (self._host_segments if segments is None else segments)]
+        segments = self._host_segments if segments is None else segments
         master, exp_avg, exp_avg_sq = self.master, self.exp_avg, self.exp_avg_sq
         if out is None:
             out = self._params[k]
@@ -565,12 +572,14 @@ class ZeroOffloadEngine:
             n = out.numel()
             master, grad, exp_avg, exp_avg_sq = master[:n], grad[:n], exp_avg[:n], exp_avg_sq[:n]
         if segments:
+            rate = (lr, lr if decoupled_lr is None else decoupled_lr)      # by the segment's decoupled flag
             cpu_adam.adam_step_segments(
-                master, grad, exp_avg, exp_avg_sq, segments, step=step, lr=lr, beta1=a.beta1,
-                beta2=a.beta2, eps=a.eps, adamw=a.adamw, bias_correction=a.bias_correction,
-                grad_scale=grad_scale, param16_out=out if self.dtype != torch.float32 else None)
+                master, grad, exp_avg, exp_avg_sq, [(s, e, a.weight_decay if decay else 0.0) for s, e, decay, *_ in segments],
+                step=step, lr=lr, beta1=a.beta1, beta2=a.beta2, eps=a.eps, adamw=a.adamw,
+                bias_correction=a.bias_correction, grad_scale=grad_scale,
+                param16_out=out if self.dtype != torch.float32 else None, lrs=[rate[seg[4]] for seg in segments])
         if self.dtype == torch.float32:     # fp32 mode: the parameter copy is the master itself
-            for s, e, _ in (((0, self._cut, 0.0),) if full else segments):
+            for s, e, *_ in (((0, self._cut),) if full else segments):
                 out[s:e].copy_(master[s:e])
         if phase is not None:
             self._phases.append((phase, t0, time.monotonic()))
@@ -621,62 +630,6 @@ class ZeroOffloadEngine:
         if self._tail is not None:
             self._tail.write_params()
         self._params_to_device()
-
-    # ------------------------------------------------------------------------------------- state
-    def state_dict(self) -> dict:
-        """This DP rank's optimizer state, keyed by parameter name.
-
-        Each entry holds the piece of the (TP-local, flattened) parameter this rank owns --
-        `fragment` = (start, end) -- with the parameter's TP split axis and shard offset, so a
-        resharder can place it in the full tensor for any TP x DP layout.
-        """
-        self.flush()                       # a checkpoint holds nothing pending
-        params: dict[str, dict] = {}
-        for s, host, pstart, n in self.layout.host_fragments():
-            p = s.param
-            axis = int(getattr(p, "partition_dim", 0)) if getattr(p, "tensor_model_parallel", False) else None
-            params[s.name] = {
-                "local_shape": tuple(p.shape), "tp_axis": axis,
-                # where this TP shard starts along tp_axis in the full (vocab-padded) tensor
-                "tp_offset": 0 if axis is None else self.tp_rank * p.shape[axis],
-                "fragment": (pstart, pstart + n),
-                **{key: torch.cat([piece[2 + j].cpu() for piece in self._state_pieces(host, n)]).clone()
-                   for j, key in enumerate(("master", "exp_avg", "exp_avg_sq"))},
-            }
-        return {"step": self.step_count, "adam": asdict(self.adam), "precision": self.precision,
-                "dp_size": self.dp_size, "dp_rank": self.dp_rank, "tp_rank": self.tp_rank,
-                "loss_scaler": self.loss_scaler.state_dict(), "params": params}
-
-    def host_state_views(self):
-        """(name, param, start, n, views) for every piece of a parameter this DP rank owns:
-        elements [start, start + n) of the flattened TP-local parameter, with `views` the matching
-        slices of the host "master", "exp_avg" and "exp_avg_sq" buffers. A checkpoint writes from
-        and reads into these views in place (no copy of the optimizer state); after reading, set
-        step_count and the loss scaler and call reload_params_from_master()."""
-        self.flush()                       # nothing may be in flight while the state is read or written
-        for s, host, pstart, n in self.layout.host_fragments():
-            # with a partial offload a piece may be split: its tail's views live on the device
-            for off, m, master, exp_avg, exp_avg_sq in self._state_pieces(host, n):
-                yield s.name, s.param, pstart + off, m, {"master": master, "exp_avg": exp_avg,
-                                                         "exp_avg_sq": exp_avg_sq}
-
-    def load_state_dict(self, sd: dict) -> None:
-        """Inverse of state_dict() for the same layout; refuses anything that does not match."""
-        params = sd.get("params", {})
-        for s, host, pstart, n in self.layout.host_fragments():
-            entry = params.get(s.name)
-            if entry is None:
-                raise ConfigError(f"optimizer state has no entry for parameter {s.name!r}")
-            if tuple(entry["local_shape"]) != tuple(s.param.shape) or tuple(entry["fragment"]) != (pstart, pstart + n):
-                raise ConfigError(f"optimizer state for {s.name!r} was saved for another layout "
-                                  f"(shape {tuple(entry['local_shape'])}, fragment {tuple(entry['fragment'])}; "
-                                  f"here {tuple(s.param.shape)}, {(pstart, pstart + n)}): reshard it first")
-            for off, m, *views in self._state_pieces(host, n):
-                for view, key in zip(views, ("master", "exp_avg", "exp_avg_sq")):
-                    view.copy_(entry[key][off:off + m])
-        self.step_count = int(sd["step"])
-        self.loss_scaler.load_state_dict(sd["loss_scaler"])
-        self.reload_params_from_master()
 
     def close(self) -> None:
         """Join the worker, remove the hooks and unregister pinned host memory (idempotent).

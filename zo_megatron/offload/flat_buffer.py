@@ -31,6 +31,7 @@ class ParamSlot:
     bucket: int
     decay: bool                 # gets weight decay
     tp_replicated: bool         # identical on every TP rank: counted once in the global norm
+    decoupled: bool = False     # the word embedding / output layer: --decoupled-lr's rate
 
 
 @dataclass
@@ -57,12 +58,20 @@ class Bucket:
 
 @dataclass(frozen=True)
 class Segment:
-    """A run of the host partition with one weight-decay setting and one norm rule."""
+    """A run of the host partition with one weight-decay setting, one norm rule and one learning rate."""
 
     start: int
     end: int
     decay: bool
     counted: bool               # counted in the global grad norm on this rank
+    decoupled: bool = False     # takes the decoupled learning rate (--decoupled-lr), see is_decoupled
+
+
+def is_decoupled(p: torch.nn.Parameter) -> bool:
+    """Megatron-LM's --decoupled-lr group: the parameters megatron-core's LanguageModule marks
+    `is_embedding_or_output_parameter` (the word embedding and the output layer's weight; tied, the
+    one shared weight). The position embedding is not one of them."""
+    return bool(getattr(p, "is_embedding_or_output_parameter", False))
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -90,7 +99,7 @@ class FlatLayout:
             tp_split = bool(getattr(p, "tensor_model_parallel", False))
             decay = p.dim() > 1 and not (no_decay_embeddings and "embedding" in name)
             slot = ParamSlot(name, p, offset, p.numel(), current.index, decay,
-                             tp_replicated=not tp_split and tp_rank != 0)
+                             tp_replicated=not tp_split and tp_rank != 0, decoupled=is_decoupled(p))
             current.slots.append(slot)
             self.slots.append(slot)
             offset += p.numel()
@@ -113,25 +122,26 @@ class FlatLayout:
         self.segments = self._segments()
 
     def _segments(self) -> list[Segment]:
-        """Split this rank's host partition where weight decay or the norm rule changes.
+        """Split this rank's host partition where weight decay, the norm rule or the learning rate
+        (decoupled or not) changes.
 
         Bucket padding joins its neighbour (its gradient and value are always zero)."""
-        marks: list[tuple[int, bool, bool]] = []   # (host offset, decay, counted)
+        marks: list[tuple] = []                    # (host offset, decay, counted, decoupled)
         for b in self.buckets:
             lo, hi = b.shard_range(self.dp_rank)
             for s in b.slots:
                 a, e = max(lo, s.start), min(hi, s.start + s.numel)
                 if a < e:
-                    marks.append((b.host_start + a - lo, s.decay, not s.tp_replicated))
+                    marks.append((b.host_start + a - lo, s.decay, not s.tp_replicated, s.decoupled))
         runs: list[list] = []
-        for off, decay, counted in marks:
-            if not runs or (runs[-1][1], runs[-1][2]) != (decay, counted):
-                runs.append([off, decay, counted])
+        for off, *flags in marks:
+            if not runs or runs[-1][1:] != flags:
+                runs.append([off, *flags])
         if not runs:
             return [Segment(0, self.host_numel, False, True)]
         runs[0][0] = 0
         ends = [r[0] for r in runs[1:]] + [self.host_numel]
-        return [Segment(r[0], e, r[1], r[2]) for r, e in zip(runs, ends)]
+        return [Segment(r[0], e, *r[1:]) for r, e in zip(runs, ends)]
 
     def host_fragments(self):
         """(slot, host_start, param_start, length): which piece of each param this rank holds."""

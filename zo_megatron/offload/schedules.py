@@ -26,7 +26,7 @@ Speculative overlap (`SpeculativeSchedule`, --overlap-cpu-step; docs/overlap.md)
   comm          |rs0 h0|rs1 h1|rs2 h2|
   worker               |A_0...|A_1...|            (A_k backs up its segments' state, updates in place)
   Each bucket's CPU Adam starts as soon as its shard is home, speculating "clean and unclipped"
-  (clip coefficient 1, no overflow, the learning rate announced by expect_lr()), for the prefix
+  (clip coefficient 1, no overflow, the learning rates announced by expect_lr()), for the prefix
   of the partition that the host memory set aside for it holds. After backward the main thread
   takes back the buckets not started, computes the norm, then checks: clean and unclipped ->
   commit (A_rest updates the segments not speculated, R sends the parameters; nothing reached the
@@ -85,15 +85,18 @@ class SynchronousSchedule:
     def before_norm(self, engine) -> None:
         pass
 
-    def step(self, engine, found_inf: bool, grad_norm: float, scale: float, lr: float) -> StepResult:
+    def step(self, engine, found_inf: bool, grad_norm: float, scale: float, rates: tuple[float, float]) -> StepResult:
+        """rates: (the learning rate, the decoupled one of the word embedding and output layer)."""
         if found_inf:                                    # every rank agrees: skip, touch nothing
             return StepResult(True, grad_norm, 0.0, scale)
         clip_coef = engine._clip_coef(grad_norm)
         engine.step_count += 1
         k = engine._cur
+        lr, decoupled_lr = rates
         if engine._tail is not None:       # queued first: on a GPU it runs while the CPU Adam does
-            engine._tail.step(engine.step_count, lr, clip_coef / scale)
-        engine._cpu_update(k, engine._update_grad(), engine.step_count, lr, clip_coef / scale)
+            engine._tail.step(engine.step_count, lr, clip_coef / scale, decoupled_lr)
+        engine._cpu_update(k, engine._update_grad(), engine.step_count, lr, clip_coef / scale,
+                           decoupled_lr=decoupled_lr)
         engine._params_to_device(k)
         return StepResult(False, grad_norm, clip_coef, scale)
 
@@ -110,7 +113,7 @@ class DelayedSchedule(SynchronousSchedule):
 
       - W counts applied updates (the Adam step counter, restored from checkpoints); a step
         skipped for overflow does not count, as it does not update.
-      - The learning rate, clip coefficient and loss scale of an update are those of the step
+      - The learning rates, clip coefficient and loss scale of an update are those of the step
         that produced its gradient (fixed on the main thread before the worker starts). An
         overflowing g_t is dropped on every rank and lowers the scale at step t, as without DPU;
         the pending update of g_{t-1} is still applied.
@@ -137,7 +140,8 @@ class DelayedSchedule(SynchronousSchedule):
         # (dpu_diagnostics.py); None, and nothing done, when the variable is unset.
         self.diagnostics = WeightError.from_env()
 
-    def _predicted_update(self, engine, k: int, grad, step: int, lr: float, grad_scale: float) -> None:
+    def _predicted_update(self, engine, k: int, grad, step: int, lr: float, grad_scale: float,
+                          decoupled_lr: float | None = None) -> None:
         """Worker: the CPU Adam of g_t, then the device copy extrapolated by this update.
 
         Forward/backward of step t+2 run on what the device gets at step t+1, while the update of
@@ -148,25 +152,25 @@ class DelayedSchedule(SynchronousSchedule):
         """
         prev = self.prev_master
         prev.copy_(engine.master)
-        engine._cpu_update(k, grad, step, lr, grad_scale)
+        engine._cpu_update(k, grad, step, lr, grad_scale, decoupled_lr=decoupled_lr)
         out = engine._params[k]
         torch.sub(engine.master, prev, out=prev)           # prev <- u_t = w_t - w_{t-1}
         prev.add_(engine.master)                           # prev <- w_t + u_t (the whole partition:
         out.copy_(prev)                                    # DPU refuses partial offload)
 
-    def step(self, engine, found_inf: bool, grad_norm: float, scale: float, lr: float) -> StepResult:
+    def step(self, engine, found_inf: bool, grad_norm: float, scale: float, rates: tuple[float, float]) -> StepResult:
         self.flush(engine, predicted=True)               # the update of g_{t-1}, if one is in flight
         if engine.step_count + 1 < self.warmup_steps or found_inf:
-            return super().step(engine, found_inf, grad_norm, scale, lr)
+            return super().step(engine, found_inf, grad_norm, scale, rates)
         clip_coef = engine._clip_coef(grad_norm)
         engine.step_count += 1
         result = StepResult(False, grad_norm, clip_coef, scale)
         if self.diagnostics is not None:
             self.diagnostics.before_submit(engine)
         k = engine._cur
-        update = (k, engine._update_grad(), engine.step_count, lr, clip_coef / scale)
+        update = (k, engine._update_grad(), engine.step_count, rates[0], clip_coef / scale)
         kernel = engine._cpu_update if self.prev_master is None else partial(self._predicted_update, engine)
-        self.pending = (self.worker.submit(kernel, *update), k, result)
+        self.pending = (self.worker.submit(kernel, *update, decoupled_lr=rates[1]), k, result)
         engine._cur = 1 - k                              # step t+1's gradients land in the other set
         return result
 
@@ -263,8 +267,9 @@ class SpeculativeSchedule(SynchronousSchedule):
         aliased = any(p.data_ptr() == g.data_ptr() for p, g in zip(engine._params, engine._grads))
         self.params = engine.dev.host_empty(n, engine.dtype) if aliased and not engine.accumulate_on_host else None
         self.backup_bytes = sum(t.numel() * t.element_size() for t in (*self.backup, self.params) if t is not None)
-        self.next_lr: float | None = None   # expect_lr(): the learning rate the coming step() gets
-        self.last_lr: float = engine.adam.lr
+        # expect_lr(): the learning rates (rate, decoupled rate) the coming step() gets
+        self.next_lr: tuple[float, float] | None = None
+        self.last_lr: tuple[float, float] = (engine.adam.lr, engine.adam.lr)
         self.max_backoff = 64               # (tests set 0 to speculate every step)
         self.backoff = 0                    # steps not speculated after the last rollback ...
         self.hold = 0                       # ... and how many of them are still to come
@@ -274,7 +279,7 @@ class SpeculativeSchedule(SynchronousSchedule):
         self.futures: list = []             # the worker's tasks, one per bucket, in order ...
         self._queued: list = []             # ... and their arguments (before_norm may take some back)
         self.active = False                 # a speculating backward is under way (last micro-batch)
-        self.args = None                    # (step, lr, grad_scale, first micro-batch) speculated
+        self.args = None                    # (step, rates, grad_scale, first micro-batch) speculated
         self.done: list[int] = []           # indices of engine._host_segments updated speculatively
         self.buckets = 0                    # buckets whose segments were (at least partly) speculated
         self._next_seg = 0                  # the first host segment not yet speculated
@@ -294,9 +299,9 @@ class SpeculativeSchedule(SynchronousSchedule):
         if self.hold:                       # backing off after a rollback: a synchronous step
             self.hold -= 1
             return
-        lr = self.next_lr if self.next_lr is not None else self.last_lr
+        rates = self.next_lr if self.next_lr is not None else self.last_lr
         self.active = True
-        self.args = (engine.step_count + 1, lr, 1.0 / engine.loss_scaler.scale, engine._micro == 0)
+        self.args = (engine.step_count + 1, rates, 1.0 / engine.loss_scaler.scale, engine._micro == 0)
 
     def on_bucket_home(self, engine, bucket, handle) -> None:
         """Main thread, right after bucket's copy home was queued: hand its CPU Adam to the worker."""
@@ -328,13 +333,14 @@ class SpeculativeSchedule(SynchronousSchedule):
         if j == j0:
             return
         t0 = time.monotonic()                   # the phase is the worker's work, not its wait
-        step, lr, grad_scale, _ = self.args
+        step, (lr, decoupled_lr), grad_scale, _ = self.args
         lo, hi = segs[j0][0], segs[j - 1][1]
         for live, kept in zip(_live_state(engine), self.backup):
             kept[lo:hi].copy_(live[lo:hi])
         self._next_seg = j
         grad = engine._update_grad()
-        engine._cpu_update(engine._cur, grad, step, lr, grad_scale, segments=segs[j0:j], phase=None, out=self.params)
+        engine._cpu_update(engine._cur, grad, step, lr, grad_scale, segments=segs[j0:j], phase=None, out=self.params,
+                           decoupled_lr=decoupled_lr)
         self.done.extend(range(j0, j))
         self.buckets += 1
         if engine.race_check:   # what the kernel read and wrote must not change until the join
@@ -377,16 +383,16 @@ class SpeculativeSchedule(SynchronousSchedule):
                                    f"CPU Adam and the end of backward (first at partition index {at})")
         self._race = []
 
-    def step(self, engine, found_inf: bool, grad_norm: float, scale: float, lr: float) -> StepResult:
+    def step(self, engine, found_inf: bool, grad_norm: float, scale: float, rates: tuple[float, float]) -> StepResult:
         self.before_norm(engine)            # (already joined by the engine; kept for direct callers)
-        self.next_lr, self.last_lr = None, lr
+        self.next_lr, self.last_lr = None, rates
         if not self.active:                 # no speculating backward: the plain synchronous step
             self._reset()
-            return super().step(engine, found_inf, grad_norm, scale, lr)
+            return super().step(engine, found_inf, grad_norm, scale, rates)
         speculated, args, done = self.buckets, self.args, self.done
         clip_coef = 1.0 if found_inf else engine._clip_coef(grad_norm)
-        step, spec_lr, spec_grad_scale, _ = args
-        rollback = found_inf or clip_coef != 1.0 or lr != spec_lr or clip_coef / scale != spec_grad_scale \
+        step, spec_rates, spec_grad_scale, _ = args
+        rollback = found_inf or clip_coef != 1.0 or rates != spec_rates or clip_coef / scale != spec_grad_scale \
             or step != engine.step_count + 1
         if rollback:
             t0 = time.monotonic()
@@ -401,13 +407,15 @@ class SpeculativeSchedule(SynchronousSchedule):
                               rolled_back_buckets=speculated)
         engine.step_count += 1
         k = engine._cur
+        lr, decoupled_lr = rates
         if engine._tail is not None:        # the device part needs no speculation
-            engine._tail.step(engine.step_count, lr, clip_coef / scale)
+            engine._tail.step(engine.step_count, lr, clip_coef / scale, decoupled_lr)
         # A redo updates every segment from the restored state; a commit the segments after the
         # speculated ones (done is a prefix: buckets land in order). Both in place.
         rest = None if rollback else engine._host_segments[len(done):]
         if rest is None or rest:
-            engine._cpu_update(k, engine._update_grad(), engine.step_count, lr, clip_coef / scale, segments=rest)
+            engine._cpu_update(k, engine._update_grad(), engine.step_count, lr, clip_coef / scale, segments=rest,
+                               decoupled_lr=decoupled_lr)
         prefix = None if rollback or self.params is None or not done else \
             self.params[:engine._host_segments[done[-1]][1]]
         engine._params_to_device(k, prefix=prefix)

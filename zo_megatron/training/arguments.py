@@ -212,6 +212,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="WSD: iterations of the final anneal (required with --lr-decay-style WSD)")
     g.add_argument("--lr-wsd-decay-style", choices=WSD_DECAY_STYLES, default="exponential",
                    help="WSD: shape of the final anneal")
+    g.add_argument("--decoupled-lr", type=float, default=None,
+                   help="peak learning rate of the input and output layer (the word embedding and output layer "
+                        "weights, one weight when tied), on the same warmup and decay as --lr (Megatron's "
+                        "decoupled param group)")
+    g.add_argument("--decoupled-min-lr", type=float, default=None,
+                   help="with --decoupled-lr: where that rate decays to (default: --min-lr); without it, no "
+                        "effect (as in Megatron-LM)")
 
     g = p.add_argument_group("optimizer")
     g.add_argument("--optimizer", choices=["adam"], default="adam")
@@ -613,6 +620,7 @@ _RANGES = [
     ("lr_warmup_iters", lambda v: v >= 0, ">= 0"), ("lr_decay_iters", lambda v: v >= 1, ">= 1"),
     ("lr_warmup_fraction", lambda v: 0 <= v < 1, "in [0, 1)"), ("lr_warmup_init", lambda v: v >= 0, ">= 0"),
     ("lr_wsd_decay_iters", lambda v: v >= 1, ">= 1"),
+    ("decoupled_lr", lambda v: v > 0, "> 0"), ("decoupled_min_lr", lambda v: v >= 0, ">= 0"),
     ("weight_decay", lambda v: v >= 0, ">= 0"), ("adam_beta1", lambda v: 0 <= v < 1, "in [0, 1)"),
     ("adam_beta2", lambda v: 0 <= v < 1, "in [0, 1)"), ("adam_eps", lambda v: v > 0, "> 0"),
     ("clip_grad", lambda v: v >= 0, ">= 0 (0: no clipping)"), ("loss_scale", lambda v: v > 0, "> 0"),

@@ -28,7 +28,8 @@ FROM_SAVED_ARGS = ("seq_length", "tokenizer_type", "tokenizer_model", "vocab_fil
                    "allow_custom_vocab", "make_vocab_size_divisible_by")
 # Megatron's OptimizerParamScheduler state -> this parser's dests (--use-checkpoint-opt_param-scheduler).
 SCHEDULER_FIELDS = {"max_lr": "lr", "min_lr": "min_lr", "lr_warmup_steps": "lr_warmup_iters",
-                    "lr_decay_steps": "lr_decay_iters", "lr_decay_style": "lr_decay_style"}
+                    "lr_decay_steps": "lr_decay_iters", "lr_decay_style": "lr_decay_style",
+                    "decoupled_lr": "decoupled_lr", "decoupled_min_lr": "decoupled_min_lr"}
 # Fields of the "model" dict that are not flags. None: even the vocabulary is one (--vocab-size,
 # which a checkpoint whose vocabulary is larger than its tokenizer's, as Qwen2's, needs).
 NOT_FLAGS: tuple[str, ...] = ()

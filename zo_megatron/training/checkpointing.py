@@ -17,9 +17,14 @@ from zo_megatron.training.user_report import extend_hint
 
 
 def schedule_state(args, iteration: int) -> dict:
-    """The LR schedule as Megatron's OptimizerParamScheduler saves it (checked on resume)."""
+    """The LR schedule as Megatron's OptimizerParamScheduler saves it (checked on resume), with the
+    decoupled group's peak and floor (None without --decoupled-lr, which --decoupled-min-lr needs)."""
+    decoupled = getattr(args, "decoupled_lr", None)
     return {"max_lr": args.lr, "min_lr": args.min_lr, "lr_warmup_steps": args.lr_warmup_iters,
-            "lr_decay_steps": args.lr_decay_iters, "lr_decay_style": args.lr_decay_style, "num_steps": iteration}
+            "lr_decay_steps": args.lr_decay_iters, "lr_decay_style": args.lr_decay_style,
+            "decoupled_lr": decoupled,
+            "decoupled_min_lr": None if decoupled is None else getattr(args, "decoupled_min_lr", None),
+            "num_steps": iteration}
 
 
 class Checkpointer:
@@ -104,6 +109,7 @@ class Checkpointer:
             s = res.opt_param_scheduler
             args.lr, args.min_lr, args.lr_warmup_iters = s["max_lr"], s["min_lr"], s["lr_warmup_steps"]
             args.lr_decay_iters, args.lr_decay_style = s["lr_decay_steps"], s["lr_decay_style"]
+            args.decoupled_lr, args.decoupled_min_lr = s.get("decoupled_lr"), s.get("decoupled_min_lr")
         if res.resharded_from is not None:
             metrics.print(f" resharded from TP{res.resharded_from[0]} x DP{res.resharded_from[1]} to "
                           f"TP{ps.tp_size} x DP{ps.dp_size} (RNG: {res.rng_restored})")

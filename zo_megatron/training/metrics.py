@@ -117,7 +117,8 @@ class Metrics:
         gn = row["grad_norm"]
         when = f"[{row['time'].replace('T', ' ').replace('+00:00', ' UTC')}] " if row.get("time") else ""
         line = (f" {when}iter {it:>6}/{self.total_iters} | loss {row['loss']:.4f} | lr {row['lr']:.3e} | "
-                f"grad norm {gn:.3f} | loss scale {row['loss_scale']:.0f} | "
+                + (f"decoupled lr {row['decoupled_lr']:.3e} | " if row.get("decoupled_lr") is not None else "")
+                + f"grad norm {gn:.3f} | loss scale {row['loss_scale']:.0f} | "
                 f"skipped {row['skipped']} nan {row['nan_iterations']} | "
                 + (f"speculated {row['speculated_buckets']} rolled back {row['rolled_back_buckets']} | "
                    if row.get("overlap_cpu_step") else "")

@@ -14,6 +14,7 @@ import torch
 
 from zo_megatron.errors import ConfigError
 from zo_megatron.offload.accounting import Accounting
+from zo_megatron.offload.flat_buffer import is_decoupled
 from zo_megatron.offload.loss_scaler import ConstantLossScaler, DynamicLossScaler
 from zo_megatron.optimizer_api import AdamConfig, StepResult
 from zo_megatron.parallel import collectives
@@ -62,13 +63,17 @@ class PlainDDPOptimizer:
         self.tp_group = tp_group
         # Replicated-across-TP params are counted once in the global norm (on TP rank 0).
         self._counted = [bool(getattr(p, "tensor_model_parallel", False)) or tp_rank == 0 for p in self.params]
-        decay, no_decay = [], []
+        # Megatron's groups: weight decay or not x the decoupled rate (--decoupled-lr: the word
+        # embedding and output layer, flat_buffer.is_decoupled) or not; empty groups left out.
+        groups: dict[tuple[bool, bool], list] = {}
         for name, p in model.named_parameters():
             if p.requires_grad:
-                (decay if p.dim() > 1 and not (no_decay_embeddings and "embedding" in name) else no_decay).append(p)
+                decay = p.dim() > 1 and not (no_decay_embeddings and "embedding" in name)
+                groups.setdefault((decay, is_decoupled(p)), []).append(p)
         a = self.adam
         self.opt = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": a.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            [{"params": ps, "weight_decay": a.weight_decay if decay else 0.0, "decoupled": decoupled}
+             for (decay, decoupled), ps in sorted(groups.items(), key=lambda kv: (kv[0][1], not kv[0][0]))],
             lr=a.lr, betas=(a.beta1, a.beta2), eps=a.eps, fused=True)
         n = sum(p.numel() for p in self.params)
         self.accounting = Accounting(device_param_bytes=4 * n, device_bucket_bytes=4 * n,
@@ -107,14 +112,14 @@ class PlainDDPOptimizer:
                 p.grad.copy_(flat[off:off + p.numel()].view_as(p.grad))
                 off += p.numel()
 
-    def step(self, lr: float | None = None) -> StepResult:
+    def step(self, lr: float | None = None, decoupled_lr: float | None = None) -> StepResult:
         t0 = time.monotonic()
         try:
-            return self._step(lr)
+            return self._step(lr, decoupled_lr)
         finally:
             self._phases = [("optimizer_step", t0, time.monotonic())]
 
-    def _step(self, lr: float | None) -> StepResult:
+    def _step(self, lr: float | None, decoupled_lr: float | None) -> StepResult:
         self._allreduce_grads()
         scale = self.loss_scaler.scale
         # One device->host transfer, one small all-reduce.
@@ -131,8 +136,9 @@ class PlainDDPOptimizer:
         clip = min(1.0, self.clip_grad / (norm + 1e-6)) if self.clip_grad and self.clip_grad > 0 else 1.0
         if clip / scale != 1.0:
             torch._foreach_mul_(grads, clip / scale)
+        lr = self.adam.lr if lr is None else lr
         for g in self.opt.param_groups:
-            g["lr"] = self.adam.lr if lr is None else lr
+            g["lr"] = decoupled_lr if g["decoupled"] and decoupled_lr is not None else lr
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.step_count += 1

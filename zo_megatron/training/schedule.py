@@ -8,7 +8,11 @@ Same names, units and timing as Megatron, so a curve from a Megatron run lines u
   `--lr-warmup-init` (0), the last decay update one step above `--min-lr`;
 - `step()` is called only after a successful update (an fp16 step skipped for overflow does not
   advance the schedule);
-- inverse-square-root gives `--min-lr` past `--lr-decay-iters`, as Megatron's does.
+- inverse-square-root gives `--min-lr` past `--lr-decay-iters`, as Megatron's does;
+- `--decoupled-lr` (with `--decoupled-min-lr`, default `--min-lr`) is the peak (floor) of a second
+  group, the word embedding and output layer: Megatron gives that param group its own `max_lr` /
+  `min_lr` and the same scheduler, so its rate has the same warmup (from `--lr-warmup-init`) and
+  decay shape (`get_decoupled_lr`). As in Megatron, `--decoupled-min-lr` alone changes nothing.
 
 `state_dict()` holds what Megatron's holds, so a checkpoint can resume the schedule exactly.
 """
@@ -27,7 +31,8 @@ class LRScheduler:
 
     def __init__(self, *, max_lr: float, min_lr: float, warmup_steps: int, decay_steps: int,
                  decay_style: str, init_lr: float = 0.0, wsd_decay_steps: int | None = None,
-                 wsd_decay_style: str = "exponential"):
+                 wsd_decay_style: str = "exponential", decoupled_lr: float | None = None,
+                 decoupled_min_lr: float | None = None):
         if decay_style not in DECAY_STYLES:
             raise ConfigError(f"--lr-decay-style {decay_style} is unknown: choose from {', '.join(DECAY_STYLES)}")
         if not 0.0 <= min_lr <= max_lr:
@@ -50,7 +55,18 @@ class LRScheduler:
             if wsd_decay_style not in WSD_DECAY_STYLES:
                 raise ConfigError(f"--lr-wsd-decay-style {wsd_decay_style} is unknown: choose from "
                                   f"{', '.join(WSD_DECAY_STYLES)}")
+        if decoupled_lr is not None:        # Megatron asserts min <= max for --lr's group only
+            if decoupled_min_lr is not None and decoupled_min_lr > decoupled_lr:
+                raise ConfigError(f"--decoupled-min-lr {decoupled_min_lr:g} exceeds --decoupled-lr {decoupled_lr:g}: "
+                                  "the decay would climb; use --decoupled-min-lr <= --decoupled-lr")
+            if decoupled_min_lr is None and min_lr > decoupled_lr:
+                raise ConfigError(f"--decoupled-lr {decoupled_lr:g} is below --min-lr {min_lr:g}, where it decays to "
+                                  "without --decoupled-min-lr: the decay would climb; add --decoupled-min-lr "
+                                  "<= --decoupled-lr")
         self.max_lr, self.min_lr, self.init_lr = float(max_lr), float(min_lr), float(init_lr)
+        # Megatron's decoupled param group: its own max_lr, and min_lr if --decoupled-min-lr is given
+        self.decoupled_lr = None if decoupled_lr is None else float(decoupled_lr)
+        self.decoupled_min_lr = None if decoupled_lr is None or decoupled_min_lr is None else float(decoupled_min_lr)
         self.lr_warmup_steps, self.lr_decay_steps = int(warmup_steps), int(decay_steps)
         self.lr_decay_style = decay_style
         self.wsd_decay_steps = wsd_decay_steps
@@ -74,19 +90,31 @@ class LRScheduler:
         wsd = args.lr_wsd_decay_iters * gbs if getattr(args, "lr_wsd_decay_iters", None) is not None else None
         return cls(max_lr=args.lr, min_lr=args.min_lr, warmup_steps=warmup, decay_steps=decay,
                    decay_style=args.lr_decay_style, init_lr=getattr(args, "lr_warmup_init", 0.0),
-                   wsd_decay_steps=wsd, wsd_decay_style=getattr(args, "lr_wsd_decay_style", "exponential"))
+                   wsd_decay_steps=wsd, wsd_decay_style=getattr(args, "lr_wsd_decay_style", "exponential"),
+                   decoupled_lr=getattr(args, "decoupled_lr", None),
+                   decoupled_min_lr=getattr(args, "decoupled_min_lr", None))
 
-    def get_lr(self) -> float:
-        """The rate for the next update (Megatron's formulas, in its order of cases)."""
+    def get_decoupled_lr(self) -> float | None:
+        """The decoupled group's rate for the next update (None without --decoupled-lr): Megatron's
+        get_lr for a param group with max_lr = --decoupled-lr, min_lr = --decoupled-min-lr or --min-lr."""
+        if self.decoupled_lr is None:
+            return None
+        return self.get_lr(self.decoupled_lr, self.min_lr if self.decoupled_min_lr is None else self.decoupled_min_lr)
+
+    def get_lr(self, max_lr: float | None = None, min_lr: float | None = None) -> float:
+        """The rate for the next update (Megatron's formulas, in its order of cases); `max_lr` /
+        `min_lr`: a param group's own (Megatron's param_group['max_lr'] / ['min_lr']), default --lr / --min-lr."""
         n = self.num_steps
+        max_lr = self.max_lr if max_lr is None else max_lr
+        min_lr = self.min_lr if min_lr is None else min_lr
         if self.lr_warmup_steps > 0 and n <= self.lr_warmup_steps:
-            return self.init_lr + (self.max_lr - self.init_lr) * n / self.lr_warmup_steps
+            return self.init_lr + (max_lr - self.init_lr) * n / self.lr_warmup_steps
         if self.lr_decay_style == "constant":
-            return self.max_lr
+            return max_lr
         if n > self.lr_decay_steps:
-            return self.min_lr
+            return min_lr
         if self.lr_decay_style == "inverse-square-root":
-            return max(self.min_lr, self.max_lr * math.sqrt(max(self.lr_warmup_steps, 1)) / math.sqrt(max(n, 1)))
+            return max(min_lr, max_lr * math.sqrt(max(self.lr_warmup_steps, 1)) / math.sqrt(max(n, 1)))
         ratio = (n - self.lr_warmup_steps) / (self.lr_decay_steps - self.lr_warmup_steps)
         if self.lr_decay_style == "linear":
             coeff = 1.0 - ratio
@@ -101,14 +129,14 @@ class LRScheduler:
                 coeff = {"linear": lambda: 1.0 - r, "cosine": lambda: 0.5 * (math.cos(math.pi * r) + 1.0),
                          "exponential": lambda: 2.0 * 0.5 ** r - 1.0,
                          "minus_sqrt": lambda: 1.0 - math.sqrt(r)}[self.lr_wsd_decay_style]()
-        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+        return min_lr + coeff * (max_lr - min_lr)
 
     def step(self, increment: int) -> None:
         """Advance by `increment` samples; call after a SUCCESSFUL update only."""
         self.num_steps += int(increment)
 
     _KEYS = ("max_lr", "min_lr", "init_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style",
-             "wsd_decay_steps", "lr_wsd_decay_style", "num_steps")
+             "wsd_decay_steps", "lr_wsd_decay_style", "decoupled_lr", "decoupled_min_lr", "num_steps")
 
     def state_dict(self) -> dict:
         """Plain Python values (JSON- and weights_only-safe), Megatron's key names where it has them."""

@@ -52,9 +52,10 @@ class StepLog:
         finally:
             self.t += self.clock() - t0
 
-    def write(self, iteration: int, lr: float, res, consumed_samples: int) -> None:
+    def write(self, iteration: int, lr: float, res, consumed_samples: int, decoupled_lr: float | None = None) -> None:
         """The window as one row, then a fresh window. The loss is the mean over the window's finite
-        losses of every DP rank; the memory peaks are every rank's (one small gather per record)."""
+        losses of every DP rank; the memory peaks are every rank's (one small gather per record).
+        `decoupled_lr` (--decoupled-lr's rate) is in the row only when the run has one."""
         args, ps = self.args, self.ps
         stats = torch.tensor([self.loss, self.n - self.nan], dtype=torch.float64)
         collectives.all_reduce(stats, group=ps.dp_group)
@@ -69,6 +70,7 @@ class StepLog:
             "iteration": iteration, "time": wall_clock(), "consumed_samples": consumed_samples,
             "consumed_tokens": consumed_samples * args.seq_length,
             "loss": stats[0].item() / max(stats[1].item(), 1.0), "lr": lr,
+            **({} if decoupled_lr is None else {"decoupled_lr": decoupled_lr}),
             "grad_norm": self.grad_norm, "loss_scale": res.loss_scale, "skipped": self.skipped,
             "nan_iterations": self.nan, "tokens_per_s": tokens / dt, "step_time_s": dt / max(self.n, 1),
             "tflops_per_rank": tflops, "mfu": tflops / self.peak_tflops if self.peak_tflops else None,

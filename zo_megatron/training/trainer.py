@@ -159,11 +159,11 @@ class Trainer:
         return self.finish(stop_reason)
 
     # ---- one iteration's parts ------------------------------------------------------------------
-    def forward_backward(self, lr: float) -> torch.Tensor:
+    def forward_backward(self, lr: float, decoupled_lr: float | None = None) -> torch.Tensor:
         """Forward and backward over --grad-accum-steps micro-batches; the mean loss (on the device)."""
         it, n = self.state.iteration + 1, self.args.grad_accum_steps
         if hasattr(self.optimizer, "expect_lr"):    # a speculated CPU step (--overlap-cpu-step) uses it
-            self.optimizer.expect_lr(lr)
+            self.optimizer.expect_lr(lr, decoupled_lr)
         phase = self.timeline.phase if self.timeline is not None else _no_phase
         step_loss = torch.zeros((), device=self.ps.device)
         for m in range(n):

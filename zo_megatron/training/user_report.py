@@ -32,6 +32,16 @@ def auto_fraction_reason(inp, f) -> str:
             f"{max(0.0, f - 0.05):.0%} would need device {format_bytes(less.device_bytes_per_gpu)}/rank")
 
 
+def decoupled_words(args) -> str:
+    """The banner's words for --decoupled-lr (Megatron's decoupled param group), or for a
+    --decoupled-min-lr that has no effect without it (as in Megatron-LM)."""
+    peak, floor = getattr(args, "decoupled_lr", None), getattr(args, "decoupled_min_lr", None)
+    if peak is not None:
+        return (f"; word embedding and output layer: lr {peak:g}, min "
+                f"{args.min_lr if floor is None else floor:g} (--decoupled-lr)")
+    return "; --decoupled-min-lr has no effect without --decoupled-lr (as in Megatron-LM)" if floor is not None else ""
+
+
 def extend_hint(args):
     """The fix for extending a finished run: --train-iters grew, so the default --lr-decay-iters did
     and the schedule no longer matches the checkpoint's. Megatron refuses it the same way (its
@@ -186,7 +196,7 @@ def banner(metrics, args, ps, cfg, optimizer, data_path, setup_s) -> None:
         f" attention: {attention_line(cfg, ps)}",
         f" batch: global {args.global_batch_size} = micro {args.micro_batch_size} x DP {ps.dp_size} x accumulation "
         f"{args.grad_accum_steps}; {args.train_iters} iterations, lr {args.lr:g} {args.lr_decay_style} "
-        f"(warmup {args.lr_warmup_iters}, min {args.min_lr:g})"
+        f"(warmup {args.lr_warmup_iters}, min {args.min_lr:g})" + decoupled_words(args)
         + value_sources(args, ("micro_batch_size", "train_iters", "lr", "lr_decay_style", "lr_warmup_iters",
                                "min_lr")),
         f" data: {src}" + (f"; tokenizer: HuggingFaceTokenizer {args.tokenizer_model}"
