@@ -18,7 +18,8 @@
 #                       16-bit logits 0.10 + fp32 copy 0.19 + pad-column mask 0.10),
 #                       fragmentation 0.05
 #   host per machine  : 1.84 GiB (1.81): model states 2 x 123.7 MiB (2 x 108.2 MiB with bf16),
-#                       2 processes x 0.6 GiB, 0.4 GiB reserve (the job's: a tenth of the RAM);
+#                       2 processes x 0.49 GiB + 0.22 GiB for the launcher, 0.4 GiB reserve (the
+#                       job's: a tenth of the RAM);
 #                       the CPU step is synchronous (the --overlap-cpu-step default is off where
 #                       the device is the host: nothing speculated, no rollback state).
 #                       Everything together 2 x 0.62 + 1.84 = 3.08 GiB of the 4 GiB (2.89).
