@@ -1,5 +1,5 @@
 """tools/find_max_model.py at a tiny scale: fake host-memory limits of about a GiB (the job's own
-planned process overhead on a CPU is 0.6 GiB per rank), so the largest model is a few million
+planned process overhead on a CPU is 0.49 GiB per rank + 0.22 per node), so the largest model is a few million
 parameters and each run takes seconds.
 
 1. The search (the job's own pre-launch plan for size k) is monotone, its k fits and k+1 does not,
