@@ -131,6 +131,24 @@ def test_margin_warning_near_the_edge():
         assert p.fits and near == (free < 0.05 * p.device_bytes_per_gpu), (k, p.warnings)
 
 
+def test_the_jobs_banner_carries_the_margin_warning():
+    """The job prints the plan's 'near the edge' line in its banner (user_report.plan_warnings)."""
+    from types import SimpleNamespace
+
+    from zo_megatron.training import user_report
+
+    tmpl = P.apply_hardware_preset(PlanInput(num_layers=1, hidden_size=512, num_attention_heads=16,
+                                             seq_length=32), "cpu").replace(gpu_memory_bytes=6 * GiB,
+                                                                            host_memory_bytes_per_node=6 * GiB)
+    edge = plan(tmpl.replace(num_layers=P.max_model(tmpl, "layers")[1]["num_layers"]))
+    roomy = plan(tmpl.replace(num_layers=1))
+    near = [w for w in edge.warnings if w.startswith("near the edge")]
+    assert near and not [w for w in roomy.warnings if w.startswith("near the edge")]
+    assert user_report.plan_warnings(SimpleNamespace(memory_plan=edge)) == [f" warning: memory plan {near[0]}"]
+    assert user_report.plan_warnings(SimpleNamespace(memory_plan=roomy)) == []
+    assert user_report.plan_warnings(SimpleNamespace(memory_plan=None)) == []
+
+
 def test_os_reserve_scales_with_the_host():
     def reserve(**hw):
         return plan(PlanInput(num_layers=2, hidden_size=64, num_attention_heads=4, **hw)).host_items["os_reserve"]

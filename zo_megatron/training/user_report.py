@@ -147,6 +147,14 @@ def pin_memory_warnings(args, ps) -> list[str]:
     return []
 
 
+def plan_warnings(args) -> list[str]:
+    """The banner's warning when the pre-launch plan fits with less headroom than the planner's
+    measured error (planner.PLAN_ERROR_MARGIN): the run may still not fit."""
+    plan = getattr(args, "memory_plan", None)
+    return [f" warning: memory plan {w}" for w in (plan.warnings if plan is not None else ())
+            if w.startswith("near the edge")]
+
+
 def noop_lines(args) -> list[str]:
     """The banner's line naming the Megatron-LM flags given that do nothing here (issue 35, item 9)."""
     from zo_megatron.training.megatron_flags import noops_given
@@ -205,6 +213,7 @@ def banner(metrics, args, ps, cfg, optimizer, data_path, setup_s) -> None:
         + (f"; planner: device {human_bytes(plan.device_bytes_per_gpu)}/rank, host {human_bytes(plan.host_bytes_per_node)}/node"
            if plan is not None else ""),
         *pin_memory_warnings(args, ps),
+        *plan_warnings(args),
         *noop_lines(args),
         *([f" {args.load_note}"] if getattr(args, "load_note", None) else []),
         f" set-up took {setup_s:.1f}s; {NOTICES}",
