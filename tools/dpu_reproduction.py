@@ -40,7 +40,8 @@ repeatable), as the engine runs them (offload/schedules.py), updates 1 .. W-1 ex
 
 Every --eval-interval iterations: the validation loss (the same --eval-iters batches each time).
 Every 10 iterations: ||p_k - w_k|| / ||w_k - w_{k-1}|| (the device's distance to the exact weights
-in units of the last update). Every arm runs with --seeds seeds (init and data order; seed s gives
+in units of the last update) and where it sits (the tensor with most of it, and how much of that lies
+in the elements whose fresh gradient dwarfs the v before it). Every arm runs with --seeds seeds (init and data order; seed s gives
 every arm the same init and batches); the report gives each arm's mean, spread and gap to exact
 (tools/dpu_report.py). Each run's curve is kept in --runs-dir (reused when its settings match, so
 an interrupted measurement resumes).
@@ -208,6 +209,20 @@ def update(sched: Schedule, k: int, master, device, grads, lr: float, dc_lambda:
     return nxt, before, norm
 
 
+def _where(names, errs, device, master, grads, opt) -> tuple:
+    """Where the device error ||p - w||^2 sits: the tensor holding most of it, its share, and the
+    share of that tensor's error in the elements whose fresh gradient dwarfs the v before it
+    ((c g)^2 > 100 v_{k-1}, v_{k-1} recovered from v_k), with those elements' fraction."""
+    i = max(range(len(errs)), key=errs.__getitem__)
+    b2 = opt.betas[1]
+    g2 = grads[i] * grads[i]
+    v_prev = (opt.v[i] - (1.0 - b2) * g2) / b2
+    outlier = g2 > 100.0 * v_prev.clamp_min(0.0)
+    e = (device[i] - master[i]) ** 2
+    return (names[i], errs[i] / sum(errs), e[outlier].sum().item() / max(e.sum().item(), 1e-300),
+            outlier.float().mean().item())
+
+
 def run(arm: str, seed: int, cfg: dict) -> dict:
     """One arm, one seed: the training curve, the validation curve and the device-weight error."""
     import torch
@@ -253,7 +268,9 @@ def run(arm: str, seed: int, cfg: dict) -> dict:
         sched.flushed()
         return sum(loss_of(*batch(valid_ds, i)).item() for i in range(cfg["eval_iters"])) / cfg["eval_iters"]
 
-    out = {"arm": arm, "seed": seed, "train": [], "val": [], "weight_error": [], "grad_norm": []}
+    names = [n for n, _ in model.named_parameters()]
+    out = {"arm": arm, "seed": seed, "train": [], "val": [], "weight_error": [], "weight_error_where": [],
+           "grad_norm": []}
     t0 = time.monotonic()
     for k in range(1, T + 1):
         model.zero_grad(set_to_none=True)
@@ -271,15 +288,33 @@ def run(arm: str, seed: int, cfg: dict) -> dict:
                   f"grad_norm {norm:.3f} ({time.monotonic() - t0:.0f} s)", flush=True)
         if (k + 1) % dpu_report.DIAG_EVERY == 0 and k < T:     # the weights iteration k+1 will use
             with torch.no_grad():
-                num = sum(((p - w) ** 2).sum().item() for p, w in zip(device, master))
+                errs = [((p - w) ** 2).sum().item() for p, w in zip(device, master)]
                 den = sum(((w - v) ** 2).sum().item() for w, v in zip(master, before))
-            out["weight_error"].append((k + 1, math.sqrt(num / den) if den > 0 else 0.0))
+            out["weight_error"].append((k + 1, math.sqrt(sum(errs) / den) if den > 0 else 0.0))
+            if sum(errs) > 0:
+                out["weight_error_where"].append((k + 1, *_where(names, errs, device, master, grads, opt)))
     out["final_val_loss"] = out["val"][-1][1]
     out["wall_s"] = time.monotonic() - t0
     return out
 
 
 # ------------------------------------------------------------------------------------ the CLI
+def _weight_error_line(arm: str, by_seed: dict, warmup: int) -> str:
+    """The device's mean distance to the exact weights after the delay starts, and where it sits."""
+    errs = [v for r in by_seed.values() for it, v in r["weight_error"] if it > warmup]
+    where = [w for r in by_seed.values() for w in r.get("weight_error_where", []) if w[0] > warmup]
+    line = f"  {arm:28s} weight error after W: " + (f"mean {sum(errs) / len(errs):.3f}, max {max(errs):.3f}"
+                                                     if errs else "n/a")
+    if where:
+        top = max(set(w[1] for w in where), key=[w[1] for w in where].count)
+        mine = [w for w in where if w[1] == top]
+        line += (f"; mostly in {top} ({len(mine)}/{len(where)} checks, {sum(w[2] for w in mine) / len(mine):.0%} of "
+                 f"the error), {sum(w[3] for w in mine) / len(mine):.0%} of that in the "
+                 f"{sum(w[4] for w in mine) / len(mine):.2%} of its elements with (c g)^2 > 100 v_(k-1)")
+    return line
+
+
+
 def _config(args) -> dict:
     shape = dict(dpu_report.MODES[args.shape])
     for key in ("train_iters", "eval_interval"):
@@ -366,6 +401,8 @@ def main(argv=None) -> int:
     summary = dpu_report.summary(finals, args.shape if as_issued else "")
     print(f"final validation loss, {args.shape} shape, {cfg['train_iters']} iterations, W={args.dpu_warmup_steps}:")
     print("\n".join(dpu_report.format_summary(summary)))
+    for arm, by in results.items():
+        print(_weight_error_line(arm, by, args.dpu_warmup_steps))
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"config": cfg, "seeds": seeds, "summary": summary, "runs": results}, f)
