@@ -3,6 +3,7 @@ starting at 0; a checkpoint exports to Hugging Face as ordinary norms with weigh
 import pytest
 import torch
 
+from tests.harness import run_world
 from tests.hf_tokenizer import HF_VOCAB_SIZE, make_hf_tokenizer
 from tests.seeds import fresh_seed
 from tests.test_convert_llama import _our_logits, close, hf_logits, quiet
@@ -58,5 +59,5 @@ def test_a_1p_llama_trains_and_exports_to_transformers_exactly(tmp_path):
     convert.to_hf(str(ck), str(tmp_path / "hf"), tokenizer_model=make_hf_tokenizer(tmp_path / "tok"), log=quiet)
     seed = fresh_seed()
     tokens = torch.randint(0, HF_VOCAB_SIZE, (2, 16), generator=torch.Generator().manual_seed(seed))
-    ours, _ = _our_logits(0, str(ck), tokens)
+    ours, _ = run_world(_our_logits, 1, str(ck), tokens, timeout=120)[0]     # a rank of its own: a process group
     close(ours, hf_logits(str(tmp_path / "hf"), tokens)[..., :ours.shape[-1]])
