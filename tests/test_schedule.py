@@ -39,6 +39,18 @@ def _grid(rng):
                                 lr_wsd_decay_style=wsd_style or "exponential")
 
 
+def _megatron_scheduler(OptimizerParamScheduler, opt, a):
+    """megatron-core's scheduler over `opt`'s param groups for the job's flags `a` (sample-based steps,
+    as Megatron-LM builds it), constant weight decay."""
+    gbs = a.global_batch_size
+    return OptimizerParamScheduler(
+        opt, init_lr=a.lr_warmup_init, max_lr=a.lr, min_lr=a.min_lr, lr_warmup_steps=a.lr_warmup_iters * gbs,
+        lr_decay_steps=(a.lr_decay_iters or a.train_iters) * gbs, lr_decay_style=a.lr_decay_style,
+        start_wd=0.1, end_wd=0.1, wd_incr_steps=1, wd_incr_style="constant",
+        wsd_decay_steps=a.lr_wsd_decay_iters * gbs if a.lr_wsd_decay_iters else None,
+        lr_wsd_decay_style=a.lr_wsd_decay_style)
+
+
 def test_every_update_uses_megatrons_rate_on_a_grid():
     rng = random.Random(fresh_seed("lr grid"))
     n = 0
@@ -97,12 +109,7 @@ def test_real_megatron_scheduler_agrees():
     for a in _grid(rng):
         gbs = a.global_batch_size
         opt = argparse.Namespace(param_groups=[{}])
-        m = OptimizerParamScheduler(
-            opt, init_lr=a.lr_warmup_init, max_lr=a.lr, min_lr=a.min_lr, lr_warmup_steps=a.lr_warmup_iters * gbs,
-            lr_decay_steps=(a.lr_decay_iters or a.train_iters) * gbs, lr_decay_style=a.lr_decay_style,
-            start_wd=0.1, end_wd=0.1, wd_incr_steps=1, wd_incr_style="constant",
-            wsd_decay_steps=a.lr_wsd_decay_iters * gbs if a.lr_wsd_decay_iters else None,
-            lr_wsd_decay_style=a.lr_wsd_decay_style)
+        m = _megatron_scheduler(OptimizerParamScheduler, opt, a)
         s = LRScheduler.from_args(a)
         for _ in range(a.train_iters + 3):
             assert s.get_lr() == pytest.approx(opt.param_groups[0]["lr"], rel=1e-12, abs=1e-15), a
@@ -163,12 +170,7 @@ def test_decoupled_rate_is_megatrons_decoupled_param_group_on_a_grid():
         groups = [{"max_lr": a.lr, "min_lr": a.min_lr}, {"max_lr": a.lr, "min_lr": a.min_lr, **override}]
         floors.add(groups[1]["min_lr"] == a.min_lr)
         opt = argparse.Namespace(param_groups=groups)
-        m = OptimizerParamScheduler(
-            opt, init_lr=a.lr_warmup_init, max_lr=a.lr, min_lr=a.min_lr, lr_warmup_steps=a.lr_warmup_iters * gbs,
-            lr_decay_steps=(a.lr_decay_iters or a.train_iters) * gbs, lr_decay_style=a.lr_decay_style,
-            start_wd=0.1, end_wd=0.1, wd_incr_steps=1, wd_incr_style="constant",
-            wsd_decay_steps=a.lr_wsd_decay_iters * gbs if a.lr_wsd_decay_iters else None,
-            lr_wsd_decay_style=a.lr_wsd_decay_style)
+        m = _megatron_scheduler(OptimizerParamScheduler, opt, a)
         s = LRScheduler.from_args(a)
         for _ in range(a.train_iters + 3):
             assert s.get_lr() == pytest.approx(groups[0]["lr"], rel=1e-12, abs=1e-15), a
