@@ -91,7 +91,8 @@ def test_yarn_converts_exactly_from_hf_to_the_job_megatron_and_back(tmp_path):
     from zo_megatron.checkpoint import convert
     from zo_megatron.checkpoint.reader import CheckpointReader
     from zo_megatron.model.config import YARN_FIELDS
-    from zo_megatron.training.arguments import architecture_kwargs, parse_args
+    from zo_megatron.training.arguments import parse_args
+    from zo_megatron.training.model_flags import architecture_kwargs
 
     seed = fresh_seed("yarn rope")
     tokens = tokens_for(seed, SEQ)

@@ -110,7 +110,7 @@ def test_help_shows_real_defaults_never_none():
 def test_architecture_flags_reach_the_model_config():
     """Megatron-LM's architecture flags map onto GPTConfig as Megatron means them."""
     from zo_megatron.model import GPTConfig
-    from zo_megatron.training.arguments import architecture_kwargs
+    from zo_megatron.training.model_flags import architecture_kwargs
 
     a = _job_args(["--position-embedding-type", "rope", "--rotary-base", "500000", "--use-rope-scaling",
                    "--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--swiglu", "--group-query-attention",

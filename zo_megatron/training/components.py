@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from zo_megatron.training.arguments import architecture_kwargs
+from zo_megatron.training.model_flags import architecture_kwargs
 from zo_megatron.training.metrics import Metrics
 
 

@@ -1,0 +1,163 @@
+"""The job's model flags (Megatron-LM's names): attention and architecture, the GPTConfig fields they
+give, and their checks. arguments.py adds them to the job's parser; tools that describe a model
+(estimate_memory, find_max_model) reuse them through it.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from zo_megatron.errors import ConfigError
+from zo_megatron.model.config import YARN_FIELDS
+
+# --attention-backend (megatron-core's AttnBackend names) -> the model's core attention.
+ATTENTION_BACKENDS = {"flash": "sdpa", "fused": "sdpa", "auto": "sdpa", "local": "local", "unfused": "local"}
+
+
+def add_attention_flags(g) -> None:
+    """--use-flash-attn, --attention-backend, --sequence-parallel (Megatron-LM's names); shared with
+    tools/estimate_memory.py. `check_attention_flags` turns them into args.core_attention."""
+    g.add_argument("--use-flash-attn", action="store_true",
+                   help="core attention through torch's scaled_dot_product_attention, causal: no [b, heads, s, s] "
+                        "scores, probabilities or dropout mask are stored (the local attention keeps ~6 bytes x "
+                        "b*heads/TP*s^2 per layer in bf16, more with dropout), only a logsumexp of b*heads/TP*s "
+                        "floats; flash or memory-efficient kernel on a GPU, "
+                        "torch's fused kernel on a CPU (with attention dropout the CPU falls back to the math path). "
+                        "Same as --attention-backend flash")
+    g.add_argument("--attention-backend", choices=list(ATTENTION_BACKENDS), default=None,
+                   help="flash / fused / auto: torch SDPA as --use-flash-attn (torch picks flash or "
+                        "memory-efficient); local / unfused: megatron-core's DotProductAttention, which "
+                        "materialises the s x s scores (default: local)")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="with TP > 1, LayerNorm/dropout/residual activations are split over the TP ranks along the "
+                        "sequence (megatron-core's sequence parallelism): those activations shrink by TP, the TP "
+                        "all-reduces become reduce-scatter + all-gather (same bytes); the sequence length must be a "
+                        "multiple of TP; turned off with a warning at TP = 1, as Megatron-LM does")
+
+
+def add_architecture_flags(g) -> None:
+    """Megatron-LM's flags for Llama / Mistral / Qwen2-shaped models (same names, defaults and
+    meaning; docs/models.md). Their dests are GPTConfig's field names, except the two Megatron
+    spellings: --disable-bias-linear (add_bias_linear=False), --group-query-attention."""
+    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "yarn"], default="learned_absolute",
+                   help="learned_absolute (GPT-2), rope (rotary, Llama / Mistral / Qwen2) or yarn (rotary with "
+                        "YaRN's frequencies and attention factor: --rotary-scaling-factor and the --yarn-* flags)")
+    g.add_argument("--use-rotary-position-embeddings", action="store_true",
+                   help="Megatron-LM's older spelling of --position-embedding-type rope")
+    g.add_argument("--no-position-embedding", action="store_true",
+                   help="Megatron-LM: no learned position table; accepted with rope (which has none)")
+    g.add_argument("--rotary-base", type=int, default=10000, help="RoPE base (theta); Llama-3: 500000")
+    g.add_argument("--rotary-percent", type=float, default=1.0,
+                   help="share of each head's channels that RoPE rotates, in (0, 1]")
+    g.add_argument("--use-rope-scaling", action="store_true",
+                   help="Llama-3.1 RoPE frequency scaling (megatron-core's: low/high frequency factors 1/4, "
+                        "original context 8192)")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0, help="with --use-rope-scaling: the factor")
+    _add_yarn_flags(g)
+    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm",
+                   help="the norm of every layer and the final norm")
+    g.add_argument("--norm-epsilon", "--layernorm-epsilon", dest="layernorm_epsilon", type=float, default=1e-5,
+                   metavar="EPS",
+                   help="epsilon of LayerNorm / RMSNorm")
+    g.add_argument("--swiglu", action="store_true",
+                   help="gated SiLU MLP (linear_fc1 = [gate; up]) instead of GELU")
+    g.add_argument("--group-query-attention", action="store_true",
+                   help="grouped-query attention with --num-query-groups key/value heads")
+    g.add_argument("--num-query-groups", type=int, default=1,
+                   help="with --group-query-attention: key/value heads G (must divide the heads; TP must "
+                        "divide G); ignored without it, as in Megatron-LM")
+    g.add_argument("--kv-channels", type=int, default=None,
+                   help="head dimension (default: hidden / heads)")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="an output layer of its own instead of the word embedding (vocab-padded, decays)")
+    g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false",
+                   help="no biases in the linear layers (Llama, Mistral)")
+    g.add_argument("--add-qkv-bias", action="store_true",
+                   help="a bias on the query/key/value projection even with --disable-bias-linear (Qwen2)")
+    g.add_argument("--qk-layernorm", action="store_true",
+                   help="normalise queries and keys per head (with --normalization's norm) before RoPE")
+    g.add_argument("--apply-layernorm-1p", action="store_true",
+                   help="zero-centred gamma: every norm (LayerNorm or RMSNorm) scales by 1 + weight, the weight "
+                        "starting at 0 (Megatron-LM's LayerNorm-1p; exported to Hugging Face as 1 + weight)")
+    g.add_argument("--window-size", default=None, metavar="LEFT,RIGHT",
+                   help="sliding-window attention: not supported (megatron-core builds its mask on CUDA "
+                        "only); only -1 (full attention) is accepted")
+
+
+def _add_yarn_flags(g) -> None:
+    """YaRN (--position-embedding-type yarn): Megatron-LM's names (core_v0.19 on; the factor and the
+    mscale pair are flags of its MLA group) and megatron-core's YarnRotaryEmbedding defaults."""
+    g.add_argument("--rotary-scaling-factor", type=float, default=1.0, help="YaRN: the context extension factor")
+    g.add_argument("--yarn-original-max-position-embeddings", type=int, default=4096,
+                   help="YaRN: the context the model was trained at before the extension")
+    g.add_argument("--yarn-beta-fast", type=float, default=32.0, help="YaRN: rotations above which a dim is not scaled")
+    g.add_argument("--yarn-beta-slow", type=float, default=1.0, help="YaRN: rotations below which a dim is fully scaled")
+    g.add_argument("--yarn-correction-range-round-to-int", action="store_true", default=True,
+                   help="YaRN: round the ramp's ends outward (the default; Hugging Face's truncate)")
+    g.add_argument("--no-yarn-correction-range-round-to-int", dest="yarn_correction_range_round_to_int",
+                   action="store_false", help="YaRN: keep the ramp's ends fractional (truncate: false)")
+    g.add_argument("--mscale", type=float, default=1.0,
+                   help="YaRN: cos and sin are scaled by get_mscale(factor, mscale) / get_mscale(factor, "
+                        "mscale-all-dim), get_mscale(f, m) = 0.1 m ln f + 1")
+    g.add_argument("--mscale-all-dim", type=float, default=0.0, help="YaRN: see --mscale")
+
+
+def _full_attention_window(value) -> bool:
+    """Megatron's --window-size (a tuple like "(4096,0)"): None or all -1 means full attention."""
+    if value is None:
+        return True
+    try:
+        parts = [int(x) for x in str(value).strip("()[] ").split(",") if x.strip()]
+    except ValueError:
+        return False
+    return bool(parts) and all(x == -1 for x in parts)
+
+
+def architecture_kwargs(args: argparse.Namespace) -> dict:
+    """GPTConfig's architecture fields from the parsed flags (all of ARCH_FIELDS except vocab_size,
+    which --vocab-size or the tokenizer gives: training/loop.py model_vocab_size). Used by the job
+    and by tools/estimate_memory.py."""
+    if not _full_attention_window(getattr(args, "window_size", None)):
+        raise ConfigError(f"--window-size {args.window_size}: sliding-window attention is not supported "
+                          "(megatron-core creates its mask on CUDA only); drop it to train with full attention")
+    return dict(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        ffn_hidden_size=args.ffn_hidden_size, max_position_embeddings=args.max_position_embeddings,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
+        rotary_percent=args.rotary_percent, use_rope_scaling=args.use_rope_scaling,
+        rope_scaling_factor=args.rope_scaling_factor, normalization=args.normalization,
+        layernorm_epsilon=args.layernorm_epsilon, swiglu=args.swiglu,
+        # Megatron-LM: --num-query-groups counts only with --group-query-attention
+        num_query_groups=args.num_query_groups if args.group_query_attention else None,
+        kv_channels=args.kv_channels, **{name: getattr(args, name) for name in YARN_FIELDS},
+        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+        add_bias_linear=args.add_bias_linear, add_qkv_bias=args.add_qkv_bias, qk_layernorm=args.qk_layernorm,
+        layernorm_zero_centered_gamma=args.apply_layernorm_1p)
+
+
+def check_architecture_flags(args: argparse.Namespace) -> None:
+    """The architecture flags checked before any process starts work (one line each)."""
+    from zo_megatron.model.config import GPTConfig
+
+    # The vocabulary comes from the tokenizer later; no architecture check depends on it.
+    cfg = GPTConfig(**architecture_kwargs(args), vocab_size=1, precision=args.precision)
+    cfg.check_query_groups_tp(args.tensor_parallel)    # heads and TP: validate_parallel_config
+
+
+def check_attention_flags(args: argparse.Namespace) -> None:
+    """--use-flash-attn / --attention-backend -> args.core_attention ("local" | "sdpa");
+    --sequence-parallel off at TP = 1 (Megatron-LM's rule, with its warning)."""
+    if args.use_flash_attn and args.attention_backend in ("local", "unfused"):
+        raise ConfigError(f"--use-flash-attn and --attention-backend {args.attention_backend} contradict each other: "
+                          "use one of them")
+    args.core_attention = "sdpa" if args.use_flash_attn else ATTENTION_BACKENDS[args.attention_backend or "local"]
+    if args.sequence_parallel and args.tensor_parallel == 1:
+        if os.environ.get("RANK", "0") == "0":
+            print("warning: Disabling sequence parallelism because tensor model parallelism is disabled",
+                  file=sys.stderr, flush=True)
+        args.sequence_parallel = False
+    if args.sequence_parallel and args.seq_length % args.tensor_parallel:
+        raise ConfigError(f"--sequence-parallel splits the sequence over TP: --seq-length {args.seq_length} is not a "
+                          f"multiple of --tensor-model-parallel-size {args.tensor_parallel}; use a multiple")
