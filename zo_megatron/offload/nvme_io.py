@@ -1,0 +1,200 @@
+"""Async file I/O for the NVMe tier of the optimizer states (issue 38): one job, moving bytes
+between page-aligned host buffers and files, fast and checked.
+
+  - Buffers: anonymous mmap pages (page-aligned, what O_DIRECT needs), viewed as uint8 tensors.
+    They are never pinned: the states they carry only meet the CPU Adam, never the device.
+  - Files: opened with O_DIRECT where the filesystem takes it (no second copy in the page cache);
+    elsewhere (tmpfs, some network filesystems) buffered I/O, with a one-line `note` for the banner.
+    The whole file is reserved at open (posix_fallocate), so a disk too small fails at the start.
+  - Requests: a transfer is cut into blocks of `block_bytes`; each block is one os.preadv /
+    os.pwritev on a thread of a pool (both release the GIL), so several blocks are in flight.
+  - Checksums: each block written gets a CRC32 (zlib releases the GIL on large buffers), kept in
+    memory; a block read back must match it, or the read fails: a state file truncated or changed
+    between steps is refused (`StateFileError`), never trained on. A block never written is refused.
+  - Errors: ENOSPC (disk full) and the others become one-line UserErrors naming the file and the
+    fix; they are raised by `Request.wait()` on the caller's thread.
+
+Offsets and sizes are multiples of ALIGN (4 KiB): O_DIRECT's rule on every common filesystem.
+"""
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import threading
+import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from zo_megatron.errors import UserError
+
+ALIGN = 4096                          # bytes: offsets, sizes and buffer addresses of every request
+DEFAULT_BLOCK_BYTES = 4 << 20         # bytes per request (and per checksum)
+DEFAULT_THREADS = 4                   # requests in flight
+
+# The system calls, module-level so a test can inject a fault (ENOSPC) in one place.
+_pwritev = os.pwritev
+_preadv = os.preadv
+
+
+class StateFileError(UserError):
+    """A state file that does not hold what was written to it (truncated, corrupted, never written)."""
+
+
+def round_up(n: int, multiple: int = ALIGN) -> int:
+    return -(-n // multiple) * multiple
+
+
+def aligned_empty(nbytes: int) -> torch.Tensor:
+    """An uninitialised uint8 tensor of nbytes whose storage starts on a page boundary (an
+    anonymous mapping; the tensor keeps it alive)."""
+    mm = mmap.mmap(-1, max(round_up(nbytes, mmap.PAGESIZE), mmap.PAGESIZE))
+    return torch.frombuffer(mm, dtype=torch.uint8)[:nbytes]
+
+
+def _as_bytes(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory."""
+    if not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError("I/O buffers must be contiguous CPU tensors")
+    return memoryview(t.view(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def _disk_error(e: OSError, path: str, what: str) -> UserError:
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return UserError(f"{path}: no space left on the device while {what} (--optimizer-nvme-path): free "
+                         "space there or point --optimizer-nvme-path at a larger disk")
+    return UserError(f"{path}: {os.strerror(e.errno) if e.errno else e} while {what}: check the disk "
+                     "under --optimizer-nvme-path")
+
+
+class StateFile:
+    """One file of `nbytes` (a multiple of ALIGN), reserved at open; the CRC32 of every block written."""
+
+    def __init__(self, path: str, nbytes: int, *, direct: bool = True):
+        if nbytes % ALIGN:
+            raise ValueError(f"state file size {nbytes} is not a multiple of {ALIGN}")
+        self.path, self.nbytes = path, nbytes
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+        self.direct = bool(direct and hasattr(os, "O_DIRECT"))
+        try:
+            try:
+                self.fd = os.open(path, flags | (os.O_DIRECT if self.direct else 0), 0o600)
+            except OSError as e:
+                if not self.direct or e.errno != errno.EINVAL:
+                    raise
+                self.direct = False              # the filesystem refuses O_DIRECT (tmpfs, ...): buffered
+                self.fd = os.open(path, flags, 0o600)
+        except FileExistsError:
+            raise UserError(f"{path} already exists: another job uses this --optimizer-nvme-path, or a killed "
+                            "one left it: remove it or use another directory") from None
+        except OSError as e:
+            raise _disk_error(e, path, "creating an optimizer state file") from None
+        try:
+            try:
+                os.posix_fallocate(self.fd, 0, nbytes)
+            except OSError as e:
+                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                os.ftruncate(self.fd, nbytes)             # no fallocate on this filesystem: a sparse file
+        except OSError as e:
+            self.close(remove=True)
+            raise _disk_error(e, path, f"reserving {nbytes} bytes for optimizer states") from None
+        self.crc: dict[int, tuple[int, int]] = {}     # block offset -> (length, CRC32)
+        self._lock = threading.Lock()
+
+    def close(self, remove: bool = False) -> None:
+        fd, self.fd = getattr(self, "fd", None), None
+        if fd is not None:
+            os.close(fd)
+        if remove:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+    # The two block operations, on an I/O thread.
+    def write_block(self, offset: int, view: memoryview) -> None:
+        crc = zlib.crc32(view)
+        done = 0
+        try:
+            while done < len(view):          # a short write (rare) continues where it stopped
+                n = _pwritev(self.fd, [view[done:]], offset + done)
+                if n <= 0:
+                    raise OSError(errno.EIO, "short write")
+                done += n
+        except OSError as e:
+            raise _disk_error(e, self.path, f"writing optimizer states at byte {offset + done}") from None
+        with self._lock:
+            self.crc[offset] = (len(view), crc)
+
+    def read_block(self, offset: int, view: memoryview) -> None:
+        with self._lock:
+            expected = self.crc.get(offset)
+        if expected is None or expected[0] != len(view):
+            raise StateFileError(f"{self.path}: bytes {offset}..{offset + len(view)} were never written by this job "
+                                 "and cannot be read as optimizer states (an internal error: report it)")
+        done = 0
+        try:
+            while done < len(view):
+                n = _preadv(self.fd, [view[done:]], offset + done)
+                if n == 0:
+                    raise StateFileError(f"{self.path} is truncated (ends before byte {offset + len(view)}): the "
+                                         "optimizer states on disk are lost; resume from the last checkpoint")
+                done += n
+        except OSError as e:
+            raise _disk_error(e, self.path, f"reading optimizer states at byte {offset + done}") from None
+        if zlib.crc32(view) != expected[1]:
+            raise StateFileError(f"{self.path}: bytes {offset}..{offset + len(view)} changed on disk since they were "
+                                 "written (checksum mismatch): the optimizer states are corrupted; resume from "
+                                 "the last checkpoint")
+
+
+class Request:
+    """The blocks of one transfer in flight; wait() joins them and raises the first error."""
+
+    def __init__(self, futures: list[Future]):
+        self.futures = futures
+
+    def done(self) -> bool:
+        return all(f.done() for f in self.futures)
+
+    def wait(self) -> None:
+        first = None
+        for f in self.futures:            # every block is joined, even after an error
+            try:
+                f.result()
+            except BaseException as e:   # noqa: BLE001 - re-raised below
+                first = first or e
+        if first is not None:
+            raise first
+
+
+class AsyncFileIO:
+    """A pool of I/O threads; read()/write() cut a transfer into blocks and return a Request."""
+
+    def __init__(self, threads: int = DEFAULT_THREADS, block_bytes: int = DEFAULT_BLOCK_BYTES):
+        if threads < 1 or block_bytes < ALIGN or block_bytes % ALIGN:
+            raise ValueError(f"threads >= 1 and a block of a multiple of {ALIGN} bytes (got {threads}, {block_bytes})")
+        self.block_bytes = block_bytes
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="zo-nvme-io")
+
+    def _submit(self, op, f: StateFile, offset: int, buf: torch.Tensor) -> Request:
+        view = _as_bytes(buf)
+        n = len(view)
+        if offset % ALIGN or n % ALIGN or offset + n > f.nbytes:
+            raise ValueError(f"{f.path}: request of {n} bytes at {offset} is not {ALIGN}-aligned or ends past "
+                             f"the file ({f.nbytes} bytes)")
+        if f.direct and buf.data_ptr() % ALIGN:
+            raise ValueError("O_DIRECT needs a page-aligned buffer (nvme_io.aligned_empty)")
+        B = self.block_bytes
+        return Request([self.pool.submit(op, f, offset + s, view[s:s + B]) for s in range(0, n, B)])
+
+    def write(self, f: StateFile, offset: int, buf: torch.Tensor) -> Request:
+        return self._submit(StateFile.write_block, f, offset, buf)
+
+    def read(self, f: StateFile, offset: int, buf: torch.Tensor) -> Request:
+        return self._submit(StateFile.read_block, f, offset, buf)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
