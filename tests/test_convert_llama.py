@@ -199,7 +199,7 @@ def _megatron_core_config(args, tp):
         num_query_groups=args.num_query_groups, kv_channels=args.kv_channels, ffn_hidden_size=args.ffn_hidden_size,
         gated_linear_unit=args.swiglu, activation_func=F.silu, normalization=args.normalization,
         layernorm_epsilon=args.norm_epsilon, add_bias_linear=args.add_bias_linear, add_qkv_bias=args.add_qkv_bias,
-        hidden_dropout=0.0, attention_dropout=0.0, apply_query_key_layer_scaling=False, attention_softmax_in_fp32=True,
+        qk_layernorm=getattr(args, "qk_layernorm", False), hidden_dropout=0.0, attention_dropout=0.0, apply_query_key_layer_scaling=False, attention_softmax_in_fp32=True,
         tensor_model_parallel_size=tp, params_dtype=torch.float32, use_cpu_initialization=True,
         perform_initialization=False, gradient_accumulation_fusion=False, masked_softmax_fusion=False,
         bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False)
@@ -211,7 +211,8 @@ def _megatron_core_gpt(args, tp):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     return GPTModel(config=_megatron_core_config(args, tp),
-                    transformer_layer_spec=get_gpt_layer_local_spec(normalization=args.normalization),
+                    transformer_layer_spec=get_gpt_layer_local_spec(
+                        normalization=args.normalization, qk_layernorm=getattr(args, "qk_layernorm", False)),
                     vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
                     share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
                     position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,

@@ -11,8 +11,8 @@
     python tools/convert_checkpoint.py reshard --load CKPT --output CKPT2 --target-tensor-parallel-size N
                                                [--target-data-parallel-size M]
 
-Hugging Face architectures: GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM (a
-sliding window: trained at --seq-length up to it). CKPT is a `pretrain_gpt.py --save` directory. Outputs are written under a temporary name and
+Hugging Face architectures: GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
+Qwen3ForCausalLM (a sliding window: trained at --seq-length up to it). CKPT is a `pretrain_gpt.py --save` directory. Outputs are written under a temporary name and
 renamed when complete; an existing non-empty output is refused unless --force. Wrong input gets
 one `error:` line and exit 2. See docs/checkpoints.md.
 """
@@ -51,12 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--output", required=True)
         p.add_argument("--force", action="store_true", help="replace an existing non-empty output")
 
-    p = sub.add_parser("to-hf", help="a Hugging Face model directory (GPT-2, Llama, Mistral or Qwen2) with its tokenizer")
+    p = sub.add_parser("to-hf", help="a Hugging Face model directory (GPT-2, Llama, Mistral, Qwen2 or Qwen3) with its tokenizer")
     common(p, "load")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
     p.add_argument("--architecture", choices=list(hf.SUPPORTED),
                    help="the Hugging Face class to write (default: the one the checkpoint was converted from, else "
-                        "the first that expresses the model: GPT-2, Llama, Mistral, Qwen2)")
+                        "the first that expresses the model: GPT-2, Llama, Mistral, Qwen2, Qwen3)")
     p.add_argument("--tokenizer-model", help="Hugging Face tokenizer directory to ship (default: the checkpoint's "
                                              "tokenizer/ folder, else GPT-2's BPE files)")
     p.add_argument("--vocab-file", help="the tokenizer's vocab.json, for a checkpoint trained with --allow-custom-vocab")
@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
 
     p = sub.add_parser("from-hf", help="a weights-only zo_megatron checkpoint (+ tokenizer/) from a Hugging Face "
-                                       "GPT-2, Llama, Mistral or Qwen2 directory")
+                                       "GPT-2, Llama, Mistral, Qwen2 or Qwen3 directory")
     common(p, "input")
     p.add_argument("--tensor-parallel", "--tensor-model-parallel-size", dest="tensor_parallel", type=int, required=True)
 

@@ -1,13 +1,13 @@
 """Hugging Face model families <-> zo_megatron: one mapping module per family, chosen here.
 
     gpt2.py    GPT2LMHeadModel
-    llama.py   LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM (their
-               differences are data: llama.VARIANTS)
+    llama.py   LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+               (their differences are data: llama.VARIANTS)
 
 from-hf picks the family from config.json's `architectures` (or, when a config has none, its
 `model_type`); to-hf from the architecture the checkpoint was converted from, a name given by
 the user, or else the first family that expresses the model exactly (GPT-2, then Llama, Mistral,
-Qwen2: a Llama-shaped model with QKV biases only is a Qwen2).
+Qwen2, Qwen3: a Llama-shaped model with QKV biases only is a Qwen2, one with q/k norms a Qwen3).
 """
 from __future__ import annotations
 

@@ -1,15 +1,18 @@
-"""Hugging Face Llama, Mistral and Qwen2 <-> zo_megatron (megatron-core GPTModel, local spec).
+"""Hugging Face Llama, Mistral, Qwen2 and Qwen3 <-> zo_megatron (megatron-core GPTModel, local spec).
 
-The three are one decoder (RoPE, RMSNorm, SwiGLU MLP, grouped-query attention, optionally untied
+The four are one decoder (RoPE, RMSNorm, SwiGLU MLP, grouped-query attention, optionally untied
 output layer); they differ only in a few config fields, written here as data (`VARIANTS`):
-which linear layers carry biases and which config field says so, what a full-attention config
-says about the sliding window, and which layers a window limits (`sliding_layers`).
+which linear layers carry biases and which config field says so, whether each head's queries and
+keys are RMS-normalised before RoPE (Qwen3's q_norm / k_norm: megatron's --qk-layernorm, same
+epsilon), what a full-attention config says about the sliding window, and which layers a window
+limits (`sliding_layers`).
 
     HF (model.layers.{i}.)                     megatron-core (decoder.layers.{i}.)
     input_layernorm                         -> input_layernorm
     self_attn.q_proj, k_proj, v_proj        -> self_attention.linear_qkv   rows grouped per query group g:
                                                [q heads of g (heads/G x d rows); k_g (d); v_g (d)]
     self_attn.o_proj                        -> self_attention.linear_proj
+    self_attn.q_norm, k_norm (Qwen3)        -> self_attention.q_layernorm, k_layernorm   (head dim)
     post_attention_layernorm                -> pre_mlp_layernorm
     mlp.gate_proj, mlp.up_proj              -> mlp.linear_fc1              [gate; up] (full tensor)
     mlp.down_proj                           -> mlp.linear_fc2
@@ -51,6 +54,7 @@ class Variant:
     # window), "every_layer" (Mistral: sliding_window alone; its model ignores layer_types) or
     # "layer_types" (Qwen2: use_sliding_window, then layer_types, or 4.x's max_window_layers)
     window: str | None = None
+    qk_norm: bool = False                                   # q_norm / k_norm on each head (Qwen3)
 
 
 VARIANTS = (
@@ -60,6 +64,8 @@ VARIANTS = (
             window="every_layer"),
     Variant("Qwen2ForCausalLM", "qwen2", "Qwen2Config", fixed_biases=("qkv",),
             full_attention={"use_sliding_window": False}, window="layer_types"),
+    Variant("Qwen3ForCausalLM", "qwen3", "Qwen3Config", bias_fields={"attention_bias": ("qkv", "proj")},
+            full_attention={"use_sliding_window": False}, window="layer_types", qk_norm=True),
 )
 
 
@@ -180,6 +186,7 @@ def _rope_config(cls, meta: dict) -> dict:
 # ---- names and shapes
 
 def hf_shapes(meta: dict, biases: frozenset) -> dict[str, tuple[int, ...]]:
+    d = head_dim(meta)
     h, f, v = meta["hidden_size"], meta["ffn_hidden_size"], meta["vocab_size"]
     q, kv = meta["num_attention_heads"] * head_dim(meta), query_groups(meta) * head_dim(meta)
     out = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
@@ -192,6 +199,8 @@ def hf_shapes(meta: dict, biases: frozenset) -> dict[str, tuple[int, ...]]:
                "fc1": {"mlp.gate_proj": (f, h), "mlp.up_proj": (f, h)}, "fc2": {"mlp.down_proj": (h, f)}}
         out[m + "input_layernorm.weight"] = (h,)
         out[m + "post_attention_layernorm.weight"] = (h,)
+        if meta.get("qk_layernorm"):
+            out[m + "self_attn.q_norm.weight"] = out[m + "self_attn.k_norm.weight"] = (d,)
         for which, mods in lin.items():
             for mod, shape in mods.items():
                 out[m + mod + ".weight"] = shape
@@ -220,7 +229,9 @@ def _layer_pairs(i: int) -> list[tuple[str, str]]:
             (m + "self_attention.linear_proj.weight", h + "self_attn.o_proj.weight"),
             (m + "self_attention.linear_proj.bias", h + "self_attn.o_proj.bias"),
             (m + "mlp.linear_fc2.weight", h + "mlp.down_proj.weight"),
-            (m + "mlp.linear_fc2.bias", h + "mlp.down_proj.bias")]
+            (m + "mlp.linear_fc2.bias", h + "mlp.down_proj.bias"),
+            (m + "self_attention.q_layernorm.weight", h + "self_attn.q_norm.weight"),
+            (m + "self_attention.k_layernorm.weight", h + "self_attn.k_norm.weight")]
 
 
 def from_hf(sd: dict[str, torch.Tensor], meta: dict) -> dict[str, torch.Tensor]:
@@ -327,7 +338,7 @@ class LlamaFamily(HFFamily):
                     normalization="RMSNorm", layernorm_epsilon=float(cfg.rms_norm_eps), swiglu=True,
                     num_query_groups=groups, kv_channels=d,
                     untie_embeddings_and_output_weights=not cfg.tie_word_embeddings,
-                    add_bias_linear=flags[0], add_qkv_bias=flags[1], qk_layernorm=False)
+                    add_bias_linear=flags[0], add_qkv_bias=flags[1], qk_layernorm=self.variant.qk_norm)
         meta = full_meta(meta)
         args = {"hidden_dropout": 0.0, "attention_dropout": float(getattr(cfg, "attention_dropout", 0.0) or 0.0)}
         return meta, args
@@ -374,7 +385,8 @@ class LlamaFamily(HFFamily):
             return f"{self.architecture} has rotary positions (position_embedding_type=" \
                    f"{meta.get('position_embedding_type')!r})"
         needs = (("normalization", "RMSNorm", "RMSNorm"),
-                 ("swiglu", True, "a SwiGLU MLP"), ("qk_layernorm", False, "no QK LayerNorm"),
+                 ("swiglu", True, "a SwiGLU MLP"),
+                 ("qk_layernorm", self.variant.qk_norm, "q/k norms" if self.variant.qk_norm else "no q/k norms"),
                  ("rotary_percent", 1.0, "RoPE on the whole head (--rotary-percent 1)"))
         for key, want, what in needs:
             if meta.get(key) != want:
