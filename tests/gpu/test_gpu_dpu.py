@@ -7,7 +7,7 @@ see test_gpu_engine.py for what that proves and what it does not)."""
 import pytest
 import torch
 
-from tests.fp32_bounds import assert_fp32_weights_match
+from tests.fp32_bounds import assert_fp32_weights_match, fp32_spread
 from tests.gpu.conftest import dp2_backend
 from tests.harness import run_world
 from tests.seeds import fresh_seed
@@ -22,7 +22,8 @@ def _check(out, seed, dp, accum, tol, bias_tol, **ref_kw):
     for ours, ref in zip(out["losses"], ref_losses):
         assert abs(ours - ref) / abs(ref) <= (tol or 1e-5), (ours, ref)
     if tol is None:
-        torch32 = _reference(out["init"], seed, dp, accum, WARMUP, dtype=torch.float32, **ref_kw)[1]
+        torch32 = fp32_spread(lambda init: _reference(init, seed, dp, accum, WARMUP, dtype=torch.float32, **ref_kw)[1],
+                              out["init"])
         assert_fp32_weights_match(out["final"], ref_final, torch32)
         return
     for name, ref in ref_final.items():

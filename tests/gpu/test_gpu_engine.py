@@ -20,7 +20,7 @@
 import pytest
 import torch
 
-from tests.fp32_bounds import assert_fp32_weights_match
+from tests.fp32_bounds import assert_fp32_weights_match, fp32_spread
 from tests.gpu.conftest import HAVE_CUDA, device, dp2_backend
 from tests.harness import run_world
 from tests.seeds import fresh_seed
@@ -93,7 +93,8 @@ def _check_against_reference(out, seed, dp, tol, bias_tol, skip_step=None):
     errors = _norm_errors(out["norms"], ref_norms)
     assert len(errors) == STEPS - (skip_step is not None) and max(errors) <= norm_tol, (out["norms"], ref_norms)
     if tol <= 1e-5:           # fp32: tests/fp32_bounds.py, against float64 torch
-        torch32 = _reference(out["init"], seed, dp, ACCUM, skip_step=skip_step, dtype=torch.float32)[2]
+        torch32 = fp32_spread(lambda init: _reference(init, seed, dp, ACCUM, skip_step=skip_step, dtype=torch.float32)[2],
+                              out["init"])
         assert_fp32_weights_match(out["final"], ref_final, torch32, norm_rtol=tol)
         return
     for name, ref in ref_final.items():
