@@ -23,6 +23,8 @@ class Accounting:
     host_dpu_prediction_bytes: int = 0  # --dpu-weight-prediction: the fp32 master before the update
     host_overlap_bytes: int = 0        # --overlap-cpu-step: the rollback backup of the speculated
                                        # prefix (master + moments [+ the gradient the output overwrites])
+    host_nvme_buffer_bytes: int = 0    # --optimizer-nvme-path: the I/O ring (offload/nvme_store.py)
+    nvme_disk_bytes: int = 0           # --optimizer-nvme-path: the state files of this rank
     # Per step (reset by the engine at the start of each step's gradient sync):
     sent_bytes: int = 0
     received_bytes: int = 0
@@ -37,7 +39,7 @@ class Accounting:
     def host_bytes(self) -> int:
         return (self.host_master_bytes + self.host_optimizer_bytes + self.host_staging_bytes
                 + self.host_accumulator_bytes + self.host_dpu_pending_bytes + self.host_dpu_prediction_bytes
-                + self.host_overlap_bytes)
+                + self.host_overlap_bytes + self.host_nvme_buffer_bytes)
 
     def ring(self, nbytes: int, group_size: int) -> None:
         moved = (group_size - 1) * nbytes // group_size

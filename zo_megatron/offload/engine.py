@@ -59,6 +59,7 @@ from zo_megatron.offload.device_optimizer import DeviceOptimizerTail
 from zo_megatron.offload.engine_state import EngineState
 from zo_megatron.offload.flat_buffer import ALIGN, FlatLayout
 from zo_megatron.offload.loss_scaler import ConstantLossScaler, DynamicLossScaler
+from zo_megatron.offload.nvme_store import NvmeConfig, NvmeStateStore
 from zo_megatron.offload.schedules import DelayedSchedule, SpeculativeSchedule, SynchronousSchedule
 from zo_megatron.offload.sequence_parallel_grads import SequenceParallelGrads
 from zo_megatron.optimizer_api import AdamConfig, StepResult
@@ -94,7 +95,8 @@ class ZeroOffloadEngine(EngineState):
                  host_grad_dtype: str | None = None, accumulate_on_host: bool = False,
                  dpu_warmup_steps: int | None = None, race_check: bool = False,
                  optimizer_offload_fraction: float = 1.0, tp_group=None, overlap_cpu_step: bool = False,
-                 dpu_weight_prediction: bool = False, overlap_speculated_fraction: float = 1.0):
+                 dpu_weight_prediction: bool = False, overlap_speculated_fraction: float = 1.0,
+                 nvme: NvmeConfig | None = None):
         if precision not in _DTYPES:
             raise ConfigError(f"precision must be bf16, fp16 or fp32 (got {precision!r})")
         self.model = model
@@ -146,6 +148,14 @@ class ZeroOffloadEngine(EngineState):
                     raise ConfigError(f"--optimizer-offload-fraction {f:g} < 1 cannot be combined with {why}: "
                                       "use one or the other")
         self.offload_fraction = float(f)
+        self.nvme_config = nvme             # --optimizer-nvme-path: the states on disk (nvme_store.py)
+        self._nvme: NvmeStateStore | None = None
+        if nvme is not None:
+            nvme.check()
+            for bad, why in ((f < 1.0, "--optimizer-offload-fraction < 1"), (self.overlap_cpu_step, "--overlap-cpu-step"),
+                             (dpu_weight_prediction and nvme.master, "--dpu-weight-prediction with --optimizer-nvme-master")):
+                if bad:
+                    raise ConfigError(f"--optimizer-nvme-path cannot be combined with {why} yet (issue 38): drop one")
         # race_check (tests, debugging): snapshot the flat parameters at the first forward of a
         # step that overlaps a CPU update and fail in step() if anything changed them meanwhile.
         self.race_check = race_check
@@ -164,6 +174,8 @@ class ZeroOffloadEngine(EngineState):
             self.check_params()
         except BaseException:
             self.dev.close()
+            if self._nvme is not None:
+                self._nvme.close()
             raise
         # The host's segments (start, end, decay, counted, decoupled), cut where the device tail begins.
         self._host_segments = [(s.start, min(s.end, self._cut), s.decay, s.counted, s.decoupled)
@@ -233,12 +245,19 @@ class ZeroOffloadEngine(EngineState):
         self._cut = cut = L.host_numel if f >= 1.0 else min(L.host_numel, round(f * L.host_numel / ALIGN) * ALIGN)
         self._tail = DeviceOptimizerTail(L, cut, self.device, self.adam, self.flat, self.dp_rank) \
             if cut < L.host_numel else None
-        self.master = torch.zeros(cut, dtype=torch.float32)
+        # --optimizer-nvme-path: the moments (and with --optimizer-nvme-master the master) live in
+        # files instead (None here), streamed through the store's ring for each CPU step.
+        on_disk = {} if self.nvme_config is None else {
+            "exp_avg": state_dtype, "exp_avg_sq": state_dtype, **({"master": torch.float32} if self.nvme_config.master else {})}
+        if on_disk:
+            self._nvme = NvmeStateStore.open_on_every_rank(self.nvme_config, f"zo_optimizer.tp{self.tp_rank}.dp{self.dp_rank}",
+                                        [(s.start, s.end) for s in L.segments], cut, on_disk)
+        self.master = None if "master" in on_disk else torch.zeros(cut, dtype=torch.float32)
         # The moments and landing buffers are zeroed (touched) only after the model's fp32
         # parameters are released (_zero_host_state): touched now, they would coexist with the
         # whole fp32 model and the build would peak 4 bytes/param above the training steady state.
-        self.exp_avg = torch.empty(cut, dtype=state_dtype)
-        self.exp_avg_sq = torch.empty(cut, dtype=state_dtype)
+        self.exp_avg = None if on_disk else torch.empty(cut, dtype=state_dtype)
+        self.exp_avg_sq = None if on_disk else torch.empty(cut, dtype=state_dtype)
         # Reduced gradient shards arrive in host_grad. The kernel writes the updated 16-bit
         # parameters into host_param, which goes back to the device; when both have the parameter
         # dtype they are one buffer (the kernel reads the gradient before it writes the parameter).
@@ -268,9 +287,11 @@ class ZeroOffloadEngine(EngineState):
         acc.device_bucket_bytes = sum(b.numel() * b.element_size() for b in self._grad_buffers) + sum(
             s.numel() * s.element_size() for s in self._scratch if s is not None)
         acc.device_optimizer_bytes = 0 if self._tail is None else self._tail.nbytes
-        acc.host_master_bytes = self.master.numel() * 4
-        acc.host_optimizer_bytes = 2 * self.exp_avg.numel() * self.exp_avg.element_size()
         nbytes = lambda t: 0 if t is None else t.numel() * t.element_size()   # noqa: E731
+        acc.host_master_bytes = nbytes(self.master)
+        acc.host_optimizer_bytes = nbytes(self.exp_avg) + nbytes(self.exp_avg_sq)
+        if self._nvme is not None:
+            acc.host_nvme_buffer_bytes, acc.nvme_disk_bytes = self._nvme.buffer_bytes, self._nvme.disk_bytes
         separate_out = self.host_grad_dtype != self.dtype          # a 16-bit output apart anyway
         acc.host_staging_bytes = nbytes(self._grads[0]) + (nbytes(self._params[0]) if separate_out else 0)
         acc.host_accumulator_bytes = nbytes(self._accs[0])
@@ -284,7 +305,7 @@ class ZeroOffloadEngine(EngineState):
         cut = self._cut
         if host < cut:
             m = min(n, cut - host)
-            yield 0, m, self.master[host:host + m], self.exp_avg[host:host + m], self.exp_avg_sq[host:host + m]
+            yield 0, m, *(None if t is None else t[host:host + m] for t in (self.master, self.exp_avg, self.exp_avg_sq))
         if host + n > cut:
             t, a = self._tail, max(host, cut) - cut
             off, m = max(0, cut - host), host + n - max(host, cut)
@@ -308,6 +329,9 @@ class ZeroOffloadEngine(EngineState):
         its fp32 master fragment, and make the parameter a view of the flat buffer. The model may
         live on the host in fp32: its full-precision copy is never put on the device."""
         L = self.layout
+        if self._nvme is not None:          # the on-disk states' first values (the master from the model)
+            self._nvme.fill_initial([(host, s.param.detach().reshape(-1)[pstart:pstart + n])
+                                     for s, host, pstart, n in L.host_fragments()])
         fragments: dict[int, list] = {}
         for s, host, pstart, n in L.host_fragments():
             fragments.setdefault(id(s), []).append((host, pstart, n))
@@ -315,7 +339,8 @@ class ZeroOffloadEngine(EngineState):
             src = s.param.detach().reshape(-1)
             for host, pstart, n in fragments.get(id(s), ()):
                 for off, m, master, _, _ in self._state_pieces(host, n):
-                    master.copy_(src[pstart + off:pstart + off + m])
+                    if master is not None:
+                        master.copy_(src[pstart + off:pstart + off + m])
             self.flat[s.start:s.start + s.numel].copy_(src.to(self.dtype) if src.device.type == "cpu" else src)
             s.param.data = self.flat[s.start:s.start + s.numel].view(s.param.shape)
         for module in self.model.modules():     # buffers and frozen parameters follow the model
@@ -571,16 +596,25 @@ class ZeroOffloadEngine(EngineState):
         else:                               # a prefix buffer: every tensor cut to the prefix
             n = out.numel()
             master, grad, exp_avg, exp_avg_sq = master[:n], grad[:n], exp_avg[:n], exp_avg_sq[:n]
-        if segments:
-            rate = (lr, lr if decoupled_lr is None else decoupled_lr)      # by the segment's decoupled flag
-            cpu_adam.adam_step_segments(
-                master, grad, exp_avg, exp_avg_sq, [(s, e, a.weight_decay if decay else 0.0) for s, e, decay, *_ in segments],
-                step=step, lr=lr, beta1=a.beta1, beta2=a.beta2, eps=a.eps, adamw=a.adamw,
-                bias_correction=a.bias_correction, grad_scale=grad_scale,
-                param16_out=out if self.dtype != torch.float32 else None, lrs=[rate[seg[4]] for seg in segments])
-        if self.dtype == torch.float32:     # fp32 mode: the parameter copy is the master itself
-            for s, e, *_ in (((0, self._cut),) if full else segments):
-                out[s:e].copy_(master[s:e])
+        rate = (lr, lr if decoupled_lr is None else decoupled_lr)          # by the segment's decoupled flag
+
+        def run(master, grad, exp_avg, exp_avg_sq, segments, out, full):
+            if segments:
+                cpu_adam.adam_step_segments(
+                    master, grad, exp_avg, exp_avg_sq, [(s, e, a.weight_decay if decay else 0.0) for s, e, decay, *_ in segments],
+                    step=step, lr=lr, beta1=a.beta1, beta2=a.beta2, eps=a.eps, adamw=a.adamw,
+                    bias_correction=a.bias_correction, grad_scale=grad_scale,
+                    param16_out=out if self.dtype != torch.float32 else None, lrs=[rate[seg[4]] for seg in segments])
+            if self.dtype == torch.float32:     # fp32 mode: the parameter copy is the master itself
+                for s, e, *_ in (((0, self._cut),) if full else segments):
+                    out[s:e].copy_(master[s:e])
+        if self._nvme is None:
+            run(master, grad, exp_avg, exp_avg_sq, segments, out, full)
+        else:                               # chunk by chunk through the store's ring (nvme_store.py)
+            for lo, hi, st in self._nvme.stream():
+                segs = [(max(s, lo) - lo, min(e, hi) - lo, *rest) for s, e, *rest in segments if s < hi and e > lo]
+                run(st.get("master", master[lo:hi] if master is not None else None), grad[lo:hi], st["exp_avg"],
+                    st["exp_avg_sq"], segs, out[lo:hi], False)
         if phase is not None:
             self._phases.append((phase, t0, time.monotonic()))
 
@@ -626,7 +660,11 @@ class ZeroOffloadEngine(EngineState):
         """Re-derive the 16-bit parameters from the fp32 master (after loading a checkpoint)."""
         self.flush()
         self.dev.wait_device_reads()     # an async host->device copy may still read host_param
-        self.host_param.copy_(self.master.to(self.dtype))
+        if self.master is not None:
+            self.host_param.copy_(self.master.to(self.dtype))
+        else:                            # --optimizer-nvme-master: read from disk, chunk by chunk
+            for lo, hi, st in self._nvme.stream(kinds=("master",), write=False):
+                self.host_param[lo:hi].copy_(st["master"].to(self.dtype))
         if self._tail is not None:
             self._tail.write_params()
         self._params_to_device()
@@ -643,3 +681,5 @@ class ZeroOffloadEngine(EngineState):
             self._hooks = []
             self.dev.close()                # waits for every collective still in flight
             self._reset_bucket_state()      # and drops the buffers' last references to them
+            if self._nvme is not None:      # the state files go at close (a killed run leaves them)
+                self._nvme.close()

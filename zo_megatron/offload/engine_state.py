@@ -13,6 +13,11 @@ from zo_megatron.errors import ConfigError
 
 
 class EngineState:
+    def _refuse_nvme(self) -> None:
+        if getattr(self, "_nvme", None) is not None:
+            raise ConfigError("checkpoints of optimizer states on disk are not implemented yet (issue 38): drop "
+                              "--save/--load or --optimizer-nvme-path")
+
     def state_dict(self) -> dict:
         """This DP rank's optimizer state, keyed by parameter name.
 
@@ -20,6 +25,7 @@ class EngineState:
         `fragment` = (start, end) -- with the parameter's TP split axis and shard offset, so a
         resharder can place it in the full tensor for any TP x DP layout.
         """
+        self._refuse_nvme()
         self.flush()                       # a checkpoint holds nothing pending
         params: dict[str, dict] = {}
         for s, host, pstart, n in self.layout.host_fragments():
@@ -43,6 +49,7 @@ class EngineState:
         slices of the host "master", "exp_avg" and "exp_avg_sq" buffers. A checkpoint writes from
         and reads into these views in place (no copy of the optimizer state); after reading, set
         step_count and the loss scaler and call reload_params_from_master()."""
+        self._refuse_nvme()
         self.flush()                       # nothing may be in flight while the state is read or written
         for s, host, pstart, n in self.layout.host_fragments():
             # with a partial offload a piece may be split: its tail's views live on the device
@@ -52,6 +59,7 @@ class EngineState:
 
     def load_state_dict(self, sd: dict) -> None:
         """Inverse of state_dict() for the same layout; refuses anything that does not match."""
+        self._refuse_nvme()
         params = sd.get("params", {})
         for s, host, pstart, n in self.layout.host_fragments():
             entry = params.get(s.name)

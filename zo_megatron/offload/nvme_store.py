@@ -1,0 +1,360 @@
+"""The NVMe tier's state store (issue 38, docs/nvme.md): this rank's Adam moments (and, with
+--optimizer-nvme-master, the fp32 master) in files under --optimizer-nvme-path, streamed through a
+bounded ring of page-aligned buffers for the CPU Adam.
+
+The partition [0, n) is cut into chunks of at most `buffer_size` elements; chunk i of state k lives
+in k's file at i x slot_bytes(k) (each chunk padded to 4 KiB, O_DIRECT's unit). `buffer_count` ring
+slots hold one chunk of every on-disk state each. A pass over the chunks (stream()) reads ahead as
+far as the ring allows while the caller (the CPU Adam) works on the current chunk, and writes each
+chunk back behind it; the writes of a pass's last chunks stay in flight until a slot or that chunk
+is needed again (the next step, or drain()).
+
+  ring slots   |chunk j: writing|chunk j+1: Adam|chunk j+2: reading|chunk j+3: reading|
+
+Exact: chunk cuts inside a segment of the partition lie a multiple of 64 elements from the
+segment's start, where the CPU Adam kernel's own work split may cut (cpu_adam.adam_step_segments),
+so the kernel computes every element with the same instructions as one call over the whole
+partition: the result is bitwise that of the in-memory engine.
+
+One job per directory: each rank holds an flock on `<tag>.lock` (its holder's pid, host and start
+inside) while its files exist; a second job on the directory finds rank tp0.dp0's lock held and is
+refused. The kernel drops the lock of a killed process, so state files found under a free lock are
+a killed run's: they are reclaimed (removed, the banner says so). Nothing in them is worth keeping:
+the job resumes from its last checkpoint, which holds the states. A clean close removes the files
+and the lock.
+
+Only the thread running the CPU step uses a store (the main thread, or a schedule's worker under
+--dpu); drain() and close() are called when that thread is joined.
+"""
+from __future__ import annotations
+
+import bisect
+import fcntl
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass
+
+import torch
+
+from zo_megatron.errors import ConfigError, UserError
+from zo_megatron.offload.nvme_io import (DEFAULT_BLOCK_BYTES, DEFAULT_THREADS, AsyncFileIO, StateFile, aligned_empty,
+                                         round_up)
+from zo_megatron.parallel import collectives
+
+KERNEL_CUT = 64                        # elements: where adam_step_segments may cut a segment
+DEFAULT_BUFFER_COUNT = 4
+DEFAULT_BUFFER_SIZE = 1 << 24          # partition elements per ring slot (64 MiB of fp32 per state)
+
+
+@dataclass(frozen=True)
+class NvmeConfig:
+    """--optimizer-nvme-path and its companions (the engine's `nvme` argument)."""
+    path: str
+    master: bool = False               # --optimizer-nvme-master: the fp32 master on disk too
+    buffer_count: int = DEFAULT_BUFFER_COUNT
+    buffer_size: int = DEFAULT_BUFFER_SIZE
+    io_threads: int = DEFAULT_THREADS
+    block_bytes: int = DEFAULT_BLOCK_BYTES
+
+    def check(self) -> None:
+        if self.buffer_count < 1:
+            raise ConfigError(f"--optimizer-nvme-buffer-count must be >= 1 (got {self.buffer_count})")
+        if self.buffer_size < KERNEL_CUT or self.buffer_size % KERNEL_CUT:
+            raise ConfigError(f"--optimizer-nvme-buffer-size must be a positive multiple of {KERNEL_CUT} elements "
+                              f"(got {self.buffer_size})")
+        if not os.path.isdir(self.path):
+            raise ConfigError(f"--optimizer-nvme-path {self.path} is not a directory: create it (on the NVMe disk)")
+
+
+RAM_FILESYSTEMS = ("tmpfs", "ramfs", "devtmpfs", "hugetlbfs")
+
+
+def filesystem_type(path: str) -> str:
+    """The type of the filesystem holding path (/proc/self/mounts' longest matching mount point)."""
+    real, best, kind = os.path.realpath(path), -1, "unknown"
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                mnt = parts[1].replace("\\040", " ")
+                inside = real == mnt or real.startswith(mnt.rstrip("/") + "/")
+                if inside and len(mnt) > best:
+                    best, kind = len(mnt), parts[2]
+    except OSError:
+        pass
+    return kind
+
+
+def plan_chunks(segments, total: int, size: int) -> list[tuple[int, int]]:
+    """Cut [0, total) into chunks of at most `size` elements (a multiple of 64) where the CPU Adam's
+    result does not depend on the cut: at a segment boundary, or a multiple of 64 elements from the
+    start of the segment the cut falls in. `segments`: (start, end, ...) covering [0, total) in order."""
+    starts = [s[0] for s in segments]
+    if not segments or starts[0] != 0 or segments[-1][1] != total or \
+            any(a[1] != b[0] for a, b in zip(segments, segments[1:])):
+        raise ValueError("the segments must cover the partition end to end")
+    if size < KERNEL_CUT or size % KERNEL_CUT:
+        raise ValueError(f"chunk size {size} is not a positive multiple of {KERNEL_CUT}")
+    chunks, a = [], 0
+    while a < total:
+        p = a + size
+        if p >= total:
+            b = total
+        else:
+            s = starts[bisect.bisect_right(starts, p) - 1]
+            b = s + (p - s) // KERNEL_CUT * KERNEL_CUT     # > a: see the note in docs/nvme.md
+        chunks.append((a, b))
+        a = b
+    return chunks
+
+
+class NvmeStateStore:
+    """The on-disk states of one rank: `dtypes` maps each state ("master", "exp_avg", "exp_avg_sq")
+    to its dtype; files `<tag>.<state>.bin` under config.path."""
+
+    def __init__(self, config: NvmeConfig, tag: str, segments, total: int, dtypes: dict[str, torch.dtype]):
+        self.config = config
+        self.chunks = plan_chunks(segments, total, config.buffer_size)
+        self.dtypes = dict(dtypes)
+        most = max(b - a for a, b in self.chunks)
+        self.slot_bytes = {k: round_up(most * dt.itemsize) for k, dt in self.dtypes.items()}
+        self.files: dict[str, StateFile] = {}
+        self.io = self.ring = None
+        self._lock_fd, self._lock_path = None, os.path.join(config.path, f"{tag}.lock")
+        self.reclaimed = self._lock(tag)
+        try:
+            need = len(self.chunks) * sum(self.slot_bytes.values())
+            st = os.statvfs(config.path)
+            if st.f_bavail * st.f_frsize < need:
+                raise ConfigError(f"--optimizer-nvme-path {config.path} has {st.f_bavail * st.f_frsize / 2**30:.2f} GiB "
+                                  f"free, this rank's optimizer states need {need / 2**30:.2f} GiB: free space there "
+                                  "or use a larger disk")
+            self.io = AsyncFileIO(config.io_threads, min(config.block_bytes, max(self.slot_bytes.values())))
+            for k in self.dtypes:
+                self.files[k] = StateFile(os.path.join(config.path, f"{tag}.{k}.bin"),
+                                          len(self.chunks) * self.slot_bytes[k])
+        except BaseException:
+            self.close()
+            raise
+        slots = min(config.buffer_count, len(self.chunks))
+        self.ring = [{k: aligned_empty(self.slot_bytes[k]) for k in self.dtypes} for _ in range(slots)]
+        self._slot_write: list = [None] * slots        # the write in flight from each slot
+        self._chunk_write: dict[int, object] = {}     # chunk -> its write in flight
+        self.read_bytes = self.written_bytes = 0       # since reset_counters()
+        self.wait_s = 0.0                              # the CPU step's time waiting for the disk
+
+    @classmethod
+    def open_on_every_rank(cls, *args) -> "NvmeStateStore":
+        """The store of this rank, opened by every rank of the world together: when one rank is refused
+        (its directory is in use, too small, ...) every rank raises, none waits at a collective for it."""
+        error, store = None, None
+        try:
+            store = cls(*args)
+        except UserError as e:
+            error = e
+        failed = collectives.all_reduce(torch.tensor([0.0 if error is None else 1.0]))    # over every rank
+        if error is not None:
+            raise error
+        if failed.item():
+            store.close()
+            raise ConfigError("another rank refused its --optimizer-nvme-path set-up (its error line says why)")
+        return store
+
+    def _lock(self, tag: str) -> list[str]:
+        """Take this rank's lock on the directory (refused while another job holds it) and remove the
+        state files a killed run left under it. Returns the names removed."""
+        fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                held = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+            except (OSError, ValueError):
+                held = {}
+            os.close(fd)
+            raise UserError(f"--optimizer-nvme-path {self.config.path} is in use by another job (pid {held.get('pid', '?')} "
+                            f"on host {held.get('host', '?')}): give each job its own directory") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}).encode(), 0)
+        self._lock_fd = fd
+        stale = sorted(f for f in os.listdir(self.config.path) if f.startswith(tag + ".") and f.endswith(".bin"))
+        for f in stale:
+            os.unlink(os.path.join(self.config.path, f))
+        return stale
+
+    # ------------------------------------------------------------------------------ accounting
+    @property
+    def buffer_bytes(self) -> int:
+        return len(self.ring) * sum(self.slot_bytes.values())
+
+    @property
+    def disk_bytes(self) -> int:
+        return sum(f.nbytes for f in self.files.values())
+
+    @property
+    def direct(self) -> bool:
+        return all(f.direct for f in self.files.values())
+
+    def reset_counters(self) -> None:
+        self.read_bytes = self.written_bytes = 0
+        self.wait_s = 0.0
+
+    # ----------------------------------------------------------------------------------- passes
+    def _views(self, slot: int, i: int, kinds) -> dict[str, torch.Tensor]:
+        a, b = self.chunks[i]
+        return {k: self.ring[slot][k][:(b - a) * self.dtypes[k].itemsize].view(self.dtypes[k]) for k in kinds}
+
+    def _nbytes(self, i: int, k: str) -> int:
+        a, b = self.chunks[i]
+        return round_up((b - a) * self.dtypes[k].itemsize)
+
+    def _wait(self, req) -> None:
+        t0 = time.monotonic()
+        req.wait()
+        self.wait_s += time.monotonic() - t0
+
+    def _free(self, slot: int, block: bool) -> bool:
+        """Whether the slot's last write is done (waited for when block)."""
+        req = self._slot_write[slot]
+        if req is None:
+            return True
+        if not block and not req.done():
+            return False
+        self._slot_write[slot] = None
+        try:
+            self._wait(req)
+        finally:
+            for i, r in list(self._chunk_write.items()):
+                if r is req:
+                    del self._chunk_write[i]
+        return True
+
+    def _write(self, slot: int, i: int) -> None:
+        reqs = [self.io.write(self.files[k], i * self.slot_bytes[k], self.ring[slot][k][:self._nbytes(i, k)])
+                for k in self.dtypes]
+        req = _All(reqs)
+        self._slot_write[slot] = req
+        self._chunk_write[i] = req
+        self.written_bytes += sum(self._nbytes(i, k) for k in self.dtypes)
+
+    def stream(self, chunk_ids=None, kinds=None, write: bool = True):
+        """Yield (a, b, {state: view}) for each chunk (default: all, in order), its `kinds` (default:
+        every state) read from disk; with `write`, every state of the chunk is written back after the
+        caller's turn (so `kinds` must then be all). Reads run up to the ring's depth ahead."""
+        ids = list(range(len(self.chunks))) if chunk_ids is None else list(chunk_ids)
+        kinds = tuple(self.dtypes) if kinds is None else tuple(kinds)
+        if write and set(kinds) != set(self.dtypes):
+            raise ValueError("a pass that writes back reads every state")
+        K = len(self.ring)
+        reads: dict[int, object] = {}                  # position -> the reads in flight into its slot
+
+        def issue(pos: int, block: bool) -> bool:
+            slot, i = pos % K, ids[pos]
+            if not self._free(slot, block):
+                return False
+            if i in self._chunk_write:                 # this chunk's last write is from another slot
+                if not block and not self._chunk_write[i].done():
+                    return False
+                self._wait(self._chunk_write.pop(i))
+            reads[pos] = _All([self.io.read(self.files[k], i * self.slot_bytes[k],
+                                            self.ring[slot][k][:self._nbytes(i, k)]) for k in kinds])
+            self.read_bytes += sum(self._nbytes(i, k) for k in kinds)
+            return True
+
+        issued = 0
+        try:
+            for pos, i in enumerate(ids):
+                if issued == pos:                      # this chunk's read must start now
+                    issue(pos, block=True)
+                    issued += 1
+                while issued < min(len(ids), pos + K) and issue(issued, block=False):
+                    issued += 1                        # read ahead as far as free slots allow
+                self._wait(reads.pop(pos))
+                a, b = self.chunks[i]
+                yield a, b, self._views(pos % K, i, kinds)
+                if write:
+                    self._write(pos % K, i)
+        finally:
+            for req in reads.values():                 # a pass left early: nothing in flight into the ring
+                try:
+                    req.wait()
+                except Exception:              # noqa: BLE001 - the pass's own error is the one raised
+                    pass
+
+    def fill(self, fn) -> None:
+        """Write every chunk from fn(a, b, {state: view}), which sets every element of the views."""
+        for i, (a, b) in enumerate(self.chunks):
+            slot = i % len(self.ring)
+            self._free(slot, block=True)
+            fn(a, b, self._views(slot, i, self.dtypes))
+            self._write(slot, i)
+
+    def fill_initial(self, master_pieces) -> None:
+        """The states' first values: zero moments and, on disk, the fp32 master from
+        `master_pieces` [(partition offset, values)] (sorted, disjoint; elements outside them zero)."""
+        pieces = sorted(master_pieces, key=lambda p: p[0])
+        starts = [h for h, _ in pieces]
+
+        def init(a: int, b: int, views) -> None:
+            for v in views.values():
+                v.zero_()
+            if "master" in views:
+                j = max(0, bisect.bisect_right(starts, a) - 1)
+                while j < len(pieces) and pieces[j][0] < b:
+                    h, src = pieces[j]
+                    lo, hi = max(h, a), min(h + src.numel(), b)
+                    if lo < hi:
+                        views["master"][lo - a:hi - a].copy_(src[lo - h:hi - h])
+                    j += 1
+        self.fill(init)
+
+    def drain(self) -> None:
+        """Wait for every write in flight (their errors are raised here)."""
+        for slot in range(len(self.ring)):
+            self._free(slot, block=True)
+
+    def close(self, remove: bool = True) -> None:
+        """Wait for the I/O in flight and close the files (removing them by default). Idempotent."""
+        try:
+            if self.ring is not None:
+                for slot in range(len(self.ring)):
+                    try:
+                        self._free(slot, block=True)
+                    except Exception:          # noqa: BLE001 - the files are going away anyway
+                        pass
+        finally:
+            if self.io is not None:
+                self.io.close()
+                self.io = None
+            for f in self.files.values():
+                f.close(remove=remove)
+            self.files = {}
+            if self._lock_fd is not None:          # removed while held: no other job can take a dead name
+                if remove:
+                    os.unlink(self._lock_path)
+                os.close(self._lock_fd)
+                self._lock_fd = None
+
+
+class _All:
+    """Several Requests as one."""
+
+    def __init__(self, reqs):
+        self.reqs = reqs
+
+    def done(self) -> bool:
+        return all(r.done() for r in self.reqs)
+
+    def wait(self) -> None:
+        first = None
+        for r in self.reqs:
+            try:
+                r.wait()
+            except BaseException as e:   # noqa: BLE001 - re-raised below
+                first = first or e
+        if first is not None:
+            raise first
