@@ -15,6 +15,7 @@ from zo_megatron.training.megatron_compat import add_megatron_compat_flags, chec
 from zo_megatron.training.megatron_flags import add_remaining_megatron_flags
 from zo_megatron.training.model_flags import (add_architecture_flags, add_attention_flags, check_architecture_flags,
                                                check_attention_flags)
+from zo_megatron.training.nvme_flags import add_nvme_flags, check_nvme_flags
 from zo_megatron.training.schedule import DECAY_STYLES, WSD_DECAY_STYLES
 
 
@@ -167,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "on the device (16 bytes/param) and is updated there by torch's fused Adam, "
                         "concurrently on a GPU. auto: the smallest share with which the memory planner says "
                         "the run fits")
+    add_nvme_flags(g)
     g.add_argument("--timeline", default=None, metavar="FILE",
                    help="write per-step phase times (forward, backward, grad sync, CPU step, parameter "
                         "return) as JSON lines, one FILE per rank (FILE.rankN when world > 1); plot with "
@@ -445,6 +447,7 @@ def finalize(args: argparse.Namespace) -> None:
         raise ConfigError("--overlap-cpu-step cannot be combined with --dpu (DPU already takes the CPU step off "
                           "the critical path, one update late): use one or the other")
     _check_offload_fraction(args)
+    check_nvme_flags(args)
     if args.keep_last is not None and args.keep_last < 1:
         raise ConfigError(f"--keep-last must be >= 1 (got {args.keep_last})")
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:

@@ -83,6 +83,7 @@ def build_optimizer(args, model, ps):
     DDP + AdamW baseline; both implement optimizer_api.TrainingOptimizer."""
     from zo_megatron.offload.engine import AdamConfig, ZeroOffloadEngine
     from zo_megatron.offload.loss_scaler import ConstantLossScaler, DynamicLossScaler
+    from zo_megatron.training.nvme_flags import nvme_config
     from zo_megatron.training.plain_optimizer import PlainDDPOptimizer
 
     adam = AdamConfig(lr=args.lr, beta1=args.adam_beta1, beta2=args.adam_beta2, eps=args.adam_eps,
@@ -105,7 +106,8 @@ def build_optimizer(args, model, ps):
                                  dpu_weight_prediction=args.dpu_weight_prediction,
                                  optimizer_offload_fraction=args.optimizer_offload_fraction,
                                  overlap_cpu_step=args.overlap_cpu_step,
-                                 overlap_speculated_fraction=args.overlap_speculated_fraction, **common)
+                                 overlap_speculated_fraction=args.overlap_speculated_fraction,
+                                 nvme=nvme_config(args), **common)
     return PlainDDPOptimizer(model.to(ps.device), **common)
 
 

@@ -1,0 +1,52 @@
+"""The job with --optimizer-nvme-path (issue 38): the same losses and grad norms as the in-memory job,
+bit for bit (TP1 x DP2, bf16, master on disk, eval included), the banner says where the states live
+and warns when DIR is RAM-backed, DIR is empty after a clean exit; the flags' conflicts are one line,
+exit 2."""
+import os
+
+import pytest
+
+from tests.test_pretrain import TINY, _job, _rows, _single
+
+
+def test_job_with_states_on_disk_equals_the_in_memory_job(tmp_path):
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    nvme = os.path.join(shm or str(tmp_path), f"zo-nvme-job-{os.getpid()}")
+    os.makedirs(nvme)
+    common = ["--zero-offload", "--bf16", "--mock-data", "--train-iters", "4", *TINY, "--eval-interval", "2",
+              "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16", "--clip-grad", "0.1"]
+    rows, out = {}, {}
+    try:
+        for name, extra in (("memory", []), ("nvme", ["--optimizer-nvme-path", nvme, "--optimizer-nvme-master",
+                                                      "--optimizer-nvme-buffer-size", "4096",
+                                                      "--optimizer-nvme-buffer-count", "3"])):
+            log = tmp_path / f"{name}.jsonl"
+            r = _job([*common, *extra, "--log-jsonl", str(log)], tmp_path)
+            assert r.returncode == 0, name + r.stderr[-3000:]
+            rows[name] = [(x["loss"], x["grad_norm"], x["skipped"]) for x in _rows(log, "train")]
+            out[name] = r.stdout
+        left = os.listdir(nvme)
+    finally:
+        for f in os.listdir(nvme):
+            os.unlink(os.path.join(nvme, f))
+        os.rmdir(nvme)
+    assert len(rows["nvme"]) == 4 and rows["nvme"] == rows["memory"], rows
+    line = next(x for x in out["nvme"].splitlines() if "optimizer states on disk" in x)
+    assert "exp_avg (bf16), exp_avg_sq (bf16), fp32 master in " + nvme in line and "I/O ring 3 x 4096" in line
+    assert ("is on tmpfs, which is host memory" in out["nvme"]) == (shm is not None)
+    assert left == []                                          # the state files go at a clean exit
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--optimizer-nvme-master"], "--optimizer-nvme-master applies to the optimizer states on disk: add "
+                                  "--optimizer-nvme-path DIR"),
+    (["--optimizer-nvme-path", "{d}"], "--optimizer-nvme-path puts the CPU optimizer's states on disk: add --zero-offload"),
+    (["--zero-offload", "--optimizer-nvme-path", "{d}", "--save", "{d}/ck"], "cannot be combined with --save/--load"),
+    (["--zero-offload", "--optimizer-nvme-path", "{d}/nope"], "is not a directory"),
+    (["--zero-offload", "--optimizer-nvme-path", "{d}", "--optimizer-nvme-buffer-size", "100"], "multiple of 64"),
+], ids=["master-alone", "no-offload", "save", "missing-dir", "buffer-size"])
+def test_nvme_flag_conflicts_are_one_line(tmp_path, extra, needle):
+    r = _single([*TINY, "--train-iters", "1", "--lr-warmup-iters", "0", *[a.format(d=tmp_path) for a in extra]], tmp_path)
+    lines = [x for x in r.stderr.splitlines() if x.startswith("error:")]
+    assert r.returncode == 2 and len(lines) == 1 and needle in lines[0], r.stderr[-2000:]
+    assert "Traceback" not in r.stderr

@@ -1,0 +1,76 @@
+"""The NVMe tier's flags (issue 38, docs/nvme.md): --optimizer-nvme-path and its companions, their
+checks, and the engine's NvmeConfig they give. arguments.py adds them to the job's parser
+(tools/estimate_memory.py inherits them from there).
+"""
+from __future__ import annotations
+
+from zo_megatron.errors import ConfigError
+from zo_megatron.offload.nvme_store import (DEFAULT_BUFFER_COUNT, DEFAULT_BUFFER_SIZE, KERNEL_CUT, RAM_FILESYSTEMS,
+                                             NvmeConfig, filesystem_type)
+
+
+def add_nvme_flags(g) -> None:
+    g.add_argument("--optimizer-nvme-path", default=None, metavar="DIR",
+                   help="ZeRO-Offload: keep each rank's Adam moments (exp_avg, exp_avg_sq, in --exp-avg-dtype) in "
+                        "files under DIR (a directory on an NVMe disk) instead of host memory, streamed through a "
+                        "ring of I/O buffers for each CPU step; bitwise the in-memory run (docs/nvme.md)")
+    g.add_argument("--optimizer-nvme-master", action="store_true",
+                   help="with --optimizer-nvme-path: the fp32 master weights on disk too (host memory then holds "
+                        "about 2 bytes/param plus the I/O buffers)")
+    g.add_argument("--optimizer-nvme-buffer-count", type=int, default=DEFAULT_BUFFER_COUNT, metavar="N",
+                   help="with --optimizer-nvme-path: I/O buffers in the ring (reads ahead of the CPU Adam and "
+                        f"writes behind it share them; default: {DEFAULT_BUFFER_COUNT})")
+    g.add_argument("--optimizer-nvme-buffer-size", type=int, default=DEFAULT_BUFFER_SIZE, metavar="ELEMENTS",
+                   help="with --optimizer-nvme-path: partition elements per I/O buffer, a multiple of "
+                        f"{KERNEL_CUT} (default: {DEFAULT_BUFFER_SIZE}; each buffer holds that many elements of "
+                        "every state on disk)")
+
+
+def check_nvme_flags(args) -> None:
+    """One line per conflict; turns the default --overlap-cpu-step auto off with the tier."""
+    if args.optimizer_nvme_path is None:
+        for flag in ("master", "buffer_count", "buffer_size"):
+            if f"optimizer_nvme_{flag}" in getattr(args, "given", ()):
+                raise ConfigError(f"--optimizer-nvme-{flag.replace('_', '-')} applies to the optimizer states on disk: "
+                                  "add --optimizer-nvme-path DIR")
+        return
+    if not args.zero_offload:
+        raise ConfigError("--optimizer-nvme-path puts the CPU optimizer's states on disk: add --zero-offload")
+    refused = (("--overlap-cpu-step", args.overlap_cpu_step in ("full", "memory")),
+               ("--optimizer-offload-fraction", args.optimizer_offload_fraction != 1.0),
+               ("--dpu-weight-prediction with --optimizer-nvme-master",
+                getattr(args, "dpu_weight_prediction", False) and args.optimizer_nvme_master),
+               ("--save/--load (checkpoints of states on disk)", bool(args.save or args.load)))
+    for flag, bad in refused:
+        if bad:
+            raise ConfigError(f"--optimizer-nvme-path cannot be combined with {flag} yet (issue 38): drop one")
+    args.overlap_cpu_step = "off" if args.overlap_cpu_step in (None, "auto") else args.overlap_cpu_step
+    nvme_config(args).check()
+
+
+def nvme_config(args) -> NvmeConfig | None:
+    """The engine's `nvme` argument from the job's flags (None without --optimizer-nvme-path)."""
+    if args.optimizer_nvme_path is None:
+        return None
+    return NvmeConfig(args.optimizer_nvme_path, master=args.optimizer_nvme_master,
+                      buffer_count=args.optimizer_nvme_buffer_count, buffer_size=args.optimizer_nvme_buffer_size)
+
+
+def nvme_banner_lines(args, optimizer) -> list[str]:
+    """The banner's lines for the tier: what lives where, the ring, the I/O mode; a RAM-backed DIR warned."""
+    store = getattr(optimizer, "_nvme", None)
+    if store is None:
+        return []
+    from zo_megatron.training.metrics import human_bytes
+
+    states = ", ".join(("fp32 master" if k == "master" else f"{k} ({args.exp_avg_dtype})") for k in store.dtypes)
+    lines = [f" optimizer states on disk: {states} in {args.optimizer_nvme_path}, {human_bytes(store.disk_bytes)} per rank; "
+             f"I/O ring {len(store.ring)} x {args.optimizer_nvme_buffer_size} elements = "
+             f"{human_bytes(store.buffer_bytes)} host per rank; "
+             + ("O_DIRECT" if store.direct else "buffered I/O (the filesystem refuses O_DIRECT: the page cache "
+                                                "holds another copy)")]
+    fs = filesystem_type(args.optimizer_nvme_path)
+    if fs in RAM_FILESYSTEMS:
+        lines.append(f" warning: --optimizer-nvme-path {args.optimizer_nvme_path} is on {fs}, which is host memory: "
+                     "the states on it save no RAM (point it at an NVMe disk)")
+    return lines
