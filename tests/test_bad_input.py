@@ -82,7 +82,19 @@ def _cases(d):
         # --save
         ("save onto a file", [*data, "--save", f"{d}/a_file"], {}, f"--save {d}/a_file"),
         # Megatron-LM flags: every refusal of one command line in one line (#28)
-        ("refused Megatron flags together", ["--num-experts", "8", "--fp8-format", "hybrid"], {}, "(2 flags refused)"),
+        ("refused Megatron flags together", ["--moe-expert-capacity-factor", "1.0", "--fp8-format", "hybrid"], {},
+         "(2 flags refused)"),
+        # mixture of experts (issue 39): Megatron-LM's rules, one line each; the job refuses MoE training for now
+        ("top-k above the experts", ["--num-experts", "4", "--moe-router-topk", "5"], {},
+         "--moe-router-topk 5 with --num-experts 4"),
+        ("EP not dividing the experts", ["--num-experts", "6", "--expert-model-parallel-size", "4"], {},
+         "--expert-model-parallel-size 4 does not divide --num-experts 6"),
+        ("an MoE flag without --num-experts", ["--moe-router-topk", "4"], {}, "add --num-experts"),
+        ("grouped GEMM without Transformer Engine", ["--num-experts", "4", "--moe-grouped-gemm"], {},
+         "--moe-grouped-gemm: megatron-core's grouped-GEMM experts need"),
+        ("MoE at TP 2 without sequence parallelism", ["--num-experts", "4", "--tensor-model-parallel-size", "2"], {},
+         "need --sequence-parallel"),
+        ("MoE training, not done yet", ["--num-experts", "4"], {}, "--num-experts 4: mixture-of-experts models build"),
         # data paths (#28)
         ("odd blend list", ["--data-path", "0.7", f"{d}/sotu_text_document", "0.3"], {}, "0.3 has no prefix after it"),
         ("vocab file is a directory", [*data, "--vocab-file", d], {}, f"--vocab-file {d} is a directory"),

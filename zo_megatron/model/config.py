@@ -21,6 +21,17 @@ POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "yarn")
 YARN_FIELDS = {"rotary_scaling_factor": 1.0, "yarn_original_max_position_embeddings": 4096, "yarn_beta_fast": 32.0,
                "yarn_beta_slow": 1.0, "yarn_correction_range_round_to_int": True, "mscale": 1.0, "mscale_all_dim": 0.0}
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+# Mixture of experts (megatron-core's MoE layer, local spec; docs/moe.md): field -> Megatron-LM's default.
+# Not in ARCH_FIELDS yet: no checkpoint holds an MoE model (the job refuses to train one until the
+# engine's expert groups and MoE checkpoints land, issue 39).
+MOE_FIELDS = {"num_experts": None, "moe_router_topk": 2, "moe_ffn_hidden_size": None,
+              "moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 0.0, "moe_z_loss_coeff": None,
+              "moe_router_pre_softmax": False, "moe_router_score_function": "softmax",
+              "moe_router_topk_scaling_factor": None, "moe_shared_expert_intermediate_size": None,
+              "moe_shared_expert_gate": False, "moe_layer_freq": 1, "moe_token_dispatcher_type": "allgather"}
+MOE_LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "none")
+MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
+MOE_DISPATCHERS = ("allgather", "alltoall")
 
 # The fields that define the architecture: recorded in checkpoints and compared on resume.
 ARCH_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
@@ -78,6 +89,20 @@ class GPTConfig:
     add_qkv_bias: bool = False                  # qkv bias even without add_bias_linear (Qwen2)
     qk_layernorm: bool = False
     layernorm_zero_centered_gamma: bool = False  # --apply-layernorm-1p: every norm scales by (1 + weight), weight from 0
+    # mixture of experts (MOE_FIELDS; docs/moe.md): None = a dense model
+    num_experts: int | None = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int | None = None      # each expert's FFN size (default: ffn_hidden_size)
+    moe_router_load_balancing_type: str = "aux_loss"
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float | None = None
+    moe_router_pre_softmax: bool = False        # softmax over all experts, then top-k (no renormalisation)
+    moe_router_score_function: str = "softmax"
+    moe_router_topk_scaling_factor: float | None = None
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_shared_expert_gate: bool = False        # the shared expert's output scaled by sigmoid(x . gate_weight)
+    moe_layer_freq: int | list = 1              # every N-th layer is MoE, or a 0/1 list per layer
+    moe_token_dispatcher_type: str = "allgather"
     recompute: str | None = None                # None | "full" (whole layers) | "selective" (attention core)
     recompute_method: str = "uniform"           # full only: "uniform" (groups of N layers) | "block" (first N)
     recompute_num_layers: int = 1               # full only: N (megatron's --recompute-num-layers)
@@ -97,6 +122,7 @@ class GPTConfig:
                 f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
                 f"{self.num_attention_heads}: pick hidden = heads x head_dim (or give --kv-channels)")
         self._check_architecture()
+        self._check_moe()
         if self.recompute is True:
             self.recompute = "full"
         if self.recompute not in (None, False, "full", "selective"):
@@ -162,6 +188,92 @@ class GPTConfig:
                      "yarn_beta_slow"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be > 0")
+
+    def _check_moe(self) -> None:
+        """Megatron-LM's MoE rules (megatron-core's TransformerConfig asserts), one line each."""
+        if self.num_experts is None:
+            off = [f"--{k.replace('_', '-')}" for k, v in MOE_FIELDS.items() if getattr(self, k) != v]
+            if off:
+                raise ConfigError(f"{', '.join(off)} configure{'s' if len(off) == 1 else ''} mixture-of-experts "
+                                  "layers: add --num-experts (or drop it)")
+            return
+        e, k = self.num_experts, self.moe_router_topk
+        if e < 1:
+            raise ConfigError(f"--num-experts {e}: must be >= 1")
+        if not 1 <= k <= e:
+            raise ConfigError(f"--moe-router-topk {k} with --num-experts {e}: each token is routed to k of the "
+                              f"{e} experts; use 1 <= k <= {e}")
+        for flag, value, allowed in (("--moe-router-load-balancing-type", self.moe_router_load_balancing_type,
+                                      MOE_LOAD_BALANCING),
+                                     ("--moe-router-score-function", self.moe_router_score_function, MOE_SCORE_FUNCTIONS),
+                                     ("--moe-token-dispatcher-type", self.moe_token_dispatcher_type, MOE_DISPATCHERS)):
+            if value not in allowed:
+                raise ConfigError(f"{flag} {value}: not supported here; choose one of {', '.join(allowed)}")
+        if k == 1 and self.moe_router_score_function == "softmax" and not self.moe_router_pre_softmax:
+            raise ConfigError("--moe-router-topk 1 with the softmax score function: add --moe-router-pre-softmax "
+                              "(megatron-core's rule: a softmax over the one chosen logit has a zero gradient)")
+        for flag, v in (("--moe-ffn-hidden-size", self.moe_ffn_hidden_size),
+                        ("--moe-shared-expert-intermediate-size", self.moe_shared_expert_intermediate_size)):
+            if v is not None and v < 1:
+                raise ConfigError(f"{flag} {v}: must be >= 1")
+        for flag, v in (("--moe-aux-loss-coeff", self.moe_aux_loss_coeff), ("--moe-z-loss-coeff", self.moe_z_loss_coeff),
+                        ("--moe-router-topk-scaling-factor", self.moe_router_topk_scaling_factor)):
+            if v is not None and v < 0:
+                raise ConfigError(f"{flag} {v}: must be >= 0")
+        if self.moe_shared_expert_intermediate_size is not None and self.add_bias_linear:
+            raise ConfigError("--moe-shared-expert-intermediate-size: megatron-core's shared expert has no biases; "
+                              "add --disable-bias-linear")
+        if self.moe_shared_expert_gate and self.moe_shared_expert_intermediate_size is None:
+            raise ConfigError("--moe-shared-expert-gate gates the shared expert: add "
+                              "--moe-shared-expert-intermediate-size")
+        self.moe_layers()
+
+    def moe_layers(self) -> list[bool]:
+        """Which layers are MoE (megatron-core's moe_layer_freq: every N-th layer from layer 0, or a 0/1
+        list with one entry per layer); all False for a dense model."""
+        if self.num_experts is None:
+            return [False] * self.num_layers
+        freq = self.moe_layer_freq
+        if isinstance(freq, int) and not isinstance(freq, bool):
+            if freq < 1:
+                raise ConfigError(f"--moe-layer-freq {freq}: must be >= 1 (every N-th layer is MoE)")
+            return [i % freq == 0 for i in range(self.num_layers)]
+        freq = list(freq)
+        if len(freq) != self.num_layers or any(x not in (0, 1) or isinstance(x, bool) for x in freq):
+            raise ConfigError(f"--moe-layer-freq {freq}: a list needs one 0 (dense) or 1 (MoE) per layer, "
+                              f"{self.num_layers} entries")
+        return [x == 1 for x in freq]
+
+    @property
+    def moe_ffn_size(self) -> int:
+        return self.moe_ffn_hidden_size or self.ffn_size
+
+    def check_expert_parallel(self, tensor_parallel: int, expert_parallel: int, expert_tensor_parallel: int | None,
+                              sequence_parallel: bool) -> None:
+        """What the expert layout needs of the model (parallel/state.py checks it against the world)."""
+        etp = tensor_parallel if expert_tensor_parallel is None else expert_tensor_parallel
+        if self.num_experts is None:
+            if expert_parallel != 1 or etp != tensor_parallel:
+                raise ConfigError("--expert-model-parallel-size / --expert-tensor-parallel-size split experts: add "
+                                  "--num-experts (or drop them)")
+            return
+        if self.num_experts % expert_parallel:
+            raise ConfigError(f"--expert-model-parallel-size {expert_parallel} does not divide --num-experts "
+                              f"{self.num_experts}: each EP rank holds num_experts / EP whole experts; use an EP size "
+                              f"that divides {self.num_experts}")
+        if etp != tensor_parallel:
+            raise ConfigError(f"--expert-tensor-parallel-size {etp} differs from --tensor-model-parallel-size "
+                              f"{tensor_parallel}: not supported yet; drop it (the experts then split over TP as the "
+                              "dense MLP does)")
+        if tensor_parallel > 1 and not sequence_parallel:
+            raise ConfigError(f"mixture-of-experts layers at --tensor-model-parallel-size {tensor_parallel} need "
+                              "--sequence-parallel (megatron-core's MoE layer refuses to train without it)")
+        if self.add_bias_linear and etp > 1:
+            raise ConfigError(f"mixture-of-experts layers with biases need expert TP 1 (megatron-core's rule; here "
+                              f"{etp}): add --disable-bias-linear or use --tensor-model-parallel-size 1")
+        if self.moe_ffn_size % etp:
+            raise ConfigError(f"--tensor-model-parallel-size {etp} does not divide the experts' FFN size "
+                              f"{self.moe_ffn_size}: use a TP size that divides it")
 
     def check_query_groups_tp(self, tensor_parallel: int) -> None:
         """Grouped-query attention: megatron-core's local attention splits num_query_groups over
@@ -236,16 +348,29 @@ class GPTConfig:
         norm = 2 if self.normalization == "LayerNorm" else 1          # weight (+ bias)
         bias = 1 if self.add_bias_linear else 0
         qkv_out = (heads + 2 * g) * d
-        fc1_out = 2 * f if self.swiglu else f
         per_layer = (norm * h                                                   # input norm
                      + qkv_out * h + (qkv_out if self.add_bias_linear or self.add_qkv_bias else 0)
                      + (2 * norm * d if self.qk_layernorm else 0)                # q/k norms
                      + h * heads * d + bias * h                                  # linear_proj
-                     + norm * h                                                  # pre-MLP norm
-                     + fc1_out * h + bias * fc1_out + h * f + bias * h)          # MLP
+                     + norm * h)                                                 # pre-MLP norm
+        mlps = sum(self._moe_mlp_parameters() if moe else self._mlp_parameters(f) for moe in self.moe_layers())
         positions = self.max_position_embeddings * h if self.position_embedding_type == "learned_absolute" else 0
         output = V * h if self.untie_embeddings_and_output_weights else 0
-        return V * h + positions + L * per_layer + norm * h + output
+        return V * h + positions + L * per_layer + mlps + norm * h + output
+
+    def _mlp_parameters(self, f: int, bias: bool | None = None) -> int:
+        h, bias = self.hidden_size, self.add_bias_linear if bias is None else bias
+        fc1_out = 2 * f if self.swiglu else f
+        return fc1_out * h + bias * fc1_out + h * f + bias * h
+
+    def _moe_mlp_parameters(self) -> int:
+        """Router (E x h, + E with biases), E experts, the shared expert (no biases: megatron-core's
+        SharedExpertMLP) and its gate (h)."""
+        e, h, shared = self.num_experts, self.hidden_size, self.moe_shared_expert_intermediate_size
+        out = e * h + (e if self.add_bias_linear else 0) + e * self._mlp_parameters(self.moe_ffn_size)
+        if shared:
+            out += self._mlp_parameters(shared, bias=False) + (h if self.moe_shared_expert_gate else 0)
+        return out
 
 
 def complete_arch_meta(meta: dict, args: dict | None = None) -> dict:

@@ -30,6 +30,17 @@ t = TP size, d = head dim, G = query groups, f = FFN size, H = heads:
                                                                                 the embedding
 
     SwiGLU fc1 at t=2:  full [g0 g1 | u0 u1]  ->  rank 0 [g0; u0], rank 1 [g1; u1]
+
+Mixture of experts (--num-experts E; the layers --moe-layer-freq names; docs/moe.md): the MLP is
+megatron-core's MoELayer, local spec (SequentialMLP: the experts run one after another):
+
+      mlp.router.weight[.bias]             replicated             [E, h]        fp32, sequence_parallel
+      mlp.experts.local_experts.{j}.       expert j of this EP rank: global expert ep_rank x E/EP + j;
+        linear_fc1.weight, linear_fc2.weight  split over expert TP as the dense MLP's fc1 / fc2
+      [mlp.shared_experts.linear_fc1/2.weight, .gate_weight [1, h]]  the shared expert (and its sigmoid gate)
+
+Full tensors (init, load_full_params) name experts by their GLOBAL index (GPTModelTP.full_name), so
+every EP layout starts from the same model.
 """
 from __future__ import annotations
 
@@ -82,15 +93,54 @@ class _TPSummedLayerNorm(torch.nn.LayerNorm):
         return F.layer_norm(x, self.normalized_shape, _tp_summed(scale_of(self)), _tp_summed(self.bias), self.eps)
 
 
-def layer_spec(cfg: GPTConfig):
-    """megatron-core's local spec for this architecture (RMSNorm / LayerNorm, q/k norms)."""
+def layer_spec(cfg: GPTConfig, num_experts: int | None = None):
+    """megatron-core's local spec for this architecture (RMSNorm / LayerNorm, q/k norms); with
+    num_experts an MoE layer's (SequentialMLP experts: megatron-core's grouped GEMMs need the
+    grouped_gemm package or Transformer Engine)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(qk_layernorm=cfg.qk_layernorm, normalization=cfg.normalization)
+    spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=cfg.qk_layernorm,
+                                    normalization=cfg.normalization)
     if cfg.qk_layernorm:
         attention = spec.submodules.self_attention.submodules
         attention.q_layernorm = attention.k_layernorm = TPQKNorm
     return spec
+
+
+def layer_specs(cfg: GPTConfig):
+    """The decoder's layer spec: one for a dense model, one per layer (dense or MoE) with experts."""
+    if cfg.num_experts is None:
+        return layer_spec(cfg)
+    dense, moe = layer_spec(cfg), layer_spec(cfg, cfg.num_experts)
+    return [moe if is_moe else dense for is_moe in cfg.moe_layers()]
+
+
+def moe_config_kwargs(cfg: GPTConfig, tensor_parallel: int) -> dict:
+    """TransformerConfig's MoE fields (Megatron-LM's flag dests and megatron-core's names differ only
+    in num_moe_experts); the expert layout from megatron-core's parallel state when it is set up."""
+    if cfg.num_experts is None:
+        return {}
+    from megatron.core import parallel_state as mpu
+
+    ep, etp = 1, tensor_parallel
+    if mpu.model_parallel_is_initialized():
+        ep, etp = mpu.get_expert_model_parallel_world_size(), mpu.get_expert_tensor_parallel_world_size()
+    cfg.check_expert_parallel(tensor_parallel, ep, etp, cfg.sequence_parallel and tensor_parallel > 1)
+    if cfg.moe_token_dispatcher_type == "alltoall" and etp > 1 and not torch.cuda.is_available():
+        raise ConfigError(f"--moe-token-dispatcher-type alltoall at expert TP {etp} on CPUs: megatron-core's alltoall "
+                          "dispatcher all-gathers uneven token counts over expert TP, which gloo cannot; use "
+                          "--moe-token-dispatcher-type allgather (or TP 1)")
+    return dict(num_moe_experts=cfg.num_experts, moe_router_topk=cfg.moe_router_topk,
+                moe_ffn_hidden_size=cfg.moe_ffn_size, moe_router_load_balancing_type=cfg.moe_router_load_balancing_type,
+                moe_aux_loss_coeff=cfg.moe_aux_loss_coeff, moe_z_loss_coeff=cfg.moe_z_loss_coeff,
+                moe_router_pre_softmax=cfg.moe_router_pre_softmax,
+                moe_router_score_function=cfg.moe_router_score_function,
+                moe_router_topk_scaling_factor=cfg.moe_router_topk_scaling_factor,
+                moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
+                moe_shared_expert_gate=cfg.moe_shared_expert_gate, moe_layer_freq=cfg.moe_layer_freq,
+                moe_token_dispatcher_type=cfg.moe_token_dispatcher_type, moe_grouped_gemm=False,
+                moe_permute_fusion=False, moe_router_fusion=False,
+                expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
 
 
 def transformer_config(cfg: GPTConfig, tensor_parallel: int):
@@ -142,6 +192,7 @@ def transformer_config(cfg: GPTConfig, tensor_parallel: int):
         # megatron-LM turns sequence parallelism off at TP = 1 (there is no sequence to split)
         sequence_parallel=cfg.sequence_parallel and tensor_parallel > 1,
         **recompute,
+        **moe_config_kwargs(cfg, tensor_parallel),
     )
     if cfg.position_embedding_type == "yarn":
         # megatron-core 0.16's GPTModel and attention read YaRN's settings as config attributes
@@ -168,7 +219,7 @@ class GPTModelTP(torch.nn.Module):
         self.sequence_parallel = config.sequence_parallel
         self.gpt = GPTModel(
             config=config,
-            transformer_layer_spec=decoder_spec(cfg, layer_spec(cfg), config.sequence_parallel),
+            transformer_layer_spec=decoder_spec(cfg, layer_specs(cfg), config.sequence_parallel),
             vocab_size=self.padded_vocab_size,
             max_sequence_length=cfg.max_position_embeddings,
             share_embeddings_and_output_weights=not cfg.untie_embeddings_and_output_weights,
@@ -180,6 +231,7 @@ class GPTModelTP(torch.nn.Module):
             parallel_output=True,
         )
         _mark_tp_split_params(self.gpt, swiglu=cfg.swiglu)
+        self._full_names = _expert_full_names(self)
         local_vocab = self.padded_vocab_size // tp_size
         first = tp_rank * local_vocab
         n_pad = max(0, first + local_vocab - max(first, cfg.vocab_size))
@@ -190,6 +242,10 @@ class GPTModelTP(torch.nn.Module):
         # converted from Hugging Face) the model is exact within, and what its saves carry on
         self.attention_window: dict | None = None
         self.checkpoint_carried: dict = {}
+
+    def full_name(self, name: str) -> str:
+        """The full model's name of parameter `name`: an expert's global index in place of its local one."""
+        return self._full_names.get(name, name)
 
     def _mask(self, seq_length: int, device) -> torch.Tensor:
         key = (seq_length, str(device))
@@ -249,13 +305,28 @@ def _mark_tp_split_params(module: torch.nn.Module, swiglu: bool = False) -> None
             dim = 1
         else:
             continue
-        stride = 2 if swiglu and name.endswith("mlp.linear_fc1") else 1
+        stride = 2 if swiglu and name.endswith("linear_fc1") else 1     # the MLP's, an expert's, the shared expert's
         w = getattr(m, "weight", None)
         if w is not None:
             w.tensor_model_parallel, w.partition_dim, w.partition_stride = True, dim, stride
         b = getattr(m, "bias", None)
         if dim == 0 and isinstance(b, torch.nn.Parameter):
             b.tensor_model_parallel, b.partition_dim, b.partition_stride = True, 0, stride
+
+
+def _expert_full_names(model: torch.nn.Module) -> dict[str, str]:
+    """{local name: full name} of every expert parameter: megatron-core's MoE layer knows its experts'
+    global indices (local_expert_indices)."""
+    out = {}
+    for prefix, m in model.named_modules():
+        indices = getattr(m, "local_expert_indices", None)
+        experts = getattr(getattr(m, "experts", None), "local_experts", None)
+        if indices is None or experts is None:
+            continue
+        for j, expert in enumerate(experts):
+            for pname, _ in expert.named_parameters():
+                out[f"{prefix}.experts.local_experts.{j}.{pname}"] = f"{prefix}.experts.local_experts.{indices[j]}.{pname}"
+    return out
 
 
 def _param_seed(seed: int, name: str) -> int:
@@ -275,7 +346,7 @@ def init_weights_(model: GPTModelTP, seed: int) -> None:
     cfg = model.cfg
     out_std = cfg.init_method_std / (2.0 * cfg.num_layers) ** 0.5
     for name, p in model.named_parameters():
-        local_name = name.removeprefix("gpt.")
+        local_name = model.full_name(name).removeprefix("gpt.")
         info = shard_info(local_name, p, model.tp_rank, model.tp_size, cfg.vocab_size)
         if local_name.endswith("layernorm.weight"):
             p.fill_(0.0 if cfg.layernorm_zero_centered_gamma else 1.0)     # the scale starts at 1 either way

@@ -129,8 +129,11 @@ def gather_full_params(model: torch.nn.Module, tp_group, tp_rank: int, tp_size: 
 @torch.no_grad()
 def load_full_params(model: torch.nn.Module, full: dict[str, torch.Tensor], tp_rank: int, tp_size: int,
                      vocab_size: int) -> None:
-    """Copy this rank's shards of full unpadded tensors into the model's parameters."""
-    for name, p in model.named_parameters():
+    """Copy this rank's shards of full unpadded tensors into the model's parameters (experts by their
+    global index: the model's `full_name`, when it has one)."""
+    full_name = getattr(model, "full_name", lambda n: n)
+    for local_name, p in model.named_parameters():
+        name = full_name(local_name)
         info = shard_info(name, p, tp_rank, tp_size, vocab_size)
         if name not in full:
             raise KeyError(f"missing parameter {name!r}")

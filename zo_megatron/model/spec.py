@@ -42,12 +42,19 @@ def layer_spec_with(cfg: GPTConfig, spec, sequence_parallel: bool):
 def decoder_spec(cfg: GPTConfig, spec, sequence_parallel: bool):
     """What GPTModel's `transformer_layer_spec` gets: the layer spec, or, with sequence
     parallelism or a zero-centred gamma, the block's submodules so that the final norm is ours too
-    (megatron-core would build its default torch norm there, which refuses both)."""
-    spec = layer_spec_with(cfg, spec, sequence_parallel)
-    if not _our_norms(cfg, sequence_parallel):
-        return spec
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+    (megatron-core would build its default torch norm there, which refuses both). `spec` may be a
+    list of one layer spec per layer (mixture of experts: dense and MoE layers, --moe-layer-freq):
+    then always the block's submodules, with megatron-core's default final norm where ours is not needed."""
+    per_layer = spec if isinstance(spec, list) else None
+    if per_layer is not None:
+        per_layer = [layer_spec_with(cfg, s, sequence_parallel) for s in per_layer]
+    else:
+        spec = layer_spec_with(cfg, spec, sequence_parallel)
+        if not _our_norms(cfg, sequence_parallel):
+            return spec
+    from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
 
     from zo_megatron.model.norms import Norm
 
-    return TransformerBlockSubmodules(layer_specs=[spec] * cfg.num_layers, layer_norm=Norm)
+    return TransformerBlockSubmodules(layer_specs=per_layer or [spec] * cfg.num_layers,
+                                      layer_norm=Norm if _our_norms(cfg, sequence_parallel) else LayerNormImpl)

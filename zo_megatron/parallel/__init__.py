@@ -1,4 +1,5 @@
-"""Process groups: TP x DP over torch.distributed, built by megatron-core's parallel_state."""
+"""Process groups: TP x DP (and the expert groups EP x expert TP x expert DP) over torch.distributed, built by
+megatron-core's parallel_state."""
 from .state import (
     ParallelState,
     destroy_parallel,

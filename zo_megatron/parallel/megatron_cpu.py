@@ -1,8 +1,9 @@
 """Every shim megatron-core 0.16 needs to run on a CPU-only torch, in one place.
 
 Applied only when CUDA is unavailable (`apply()` is a no-op otherwise), so a GPU run uses
-megatron-core untouched. Each shim has a one-line reason; nothing else in zo_megatron patches
-megatron-core.
+megatron-core untouched -- except one that any host without Transformer Engine needs (the MoE
+router's names, `_define_moe_names_without_transformer_engine`). Each shim has a one-line reason;
+nothing else in zo_megatron patches megatron-core.
 """
 from __future__ import annotations
 
@@ -72,6 +73,7 @@ class CPURNGStatesTracker:
 def apply() -> None:
     """Install the shims (idempotent). Call before building any megatron-core module."""
     global _APPLIED
+    _define_moe_names_without_transformer_engine()     # CPU or GPU: wherever Transformer Engine is absent
     if _APPLIED or torch.cuda.is_available():
         return
     from megatron.core.tensor_parallel import random as mpu_random
@@ -86,7 +88,64 @@ def apply() -> None:
     # megatron's linear autograd Function restores autocast in backward for "cuda" only; under
     # CPU autocast (the DDP baseline) its backward would multiply a bf16 grad by an fp32 weight.
     _keep_cpu_autocast_in_linear_backward()
+    _give_the_alltoall_dispatcher_a_host_stream()
     _APPLIED = True
+
+
+_TE_MOE_NAMES = ("fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_permute",
+                 "fused_permute_with_probs", "fused_sort_chunks_by_index", "fused_sort_chunks_by_index_with_probs",
+                 "fused_topk_with_score_function", "fused_unpermute", "te_general_gemm")
+
+
+def _define_moe_names_without_transformer_engine() -> None:
+    """Not a CPU shim but one for any host without Transformer Engine (the local spec's): megatron-core
+    0.16.1's moe_utils imports these only with TE yet tests `te_general_gemm is not None` in the router's
+    gating linear unconditionally (a NameError at the first MoE forward); None is what its checks expect,
+    so the router takes its torch.mm path and a fused option fails with its own message."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not getattr(moe_utils, "HAVE_TE", False):
+        for name in _TE_MOE_NAMES:
+            if not hasattr(moe_utils, name):
+                setattr(moe_utils, name, None)
+
+
+class _HostStream:
+    """What the MoE alltoall dispatcher asks of its device-to-host side stream, on a host where every
+    tensor is on the CPU already: nothing to wait for, an event that is always complete."""
+
+    def wait_stream(self, _other) -> None:
+        pass
+
+    def record_event(self, _event=None):
+        return self
+
+    def synchronize(self) -> None:
+        pass
+
+
+def _give_the_alltoall_dispatcher_a_host_stream() -> None:
+    """megatron-core's MoEAlltoAllTokenDispatcher creates a torch.cuda.Stream for its token counts'
+    device-to-host copy and compares it with torch.cuda.current_stream(): on a CPU the counts are host
+    tensors already (maybe_move_tensor_to_cpu leaves them), so one host stream stands for both (on a
+    CPU-only torch, current_stream only raises; torch.cuda.stream(s) is a no-op context)."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    stream = _HostStream()
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = stream
+    torch.cuda.current_stream = lambda *a, **k: stream
+    # ... and it hands the split sizes to all_to_all_single as the numpy arrays maybe_move_tensor_to_cpu
+    # makes of CUDA tensors: a host tensor is left a tensor, which gloo's all_to_all_single refuses
+    from megatron.core.transformer.moe import token_dispatcher
+
+    move = token_dispatcher.maybe_move_tensor_to_cpu
+
+    def host_splits_as_numpy(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = host_splits_as_numpy
 
 
 def _keep_cpu_autocast_in_linear_backward() -> None:

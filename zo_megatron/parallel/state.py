@@ -2,6 +2,12 @@
 
 Rank layout is megatron-core's: TP groups are runs of consecutive ranks ([0,1], [2,3] at TP=2),
 so a TP group stays inside a node; DP groups stride across them ([0,2], [1,3]).
+
+Mixture-of-experts layers (docs/moe.md) have a second layout, megatron-core's expert groups over
+the same ranks: expert TP (ETP, --expert-tensor-parallel-size, default TP) x expert model parallel
+(EP, --expert-model-parallel-size) x expert data parallel (EDP = world / (ETP x EP)), ETP fastest
+then EP. At 4 ranks, TP 1, EP 2: EP groups [0,1], [2,3], EDP groups [0,2], [1,3]; the dense
+parameters are replicated over DP (all 4 ranks), each expert only over its EDP group.
 """
 from __future__ import annotations
 
@@ -32,6 +38,17 @@ class ParallelState:
     tp_group: object
     dp_group: object
     device: torch.device
+    # the expert layout (megatron-core's expert groups): EP, expert TP and expert DP; EP 1 and
+    # expert TP = TP (the defaults) make the expert groups the TP / DP groups' members
+    ep_rank: int = 0
+    ep_size: int = 1
+    ep_group: object = None
+    etp_rank: int = 0
+    etp_size: int = 1
+    etp_group: object = None
+    edp_rank: int = 0
+    edp_size: int = 1
+    edp_group: object = None
 
     @property
     def is_first_rank(self) -> bool:
@@ -42,7 +59,8 @@ _STATE: ParallelState | None = None
 
 
 def validate_parallel_config(world_size: int, tensor_parallel: int, num_attention_heads: int | None = None,
-                             hidden_size: int | None = None) -> None:
+                             hidden_size: int | None = None, expert_parallel: int = 1,
+                             expert_tensor_parallel: int | None = None) -> None:
     """Refuse impossible layouts before any process-group work, with the fix in the message."""
     tp = tensor_parallel
     if tp < 1:
@@ -64,6 +82,18 @@ def validate_parallel_config(world_size: int, tensor_parallel: int, num_attentio
         raise ConfigError(
             f"--hidden-size {hidden_size} is not divisible by --num-attention-heads {num_attention_heads}: "
             f"pick hidden = heads x head_dim")
+    _validate_expert_layout(world_size, tp, expert_parallel, expert_tensor_parallel)
+
+
+def _validate_expert_layout(world_size: int, tp: int, ep: int, etp: int | None) -> None:
+    """megatron-core's rule: expert TP x EP divides the world (the rest is expert DP)."""
+    etp = tp if etp is None else etp
+    if ep < 1 or etp < 1:
+        raise ConfigError(f"--expert-model-parallel-size {ep} and --expert-tensor-parallel-size {etp} must be >= 1")
+    if world_size % (ep * etp):
+        raise ConfigError(
+            f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp} = {ep * etp} does not divide the "
+            f"world size {world_size}: launch a multiple of {ep * etp} processes or use smaller expert sizes")
 
 
 def _default_device(local_rank: int, local_world_size: int | None = None) -> torch.device:
@@ -84,7 +114,8 @@ def _default_device(local_rank: int, local_world_size: int | None = None) -> tor
 
 def init_parallel(tensor_parallel: int = 1, *, seed: int = 1234, num_attention_heads: int | None = None,
                   hidden_size: int | None = None, backend: str | None = None,
-                  timeout_s: float = 600.0) -> ParallelState:
+                  timeout_s: float = 600.0, expert_parallel: int = 1,
+                  expert_tensor_parallel: int | None = None) -> ParallelState:
     """Initialise torch.distributed from the launcher's environment, then megatron's TP/DP groups.
 
     torchrun, Open MPI, MPICH/PMI and SLURM variables are all understood (parallel.launch_env).
@@ -97,7 +128,8 @@ def init_parallel(tensor_parallel: int = 1, *, seed: int = 1234, num_attention_h
     from zo_megatron.parallel.launch_env import discover_launch_env, export_torch_env
 
     env = discover_launch_env()
-    validate_parallel_config(env.world_size, tensor_parallel, num_attention_heads, hidden_size)
+    validate_parallel_config(env.world_size, tensor_parallel, num_attention_heads, hidden_size, expert_parallel,
+                             expert_tensor_parallel)
 
     from zo_megatron.parallel import megatron_cpu
 
@@ -125,6 +157,8 @@ def init_parallel(tensor_parallel: int = 1, *, seed: int = 1234, num_attention_h
     if not mpu.model_parallel_is_initialized():
         # The subgroups get the same timeout (megatron-core's default would be 30 minutes).
         mpu.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,
+                                      expert_model_parallel_size=expert_parallel,
+                                      expert_tensor_parallel_size=expert_tensor_parallel,
                                       distributed_timeout_minutes=timeout_s / 60)
     _STATE = ParallelState(
         rank=dist.get_rank(), world_size=dist.get_world_size(),
@@ -132,9 +166,18 @@ def init_parallel(tensor_parallel: int = 1, *, seed: int = 1234, num_attention_h
         tp_rank=mpu.get_tensor_model_parallel_rank(), tp_size=mpu.get_tensor_model_parallel_world_size(),
         dp_rank=mpu.get_data_parallel_rank(), dp_size=mpu.get_data_parallel_world_size(),
         tp_group=mpu.get_tensor_model_parallel_group(), dp_group=mpu.get_data_parallel_group(),
-        device=device)
+        device=device, **_expert_groups(mpu))
     set_seed(seed)
     return _STATE
+
+
+def _expert_groups(mpu) -> dict:
+    return dict(ep_rank=mpu.get_expert_model_parallel_rank(), ep_size=mpu.get_expert_model_parallel_world_size(),
+                ep_group=mpu.get_expert_model_parallel_group(),
+                etp_rank=mpu.get_expert_tensor_parallel_rank(), etp_size=mpu.get_expert_tensor_parallel_world_size(),
+                etp_group=mpu.get_expert_tensor_parallel_group(),
+                edp_rank=mpu.get_expert_data_parallel_rank(), edp_size=mpu.get_expert_data_parallel_world_size(),
+                edp_group=mpu.get_expert_data_parallel_group())
 
 
 def get_parallel_state() -> ParallelState:

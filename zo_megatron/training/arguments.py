@@ -13,8 +13,8 @@ from zo_megatron.training.checkpoint_args import apply_checkpoint_args, given_de
 from zo_megatron.training.load_target import check_load_target
 from zo_megatron.training.megatron_compat import add_megatron_compat_flags, check_megatron_compat
 from zo_megatron.training.megatron_flags import add_remaining_megatron_flags
-from zo_megatron.training.model_flags import (add_architecture_flags, add_attention_flags, check_architecture_flags,
-                                               check_attention_flags)
+from zo_megatron.training.model_flags import (add_architecture_flags, add_attention_flags, add_expert_parallel_flags,
+                                               add_moe_flags, check_architecture_flags, check_attention_flags)
 from zo_megatron.training.nvme_flags import add_nvme_flags, check_nvme_flags
 from zo_megatron.training.schedule import DECAY_STYLES, WSD_DECAY_STYLES
 
@@ -92,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="pad the vocab to a multiple of this x TP")
     add_architecture_flags(g)
+    add_moe_flags(g)
     g.add_argument("--hidden-dropout", type=float, default=0.0)
     g.add_argument("--attention-dropout", type=float, default=0.0)
     g.add_argument("--init-method-std", type=float, default=0.02)
@@ -103,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", "--tensor-parallel", dest="tensor_parallel", type=int,
                    default=1, help="TP size; DP = world size / TP")
+    add_expert_parallel_flags(g)
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
                    help="how long a collective waits for a peer before the rank gives up and exits 1 "
                         "(Megatron's name and default: 10; fractions allowed)")

@@ -41,7 +41,8 @@ def pretrain(argv=None) -> int:
     keep_host_memory_plannable(not torch.cuda.is_available())   # before the data and the model: as planned
 
     ps = init_parallel(args.tensor_parallel, seed=args.seed, num_attention_heads=args.num_attention_heads,
-                       hidden_size=hidden_check(args), timeout_s=args.distributed_timeout_minutes * 60)
+                       hidden_size=hidden_check(args), timeout_s=args.distributed_timeout_minutes * 60,
+                       expert_parallel=args.expert_parallel, expert_tensor_parallel=args.expert_tensor_parallel)
     try:
         agree_across_ranks(args)                 # a CPU precision chosen by measurement: one for all ranks
         with collectives.all_ranks_agree():

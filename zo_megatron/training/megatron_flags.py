@@ -173,6 +173,10 @@ REFUSED_WHY = {
     "--offload-modules": "activation offloading is not supported; use --recompute-granularity",
     "--main-params-dtype": "the master weights are fp32 (on the host with --zero-offload)",
     "--use-precision-aware-optimizer": "use --exp-avg-dtype/--exp-avg-sq-dtype bf16 (CPU Adam states) instead",
+    "--moe-grouped-gemm": "megatron-core's grouped-GEMM experts need the grouped_gemm package or Transformer Engine, "
+                          "neither is used here: the experts run one after another (SequentialMLP), the same math",
+    "--moe-use-legacy-grouped-gemm": "megatron-core's grouped-GEMM experts need the grouped_gemm package or "
+                                     "Transformer Engine, neither is used here",
     "--yaml-cfg": "give flags on the command line", "--spec": "the layer spec is megatron-core's local GPT spec",
 }
 for _flag in ("--rotary-interleaved", "--rotary-seq-len-interpolation-factor", "--no-rope-freq", "--rope-type",
@@ -185,7 +189,8 @@ PATTERNS = [
     (r"fusion|fused|^--no-rope-fusion$|^--disable-bias-swiglu", "no-op", _FUSION),
     (r"^--(no-)?tp-comm|^--disable-tp-comm|^--tp-comm", "no-op",
      "performance only: Transformer Engine's TP communication overlap (not used; TP all-reduces are megatron-core's)"),
-    (r"^--moe-|^--expert-|^--num-experts|moe", "refused", "mixture of experts is not supported (dense GPTs only)"),
+    (r"^--moe-|^--expert-|^--num-experts|moe", "refused",
+     "this mixture-of-experts option is not offered (docs/moe.md lists the MoE flags the job takes)"),
     (r"^--mtp-", "refused", "multi-token prediction is not supported"),
     (r"^--mamba|^--is-hybrid-model|^--hybrid-|^--linear-(conv|key|value|num)", "refused",
      "Mamba/hybrid models are not supported (the model is a transformer GPT)"),
@@ -228,7 +233,7 @@ GROUP_REASONS = {
                  "export with transformers",
     "vision": "vision models are not supported (the model is a GPT)",
     "biencoder": "BERT/biencoder models are not supported (the model is a GPT)",
-    "moe": "mixture of experts is not supported (dense GPTs only)",
+    "moe": "this mixture-of-experts option is not offered (docs/moe.md lists the MoE flags the job takes)",
     "mla": "multi-latent attention is not supported",
     "experimental_attention_variant": "experimental attention variants are not supported",
     "heterogeneous architecture": "heterogeneous layer configurations are not supported",

@@ -9,7 +9,7 @@ import os
 import sys
 
 from zo_megatron.errors import ConfigError
-from zo_megatron.model.config import YARN_FIELDS
+from zo_megatron.model.config import MOE_DISPATCHERS, MOE_FIELDS, MOE_LOAD_BALANCING, MOE_SCORE_FUNCTIONS, YARN_FIELDS
 
 # --attention-backend (megatron-core's AttnBackend names) -> the model's core attention.
 ATTENTION_BACKENDS = {"flash": "sdpa", "fused": "sdpa", "auto": "sdpa", "local": "local", "unfused": "local"}
@@ -103,6 +103,72 @@ def _add_yarn_flags(g) -> None:
     g.add_argument("--mscale-all-dim", type=float, default=0.0, help="YaRN: see --mscale")
 
 
+def add_moe_flags(g) -> None:
+    """Megatron-LM's mixture-of-experts flags (names, defaults, meaning; docs/moe.md); their dests are
+    GPTConfig's fields (MOE_FIELDS) except --num-experts' num_experts, which is both."""
+    g.add_argument("--num-experts", type=int, default=None,
+                   help="experts per MoE layer (megatron-core's MoELayer, local spec; default: a dense model). The "
+                        "model builds and its flags are checked, but the job and the memory planner refuse it until "
+                        "the engine's expert groups land (docs/moe.md)")
+    g.add_argument("--moe-router-topk", type=int, default=2, help="experts each token is routed to")
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="each expert's FFN size (default: "
+                   "--ffn-hidden-size)")
+    g.add_argument("--moe-router-load-balancing-type", default="aux_loss",
+                   help=f"the load-balancing loss: {', '.join(MOE_LOAD_BALANCING)} (Megatron's global_aux_loss and "
+                        "sinkhorn are not offered)")
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0, help="the load-balancing loss's coefficient")
+    g.add_argument("--moe-z-loss-coeff", type=float, default=None, help="the router z-loss's coefficient")
+    g.add_argument("--moe-router-pre-softmax", action="store_true",
+                   help="softmax over all experts, then the top k (not renormalised); default: the top k logits, "
+                        "then a softmax over them")
+    g.add_argument("--moe-router-score-function", default="softmax",
+                   help=f"the router's score: {', '.join(MOE_SCORE_FUNCTIONS)}")
+    g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None,
+                   help="multiplies the chosen experts' weights")
+    g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
+                   help="FFN size of a shared expert every token goes through (Qwen2-MoE)")
+    g.add_argument("--moe-shared-expert-gate", action="store_true",
+                   help="scale the shared expert's output by sigmoid(x . w), w a [1, hidden] weight")
+    g.add_argument("--moe-layer-freq", type=moe_layer_freq, default=1,
+                   help="every N-th layer is MoE (from layer 0), or a list of 0/1 per layer such as "
+                        "'([1]*3+[0]*1)*3' (Megatron's syntax)")
+    g.add_argument("--moe-token-dispatcher-type", default="allgather",
+                   help=f"how tokens reach their experts' ranks: {', '.join(MOE_DISPATCHERS)}")
+
+
+def add_expert_parallel_flags(g) -> None:
+    g.add_argument("--expert-model-parallel-size", dest="expert_parallel", type=int, default=1,
+                   help="EP: the experts of each MoE layer split over this many ranks (must divide --num-experts); "
+                        "expert DP = world / (expert TP x EP)")
+    g.add_argument("--expert-tensor-parallel-size", dest="expert_tensor_parallel", type=int, default=None,
+                   help="expert TP (default: --tensor-model-parallel-size, the only value supported)")
+
+
+def moe_layer_freq(text):
+    """Megatron-LM's --moe-layer-freq: an int, or a Python list expression of 0s and 1s such as
+    '([1]*3+[0]*1)*3' (only digits, brackets, commas, + and * are evaluated, with no names)."""
+    import re
+
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    if not re.fullmatch(r"[\[\]() 0-9,+*]+", text):
+        raise argparse.ArgumentTypeError(f"{text!r}: an integer or a list expression of 0s and 1s")
+    try:
+        value = eval(text, {"__builtins__": {}}, {})          # noqa: S307 (characters checked above)
+    except Exception:                                       # noqa: BLE001 (any syntax error)
+        raise argparse.ArgumentTypeError(f"{text!r}: not a list expression such as '([1]*3+[0]*1)*3'") from None
+    if not isinstance(value, (list, tuple)):
+        raise argparse.ArgumentTypeError(f"{text!r}: an integer or a list of 0s and 1s")
+    return list(value)
+
+
+def moe_kwargs(args: argparse.Namespace) -> dict:
+    """GPTConfig's MoE fields from the parsed flags."""
+    return {name: getattr(args, name) for name in MOE_FIELDS}
+
+
 def _full_attention_window(value) -> bool:
     """Megatron's --window-size (a tuple like "(4096,0)"): None or all -1 means full attention."""
     if value is None:
@@ -142,8 +208,15 @@ def check_architecture_flags(args: argparse.Namespace) -> None:
     from zo_megatron.model.config import GPTConfig
 
     # The vocabulary comes from the tokenizer later; no architecture check depends on it.
-    cfg = GPTConfig(**architecture_kwargs(args), vocab_size=1, precision=args.precision)
+    cfg = GPTConfig(**architecture_kwargs(args), **moe_kwargs(args), vocab_size=1, precision=args.precision)
     cfg.check_query_groups_tp(args.tensor_parallel)    # heads and TP: validate_parallel_config
+    cfg.check_expert_parallel(args.tensor_parallel, args.expert_parallel, args.expert_tensor_parallel,
+                              args.sequence_parallel)
+    if cfg.num_experts is not None:
+        raise ConfigError(f"--num-experts {cfg.num_experts}: mixture-of-experts models build (zo_megatron.model, "
+                          "docs/moe.md) but neither this job nor the memory planner trains or plans them yet (issue "
+                          "39: the engine's expert-data-parallel reduction, the aux-loss scaling and MoE checkpoints "
+                          "are not done); drop --num-experts")
 
 
 def check_attention_flags(args: argparse.Namespace) -> None:

@@ -41,7 +41,8 @@ def check_launch(args):
                         "srun, or fix those variables")
         err.every_rank = True           # which process is rank 0 is exactly what is unknown here
         raise err from None
-    validate_parallel_config(env.world_size, args.tensor_parallel, args.num_attention_heads, hidden_check(args))
+    validate_parallel_config(env.world_size, args.tensor_parallel, args.num_attention_heads, hidden_check(args),
+                             args.expert_parallel, args.expert_tensor_parallel)
     check_batch_sizes(args, env.world_size // args.tensor_parallel)
     LRScheduler.from_args(args)                  # its one-line errors now, before any process group
     check_backend(args, torch.cuda.is_available())

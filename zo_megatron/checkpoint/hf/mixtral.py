@@ -1,0 +1,106 @@
+"""Hugging Face Mixtral (`MixtralForCausalLM`) <-> zo_megatron's mixture-of-experts GPT (megatron-core's
+MoELayer, local spec; docs/moe.md): the tensors and the router's semantics.
+
+Mixtral is Mistral's decoder (hf/llama.py maps attention, norms, embeddings) with every MLP a sparse
+mixture of experts. On disk (what transformers' save_pretrained writes, whatever layout its model
+keeps in memory):
+
+    HF (model.layers.{i}.block_sparse_moe.)    megatron-core (decoder.layers.{i}.mlp.)
+    gate.weight [E, h]                      -> router.weight                          (fp32 in the model)
+    experts.{e}.w1 [f, h], w3 [f, h]        -> experts.local_experts.{e}.linear_fc1   [w1 (gate); w3 (up)]
+    experts.{e}.w2 [h, f]                   -> experts.local_experts.{e}.linear_fc2   (e: the global index)
+
+The router: HF takes softmax over all E logits, the top k of those probabilities and divides them by
+their sum; megatron-core's default (--moe-router-score-function softmax without
+--moe-router-pre-softmax) takes the top k logits and a softmax over them. Both are
+exp(l_i) / sum over the chosen j of exp(l_j) for the same k experts: the same routing, mapped as
+megatron's default, --moe-router-topk = num_experts_per_tok. HF's jitter (router_jitter_noise)
+multiplies the hidden states that reach both the router and the experts; megatron-core's
+--moe-input-jitter-eps only the router's input: a non-zero jitter is refused.
+
+The load-balancing loss is not the same function (docs/moe.md): HF's (output_router_logits, with
+router_aux_loss_coef) pools the tokens of every layer into one E * sum_e f_e P_e with f_e the share of
+(token, slot) pairs on expert e summed over the k slots; megatron-core's aux_loss is per layer, with f_e
+divided by k, summed over layers. With one MoE layer HF's is k times megatron-core's per-layer value.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+
+from zo_megatron.checkpoint.hf import llama
+from zo_megatron.errors import UserError
+
+_OURS = "gpt."
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.")
+
+
+def meta_from_config(cfg, where: str) -> dict:
+    """GPTConfig's architecture and MoE fields of a transformers MixtralConfig; one line for what
+    has no exact mapping."""
+    def refuse(what, why):
+        raise UserError(f"{where}: {what}: {why}")
+
+    if cfg.hidden_act != "silu":
+        refuse(f"hidden_act={cfg.hidden_act!r}", "the experts must be SwiGLU (silu), megatron's --swiglu")
+    if float(getattr(cfg, "router_jitter_noise", 0.0) or 0.0) != 0.0:
+        refuse(f"router_jitter_noise={cfg.router_jitter_noise}", "HF's jitter scales the experts' input too, "
+               "megatron-core's --moe-input-jitter-eps only the router's: no exact mapping")
+    window, _ = llama.sliding_layers(llama.VARIANTS[1], cfg)          # Mixtral slides as Mistral does
+    if window is not None:
+        refuse(f"sliding_window={window}", "a sliding window is not mapped for mixture-of-experts models yet; "
+               "set it to null for full attention")
+    heads = cfg.num_attention_heads
+    groups = cfg.num_key_value_heads or heads
+    if heads % groups:
+        refuse(f"num_key_value_heads={groups}", f"does not divide num_attention_heads={heads}")
+    experts, k = cfg.num_local_experts, cfg.num_experts_per_tok
+    if not 1 <= k <= experts:
+        refuse(f"num_experts_per_tok={k}", f"must be between 1 and num_local_experts={experts}")
+    if k == 1:
+        refuse("num_experts_per_tok=1", "HF renormalises the one chosen probability to 1, which megatron-core's "
+               "top-1 routing (--moe-router-pre-softmax, its rule for k = 1) does not: no exact mapping")
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return dict(num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, num_attention_heads=heads,
+                ffn_hidden_size=cfg.intermediate_size, vocab_size=cfg.vocab_size,
+                max_position_embeddings=cfg.max_position_embeddings, make_vocab_size_divisible_by=128,
+                **llama._rope_meta(cfg, where), normalization="RMSNorm", layernorm_epsilon=float(cfg.rms_norm_eps),
+                swiglu=True, num_query_groups=groups, kv_channels=d,
+                untie_embeddings_and_output_weights=not cfg.tie_word_embeddings, add_bias_linear=False,
+                add_qkv_bias=False, qk_layernorm=False,
+                num_experts=experts, moe_router_topk=k, moe_ffn_hidden_size=cfg.intermediate_size,
+                moe_router_pre_softmax=False,
+                moe_router_score_function="softmax", moe_router_topk_scaling_factor=None, moe_layer_freq=1,
+                # HF's loss has no aux loss unless output_router_logits, and then another function (above)
+                moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.0)
+
+
+def from_hf(sd: dict[str, torch.Tensor], meta: dict) -> dict[str, torch.Tensor]:
+    """HF state dict as on disk (full) -> our full tensors (experts by global index)."""
+    out = llama.from_hf({k: v for k, v in sd.items() if not _LAYER.match(k)}, meta)
+    for i in range(meta["num_layers"]):
+        h, m = f"model.layers.{i}.block_sparse_moe.", f"{_OURS}decoder.layers.{i}.mlp."
+        out[m + "router.weight"] = sd[h + "gate.weight"]
+        for e in range(meta["num_experts"]):
+            x = f"{h}experts.{e}."
+            ours = f"{m}experts.local_experts.{e}."
+            out[ours + "linear_fc1.weight"] = torch.cat([sd[x + "w1.weight"], sd[x + "w3.weight"]])
+            out[ours + "linear_fc2.weight"] = sd[x + "w2.weight"]
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def to_hf(weights: dict[str, torch.Tensor], meta: dict) -> dict[str, torch.Tensor]:
+    """Our full tensors -> HF state dict in the on-disk layout (no lm_head when tied)."""
+    dense = {k: v for k, v in weights.items() if ".mlp." not in k}
+    out = llama.to_hf(dense, meta)
+    f = meta["moe_ffn_hidden_size"]
+    for i in range(meta["num_layers"]):
+        h, m = f"model.layers.{i}.block_sparse_moe.", f"{_OURS}decoder.layers.{i}.mlp."
+        out[h + "gate.weight"] = weights[m + "router.weight"]
+        for e in range(meta["num_experts"]):
+            ours = f"{m}experts.local_experts.{e}."
+            w1, w3 = weights[ours + "linear_fc1.weight"].split([f, f])
+            out.update({f"{h}experts.{e}.w1.weight": w1, f"{h}experts.{e}.w3.weight": w3,
+                        f"{h}experts.{e}.w2.weight": weights[ours + "linear_fc2.weight"]})
+    return {k: v.clone(memory_format=torch.contiguous_format) for k, v in out.items()}
