@@ -8,6 +8,8 @@
 //   v  = beta2 * v + (1 - beta2) * g * g
 //   p -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)
 //   out16[i] = rne16(p)                        (optional; bf16 or fp16; may alias grad)
+//   with extrapolate: out[i] = (p - p_old) + p (--dpu-weight-prediction's w_t + (w_t - w_{t-1}),
+//   two fp32 operations in that order, then RNE; fp32, bf16 or fp16 out; p_old the param read)
 // with exp_avg / exp_avg_sq stored in fp32 or bf16 (RNE on store; the update itself uses the
 // unrounded fp32 moments of this step).
 //
@@ -154,6 +156,7 @@ inline __attribute__((always_inline)) void prefetch64(const float* p, const GT* 
 // ------------------------------------------------------------------------------------------
 struct Hyper {
   float b1, omb1, b2, omb2, eps, step_size, inv_sqrt_bc2, decay, wd_l2, gscale;
+  bool extrapolate = false;  // out = (p - p_old) + p instead of p (weight prediction)
 };
 
 Hyper make_hyper(long long step, double lr, double beta1, double beta2, double eps, double wd,
@@ -196,7 +199,8 @@ struct State {
 template <bool L2, class GT, class ST, class OT>
 inline void adam_elem(const Hyper& h, const State<ST>& st, const GT* g, OT* o, size_t i) {
   float gi = sload(g, i) * h.gscale;
-  float pi = st.p[i];
+  const float p_old = st.p[i];
+  float pi = p_old;
   if (L2) gi = gi + h.wd_l2 * pi;
   const float mi = h.b1 * sload(st.m, i) + h.omb1 * gi;
   const float vi = h.b2 * sload(st.v, i) + (h.omb2 * gi) * gi;
@@ -205,7 +209,7 @@ inline void adam_elem(const Hyper& h, const State<ST>& st, const GT* g, OT* o, s
   st.pw[i] = pi;
   sstore(st.mw, i, mi);
   sstore(st.vw, i, vi);
-  if constexpr (!std::is_same<OT, no_out_t>::value) sstore(o, i, pi);
+  if constexpr (!std::is_same<OT, no_out_t>::value) sstore(o, i, h.extrapolate ? (pi - p_old) + pi : pi);
 }
 
 template <bool L2, class GT, class ST, class OT>
@@ -250,12 +254,14 @@ ZO_AVX2_INLINE void v8_store(f16_t* p, __m256 x) {
 
 struct H8 {
   __m256 b1, omb1, b2, omb2, eps, ss, isb2, decay, wd, gs;
+  bool extrapolate;
 };
 
 template <bool L2, class GT, class ST, class OT>
 ZO_AVX2_INLINE void adam8(const H8& h, const State<ST>& st, const GT* g, OT* o, size_t i) {
   __m256 gi = _mm256_mul_ps(v8_load(g + i), h.gs);  // grad read first (may alias o)
-  __m256 pi = _mm256_loadu_ps(st.p + i);
+  const __m256 p_old = _mm256_loadu_ps(st.p + i);
+  __m256 pi = p_old;
   if (L2) gi = _mm256_fmadd_ps(pi, h.wd, gi);
   const __m256 mi = _mm256_fmadd_ps(h.b1, v8_load(st.m + i), _mm256_mul_ps(h.omb1, gi));
   const __m256 vi = _mm256_fmadd_ps(h.b2, v8_load(st.v + i), _mm256_mul_ps(_mm256_mul_ps(h.omb2, gi), gi));
@@ -264,7 +270,8 @@ ZO_AVX2_INLINE void adam8(const H8& h, const State<ST>& st, const GT* g, OT* o, 
   _mm256_storeu_ps(st.pw + i, pi);
   v8_store(st.mw + i, mi);
   v8_store(st.vw + i, vi);
-  if constexpr (!std::is_same<OT, no_out_t>::value) v8_store(o + i, pi);
+  if constexpr (!std::is_same<OT, no_out_t>::value)
+    v8_store(o + i, h.extrapolate ? _mm256_add_ps(_mm256_sub_ps(pi, p_old), pi) : pi);
 }
 
 template <bool L2, class GT, class ST, class OT>
@@ -275,6 +282,7 @@ ZO_AVX2 void adam_range_avx2(const Hyper& hs, const State<ST>& st, const GT* g, 
   h.eps = _mm256_set1_ps(hs.eps); h.ss = _mm256_set1_ps(hs.step_size);
   h.isb2 = _mm256_set1_ps(hs.inv_sqrt_bc2); h.decay = _mm256_set1_ps(hs.decay);
   h.wd = _mm256_set1_ps(hs.wd_l2); h.gs = _mm256_set1_ps(hs.gscale);
+  h.extrapolate = hs.extrapolate;
   size_t i = b;
   const size_t pf = g_prefetch;
   for (; i + 32 <= e; i += 32) {
@@ -475,7 +483,8 @@ void dispatch_out(uintptr_t o, int od, F&& f) {
   if (od == kNone || o == 0) f(static_cast<no_out_t*>(nullptr));
   else if (od == kBF16) f(reinterpret_cast<bf16_t*>(o));
   else if (od == kF16) f(reinterpret_cast<f16_t*>(o));
-  else throw std::invalid_argument("param16_out dtype must be bf16 or fp16");
+  else if (od == kF32) f(reinterpret_cast<float*>(o));   // fp32 runs' extrapolated copy
+  else throw std::invalid_argument("param16_out dtype must be bf16, fp16 or fp32");
 }
 
 // The state pointers, typed: written where an out pointer is given (nonzero), else in place.
@@ -527,7 +536,8 @@ void adam_step_segments(uintptr_t p, uintptr_t g, int gd, uintptr_t m, uintptr_t
                         int od, const std::vector<size_t>& seg_start, const std::vector<size_t>& seg_end,
                         const std::vector<double>& seg_wd, long long step, double lr, double beta1,
                         double beta2, double eps, bool adamw, bool bias_correction, double grad_scale,
-                        uintptr_t pw, uintptr_t mw, uintptr_t vw, const std::vector<double>& seg_lr) {
+                        uintptr_t pw, uintptr_t mw, uintptr_t vw, const std::vector<double>& seg_lr,
+                        bool extrapolate) {
   if (seg_end.size() != seg_start.size() || seg_wd.size() != seg_start.size())
     throw std::invalid_argument("seg_start, seg_end and seg_wd must have the same length");
   if (!seg_lr.empty() && seg_lr.size() != seg_start.size())
@@ -544,6 +554,7 @@ void adam_step_segments(uintptr_t p, uintptr_t g, int gd, uintptr_t m, uintptr_t
     const double wd = seg_wd[j];
     hyp.push_back(make_hyper(step, seg_lr.empty() ? lr : seg_lr[j], beta1, beta2, eps, wd, adamw,
                              bias_correction, grad_scale));
+    hyp.back().extrapolate = extrapolate;
     l2.push_back(!adamw && wd != 0.0);
   }
   const int isa = g_isa;
@@ -844,10 +855,11 @@ PYBIND11_MODULE(_cpu_adam, mod) {
           py::arg("seg_wd"), py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
           py::arg("eps"), py::arg("adamw"), py::arg("bias_correction"), py::arg("grad_scale"),
           py::arg("param_out") = 0, py::arg("exp_avg_out") = 0, py::arg("exp_avg_sq_out") = 0,
-          py::arg("seg_lr") = std::vector<double>(),
+          py::arg("seg_lr") = std::vector<double>(), py::arg("extrapolate") = false,
           "adam_step over the sorted, disjoint segments [seg_start[j], seg_end[j]) of the same "
           "buffers, weight decay seg_wd[j] (learning rate seg_lr[j] if given, else lr), in one "
-          "parallel pass; other elements are not touched (neither in the inputs nor in the out buffers).");
+          "parallel pass; other elements are not touched (neither in the inputs nor in the out buffers). "
+          "extrapolate: out16 gets (p - p_old) + p, the weight-predicted copy.");
   mod.def("grad_sumsq_and_finite", &grad_sumsq_and_finite, py::arg("grad"), py::arg("grad_dtype"),
           py::arg("n"), "(sum of squares in fp64, all finite) of n elements.");
   mod.def("grad_sumsq_and_finite_segments", &grad_sumsq_and_finite_segments, py::arg("grad"),

@@ -712,6 +712,47 @@ def test_adam_step_segments_with_a_rate_per_segment_equals_per_segment_calls():
                               lrs=[1e-3], **HP)
 
 
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+def test_adam_step_segments_extrapolate_writes_the_predicted_copy(out_dtype):
+    """extrapolate (--dpu-weight-prediction fused into the kernel): param16_out gets
+    (p_new - p_old) + p_new, rounded to nearest even, bit for bit what torch computes from the
+    kernel's own p_new and a copy of p_old (the two passes the engine ran before issue 37); the
+    master and moments are those of the plain call, on every path, in place and aliased to a
+    16-bit gradient, chunked (more than kMinParallel elements) or not; elements outside the
+    segments are untouched."""
+    rng = np.random.default_rng(fresh_seed(f"segments extrapolate {out_dtype}"))
+    gdtype = "fp32" if out_dtype == torch.float32 else ("fp16" if out_dtype == torch.float16 else "bf16")
+    for segs, n in (random_segments(rng, 120, 2, lambda r: float(r.choice(SEG_WDS))),
+                    random_segments(rng, 40, 0, lambda r: float(r.choice(SEG_WDS)))):
+        p0, m0, v0, grads = make_problem(n, gdtype, 1, int(rng.integers(2 ** 31)), n_steps=3)
+        lrs = [float(rng.choice((2e-3, 5e-4))) for _ in segs]
+        kw = dict(adamw=True, bias_correction=True, grad_scale=GRAD_SCALE, lr=1e-3, lrs=lrs, **HP)
+        inside = torch.zeros(n, dtype=torch.bool)
+        for a, b, _ in segs:
+            inside[a:b] = True
+        for path in PATHS:
+            with use_path(path):
+                p, m, v = (torch.from_numpy(x.copy()) for x in (p0, m0, v0))
+                q, mq, vq = (torch.from_numpy(x.copy()) for x in (p0, m0, v0))
+                for k, g in enumerate(grads):
+                    gbuf = g.clone()                     # aliased: the kernel reads g before it writes
+                    before = torch.full((n,), 7.0).to(out_dtype)
+                    out = gbuf if gbuf.dtype == out_dtype else before.clone()
+                    ca.adam_step_segments(p, gbuf, m, v, segs, step=1 + k, param16_out=out, extrapolate=True, **kw)
+                    old = q.clone()
+                    ca.adam_step_segments(q, g.clone(), mq, vq, segs, step=1 + k, **kw)
+                    for name, x, y in (("param", p, q), ("exp_avg", m, mq), ("exp_avg_sq", v, vq)):
+                        assert_same_bits(f"[{path} step {k + 1}] {name} vs the plain call", x, y)
+                    want = torch.sub(q, old).add_(q).to(out_dtype)
+                    assert_same_bits(f"[{path} step {k + 1}] predicted copy", out[inside], want[inside])
+                    untouched = g if out is gbuf else before
+                    assert_same_bits(f"[{path} step {k + 1}] outside the segments", out[~inside], untouched[~inside])
+                    assert not torch.equal(out[inside].float(), q[inside].to(out_dtype).float())
+    with pytest.raises(ValueError, match="extrapolate writes the predicted copy into param16_out"):
+        ca.adam_step_segments(torch.zeros(8), torch.zeros(8), torch.zeros(8), torch.zeros(8), [(0, 8, 0.0)],
+                              step=1, lr=1e-3, extrapolate=True, **HP)
+
+
 @pytest.mark.parametrize("gdtype", list(GRAD_DTYPES))
 def test_grad_sumsq_and_finite_segments(gdtype):
     """Counted segments' sum == the per-segment sums (1e-12 relative); non-finite values count

@@ -20,7 +20,6 @@ class Accounting:
     host_staging_bytes: int = 0        # gradient/param staging partition(s) (pinned on CUDA)
     host_accumulator_bytes: int = 0    # fp32 gradient accumulator (accumulate_on_host only)
     host_dpu_pending_bytes: int = 0    # DPU: the second landing set (gradient [+ accumulator])
-    host_dpu_prediction_bytes: int = 0  # --dpu-weight-prediction: the fp32 master before the update
     host_overlap_bytes: int = 0        # --overlap-cpu-step: the rollback backup of the speculated
                                        # prefix (master + moments [+ the gradient the output overwrites])
     host_nvme_buffer_bytes: int = 0    # --optimizer-nvme-path: the I/O ring (offload/nvme_store.py)
@@ -38,7 +37,7 @@ class Accounting:
     @property
     def host_bytes(self) -> int:
         return (self.host_master_bytes + self.host_optimizer_bytes + self.host_staging_bytes
-                + self.host_accumulator_bytes + self.host_dpu_pending_bytes + self.host_dpu_prediction_bytes
+                + self.host_accumulator_bytes + self.host_dpu_pending_bytes
                 + self.host_overlap_bytes + self.host_nvme_buffer_bytes)
 
     def ring(self, nbytes: int, group_size: int) -> None:

@@ -211,7 +211,7 @@ def _state_outs(param, exp_avg, exp_avg_sq, outs) -> tuple:
 
 
 def _check_adam_args(param, grad, exp_avg, exp_avg_sq, param16_out, step, beta1, beta2,
-                     outs=(None, None, None)) -> tuple[int, int]:
+                     outs=(None, None, None), out_dtypes=_OUT_DTYPES) -> tuple[int, int]:
     """Validates the tensors and hyper-parameters of an Adam step; returns (numel, step).
     outs: (param_out, exp_avg_out, exp_avg_sq_out) as returned by _state_outs."""
     _check("param", param, (torch.float32,), None)
@@ -222,7 +222,7 @@ def _check_adam_args(param, grad, exp_avg, exp_avg_sq, param16_out, step, beta1,
     if exp_avg.dtype != exp_avg_sq.dtype:
         raise ValueError(f"exp_avg ({exp_avg.dtype}) and exp_avg_sq ({exp_avg_sq.dtype}) must have the same dtype")
     if param16_out is not None:
-        _check("param16_out", param16_out, _OUT_DTYPES, n)
+        _check("param16_out", param16_out, out_dtypes, n)
     named = [("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)]
     if param16_out is not None:
         named.append(("param16_out", param16_out))
@@ -317,8 +317,13 @@ def grad_sumsq_and_finite(grad) -> tuple[float, bool]:
 def adam_step_segments(param, grad, exp_avg, exp_avg_sq, segments, *, step: int, lr: float, beta1: float,
                        beta2: float, eps: float, adamw: bool = True, bias_correction: bool = True,
                        grad_scale: float = 1.0, param16_out=None, param_out=None, exp_avg_out=None,
-                       exp_avg_sq_out=None, lrs=None) -> None:
+                       exp_avg_sq_out=None, lrs=None, extrapolate: bool = False) -> None:
     """``adam_step`` on each segment of the (flat) buffers, in one kernel call.
+
+    extrapolate: ``param16_out`` (then required; fp32, bf16 or fp16) gets the weight-predicted copy
+    (p_new - p_old) + p_new of each element (--dpu-weight-prediction, docs/dpu.md), computed in
+    fp32 in that order and rounded to nearest even: the same bits as those two passes in torch
+    after the step, with no copy of the old parameters.
 
     segments: sequence of (start, end, weight_decay), sorted, disjoint, 0 <= start < end <= numel;
     lrs: None (every segment at ``lr``) or one learning rate per segment.
@@ -329,7 +334,10 @@ def adam_step_segments(param, grad, exp_avg, exp_avg_sq, segments, *, step: int,
     segment list raises ValueError naming the segment.
     """
     outs = _state_outs(param, exp_avg, exp_avg_sq, (param_out, exp_avg_out, exp_avg_sq_out))
-    n, step = _check_adam_args(param, grad, exp_avg, exp_avg_sq, param16_out, step, beta1, beta2, outs)
+    if extrapolate and param16_out is None:
+        raise ValueError("extrapolate writes the predicted copy into param16_out: give one")
+    n, step = _check_adam_args(param, grad, exp_avg, exp_avg_sq, param16_out, step, beta1, beta2, outs,
+                               _OUT_DTYPES + (torch.float32,) if extrapolate else _OUT_DTYPES)
     starts, ends, wds = _check_segments(segments, n, "weight_decay")
     if not starts:
         return
@@ -345,7 +353,8 @@ def adam_step_segments(param, grad, exp_avg, exp_avg_sq, segments, *, step: int,
         for a, b, wd, rate in zip(starts, ends, wds, lrs):
             _torch_adam_step(p[a:b], g[a:b], m[a:b], v[a:b], step, rate, float(beta1), float(beta2),
                              float(eps), wd, bool(adamw), bool(bias_correction), float(grad_scale),
-                             None if o is None else o[a:b], [None if t is None else t[a:b] for t in flat_outs])
+                             None if o is None else o[a:b], [None if t is None else t[a:b] for t in flat_outs],
+                             extrapolate)
         return
     _ext.adam_step_segments(param.data_ptr(), grad.data_ptr(), _DTYPE_CODE[grad.dtype],
                             exp_avg.data_ptr(), exp_avg_sq.data_ptr(), _DTYPE_CODE[exp_avg.dtype],
@@ -353,8 +362,9 @@ def adam_step_segments(param, grad, exp_avg, exp_avg_sq, segments, *, step: int,
                             _NONE_CODE if param16_out is None else _DTYPE_CODE[param16_out.dtype],
                             starts, ends, wds, step, float(lr), float(beta1), float(beta2), float(eps),
                             bool(adamw), bool(bias_correction), float(grad_scale), *map(_ptr, outs),
-                            # one rate for all: the call of a kernel built before per-segment rates
-                            **({} if all(x == float(lr) for x in lrs) else {"seg_lr": lrs}))
+                            # one rate for all / no prediction: the call of a kernel built before them
+                            **({} if all(x == float(lr) for x in lrs) else {"seg_lr": lrs}),
+                            **({"extrapolate": True} if extrapolate else {}))
 
 
 def grad_sumsq_and_finite_segments(grad, segments) -> tuple[float, bool]:
@@ -394,9 +404,10 @@ def _torch_sumsq(flat) -> float:
 
 
 def _torch_adam_step(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, wd, adamw,
-                     bias_correction, grad_scale, param16_out, outs=(None, None, None)) -> None:
+                     bias_correction, grad_scale, param16_out, outs=(None, None, None), extrapolate=False) -> None:
     """In place; out of place (`outs`: param_out, exp_avg_out, exp_avg_sq_out, None = in place)
-    each chunk's old state is first copied into the out buffers (exact), then updated there in place."""
+    each chunk's old state is first copied into the out buffers (exact), then updated there in place.
+    extrapolate: param16_out gets (p_new - p_old) + p_new (adam_step_segments)."""
     p_src, g_all = param.view(-1), grad.view(-1)
     m_src, v_src = exp_avg.view(-1), exp_avg_sq.view(-1)
     p_all, m_all, v_all = (src if out is None else out.view(-1) for src, out in zip((p_src, m_src, v_src), outs))
@@ -408,6 +419,7 @@ def _torch_adam_step(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, e
     n = p_all.numel()
     for a in range(0, n, _FALLBACK_CHUNK):
         b = min(n, a + _FALLBACK_CHUNK)
+        p_old = p_src[a:b].clone() if extrapolate else None
         for src, dst in ((p_src, p_all), (m_src, m_all), (v_src, v_all)):
             if dst is not src:
                 dst[a:b].copy_(src[a:b])
@@ -436,8 +448,8 @@ def _torch_adam_step(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, e
         if not fp32_states:
             m_all[a:b].copy_(m)  # RNE to bf16
             v_all[a:b].copy_(v)
-        if o_all is not None:
-            o_all[a:b].copy_(p)  # grad chunk was already read into g: aliasing is safe
+        if o_all is not None:    # grad chunk was already read into g: aliasing is safe
+            o_all[a:b].copy_(torch.sub(p, p_old).add_(p) if extrapolate else p)
 
 
 # ----------------------------------------------------------------------------------------------

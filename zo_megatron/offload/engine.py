@@ -183,7 +183,7 @@ class ZeroOffloadEngine(EngineState):
         self._norm_segments = [(a, e, c) for a, e, _, c, _ in self._host_segments]
         self.step_count = 0
         if dpu_warmup_steps:
-            self.schedule = DelayedSchedule(dpu_warmup_steps, self._prev_master, self.device)
+            self.schedule = DelayedSchedule(dpu_warmup_steps, self.dpu_weight_prediction, self.device)
         elif self.overlap_cpu_step:
             self.schedule = SpeculativeSchedule(self, self.overlap_speculated_fraction)
             self.accounting.host_overlap_bytes = self.schedule.backup_bytes
@@ -272,8 +272,6 @@ class ZeroOffloadEngine(EngineState):
         self._accs = [torch.empty(cut, dtype=torch.float32) for _ in range(sets)] \
             if self.accumulate_on_host else [None] * sets
         self._cur = 0                                   # the landing set of the current step
-        # --dpu-weight-prediction: the master before the update in flight (schedules.DelayedSchedule)
-        self._prev_master = torch.empty(cut, dtype=torch.float32) if self.dpu_weight_prediction else None
         n_buffers = min(2, len(L.buckets))
         self._grad_buffers = [self.dev.device_empty(L.max_bucket_numel, self.reduce_dtype) for _ in range(n_buffers)]
         # On CUDA, fp32-reduced shards bound for 16-bit host gradients are narrowed on the device
@@ -296,7 +294,6 @@ class ZeroOffloadEngine(EngineState):
         acc.host_staging_bytes = nbytes(self._grads[0]) + (nbytes(self._params[0]) if separate_out else 0)
         acc.host_accumulator_bytes = nbytes(self._accs[0])
         acc.host_dpu_pending_bytes = sum(nbytes(g) + nbytes(a) for g, a in zip(self._grads[1:], self._accs[1:]))
-        acc.host_dpu_prediction_bytes = nbytes(self._prev_master)
         self.accounting = acc
 
     def _state_pieces(self, host: int, n: int):
@@ -580,12 +577,13 @@ class ZeroOffloadEngine(EngineState):
     @torch.no_grad()
     def _cpu_update(self, k: int, grad: torch.Tensor, step: int, lr: float, grad_scale: float,
                     segments=None, phase: str | None = "cpu_step", out: torch.Tensor | None = None,
-                    decoupled_lr: float | None = None) -> None:
+                    decoupled_lr: float | None = None, extrapolate: bool = False) -> None:
         """ONE CPU Adam call over the partition's segments (default: all; on a schedule's worker
         under DPU and overlap), the decoupled ones at `decoupled_lr` (None: `lr`): reads `grad`,
         updates master and moments, writes the 16-bit parameters into set k, or into `out` (a
         buffer of the partition's first out.numel() elements, which the segments then lie in:
-        --overlap-cpu-step's speculated parameters)."""
+        --overlap-cpu-step's speculated parameters). extrapolate: the parameters written are
+        w_new + (w_new - w_old), --dpu-weight-prediction's copy, in the same kernel pass."""
         t0 = time.monotonic()
         a = self.adam
         full = segments is None
@@ -604,8 +602,9 @@ class ZeroOffloadEngine(EngineState):
                     master, grad, exp_avg, exp_avg_sq, [(s, e, a.weight_decay if decay else 0.0) for s, e, decay, *_ in segments],
                     step=step, lr=lr, beta1=a.beta1, beta2=a.beta2, eps=a.eps, adamw=a.adamw,
                     bias_correction=a.bias_correction, grad_scale=grad_scale,
-                    param16_out=out if self.dtype != torch.float32 else None, lrs=[rate[seg[4]] for seg in segments])
-            if self.dtype == torch.float32:     # fp32 mode: the parameter copy is the master itself
+                    param16_out=out if self.dtype != torch.float32 or extrapolate else None,
+                    lrs=[rate[seg[4]] for seg in segments], extrapolate=extrapolate)
+            if self.dtype == torch.float32 and not extrapolate:   # fp32: the parameter copy is the master
                 for s, e, *_ in (((0, self._cut),) if full else segments):
                     out[s:e].copy_(master[s:e])
         if self._nvme is None:

@@ -58,13 +58,13 @@ class NvmeConfig:
     io_threads: int = DEFAULT_THREADS
     block_bytes: int = DEFAULT_BLOCK_BYTES
 
-    def check(self) -> None:
+    def check(self, need_dir: bool = True) -> None:
         if self.buffer_count < 1:
             raise ConfigError(f"--optimizer-nvme-buffer-count must be >= 1 (got {self.buffer_count})")
         if self.buffer_size < KERNEL_CUT or self.buffer_size % KERNEL_CUT:
             raise ConfigError(f"--optimizer-nvme-buffer-size must be a positive multiple of {KERNEL_CUT} elements "
                               f"(got {self.buffer_size})")
-        if not os.path.isdir(self.path):
+        if need_dir and not os.path.isdir(self.path):
             raise ConfigError(f"--optimizer-nvme-path {self.path} is not a directory: create it (on the NVMe disk)")
 
 

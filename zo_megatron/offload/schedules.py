@@ -47,7 +47,6 @@ from __future__ import annotations
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 
 import torch
 
@@ -127,36 +126,23 @@ class DelayedSchedule(SynchronousSchedule):
 
     name = "delayed"
 
-    def __init__(self, warmup_steps: int, prev_master: torch.Tensor | None = None,
+    def __init__(self, warmup_steps: int, weight_prediction: bool = False,
                  device: torch.device = torch.device("cpu")):
         self.warmup_steps = warmup_steps
         self.worker = ThreadPoolExecutor(1, thread_name_prefix=WORKER_PREFIX, initializer=select_worker_device,
                                          initargs=(device,))
         self.pending = None                # (future, landing set, StepResult) of the update in flight
-        # --dpu-weight-prediction: the master before the update in flight (w_{t-1}); the device
-        # then gets w_t + (w_t - w_{t-1}) instead of w_t (see _predicted_update).
-        self.prev_master = prev_master
+        # --dpu-weight-prediction: the device gets w_t + (w_t - w_{t-1}) instead of w_t after a
+        # delayed update. Forward/backward of step t+2 run on what the device gets at step t+1,
+        # while the update of g_{t+2} is applied to w_{t+1}: the device copy is one update behind.
+        # With Adam's momentum consecutive updates are close (u_{t+1} ~ u_t), so w_t + u_t
+        # estimates w_{t+1} (weight prediction: PipeMare, SpecTrain). The CPU Adam kernel writes
+        # that copy in its own pass (it holds w_{t-1} and w_t of every element in registers), so
+        # it costs no host memory and no extra pass; the master and the moments stay exact Adam.
+        self.weight_prediction = weight_prediction
         # Debug only (issue 37): the device copy's distance to the exact weights, ZO_DPU_DIAGNOSTICS
         # (dpu_diagnostics.py); None, and nothing done, when the variable is unset.
         self.diagnostics = WeightError.from_env()
-
-    def _predicted_update(self, engine, k: int, grad, step: int, lr: float, grad_scale: float,
-                          decoupled_lr: float | None = None) -> None:
-        """Worker: the CPU Adam of g_t, then the device copy extrapolated by this update.
-
-        Forward/backward of step t+2 run on what the device gets at step t+1, while the update of
-        g_{t+2} is applied to w_{t+1}: the device copy is one update behind. With Adam's momentum
-        consecutive updates are close (u_{t+1} ~ u_t), so w_t + u_t estimates w_{t+1} (weight
-        prediction: PipeMare, SpecTrain). The master and the moments stay exact Adam; only the copy
-        the gradients are computed on moves.
-        """
-        prev = self.prev_master
-        prev.copy_(engine.master)
-        engine._cpu_update(k, grad, step, lr, grad_scale, decoupled_lr=decoupled_lr)
-        out = engine._params[k]
-        torch.sub(engine.master, prev, out=prev)           # prev <- u_t = w_t - w_{t-1}
-        prev.add_(engine.master)                           # prev <- w_t + u_t (the whole partition:
-        out.copy_(prev)                                    # DPU refuses partial offload)
 
     def step(self, engine, found_inf: bool, grad_norm: float, scale: float, rates: tuple[float, float]) -> StepResult:
         self.flush(engine, predicted=True)               # the update of g_{t-1}, if one is in flight
@@ -169,8 +155,8 @@ class DelayedSchedule(SynchronousSchedule):
             self.diagnostics.before_submit(engine)
         k = engine._cur
         update = (k, engine._update_grad(), engine.step_count, rates[0], clip_coef / scale)
-        kernel = engine._cpu_update if self.prev_master is None else partial(self._predicted_update, engine)
-        self.pending = (self.worker.submit(kernel, *update, decoupled_lr=rates[1]), k, result)
+        self.pending = (self.worker.submit(engine._cpu_update, *update, decoupled_lr=rates[1],
+                                           extrapolate=self.weight_prediction), k, result)
         engine._cur = 1 - k                              # step t+1's gradients land in the other set
         return result
 
@@ -187,7 +173,7 @@ class DelayedSchedule(SynchronousSchedule):
         engine._phases.append(("cpu_step_wait", t0, time.monotonic()))
         if self.diagnostics is not None:
             self.diagnostics.after_join(engine, from_step=predicted)
-        if self.prev_master is not None and not predicted:
+        if self.weight_prediction and not predicted:
             engine._params[k].copy_(engine.master)
         engine._params_to_device(k)
         if engine._params[0] is engine._params[-1] and len(engine._params) > 1:

@@ -93,6 +93,10 @@ class PlanInput:
     optimizer_offload_fraction: float = 1.0  # share of each partition's optimizer on the host (Megatron's name)
     overlap_cpu_step: bool = False  # --overlap-cpu-step: the rollback backup (memory.overlap_rollback_host_bytes)
     overlap_speculated_fraction: float = 1.0  # ... of this share of each rank's host partition
+    nvme_states: bool = False  # --optimizer-nvme-path: exp_avg/exp_avg_sq in files (docs/nvme.md)
+    nvme_master: bool = False  # --optimizer-nvme-master: the fp32 master in files too
+    nvme_buffer_count: int = 4  # --optimizer-nvme-buffer-count: I/O buffers in the ring
+    nvme_buffer_size: int = 1 << 24  # --optimizer-nvme-buffer-size: partition elements per buffer
 
     def ffn(self) -> int:
         return default_ffn_size(self.hidden_size, self.swiglu) if self.ffn_hidden_size is None \
@@ -225,6 +229,12 @@ class PlanInput:
             raise ValueError("dpu_weight_prediction requires dpu")
         if not 0.0 <= self.optimizer_offload_fraction <= 1.0:
             raise ValueError(f"optimizer_offload_fraction must be in [0, 1], got {self.optimizer_offload_fraction}")
+        if (self.nvme_states or self.nvme_master) and not (self.zero_offload and self.nvme_states):
+            raise ValueError("nvme_states needs zero_offload, and nvme_master needs nvme_states")
+        if self.nvme_states and self.optimizer_offload_fraction < 1:
+            raise ValueError("nvme_states needs optimizer_offload_fraction 1 (docs/nvme.md)")
+        if self.nvme_buffer_count < 1 or self.nvme_buffer_size < 64 or self.nvme_buffer_size % 64:
+            raise ValueError("nvme_buffer_count must be >= 1 and nvme_buffer_size a positive multiple of 64")
         for name in ("gpu_memory_bytes", "host_memory_bytes_per_node"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
@@ -258,6 +268,7 @@ class Plan:
     ranks_per_node: int
     fits_device: bool
     fits_host: bool
+    disk_bytes_per_node: int = 0  # --optimizer-nvme-path: the state files of the node's ranks
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -308,7 +319,11 @@ def plan_input_from_flags(flags: Any, *, data_parallel: int, vocab_size: int, **
         bf16_optimizer_states=flags.exp_avg_dtype == "bf16",
         grad_reduce_fp32=flags.accumulate_allreduce_grads_in_fp32,
         host_grad_fp32=flags.main_grads_dtype == "fp32" and precision != "fp32",
-        accumulate_on_host=flags.accumulate_grads_on_host, **hardware)
+        accumulate_on_host=flags.accumulate_grads_on_host,
+        nvme_states=getattr(flags, "optimizer_nvme_path", None) is not None,
+        nvme_master=bool(getattr(flags, "optimizer_nvme_master", False)),
+        nvme_buffer_count=getattr(flags, "optimizer_nvme_buffer_count", 4),
+        nvme_buffer_size=getattr(flags, "optimizer_nvme_buffer_size", 1 << 24), **hardware)
 
 
 

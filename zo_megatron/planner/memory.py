@@ -327,6 +327,7 @@ def _compute(inp: PlanInput, bucket_overfill: bool = True) -> Plan:
     dev["framework_overhead"] = inp.device_overhead_bytes
 
     host_per_gpu = sum(host_gpu.values())
+    disk_node = nvme_bytes(inp, part, opt_b)[1] * per_node      # (the tier refuses a partial offload)
     host_node = {k: v * per_node for k, v in host_gpu.items()}
     host_node["process_overhead"] = inp.host_overhead_bytes_per_rank * per_node + inp.host_overhead_bytes_per_node
     host_node["os_reserve"] = inp.reserve()
@@ -345,6 +346,9 @@ def _compute(inp: PlanInput, bucket_overfill: bool = True) -> Plan:
            f"(OVER by {format_bytes(host_total - inp.host_memory_bytes_per_node)}; "
            f"{per_node} ranks x {format_bytes(host_per_gpu)} model states)"),
     ]
+    if disk_node:
+        reasons.append(f"disk (--optimizer-nvme-path): {format_bytes(disk_node)} per node of optimizer states "
+                       f"({per_node} ranks; checked against the directory's free space at launch)")
     fits = fits_device and fits_host
     if inp.device_is_host:
         unified = device_total * per_node + host_total
@@ -373,7 +377,8 @@ def _compute(inp: PlanInput, bucket_overfill: bool = True) -> Plan:
                 params_per_tp_rank_padded=psi_pad,
                 replicated_params_per_tp_rank=counts["replicated_per_tp_rank"],
                 vocab_size_padded=V_pad, world_size=world, num_nodes=nodes,
-                ranks_per_node=per_node, fits_device=fits_device, fits_host=fits_host)
+                ranks_per_node=per_node, fits_device=fits_device, fits_host=fits_host,
+                disk_bytes_per_node=disk_node)
 
 
 # How far a measured peak has been from the plan (docs/memory_planner.md, "The edge, measured":
@@ -440,9 +445,13 @@ def _offload_model_states(inp: PlanInput, psi_pad: int, part: int, chunk: int, V
     if tail:
         dev["optimizer_on_device_fp32"] = 16 * tail
     part -= tail
-    host_gpu["master_fp32"] = 4 * part
-    host_gpu["adam_exp_avg"] = opt_b * part
-    host_gpu["adam_exp_avg_sq"] = opt_b * part
+    if not inp.nvme_master:           # --optimizer-nvme-path: the moments (and master) in files
+        host_gpu["master_fp32"] = 4 * part
+    if not inp.nvme_states:
+        host_gpu["adam_exp_avg"] = opt_b * part
+        host_gpu["adam_exp_avg_sq"] = opt_b * part
+    else:
+        host_gpu["nvme_io_ring"] = nvme_bytes(inp, part, opt_b)[0]
     if wh == w:                       # one buffer: gradients in, updated parameters out
         host_gpu["grad_param_staging" + ("_fp32" if w == 4 else "_16bit")] = w * part
     else:
@@ -460,6 +469,21 @@ def _offload_model_states(inp: PlanInput, psi_pad: int, part: int, chunk: int, V
     if inp.dpu_weight_prediction:     # the fp32 master before the update in flight
         host_gpu["dpu_weight_prediction"] = 4 * part
     return dev, host_gpu
+
+
+def nvme_bytes(inp: PlanInput, part: int, opt_b: int) -> tuple[int, int]:
+    """(host bytes of the I/O ring, disk bytes) of one rank's states on --optimizer-nvme-path, for a
+    host partition of `part` elements (offload/nvme_store.py): each state's chunk is padded to 4 KiB;
+    the ring has min(count, chunks) buffers, each one chunk of every state on disk. Exact for the ring
+    when the partition holds at least `count` chunks (one chunk when it fits in one buffer); the disk
+    bytes count ceil(part / size) chunks (the store may cut a few more, smaller ones)."""
+    if not (inp.zero_offload and inp.nvme_states) or part <= 0:
+        return 0, 0
+    sizes = [opt_b, opt_b] + ([4] if inp.nvme_master else [])
+    chunk = min(inp.nvme_buffer_size, part)
+    slot = sum(-(-chunk * b // 4096) * 4096 for b in sizes)
+    chunks = -(-part // chunk)
+    return min(inp.nvme_buffer_count, chunks) * slot, chunks * slot
 
 
 def _device_model_states(inp: PlanInput, psi: int, opt_b: int) -> dict[str, int]:

@@ -144,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --dpu: the device gets the delayed update's parameters extrapolated by that "
                         "update (w_t + (w_t - w_{t-1}), weight prediction) so its forward/backward run near the "
                         "parameters the next update is applied to; the master stays exact Adam "
-                        "(docs/dpu.md: measured convergence; +4 host bytes/param/DP)")
+                        "(docs/dpu.md: measured convergence; computed inside the CPU Adam kernel: no extra memory)")
     g.add_argument("--dpu-adam-threads", type=int, default=None,
                    help="with --dpu: CPU Adam threads while it overlaps forward/backward (default: all but one "
                         "of --cpu-adam-threads on a GPU, the one left launches the device's kernels; half of them "

@@ -4,7 +4,9 @@ checks, and the engine's NvmeConfig they give. arguments.py adds them to the job
 """
 from __future__ import annotations
 
-from zo_megatron.errors import ConfigError
+import os
+
+from zo_megatron.errors import ConfigError, UserError
 from zo_megatron.offload.nvme_store import (DEFAULT_BUFFER_COUNT, DEFAULT_BUFFER_SIZE, KERNEL_CUT, RAM_FILESYSTEMS,
                                              NvmeConfig, filesystem_type)
 
@@ -45,7 +47,28 @@ def check_nvme_flags(args) -> None:
         if bad:
             raise ConfigError(f"--optimizer-nvme-path cannot be combined with {flag} yet (issue 38): drop one")
     args.overlap_cpu_step = "off" if args.overlap_cpu_step in (None, "auto") else args.overlap_cpu_step
-    nvme_config(args).check()
+    nvme_config(args).check(need_dir=False)     # the directory: check_nvme_space, before launch
+
+
+def check_nvme_space(args) -> None:
+    """Before launch: DIR is a writable directory with room for the state files of this node's ranks
+    (the memory plan's disk line); one line, exit 2, otherwise."""
+    path = args.optimizer_nvme_path
+    if path is None:
+        return
+    if not os.path.isdir(path):
+        raise UserError(f"--optimizer-nvme-path {path} is not a directory: create it (on the NVMe disk)")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UserError(f"--optimizer-nvme-path {path} is not writable: fix its permissions or choose another directory")
+    plan = getattr(args, "memory_plan", None)
+    need = plan.disk_bytes_per_node if plan is not None else 0
+    st = os.statvfs(path)
+    free = st.f_bavail * st.f_frsize
+    if free < need:
+        from zo_megatron.training.metrics import human_bytes
+
+        raise UserError(f"--optimizer-nvme-path {path}: {human_bytes(free)} free on its filesystem, the optimizer "
+                        f"states of this node's ranks need {human_bytes(need)}: free space there or use a larger disk")
 
 
 def nvme_config(args) -> NvmeConfig | None:

@@ -20,6 +20,7 @@ import torch
 from zo_megatron.errors import UserError
 from zo_megatron.training.arguments import check_batch_sizes
 from zo_megatron.training.metrics import human_bytes
+from zo_megatron.training.nvme_flags import check_nvme_space
 from zo_megatron.training.schedule import LRScheduler
 from zo_megatron.training.user_report import auto_fraction_reason
 
@@ -196,6 +197,7 @@ def check_inputs(args, env, dp):
 
             args.save_lock_note = check_save_lock(args.save, args.force_save_lock)
     memory_check(args, env, dp, args.model_vocab_size)
+    check_nvme_space(args)
     if args.save:
         check_free_space(args.save, checkpoint_bytes(args.memory_plan.params_total, args.zero_offload,
                                                      args.exp_avg_dtype == "bf16"))
