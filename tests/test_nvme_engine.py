@@ -190,6 +190,13 @@ def _refusals_world(rank, root):
             messages.append(None)
         except ConfigError as e:
             messages.append(str(e))
+    accounts = []                                      # (ring, disk, partition, chunks) for the planner's check
+    for config in (nv, NvmeConfig(path, master=True, buffer_count=3, buffer_size=1024)):
+        with ZeroOffloadEngine(model, precision="fp32", nvme=config) as engine:
+            a = engine.accounting
+            accounts.append((config.master, config.buffer_count, config.buffer_size, a.host_nvme_buffer_bytes,
+                             a.nvme_disk_bytes, engine._cut, len(engine._nvme.chunks), a.host_master_bytes,
+                             a.host_optimizer_bytes))
     # another job holds rank 1's files in a shared directory: every rank refuses, none hangs
     shared = NvmeConfig(root)
     other = NvmeStateStore(shared, "zo_optimizer.tp0.dp1", [(0, 64)], 64, {"exp_avg": torch.float32}) \
@@ -202,7 +209,7 @@ def _refusals_world(rank, root):
     finally:
         if other is not None:
             other.close()
-    return messages, left
+    return messages, left, accounts
 
 
 def test_nvme_refusals_are_one_line_and_every_rank_refuses_together(tmp_path):
@@ -210,9 +217,25 @@ def test_nvme_refusals_are_one_line_and_every_rank_refuses_together(tmp_path):
     needles = ["--optimizer-offload-fraction", "--overlap-cpu-step", "--dpu-weight-prediction with --optimizer-nvme",
                "--optimizer-nvme-buffer-count must be >= 1", "--optimizer-nvme-buffer-size must be a positive multiple",
                "is not a directory", "checkpoints of optimizer states on disk are not implemented"]
-    for rank, (messages, left) in enumerate(results):
+    for rank, (messages, left, accounts) in enumerate(results):
+        _planner_equals_the_engine(accounts)
         last = "is in use by another job" if rank == 1 else "another rank refused its --optimizer-nvme-path set-up"
         for m, needle in zip(messages, [*needles, last]):
             assert m is not None and needle in m and "\n" not in m, (rank, needle, m)
         assert left == []                              # a refused engine leaves no file behind
     assert sorted(os.listdir(tmp_path)) == ["rank0", "rank1"]
+
+
+def _planner_equals_the_engine(accounts):
+    """The planner's nvme_bytes against the engine's accounting for the same partition: the ring
+    exactly (one chunk; 1024-element chunks), the disk within the few chunks the store cuts short."""
+    from zo_megatron.planner import PlanInput
+    from zo_megatron.planner.memory import nvme_bytes
+
+    for master, count, size, ring, disk, part, chunks, host_master, host_moments in accounts:
+        inp = PlanInput(num_layers=1, hidden_size=64, num_attention_heads=4, vocab_size=100, seq_length=8,
+                        nvme_states=True, nvme_master=master, nvme_buffer_count=count, nvme_buffer_size=size)
+        planned_ring, planned_disk = nvme_bytes(inp, part, 4)
+        assert planned_ring == ring > 0, (master, size, planned_ring, ring)
+        assert planned_disk <= disk <= planned_disk * chunks / -(-part // min(size, part)), (planned_disk, disk)
+        assert host_moments == 0 and host_master == (0 if master else 4 * part)

@@ -1,0 +1,59 @@
+"""The planner with --optimizer-nvme-path (issue 38): the moments (and with --optimizer-nvme-master the
+fp32 master) leave the host lines, the I/O ring joins them, the disk bytes per node get their own
+line, all against the byte arithmetic written out here; the job's flags reach the plan, and
+tools/estimate_memory.py prints the lines (the planner's ring against the engine's accounting is
+tests/test_nvme_engine.py's)."""
+import json
+import random
+
+from tests.cli import run_tool
+from tests.seeds import fresh_seed
+from zo_megatron.planner import PlanInput, plan
+
+
+def _round4k(n):
+    return -(-n // 4096) * 4096
+
+
+def test_the_states_move_from_the_host_lines_to_the_ring_and_the_disk_line():
+    rng = random.Random(fresh_seed("nvme planner"))
+    base = PlanInput(num_layers=rng.choice([24, 32, 48]), hidden_size=rng.choice([2048, 4096, 5120]),
+                     num_attention_heads=32, vocab_size=50257, seq_length=2048, tensor_parallel=rng.choice([1, 2]),
+                     data_parallel=rng.choice([2, 4]), micro_batch_size=1, precision="bf16",
+                     bf16_optimizer_states=rng.random() < 0.5, gpus_per_node=8)
+    before = plan(base)
+    part = before.params_per_tp_rank_padded // base.data_parallel
+    opt_b = 2 if base.bf16_optimizer_states else 4
+    count, size = rng.randint(1, 8), 64 * rng.randint(1 << 10, 1 << 16)
+    for master in (False, True):
+        p = plan(base.replace(nvme_states=True, nvme_master=master, nvme_buffer_count=count, nvme_buffer_size=size))
+        per_node = p.ranks_per_node
+        kinds = [opt_b, opt_b] + ([4] if master else [])
+        slot = sum(_round4k(size * b) for b in kinds)            # part >> size here: full chunks
+        assert part > count * size
+        ring, disk = count * slot, -(-part // size) * slot
+        gone = {"adam_exp_avg", "adam_exp_avg_sq"} | ({"master_fp32"} if master else set())
+        assert set(before.host_items) - set(p.host_items) == gone
+        assert p.host_items["nvme_io_ring"] == ring * per_node
+        moved = sum(before.host_items[k] for k in gone)
+        assert before.host_bytes_per_node - p.host_bytes_per_node == moved - ring * per_node
+        assert p.device_items == before.device_items
+        assert p.disk_bytes_per_node == disk * per_node
+        assert any(r.startswith("disk (--optimizer-nvme-path): ") for r in p.reasons)
+        assert before.disk_bytes_per_node == 0
+
+
+def test_estimate_memory_takes_the_jobs_nvme_flags(tmp_path):
+    argv = ["--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32", "--seq-length", "2048",
+            "--micro-batch-size", "1", "--zero-offload", "--bf16", "--world-size", "8", "--gpus-per-node", "8",
+            "--preset", "h100-80gb", "--json"]
+    plain = run_tool("estimate_memory", *argv)
+    tier = run_tool("estimate_memory", *argv, "--optimizer-nvme-path", tmp_path / "not-made-yet",
+                    "--optimizer-nvme-master", "--optimizer-nvme-buffer-count", "2")
+    assert plain.returncode == tier.returncode == 0, tier.stderr
+    a, b = json.loads(plain.stdout), json.loads(tier.stdout)
+    assert b["input"]["nvme_states"] and b["input"]["nvme_master"] and b["input"]["nvme_buffer_count"] == 2
+    assert "nvme_io_ring" in b["host_items"] and "master_fp32" not in b["host_items"]
+    assert b["disk_bytes_per_node"] > 0 and a["disk_bytes_per_node"] == 0
+    assert b["host_bytes_per_node"] < a["host_bytes_per_node"]
+    assert not (tmp_path / "not-made-yet").exists()           # planning creates nothing
