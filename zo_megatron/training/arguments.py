@@ -26,6 +26,8 @@ DEMO_DEFAULTS = dict(num_layers=4, hidden_size=256, num_attention_heads=4, seq_l
                      weight_decay=0.1, adam_beta2=0.95)
 
 # Megatron-LM's defaults for the flags DEMO_DEFAULTS fills when the shape flags are absent.
+# --dpu-corrector's choices (docs/dpu.md): the paper's schedule, and the corrector measured best.
+DPU_CORRECTORS = ("none", "weight-prediction")
 MEGATRON_DEFAULTS = dict(micro_batch_size=1, train_iters=None, lr=None, min_lr=0.0, lr_warmup_iters=0,
                          lr_decay_style="linear", eval_interval=1000, eval_iters=100, log_interval=100,
                          weight_decay=0.01, adam_beta2=0.999)
@@ -145,6 +147,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "update (w_t + (w_t - w_{t-1}), weight prediction) so its forward/backward run near the "
                         "parameters the next update is applied to; the master stays exact Adam "
                         "(docs/dpu.md: measured convergence; computed inside the CPU Adam kernel: no extra memory)")
+    g.add_argument("--dpu-corrector", choices=DPU_CORRECTORS, default=None,
+                   help="with --dpu: what corrects the one-update delay of the device's weights (docs/dpu.md, "
+                        "measured per corrector): none (default: the paper's schedule, the device computes on "
+                        "w_t) or weight-prediction (= --dpu-weight-prediction). The fresh-gradient look-ahead "
+                        "and the NAdamW-form update of issue 37 are measured in tools/dpu_reproduction.py and "
+                        "not offered: docs/dpu.md says why")
     g.add_argument("--dpu-adam-threads", type=int, default=None,
                    help="with --dpu: CPU Adam threads while it overlaps forward/backward (default: all but one "
                         "of --cpu-adam-threads on a GPU, the one left launches the device's kernels; half of them "
@@ -445,6 +453,7 @@ def finalize(args: argparse.Namespace) -> None:
         raise ConfigError("--overlap-cpu-step overlaps the CPU optimizer with backward: add --zero-offload")
     if args.dpu_weight_prediction and not args.dpu:
         raise ConfigError("--dpu-weight-prediction extrapolates the delayed update's parameters: add --dpu")
+    _resolve_dpu_corrector(args)
     if args.overlap_cpu_step in ("full", "memory") and args.dpu:
         raise ConfigError("--overlap-cpu-step cannot be combined with --dpu (DPU already takes the CPU step off "
                           "the critical path, one update late): use one or the other")
@@ -529,6 +538,20 @@ def _check_offload_fraction(args: argparse.Namespace) -> None:
         if args.exp_avg_dtype != "fp32":
             raise ConfigError("--optimizer-offload-fraction below 1 keeps fp32 moments on the device: drop "
                               "--exp-avg-dtype/--exp-avg-sq-dtype bf16 or use --optimizer-offload-fraction 1")
+
+
+def _resolve_dpu_corrector(args: argparse.Namespace) -> None:
+    """--dpu-corrector and its alias --dpu-weight-prediction -> args.dpu_corrector (with --dpu: the
+    corrector the engine runs; None without --dpu) and args.dpu_weight_prediction."""
+    chosen = args.dpu_corrector
+    if chosen is not None and not args.dpu:
+        raise ConfigError(f"--dpu-corrector {chosen} corrects the delayed parameter update: add --dpu")
+    if chosen == "none" and args.dpu_weight_prediction:
+        raise ConfigError("--dpu-corrector none contradicts --dpu-weight-prediction (= --dpu-corrector "
+                          "weight-prediction): drop one of them")
+    if args.dpu:
+        args.dpu_corrector = "weight-prediction" if args.dpu_weight_prediction else (chosen or "none")
+        args.dpu_weight_prediction = args.dpu_corrector == "weight-prediction"
 
 
 def range_problems(args: argparse.Namespace) -> list[str]:

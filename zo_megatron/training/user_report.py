@@ -191,8 +191,8 @@ def banner(metrics, args, ps, cfg, optimizer, data_path, setup_s) -> None:
            if args.zero_offload and args.optimizer_offload_fraction < 1 else "")
         + (f"; {args.offload_fraction_reason}" if getattr(args, "offload_fraction_reason", None) else "")
         + (f"; delayed parameter update after {args.dpu_warmup_steps} exact updates"
-           + (", device copy extrapolated by the last update (--dpu-weight-prediction)"
-              if args.dpu_weight_prediction else "")
+           + (", device copy extrapolated by the last update (--dpu-corrector weight-prediction)"
+              if args.dpu_weight_prediction else ", no corrector (--dpu-corrector none: the paper's schedule)")
            + f" ({args.threads_line} per rank)" if args.dpu else "")
         + ((f"; CPU step overlapped with backward (speculated per bucket, exact; {args.overlap_reason}; "
             f"{args.threads_line} per rank)" if args.overlap_cpu_step else f"; {args.overlap_reason}")
