@@ -25,13 +25,13 @@ def _bits(t):
     return t.contiguous().view(_INT[t.element_size()])
 
 
-def _train(engine, model, ps, seed, accum, overflow_step):
+def _train(engine, model, ps, seed, accum, overflow_step, steps=STEPS):
     from zo_megatron.parallel import collectives
 
     victim = model.gpt.decoder.layers[0].mlp.linear_fc1.weight
     gen = torch.Generator().manual_seed(seed)
     out = []
-    for step in range(STEPS):
+    for step in range(steps):
         total = torch.zeros(())
         for i in range(accum):
             n = MICRO * ps.dp_size
@@ -216,7 +216,7 @@ def test_nvme_refusals_are_one_line_and_every_rank_refuses_together(tmp_path):
     results = run_world(_refusals_world, 2, str(tmp_path))
     needles = ["--optimizer-offload-fraction", "--overlap-cpu-step", "--dpu-weight-prediction with --optimizer-nvme",
                "--optimizer-nvme-buffer-count must be >= 1", "--optimizer-nvme-buffer-size must be a positive multiple",
-               "is not a directory", "checkpoints of optimizer states on disk are not implemented"]
+               "is not a directory", "state_dict() of optimizer states on disk would copy them all"]
     for rank, (messages, left, accounts) in enumerate(results):
         _planner_equals_the_engine(accounts)
         last = "is in use by another job" if rank == 1 else "another rank refused its --optimizer-nvme-path set-up"

@@ -659,6 +659,8 @@ class ZeroOffloadEngine(EngineState):
         """Re-derive the 16-bit parameters from the fp32 master (after loading a checkpoint)."""
         self.flush()
         self.dev.wait_device_reads()     # an async host->device copy may still read host_param
+        if self._nvme is not None:       # what a checkpoint load wrote into the mapped files: checksummed
+            self._nvme.resync()
         if self.master is not None:
             self.host_param.copy_(self.master.to(self.dtype))
         else:                            # --optimizer-nvme-master: read from disk, chunk by chunk

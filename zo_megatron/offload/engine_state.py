@@ -15,8 +15,8 @@ from zo_megatron.errors import ConfigError
 class EngineState:
     def _refuse_nvme(self) -> None:
         if getattr(self, "_nvme", None) is not None:
-            raise ConfigError("checkpoints of optimizer states on disk are not implemented yet (issue 38): drop "
-                              "--save/--load or --optimizer-nvme-path")
+            raise ConfigError("state_dict() of optimizer states on disk would copy them all into memory: save and "
+                              "load them with the DCP checkpoint (--save/--load), which streams them")
 
     def state_dict(self) -> dict:
         """This DP rank's optimizer state, keyed by parameter name.
@@ -49,8 +49,11 @@ class EngineState:
         slices of the host "master", "exp_avg" and "exp_avg_sq" buffers. A checkpoint writes from
         and reads into these views in place (no copy of the optimizer state); after reading, set
         step_count and the loss scaler and call reload_params_from_master()."""
-        self._refuse_nvme()
         self.flush()                       # nothing may be in flight while the state is read or written
+        if getattr(self, "_nvme", None) is not None:     # on disk: views over the mapped state files
+            in_memory = {k: getattr(self, k) for k in ("master", "exp_avg", "exp_avg_sq") if getattr(self, k) is not None}
+            yield from self._nvme.fragment_views(self.layout.host_fragments(), in_memory)
+            return
         for s, host, pstart, n in self.layout.host_fragments():
             # with a partial offload a piece may be split: its tail's views live on the device
             for off, m, master, exp_avg, exp_avg_sq in self._state_pieces(host, n):

@@ -31,9 +31,11 @@ from __future__ import annotations
 import bisect
 import fcntl
 import json
+import mmap
 import os
 import socket
 import time
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -124,6 +126,7 @@ class NvmeStateStore:
         self.slot_bytes = {k: round_up(most * dt.itemsize) for k, dt in self.dtypes.items()}
         self.files: dict[str, StateFile] = {}
         self.io = self.ring = None
+        self._maps: dict | None = None                 # checkpoints: the files mapped (mapped_views)
         self._lock_fd, self._lock_path = None, os.path.join(config.path, f"{tag}.lock")
         self.reclaimed = self._lock(tag)
         try:
@@ -311,6 +314,62 @@ class NvmeStateStore:
                         views["master"][lo - a:hi - a].copy_(src[lo - h:hi - h])
                     j += 1
         self.fill(init)
+
+    # ------------------------------------------------------------------------ checkpoints (DCP)
+    def mapped_views(self) -> dict[str, list[torch.Tensor]]:
+        """Each state's chunks as tensors over a shared mapping of its file: a checkpoint reads from or
+        writes into them in place, through the page cache (the kernel's to evict), never a copy of the
+        states in process memory. After writing call resync(). Waits for the writes in flight first."""
+        self.drain()
+        if self._maps is None:
+            self._maps = {}
+            for k, f in self.files.items():
+                fd = os.open(f.path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+                try:
+                    mm = mmap.mmap(fd, f.nbytes)
+                finally:
+                    os.close(fd)
+                self._maps[k] = (mm, torch.frombuffer(mm, dtype=torch.uint8))
+        out = {}
+        for k, (_, t) in self._maps.items():
+            dt, slot = self.dtypes[k], self.slot_bytes[k]
+            out[k] = [t[i * slot:i * slot + (b - a) * dt.itemsize].view(dt) for i, (a, b) in enumerate(self.chunks)]
+        return out
+
+    def fragment_views(self, fragments, in_memory: dict[str, torch.Tensor]):
+        """For each (slot, partition offset, parameter offset, length) of `fragments`, cut at chunk
+        boundaries: (name, param, parameter offset, length, {state: view}), the states on disk as
+        mapped views, those in memory (`in_memory`, whole-partition tensors) as slices."""
+        maps = self.mapped_views()
+        starts = [a for a, _ in self.chunks]
+        for s, host, pstart, n in fragments:
+            pos = host
+            while pos < host + n:
+                i = bisect.bisect_right(starts, pos) - 1
+                a, b = self.chunks[i]
+                e = min(b, host + n)
+                views = {k: v[i][pos - a:e - a] for k, v in maps.items()}
+                views.update({k: t[pos:e] for k, t in in_memory.items()})
+                yield s.name, s.param, pstart + pos - host, e - pos, views
+                pos = e
+
+    def resync(self) -> None:
+        """After a checkpoint wrote into the mapped views: flush the mapping to the files and take the
+        checksums of what they now hold (the blocks every pass reads)."""
+        if self._maps is None:
+            return
+        B = self.io.block_bytes
+        for k, (mm, _) in self._maps.items():
+            mm.flush()
+            f = self.files[k]
+            with memoryview(mm) as whole:
+                for i in range(len(self.chunks)):
+                    off, n = i * self.slot_bytes[k], self._nbytes(i, k)
+                    for s in range(0, n, B):
+                        block = whole[off + s:off + min(n, s + B)]
+                        f.crc[off + s] = (len(block), zlib.crc32(block))
+                        block.release()
+        self._maps = None                      # (a mapping lives while a checkpoint's tensors do)
 
     def drain(self) -> None:
         """Wait for every write in flight (their errors are raised here)."""

@@ -41,8 +41,7 @@ def check_nvme_flags(args) -> None:
     refused = (("--overlap-cpu-step", args.overlap_cpu_step in ("full", "memory")),
                ("--optimizer-offload-fraction", args.optimizer_offload_fraction != 1.0),
                ("--dpu-weight-prediction with --optimizer-nvme-master",
-                getattr(args, "dpu_weight_prediction", False) and args.optimizer_nvme_master),
-               ("--save/--load (checkpoints of states on disk)", bool(args.save or args.load)))
+                getattr(args, "dpu_weight_prediction", False) and args.optimizer_nvme_master))
     for flag, bad in refused:
         if bad:
             raise ConfigError(f"--optimizer-nvme-path cannot be combined with {flag} yet (issue 38): drop one")
