@@ -1,0 +1,176 @@
+#!/usr/bin/env python
+"""The NVMe tier's I/O against the disk's own ceiling, measured in one run (issue 38, docs/nvme.md).
+
+  ceiling   the disk through the tier's own I/O path (offload/nvme_io.py: O_DIRECT where the
+            filesystem takes it, page-aligned buffers, blocks of --block-mib on --threads threads,
+            a whole --ceiling-mib file in flight per direction): write GB/s, then read GB/s.
+  pass      the engine's CPU step with the states on disk (offload/nvme_store.py, the kernel the
+            engine calls, chunk by chunk through a ring of --buffer-count buffers of --buffer-size
+            elements): --elements partition elements, fp32 moments and master on disk (12 B each
+            way per element), bf16 gradient in, bf16 parameter out. Reported: the pass's seconds,
+            the bytes it read and wrote, its GB/s, and `of_ceiling` = the time the ceiling needs
+            for those bytes (read at the read ceiling, then write at the write ceiling: one disk)
+            / the pass's time.
+  memory    the same kernel over the same partition in memory: the step without the tier, and
+            the ratio pass / memory.
+
+The states after the passes are checked against the in-memory run: bitwise equal, or the tool fails.
+
+  python tools/bench_nvme.py --dir /nvme/tmp                      # 1 GiB ceiling, 64M elements
+  python tools/bench_nvme.py --dir /nvme/tmp --elements 16M --passes 2 --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from zo_megatron.errors import UserError  # noqa: E402
+from zo_megatron.offload import cpu_adam  # noqa: E402
+from zo_megatron.offload.nvme_io import AsyncFileIO, StateFile, aligned_empty  # noqa: E402
+from zo_megatron.offload.nvme_store import NvmeConfig, NvmeStateStore  # noqa: E402
+
+STATES = {"master": torch.float32, "exp_avg": torch.float32, "exp_avg_sq": torch.float32}
+
+
+def _count(text: str) -> int:
+    text = text.strip().upper()
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    return int(float(text[:-1] if text[-1:] in "KMG" else text) * scale)
+
+
+def ceiling(directory: str, mib: int, threads: int, block_mib: int) -> dict:
+    """Write then read one file of `mib` MiB, all of it in flight, through AsyncFileIO."""
+    n = mib << 20
+    io = AsyncFileIO(threads, block_mib << 20)
+    buf = aligned_empty(n)
+    buf.copy_(torch.randint(0, 256, (n,), dtype=torch.uint8))
+    f = StateFile(os.path.join(directory, f"bench_nvme_ceiling.{os.getpid()}.bin"), n)
+    try:
+        t0 = time.perf_counter()
+        io.write(f, 0, buf).wait()
+        os.fsync(f.fd)
+        t1 = time.perf_counter()
+        io.read(f, 0, buf).wait()
+        t2 = time.perf_counter()
+        return {"bytes": n, "write_gbps": n / (t1 - t0) / 1e9, "read_gbps": n / (t2 - t1) / 1e9, "o_direct": f.direct}
+    finally:
+        f.close(remove=True)
+        io.close()
+
+
+def _kernel(master, grad, m, v, segs, out, step):
+    cpu_adam.adam_step_segments(master, grad, m, v, [(s, e, 0.1) for s, e in segs], step=step, lr=1e-3, beta1=0.9,
+                                beta2=0.95, eps=1e-8, param16_out=out)
+
+
+def passes(directory: str, n: int, count: int, size: int, threads: int, block_mib: int, k: int, seed: int) -> dict:
+    """k CPU steps over n elements with the states on disk, then the same k in memory; equal bits."""
+    gen = torch.Generator().manual_seed(seed)
+    grad = torch.randn(n, generator=gen).to(torch.bfloat16)
+    init = torch.randn(n, generator=gen)
+    segs = [(0, n // 3), (n // 3, n)]                  # two segments, as a weight/bias boundary cuts one
+    cfg = NvmeConfig(directory, buffer_count=count, buffer_size=size, io_threads=threads, block_bytes=block_mib << 20)
+    store = NvmeStateStore(cfg, f"bench_nvme.{os.getpid()}", segs, n, STATES)
+    out = torch.empty(n, dtype=torch.bfloat16)
+    try:
+        store.fill_initial([(0, init)])
+        times = []
+        for step in range(1, k + 1):
+            store.reset_counters()
+            t0 = time.perf_counter()
+            for lo, hi, st in store.stream():
+                part = [(max(s, lo) - lo, min(e, hi) - lo) for s, e in segs if s < hi and e > lo]
+                _kernel(st["master"], grad[lo:hi], st["exp_avg"], st["exp_avg_sq"], part, out[lo:hi], step)
+            store.drain()
+            times.append(time.perf_counter() - t0)
+        read, written, waited = store.read_bytes, store.written_bytes, store.wait_s
+        disk = {key: torch.cat([v[key].clone() for _, _, v in store.stream(write=False)]) for key in STATES}
+    finally:
+        store.close()
+    master, m, v = init.clone(), torch.zeros(n), torch.zeros(n)
+    ref_out = torch.empty(n, dtype=torch.bfloat16)
+    mem_times = []
+    for step in range(1, k + 1):
+        t0 = time.perf_counter()
+        _kernel(master, grad, m, v, segs, ref_out, step)
+        mem_times.append(time.perf_counter() - t0)
+    for key, ref in (("master", master), ("exp_avg", m), ("exp_avg_sq", v)):
+        if not torch.equal(disk[key].view(torch.int32), ref.view(torch.int32)):
+            raise SystemExit(f"bench_nvme: the {key} after the passes on disk differs from the in-memory run")
+    if not torch.equal(out.view(torch.int16), ref_out.view(torch.int16)):
+        raise SystemExit("bench_nvme: the 16-bit parameters on disk differ from the in-memory run")
+    best = min(times)
+    return {"elements": n, "chunks": len(store.chunks), "ring_bytes": store.buffer_bytes, "pass_s": best,
+            "pass_s_all": times, "read_bytes": read, "written_bytes": written, "wait_s_last": waited,
+            "gbps": (read + written) / best / 1e9, "memory_s": min(mem_times), "ratio": best / min(mem_times),
+            "bitwise_equal": True}
+
+
+def machine() -> dict:
+    model = platform.processor()
+    try:
+        for line in subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout.splitlines():
+            if line.startswith("Model name"):
+                model = line.split(":", 1)[1].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                                cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {"cpu": model, "cores": os.cpu_count(), "commit": commit, "cpu_adam_threads": cpu_adam.get_num_threads()}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temporary one)")
+    ap.add_argument("--ceiling-mib", type=int, default=1024)
+    ap.add_argument("--elements", default="64M", help="partition elements of the pass (K/M/G suffixes)")
+    ap.add_argument("--buffer-count", type=int, default=4)
+    ap.add_argument("--buffer-size", default="16M", help="elements per ring buffer")
+    ap.add_argument("--threads", type=int, default=4, help="I/O threads (requests in flight)")
+    ap.add_argument("--block-mib", type=int, default=4, help="MiB per request")
+    ap.add_argument("--passes", type=int, default=3, help="CPU steps timed (the best is reported)")
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--json", default=None, help="also write the result here")
+    args = ap.parse_args(argv)
+    try:
+        with tempfile.TemporaryDirectory(dir=args.dir) as d:
+            res = {"machine": machine(), "dir": args.dir or d}
+            res["ceiling"] = ceiling(d, args.ceiling_mib, args.threads, args.block_mib)
+            res["pass"] = passes(d, _count(args.elements), args.buffer_count, _count(args.buffer_size), args.threads,
+                                 args.block_mib, args.passes, args.seed)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    c, p = res["ceiling"], res["pass"]
+    p["of_ceiling"] = (p["read_bytes"] / (c["read_gbps"] * 1e9) + p["written_bytes"] / (c["write_gbps"] * 1e9)) / p["pass_s"]
+    m = res["machine"]
+    print(f"bench_nvme: {m['cpu']}, {m['cores']} cores, commit {m['commit']}, dir {res['dir']} "
+          f"({'O_DIRECT' if c['o_direct'] else 'buffered'})")
+    print(f"  ceiling  write {c['write_gbps']:.2f} GB/s, read {c['read_gbps']:.2f} GB/s ({c['bytes'] >> 20} MiB, "
+          f"{args.threads} threads, {args.block_mib} MiB requests)")
+    print(f"  pass     {p['elements']} elements in {p['chunks']} chunks, ring {p['ring_bytes'] >> 20} MiB: "
+          f"{p['pass_s']:.3f} s, read {p['read_bytes'] / 1e9:.2f} GB + wrote {p['written_bytes'] / 1e9:.2f} GB = "
+          f"{p['gbps']:.2f} GB/s, {p['of_ceiling']:.0%} of the ceiling")
+    print(f"  memory   the same kernel in memory: {p['memory_s']:.3f} s; pass / memory = {p['ratio']:.1f}x; "
+          "states bitwise equal")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
