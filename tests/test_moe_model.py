@@ -1,18 +1,19 @@
-"""The mixture-of-experts GPT (megatron-core's MoELayer, local spec) equals Hugging Face's Mixtral.
+"""The mixture-of-experts GPT (megatron-core's MoELayer, local spec) equals Hugging Face's Mixtral,
+Qwen2-MoE and Qwen3-MoE.
 
-The parent builds a transformers MixtralForCausalLM (eager attention, fp32, every weight random,
-the router's too) with odd sizes, saves it, and our model loads the saved files through
-zo_megatron.checkpoint.hf.mixtral's mapping (experts w1/w3 -> [gate; up], the router -> mlp.router).
-Each layout runs one forward/backward on 2 forked ranks (gloo): TP1 x EP1 (DP 2), TP1 x EP2 with the
-alltoall dispatcher (DP 2, each EP rank holding 2 of the 4 experts), TP2 with sequence parallelism
-and the allgather dispatcher (DP 1). The batch is split over DP; the gradients are reduced as
-Megatron-LM's DDP reduces them (dense ones averaged over DP, experts' scaled by 1/DP and summed over
-their expert-DP group; sequence-parallel ones summed over TP first), and the parent compares the
-logits, the loss (aux loss off: transformers adds none without output_router_logits) and every
-gradient with transformers' own on the whole batch, every element, mapped back through the same
-mapping. TP2 x EP2 (allgather), EP4 and EP2 x DP2 (alltoall) on 4 ranks: -m slow. (The alltoall
-dispatcher at TP > 1 is refused on CPUs: it all-gathers uneven token counts over expert TP, which gloo
-cannot.)
+The parent builds each transformers model (eager attention, fp32, every weight random, the router's
+and the shared expert gate's too) with odd sizes and saves it; our model loads the saved files
+through zo_megatron.checkpoint.hf's mapping of that family (mixtral.py, qwen_moe.py). Each layout runs
+one forward/backward on 2 forked ranks (gloo): TP1 x EP1 (DP 2), TP1 x EP2 with the alltoall
+dispatcher (DP 2, each EP rank holding 2 of the 4 experts), TP2 with sequence parallelism and the
+allgather dispatcher (DP 1). The batch is split over DP; the gradients are reduced as Megatron-LM's
+DDP reduces them (dense ones averaged over DP, experts' scaled by 1/DP and summed over their
+expert-DP group; sequence-parallel ones summed over TP first), and the parent compares the logits,
+the loss (aux loss off: transformers adds none without output_router_logits) and every gradient with
+transformers' own on the whole batch, every element, the gradients mapped through the same mapping
+(transformers writes them as a model's weights). TP2 x EP2 (allgather), EP4 and EP2 x DP2
+(alltoall) on 4 ranks: -m slow. (The alltoall dispatcher at TP > 1 is refused on CPUs: it
+all-gathers uneven token counts over expert TP, which gloo cannot.)
 """
 import os
 
@@ -28,14 +29,26 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 LAYERS, HIDDEN, HEADS, GROUPS, FFN, EXPERTS, TOPK, SEQ, BATCH, VOCAB = 2, 64, 4, 2, 40, 4, 2, 12, 4, 97
 
 
-def _mixtral_dir(directory, seed):
-    cfg = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
-                                     num_attention_heads=HEADS, num_key_value_heads=GROUPS, max_position_embeddings=64,
-                                     rms_norm_eps=1e-5, num_local_experts=EXPERTS, num_experts_per_tok=TOPK,
-                                     tie_word_embeddings=False, sliding_window=None, attention_dropout=0.0,
-                                     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+def _configs():
+    """name -> transformers config: Mixtral; Qwen2-MoE with its gated shared expert, QKV biases, no
+    renormalisation of the top k (norm_topk_prob false: --moe-router-pre-softmax) and a dense layer 1
+    (mlp_only_layers: --moe-layer-freq [1,0]); Qwen3-MoE with q/k norms and head_dim 24 (not 64 / 4)."""
+    common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                  num_key_value_heads=GROUPS, max_position_embeddings=64, rms_norm_eps=1e-5, num_experts_per_tok=TOPK,
+                  tie_word_embeddings=False, attention_dropout=0.0,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    return {"mixtral": transformers.MixtralConfig(**common, intermediate_size=FFN, num_local_experts=EXPERTS,
+                                                  sliding_window=None),
+            "qwen2_moe": transformers.Qwen2MoeConfig(**common, intermediate_size=56, moe_intermediate_size=FFN,
+                                                     shared_expert_intermediate_size=48, num_experts=EXPERTS,
+                                                     norm_topk_prob=False, mlp_only_layers=[1], qkv_bias=True),
+            "qwen3_moe": transformers.Qwen3MoeConfig(**common, intermediate_size=56, moe_intermediate_size=FFN,
+                                                     num_experts=EXPERTS, norm_topk_prob=True, head_dim=24)}
+
+
+def _random_hf(directory, cfg, seed):
     torch.manual_seed(seed)
-    model = transformers.MixtralForCausalLM(cfg)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():      # every weight random, norms around 1
@@ -49,116 +62,131 @@ def _hf(directory):
                                                              attn_implementation="eager")
 
 
-def _world(rank, directory, tokens, labels, layouts, ports):
-    from zo_megatron.checkpoint.hf import mixtral
-    from zo_megatron.model import GPTConfig, build_gpt_model
-    from zo_megatron.model.sharding import gather_full, load_full_params, model_shard_infos
+def _ours(directory):
+    """(meta, our full tensors) of a saved HF model, read by its family's from-hf mapping."""
+    from zo_megatron.checkpoint import hf
+
+    family = hf.family_for_config(hf.read_config_json(directory), directory)
+    cfg = family.read_config(hf.read_config_json(directory), directory)
+    meta, _ = family.meta_from_config(cfg, directory)
+    return meta, family.read_state(directory, cfg, meta)
+
+
+def _world(rank, dirs, tokens, labels, layouts, ports):
     from zo_megatron.parallel import collectives, destroy_parallel, init_parallel
 
-    meta = mixtral.meta_from_config(transformers.AutoConfig.from_pretrained(directory), directory)
-    full = mixtral.from_hf(safetensors_torch.load_file(os.path.join(directory, "model.safetensors")), meta)
+    models = {name: _ours(d) for name, d in dirs.items()}
     out = {}
     for (tp, ep, dispatcher), port in zip(layouts, ports):
         os.environ["MASTER_PORT"] = str(port)
         ps = init_parallel(tp, expert_parallel=ep)
-        cfg = GPTConfig(**{**meta, "moe_token_dispatcher_type": dispatcher}, precision="fp32", sequence_parallel=tp > 1)
-        model = build_gpt_model(cfg, ps.tp_rank, ps.tp_size, seed=1)
-        infos = model_shard_infos(model, ps.tp_rank, ps.tp_size, VOCAB)
-        init = {model.full_name(n): gather_full(p.detach().clone(), infos[n], ps.tp_group, tp)
-                for n, p in model.named_parameters()}
-        load_full_params(model, full, ps.tp_rank, ps.tp_size, VOCAB)
-        rows = slice(ps.dp_rank * BATCH // ps.dp_size, (ps.dp_rank + 1) * BATCH // ps.dp_size)
-        logits = model(tokens[rows])
-        loss = model.loss(tokens[rows], labels[rows])
-        loss.backward()
-        grads = {}
-        for n, p in model.named_parameters():
-            g = p.grad
-            if getattr(p, "sequence_parallel", False) and tp > 1:     # megatron's finalize_model_grads
-                g = collectives.all_reduce(g.clone(), "sum", ps.tp_group)
-            grads[model.full_name(n)] = gather_full(g, infos[n], ps.tp_group, tp) / ps.dp_size
-        full_logits = torch.cat(collectives.all_gather_list(logits.detach().contiguous(), ps.tp_group), -1)
-        out[(tp, ep, dispatcher)] = dict(tp_rank=ps.tp_rank, dp_rank=ps.dp_rank, rows=(rows.start, rows.stop), ep=(ps.ep_rank, ps.ep_size),
-                                         edp=(ps.edp_rank, ps.edp_size), logits=full_logits[..., :VOCAB].clone(),
-                                         loss=loss.item(), grads=grads, init=init,
-                                         experts=sorted({n.split("local_experts.")[1].split(".")[0]
-                                                         for n in grads if "local_experts" in n}))
+        for name, (meta, full) in models.items():
+            out[(name, tp, ep, dispatcher)] = _one(ps, meta, full, tokens, labels, dispatcher)
         collectives.barrier()
         destroy_parallel()
     return out
+
+
+def _one(ps, meta, full, tokens, labels, dispatcher):
+    """One forward/backward of our model of `meta` with the full weights `full` at the layout `ps`."""
+    from zo_megatron.checkpoint.arch import param_shapes
+    from zo_megatron.model import GPTConfig, build_gpt_model
+    from zo_megatron.model.sharding import gather_full, load_full_params, model_shard_infos
+    from zo_megatron.parallel import collectives
+
+    tp = ps.tp_size
+    cfg = GPTConfig(**{**meta, "moe_token_dispatcher_type": dispatcher}, precision="fp32", sequence_parallel=tp > 1)
+    model = build_gpt_model(cfg, ps.tp_rank, ps.tp_size, seed=1)
+    infos = model_shard_infos(model, ps.tp_rank, ps.tp_size, VOCAB)
+    init = {model.full_name(n): gather_full(p.detach().clone(), infos[n], ps.tp_group, tp)
+            for n, p in model.named_parameters()}
+    load_full_params(model, full, ps.tp_rank, ps.tp_size, VOCAB)
+    rows = slice(ps.dp_rank * BATCH // ps.dp_size, (ps.dp_rank + 1) * BATCH // ps.dp_size)
+    logits = model(tokens[rows])
+    loss = model.loss(tokens[rows], labels[rows])
+    loss.backward()
+    grads = {}
+    for n, p in model.named_parameters():
+        g = p.grad
+        if getattr(p, "sequence_parallel", False) and tp > 1:     # megatron's finalize_model_grads
+            g = collectives.all_reduce(g.clone(), "sum", ps.tp_group)
+        grads[model.full_name(n)] = gather_full(g, infos[n], ps.tp_group, tp) / ps.dp_size
+    full_logits = torch.cat(collectives.all_gather_list(logits.detach().contiguous(), ps.tp_group), -1)
+    return dict(tp_rank=ps.tp_rank, dp_rank=ps.dp_rank, rows=(rows.start, rows.stop), ep=(ps.ep_rank, ps.ep_size),
+                edp=(ps.edp_rank, ps.edp_size), logits=full_logits[..., :VOCAB].clone(), loss=loss.item(), grads=grads,
+                init=init,
+                # the offline tools' shapes (checkpoint/arch.py) are the built model's
+                shapes_ok=param_shapes(cfg.arch_meta()) == {n: tuple(t.shape) for n, t in init.items()}
+                if ps.ep_size == 1 else None,
+                experts=sorted({n.split("local_experts.")[1].split(".")[0] for n in grads if "local_experts" in n}))
 
 
 def _rel_err(a, b):
     return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-30)).item()
 
 
-def _check(world, layout, ref_logits, ref_loss, ref_grads):
-    outs = [o[layout] for o in world]
+def _check(world, key, ref_logits, ref_loss, ref_grads):
+    outs = [o[key] for o in world]
     for o in outs:
-        assert _rel_err(o["logits"], ref_logits[slice(*o["rows"])]) <= 1e-5, layout
+        assert _rel_err(o["logits"], ref_logits[slice(*o["rows"])]) <= 1e-5, key
     dp = {o["dp_rank"]: o["loss"] for o in outs}
-    assert abs(sum(dp.values()) / len(dp) - ref_loss) <= 1e-5 * ref_loss, (layout, dp, ref_loss)
+    assert abs(sum(dp.values()) / len(dp) - ref_loss) <= 1e-5 * ref_loss, (key, dp, ref_loss)
     got = {}
     for o in outs:
         if o["tp_rank"] == 0:                 # each DP rank once; each expert once per expert-DP rank
             for n, g in o["grads"].items():
                 got[n] = got[n] + g if n in got else g
-    assert set(got) == set(ref_grads), (layout, set(got) ^ set(ref_grads))
+    assert set(got) == set(ref_grads), (key, set(got) ^ set(ref_grads))
     for n, g in got.items():
-        assert g.shape == ref_grads[n].shape, (layout, n)
-        assert _rel_err(g, ref_grads[n]) <= 1e-5, (layout, n, _rel_err(g, ref_grads[n]))
+        assert g.shape == ref_grads[n].shape, (key, n)
+        assert _rel_err(g, ref_grads[n]) <= 1e-5, (key, n, _rel_err(g, ref_grads[n]))
 
 
-def _compare(tmp_path, seed, world_size, layouts):
-    from zo_megatron.checkpoint.hf import mixtral
-
-    directory = _mixtral_dir(tmp_path / "mixtral", seed)
-    gen = torch.Generator().manual_seed(seed + 1)
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
-    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
-    world = run_world(_world, world_size, directory, tokens, labels, layouts, [free_port() for _ in layouts],
-                      timeout=300)
+def _reference(directory, tmp_path, tokens, labels):
+    """transformers' logits, loss and gradients; the gradients as our full tensors: written as the
+    model's weights by save_pretrained (its on-disk names) and read back through the same mapping."""
     hf = _hf(directory)
     logits = hf(tokens).logits
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
     loss.backward()
-    meta = mixtral.meta_from_config(hf.config, directory)
-    # transformers' in-memory names -> the on-disk ones the mapping reads (gate_up_proj is [E, 2f, h], [gate; up])
-    sd = {}
-    for n, p in hf.named_parameters():
-        if n.endswith("mlp.experts.gate_up_proj"):
-            i = n.split(".")[2]
-            for e in range(EXPERTS):
-                sd[f"model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight"], \
-                    sd[f"model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight"] = p.grad[e].split([FFN, FFN])
-        elif n.endswith("mlp.experts.down_proj"):
-            i = n.split(".")[2]
-            for e in range(EXPERTS):
-                sd[f"model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight"] = p.grad[e]
-        else:
-            sd[n.replace(".mlp.gate.", ".block_sparse_moe.gate.")] = p.grad
-    ref_grads = mixtral.from_hf(sd, meta)
-    for layout in layouts:
-        _check(world, layout, logits.detach(), loss.item(), ref_grads)
-    # one seed, one model: the initial weights (experts by global index) are the same at every layout
-    first = {}
-    for o in world:
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(p.grad)
+    grads_dir = tmp_path / (os.path.basename(directory) + "_grads")
+    hf.save_pretrained(str(grads_dir))
+    return logits.detach(), loss.item(), _ours(str(grads_dir))[1]
+
+
+def _compare(tmp_path, seed, world_size, layouts, names=None):
+    configs = _configs()
+    dirs = {name: _random_hf(tmp_path / name, configs[name], seed + i) for i, name in enumerate(names or configs)}
+    gen = torch.Generator().manual_seed(seed + 100)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+    world = run_world(_world, world_size, dirs, tokens, labels, layouts, [free_port() for _ in layouts], timeout=300)
+    for name, directory in dirs.items():
+        ref_logits, ref_loss, ref_grads = _reference(directory, tmp_path, tokens, labels)
+        first = {}
         for layout in layouts:
-            for n, t in o[layout]["init"].items():
-                assert torch.equal(first.setdefault(n, t), t), (layout, n)
-    assert set(first) == set(ref_grads)
+            _check(world, (name, *layout), ref_logits, ref_loss, ref_grads)
+            # one seed, one model: the initial weights (experts by global index) are the same at every layout
+            for o in world:
+                for n, t in o[(name, *layout)]["init"].items():
+                    assert torch.equal(first.setdefault(n, t), t), (name, layout, n)
+        assert set(first) == set(ref_grads)
+        assert all(o[(name, *layout)]["shapes_ok"] for o in world for layout in layouts if layout[1] == 1)
     return world
 
 
-def test_mixtral_logits_loss_and_every_gradient_at_tp1_ep1_ep2_and_tp2(tmp_path):
-    seed = fresh_seed("moe mixtral")
+def test_moe_logits_loss_and_every_gradient_equal_transformers_at_tp1_ep1_ep2_and_tp2(tmp_path):
+    seed = fresh_seed("moe families")
     layouts = [(1, 1, "allgather"), (1, 2, "alltoall"), (2, 1, "allgather")]
     world = _compare(tmp_path, seed, 2, layouts)
     # the expert layout megatron-core built: EP2 -> experts 0-1 on EP rank 0, 2-3 on EP rank 1, expert DP 1
     for rank, o in enumerate(world):
-        assert o[(1, 2, "alltoall")]["ep"] == (rank, 2) and o[(1, 2, "alltoall")]["edp"] == (0, 1)
-        assert o[(1, 2, "alltoall")]["experts"] == [str(2 * rank), str(2 * rank + 1)]
-        assert o[(1, 1, "allgather")]["experts"] == ["0", "1", "2", "3"] and o[(1, 1, "allgather")]["edp"] == (rank, 2)
+        ep2, ep1 = o[("mixtral", 1, 2, "alltoall")], o[("mixtral", 1, 1, "allgather")]
+        assert ep2["ep"] == (rank, 2) and ep2["edp"] == (0, 1) and ep2["experts"] == [str(2 * rank), str(2 * rank + 1)]
+        assert ep1["experts"] == ["0", "1", "2", "3"] and ep1["edp"] == (rank, 2)
 
 
 def test_expert_layout_rules_and_the_parameter_count():
@@ -210,6 +238,6 @@ def test_expert_layout_rules_and_the_parameter_count():
 
 
 @pytest.mark.slow
-def test_mixtral_at_tp2_ep2_on_4_ranks(tmp_path):
+def test_moe_families_at_tp2_ep2_and_ep4_on_4_ranks(tmp_path):
     seed = fresh_seed("moe mixtral tp2 ep2")
     _compare(tmp_path, seed, 4, [(2, 2, "allgather"), (1, 4, "alltoall"), (1, 2, "alltoall")])

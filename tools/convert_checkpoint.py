@@ -12,7 +12,8 @@
                                                [--target-data-parallel-size M]
 
 Hugging Face architectures: GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
-Qwen3ForCausalLM (a sliding window: trained at --seq-length up to it). CKPT is a `pretrain_gpt.py --save` directory. Outputs are written under a temporary name and
+Qwen3ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM (a sliding window: trained at
+--seq-length up to it; the mixtures of experts: from-hf, to-hf and to-fp32, not yet to-megatron). CKPT is a `pretrain_gpt.py --save` directory. Outputs are written under a temporary name and
 renamed when complete; an existing non-empty output is refused unless --force. Wrong input gets
 one `error:` line and exit 2. See docs/checkpoints.md.
 """

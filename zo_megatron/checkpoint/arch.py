@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from zo_megatron.errors import UserError
-from zo_megatron.model.config import ARCH_FIELDS, YARN_FIELDS, GPTConfig
+from zo_megatron.model.config import ARCH_FIELDS, MOE_FIELDS, YARN_FIELDS, GPTConfig
 
 # GPTConfig's defaults (GPT-2) for the fields an old checkpoint does not record
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(GPTConfig)
@@ -48,11 +48,11 @@ def head_dim(meta: dict) -> int:
 def param_shapes(meta: dict) -> dict[str, tuple[int, ...]]:
     """Full unpadded shape of every parameter of the GPTModel `meta` describes (our names)."""
     meta = full_meta(meta)
-    h, f, v = meta["hidden_size"], meta["ffn_hidden_size"], meta["vocab_size"]
+    h, v = meta["hidden_size"], meta["vocab_size"]
     q, kv = meta["num_attention_heads"] * head_dim(meta), query_groups(meta) * head_dim(meta)
     layer_norm = meta["normalization"] == "LayerNorm"
     bias, qkv_bias = meta["add_bias_linear"], meta["add_bias_linear"] or meta["add_qkv_bias"]
-    fc1 = 2 * f if meta["swiglu"] else f
+    moe = GPTConfig(**{k: meta[k] for k in ARCH_FIELDS}, precision="fp32").moe_layers()
 
     def norm(name):
         return {name + ".weight": (h,), **({name + ".bias": (h,)} if layer_norm else {})}
@@ -74,15 +74,59 @@ def param_shapes(meta: dict) -> dict[str, tuple[int, ...]]:
                             m + "self_attention.k_layernorm.bias": (head_dim(meta),)})
         out[m + "self_attention.linear_proj.weight"] = (h, q)
         out.update(norm(m + "pre_mlp_layernorm"))
-        out[m + "mlp.linear_fc1.weight"] = (fc1, h)
-        out[m + "mlp.linear_fc2.weight"] = (h, f)
         if bias:
-            out.update({m + "self_attention.linear_proj.bias": (h,), m + "mlp.linear_fc1.bias": (fc1,),
-                        m + "mlp.linear_fc2.bias": (h,)})
+            out[m + "self_attention.linear_proj.bias"] = (h,)
+        out.update(_mlp_shapes(meta, m + "mlp.", moe[i]))
     out.update(norm(_PREFIX + "decoder.final_layernorm"))
     if meta["untie_embeddings_and_output_weights"]:
         out[_PREFIX + "output_layer.weight"] = (v, h)
     return out
+
+
+def _mlp_shapes(meta: dict, m: str, moe: bool) -> dict[str, tuple[int, ...]]:
+    """The MLP's parameters under `m` (".../mlp."): the dense MLP, or the router, every expert (by
+    global index) and the shared expert with its gate (model/gpt.py's docstring)."""
+    h, bias = meta["hidden_size"], meta["add_bias_linear"]
+
+    def mlp(prefix, f, with_bias):
+        fc1 = 2 * f if meta["swiglu"] else f
+        out = {prefix + "linear_fc1.weight": (fc1, h), prefix + "linear_fc2.weight": (h, f)}
+        if with_bias:
+            out.update({prefix + "linear_fc1.bias": (fc1,), prefix + "linear_fc2.bias": (h,)})
+        return out
+
+    if not moe:
+        return mlp(m, meta["ffn_hidden_size"], bias)
+    e = meta["num_experts"]
+    out = {m + "router.weight": (e, h), **({m + "router.bias": (e,)} if bias else {})}
+    for j in range(e):
+        out.update(mlp(f"{m}experts.local_experts.{j}.", meta["moe_ffn_hidden_size"], bias))
+    if meta["moe_shared_expert_intermediate_size"]:
+        out.update(mlp(m + "shared_experts.", meta["moe_shared_expert_intermediate_size"], False))
+        if meta["moe_shared_expert_gate"]:
+            out[m + "shared_experts.gate_weight"] = (1, h)
+    return out
+
+
+def _moe_flags(m: dict) -> list[str]:
+    """The MoE flags (Megatron-LM's names) of the fields that differ from Megatron-LM's defaults."""
+    if m["num_experts"] is None:
+        return []
+    flags = []
+    for name, default in MOE_FIELDS.items():
+        value = m[name]
+        if name == "moe_ffn_hidden_size" and value == m["ffn_hidden_size"]:
+            continue
+        if value == default:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag)
+        elif isinstance(value, list):
+            flags.append(f"{flag} [{','.join(str(x) for x in value)}]")      # one word: the list, no spaces
+        else:
+            flags.append(f"{flag} {_num(value) if isinstance(value, float) else value}")
+    return flags
 
 
 def job_flags(meta: dict, hf_tokenizer: bool = False) -> str:
@@ -122,6 +166,7 @@ def job_flags(meta: dict, hf_tokenizer: bool = False) -> str:
         flags.append("--qk-layernorm")
     if m["layernorm_zero_centered_gamma"]:
         flags.append("--apply-layernorm-1p")
+    flags += _moe_flags(m)
     if m["make_vocab_size_divisible_by"] != DEFAULTS["make_vocab_size_divisible_by"]:
         flags.append(f"--make-vocab-size-divisible-by {m['make_vocab_size_divisible_by']}")
     if hf_tokenizer:

@@ -131,8 +131,12 @@ def _write_weights_checkpoint(output: str, weights: dict[str, torch.Tensor], met
         log(f"  no tokenizer files in {tokenizer_from}: give the job the model's tokenizer (--tokenizer-model DIR); "
             "to-hf will need --tokenizer-model DIR")
     log(f"  model flags: {job_flags(meta, hf_tokenizer=has_tokenizer)}")
-    log(f"  weights only at TP{tp}: `pretrain_gpt.py --load {output}` starts from them at iteration 0 with a fresh "
-        "optimizer (any DP size)")
+    if meta.get("num_experts") is not None:
+        log(f"  weights only at TP{tp}, a mixture-of-experts model: the job does not train MoE models yet "
+            "(docs/moe.md); to-hf and to-fp32 read it")
+    else:
+        log(f"  weights only at TP{tp}: `pretrain_gpt.py --load {output}` starts from them at iteration 0 with a "
+            "fresh optimizer (any DP size)")
 
 
 # ---------------------------------------------------------------- Hugging Face
@@ -307,6 +311,9 @@ def to_megatron(load: str, output: str, *, iteration: int | None = None, tensor_
     reader = CheckpointReader(load, iteration)
     log(reader.describe())
     meta, args = full_meta(reader.model_meta), reader.args
+    if meta["num_experts"] is not None:
+        raise UserError(f"{reader.dir}: a mixture-of-experts model (num_experts={meta['num_experts']}): to-megatron does "
+                        "not write MoE checkpoints yet (docs/moe.md); to-hf and to-fp32 write it")
     tp = tensor_parallel or reader.layout[0]
     check_tensor_parallel(meta, tp)
     weights = reader.read_weights()

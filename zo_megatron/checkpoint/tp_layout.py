@@ -5,8 +5,8 @@ The job reads the split from the parameters themselves (megatron's `partition_di
 This table is the same rule written down, and tests check it against the built model:
 
     column-parallel (axis 0): word embeddings and the untied output layer (vocab rows), linear_qkv,
-                              linear_fc1 (weights, biases)
-    row-parallel    (axis 1): linear_proj.weight, linear_fc2.weight
+                              linear_fc1 (weights, biases; the MLP's, every expert's, the shared expert's)
+    row-parallel    (axis 1): linear_proj.weight, linear_fc2.weight (the same three)
     replicated:               everything else (norms, q/k norms, position embeddings, row-parallel biases)
 
 With SwiGLU, linear_fc1 (weight and bias) is [gate; up] and has stride 2: TP rank r holds
@@ -24,9 +24,10 @@ from zo_megatron.model.sharding import OUTPUT_LAYER, VOCAB_PADDED, WORD_EMBEDDIN
 __all__ = ["WORD_EMBEDDING", "OUTPUT_LAYER", "EXTRA_STATE_LAYERS", "tp_axis", "partition_stride",
            "padded_vocab_size", "local_rows", "tp_shard_boxes", "tp_shard_box"]
 
-_FC1 = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias")
+# the MLP's, each expert's (mlp.experts.local_experts.{e}.) and the shared expert's (mlp.shared_experts.)
+_FC1 = (".linear_fc1.weight", ".linear_fc1.bias")
 _COLUMN = VOCAB_PADDED + ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias") + _FC1
-_ROW = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
+_ROW = ("self_attention.linear_proj.weight", ".linear_fc2.weight")
 # megatron-core's local-spec linear layers carry an `_extra_state` entry (None) in state_dict
 EXTRA_STATE_LAYERS = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
 

@@ -22,8 +22,6 @@ YARN_FIELDS = {"rotary_scaling_factor": 1.0, "yarn_original_max_position_embeddi
                "yarn_beta_slow": 1.0, "yarn_correction_range_round_to_int": True, "mscale": 1.0, "mscale_all_dim": 0.0}
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 # Mixture of experts (megatron-core's MoE layer, local spec; docs/moe.md): field -> Megatron-LM's default.
-# Not in ARCH_FIELDS yet: no checkpoint holds an MoE model (the job refuses to train one until the
-# engine's expert groups and MoE checkpoints land, issue 39).
 MOE_FIELDS = {"num_experts": None, "moe_router_topk": 2, "moe_ffn_hidden_size": None,
               "moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 0.0, "moe_z_loss_coeff": None,
               "moe_router_pre_softmax": False, "moe_router_score_function": "softmax",
@@ -39,7 +37,7 @@ ARCH_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_s
                "rotary_base", "rotary_percent", "use_rope_scaling", "rope_scaling_factor", "normalization",
                "layernorm_epsilon", "swiglu", "num_query_groups", "kv_channels",
                "untie_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
-               "layernorm_zero_centered_gamma", *YARN_FIELDS)
+               "layernorm_zero_centered_gamma", *YARN_FIELDS, *MOE_FIELDS)
 
 
 def swiglu_ffn_size(hidden_size: int) -> int:
@@ -288,7 +286,10 @@ class GPTConfig:
     def check_tensor_parallel(self, tensor_parallel: int) -> None:
         """What a TP size needs: whole query groups, whole heads and whole MLP columns per rank."""
         self.check_query_groups_tp(tensor_parallel)
-        for flag, n in (("--num-attention-heads", self.num_attention_heads), ("--ffn-hidden-size", self.ffn_size)):
+        moe = (("--moe-ffn-hidden-size", self.moe_ffn_size),
+               ("--moe-shared-expert-intermediate-size", self.moe_shared_expert_intermediate_size or 0)) \
+            if self.num_experts is not None else ()
+        for flag, n in (("--num-attention-heads", self.num_attention_heads), ("--ffn-hidden-size", self.ffn_size), *moe):
             if n % tensor_parallel:
                 raise ConfigError(f"--tensor-model-parallel-size {tensor_parallel} does not divide {flag} {n}: "
                                   f"use a TP size that divides {n}")
@@ -333,7 +334,8 @@ class GPTConfig:
     def arch_meta(self) -> dict:
         """The ARCH_FIELDS with defaults resolved (FFN size, G, head dim): what a checkpoint records."""
         meta = {name: getattr(self, name) for name in ARCH_FIELDS}
-        meta.update(ffn_hidden_size=self.ffn_size, num_query_groups=self.query_groups, kv_channels=self.head_dim)
+        meta.update(ffn_hidden_size=self.ffn_size, num_query_groups=self.query_groups, kv_channels=self.head_dim,
+                    moe_ffn_hidden_size=self.moe_ffn_size if self.num_experts is not None else None)
         return meta
 
     def padded_vocab_size(self, tensor_parallel: int) -> int:

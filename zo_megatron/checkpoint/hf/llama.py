@@ -381,6 +381,8 @@ class LlamaFamily(HFFamily):
 
     def why_not(self, meta: dict) -> str | None:
         meta = full_meta(meta)
+        if meta.get("num_experts") is not None:
+            return f"{self.architecture} has no experts (num_experts={meta['num_experts']})"
         if meta.get("position_embedding_type") not in ("rope", "yarn"):
             return f"{self.architecture} has rotary positions (position_embedding_type=" \
                    f"{meta.get('position_embedding_type')!r})"

@@ -29,7 +29,9 @@ import re
 
 import torch
 
+from zo_megatron.checkpoint.arch import full_meta, query_groups
 from zo_megatron.checkpoint.hf import llama
+from zo_megatron.checkpoint.hf.family import HFFamily, read_state_dict
 from zo_megatron.errors import UserError
 
 _OURS = "gpt."
@@ -104,3 +106,108 @@ def to_hf(weights: dict[str, torch.Tensor], meta: dict) -> dict[str, torch.Tenso
             out.update({f"{h}experts.{e}.w1.weight": w1, f"{h}experts.{e}.w3.weight": w3,
                         f"{h}experts.{e}.w2.weight": weights[ours + "linear_fc2.weight"]})
     return {k: v.clone(memory_format=torch.contiguous_format) for k, v in out.items()}
+
+
+def hf_shapes(meta: dict) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a Mixtral's files (as save_pretrained writes them) and its shape."""
+    h, f, e = meta["hidden_size"], meta["moe_ffn_hidden_size"], meta["num_experts"]
+    out = {k: v for k, v in llama.hf_shapes({**meta, "ffn_hidden_size": 0}, frozenset()).items()
+           if ".mlp." not in k}
+    for i in range(meta["num_layers"]):
+        m = f"model.layers.{i}.block_sparse_moe."
+        out[m + "gate.weight"] = (e, h)
+        for j in range(e):
+            out.update({f"{m}experts.{j}.w1.weight": (f, h), f"{m}experts.{j}.w3.weight": (f, h),
+                        f"{m}experts.{j}.w2.weight": (h, f)})
+    return out
+
+
+class MixtralFamily(HFFamily):
+    architecture, model_type = "MixtralForCausalLM", "mixtral"
+
+    def read_config(self, cfg_json: dict, where: str):
+        import transformers
+
+        try:
+            return transformers.MixtralConfig.from_dict({k: v for k, v in cfg_json.items() if k != "auto_map"})
+        except (TypeError, ValueError, KeyError) as exc:
+            raise UserError(f"{where}: not a valid MixtralConfig ({type(exc).__name__}: "
+                            f"{str(exc).splitlines()[0][:160] if str(exc) else ''})") from None
+
+    def meta_from_config(self, cfg, where: str) -> tuple[dict, dict]:
+        meta = full_meta(meta_from_config(cfg, where))
+        return meta, {"hidden_dropout": 0.0, "attention_dropout": float(getattr(cfg, "attention_dropout", 0.0) or 0.0)}
+
+    def read_state(self, input_dir: str, cfg, meta: dict) -> dict[str, torch.Tensor]:
+        sd = {k: v for k, v in read_state_dict(input_dir).items() if not k.endswith("rotary_emb.inv_freq")}
+        if not meta["untie_embeddings_and_output_weights"] and "lm_head.weight" in sd:
+            if not torch.equal(sd["lm_head.weight"], sd.get("model.embed_tokens.weight", torch.empty(0))):
+                raise UserError(f"{input_dir}: lm_head.weight differs from model.embed_tokens.weight but config.json "
+                                "says tie_word_embeddings=true: the weights and the config disagree")
+            del sd["lm_head.weight"]
+        expected = hf_shapes(meta)
+        missing = [k for k in expected if k not in sd]
+        if missing:
+            raise UserError(f"{input_dir}: no tensor {missing[0]!r} ({len(missing)} missing) in the weight files: "
+                            "they do not match config.json")
+        extra = sorted(k for k in sd if k not in expected)
+        if extra:
+            raise UserError(f"{input_dir}: the weight files hold {extra[0]!r} ({len(extra)} unexpected), which "
+                            "config.json's MixtralForCausalLM does not have")
+        for k, shape in expected.items():
+            if tuple(sd[k].shape) != shape:
+                raise UserError(f"{input_dir}: {k} has shape {tuple(sd[k].shape)}, config.json implies {shape}")
+        return from_hf(sd, meta)
+
+    def why_not(self, meta: dict) -> str | None:
+        meta = full_meta(meta)
+        needs = (("position_embedding_type", "rope", "rotary positions"), ("normalization", "RMSNorm", "RMSNorm"),
+                 ("swiglu", True, "SwiGLU experts"), ("qk_layernorm", False, "no q/k norms"),
+                 ("add_bias_linear", False, "no biases"), ("add_qkv_bias", False, "no QKV bias"),
+                 ("rotary_percent", 1.0, "RoPE on the whole head"), ("use_rope_scaling", False, "no rope scaling"),
+                 ("moe_router_score_function", "softmax", "a softmax router"),
+                 ("moe_router_pre_softmax", False, "top-k probabilities renormalised (no --moe-router-pre-softmax)"),
+                 ("moe_router_topk_scaling_factor", None, "no top-k scaling factor"),
+                 ("moe_shared_expert_intermediate_size", None, "no shared expert"), ("moe_layer_freq", 1, "experts in "
+                                                                                       "every layer"))
+        if meta["num_experts"] is None:
+            return "MixtralForCausalLM has experts (num_experts=None)"
+        for key, want, what in needs:
+            if meta.get(key) != want:
+                return f"MixtralForCausalLM has {what} ({key}={meta.get(key)!r})"
+        if meta["moe_router_topk"] == 1:
+            return "MixtralForCausalLM's top-1 routing renormalises to 1 (moe_router_topk=1)"
+        if meta["num_attention_heads"] % query_groups(meta):
+            return f"num_query_groups {query_groups(meta)} does not divide the heads"
+        return None
+
+    def to_hf_state(self, weights: dict[str, torch.Tensor], meta: dict) -> dict[str, torch.Tensor]:
+        return to_hf(weights, meta)
+
+    def config_json_extra(self, meta: dict) -> dict:
+        v5, v4 = llama._rope_schemas(meta)
+        import transformers
+
+        return v4 if llama._reads_rope_parameters(transformers.MixtralConfig) else v5
+
+    def hf_config(self, meta: dict, *, dtype: str, args: dict, bos_token_id, eos_token_id, window: dict | None = None):
+        import transformers
+
+        assert window is None, "a Mixtral with a sliding window is refused by from-hf"
+        cls = transformers.MixtralConfig
+        return cls(vocab_size=meta["vocab_size"], hidden_size=meta["hidden_size"],
+                   intermediate_size=meta["moe_ffn_hidden_size"], num_hidden_layers=meta["num_layers"],
+                   num_attention_heads=meta["num_attention_heads"], num_key_value_heads=query_groups(meta),
+                   hidden_act="silu",
+                   max_position_embeddings=meta["max_position_embeddings"], rms_norm_eps=meta["layernorm_epsilon"],
+                   tie_word_embeddings=not meta["untie_embeddings_and_output_weights"],
+                   attention_dropout=float(args.get("attention_dropout") or 0.0), bos_token_id=bos_token_id,
+                   eos_token_id=eos_token_id, architectures=[self.architecture], dtype=dtype,
+                   num_local_experts=meta["num_experts"], num_experts_per_tok=meta["moe_router_topk"],
+                   router_jitter_noise=0.0, sliding_window=None, **llama._rope_config(cls, meta),
+                   # MixtralConfig's head_dim is None unless set (hidden / heads then): only when it differs
+                   **({"head_dim": meta["kv_channels"]}
+                      if meta["kv_channels"] != meta["hidden_size"] // meta["num_attention_heads"] else {}))
+
+
+FAMILY = MixtralFamily()

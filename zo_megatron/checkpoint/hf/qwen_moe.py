@@ -1,0 +1,232 @@
+"""Hugging Face Qwen2-MoE and Qwen3-MoE (`Qwen2MoeForCausalLM`, `Qwen3MoeForCausalLM`) <-> zo_megatron's
+mixture-of-experts GPT (megatron-core's MoELayer; docs/moe.md).
+
+Both are the Qwen2 / Qwen3 decoder (hf/llama.py maps attention, norms, embeddings and the dense MLP of
+the layers without experts) with sparse layers; their differences are data (`VARIANTS`): Qwen2-MoE
+has QKV biases (`qkv_bias`) and a shared expert with a sigmoid gate, Qwen3-MoE q/k norms and its own
+head_dim. On disk (model.layers.{i}.mlp.):
+
+    HF                                          megatron-core (decoder.layers.{i}.mlp.)
+    gate.weight [E, h]                       -> router.weight
+    experts.{e}.gate_proj, up_proj [f, h]    -> experts.local_experts.{e}.linear_fc1   [gate; up]
+    experts.{e}.down_proj [h, f]             -> experts.local_experts.{e}.linear_fc2
+    shared_expert.gate_proj/up_proj/down_proj -> shared_experts.linear_fc1 [gate; up] / linear_fc2 (Qwen2-MoE)
+    shared_expert_gate.weight [1, h]         -> shared_experts.gate_weight   (sigmoid(x . w) x the shared expert)
+    gate_proj, up_proj, down_proj            -> linear_fc1, linear_fc2 of a dense layer (mlp_only_layers, or
+                                                not (i + 1) % decoder_sparse_step == 0): --moe-layer-freq's list
+
+The router: softmax over E, the top k; `norm_topk_prob` true divides them by their sum (megatron-core's
+default, as Mixtral), false keeps them (`--moe-router-pre-softmax`). HF's sparse layers are those
+with (i + 1) % decoder_sparse_step == 0 and i not in mlp_only_layers; megatron's integer
+--moe-layer-freq N makes i % N == 0 sparse, so anything but every layer is written as the 0/1 list.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from zo_megatron.checkpoint.arch import full_meta, param_shapes, query_groups
+from zo_megatron.checkpoint.hf import llama
+from zo_megatron.checkpoint.hf.family import HFFamily, read_state_dict
+from zo_megatron.errors import UserError
+from zo_megatron.model.config import ARCH_FIELDS, MOE_FIELDS, GPTConfig
+
+_OURS = "gpt."
+_MOE_KEY = re.compile(r"^model\.layers\.\d+\.mlp\.(gate\.|experts\.|shared_expert\.|shared_expert_gate\.)")
+
+
+@dataclass(frozen=True)
+class Variant:
+    architecture: str
+    model_type: str
+    config_class: str
+    llama_variant: str          # hf/llama.py's family for the attention (biases, q/k norms)
+    shared_expert: bool
+
+
+VARIANTS = (Variant("Qwen2MoeForCausalLM", "qwen2_moe", "Qwen2MoeConfig", "Qwen2ForCausalLM", True),
+            Variant("Qwen3MoeForCausalLM", "qwen3_moe", "Qwen3MoeConfig", "Qwen3ForCausalLM", False))
+
+
+def sparse_layers(cfg) -> list[int]:
+    """1 for the layers transformers' model of this config builds with experts, 0 for dense ones."""
+    only = set(getattr(cfg, "mlp_only_layers", None) or ())
+    step = getattr(cfg, "decoder_sparse_step", 1) or 1
+    return [int(i not in only and cfg.num_experts > 0 and (i + 1) % step == 0) for i in range(cfg.num_hidden_layers)]
+
+
+def from_hf(sd: dict[str, torch.Tensor], meta: dict) -> dict[str, torch.Tensor]:
+    """HF state dict as on disk (full) -> our full tensors (experts by global index)."""
+    out = llama.from_hf({k: v for k, v in sd.items() if not _MOE_KEY.match(k)}, meta)
+    for i in range(meta["num_layers"]):
+        h, m = f"model.layers.{i}.mlp.", f"{_OURS}decoder.layers.{i}.mlp."
+        if h + "gate.weight" not in sd:
+            continue                                       # a dense layer: llama.from_hf mapped it
+        out[m + "router.weight"] = sd[h + "gate.weight"]
+        for e in range(meta["num_experts"]):
+            x, ours = f"{h}experts.{e}.", f"{m}experts.local_experts.{e}."
+            out[ours + "linear_fc1.weight"] = torch.cat([sd[x + "gate_proj.weight"], sd[x + "up_proj.weight"]])
+            out[ours + "linear_fc2.weight"] = sd[x + "down_proj.weight"]
+        if h + "shared_expert.gate_proj.weight" in sd:
+            x = h + "shared_expert."
+            out[m + "shared_experts.linear_fc1.weight"] = torch.cat([sd[x + "gate_proj.weight"],
+                                                                     sd[x + "up_proj.weight"]])
+            out[m + "shared_experts.linear_fc2.weight"] = sd[x + "down_proj.weight"]
+            out[m + "shared_experts.gate_weight"] = sd[h + "shared_expert_gate.weight"]
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def to_hf(weights: dict[str, torch.Tensor], meta: dict) -> dict[str, torch.Tensor]:
+    """Our full tensors -> HF state dict in the on-disk layout (no lm_head when tied)."""
+    moe_keys = (".mlp.router.", ".mlp.experts.", ".mlp.shared_experts.")
+    out = llama.to_hf({k: v for k, v in weights.items() if not any(s in k for s in moe_keys)}, meta)
+    f, s = meta["moe_ffn_hidden_size"], meta["moe_shared_expert_intermediate_size"]
+    for i in range(meta["num_layers"]):
+        h, m = f"model.layers.{i}.mlp.", f"{_OURS}decoder.layers.{i}.mlp."
+        if m + "router.weight" not in weights:
+            continue
+        out[h + "gate.weight"] = weights[m + "router.weight"]
+        for e in range(meta["num_experts"]):
+            ours = f"{m}experts.local_experts.{e}."
+            gate, up = weights[ours + "linear_fc1.weight"].split([f, f])
+            out.update({f"{h}experts.{e}.gate_proj.weight": gate, f"{h}experts.{e}.up_proj.weight": up,
+                        f"{h}experts.{e}.down_proj.weight": weights[ours + "linear_fc2.weight"]})
+        if s:
+            gate, up = weights[m + "shared_experts.linear_fc1.weight"].split([s, s])
+            out.update({h + "shared_expert.gate_proj.weight": gate, h + "shared_expert.up_proj.weight": up,
+                        h + "shared_expert.down_proj.weight": weights[m + "shared_experts.linear_fc2.weight"],
+                        h + "shared_expert_gate.weight": weights[m + "shared_experts.gate_weight"]})
+    return {k: v.clone(memory_format=torch.contiguous_format) for k, v in out.items()}
+
+
+class QwenMoeFamily(HFFamily):
+    def __init__(self, variant: Variant):
+        self.variant = variant
+        self.architecture, self.model_type = variant.architecture, variant.model_type
+        self.llama = next(f for f in llama.FAMILIES if f.architecture == variant.llama_variant)
+
+    def _config_class(self):
+        import transformers
+
+        return getattr(transformers, self.variant.config_class)
+
+    def read_config(self, cfg_json: dict, where: str):
+        try:
+            return self._config_class().from_dict({k: v for k, v in cfg_json.items() if k != "auto_map"})
+        except (TypeError, ValueError, KeyError) as exc:
+            raise UserError(f"{where}: not a valid {self.variant.config_class} ({type(exc).__name__}: "
+                            f"{str(exc).splitlines()[0][:160] if str(exc) else ''})") from None
+
+    def meta_from_config(self, cfg, where: str) -> tuple[dict, dict]:
+        def refuse(what, why):
+            raise UserError(f"{where}: {what}: {why}")
+
+        if getattr(cfg, "use_sliding_window", False):
+            refuse("use_sliding_window=true", "a sliding window is not mapped for mixture-of-experts models yet")
+        if getattr(cfg, "attention_bias", False):
+            refuse("attention_bias=True", "megatron-core gives biases to all linear layers or only to QKV, not to "
+                   "q, k, v and o alone")
+        k, e = cfg.num_experts_per_tok, cfg.num_experts
+        if not 1 <= k <= e:
+            refuse(f"num_experts_per_tok={k}", f"must be between 1 and num_experts={e}")
+        if k == 1 and cfg.norm_topk_prob:
+            refuse("num_experts_per_tok=1 with norm_topk_prob=true", "HF renormalises the one chosen probability "
+                   "to 1, which megatron-core's top-1 routing (--moe-router-pre-softmax) does not: no exact mapping")
+        if self.variant.shared_expert and not cfg.shared_expert_intermediate_size:
+            refuse("shared_expert_intermediate_size=0", "the shared expert must have a size")
+        # the attention, norms and embeddings as the dense family reads them (a MoE config has their fields)
+        meta, args = self.llama.meta_from_config(cfg, where)
+        if self.variant.shared_expert:                 # Qwen2-MoE says its QKV bias (Qwen2 always has one)
+            meta.update(add_qkv_bias=bool(getattr(cfg, "qkv_bias", True)))
+        freq = sparse_layers(cfg)
+        meta.update(num_experts=e, moe_router_topk=k, moe_ffn_hidden_size=cfg.moe_intermediate_size,
+                    moe_router_pre_softmax=not cfg.norm_topk_prob, moe_router_score_function="softmax",
+                    moe_shared_expert_intermediate_size=cfg.shared_expert_intermediate_size
+                    if self.variant.shared_expert else None,
+                    moe_shared_expert_gate=self.variant.shared_expert,
+                    moe_layer_freq=1 if all(freq) else freq, moe_router_load_balancing_type="aux_loss",
+                    moe_aux_loss_coeff=0.0)
+        return full_meta(meta), args
+
+    def read_state(self, input_dir: str, cfg, meta: dict) -> dict[str, torch.Tensor]:
+        sd = {k: v for k, v in read_state_dict(input_dir).items() if not k.endswith("rotary_emb.inv_freq")}
+        if not meta["untie_embeddings_and_output_weights"] and "lm_head.weight" in sd:
+            if not torch.equal(sd["lm_head.weight"], sd.get("model.embed_tokens.weight", torch.empty(0))):
+                raise UserError(f"{input_dir}: lm_head.weight differs from model.embed_tokens.weight but config.json "
+                                "says tie_word_embeddings=true: the weights and the config disagree")
+            del sd["lm_head.weight"]
+        expected = {k: tuple(v.shape) for k, v in to_hf(_zeros(meta), meta).items()}
+        missing = [k for k in expected if k not in sd]
+        if missing:
+            raise UserError(f"{input_dir}: no tensor {missing[0]!r} ({len(missing)} missing) in the weight files: "
+                            "they do not match config.json")
+        extra = sorted(k for k in sd if k not in expected)
+        if extra:
+            raise UserError(f"{input_dir}: the weight files hold {extra[0]!r} ({len(extra)} unexpected), which "
+                            f"config.json's {self.architecture} does not have")
+        for k, shape in expected.items():
+            if tuple(sd[k].shape) != shape:
+                raise UserError(f"{input_dir}: {k} has shape {tuple(sd[k].shape)}, config.json implies {shape}")
+        return from_hf(sd, meta)
+
+    def why_not(self, meta: dict) -> str | None:
+        meta = full_meta(meta)
+        if meta["num_experts"] is None:
+            return f"{self.architecture} has experts (num_experts=None)"
+        dense = self.llama.why_not({**meta, **MOE_FIELDS})
+        if dense is not None:
+            return dense
+        shared = self.variant.shared_expert
+        needs = (("moe_router_score_function", "softmax", "a softmax router"),
+                 ("moe_router_topk_scaling_factor", None, "no top-k scaling factor"),
+                 ("moe_shared_expert_gate", shared, "a gated shared expert" if shared else "no shared expert"))
+        for key, want, what in needs:
+            if meta.get(key) != want:
+                return f"{self.architecture} has {what} ({key}={meta.get(key)!r})"
+        if shared != bool(meta["moe_shared_expert_intermediate_size"]):
+            return f"{self.architecture} has {'a' if shared else 'no'} shared expert"
+        if meta["moe_router_topk"] == 1 and not meta["moe_router_pre_softmax"]:
+            return f"{self.architecture}'s top-1 routing without --moe-router-pre-softmax has no HF form"
+        return None
+
+    def to_hf_state(self, weights: dict[str, torch.Tensor], meta: dict) -> dict[str, torch.Tensor]:
+        return to_hf(weights, meta)
+
+    def config_json_extra(self, meta: dict) -> dict:
+        v5, v4 = llama._rope_schemas(meta)
+        return v4 if llama._reads_rope_parameters(self._config_class()) else v5
+
+    def hf_config(self, meta: dict, *, dtype: str, args: dict, bos_token_id, eos_token_id, window: dict | None = None):
+        assert window is None, "a mixture-of-experts model with a sliding window is refused by from-hf"
+        cls = self._config_class()
+        sparse = [i for i, on in enumerate(_moe_layers(meta)) if on]
+        extra = {"qkv_bias": bool(meta["add_qkv_bias"])} if self.variant.shared_expert else \
+            {"head_dim": meta["kv_channels"], "attention_bias": False}
+        if self.variant.shared_expert:
+            extra["shared_expert_intermediate_size"] = meta["moe_shared_expert_intermediate_size"]
+        return cls(vocab_size=meta["vocab_size"], hidden_size=meta["hidden_size"],
+                   intermediate_size=meta["ffn_hidden_size"], moe_intermediate_size=meta["moe_ffn_hidden_size"],
+                   num_hidden_layers=meta["num_layers"], num_attention_heads=meta["num_attention_heads"],
+                   num_key_value_heads=query_groups(meta), hidden_act="silu",
+                   max_position_embeddings=meta["max_position_embeddings"], rms_norm_eps=meta["layernorm_epsilon"],
+                   tie_word_embeddings=not meta["untie_embeddings_and_output_weights"],
+                   attention_dropout=float(args.get("attention_dropout") or 0.0), bos_token_id=bos_token_id,
+                   eos_token_id=eos_token_id, architectures=[self.architecture], dtype=dtype,
+                   num_experts=meta["num_experts"], num_experts_per_tok=meta["moe_router_topk"],
+                   norm_topk_prob=not meta["moe_router_pre_softmax"], decoder_sparse_step=1,
+                   mlp_only_layers=[i for i in range(meta["num_layers"]) if i not in sparse],
+                   use_sliding_window=False, **llama._rope_config(cls, meta), **extra)
+
+
+def _moe_layers(meta: dict) -> list[bool]:
+    return GPTConfig(**{k: meta[k] for k in ARCH_FIELDS}, precision="fp32").moe_layers()
+
+
+def _zeros(meta: dict) -> dict[str, torch.Tensor]:
+    """Storage-free stand-ins of our full tensors (meta device), to derive the HF names and shapes."""
+    return {k: torch.empty(shape, device="meta") for k, shape in param_shapes(meta).items()}
+
+
+FAMILIES = tuple(QwenMoeFamily(v) for v in VARIANTS)
