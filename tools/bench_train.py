@@ -28,6 +28,8 @@ and, when named in --variants, the other schedules of the CPU step (offload/sche
                      speculated and validated: the same losses as zo_offload, bit for bit)
   zo_offload_dpu     zo_offload with --dpu from the first update (W=1: one update stale, so its
                      loss is not compared; it is flushed before the evaluation loss)
+  zo_offload_dpu_predict  zo_offload_dpu with --dpu-corrector weight-prediction (the kernel writes
+                     the extrapolated copy: its step time against zo_offload_dpu is the corrector's cost)
 
 `--split-cores` (one rank, >= 2 CPUs): the rank's main thread -- forward, backward, everything
 torch does, with ONE intra-op thread -- is pinned to CPU 0 and the CPU Adam (ONE thread, on the

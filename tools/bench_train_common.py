@@ -21,7 +21,7 @@ for _path in (REPO, os.path.join(REPO, "tools")):       # zo_megatron and the si
 
 VARIANTS = ("zo_offload", "zo_offload_f0.5", "zo_baseline", "torch_ddp", "deepspeed_offload")
 # The CPU-step schedules (docs/overlap.md), on request: --variants zo_offload,zo_offload_overlap,zo_offload_dpu
-SCHEDULE_VARIANTS = ("zo_offload_overlap", "zo_offload_dpu")
+SCHEDULE_VARIANTS = ("zo_offload_overlap", "zo_offload_dpu", "zo_offload_dpu_predict")
 HF_VARIANTS = ("torch_ddp", "deepspeed_offload")
 REGIMES = {"compute-bound": dict(seq=256, micro_batch=4), "optimizer-bound": dict(seq=32, micro_batch=1)}
 BETAS, EPS, WD = (0.9, 0.95), 1e-8, 0.1

@@ -55,7 +55,7 @@ def summarize(res: dict, args, cpus: int) -> list[dict]:
     groups: dict[str, list] = {}
     for x in rows:
         own = x["variant"] in HF_VARIANTS and x["world_tp"] > 1
-        groups.setdefault("dpu" if x["variant"] == "zo_offload_dpu" else "hf" if own else "all", []).append(x)
+        groups.setdefault("dpu" if x["variant"].startswith("zo_offload_dpu") else "hf" if own else "all", []).append(x)
     for key, members in groups.items():
         if key == "dpu" or len(members) < 2:
             for x in members:

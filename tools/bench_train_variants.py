@@ -316,6 +316,8 @@ def _make(name, args, ps, cfg, mb, world):
         return _ZoVariant(name, ctx, True, schedule=dict(overlap_cpu_step=True))
     if name == "zo_offload_dpu":
         return _ZoVariant(name, ctx, True, schedule=dict(dpu_warmup_steps=1))
+    if name == "zo_offload_dpu_predict":     # --dpu-corrector weight-prediction (issue 37's cost check)
+        return _ZoVariant(name, ctx, True, schedule=dict(dpu_warmup_steps=1, dpu_weight_prediction=True))
     if name == "torch_ddp":
         variant = _DDPVariant(ctx)
     else:
