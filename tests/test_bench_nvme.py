@@ -14,7 +14,8 @@ def test_bench_nvme_measures_the_ceiling_and_an_exact_pass(tmp_path):
     assert r.returncode == 0, r.stderr
     res = json.loads(out.read_text())
     c, p = res["ceiling"], res["pass"]
-    assert c["bytes"] == 4 << 20 and c["write_gbps"] > 0 and c["read_gbps"] > 0
+    assert c["bytes"] == 4 << 20 and c["write_gbps"] > 0 and c["read_gbps"] > 0 and len(c["runs"]) == 2
+    assert c["read_gbps"] == max(r["read_gbps"] for r in c["runs"])
     assert p["bitwise_equal"] and p["chunks"] >= -(-n // 16384)
     for moved in (p["read_bytes"], p["written_bytes"]):          # one pass, three fp32 states
         assert 12 * n <= moved <= 12 * n + p["chunks"] * 3 * 4096

@@ -3,7 +3,8 @@
 
   ceiling   the disk through the tier's own I/O path (offload/nvme_io.py: O_DIRECT where the
             filesystem takes it, page-aligned buffers, blocks of --block-mib on --threads threads,
-            a whole --ceiling-mib file in flight per direction): write GB/s, then read GB/s.
+            a whole --ceiling-mib file in flight per direction): write GB/s, then read GB/s, once
+            before and once after the passes; the better of the two is the ceiling.
   pass      the engine's CPU step with the states on disk (offload/nvme_store.py, the kernel the
             engine calls, chunk by chunk through a ring of --buffer-count buffers of --buffer-size
             elements): --elements partition elements, fp32 moments and master on disk (12 B each
@@ -148,9 +149,13 @@ def main(argv=None) -> int:
     try:
         with tempfile.TemporaryDirectory(dir=args.dir) as d:
             res = {"machine": machine(), "dir": args.dir or d}
-            res["ceiling"] = ceiling(d, args.ceiling_mib, args.threads, args.block_mib)
+            before = ceiling(d, args.ceiling_mib, args.threads, args.block_mib)
             res["pass"] = passes(d, _count(args.elements), args.buffer_count, _count(args.buffer_size), args.threads,
                                  args.block_mib, args.passes, args.seed)
+            after = ceiling(d, args.ceiling_mib, args.threads, args.block_mib)
+            # the disk's best of the two (before and after the passes): the pass is not flattered by a slow one
+            res["ceiling"] = {**before, "write_gbps": max(before["write_gbps"], after["write_gbps"]),
+                              "read_gbps": max(before["read_gbps"], after["read_gbps"]), "runs": [before, after]}
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -159,8 +164,9 @@ def main(argv=None) -> int:
     m = res["machine"]
     print(f"bench_nvme: {m['cpu']}, {m['cores']} cores, commit {m['commit']}, dir {res['dir']} "
           f"({'O_DIRECT' if c['o_direct'] else 'buffered'})")
-    print(f"  ceiling  write {c['write_gbps']:.2f} GB/s, read {c['read_gbps']:.2f} GB/s ({c['bytes'] >> 20} MiB, "
-          f"{args.threads} threads, {args.block_mib} MiB requests)")
+    runs = "; ".join(f"{r['write_gbps']:.2f}/{r['read_gbps']:.2f}" for r in c["runs"])
+    print(f"  ceiling  write {c['write_gbps']:.2f} GB/s, read {c['read_gbps']:.2f} GB/s, the best of before and after "
+          f"the passes ({runs}; {c['bytes'] >> 20} MiB, {args.threads} threads, {args.block_mib} MiB requests)")
     print(f"  pass     {p['elements']} elements in {p['chunks']} chunks, ring {p['ring_bytes'] >> 20} MiB: "
           f"{p['pass_s']:.3f} s, read {p['read_bytes'] / 1e9:.2f} GB + wrote {p['written_bytes'] / 1e9:.2f} GB = "
           f"{p['gbps']:.2f} GB/s, {p['of_ceiling']:.0%} of the ceiling")

@@ -96,3 +96,18 @@ def nvme_banner_lines(args, optimizer) -> list[str]:
         lines.append(f" warning: --optimizer-nvme-path {args.optimizer_nvme_path} is on {fs}, which is host memory: "
                      "the states on it save no RAM (point it at an NVMe disk)")
     return lines
+
+
+def nvme_step_fields(optimizer, last: dict, steps: int) -> dict:
+    """The log row's I/O of the tier, per step of the window (none without it): bytes read and written
+    and the seconds the CPU step waited for the disk (the I/O it could not hide). `last` keeps the
+    store's counters at the previous row (cumulative, never reset: a delayed update may be running)."""
+    store = getattr(optimizer, "_nvme", None)
+    if store is None:
+        return {}
+    now = {"read": store.read_bytes, "written": store.written_bytes, "wait": store.wait_s}
+    delta = {k: v - last.get(k, 0) for k, v in now.items()}
+    last.update(now)
+    n = max(steps, 1)
+    return {"nvme_read_bytes_per_step": delta["read"] // n, "nvme_written_bytes_per_step": delta["written"] // n,
+            "nvme_io_wait_s_per_step": delta["wait"] / n}

@@ -14,6 +14,7 @@ import torch
 
 from zo_megatron.parallel import collectives
 from zo_megatron.training.metrics import device_peak_tflops, host_rss_bytes
+from zo_megatron.training.nvme_flags import nvme_step_fields
 
 
 class StepLog:
@@ -24,6 +25,7 @@ class StepLog:
         self.flops_per_token, self.start_iter, self.clock = flops_per_token, start_iter, clock
         self.grad_norm, self.delayed = 0.0, False
         self.peak_tflops = device_peak_tflops(ps.device)    # None where unknown (every CPU): no MFU
+        self.nvme_last: dict = {}                           # --optimizer-nvme-path's counters at the last row
         self._reset()
 
     def _reset(self) -> None:
@@ -82,6 +84,7 @@ class StepLog:
             "device_peak_bytes": device_peak,
             **peaks,
             "delayed_update": self.delayed,
+            **nvme_step_fields(self.optimizer, self.nvme_last, self.n),
             "_iters_done_this_run": iteration - self.start_iter,
         })
         self._reset()
