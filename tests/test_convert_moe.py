@@ -3,7 +3,7 @@ transformers.
 
 A random Mixtral that transformers builds and saves (hidden 64, 4 heads, 2 KV groups, 4 experts of
 FFN 40, top 2; every weight random) with a tokenizer and a config vocabulary larger than it:
-  - HF -> ours (TP 1, 2) -> HF is bit-exact: every tensor (experts w1/w2/w3, the router) and the
+  - HF -> ours (TP 2: experts split as the MLP) -> HF is bit-exact: every tensor (experts w1/w2/w3, the router) and the
     config's fields, experts and top-k included;
   - the printed model flags, parsed by the job's parser, give the checkpoint's architecture;
   - our model built from the from-hf checkpoint gives transformers' logits at TP1 x EP2 (alltoall) and
@@ -30,7 +30,7 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 HIDDEN, HEADS, GROUPS, FFN, LAYERS, EXPERTS, TOPK = 64, 4, 2, 40, 2, 4, 2
 VOCAB = HF_VOCAB_SIZE + 37
 SEQ = 12
-TPS = (1, 2)
+TPS = (2,)
 MOE_FIELDS = ("num_local_experts", "num_experts_per_tok", "router_jitter_noise")
 
 
@@ -95,10 +95,10 @@ def test_mixtral_converts_both_ways_bit_exact_with_transformers_logits(tmp_path)
     (flags,) = {ln.removeprefix("  model flags: ") for ln in lines if ln.startswith("  model flags: ")}
     args = build_parser().parse_args(flags.split())
     ours = GPTConfig(**architecture_kwargs(args), **moe_kwargs(args), vocab_size=args.vocab_size, precision="fp32")
-    assert ours.arch_meta() == CheckpointReader(str(tmp_path / "ck_tp1")).model_meta, flags
+    assert ours.arch_meta() == CheckpointReader(str(tmp_path / "ck_tp2")).model_meta, flags
 
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(seed + 1))
-    layouts = [(1, 2, "alltoall", 2), (2, 1, "allgather", 1)]
+    layouts = [(1, 2, "alltoall", 2), (2, 1, "allgather", 2)]
     world = run_world(_ranks, 2, str(tmp_path), tokens, layouts, [free_port() for _ in layouts], timeout=300)
     ref = hf_logits(src, tokens)
     for rank_out in world:

@@ -102,7 +102,8 @@ def _one(ps, meta, full, tokens, labels, dispatcher):
             for n, p in model.named_parameters()}
     load_full_params(model, full, ps.tp_rank, ps.tp_size, VOCAB)
     rows = slice(ps.dp_rank * BATCH // ps.dp_size, (ps.dp_rank + 1) * BATCH // ps.dp_size)
-    logits = model(tokens[rows])
+    with torch.no_grad():               # (no aux loss is applied or logged without gradients)
+        logits = model(tokens[rows])
     loss = model.loss(tokens[rows], labels[rows])
     loss.backward()
     grads = {}
@@ -187,6 +188,48 @@ def test_moe_logits_loss_and_every_gradient_equal_transformers_at_tp1_ep1_ep2_an
         ep2, ep1 = o[("mixtral", 1, 2, "alltoall")], o[("mixtral", 1, 1, "allgather")]
         assert ep2["ep"] == (rank, 2) and ep2["edp"] == (0, 1) and ep2["experts"] == [str(2 * rank), str(2 * rank + 1)]
         assert ep1["experts"] == ["0", "1", "2", "3"] and ep1["edp"] == (rank, 2)
+
+
+def _aux_world(rank, directory, tokens, labels, coeff):
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    from zo_megatron.parallel import init_parallel
+
+    meta, full = _ours(directory)
+    out = _one(init_parallel(1), {**meta, "moe_aux_loss_coeff": coeff}, full, tokens, labels, "allgather")
+    out["aux"] = get_moe_layer_wise_logging_tracker()["load_balancing_loss"]["values"].clone()
+    return out
+
+
+def test_the_load_balancing_loss_of_one_moe_layer_is_transformers_over_k(tmp_path):
+    """transformers' load-balancing loss (output_router_logits, router_aux_loss_coef c) pools every
+    layer's tokens and does not divide by k; megatron-core's aux_loss is per layer and divides by k
+    (docs/moe.md). With one MoE layer (the Qwen2-MoE here: layer 1 is dense) they agree up to k:
+    megatron-core's logged value x k is transformers' aux_loss, and with --moe-aux-loss-coeff k x c every
+    gradient of our LM loss (the aux loss's gradient rides on the router's output) equals transformers'
+    gradient of CE + c x aux_loss; our `loss` stays the LM loss."""
+    seed = fresh_seed("moe aux loss")
+    c = 0.05
+    directory = _random_hf(tmp_path / "qwen2_moe", _configs()["qwen2_moe"], seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+    ours = run_world(_aux_world, 1, directory, tokens, labels, TOPK * c, timeout=120)[0]
+    hf = _hf(directory)
+    hf.config.router_aux_loss_coef = c
+    out = hf(tokens, output_router_logits=True)
+    ce = torch.nn.functional.cross_entropy(out.logits.reshape(-1, VOCAB), labels.reshape(-1))
+    (ce + c * out.aux_loss).backward()
+    assert ours["aux"][1] == 0 and abs(TOPK * ours["aux"][0].item() - out.aux_loss.item()) <= 1e-5 * out.aux_loss.item()
+    assert abs(ours["loss"] - ce.item()) <= 1e-5 * ce.item()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(p.grad)
+    hf.save_pretrained(str(tmp_path / "grads"))
+    ref = _ours(str(tmp_path / "grads"))[1]
+    assert set(ref) == set(ours["grads"])
+    for n, g in ours["grads"].items():
+        assert _rel_err(g, ref[n]) <= 1e-5, (n, _rel_err(g, ref[n]))
 
 
 def test_expert_layout_rules_and_the_parameter_count():
