@@ -2,8 +2,8 @@
 streamed through a ring of a few small buffers, against the in-memory engine on the same model and
 batches: losses, grad norms, clip coefficients, skips, the fp32 master, both moments (read back from
 disk) and the 16-bit parameters are BITWISE equal, every element, at TP1xDP2 and TP2xDP1, with
-accumulation, a clip that clips, bf16 and fp32 states, fp16 with an overflow skip, host accumulation
-and --dpu. Ring depth, buffer size and I/O block come from the printed seed, so chunk cuts fall
+accumulation, a clip that clips, bf16 and fp32 states, fp16 with an overflow skip, host accumulation,
+--dpu and a partial offload (the device tail's states compared too). Ring depth, buffer size and I/O block come from the printed seed, so chunk cuts fall
 inside segments (checked). The state files are gone after close()."""
 import math
 import os
@@ -56,12 +56,17 @@ def _train(engine, model, ps, seed, accum, overflow_step, steps=STEPS):
 
 def _states(engine):
     """fp32 master, exp_avg, exp_avg_sq of the partition (read from disk where they live there)."""
-    if engine._nvme is None:
-        return {k: getattr(engine, k).clone() for k in ("master", "exp_avg", "exp_avg_sq")}
     parts = {k: [] for k in ("master", "exp_avg", "exp_avg_sq")}
-    for lo, hi, st in engine._nvme.stream(write=False):
+    if engine._nvme is None:
         for k in parts:
-            parts[k].append(st[k].clone() if k in st else getattr(engine, k)[lo:hi].clone())
+            parts[k].append(getattr(engine, k).clone())
+    else:
+        for lo, hi, st in engine._nvme.stream(write=False):
+            for k in parts:
+                parts[k].append(st[k].clone() if k in st else getattr(engine, k)[lo:hi].clone())
+    if engine._tail is not None:                       # --optimizer-offload-fraction < 1: the device part
+        for k in parts:
+            parts[k].append(getattr(engine._tail, k).cpu().clone())
     return {k: torch.cat(v) for k, v in parts.items()}
 
 
@@ -141,6 +146,8 @@ RUNS = {
     "tp1dp2": [
         dict(precision="bf16", accum=2, clip=0.05, states="fp32", master=True, engine={}),
         dict(precision="fp32", accum=1, clip=1.0, states="fp32", master=False, engine={"dpu_warmup_steps": 3}),
+        # partial offload: the host part's states on disk, the tail's on the device
+        dict(precision="bf16", accum=2, clip=0.05, states="fp32", master=True, engine={"optimizer_offload_fraction": 0.6}),
     ],
     "tp2dp1": [
         dict(precision="fp16", accum=2, clip=0.05, states="bf16", master=True, overflow=2, engine={}),
@@ -172,7 +179,7 @@ def _refusals_world(rank, root):
     path = os.path.join(root, f"rank{rank}")
     os.makedirs(path)
     nv = NvmeConfig(path)
-    cases = [(dict(optimizer_offload_fraction=0.5), nv), (dict(overlap_cpu_step=True), nv),
+    cases = [(dict(overlap_cpu_step=True), nv),
              (dict(dpu_warmup_steps=2, dpu_weight_prediction=True), NvmeConfig(path, master=True))]
     cases += [({}, NvmeConfig(**{**nv.__dict__, **bad}))
               for bad in (dict(buffer_count=0), dict(buffer_size=100), dict(path=path + "/nope"))]
@@ -214,7 +221,7 @@ def _refusals_world(rank, root):
 
 def test_nvme_refusals_are_one_line_and_every_rank_refuses_together(tmp_path):
     results = run_world(_refusals_world, 2, str(tmp_path))
-    needles = ["--optimizer-offload-fraction", "--overlap-cpu-step", "--dpu-weight-prediction with --optimizer-nvme",
+    needles = ["--overlap-cpu-step", "--dpu-weight-prediction with --optimizer-nvme",
                "--optimizer-nvme-buffer-count must be >= 1", "--optimizer-nvme-buffer-size must be a positive multiple",
                "is not a directory", "state_dict() of optimizer states on disk would copy them all"]
     for rank, (messages, left, accounts) in enumerate(results):

@@ -152,7 +152,7 @@ class ZeroOffloadEngine(EngineState):
         self._nvme: NvmeStateStore | None = None
         if nvme is not None:
             nvme.check()
-            for bad, why in ((f < 1.0, "--optimizer-offload-fraction < 1"), (self.overlap_cpu_step, "--overlap-cpu-step"),
+            for bad, why in ((self.overlap_cpu_step, "--overlap-cpu-step"),
                              (dpu_weight_prediction and nvme.master, "--dpu-weight-prediction with --optimizer-nvme-master")):
                 if bad:
                     raise ConfigError(f"--optimizer-nvme-path cannot be combined with {why} yet (issue 38): drop one")
@@ -251,7 +251,7 @@ class ZeroOffloadEngine(EngineState):
             "exp_avg": state_dtype, "exp_avg_sq": state_dtype, **({"master": torch.float32} if self.nvme_config.master else {})}
         if on_disk:
             self._nvme = NvmeStateStore.open_on_every_rank(self.nvme_config, f"zo_optimizer.tp{self.tp_rank}.dp{self.dp_rank}",
-                                        [(s.start, s.end) for s in L.segments], cut, on_disk)
+                                        [(s.start, min(s.end, cut)) for s in L.segments if s.start < cut], cut, on_disk)
         self.master = None if "master" in on_disk else torch.zeros(cut, dtype=torch.float32)
         # The moments and landing buffers are zeroed (touched) only after the model's fp32
         # parameters are released (_zero_host_state): touched now, they would coexist with the

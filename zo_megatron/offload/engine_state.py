@@ -50,13 +50,14 @@ class EngineState:
         and reads into these views in place (no copy of the optimizer state); after reading, set
         step_count and the loss scaler and call reload_params_from_master()."""
         self.flush()                       # nothing may be in flight while the state is read or written
-        if getattr(self, "_nvme", None) is not None:     # on disk: views over the mapped state files
-            in_memory = {k: getattr(self, k) for k in ("master", "exp_avg", "exp_avg_sq") if getattr(self, k) is not None}
-            yield from self._nvme.fragment_views(self.layout.host_fragments(), in_memory)
-            return
+        nvme = getattr(self, "_nvme", None)
+        in_memory = {k: getattr(self, k) for k in ("master", "exp_avg", "exp_avg_sq") if getattr(self, k) is not None}
         for s, host, pstart, n in self.layout.host_fragments():
             # with a partial offload a piece may be split: its tail's views live on the device
             for off, m, master, exp_avg, exp_avg_sq in self._state_pieces(host, n):
+                if nvme is not None and host + off < self._cut:   # on disk: views over the mapped state files
+                    yield from nvme.fragment_views([(s, host + off, pstart + off, m)], in_memory)
+                    continue
                 yield s.name, s.param, pstart + off, m, {"master": master, "exp_avg": exp_avg,
                                                          "exp_avg_sq": exp_avg_sq}
 

@@ -231,8 +231,6 @@ class PlanInput:
             raise ValueError(f"optimizer_offload_fraction must be in [0, 1], got {self.optimizer_offload_fraction}")
         if (self.nvme_states or self.nvme_master) and not (self.zero_offload and self.nvme_states):
             raise ValueError("nvme_states needs zero_offload, and nvme_master needs nvme_states")
-        if self.nvme_states and self.optimizer_offload_fraction < 1:
-            raise ValueError("nvme_states needs optimizer_offload_fraction 1 (docs/nvme.md)")
         if self.nvme_buffer_count < 1 or self.nvme_buffer_size < 64 or self.nvme_buffer_size % 64:
             raise ValueError("nvme_buffer_count must be >= 1 and nvme_buffer_size a positive multiple of 64")
         for name in ("gpu_memory_bytes", "host_memory_bytes_per_node"):

@@ -327,7 +327,9 @@ def _compute(inp: PlanInput, bucket_overfill: bool = True) -> Plan:
     dev["framework_overhead"] = inp.device_overhead_bytes
 
     host_per_gpu = sum(host_gpu.values())
-    disk_node = nvme_bytes(inp, part, opt_b)[1] * per_node      # (the tier refuses a partial offload)
+    share = inp.optimizer_offload_fraction    # the host part of the partition, as _offload_model_states cuts it
+    host_part = part if share >= 1 else min(part, round(share * part / 64) * 64)
+    disk_node = nvme_bytes(inp, host_part, opt_b)[1] * per_node
     host_node = {k: v * per_node for k, v in host_gpu.items()}
     host_node["process_overhead"] = inp.host_overhead_bytes_per_rank * per_node + inp.host_overhead_bytes_per_node
     host_node["os_reserve"] = inp.reserve()

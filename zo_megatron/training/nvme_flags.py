@@ -39,7 +39,7 @@ def check_nvme_flags(args) -> None:
     if not args.zero_offload:
         raise ConfigError("--optimizer-nvme-path puts the CPU optimizer's states on disk: add --zero-offload")
     refused = (("--overlap-cpu-step", args.overlap_cpu_step in ("full", "memory")),
-               ("--optimizer-offload-fraction", args.optimizer_offload_fraction != 1.0),
+               ("--optimizer-offload-fraction auto (give the share)", args.optimizer_offload_fraction == "auto"),
                ("--dpu-weight-prediction with --optimizer-nvme-master",
                 getattr(args, "dpu_weight_prediction", False) and args.optimizer_nvme_master))
     for flag, bad in refused:
