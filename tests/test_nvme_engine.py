@@ -98,14 +98,16 @@ def _pair_world(rank, tp, seed, runs, nvme_dir):
                                        dp_group=ps.dp_group, tp_rank=ps.tp_rank, device=ps.device,
                                        loss_scaler=scaler, **kw, **extra)
             steps = _train(engine, model, ps, seed + 1, accum, overflow)
-            cuts_inside = None
+            cuts_inside = prefetched = None
             if engine._nvme is not None:
+                prefetched = engine._nvme.prefetched_chunks
                 segs = engine._host_segments
                 cuts_inside = sum(any(s < b < e for s, e, *_ in segs) for _, b in engine._nvme.chunks)
                 mine = f"zo_optimizer.tp{ps.tp_rank}.dp{ps.dp_rank}."
                 files = sorted(f for f in os.listdir(nvme_dir) if f.startswith(mine) and f.endswith(".bin"))
             got[name] = dict(init=init, steps=steps, flat=engine.flat.cpu().clone(), states=_states(engine),
-                             cuts_inside=cuts_inside, files=files if engine._nvme is not None else None)
+                             cuts_inside=cuts_inside, files=files if engine._nvme is not None else None,
+                             prefetched=prefetched)
             engine.close()
             got[name]["left"] = [f for f in os.listdir(nvme_dir) if f.startswith(mine)]
         results.append(got)
@@ -120,6 +122,8 @@ def _check(results, runs):
             assert len(nv["files"]) == 3 if run["master"] else len(nv["files"]) == 2, (what, nv["files"])
             assert nv["left"] == [], (what, nv["left"])                     # removed at close
             assert nv["cuts_inside"] > 0, what                              # chunks cut inside segments
+            # the synchronous schedule starts each step's first reads when backward starts; DPU does not
+            assert (nv["prefetched"] > 0) == (not run["engine"].get("dpu_warmup_steps")), (what, nv["prefetched"])
             for a, b in zip(mem["steps"], nv["steps"]):                     # loss, norm, clip, skip, scale
                 assert all(x == y or (isinstance(x, float) and math.isnan(x) and math.isnan(y))
                            for x, y in zip(a, b)), (what, a, b)

@@ -60,12 +60,18 @@ def test_passes_through_the_ring_equal_the_same_updates_in_memory(tmp_path, dept
     try:
         assert len(store.chunks) > depth
         store.fill(lambda a, b, v: [v[k].copy_(ref[k][a:b]) for k in v])
-        for p in range(4):                                   # in order, then a shuffled subset: a chunk's
+        for p in range(6):                                   # in order, then a shuffled subset: a chunk's
             ids = list(range(len(store.chunks)))             # write behind may still be in flight
+            if p == 0:                                       # writes landed: prefetch fills the whole ring
+                store.drain()
+                store.prefetch()
+                assert store.prefetched_chunks == min(depth, len(store.chunks))
+            elif rng.random() < 0.6:
+                store.prefetch()                             # reads started early (backward), used or dropped
             if p % 2:
                 rng.shuffle(ids)
                 ids = ids[:rng.randint(1, len(ids))]
-            for a, b, v in store.stream(ids):
+            for a, b, v in store.stream(None if p % 2 == 0 else ids):
                 for k, t in v.items():
                     assert torch.equal(t, ref[k][a:b]), (p, k, a, b)
                     t.mul_(1.5).add_(p)
@@ -73,7 +79,7 @@ def test_passes_through_the_ring_equal_the_same_updates_in_memory(tmp_path, dept
         back = {k: torch.cat([v[k].clone() for _, _, v in store.stream(write=False)]) for k in DTYPES}
         for k in DTYPES:
             assert torch.equal(back[k], ref[k]), k
-        assert store.read_bytes > 0 and store.written_bytes > 0
+        assert store.read_bytes > 0 and store.written_bytes > 0 and store.prefetched_chunks > 0
     finally:
         store.close()
     assert os.listdir(tmp_path) == []                        # files and lock gone

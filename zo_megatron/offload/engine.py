@@ -374,6 +374,8 @@ class ZeroOffloadEngine(EngineState):
         if self._sync:
             self._sync_pending = True
         self.schedule.on_backward_start(self, last_micro_batch)
+        if last_micro_batch and self._nvme is not None and self.dpu_warmup_steps is None:
+            self._nvme.prefetch()            # the CPU step's first reads, behind backward (nvme_store.py)
         (loss * self.loss_scaler.scale).backward() if self.loss_scaler.scale != 1.0 else loss.backward()
         if self.accumulate_on_host:
             self.finish_grad_sync()

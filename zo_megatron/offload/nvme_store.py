@@ -127,6 +127,8 @@ class NvmeStateStore:
         self.files: dict[str, StateFile] = {}
         self.io = self.ring = None
         self._maps: dict | None = None                 # checkpoints: the files mapped (mapped_views)
+        self._prefetched: dict[int, object] = {}       # prefetch(): position -> reads in flight
+        self.prefetched_chunks = 0                     # (counted for tests and the curious)
         self._lock_fd, self._lock_path = None, os.path.join(config.path, f"{tag}.lock")
         self.reclaimed = self._lock(tag)
         try:
@@ -254,21 +256,18 @@ class NvmeStateStore:
             raise ValueError("a pass that writes back reads every state")
         K = len(self.ring)
         reads: dict[int, object] = {}                  # position -> the reads in flight into its slot
+        if chunk_ids is None and write:                # the full pass prefetch() started: take its reads
+            reads, self._prefetched = self._prefetched, {}
+        else:
+            self._drop_prefetch()
 
         def issue(pos: int, block: bool) -> bool:
-            slot, i = pos % K, ids[pos]
-            if not self._free(slot, block):
-                return False
-            if i in self._chunk_write:                 # this chunk's last write is from another slot
-                if not block and not self._chunk_write[i].done():
-                    return False
-                self._wait(self._chunk_write.pop(i))
-            reads[pos] = _All([self.io.read(self.files[k], i * self.slot_bytes[k],
-                                            self.ring[slot][k][:self._nbytes(i, k)]) for k in kinds])
-            self.read_bytes += sum(self._nbytes(i, k) for k in kinds)
-            return True
+            req = self._issue_read(pos % K, ids[pos], kinds, block)
+            if req is not None:
+                reads[pos] = req
+            return req is not None
 
-        issued = 0
+        issued = len(reads)
         try:
             for pos, i in enumerate(ids):
                 if issued == pos:                      # this chunk's read must start now
@@ -288,8 +287,46 @@ class NvmeStateStore:
                 except Exception:              # noqa: BLE001 - the pass's own error is the one raised
                     pass
 
+    def _issue_read(self, slot: int, i: int, kinds, block: bool):
+        """Read chunk i's `kinds` into the slot once the slot's and the chunk's last writes are done
+        (without `block`: None if they are not yet)."""
+        if not self._free(slot, block):
+            return None
+        if i in self._chunk_write:                     # this chunk's last write is from another slot
+            if not block and not self._chunk_write[i].done():
+                return None
+            self._wait(self._chunk_write.pop(i))
+        self.read_bytes += sum(self._nbytes(i, k) for k in kinds)
+        return _All([self.io.read(self.files[k], i * self.slot_bytes[k], self.ring[slot][k][:self._nbytes(i, k)])
+                     for k in kinds])
+
+    def prefetch(self) -> None:
+        """Start the next full pass's first reads now, into the ring slots whose writes are done: the
+        engine calls it when the last micro-batch's backward starts, so the disk works while the
+        device does (the reads do not depend on the gradients). Only the thread that runs the passes
+        calls it (the engine does for the synchronous schedule, not under --dpu)."""
+        if self._prefetched or self._maps is not None:
+            return
+        for pos in range(min(len(self.ring), len(self.chunks))):
+            req = self._issue_read(pos, pos, tuple(self.dtypes), block=False)
+            if req is None:
+                break
+            self._prefetched[pos] = req
+            self.prefetched_chunks += 1
+
+    def _drop_prefetch(self) -> None:
+        """Wait for prefetched reads nobody will use (a checkpoint, a partial pass): their errors are
+        the next full pass's to find."""
+        reads, self._prefetched = self._prefetched, {}
+        for req in reads.values():
+            try:
+                req.wait()
+            except Exception:                  # noqa: BLE001 - see the docstring
+                pass
+
     def fill(self, fn) -> None:
         """Write every chunk from fn(a, b, {state: view}), which sets every element of the views."""
+        self._drop_prefetch()
         for i, (a, b) in enumerate(self.chunks):
             slot = i % len(self.ring)
             self._free(slot, block=True)
@@ -320,6 +357,7 @@ class NvmeStateStore:
         """Each state's chunks as tensors over a shared mapping of its file: a checkpoint reads from or
         writes into them in place, through the page cache (the kernel's to evict), never a copy of the
         states in process memory. After writing call resync(). Waits for the writes in flight first."""
+        self._drop_prefetch()
         self.drain()
         if self._maps is None:
             self._maps = {}
@@ -373,6 +411,7 @@ class NvmeStateStore:
 
     def drain(self) -> None:
         """Wait for every write in flight (their errors are raised here)."""
+        self._drop_prefetch()
         for slot in range(len(self.ring)):
             self._free(slot, block=True)
 
