@@ -182,8 +182,8 @@ def test_dpu_fp32_equals_the_delayed_reference(tp, world, accum, engine_kw, flus
     assert out["pending_bytes"] == out["staging_bytes"] + out["acc_bytes"] > 0
 
 
-@pytest.mark.parametrize("tp,world,accum,flush_at", [(1, 1, 1, 6), (2, 2, 2, None)],
-                         ids=["tp1dp1-flush", "tp2dp1-accum2"])
+@pytest.mark.parametrize("tp,world,accum,flush_at", [(1, 2, 2, 6), (2, 2, 2, None)],
+                         ids=["tp1dp2-accum2-flush", "tp2dp1-accum2"])
 def test_dpu_weight_prediction_equals_the_predicted_reference(tp, world, accum, flush_at):
     """--dpu-weight-prediction: forward/backward run on w_t + (w_t - w_{t-1}) after a delayed update,
     on the exact master after a flush and at the end; the master is exact Adam of those gradients."""
@@ -210,17 +210,19 @@ def test_dpu_bf16_with_fp32_host_gradients_tracks_the_reference():
         assert err <= (1e-1 if name.endswith(".bias") else 2e-2), (name, err)
 
 
-def test_dpu_fp16_overflow_at_a_delayed_step():
+@pytest.mark.parametrize("predict", [False, True], ids=["plain", "weight-prediction"])
+def test_dpu_fp16_overflow_at_a_delayed_step(predict):
     """An inf injected at delayed step 6 on one rank: g_6 is dropped everywhere, the scale halves
-    at step 6 as without DPU, the pending g_5 is still applied."""
+    at step 6 as without DPU, the pending g_5 is still applied (with weight prediction: its
+    extrapolated copy goes to the device, as the reference's)."""
     from zo_megatron.offload.loss_scaler import DynamicLossScaler
 
-    seed = fresh_seed("dpu fp16 overflow")
+    seed = fresh_seed(f"dpu fp16 overflow predict={predict}")
     scaler = DynamicLossScaler(initial_scale=2.0**14, growth_interval=3, hysteresis=1)
-    out = run_world(_dpu_world, 2, 1, "fp16", seed, 2, {"loss_scaler": scaler}, 6)[0]
+    out = run_world(_dpu_world, 2, 1, "fp16", seed, 2, {"loss_scaler": scaler, "dpu_weight_prediction": predict}, 6)[0]
     assert out["skipped"] == [i == 6 for i in range(STEPS)]
     assert out["scales"] == [2.0**14] * 3 + [2.0**15] * 3 + [2.0**16] + [2.0**15] * 3 + [2.0**16] * 2, out["scales"]
-    ref_losses, ref_final = _reference(out["init"], seed, 2, 2, WARMUP, skip_step=6)
+    ref_losses, ref_final = _reference(out["init"], seed, 2, 2, WARMUP, skip_step=6, predict=predict)
     for ours, ref in zip(out["losses"], ref_losses):
         assert abs(ours - ref) / abs(ref) <= 1e-2, (ours, ref)
     for name, ref in ref_final.items():
@@ -407,6 +409,36 @@ def test_the_job_trains_with_dpu_writes_a_timeline_and_it_plots(tmp_path):
     assert p.returncode == 0, p.stderr
     assert "rank 1: mean ms" in p.stdout and "CPU step overlapped with forward/backward" in p.stdout
     assert os.path.getsize(tmp_path / "t.png") > 10_000
+
+
+def test_the_job_with_weight_prediction_resumes_bitwise_and_starts_as_exact_updates(tmp_path):
+    """--dpu --dpu-corrector weight-prediction in the job (2 ranks, DP2): saved at iteration 4 (the
+    flush before the checkpoint gives it the exact master) and resumed there, iterations 5-8 log the
+    uninterrupted run's losses and grad norms bit for bit; its first W updates are exact updates, so
+    the losses of iterations 1..W equal those of the job without --dpu bit for bit, and from W+1
+    on they differ (the delay and the prediction act)."""
+    from tests.test_pretrain import TINY, _job, _rows
+    from zo_megatron.data import extract_corpus
+    from zo_megatron.data.preprocess import preprocess
+
+    preprocess(extract_corpus(str(tmp_path / "txt"), limit=8), str(tmp_path / "sotu"), progress=False)
+    w = 3
+    base = ["--zero-offload", "--data-path", str(tmp_path / "sotu_text_document"), "--train-iters", "8", *TINY]
+    dpu = ["--dpu", "--dpu-warmup-steps", str(w), "--dpu-corrector", "weight-prediction"]
+    ck = tmp_path / "ck"
+
+    def run(name, *extra):
+        log = tmp_path / f"{name}.jsonl"
+        r = _job([*base, *extra, "--log-jsonl", str(log)], tmp_path)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        return {row["iteration"]: (row["loss"], row["grad_norm"]) for row in _rows(log, "train")}
+
+    whole = run("whole", *dpu, "--save", str(ck), "--save-interval", "4")
+    resumed = run("resumed", *dpu, "--load", str(ck), "--ckpt-step", "4")
+    exact = run("exact")
+    assert sorted(resumed) == [5, 6, 7, 8] and {i: whole[i] for i in resumed} == resumed, (whole, resumed)
+    assert [whole[i] for i in range(1, w + 1)] == [exact[i] for i in range(1, w + 1)], (whole, exact)
+    assert all(whole[i][0] != exact[i][0] for i in range(w + 1, 9)), (whole, exact)
 
 
 def test_dpu_without_zero_offload_is_one_line(tmp_path):
