@@ -100,6 +100,8 @@ def _cases(d):
         ("MoE at TP 2 without sequence parallelism", ["--num-experts", "4", "--tensor-model-parallel-size", "2"], {},
          "need --sequence-parallel"),
         ("MoE training, not done yet", ["--num-experts", "4"], {}, "--num-experts 4: mixture-of-experts models build"),
+        ("an MoE checkpoint loaded with dense flags", [*data, "--load", f"{d}/moe_ck"], {},
+         "--num-experts: 4 in the checkpoint, None here"),
         # data paths (#28)
         ("odd blend list", ["--data-path", "0.7", f"{d}/sotu_text_document", "0.3"], {}, "0.3 has no prefix after it"),
         ("vocab file is a directory", [*data, "--vocab-file", d], {}, f"--vocab-file {d} is a directory"),
@@ -162,6 +164,20 @@ def _run_table(rank, d):
     return results
 
 
+def _moe_checkpoint(directory):
+    """A weights-only checkpoint of TINY's GPT-2 shape with 4 experts in every layer (issue 39)."""
+    import torch
+
+    from zo_megatron.checkpoint.arch import full_meta, param_shapes
+    from zo_megatron.checkpoint.convert import _write_weights_checkpoint
+
+    meta = full_meta(dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=50257,
+                          max_position_embeddings=16, num_experts=4))
+    weights = {k: torch.zeros(shape) for k, shape in param_shapes(meta).items()}
+    _write_weights_checkpoint(directory, weights, meta, tp=1, converted_from="test", args={}, force=False,
+                              log=lambda _line: None)
+
+
 def test_bad_input_table(tmp_path):
     from zo_megatron.data import extract_corpus
     from zo_megatron.data.preprocess import preprocess
@@ -185,6 +201,7 @@ def test_bad_input_table(tmp_path):
                tokenizer=build_tokenizer(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=f"{d}/hf"))
     make_hf_tokenizer(f"{d}/hf_no_json", without=("tokenizer.json",))
     make_hf_tokenizer(f"{d}/hf_remote", config_update={"auto_map": {"AutoTokenizer": ["t.Tok", None]}})
+    _moe_checkpoint(f"{d}/moe_ck")
 
     import socket
 
