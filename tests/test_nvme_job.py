@@ -38,6 +38,8 @@ def test_job_with_states_on_disk_equals_the_in_memory_job(tmp_path):
     assert "exp_avg (bf16), exp_avg_sq (bf16), fp32 master in " + nvme in line and "I/O ring 3 x 4096" in line
     assert ("is on tmpfs, which is host memory" in out["nvme"]) == (shm is not None)
     assert left == []                                          # the state files go at a clean exit
+    said = [x for x in out["nvme"].splitlines() if "TB per day over its 1 ranks" in x]
+    assert len(said) == 1 and "GB written per step per rank" in said[0], out["nvme"][-2000:]
     assert all(x == (None, None, None) for x in io["memory"])   # the I/O fields only with the tier
     first, *rest = io["nvme"]                                  # the first row also wrote the initial states
     assert first[1] == 2 * first[0] > 0, io["nvme"]

@@ -111,3 +111,14 @@ def nvme_step_fields(optimizer, last: dict, steps: int) -> dict:
     n = max(steps, 1)
     return {"nvme_read_bytes_per_step": delta["read"] // n, "nvme_written_bytes_per_step": delta["written"] // n,
             "nvme_io_wait_s_per_step": delta["wait"] / n}
+
+
+def nvme_endurance_line(row: dict, step_time_s: float, world_size: int) -> str | None:
+    """Once, after the first log row with the tier: what the disk is written per day at this pace
+    (consumer SSDs are rated for a few hundred TB written in total). None without the tier's fields."""
+    written = row.get("nvme_written_bytes_per_step")
+    if written is None or step_time_s <= 0:
+        return None
+    per_day = written * world_size * 86400 / step_time_s
+    return (f" optimizer states on disk: {written / 1e9:.3g} GB written per step per rank; at this pace the job writes "
+            f"about {per_day / 1e12:.3g} TB per day over its {world_size} ranks (check your SSDs' endurance rating)")

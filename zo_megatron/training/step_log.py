@@ -14,7 +14,7 @@ import torch
 
 from zo_megatron.parallel import collectives
 from zo_megatron.training.metrics import device_peak_tflops, host_rss_bytes
-from zo_megatron.training.nvme_flags import nvme_step_fields
+from zo_megatron.training.nvme_flags import nvme_endurance_line, nvme_step_fields
 
 
 class StepLog:
@@ -26,6 +26,7 @@ class StepLog:
         self.grad_norm, self.delayed = 0.0, False
         self.peak_tflops = device_peak_tflops(ps.device)    # None where unknown (every CPU): no MFU
         self.nvme_last: dict = {}                           # --optimizer-nvme-path's counters at the last row
+        self.nvme_rows = 0                                  # rows with the tier's fields (the first has the set-up's writes)
         self._reset()
 
     def _reset(self) -> None:
@@ -68,6 +69,12 @@ class StepLog:
         tokens = self.n * args.global_batch_size * args.seq_length
         tflops = self.flops_per_token * tokens / dt / ps.world_size / 1e12
         acc = self.optimizer.accounting
+        nvme = nvme_step_fields(self.optimizer, self.nvme_last, self.n)
+        self.nvme_rows += bool(nvme)
+        if self.nvme_rows == 2:                             # once, from a row without the set-up's writes
+            line = nvme_endurance_line(nvme, dt / max(self.n, 1), ps.world_size)
+            if line:
+                self.metrics.print(line)
         self.metrics.log_train({
             "iteration": iteration, "time": wall_clock(), "consumed_samples": consumed_samples,
             "consumed_tokens": consumed_samples * args.seq_length,
@@ -84,7 +91,7 @@ class StepLog:
             "device_peak_bytes": device_peak,
             **peaks,
             "delayed_update": self.delayed,
-            **nvme_step_fields(self.optimizer, self.nvme_last, self.n),
+            **nvme,
             "_iters_done_this_run": iteration - self.start_iter,
         })
         self._reset()
