@@ -468,8 +468,6 @@ def _offload_model_states(inp: PlanInput, psi_pad: int, part: int, chunk: int, V
     if inp.dpu:                       # the second landing set: gradients [+ fp32 accumulator]
         host_gpu["dpu_pending_grad"] = wh * part + (
             4 * part if inp.grad_accum_steps > 1 and inp.accumulate_on_host else 0)
-    if inp.dpu_weight_prediction:     # the fp32 master before the update in flight
-        host_gpu["dpu_weight_prediction"] = 4 * part
     return dev, host_gpu
 
 
