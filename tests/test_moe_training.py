@@ -1,13 +1,15 @@
-"""A Mixtral-shaped mixture of experts through the ZeRO-Offload engine at EP 1 (issue 39, the engine's
-first step): at EP 1 every rank holds every expert, so the experts are replicated over DP exactly
-as the dense parameters are and the engine's one DP partition is right for both; the router's
-gradient, replicated over TP, is counted once in the norm as any replicated parameter.
+"""A Mixtral-shaped mixture of experts through ZeRO-Offload (issue 39, the engine).
 
-The engine at TP1 x DP2 (fp32, 5 steps, 2 micro-batches accumulated per step, a clip that clips,
-weight decay on matrices: the router and the experts' weights decay) trains as single-process torch
-AdamW on transformers' MixtralForCausalLM: losses and gradient norms within 1e-5, every weight within
-tests/fp32_bounds.py's bounds of the float64 run, experts and router included. EP > 1 needs the
-engine's expert-data-parallel groups (docs/moe.md: not done), which the job refuses.
+EP 1: every rank holds every expert, so the experts are replicated over DP exactly as the dense
+parameters are and the plain engine's one DP partition is right for both. EP 2: the experts differ
+between EP ranks, so offload/expert_parallel.py runs two engines, the dense parameters over DP and the
+experts over expert DP (their reduce-scatter averaged by DP, as Megatron-LM's DDP scales them), with
+one gradient norm over both.
+
+Either way, on 2 ranks (fp32, 5 steps, 2 micro-batches accumulated per step, a clip that clips, weight
+decay on matrices: the router and the experts decay) the model trains as single-process torch AdamW
+on transformers' MixtralForCausalLM: losses and gradient norms within 1e-5, every weight within
+tests/fp32_bounds.py's bounds of the float64 run, experts and router included.
 """
 import pytest
 import torch
@@ -34,19 +36,23 @@ def _batches(seed):
              for _ in range(ACCUM)] for _ in range(STEPS)]
 
 
-def _engine_world(rank, directory, seed):
+def _engine_world(rank, directory, seed, ep):
     from zo_megatron.model import GPTConfig, build_gpt_model
-    from zo_megatron.model.sharding import gather_full_params, load_full_params
+    from zo_megatron.model.sharding import gather_full, load_full_params, model_shard_infos
     from zo_megatron.offload.engine import AdamConfig, ZeroOffloadEngine
+    from zo_megatron.offload.expert_parallel import ExpertParallelEngine
     from zo_megatron.parallel import collectives, init_parallel
 
     meta, init = _ours(directory)
-    ps = init_parallel(1, seed=seed)
-    model = build_gpt_model(GPTConfig(**meta, precision="fp32"), ps.tp_rank, ps.tp_size, seed)
+    ps = init_parallel(1, seed=seed, expert_parallel=ep)
+    cfg = GPTConfig(**{**meta, "moe_token_dispatcher_type": "alltoall" if ep > 1 else "allgather"}, precision="fp32")
+    model = build_gpt_model(cfg, ps.tp_rank, ps.tp_size, seed)
     load_full_params(model, init, ps.tp_rank, ps.tp_size, VOCAB)
     adam = AdamConfig(lr=_lr(0), beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WD)
-    engine = ZeroOffloadEngine(model, precision="fp32", adam=adam, clip_grad=CLIP, bucket_size=5000,
-                               dp_group=ps.dp_group, tp_rank=ps.tp_rank, device=ps.device, tp_group=ps.tp_group)
+    common = dict(precision="fp32", adam=adam, clip_grad=CLIP, bucket_size=5000, tp_rank=ps.tp_rank, device=ps.device,
+                  tp_group=ps.tp_group)
+    engine = ExpertParallelEngine(model, dp_group=ps.dp_group, edp_group=ps.edp_group, dp_size=ps.dp_size,
+                                  **common) if ep > 1 else ZeroOffloadEngine(model, dp_group=ps.dp_group, **common)
     losses, norms = [], []
     for step, micro_batches in enumerate(_batches(seed)):
         total = torch.zeros(())
@@ -59,9 +65,11 @@ def _engine_world(rank, directory, seed):
         res = engine.step(lr=_lr(step))
         losses.append(total.item() / ps.dp_size)
         norms.append(res.grad_norm)
-    final = {n: t.clone() for n, t in gather_full_params(model, ps.tp_group, ps.tp_rank, ps.tp_size, VOCAB).items()}
+    infos = model_shard_infos(model, ps.tp_rank, ps.tp_size, VOCAB)
+    final = {model.full_name(n): gather_full(p.detach(), infos[n], ps.tp_group, ps.tp_size).clone()
+             for n, p in model.named_parameters()}                # this rank's experts (EP 2: half of them)
     engine.close()
-    return dict(losses=losses, norms=norms, final=final) if rank == 0 else None
+    return dict(losses=losses, norms=norms, final=final)
 
 
 def _torch_adamw(directory, tmp_path, seed, dtype):
@@ -96,10 +104,17 @@ def _torch_adamw(directory, tmp_path, seed, dtype):
     return losses, norms, _ours(str(out))[1]
 
 
-def test_engine_at_ep1_tp1_dp2_trains_a_mixtral_as_torch_adamw_on_transformers(tmp_path):
-    seed = fresh_seed("moe engine EP1")
+@pytest.mark.parametrize("ep", [pytest.param(1, marks=pytest.mark.slow), 2])
+def test_engine_trains_a_mixtral_as_torch_adamw_on_transformers(tmp_path, ep):
+    """EP 1: the plain engine (experts replicated over DP as dense parameters). EP 2 (2 ranks: DP 2,
+    expert DP 1, each rank 2 of the 4 experts, the alltoall dispatcher): offload/expert_parallel.py's
+    two engines, dense over DP and experts over expert DP averaged by DP, with one gradient norm."""
+    seed = fresh_seed(f"moe engine EP{ep}")
     directory = _random_hf(tmp_path / "mixtral", _configs()["mixtral"], seed)
-    out = run_world(_engine_world, DP, directory, seed, timeout=400)[0]
+    world = run_world(_engine_world, DP, directory, seed, ep, timeout=400)
+    out = dict(world[0], final={n: t for o in world for n, t in o["final"].items()})
+    for o in world[1:]:
+        assert o["losses"] == out["losses"] and o["norms"] == out["norms"]
     losses, norms, ref = _torch_adamw(directory, tmp_path, seed, torch.float64)
     assert min(norms) > CLIP                               # the clip is exercised
     for step in range(STEPS):

@@ -96,7 +96,10 @@ class ZeroOffloadEngine(EngineState):
                  dpu_warmup_steps: int | None = None, race_check: bool = False,
                  optimizer_offload_fraction: float = 1.0, tp_group=None, overlap_cpu_step: bool = False,
                  dpu_weight_prediction: bool = False, overlap_speculated_fraction: float = 1.0,
-                 nvme: NvmeConfig | None = None):
+                 nvme: NvmeConfig | None = None, params=None, grad_divisor: int | None = None):
+        # MoE (expert_parallel.py): params, a predicate on (name, param), picks this engine's parameters;
+        # grad_divisor replaces the group size in the average; extra_grad_stats, another engine's share
+        self._owns, self.extra_grad_stats = params or (lambda _n, _p: True), None
         if precision not in _DTYPES:
             raise ConfigError(f"precision must be bf16, fp16 or fp32 (got {precision!r})")
         self.model = model
@@ -108,6 +111,7 @@ class ZeroOffloadEngine(EngineState):
         self.tp_rank = tp_rank
         self.dp_size = collectives.group_size(dp_group)
         self.dp_rank = collectives.group_rank(dp_group)
+        self.grad_divisor = grad_divisor or self.dp_size
         if loss_scaler is None:
             loss_scaler = DynamicLossScaler() if precision == "fp16" else ConstantLossScaler(1.0)
         self.loss_scaler = loss_scaler
@@ -159,7 +163,7 @@ class ZeroOffloadEngine(EngineState):
         # race_check (tests, debugging): snapshot the flat parameters at the first forward of a
         # step that overlaps a CPU update and fail in step() if anything changed them meanwhile.
         self.race_check = race_check
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and self._owns(n, p)]
         if not named:
             raise ConfigError("the model has no trainable parameters")
         self.device = torch.device(device) if device is not None else named[0][1].device
@@ -352,7 +356,7 @@ class ZeroOffloadEngine(EngineState):
         """Every trainable parameter must be a view of the flat buffer (none added or replaced)."""
         base = self.flat.untyped_storage().data_ptr()
         missing = [n for n, p in self.model.named_parameters()
-                   if p.requires_grad and p.untyped_storage().data_ptr() != base]
+                   if p.requires_grad and self._owns(n, p) and p.untyped_storage().data_ptr() != base]
         if missing:
             raise ConfigError(f"parameters not covered by the flat buffer: {missing[:5]}"
                               f"{' ...' if len(missing) > 5 else ''}; build the engine after the model is "
@@ -368,6 +372,12 @@ class ZeroOffloadEngine(EngineState):
     def backward(self, loss: torch.Tensor, *, last_micro_batch: bool = True) -> None:
         """loss.backward() with loss scaling. Only the last micro-batch communicates, unless
         gradients accumulate on the host (then every micro-batch is reduced and added there)."""
+        self.begin_backward(last_micro_batch)
+        (loss * self.loss_scaler.scale).backward() if self.loss_scaler.scale != 1.0 else loss.backward()
+        self.end_backward(last_micro_batch)
+
+    def begin_backward(self, last_micro_batch: bool) -> None:
+        """backward() before loss.backward() (an engine another engine's backward reaches: expert_parallel.py)."""
         if self._micro == 0:
             self.accounting.reset_step()
         self._sync = last_micro_batch or self.accumulate_on_host
@@ -376,7 +386,9 @@ class ZeroOffloadEngine(EngineState):
         self.schedule.on_backward_start(self, last_micro_batch)
         if last_micro_batch and self._nvme is not None and self.dpu_warmup_steps is None:
             self._nvme.prefetch()            # the CPU step's first reads, behind backward (nvme_store.py)
-        (loss * self.loss_scaler.scale).backward() if self.loss_scaler.scale != 1.0 else loss.backward()
+
+    def end_backward(self, last_micro_batch: bool) -> None:
+        """What backward() does after loss.backward()."""
         if self.accumulate_on_host:
             self.finish_grad_sync()
             if getattr(self.schedule, "active", False):
@@ -473,8 +485,8 @@ class ZeroOffloadEngine(EngineState):
         i, buf = self._open.pop(b)
         self._sp_grads.reduce(b, buf)
         n = bucket.shard_numel
-        if self.dp_size > 1:
-            buf.div_(self.dp_size)
+        if self.grad_divisor > 1:
+            buf.div_(self.grad_divisor)
         mine = buf[self.dp_rank * n:(self.dp_rank + 1) * n]
         work = collectives.reduce_scatter(mine, buf, self.dp_group, async_op=True)   # in place
         self.accounting.ring(collectives.wire_bytes("reduce_scatter", buf), self.dp_size)
@@ -541,14 +553,21 @@ class ZeroOffloadEngine(EngineState):
         if isinstance(self.schedule, SpeculativeSchedule):
             self.schedule.next_lr = self._rates(lr, decoupled_lr)
 
-    def _global_grad_norm(self, scale: float) -> tuple[bool, float]:
-        """(found inf/nan, grad norm before clipping) over every TP and DP rank."""
+    def local_grad_stats(self) -> torch.Tensor:
+        """[sum of squares, non-finite] of this rank's share of the gradient, before any reduction."""
         grad = self._update_grad()
         sumsq, finite = cpu_adam.grad_sumsq_and_finite_segments(grad, self._norm_segments) \
             if self._norm_segments else (0.0, True)
         stats = torch.tensor([sumsq, 0.0 if finite else 1.0], dtype=torch.float64)
         if self._tail is not None:                       # one device->host copy for both numbers
             stats += self._tail.grad_sumsq_and_nonfinite().cpu()
+        return stats
+
+    def _global_grad_norm(self, scale: float) -> tuple[bool, float]:
+        """(found inf/nan, grad norm before clipping) over every TP and DP rank, extra_grad_stats included."""
+        stats = self.local_grad_stats()
+        if self.extra_grad_stats is not None:
+            stats, self.extra_grad_stats = stats + self.extra_grad_stats, None
         collectives.all_reduce(stats)                    # over every TP and DP rank
         found_inf = bool(stats[1].item() > 0) or not math.isfinite(stats[0].item())
         return found_inf, (math.sqrt(stats[0].item()) / scale if not found_inf else float("nan"))

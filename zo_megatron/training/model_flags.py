@@ -109,7 +109,7 @@ def add_moe_flags(g) -> None:
     g.add_argument("--num-experts", type=int, default=None,
                    help="experts per MoE layer (megatron-core's MoELayer, local spec; default: a dense model). The "
                         "model builds and its flags are checked, but the job and the memory planner refuse it until "
-                        "the engine's expert groups land (docs/moe.md)")
+                        "the job wires the experts' engine (docs/moe.md)")
     g.add_argument("--moe-router-topk", type=int, default=2, help="experts each token is routed to")
     g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="each expert's FFN size (default: "
                    "--ffn-hidden-size)")
@@ -215,8 +215,8 @@ def check_architecture_flags(args: argparse.Namespace) -> None:
     if cfg.num_experts is not None:
         raise ConfigError(f"--num-experts {cfg.num_experts}: mixture-of-experts models build (zo_megatron.model, "
                           "docs/moe.md) but neither this job nor the memory planner trains or plans them yet (issue "
-                          "39: the engine's expert-data-parallel reduction, the aux-loss scaling and MoE checkpoints "
-                          "are not done); drop --num-experts")
+                          "39: the job's expert engine, aux-loss scaling and logging, MoE saves and the planner's MoE "
+                          "lines are not done); drop --num-experts")
 
 
 def check_attention_flags(args: argparse.Namespace) -> None:
