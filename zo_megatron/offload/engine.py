@@ -635,6 +635,9 @@ class ZeroOffloadEngine(EngineState):
                 segs = [(max(s, lo) - lo, min(e, hi) - lo, *rest) for s, e, *rest in segments if s < hi and e > lo]
                 run(st.get("master", master[lo:hi] if master is not None else None), grad[lo:hi], st["exp_avg"],
                     st["exp_avg_sq"], segs, out[lo:hi], False)
+            if self.dpu_warmup_steps is not None:   # --dpu: on its worker, behind forward/backward, the
+                self._nvme.drain()                  # writes land and the next pass's first reads start
+                self._nvme.prefetch()
         if phase is not None:
             self._phases.append((phase, t0, time.monotonic()))
 
