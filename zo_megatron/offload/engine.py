@@ -155,11 +155,7 @@ class ZeroOffloadEngine(EngineState):
         self.nvme_config = nvme             # --optimizer-nvme-path: the states on disk (nvme_store.py)
         self._nvme: NvmeStateStore | None = None
         if nvme is not None:
-            nvme.check()
-            for bad, why in ((self.overlap_cpu_step, "--overlap-cpu-step"),
-                             (dpu_weight_prediction and nvme.master, "--dpu-weight-prediction with --optimizer-nvme-master")):
-                if bad:
-                    raise ConfigError(f"--optimizer-nvme-path cannot be combined with {why} yet (issue 38): drop one")
+            nvme.check_engine(self.overlap_cpu_step, dpu_weight_prediction)
         # race_check (tests, debugging): snapshot the flat parameters at the first forward of a
         # step that overlaps a CPU update and fail in step() if anything changed them meanwhile.
         self.race_check = race_check
@@ -631,13 +627,7 @@ class ZeroOffloadEngine(EngineState):
         if self._nvme is None:
             run(master, grad, exp_avg, exp_avg_sq, segments, out, full)
         else:                               # chunk by chunk through the store's ring (nvme_store.py)
-            for lo, hi, st in self._nvme.stream():
-                segs = [(max(s, lo) - lo, min(e, hi) - lo, *rest) for s, e, *rest in segments if s < hi and e > lo]
-                run(st.get("master", master[lo:hi] if master is not None else None), grad[lo:hi], st["exp_avg"],
-                    st["exp_avg_sq"], segs, out[lo:hi], False)
-            if self.dpu_warmup_steps is not None:   # --dpu: on its worker, behind forward/backward, the
-                self._nvme.drain()                  # writes land and the next pass's first reads start
-                self._nvme.prefetch()
+            self._nvme.update(run, segments, master, grad, out, prefetch_after=self.dpu_warmup_steps is not None)
         if phase is not None:
             self._phases.append((phase, t0, time.monotonic()))
 
@@ -688,8 +678,7 @@ class ZeroOffloadEngine(EngineState):
         if self.master is not None:
             self.host_param.copy_(self.master.to(self.dtype))
         else:                            # --optimizer-nvme-master: read from disk, chunk by chunk
-            for lo, hi, st in self._nvme.stream(kinds=("master",), write=False):
-                self.host_param[lo:hi].copy_(st["master"].to(self.dtype))
+            self._nvme.copy_master_to(self.host_param)
         if self._tail is not None:
             self._tail.write_params()
         self._params_to_device()

@@ -69,6 +69,14 @@ class NvmeConfig:
         if need_dir and not os.path.isdir(self.path):
             raise ConfigError(f"--optimizer-nvme-path {self.path} is not a directory: create it (on the NVMe disk)")
 
+    def check_engine(self, overlap_cpu_step: bool, weight_prediction: bool) -> None:
+        """check() and what the engine cannot combine with the tier yet (one line each)."""
+        self.check()
+        for bad, why in ((overlap_cpu_step, "--overlap-cpu-step"),
+                         (weight_prediction and self.master, "--dpu-weight-prediction with --optimizer-nvme-master")):
+            if bad:
+                raise ConfigError(f"--optimizer-nvme-path cannot be combined with {why} yet (issue 38): drop one")
+
 
 RAM_FILESYSTEMS = ("tmpfs", "ramfs", "devtmpfs", "hugetlbfs")
 
@@ -323,6 +331,24 @@ class NvmeStateStore:
                 req.wait()
             except Exception:                  # noqa: BLE001 - see the docstring
                 pass
+
+    def update(self, run, segments, master, grad, out, prefetch_after: bool = False) -> None:
+        """The engine's CPU step as one pass: run(master, grad, exp_avg, exp_avg_sq, segments, out, False)
+        on each chunk's slices, the segments clipped and shifted to the chunk (`master`: the partition's
+        in memory, or None when it is on disk). prefetch_after (--dpu's worker, off the critical path):
+        then let the writes land and start the next pass's first reads."""
+        for lo, hi, st in self.stream():
+            segs = [(max(s, lo) - lo, min(e, hi) - lo, *rest) for s, e, *rest in segments if s < hi and e > lo]
+            run(st.get("master", master[lo:hi] if master is not None else None), grad[lo:hi], st["exp_avg"],
+                st["exp_avg_sq"], segs, out[lo:hi], False)
+        if prefetch_after:
+            self.drain()
+            self.prefetch()
+
+    def copy_master_to(self, out: torch.Tensor) -> None:
+        """out[:] = the fp32 master on disk, narrowed to out's dtype, chunk by chunk."""
+        for lo, hi, st in self.stream(kinds=("master",), write=False):
+            out[lo:hi].copy_(st["master"].to(out.dtype))
 
     def fill(self, fn) -> None:
         """Write every chunk from fn(a, b, {state: view}), which sets every element of the views."""
