@@ -53,11 +53,7 @@ def test_job_with_states_on_disk_equals_the_in_memory_job(tmp_path):
     (["--optimizer-nvme-path", "{d}"], "--optimizer-nvme-path puts the CPU optimizer's states on disk: add --zero-offload"),
     (["--zero-offload", "--optimizer-nvme-path", "{d}/nope"], "is not a directory"),
     (["--zero-offload", "--optimizer-nvme-path", "{d}", "--optimizer-nvme-buffer-size", "100"], "multiple of 64"),
-    # the plan's disk line against statvfs, before launch (a model far larger than any disk here)
-    (["--zero-offload", "--optimizer-nvme-path", "{d}", "--num-layers", "20000", "--hidden-size", "16384",
-      "--num-attention-heads", "128", "--skip-memory-check"], "free on its filesystem, the optimizer states of this "
-                                                               "node's ranks need"),
-], ids=["master-alone", "no-offload", "missing-dir", "buffer-size", "disk-too-small"])
+], ids=["master-alone", "no-offload", "missing-dir", "buffer-size"])
 def test_nvme_flag_conflicts_are_one_line(tmp_path, extra, needle):
     r = _single([*TINY, "--train-iters", "1", "--lr-warmup-iters", "0", *[a.format(d=tmp_path) for a in extra]], tmp_path)
     lines = [x for x in r.stderr.splitlines() if x.startswith("error:")]

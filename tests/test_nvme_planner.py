@@ -1,10 +1,14 @@
 """The planner with --optimizer-nvme-path (issue 38): the moments (and with --optimizer-nvme-master the
 fp32 master) leave the host lines, the I/O ring joins them, the disk bytes per node get their own
-line, all against the byte arithmetic written out here; the job's flags reach the plan, and
-tools/estimate_memory.py prints the lines (the planner's ring against the engine's accounting is
-tests/test_nvme_engine.py's)."""
+line, all against the byte arithmetic written out here; the job's flags reach the plan,
+tools/estimate_memory.py prints the lines, the launch check refuses a disk short of the disk line
+(the planner's ring against the engine's accounting is tests/test_nvme_engine.py's)."""
 import json
+import os
 import random
+from types import SimpleNamespace
+
+import pytest
 
 from tests.cli import run_tool
 from tests.seeds import fresh_seed
@@ -57,3 +61,19 @@ def test_estimate_memory_takes_the_jobs_nvme_flags(tmp_path):
     assert b["disk_bytes_per_node"] > 0 and a["disk_bytes_per_node"] == 0
     assert b["host_bytes_per_node"] < a["host_bytes_per_node"]
     assert not (tmp_path / "not-made-yet").exists()           # planning creates nothing
+
+
+def test_the_launch_check_refuses_a_disk_short_of_the_plans_line_in_one_line(tmp_path):
+    from zo_megatron.errors import UserError
+    from zo_megatron.training.arguments import parse_args
+    from zo_megatron.training.nvme_flags import check_nvme_space
+
+    args = parse_args(["--zero-offload", "--optimizer-nvme-path", str(tmp_path)])
+    st = os.statvfs(tmp_path)
+    free = st.f_bavail * st.f_frsize
+    args.memory_plan = SimpleNamespace(disk_bytes_per_node=free // 2)
+    check_nvme_space(args)                                      # room: nothing to say
+    args.memory_plan = SimpleNamespace(disk_bytes_per_node=free + (64 << 30))
+    with pytest.raises(UserError, match=r"free on its filesystem, the optimizer states of this node's ranks need") as e:
+        check_nvme_space(args)
+    assert "\n" not in str(e.value)
