@@ -36,7 +36,7 @@ def _batches(seed):
              for _ in range(ACCUM)] for _ in range(STEPS)]
 
 
-def _engine_world(rank, directory, seed, ep):
+def _engine_world(rank, directory, seed, ep, tp=1):
     from zo_megatron.model import GPTConfig, build_gpt_model
     from zo_megatron.model.sharding import gather_full, load_full_params, model_shard_infos
     from zo_megatron.offload.engine import AdamConfig, ZeroOffloadEngine
@@ -44,8 +44,10 @@ def _engine_world(rank, directory, seed, ep):
     from zo_megatron.parallel import collectives, init_parallel
 
     meta, init = _ours(directory)
-    ps = init_parallel(1, seed=seed, expert_parallel=ep)
-    cfg = GPTConfig(**{**meta, "moe_token_dispatcher_type": "alltoall" if ep > 1 else "allgather"}, precision="fp32")
+    ps = init_parallel(tp, seed=seed, expert_parallel=ep)
+    # (the alltoall dispatcher at expert TP > 1 is refused on CPUs: gloo cannot all-gather uneven sizes)
+    cfg = GPTConfig(**{**meta, "moe_token_dispatcher_type": "alltoall" if ep > 1 and tp == 1 else "allgather"},
+                    precision="fp32", sequence_parallel=tp > 1)
     model = build_gpt_model(cfg, ps.tp_rank, ps.tp_size, seed)
     load_full_params(model, init, ps.tp_rank, ps.tp_size, VOCAB)
     adam = AdamConfig(lr=_lr(0), beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WD)
@@ -57,7 +59,8 @@ def _engine_world(rank, directory, seed, ep):
     for step, micro_batches in enumerate(_batches(seed)):
         total = torch.zeros(())
         for i, (tokens, labels) in enumerate(micro_batches):
-            mine = slice(ps.dp_rank * MICRO, (ps.dp_rank + 1) * MICRO)
+            rows = MICRO * DP // ps.dp_size             # the global batch is the same at any DP
+            mine = slice(ps.dp_rank * rows, (ps.dp_rank + 1) * rows)
             loss = model.loss(tokens[mine], labels[mine])
             engine.backward(loss / ACCUM, last_micro_batch=i == ACCUM - 1)
             total += loss.detach().float() / ACCUM
@@ -104,14 +107,19 @@ def _torch_adamw(directory, tmp_path, seed, dtype):
     return losses, norms, _ours(str(out))[1]
 
 
-@pytest.mark.parametrize("ep", [pytest.param(1, marks=pytest.mark.slow), 2])
-def test_engine_trains_a_mixtral_as_torch_adamw_on_transformers(tmp_path, ep):
+@pytest.mark.parametrize("tp,ep,dp", [pytest.param(1, 1, 2, marks=pytest.mark.slow), (1, 2, 2),
+                                      pytest.param(2, 2, 2, marks=pytest.mark.slow),
+                                      pytest.param(1, 2, 4, marks=pytest.mark.slow)],
+                         ids=["1", "2", "tp2ep2", "ep2dp4"])
+def test_engine_trains_a_mixtral_as_torch_adamw_on_transformers(tmp_path, tp, ep, dp):
     """EP 1: the plain engine (experts replicated over DP as dense parameters). EP 2 (2 ranks: DP 2,
     expert DP 1, each rank 2 of the 4 experts, the alltoall dispatcher): offload/expert_parallel.py's
-    two engines, dense over DP and experts over expert DP averaged by DP, with one gradient norm."""
-    seed = fresh_seed(f"moe engine EP{ep}")
+    two engines, dense over DP and experts over expert DP averaged by DP, with one gradient norm.
+    TP2 x EP2 (4 ranks, sequence parallelism, allgather): the same two engines with TP-split experts.
+    EP2 x DP4 (4 ranks): expert DP 2, the experts' reduce-scatter over a real group."""
+    seed = fresh_seed(f"moe engine TP{tp} EP{ep}")
     directory = _random_hf(tmp_path / "mixtral", _configs()["mixtral"], seed)
-    world = run_world(_engine_world, DP, directory, seed, ep, timeout=400)
+    world = run_world(_engine_world, tp * dp, directory, seed, ep, tp, timeout=400)
     out = dict(world[0], final={n: t for o in world for n, t in o["final"].items()})
     for o in world[1:]:
         assert o["losses"] == out["losses"] and o["norms"] == out["norms"]
