@@ -36,7 +36,7 @@ def _batches(seed):
              for _ in range(ACCUM)] for _ in range(STEPS)]
 
 
-def _engine_world(rank, directory, seed, ep, tp=1):
+def _engine_world(rank, directory, seed, ep, tp=1, backend=None):
     from zo_megatron.model import GPTConfig, build_gpt_model
     from zo_megatron.model.sharding import gather_full, load_full_params, model_shard_infos
     from zo_megatron.offload.engine import AdamConfig, ZeroOffloadEngine
@@ -44,7 +44,7 @@ def _engine_world(rank, directory, seed, ep, tp=1):
     from zo_megatron.parallel import collectives, init_parallel
 
     meta, init = _ours(directory)
-    ps = init_parallel(tp, seed=seed, expert_parallel=ep)
+    ps = init_parallel(tp, seed=seed, expert_parallel=ep, backend=backend)
     # (the alltoall dispatcher at expert TP > 1 is refused on CPUs: gloo cannot all-gather uneven sizes)
     cfg = GPTConfig(**{**meta, "moe_token_dispatcher_type": "alltoall" if ep > 1 and tp == 1 else "allgather"},
                     precision="fp32", sequence_parallel=tp > 1)

@@ -31,15 +31,22 @@ def _check(out, seed, dp, accum, tol, bias_tol, **ref_kw):
         assert err <= (bias_tol if name.endswith(".bias") else tol), (name, err)
 
 
+PREDICT = {"dpu_weight_prediction": True}
+
+
 @pytest.mark.parametrize("precision,engine_kw,tol,bias_tol", [
     ("fp32", {}, None, None),
     ("bf16", {}, 2e-2, 1e-1),
-    ("bf16", {"host_grad_dtype": "fp32"}, 2e-2, 1e-1)], ids=["fp32", "bf16", "bf16-host32"])
+    ("bf16", {"host_grad_dtype": "fp32"}, 2e-2, 1e-1),
+    # --dpu-corrector weight-prediction: the CPU Adam kernel writes w_new + (w_new - w_old) into the
+    # pinned buffer the parameters return through (fp32 output in the fp32 run)
+    ("fp32", PREDICT, None, None),
+    ("bf16", PREDICT, 2e-2, 1e-1)], ids=["fp32", "bf16", "bf16-host32", "fp32-predict", "bf16-predict"])
 def test_dpu_on_cuda_equals_the_delayed_reference(precision, engine_kw, tol, bias_tol):
     seed = fresh_seed(f"gpu dpu {precision} {engine_kw}")
     out = run_world(_dpu_world, 1, 1, precision, seed, 2, engine_kw, None, 6)[0]
     assert out["in_flight"] == [i >= WARMUP - 1 for i in range(STEPS)]
-    _check(out, seed, 1, 2, tol, bias_tol, flush_at=6)
+    _check(out, seed, 1, 2, tol, bias_tol, flush_at=6, predict=bool(engine_kw.get("dpu_weight_prediction")))
 
 
 def test_dpu_two_ranks_on_one_gpu():
