@@ -57,11 +57,11 @@ def _engine_world(rank, directory, seed, ep, tp=1, backend=None):
                                   **common) if ep > 1 else ZeroOffloadEngine(model, dp_group=ps.dp_group, **common)
     losses, norms = [], []
     for step, micro_batches in enumerate(_batches(seed)):
-        total = torch.zeros(())
+        total = torch.zeros((), device=ps.device)
         for i, (tokens, labels) in enumerate(micro_batches):
             rows = MICRO * DP // ps.dp_size             # the global batch is the same at any DP
             mine = slice(ps.dp_rank * rows, (ps.dp_rank + 1) * rows)
-            loss = model.loss(tokens[mine], labels[mine])
+            loss = model.loss(tokens[mine].to(ps.device), labels[mine].to(ps.device))
             engine.backward(loss / ACCUM, last_micro_batch=i == ACCUM - 1)
             total += loss.detach().float() / ACCUM
         collectives.all_reduce(total, group=ps.dp_group)
@@ -69,7 +69,7 @@ def _engine_world(rank, directory, seed, ep, tp=1, backend=None):
         losses.append(total.item() / ps.dp_size)
         norms.append(res.grad_norm)
     infos = model_shard_infos(model, ps.tp_rank, ps.tp_size, VOCAB)
-    final = {model.full_name(n): gather_full(p.detach(), infos[n], ps.tp_group, ps.tp_size).clone()
+    final = {model.full_name(n): gather_full(p.detach(), infos[n], ps.tp_group, ps.tp_size).cpu().clone()
              for n, p in model.named_parameters()}                # this rank's experts (EP 2: half of them)
     engine.close()
     return dict(losses=losses, norms=norms, final=final)

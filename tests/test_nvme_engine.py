@@ -32,7 +32,7 @@ def _train(engine, model, ps, seed, accum, overflow_step, steps=STEPS):
     gen = torch.Generator().manual_seed(seed)
     out = []
     for step in range(steps):
-        total = torch.zeros(())
+        total = torch.zeros((), device=ps.device)
         for i in range(accum):
             n = MICRO * ps.dp_size
             tokens, labels = (torch.randint(0, VOCAB, (n, SEQ), generator=gen) for _ in range(2))
@@ -41,7 +41,7 @@ def _train(engine, model, ps, seed, accum, overflow_step, steps=STEPS):
                 loss = model.loss(tokens[mine].to(ps.device), labels[mine].to(ps.device))
             handle = None
             if step == overflow_step and i == accum - 1 and dist.get_rank() == dist.get_world_size() - 1:
-                handle = victim.register_hook(lambda g: g.index_fill(0, torch.tensor([3]), float("inf")))
+                handle = victim.register_hook(lambda g: g.index_fill(0, torch.tensor([3], device=g.device), float("inf")))
             engine.backward(loss / accum, last_micro_batch=i == accum - 1)
             if handle is not None:
                 handle.remove()

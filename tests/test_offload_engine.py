@@ -40,7 +40,10 @@ def _setup(tp, seed, precision, bucket_size=3000, backend=None, **engine_kw):
     from zo_megatron.offload.engine import AdamConfig, ZeroOffloadEngine
     from zo_megatron.parallel import init_parallel
 
-    ps = init_parallel(tp, seed=seed, num_attention_heads=HEADS, hidden_size=HIDDEN, backend=backend)
+    # two ranks on one GPU (tests/gpu: gloo for CUDA tensors) are placed there explicitly: the default
+    # placement refuses to put ranks on a GPU another rank uses
+    shared = torch.device("cuda", 0) if backend == "cpu:gloo,cuda:gloo" else None
+    ps = init_parallel(tp, seed=seed, num_attention_heads=HEADS, hidden_size=HIDDEN, backend=backend, device=shared)
     cfg = GPTConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, vocab_size=VOCAB,
                     max_position_embeddings=SEQ, precision=precision)
     model = build_gpt_model(cfg, ps.tp_rank, ps.tp_size, seed)

@@ -115,7 +115,7 @@ def _default_device(local_rank: int, local_world_size: int | None = None) -> tor
 def init_parallel(tensor_parallel: int = 1, *, seed: int = 1234, num_attention_heads: int | None = None,
                   hidden_size: int | None = None, backend: str | None = None,
                   timeout_s: float = 600.0, expert_parallel: int = 1,
-                  expert_tensor_parallel: int | None = None) -> ParallelState:
+                  expert_tensor_parallel: int | None = None, device: torch.device | None = None) -> ParallelState:
     """Initialise torch.distributed from the launcher's environment, then megatron's TP/DP groups.
 
     torchrun, Open MPI, MPICH/PMI and SLURM variables are all understood (parallel.launch_env).
@@ -123,6 +123,11 @@ def init_parallel(tensor_parallel: int = 1, *, seed: int = 1234, num_attention_h
     small host-side agreements) and CUDA tensors (buckets, parameters) each have a backend in every
     group; megatron-core's TP/DP subgroups inherit that map. Validation happens before any group
     is created.
+
+    Device: GPU LOCAL_RANK of the node's visible ones, refused where there are fewer GPUs than local
+    ranks (ranks would share a GPU without knowing it). `device` places this rank explicitly instead,
+    as a caller that runs torch.cuda.set_device itself would: the GPU tests put two gloo ranks on one
+    GPU on purpose (NCCL refuses that).
     """
     global _STATE
     from zo_megatron.parallel.launch_env import discover_launch_env, export_torch_env
@@ -136,7 +141,7 @@ def init_parallel(tensor_parallel: int = 1, *, seed: int = 1234, num_attention_h
     megatron_cpu.apply()
     from megatron.core import parallel_state as mpu
 
-    device = _default_device(env.local_rank, env.local_world_size)
+    device = torch.device(device) if device is not None else _default_device(env.local_rank, env.local_world_size)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if device.type == "cuda":
