@@ -218,12 +218,16 @@ def run_suite(out: str, dry_run: bool, budget_s: float, workers: int) -> dict:
             p = subprocess.run(base + extra + [f"--junitxml={xml}"], cwd=ROOT, env=env, capture_output=True,
                                text=True, timeout=max(deadline - time.monotonic(), 10))
             rcs.append(p.returncode)
-            tail += (p.stdout + p.stderr)[-4000:]
+            log = p.stdout + p.stderr
         except subprocess.TimeoutExpired as e:
             rcs.append("timeout")
-            tail += (e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or ""))[-4000:]
+            log = "".join(x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
+                          for x in (e.stdout, e.stderr))
+        with open(os.path.join(out, f"{name}.log"), "w") as f:     # the whole log: every failure's reason
+            f.write(log)
+        tail += log[-4000:]
         found = _parse_junit(xml)
-        tests += found if found else _parse_verbose(tail)   # a budget's kill loses the junit report
+        tests += found if found else _parse_verbose(log)   # a budget's kill loses the junit report
     print(tail, flush=True)
     counts = {k: sum(1 for t in tests if t["outcome"] == k) for k in ("passed", "failed", "error", "skipped")}
     rc = next((r for r in rcs if r != 0), 0)
@@ -236,11 +240,16 @@ def _parse_verbose(text: str) -> list[dict]:
     "[gw0] ... " prefix), for a run stopped before it wrote its junit report."""
     import re
 
-    out = []
-    for m in re.finditer(r"(tests/gpu/)?(test_gpu_\w+\.py::\S+) (PASSED|FAILED|ERROR|SKIPPED)", text):
-        outcome = {"PASSED": "passed", "FAILED": "failed", "ERROR": "error", "SKIPPED": "skipped"}[m.group(3)]
-        out.append({"id": m.group(2), "outcome": outcome, "seconds": 0.0, "message": "(from the -v log)"})
-    return out
+    words = {"PASSED": "passed", "FAILED": "failed", "ERROR": "error", "SKIPPED": "skipped"}
+    test_id = r"(?:tests/gpu/)?(test_gpu_\w+\.py::\S+)"
+    found = {}
+    # plain -v: "id PASSED"; under xdist: "[gw0] [ 2%] PASSED id" (a test's id also appears alone on the
+    # line where it starts, with no outcome)
+    for m in re.finditer(test_id + r" (PASSED|FAILED|ERROR|SKIPPED)\b", text):
+        found.setdefault(m.group(1), words[m.group(2)])
+    for m in re.finditer(r"\] (PASSED|FAILED|ERROR|SKIPPED) " + test_id, text):
+        found.setdefault(m.group(2), words[m.group(1)])
+    return [{"id": k, "outcome": v, "seconds": 0.0, "message": "(from the -v log)"} for k, v in found.items()]
 
 
 def _parse_junit(path: str) -> list[dict]:
@@ -375,11 +384,17 @@ def sweep(out: str, dry_run: bool, budget_s: float, peak_tflops: float | None, i
             if schedules and sched not in schedules:
                 continue
             left = deadline - time.monotonic()
-            if left < 20:
-                rows.append({"name": f"{name}-{sched}", "skipped": "the sweep's time budget ran out"})
+            # a run that cannot finish in what is left is skipped, not started and killed (a kill reads
+            # as a failed schedule): the longest run so far on this shape is what one needs
+            need = max([20.0] + [r["wall_s"] for r in rows if r.get("shape") == name and r.get("wall_s")])
+            if left < need:
+                rows.append({"name": f"{name}-{sched}", "skipped": f"the sweep's time budget ran out "
+                                                                  f"({left:.0f} s left, a run took {need:.0f} s)"})
                 continue
             flags = base + extra
+            t_run = time.monotonic()
             row = train(f"{name}-{sched}", flags, out, left, dry_run)
+            row["wall_s"] = round(time.monotonic() - t_run, 1)
             row.update(schedule=sched, shape=name, plan=_safe_plan(flags, dry_run))
             _add_ratios(row, peak_tflops)
             rows.append(row)
