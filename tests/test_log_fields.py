@@ -61,6 +61,7 @@ def test_consumed_tokens_time_and_every_ranks_peak_across_a_resume_that_changes_
         assert per_rank[1] - per_rank[0] > (BALLAST_MIB - 48) << 20, per_rank
         assert r["host_peak_bytes_max"] == per_rank[1] and r["host_peak_rank"] == 1
         assert r["device_peak_bytes_per_rank"] is None and r["device_peak_bytes_max"] is None
+        assert r["device_reserved_peak_bytes"] is None
 
     # plot_loss: the second run's points sit at their consumed tokens, not iteration x its batch
     sys.path.insert(0, os.path.join(ROOT, "tools"))

@@ -90,6 +90,7 @@ def _memory_world(rank, seed, precision, attention_backend="local"):
         assert not engine.step().skipped
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
+    reserved = torch.cuda.max_memory_reserved()
     nvml = nvml_process_bytes(torch.cuda.current_device())     # the whole process on the GPU
     p = plan(PlanInput(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, vocab_size=VOCAB,
                        seq_length=SEQ, micro_batch_size=MICRO, precision=precision, bucket_size=40_000_000,
@@ -99,7 +100,7 @@ def _memory_world(rank, seed, precision, attention_backend="local"):
     out = dict(before_engine=before_engine, after_build=after_build, peak=peak, planned_states=states,
                planned_transient=p.device_bytes_per_gpu - states - overhead,
                planned_total=p.device_bytes_per_gpu, items=p.device_items,
-               accounted=engine.accounting.device_model_state_bytes, nvml=nvml)
+               accounted=engine.accounting.device_model_state_bytes, nvml=nvml, reserved=reserved)
     engine.close()
     return out
 
@@ -131,7 +132,8 @@ def test_device_memory_stays_within_the_plan(precision, attention_backend):
         print(f"NVML process memory {out['nvml']} vs planned total {out['planned_total']}")
         assert out["nvml"] <= out["planned_total"], (
             f"NVML process memory {out['nvml']} > the plan's device total {out['planned_total']} (its "
-            f"framework_overhead {out['items']['framework_overhead']}); allocator peak {out['peak']}")
+            f"framework_overhead {out['items']['framework_overhead']}); allocator peak {out['peak']}, "
+            f"reserved peak {out['reserved']}")
 
 
 def _run(args, tmp_path, timeout=600):

@@ -20,8 +20,8 @@ from zo_megatron.training.nvme_flags import nvme_endurance_line, nvme_step_field
 class StepLog:
     """One log window. `clock` is the trainer's monotonic clock (one clock for the whole job)."""
 
-    def __init__(self, metrics, args, ps, optimizer, flops_per_token: float, start_iter: int, clock):
-        self.metrics, self.args, self.ps, self.optimizer = metrics, args, ps, optimizer
+    def __init__(self, metrics, args, ps, optimizer, flops_per_token: float, start_iter: int, clock, moe=None):
+        self.metrics, self.args, self.ps, self.optimizer, self.moe = metrics, args, ps, optimizer, moe
         self.flops_per_token, self.start_iter, self.clock = flops_per_token, start_iter, clock
         self.grad_norm, self.delayed = 0.0, False
         self.peak_tflops = device_peak_tflops(ps.device)    # None where unknown (every CPU): no MFU
@@ -64,6 +64,9 @@ class StepLog:
         collectives.all_reduce(stats, group=ps.dp_group)
         host_peak = host_rss_bytes()
         device_peak = torch.cuda.max_memory_allocated(ps.device) if ps.device.type == "cuda" else None
+        # what the caching allocator held at its peak (allocated + its cached blocks): the part of the GPU's
+        # memory above the allocated peak that a plan must budget for (issue 34, the NVML check)
+        reserved_peak = torch.cuda.max_memory_reserved(ps.device) if ps.device.type == "cuda" else None
         peaks = rank_peaks(host_peak, device_peak)
         dt = self.clock() - self.t
         tokens = self.n * args.global_batch_size * args.seq_length
@@ -88,10 +91,12 @@ class StepLog:
             # --overlap-cpu-step: buckets whose CPU Adam ran during backward / were undone and redone
             "speculated_buckets": self.speculated, "rolled_back_buckets": self.rolled_back,
             "overlap_cpu_step": bool(getattr(args, "overlap_cpu_step", False)),
-            "device_peak_bytes": device_peak,
+            "device_peak_bytes": device_peak, "device_reserved_peak_bytes": reserved_peak,
             **peaks,
             "delayed_update": self.delayed,
             **nvme,
+            # a mixture of experts: the router's aux losses, as Megatron-LM logs them (training/moe_losses.py)
+            **(self.moe.window(self.n) if self.moe is not None else {}),
             "_iters_done_this_run": iteration - self.start_iter,
         })
         self._reset()
