@@ -5,6 +5,8 @@
                (their differences are data: llama.VARIANTS)
     mixtral.py MixtralForCausalLM (mixture of experts: Mistral's decoder, experts and router)
     qwen_moe.py Qwen2MoeForCausalLM, Qwen3MoeForCausalLM (experts, Qwen2-MoE's gated shared expert)
+    (experts.py: the router and SwiGLU experts' tensors, as both MoE modules name and lay them out;
+     family.py: the config and weight-file reading every family shares)
 
 from-hf picks the family from config.json's `architectures` (or, when a config has none, its
 `model_type`); to-hf from the architecture the checkpoint was converted from, a name given by

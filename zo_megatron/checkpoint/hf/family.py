@@ -131,3 +131,38 @@ def read_state_dict(input_dir: str) -> dict[str, torch.Tensor]:
             raise UserError(f"{path}: not a state dict of tensors")
         out.update(part)
     return out
+
+
+def read_hf_config(config_class, cfg_json: dict, where: str):
+    """config.json's contents as transformers' `config_class` reads them; `auto_map` is dropped (it
+    names remote code, which conversion never runs); an invalid config is one line."""
+    try:
+        return config_class.from_dict({k: v for k, v in cfg_json.items() if k != "auto_map"})
+    except (TypeError, ValueError, KeyError) as exc:
+        raise UserError(f"{where}: not a valid {config_class.__name__} ({type(exc).__name__}: "
+                        f"{str(exc).splitlines()[0][:160] if str(exc) else ''})") from None
+
+
+def read_checked_state_dict(input_dir: str, meta: dict, expected: dict[str, tuple[int, ...]], architecture: str,
+                            extra_hint: str = "") -> dict[str, torch.Tensor]:
+    """The HF directory's tensors, refused in one line unless they are exactly `expected` (name ->
+    shape) once old files' RoPE buffers and a tied lm_head are set aside; `extra_hint` ends the line
+    for unexpected tensors (what config.json must agree on)."""
+    sd = {k: v for k, v in read_state_dict(input_dir).items() if not k.endswith("rotary_emb.inv_freq")}
+    if not meta["untie_embeddings_and_output_weights"] and "lm_head.weight" in sd:
+        if not torch.equal(sd["lm_head.weight"], sd.get("model.embed_tokens.weight", torch.empty(0))):
+            raise UserError(f"{input_dir}: lm_head.weight differs from model.embed_tokens.weight but config.json "
+                            "says tie_word_embeddings=true: the weights and the config disagree")
+        del sd["lm_head.weight"]
+    missing = [k for k in expected if k not in sd]
+    if missing:
+        raise UserError(f"{input_dir}: no tensor {missing[0]!r} ({len(missing)} missing) in the weight files: "
+                        "they do not match config.json")
+    extra = sorted(k for k in sd if k not in expected)
+    if extra:
+        raise UserError(f"{input_dir}: the weight files hold {extra[0]!r} ({len(extra)} unexpected), which "
+                        f"config.json's {architecture} does not have{extra_hint}")
+    for k, shape in expected.items():
+        if tuple(sd[k].shape) != shape:
+            raise UserError(f"{input_dir}: {k} has shape {tuple(sd[k].shape)}, config.json implies {shape}")
+    return sd

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from zo_megatron.checkpoint.arch import full_meta
-from zo_megatron.checkpoint.hf.family import HFFamily
+from zo_megatron.checkpoint.hf.family import HFFamily, read_hf_config
 from zo_megatron.errors import UserError
 from zo_megatron.model.config import YARN_FIELDS
 
@@ -147,11 +147,7 @@ class GPT2Family(HFFamily):
     def read_config(self, cfg_json: dict, where: str):
         from transformers import GPT2Config
 
-        try:
-            return GPT2Config.from_dict({k: v for k, v in cfg_json.items() if k != "auto_map"})
-        except (TypeError, ValueError, KeyError) as exc:
-            raise UserError(f"{where}: not a valid GPT2Config ({type(exc).__name__}: "
-                            f"{str(exc).splitlines()[0][:160] if str(exc) else ''})") from None
+        return read_hf_config(GPT2Config, cfg_json, where)
 
     def meta_from_config(self, cfg, where: str) -> tuple[dict, dict]:
         return full_meta(meta_from_hf_config(cfg, where)), {"hidden_dropout": cfg.resid_pdrop, "attention_dropout": cfg.attn_pdrop}

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from zo_megatron.checkpoint.arch import full_meta, head_dim, query_groups
-from zo_megatron.checkpoint.hf.family import HFFamily, read_state_dict
+from zo_megatron.checkpoint.hf.family import HFFamily, read_checked_state_dict, read_hf_config
 from zo_megatron.checkpoint.hf.rope import ROPE_REFUSED, ROPE_TYPES, yarn_meta, yarn_parameters
 from zo_megatron.errors import UserError
 
@@ -183,6 +183,13 @@ def _rope_config(cls, meta: dict) -> dict:
     return v5 if _reads_rope_parameters(cls) else v4
 
 
+def _rope_config_json_extra(cls, meta: dict) -> dict:
+    """The rope keys of the schema the installed transformers' config class `cls` does not write, for
+    config.json's readers of the other version (see LlamaFamily.config_json_extra)."""
+    v5, v4 = _rope_schemas(meta)
+    return v4 if _reads_rope_parameters(cls) else v5
+
+
 # ---- names and shapes
 
 def hf_shapes(meta: dict, biases: frozenset) -> dict[str, tuple[int, ...]]:
@@ -307,11 +314,7 @@ class LlamaFamily(HFFamily):
                 for ons in itertools.product((False, True), repeat=len(names))}
 
     def read_config(self, cfg_json: dict, where: str):
-        try:
-            return self._config_class().from_dict({k: v for k, v in cfg_json.items() if k != "auto_map"})
-        except (TypeError, ValueError, KeyError) as exc:
-            raise UserError(f"{where}: not a valid {self.variant.config_class} ({type(exc).__name__}: "
-                            f"{str(exc).splitlines()[0][:160] if str(exc) else ''})") from None
+        return read_hf_config(self._config_class(), cfg_json, where)
 
     def meta_from_config(self, cfg, where: str) -> tuple[dict, dict]:
         def refuse(what, why):
@@ -357,26 +360,8 @@ class LlamaFamily(HFFamily):
         return {"tokens": int(window), "layers": sliding, "architecture": self.architecture, "hf": fields}
 
     def read_state(self, input_dir: str, cfg, meta: dict) -> dict[str, torch.Tensor]:
-        sd = read_state_dict(input_dir)
-        where = input_dir
-        expected = hf_shapes(meta, _our_biases(meta))
-        sd = {k: v for k, v in sd.items() if not k.endswith("rotary_emb.inv_freq")}   # old files' RoPE buffers
-        if not meta["untie_embeddings_and_output_weights"] and "lm_head.weight" in sd:
-            if not torch.equal(sd["lm_head.weight"], sd.get("model.embed_tokens.weight", torch.empty(0))):
-                raise UserError(f"{where}: lm_head.weight differs from model.embed_tokens.weight but config.json "
-                                "says tie_word_embeddings=true: the weights and the config disagree")
-            del sd["lm_head.weight"]
-        missing = [k for k in expected if k not in sd]
-        if missing:
-            raise UserError(f"{where}: no tensor {missing[0]!r} ({len(missing)} missing) in the weight files: they "
-                            "do not match config.json")
-        extra = sorted(k for k in sd if k not in expected)
-        if extra:
-            raise UserError(f"{where}: the weight files hold {extra[0]!r} ({len(extra)} unexpected), which config.json's "
-                            f"{self.architecture} does not have (biases, tying and layers must agree)")
-        for k, shape in expected.items():
-            if tuple(sd[k].shape) != shape:
-                raise UserError(f"{where}: {k} has shape {tuple(sd[k].shape)}, config.json implies {shape}")
+        sd = read_checked_state_dict(input_dir, meta, hf_shapes(meta, _our_biases(meta)), self.architecture,
+                                     " (biases, tying and layers must agree)")
         return from_hf(sd, meta)
 
     def why_not(self, meta: dict) -> str | None:
@@ -417,8 +402,7 @@ class LlamaFamily(HFFamily):
     def config_json_extra(self, meta: dict) -> dict:
         """transformers 5 writes only rope_parameters; a 4.x reader would silently take theta 10000 and
         no scaling from such a file: the 4.x keys too (5.x reads them as the same rope)."""
-        v5, v4 = _rope_schemas(meta)
-        return v4 if _reads_rope_parameters(self._config_class()) else v5
+        return _rope_config_json_extra(self._config_class(), meta)
 
     def hf_config(self, meta: dict, *, dtype: str, args: dict, bos_token_id, eos_token_id, window: dict | None = None):
         cls = self._config_class()

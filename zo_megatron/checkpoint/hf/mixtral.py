@@ -31,7 +31,8 @@ import torch
 
 from zo_megatron.checkpoint.arch import full_meta, query_groups
 from zo_megatron.checkpoint.hf import llama
-from zo_megatron.checkpoint.hf.family import HFFamily, read_state_dict
+from zo_megatron.checkpoint.hf.experts import MIXTRAL_NAMES, experts_from_hf, experts_to_hf
+from zo_megatron.checkpoint.hf.family import HFFamily, read_checked_state_dict, read_hf_config
 from zo_megatron.errors import UserError
 
 _OURS = "gpt."
@@ -82,13 +83,8 @@ def from_hf(sd: dict[str, torch.Tensor], meta: dict) -> dict[str, torch.Tensor]:
     """HF state dict as on disk (full) -> our full tensors (experts by global index)."""
     out = llama.from_hf({k: v for k, v in sd.items() if not _LAYER.match(k)}, meta)
     for i in range(meta["num_layers"]):
-        h, m = f"model.layers.{i}.block_sparse_moe.", f"{_OURS}decoder.layers.{i}.mlp."
-        out[m + "router.weight"] = sd[h + "gate.weight"]
-        for e in range(meta["num_experts"]):
-            x = f"{h}experts.{e}."
-            ours = f"{m}experts.local_experts.{e}."
-            out[ours + "linear_fc1.weight"] = torch.cat([sd[x + "w1.weight"], sd[x + "w3.weight"]])
-            out[ours + "linear_fc2.weight"] = sd[x + "w2.weight"]
+        out.update(experts_from_hf(sd, f"model.layers.{i}.block_sparse_moe.", f"{_OURS}decoder.layers.{i}.mlp.",
+                                   meta["num_experts"], MIXTRAL_NAMES))
     return {k: v.contiguous() for k, v in out.items()}
 
 
@@ -96,15 +92,9 @@ def to_hf(weights: dict[str, torch.Tensor], meta: dict) -> dict[str, torch.Tenso
     """Our full tensors -> HF state dict in the on-disk layout (no lm_head when tied)."""
     dense = {k: v for k, v in weights.items() if ".mlp." not in k}
     out = llama.to_hf(dense, meta)
-    f = meta["moe_ffn_hidden_size"]
     for i in range(meta["num_layers"]):
-        h, m = f"model.layers.{i}.block_sparse_moe.", f"{_OURS}decoder.layers.{i}.mlp."
-        out[h + "gate.weight"] = weights[m + "router.weight"]
-        for e in range(meta["num_experts"]):
-            ours = f"{m}experts.local_experts.{e}."
-            w1, w3 = weights[ours + "linear_fc1.weight"].split([f, f])
-            out.update({f"{h}experts.{e}.w1.weight": w1, f"{h}experts.{e}.w3.weight": w3,
-                        f"{h}experts.{e}.w2.weight": weights[ours + "linear_fc2.weight"]})
+        out.update(experts_to_hf(weights, f"{_OURS}decoder.layers.{i}.mlp.", f"model.layers.{i}.block_sparse_moe.",
+                                 meta["num_experts"], meta["moe_ffn_hidden_size"], MIXTRAL_NAMES))
     return {k: v.clone(memory_format=torch.contiguous_format) for k, v in out.items()}
 
 
@@ -128,36 +118,14 @@ class MixtralFamily(HFFamily):
     def read_config(self, cfg_json: dict, where: str):
         import transformers
 
-        try:
-            return transformers.MixtralConfig.from_dict({k: v for k, v in cfg_json.items() if k != "auto_map"})
-        except (TypeError, ValueError, KeyError) as exc:
-            raise UserError(f"{where}: not a valid MixtralConfig ({type(exc).__name__}: "
-                            f"{str(exc).splitlines()[0][:160] if str(exc) else ''})") from None
+        return read_hf_config(transformers.MixtralConfig, cfg_json, where)
 
     def meta_from_config(self, cfg, where: str) -> tuple[dict, dict]:
         meta = full_meta(meta_from_config(cfg, where))
         return meta, {"hidden_dropout": 0.0, "attention_dropout": float(getattr(cfg, "attention_dropout", 0.0) or 0.0)}
 
     def read_state(self, input_dir: str, cfg, meta: dict) -> dict[str, torch.Tensor]:
-        sd = {k: v for k, v in read_state_dict(input_dir).items() if not k.endswith("rotary_emb.inv_freq")}
-        if not meta["untie_embeddings_and_output_weights"] and "lm_head.weight" in sd:
-            if not torch.equal(sd["lm_head.weight"], sd.get("model.embed_tokens.weight", torch.empty(0))):
-                raise UserError(f"{input_dir}: lm_head.weight differs from model.embed_tokens.weight but config.json "
-                                "says tie_word_embeddings=true: the weights and the config disagree")
-            del sd["lm_head.weight"]
-        expected = hf_shapes(meta)
-        missing = [k for k in expected if k not in sd]
-        if missing:
-            raise UserError(f"{input_dir}: no tensor {missing[0]!r} ({len(missing)} missing) in the weight files: "
-                            "they do not match config.json")
-        extra = sorted(k for k in sd if k not in expected)
-        if extra:
-            raise UserError(f"{input_dir}: the weight files hold {extra[0]!r} ({len(extra)} unexpected), which "
-                            "config.json's MixtralForCausalLM does not have")
-        for k, shape in expected.items():
-            if tuple(sd[k].shape) != shape:
-                raise UserError(f"{input_dir}: {k} has shape {tuple(sd[k].shape)}, config.json implies {shape}")
-        return from_hf(sd, meta)
+        return from_hf(read_checked_state_dict(input_dir, meta, hf_shapes(meta), self.architecture), meta)
 
     def why_not(self, meta: dict) -> str | None:
         meta = full_meta(meta)
@@ -185,10 +153,9 @@ class MixtralFamily(HFFamily):
         return to_hf(weights, meta)
 
     def config_json_extra(self, meta: dict) -> dict:
-        v5, v4 = llama._rope_schemas(meta)
         import transformers
 
-        return v4 if llama._reads_rope_parameters(transformers.MixtralConfig) else v5
+        return llama._rope_config_json_extra(transformers.MixtralConfig, meta)
 
     def hf_config(self, meta: dict, *, dtype: str, args: dict, bos_token_id, eos_token_id, window: dict | None = None):
         import transformers

@@ -29,7 +29,8 @@ import torch
 
 from zo_megatron.checkpoint.arch import full_meta, param_shapes, query_groups
 from zo_megatron.checkpoint.hf import llama
-from zo_megatron.checkpoint.hf.family import HFFamily, read_state_dict
+from zo_megatron.checkpoint.hf.experts import QWEN_NAMES, experts_from_hf, experts_to_hf, swiglu_from_hf, swiglu_to_hf
+from zo_megatron.checkpoint.hf.family import HFFamily, read_checked_state_dict, read_hf_config
 from zo_megatron.errors import UserError
 from zo_megatron.model.config import ARCH_FIELDS, MOE_FIELDS, GPTConfig
 
@@ -64,16 +65,9 @@ def from_hf(sd: dict[str, torch.Tensor], meta: dict) -> dict[str, torch.Tensor]:
         h, m = f"model.layers.{i}.mlp.", f"{_OURS}decoder.layers.{i}.mlp."
         if h + "gate.weight" not in sd:
             continue                                       # a dense layer: llama.from_hf mapped it
-        out[m + "router.weight"] = sd[h + "gate.weight"]
-        for e in range(meta["num_experts"]):
-            x, ours = f"{h}experts.{e}.", f"{m}experts.local_experts.{e}."
-            out[ours + "linear_fc1.weight"] = torch.cat([sd[x + "gate_proj.weight"], sd[x + "up_proj.weight"]])
-            out[ours + "linear_fc2.weight"] = sd[x + "down_proj.weight"]
+        out.update(experts_from_hf(sd, h, m, meta["num_experts"], QWEN_NAMES))
         if h + "shared_expert.gate_proj.weight" in sd:
-            x = h + "shared_expert."
-            out[m + "shared_experts.linear_fc1.weight"] = torch.cat([sd[x + "gate_proj.weight"],
-                                                                     sd[x + "up_proj.weight"]])
-            out[m + "shared_experts.linear_fc2.weight"] = sd[x + "down_proj.weight"]
+            out.update(swiglu_from_hf(sd, h + "shared_expert.", m + "shared_experts.", QWEN_NAMES))
             out[m + "shared_experts.gate_weight"] = sd[h + "shared_expert_gate.weight"]
     return {k: v.contiguous() for k, v in out.items()}
 
@@ -87,17 +81,10 @@ def to_hf(weights: dict[str, torch.Tensor], meta: dict) -> dict[str, torch.Tenso
         h, m = f"model.layers.{i}.mlp.", f"{_OURS}decoder.layers.{i}.mlp."
         if m + "router.weight" not in weights:
             continue
-        out[h + "gate.weight"] = weights[m + "router.weight"]
-        for e in range(meta["num_experts"]):
-            ours = f"{m}experts.local_experts.{e}."
-            gate, up = weights[ours + "linear_fc1.weight"].split([f, f])
-            out.update({f"{h}experts.{e}.gate_proj.weight": gate, f"{h}experts.{e}.up_proj.weight": up,
-                        f"{h}experts.{e}.down_proj.weight": weights[ours + "linear_fc2.weight"]})
+        out.update(experts_to_hf(weights, m, h, meta["num_experts"], f, QWEN_NAMES))
         if s:
-            gate, up = weights[m + "shared_experts.linear_fc1.weight"].split([s, s])
-            out.update({h + "shared_expert.gate_proj.weight": gate, h + "shared_expert.up_proj.weight": up,
-                        h + "shared_expert.down_proj.weight": weights[m + "shared_experts.linear_fc2.weight"],
-                        h + "shared_expert_gate.weight": weights[m + "shared_experts.gate_weight"]})
+            out.update(swiglu_to_hf(weights, m + "shared_experts.", h + "shared_expert.", s, QWEN_NAMES))
+            out[h + "shared_expert_gate.weight"] = weights[m + "shared_experts.gate_weight"]
     return {k: v.clone(memory_format=torch.contiguous_format) for k, v in out.items()}
 
 
@@ -113,11 +100,7 @@ class QwenMoeFamily(HFFamily):
         return getattr(transformers, self.variant.config_class)
 
     def read_config(self, cfg_json: dict, where: str):
-        try:
-            return self._config_class().from_dict({k: v for k, v in cfg_json.items() if k != "auto_map"})
-        except (TypeError, ValueError, KeyError) as exc:
-            raise UserError(f"{where}: not a valid {self.variant.config_class} ({type(exc).__name__}: "
-                            f"{str(exc).splitlines()[0][:160] if str(exc) else ''})") from None
+        return read_hf_config(self._config_class(), cfg_json, where)
 
     def meta_from_config(self, cfg, where: str) -> tuple[dict, dict]:
         def refuse(what, why):
@@ -151,25 +134,8 @@ class QwenMoeFamily(HFFamily):
         return full_meta(meta), args
 
     def read_state(self, input_dir: str, cfg, meta: dict) -> dict[str, torch.Tensor]:
-        sd = {k: v for k, v in read_state_dict(input_dir).items() if not k.endswith("rotary_emb.inv_freq")}
-        if not meta["untie_embeddings_and_output_weights"] and "lm_head.weight" in sd:
-            if not torch.equal(sd["lm_head.weight"], sd.get("model.embed_tokens.weight", torch.empty(0))):
-                raise UserError(f"{input_dir}: lm_head.weight differs from model.embed_tokens.weight but config.json "
-                                "says tie_word_embeddings=true: the weights and the config disagree")
-            del sd["lm_head.weight"]
         expected = {k: tuple(v.shape) for k, v in to_hf(_zeros(meta), meta).items()}
-        missing = [k for k in expected if k not in sd]
-        if missing:
-            raise UserError(f"{input_dir}: no tensor {missing[0]!r} ({len(missing)} missing) in the weight files: "
-                            "they do not match config.json")
-        extra = sorted(k for k in sd if k not in expected)
-        if extra:
-            raise UserError(f"{input_dir}: the weight files hold {extra[0]!r} ({len(extra)} unexpected), which "
-                            f"config.json's {self.architecture} does not have")
-        for k, shape in expected.items():
-            if tuple(sd[k].shape) != shape:
-                raise UserError(f"{input_dir}: {k} has shape {tuple(sd[k].shape)}, config.json implies {shape}")
-        return from_hf(sd, meta)
+        return from_hf(read_checked_state_dict(input_dir, meta, expected, self.architecture), meta)
 
     def why_not(self, meta: dict) -> str | None:
         meta = full_meta(meta)
@@ -195,8 +161,7 @@ class QwenMoeFamily(HFFamily):
         return to_hf(weights, meta)
 
     def config_json_extra(self, meta: dict) -> dict:
-        v5, v4 = llama._rope_schemas(meta)
-        return v4 if llama._reads_rope_parameters(self._config_class()) else v5
+        return llama._rope_config_json_extra(self._config_class(), meta)
 
     def hf_config(self, meta: dict, *, dtype: str, args: dict, bos_token_id, eos_token_id, window: dict | None = None):
         assert window is None, "a mixture-of-experts model with a sliding window is refused by from-hf"
