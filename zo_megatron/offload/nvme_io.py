@@ -156,6 +156,12 @@ class Request:
     def __init__(self, futures: list[Future]):
         self.futures = futures
 
+    @classmethod
+    def joined(cls, requests: list[Request]) -> Request:
+        """Several Requests as one. Their blocks stay in order, so wait() raises the error that waiting
+        on each Request in turn would have raised first."""
+        return cls([f for r in requests for f in r.futures])
+
     def done(self) -> bool:
         return all(f.done() for f in self.futures)
 

@@ -41,8 +41,8 @@ from dataclasses import dataclass
 import torch
 
 from zo_megatron.errors import ConfigError, UserError
-from zo_megatron.offload.nvme_io import (DEFAULT_BLOCK_BYTES, DEFAULT_THREADS, AsyncFileIO, StateFile, aligned_empty,
-                                         round_up)
+from zo_megatron.offload.nvme_io import (DEFAULT_BLOCK_BYTES, DEFAULT_THREADS, AsyncFileIO, Request, StateFile,
+                                         aligned_empty, round_up)
 from zo_megatron.parallel import collectives
 
 KERNEL_CUT = 64                        # elements: where adam_step_segments may cut a segment
@@ -247,9 +247,7 @@ class NvmeStateStore:
         return True
 
     def _write(self, slot: int, i: int) -> None:
-        reqs = [self.io.write(self.files[k], i * self.slot_bytes[k], self.ring[slot][k][:self._nbytes(i, k)])
-                for k in self.dtypes]
-        req = _All(reqs)
+        req = self._transfer(self.io.write, slot, i, self.dtypes)
         self._slot_write[slot] = req
         self._chunk_write[i] = req
         self.written_bytes += sum(self._nbytes(i, k) for k in self.dtypes)
@@ -305,8 +303,12 @@ class NvmeStateStore:
                 return None
             self._wait(self._chunk_write.pop(i))
         self.read_bytes += sum(self._nbytes(i, k) for k in kinds)
-        return _All([self.io.read(self.files[k], i * self.slot_bytes[k], self.ring[slot][k][:self._nbytes(i, k)])
-                     for k in kinds])
+        return self._transfer(self.io.read, slot, i, kinds)
+
+    def _transfer(self, op, slot: int, i: int, kinds) -> Request:
+        """A Request for `op` (self.io.read or write) of chunk i's `kinds`: their files <-> ring slot `slot`."""
+        return Request.joined([op(self.files[k], i * self.slot_bytes[k], self.ring[slot][k][:self._nbytes(i, k)])
+                               for k in kinds])
 
     def prefetch(self) -> None:
         """Start the next full pass's first reads now, into the ring slots whose writes are done: the
@@ -463,22 +465,3 @@ class NvmeStateStore:
                 os.close(self._lock_fd)
                 self._lock_fd = None
 
-
-class _All:
-    """Several Requests as one."""
-
-    def __init__(self, reqs):
-        self.reqs = reqs
-
-    def done(self) -> bool:
-        return all(r.done() for r in self.reqs)
-
-    def wait(self) -> None:
-        first = None
-        for r in self.reqs:
-            try:
-                r.wait()
-            except BaseException as e:   # noqa: BLE001 - re-raised below
-                first = first or e
-        if first is not None:
-            raise first
