@@ -89,7 +89,7 @@ def _cases(d):
         # Megatron-LM flags: every refusal of one command line in one line (#28)
         ("refused Megatron flags together", ["--moe-expert-capacity-factor", "1.0", "--fp8-format", "hybrid"], {},
          "(2 flags refused)"),
-        # mixture of experts (issue 39): Megatron-LM's rules, one line each; the job refuses MoE training for now
+        # mixture of experts (issue 39): Megatron-LM's rules, one line each; what the job does not do with experts
         ("top-k above the experts", ["--num-experts", "4", "--moe-router-topk", "5"], {},
          "--moe-router-topk 5 with --num-experts 4"),
         ("EP not dividing the experts", ["--num-experts", "6", "--expert-model-parallel-size", "4"], {},
@@ -99,7 +99,9 @@ def _cases(d):
          "--moe-grouped-gemm: megatron-core's grouped-GEMM experts need"),
         ("MoE at TP 2 without sequence parallelism", ["--num-experts", "4", "--tensor-model-parallel-size", "2"], {},
          "need --sequence-parallel"),
-        ("MoE training, not done yet", ["--num-experts", "4"], {}, "--num-experts 4: mixture-of-experts models build"),
+        ("MoE at EP 2 with --dpu, not done yet",
+         ["--num-experts", "4", "--expert-model-parallel-size", "2", "--zero-offload", "--dpu"], {},
+         "--dpu with --expert-model-parallel-size 2 is not supported yet"),
         ("an MoE checkpoint loaded with dense flags", [*data, "--load", f"{d}/moe_ck"], {},
          "--num-experts: 4 in the checkpoint, None here"),
         # data paths (#28)

@@ -11,7 +11,8 @@ them). Parameters replicated over TP (LayerNorms, biases of row-parallel layers,
 embeddings) are written by TP rank 0 and read by every TP rank. Vocab padding rows, whose size
 depends on TP, are neither saved nor loaded: the logits of those rows are masked to -inf. A
 stride-2 shard (SwiGLU's fc1: [gate_r; up_r]) is two boxes of the full tensor, so resharding
-TP works for it as for any other tensor.
+TP works for it as for any other tensor. A routed expert's keys name its global index (the model's
+`full_name`: EP rank r's local expert j is expert r x E/EP + j), so EP ranks write disjoint keys.
 """
 from __future__ import annotations
 
@@ -31,9 +32,23 @@ def optimizer_kind(optimizer) -> str:
     return "zero_offload" if optimizer.holds_master_weights else "baseline"
 
 
+def _full_name(model):
+    return getattr(model, "full_name", lambda n: n)
+
+
 def full_shapes(model, tp_rank: int, tp_size: int, vocab_size: int) -> dict[str, tuple[int, ...]]:
-    """Every parameter's full unpadded shape: the same at any TP x DP layout."""
-    return {n: tuple(i.full_shape) for n, i in model_shard_infos(model, tp_rank, tp_size, vocab_size).items()}
+    """Every parameter's full unpadded shape: the same at any TP x DP x EP layout (an EP rank holds
+    some experts of each layer; every expert of a layer has the same shapes, so all E are listed)."""
+    import re
+
+    full_name = _full_name(model)
+    experts = getattr(getattr(model, "cfg", None), "num_experts", None)
+    out = {}
+    for n, i in model_shard_infos(model, tp_rank, tp_size, vocab_size).items():
+        name, shape = full_name(n), tuple(i.full_shape)
+        m = re.match(r"(.*\.mlp\.experts\.local_experts\.)\d+(\..*)", name) if experts else None
+        out.update({f"{m[1]}{e}{m[2]}": shape for e in range(experts)} if m else {name: shape})
+    return out
 
 
 def _pieces(key: str, info, box: Box, flat: torch.Tensor) -> list[Piece]:
@@ -52,6 +67,7 @@ def _pieces(key: str, info, box: Box, flat: torch.Tensor) -> list[Piece]:
 
 def offload_pieces(engine, ps, vocab_size: int, *, saving: bool, with_optimizer: bool) -> list[Piece]:
     infos = model_shard_infos(engine.model, ps.tp_rank, ps.tp_size, vocab_size)
+    full_name = _full_name(engine.model)
     out = []
     for name, param, start, n, views in engine.host_state_views():
         info = infos[name]
@@ -61,7 +77,7 @@ def offload_pieces(engine, ps, vocab_size: int, *, saving: bool, with_optimizer:
             for what, prefix in STATE_KEYS.items():
                 if what != "master" and not with_optimizer:
                     continue
-                out += _pieces(prefix + name, info, box, views[what])
+                out += _pieces(prefix + full_name(name), info, box, views[what])
     return out
 
 
@@ -93,7 +109,7 @@ def baseline_pieces(optimizer, ps, vocab_size: int, *, saving: bool, with_optimi
             st = _ensure_adam_state(optimizer.opt, p)
             tensors.update(exp_avg=st["exp_avg"], exp_avg_sq=st["exp_avg_sq"])
         for what, t in tensors.items():
-            out += _pieces(STATE_KEYS[what] + name, info, box, t.reshape(-1))
+            out += _pieces(STATE_KEYS[what] + _full_name(model)(name), info, box, t.reshape(-1))
     return out
 
 

@@ -69,6 +69,7 @@ class Resumed:
     resharded_from: tuple[int, int] | None     # (TP, DP) of the checkpoint when it differs
     rng_restored: str                          # "exact", "shared streams" or "no"
     converted_from: str | None = None          # weights-only checkpoint from tools/convert_checkpoint.py
+    resharded_ep: tuple[int, int] | None = None  # (the checkpoint's EP, this run's) when they differ
 
 
 def _plain_diff(field: str, in_checkpoint, here) -> str:
@@ -165,6 +166,8 @@ def load_checkpoint(root: str, *, ps, model, optimizer, vocab_size: int, model_m
         check_files(d, manifest, checksum_share=(ps.rank, ps.world_size))
         saved_layout = manifest["layout"]
         saved_tp, saved_dp = int(saved_layout["tensor_parallel"]), int(saved_layout["data_parallel"])
+        # experts are keyed by their global index: another EP is a reshard as another DP (docs/moe.md)
+        saved_ep, ep = int(saved_layout.get("expert_parallel", 1)), getattr(ps, "ep_size", 1)
         same_layout = (saved_tp, saved_dp) == (ps.tp_size, ps.dp_size)
         load_rng = not (opts.no_load_rng or opts.finetune)
         rng_src = rng_file(ps.tp_rank, ps.dp_rank) if same_layout else \
@@ -213,4 +216,4 @@ def load_checkpoint(root: str, *, ps, model, optimizer, vocab_size: int, model_m
         consumed_valid_samples=0 if opts.finetune else int(manifest.get("consumed_valid_samples", 0)),
         opt_param_scheduler=use_schedule,
         resharded_from=None if same_layout or converted_from else (saved_tp, saved_dp), rng_restored=restored,
-        converted_from=converted_from)
+        converted_from=converted_from, resharded_ep=None if saved_ep == ep or converted_from else (saved_ep, ep))

@@ -12,14 +12,23 @@ gradient norm is one: each engine adds the other's local sum of squares before i
 world (`extra_grad_stats`, taken before either steps), so both clip by the same coefficient and skip
 the same overflowing step.
 
-One loss.backward() per micro-batch reaches both: the dense engine runs it, the expert engine only
-its bookkeeping (begin_backward / end_backward). Only the synchronous CPU step is offered (DPU,
---overlap-cpu-step, partial offload and the NVMe tier with experts: not yet). At EP 1 with expert TP =
-TP the expert groups are the DP groups and one engine suffices (the caller keeps the plain engine).
+One loss.backward() per micro-batch reaches both: the dense engine runs it (with the loss scale),
+the expert engine only its bookkeeping (begin_backward / end_backward). One loss scaler: the dense
+engine's updates it; the expert engine unscales by the scale the backward used (a follower set
+before each step). Only the synchronous CPU step is offered (DPU, --overlap-cpu-step, partial
+offload and the NVMe tier with experts: not yet). At EP 1 with expert TP = TP the expert groups are
+the DP groups and one engine suffices (the caller keeps the plain engine).
+
+The job drives it as any TrainingOptimizer (optimizer_api.py): the checkpoint reads both engines'
+host states (`host_state_views`), the log both engines' accounting (summed).
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+
 from zo_megatron.errors import ConfigError
+from zo_megatron.offload.accounting import Accounting
 from zo_megatron.offload.engine import ZeroOffloadEngine
 from zo_megatron.optimizer_api import StepResult
 
@@ -41,14 +50,64 @@ class ExpertParallelEngine:
                 raise ConfigError(f"{option} with expert parallelism is not supported yet (docs/moe.md): drop it")
         if engine_kwargs.get("optimizer_offload_fraction", 1.0) != 1.0:
             raise ConfigError("a partial offload with expert parallelism is not supported yet (docs/moe.md)")
+        from zo_megatron.offload.loss_scaler import ConstantLossScaler
+
+        self.model = model
         self.dense = ZeroOffloadEngine(model, dp_group=dp_group, params=lambda n, p: not is_expert(n), **engine_kwargs)
+        # the one scaler is the dense engine's; the expert engine's follows it (set before each step)
+        follower = ConstantLossScaler(self.dense.loss_scaler.scale)
         try:
             self.experts = ZeroOffloadEngine(model, dp_group=edp_group, params=is_expert, grad_divisor=dp_size,
-                                             **engine_kwargs)
+                                             **{**engine_kwargs, "loss_scaler": follower})
         except BaseException:
             self.dense.close()
             raise
-        self.step_count = 0
+
+    holds_master_weights = True
+
+    @property
+    def loss_scaler(self):
+        return self.dense.loss_scaler
+
+    @property
+    def step_count(self) -> int:
+        return self.dense.step_count
+
+    @step_count.setter
+    def step_count(self, value: int) -> None:     # a checkpoint's step: both engines' Adam step
+        self.dense.step_count = self.experts.step_count = value
+
+    @property
+    def accounting(self) -> Accounting:
+        """Both engines' bytes, summed (a fresh object: read it, do not update it)."""
+        a, b = self.dense.accounting, self.experts.accounting
+        return Accounting(**{f.name: getattr(a, f.name) + getattr(b, f.name) for f in dataclasses.fields(Accounting)})
+
+    def forward_context(self):
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.dense.forward_context())
+        stack.enter_context(self.experts.forward_context())
+        return stack
+
+    def expect_lr(self, lr: float, decoupled_lr: float | None = None) -> None:
+        self.dense.expect_lr(lr, decoupled_lr)
+        self.experts.expect_lr(lr, decoupled_lr)
+
+    def host_state_views(self):
+        """Both engines' (name, param, start, n, views) fragments: the checkpoint's boxes."""
+        yield from self.dense.host_state_views()
+        yield from self.experts.host_state_views()
+
+    def reload_params_from_master(self) -> None:
+        self.dense.reload_params_from_master()
+        self.experts.reload_params_from_master()
+
+    def flush(self):
+        self.experts.flush()
+        return self.dense.flush()
+
+    def drain_phases(self) -> list[tuple[str, float, float]]:
+        return sorted(self.dense.drain_phases() + self.experts.drain_phases(), key=lambda p: p[1])
 
     def __enter__(self) -> "ExpertParallelEngine":
         return self
@@ -69,11 +128,11 @@ class ExpertParallelEngine:
         # each engine's norm adds the other's share, taken now: a step rewrites its host gradient
         self.dense.extra_grad_stats, self.experts.extra_grad_stats = \
             self.experts.local_grad_stats(), self.dense.local_grad_stats()
+        self.experts.loss_scaler.scale = self.dense.loss_scaler.scale     # the scale the backward used
         result = self.dense.step(lr=lr, decoupled_lr=decoupled_lr)
         other = self.experts.step(lr=lr, decoupled_lr=decoupled_lr)
         if (result.skipped, result.grad_norm) != (other.skipped, other.grad_norm) and not result.skipped:
             raise RuntimeError(f"the dense and expert engines disagree on the step: {result} vs {other}")
-        self.step_count = self.dense.step_count
         return result
 
     def close(self) -> None:

@@ -280,6 +280,10 @@ def plan_input_from_flags(flags: Any, *, data_parallel: int, vocab_size: int, **
     job's pre-launch check and tools/estimate_memory.py (which takes the same flag names and
     defaults), so the two can never plan different models. `flags` has pretrain_gpt.py's argparse
     attribute names; `hardware` the PlanInput fields of the machine (memory sizes, overheads)."""
+    if getattr(flags, "num_experts", None) is not None:
+        raise ValueError(f"--num-experts {flags.num_experts}: the memory planner has no mixture-of-experts lines "
+                         "yet (issue 39; the job trains MoE models without a memory check, docs/moe.md); drop "
+                         "--num-experts to plan the dense model")
     precision = flags.precision or "bf16"
     mb = flags.micro_batch_size
     gbs = flags.global_batch_size

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from zo_megatron.training.model_flags import architecture_kwargs
+from zo_megatron.training.model_flags import architecture_kwargs, moe_kwargs
 from zo_megatron.training.metrics import Metrics
 
 
@@ -51,7 +51,8 @@ def model_config(args):
     """The model's GPTConfig from the job's flags (the vocabulary as the pre-launch check resolved it)."""
     from zo_megatron.model import GPTConfig
 
-    return GPTConfig(**architecture_kwargs(args), vocab_size=args.model_vocab_size, precision=args.precision,
+    return GPTConfig(**architecture_kwargs(args), **moe_kwargs(args), vocab_size=args.model_vocab_size,
+                     precision=args.precision,
                      hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
                      init_method_std=args.init_method_std, recompute=args.recompute_granularity,
                      recompute_method=args.recompute_method or "uniform",
@@ -97,18 +98,31 @@ def build_optimizer(args, model, ps):
     common = dict(precision=args.precision, adam=adam, clip_grad=args.clip_grad, dp_group=ps.dp_group,
                   tp_rank=ps.tp_rank, loss_scaler=scaler, no_decay_embeddings=args.no_weight_decay_embeddings,
                   tp_group=ps.tp_group)
-    if args.zero_offload:
-        return ZeroOffloadEngine(model, bucket_size=args.bucket_size, pin_memory=not args.no_pin_memory,
-                                 device=ps.device, grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
-                                 host_grad_dtype=args.main_grads_dtype,
-                                 accumulate_on_host=args.accumulate_grads_on_host and args.grad_accum_steps > 1,
-                                 dpu_warmup_steps=args.dpu_warmup_steps if args.dpu else None,
-                                 dpu_weight_prediction=args.dpu_weight_prediction,
-                                 optimizer_offload_fraction=args.optimizer_offload_fraction,
-                                 overlap_cpu_step=args.overlap_cpu_step,
-                                 overlap_speculated_fraction=args.overlap_speculated_fraction,
-                                 nvme=nvme_config(args), **common)
-    return PlainDDPOptimizer(model.to(ps.device), **common)
+    if not args.zero_offload:
+        return PlainDDPOptimizer(model.to(ps.device), **common)
+    engine = dict(bucket_size=args.bucket_size, pin_memory=not args.no_pin_memory,
+                  device=ps.device, grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
+                  host_grad_dtype=args.main_grads_dtype,
+                  accumulate_on_host=args.accumulate_grads_on_host and args.grad_accum_steps > 1,
+                  dpu_warmup_steps=args.dpu_warmup_steps if args.dpu else None,
+                  dpu_weight_prediction=args.dpu_weight_prediction,
+                  optimizer_offload_fraction=args.optimizer_offload_fraction,
+                  overlap_cpu_step=args.overlap_cpu_step,
+                  overlap_speculated_fraction=args.overlap_speculated_fraction,
+                  nvme=nvme_config(args), **common)
+    if ps.ep_size > 1:          # different EP ranks hold different experts: two engines (docs/moe.md)
+        from zo_megatron.offload.expert_parallel import ExpertParallelEngine
+
+        return ExpertParallelEngine(model, edp_group=ps.edp_group, dp_size=ps.dp_size, **engine)
+    return ZeroOffloadEngine(model, **engine)   # at EP 1 experts are replicated over DP as dense parameters
+
+
+def build_moe_losses(args, cfg, ps):
+    """A mixture of experts' aux losses: their gradient's scale and their log (training/moe_losses.py);
+    None for a dense model."""
+    from zo_megatron.training.moe_losses import MoELosses
+
+    return MoELosses(cfg, ps, args.grad_accum_steps) if cfg.num_experts is not None else None
 
 
 def build_timeline(args, ps):

@@ -8,6 +8,9 @@ import resource
 import sys
 import time
 
+# a mixture of experts' router losses in a train row (training/moe_losses.py: megatron-core's names)
+MOE_LOSS_KEYS = ("load_balancing_loss", "seq_load_balancing_loss", "z_loss")
+
 
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -116,7 +119,9 @@ class Metrics:
         eta = elapsed / max(done, 1) * (self.total_iters - it)
         gn = row["grad_norm"]
         when = f"[{row['time'].replace('T', ' ').replace('+00:00', ' UTC')}] " if row.get("time") else ""
-        line = (f" {when}iter {it:>6}/{self.total_iters} | loss {row['loss']:.4f} | lr {row['lr']:.3e} | "
+        line = (f" {when}iter {it:>6}/{self.total_iters} | loss {row['loss']:.4f} | "
+                + "".join(f"{k} {row[k]:.4e} | " for k in MOE_LOSS_KEYS if k in row)
+                + f"lr {row['lr']:.3e} | "
                 + (f"decoupled lr {row['decoupled_lr']:.3e} | " if row.get("decoupled_lr") is not None else "")
                 + f"grad norm {gn:.3f} | loss scale {row['loss_scale']:.0f} | "
                 f"skipped {row['skipped']} nan {row['nan_iterations']} | "

@@ -107,9 +107,8 @@ def add_moe_flags(g) -> None:
     """Megatron-LM's mixture-of-experts flags (names, defaults, meaning; docs/moe.md); their dests are
     GPTConfig's fields (MOE_FIELDS) except --num-experts' num_experts, which is both."""
     g.add_argument("--num-experts", type=int, default=None,
-                   help="experts per MoE layer (megatron-core's MoELayer, local spec; default: a dense model). The "
-                        "model builds and its flags are checked, but the job and the memory planner refuse it until "
-                        "the job wires the experts' engine (docs/moe.md)")
+                   help="experts per MoE layer (megatron-core's MoELayer, local spec; default: a dense model; "
+                        "docs/moe.md). The memory planner has no MoE lines yet: the job does not check its memory")
     g.add_argument("--moe-router-topk", type=int, default=2, help="experts each token is routed to")
     g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="each expert's FFN size (default: "
                    "--ffn-hidden-size)")
@@ -213,10 +212,35 @@ def check_architecture_flags(args: argparse.Namespace) -> None:
     cfg.check_expert_parallel(args.tensor_parallel, args.expert_parallel, args.expert_tensor_parallel,
                               args.sequence_parallel)
     if cfg.num_experts is not None:
-        raise ConfigError(f"--num-experts {cfg.num_experts}: mixture-of-experts models build (zo_megatron.model, "
-                          "docs/moe.md) but neither this job nor the memory planner trains or plans them yet (issue "
-                          "39: the job's expert engine, aux-loss scaling and logging, MoE saves and the planner's MoE "
-                          "lines are not done); drop --num-experts")
+        check_moe_job_flags(args)
+
+
+def check_moe_job_flags(args: argparse.Namespace) -> None:
+    """What the job does not do with experts yet, one line each (docs/moe.md). At EP > 1 the two-engine
+    optimizer (offload/expert_parallel.py) runs only the synchronous CPU step over the whole partition,
+    and only ZeRO-Offload reduces experts over expert DP (the baseline's DDP would average different
+    experts over DP)."""
+    ep = args.expert_parallel
+    if ep == 1:
+        return
+    where = f"with --expert-model-parallel-size {ep}"
+    if not args.zero_offload:
+        raise ConfigError(f"--num-experts {where} trains with the ZeRO-Offload engine only (the baseline's DDP "
+                          "does not reduce experts over expert DP): add --zero-offload")
+    fraction = str(args.optimizer_offload_fraction).strip().lower()
+    try:
+        partial = fraction != "auto" and float(fraction) != 1.0
+    except ValueError:
+        partial = False                          # not a number: its own check says so
+    unsupported = [("--dpu", args.dpu), ("--overlap-cpu-step", args.overlap_cpu_step in ("full", "auto")),
+                   ("--overlap-cpu-step-memory", args.overlap_cpu_step_memory is not None),
+                   (f"--optimizer-offload-fraction {fraction}", partial),
+                   ("--optimizer-nvme-path", getattr(args, "optimizer_nvme_path", None) is not None)]
+    given = [flag for flag, on in unsupported if on]
+    if given:
+        raise ConfigError(f"{given[0]} {where} is not supported yet (the experts' engine runs the synchronous "
+                          f"CPU step over the whole partition; docs/moe.md): drop {given[0].split()[0]}, or train "
+                          "at --expert-model-parallel-size 1")
 
 
 def check_attention_flags(args: argparse.Namespace) -> None:

@@ -127,8 +127,9 @@ class Trainer:
         self.train_batches = iter(DPBatches(train_ds, args.micro_batch_size, ps.dp_rank, ps.dp_size,
                                             consumed_samples=st.consumed_samples))
         self.evaluator = Evaluator(args, ps, valid_ds, st.consumed_valid_samples) if valid_ds is not None else None
+        self.moe = components.build_moe_losses(args, self.cfg, ps)     # None for a dense model
         self.log = StepLog(self.metrics, args, ps, self.optimizer, components.flops_per_token(args, self.cfg, ps),
-                           self.start_iter, clock=_now)
+                           self.start_iter, clock=_now, moe=self.moe)
         self.scheduler = LRScheduler.from_args(args)   # after --load: it may take the checkpoint's schedule
         self.scheduler.step(st.consumed_samples)       # exact on resume unless fp16 skipped steps before the save
 
@@ -166,6 +167,8 @@ class Trainer:
         if hasattr(self.optimizer, "expect_lr"):    # a speculated CPU step (--overlap-cpu-step) uses it
             self.optimizer.expect_lr(lr, decoupled_lr)
         phase = self.timeline.phase if self.timeline is not None else _no_phase
+        if self.moe is not None:                    # the aux losses' gradient: loss scale / micro-batches
+            self.moe.set_scale(self.optimizer.loss_scaler.scale)
         step_loss = torch.zeros((), device=self.ps.device)
         for m in range(n):
             inputs = loss_inputs(next(self.train_batches), self.ps.device)

@@ -156,6 +156,20 @@ def plan_warnings(args) -> list[str]:
             if w.startswith("near the edge")]
 
 
+def moe_lines(args, cfg, ps) -> list[str]:
+    """A mixture of experts: its experts, router, layout and engine; the memory not planned (docs/moe.md)."""
+    if cfg.num_experts is None:
+        return []
+    engine = ("two engines: dense parameters over DP, experts over expert DP" if ps.ep_size > 1
+              else "experts replicated over DP as dense parameters")
+    aux = f"aux loss {cfg.moe_router_load_balancing_type} x {cfg.moe_aux_loss_coeff:g}" \
+        + (f", z-loss x {cfg.moe_z_loss_coeff:g}" if cfg.moe_z_loss_coeff is not None else "")
+    return [f" experts: {cfg.num_experts} per MoE layer ({sum(cfg.moe_layers())} of {cfg.num_layers} layers), top "
+            f"{cfg.moe_router_topk}, {aux}, {cfg.moe_token_dispatcher_type} dispatcher; EP {ps.ep_size} x expert DP "
+            f"{ps.edp_size} ({engine})",
+            *([args.memory_plan_note] if getattr(args, "memory_plan_note", None) else [])]
+
+
 def noop_lines(args) -> list[str]:
     """The banner's line naming the Megatron-LM flags given that do nothing here (issue 35, item 9)."""
     from zo_megatron.training.megatron_flags import noops_given
@@ -203,6 +217,7 @@ def banner(metrics, args, ps, cfg, optimizer, data_path, setup_s) -> None:
         + value_sources(args, ("num_layers", "hidden_size", "num_attention_heads", "seq_length"),
                         getattr(args, "from_checkpoint_flags", ())),
         f" attention: {attention_line(cfg, ps)}",
+        *moe_lines(args, cfg, ps),
         f" batch: global {args.global_batch_size} = micro {args.micro_batch_size} x DP {ps.dp_size} x accumulation "
         f"{args.grad_accum_steps}; {args.train_iters} iterations, lr {args.lr:g} {args.lr_decay_style} "
         f"(warmup {args.lr_warmup_iters}, min {args.min_lr:g})" + decoupled_words(args)

@@ -1,0 +1,87 @@
+"""The router's auxiliary losses in the job (docs/moe.md): the scale of their gradient and their log.
+
+megatron-core's router adds the load-balancing loss and the z-loss to the gradient through
+`MoEAuxLossAutoScaler`, whose backward ignores the loss the job backpropagates and hands the aux
+loss the gradient `main_loss_backward_scale`. Megatron-LM's schedule sets it before each backward to
+the loss scale / the number of micro-batches (schedules.py, forward_step), the factor the language
+model's loss gets: without it the aux loss's gradient is too large by the micro-batches and, under
+fp16, too small by the loss scale. `set_scale` does the same.
+
+The log is Megatron-LM's (training.py's training_log -> megatron-core's track_moe_metrics): each
+loss the router saved in megatron-core's tracker (per layer, the coefficient divided out), summed over
+the tracker's reduce group, averaged over DP where that group has no DP ranks, times 1 / micro-batches,
+summed over the layers / the MoE layers; the console line and the --log-jsonl rows show its mean over
+the log interval under megatron-core's names (`load_balancing_loss`, `seq_load_balancing_loss`,
+`z_loss`). The tracker keeps adding over the interval and is reduced once at its end (the same sums:
+every step is linear), with sum-then-divide in place of ReduceOp.AVG, which gloo lacks. `loss`
+stays the language model's loss (Megatron-LM's "lm loss").
+"""
+from __future__ import annotations
+
+import torch
+
+from zo_megatron.parallel import collectives
+
+
+def tracked_names(cfg) -> list[str]:
+    """Megatron-LM's track_names: the load-balancing loss of its type, the z-loss when it has a coefficient."""
+    names = []
+    if "aux_loss" in cfg.moe_router_load_balancing_type:      # Megatron's test: seq_aux_loss counts both
+        names.append("load_balancing_loss")
+    if cfg.moe_router_load_balancing_type == "seq_aux_loss":
+        names.append("seq_load_balancing_loss")
+    if cfg.moe_z_loss_coeff is not None:
+        names.append("z_loss")
+    return names
+
+
+class MoELosses:
+    """The job's aux-loss component: `set_scale` before each iteration's backward, `window(iterations)`
+    when a log row is written (a collective over the world: every rank calls it)."""
+
+    def __init__(self, cfg, ps, micro_batches: int):
+        self.names = tracked_names(cfg)
+        self.num_layers, self.moe_layers = cfg.num_layers, sum(cfg.moe_layers())
+        self.ps, self.micro_batches = ps, micro_batches
+
+    def set_scale(self, loss_scale: float) -> None:
+        """The aux losses' gradient: the loss scale / micro-batches, as the LM loss's (set every
+        iteration: a dynamic fp16 scale moves)."""
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+        scale = torch.tensor(loss_scale / self.micro_batches, dtype=torch.float32, device=self.ps.device)
+        if MoEAuxLossAutoScaler.main_loss_backward_scale is not None and \
+                MoEAuxLossAutoScaler.main_loss_backward_scale.device != scale.device:
+            MoEAuxLossAutoScaler.main_loss_backward_scale = None       # another run's, on another device
+        MoEAuxLossAutoScaler.set_loss_scale(scale)
+
+    def window(self, iterations: int) -> dict[str, float]:
+        """The mean per iteration of each tracked loss since the last call; the tracker starts over."""
+        from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
+
+        tracker = get_moe_layer_wise_logging_tracker()
+        out = {}
+        for name in self.names:
+            entry = tracker.get(name)
+            values = entry["values"].detach().double().clone() if entry is not None else \
+                torch.zeros(self.num_layers, dtype=torch.float64, device=self.ps.device)
+            values = _reduced(values, entry or {}, self.ps)
+            per_iteration = values.sum().item() / self.micro_batches / max(iterations, 1)
+            out[name] = per_iteration / max(self.moe_layers, 1)
+        clear_aux_losses_tracker()
+        return out
+
+
+def _reduced(values: torch.Tensor, entry: dict, ps) -> torch.Tensor:
+    """megatron-core's reduce_aux_losses_tracker_across_ranks for one loss (no pipeline stages here)."""
+    group = entry.get("reduce_group")
+    if group is not None:
+        collectives.all_reduce(values, group=group)
+        if not entry.get("reduce_group_has_dp", False):
+            values /= collectives.group_size(ps.dp_group)
+            collectives.all_reduce(values, group=ps.dp_group)
+    avg = entry.get("avg_group")
+    if avg is not None:
+        values /= collectives.group_size(avg)
+        collectives.all_reduce(values, group=avg)
+    return values
