@@ -105,19 +105,26 @@ def _close(a, b) -> bool:
     return abs(a - b) <= RTOL * abs(b)
 
 
-@pytest.mark.parametrize("ep", [1, 2])
-def test_the_job_trains_a_mixture_of_experts_as_torch_adamw(tmp_path, ep):
-    """EP 1 (dense engine) and EP 2 (two engines, alltoall) on 2 ranks, 2 micro-batches per rank:
-    every iteration's logged LM loss equals the torch reference's; the aux and z losses are logged
-    under megatron-core's names in the console line and the JSONL rows, the loss stays the LM loss."""
-    seed = fresh_seed(f"moe job EP{ep}")
-    rows, r = _run(tmp_path, f"ep{ep}", _argv(seed) + (EP2 if ep == 2 else []))
+TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--moe-token-dispatcher-type", "allgather"]
+LAYOUTS = {"EP1": ([], "EP 1 x expert DP 2"), "EP2": (EP2, "EP 2 x expert DP 1"),
+           "TP2": (TP2, "EP 1 x expert DP 1")}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_the_job_trains_a_mixture_of_experts_as_torch_adamw(tmp_path, layout):
+    """EP 1 (dense engine, DP 2), EP 2 (two engines, alltoall) and TP 2 with sequence parallelism (DP 1,
+    4 micro-batches: the same pairs of samples) on 2 ranks: every iteration's logged LM loss equals
+    the torch reference's; the aux and z losses are logged under megatron-core's names in the
+    console line and the JSONL rows, the loss stays the LM loss."""
+    seed = fresh_seed(f"moe job {layout}")
+    flags, words = LAYOUTS[layout]
+    rows, r = _run(tmp_path, layout, _argv(seed) + flags)
     ref = _reference(tmp_path, seed)
     got = [rows[i]["loss"] for i in range(1, ITERS + 1)]
     assert all(_close(g, w) for g, w in zip(got, ref)), (got, ref)
     for row in rows.values():
         assert row["load_balancing_loss"] > 0 and row["z_loss"] > 0, row
-    assert f"EP {ep} x expert DP {2 // ep}" in r.stdout, r.stdout[:3000]
+    assert words in r.stdout, r.stdout[:3000]
     assert r.stdout.count("load_balancing_loss ") == ITERS and r.stdout.count("| z_loss ") == ITERS, r.stdout[-3000:]
 
 
