@@ -16,6 +16,7 @@ from tests.fp32_bounds import assert_fp32_weights_match
 from tests.harness import run_world
 from tests.seeds import fresh_seed
 from tests.test_model_llama import hf_to_ours
+from tests.training_loops import random_batches, train_engine_steps, train_with_torch_adamw
 
 transformers = pytest.importorskip("transformers")
 
@@ -33,10 +34,7 @@ def _lr(step):
 
 
 def _batches(seed, dp):
-    gen = torch.Generator().manual_seed(seed)
-    n = MICRO * dp
-    return [[(torch.randint(0, VOCAB, (n, SEQ), generator=gen), torch.randint(0, VOCAB, (n, SEQ), generator=gen))
-             for _ in range(ACCUM)] for _ in range(STEPS)]
+    return random_batches(seed, STEPS, ACCUM, MICRO * dp, SEQ, VOCAB)
 
 
 def _hf_llama(seed):
@@ -72,21 +70,7 @@ def _setup(tp, seed, init=None):
 
 
 def _train(ps, model, engine, seed, steps):
-    from zo_megatron.parallel import collectives
-
-    losses, norms = [], []
-    for step, micro_batches in enumerate(_batches(seed, ps.dp_size)[:steps]):
-        total = torch.zeros(())
-        for i, (tokens, labels) in enumerate(micro_batches):
-            mine = slice(ps.dp_rank * MICRO, (ps.dp_rank + 1) * MICRO)
-            loss = model.loss(tokens[mine], labels[mine])
-            engine.backward(loss / ACCUM, last_micro_batch=i == ACCUM - 1)
-            total += loss.detach().float() / ACCUM
-        collectives.all_reduce(total, group=ps.dp_group)
-        res = engine.step(lr=_lr(step))
-        losses.append(total.item() / ps.dp_size)
-        norms.append(res.grad_norm)
-    return losses, norms
+    return train_engine_steps(ps, model, engine, _batches(seed, ps.dp_size)[:steps], _lr)
 
 
 # ------------------------------------------------------------------------- engine vs torch AdamW
@@ -107,24 +91,8 @@ def _torch_adamw(hf, seed, dtype):
     import copy
 
     hf = copy.deepcopy(hf).to(dtype)
-    decay = [p for p in hf.parameters() if p.dim() > 1]
-    no_decay = [p for p in hf.parameters() if p.dim() <= 1]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=_lr(0), betas=BETAS, eps=EPS)
-    losses, norms = [], []
-    for step, micro_batches in enumerate(_batches(seed, 2)):
-        opt.zero_grad()
-        total = 0.0
-        for tokens, labels in micro_batches:
-            logits = hf(tokens).logits
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
-            (loss / ACCUM).backward()
-            total += loss.item() / ACCUM
-        norms.append(torch.nn.utils.clip_grad_norm_(hf.parameters(), CLIP).item())
-        for g in opt.param_groups:
-            g["lr"] = _lr(step)
-        opt.step()
-        losses.append(total)
+    losses, norms = train_with_torch_adamw(hf, _batches(seed, 2), lr=_lr, weight_decay=WD, clip=CLIP, betas=BETAS,
+                                           eps=EPS, vocab=VOCAB)
     return losses, norms, hf_to_ours({n: p.detach() for n, p in hf.named_parameters()}, HEADS, GROUPS, tied=False)
 
 

@@ -18,6 +18,7 @@ from tests.fp32_bounds import assert_fp32_weights_match
 from tests.harness import run_world
 from tests.seeds import fresh_seed
 from tests.test_moe_model import SEQ, VOCAB, _configs, _ours, _random_hf
+from tests.training_loops import random_batches, train_engine_steps, train_with_torch_adamw
 
 transformers = pytest.importorskip("transformers")
 
@@ -30,10 +31,7 @@ def _lr(step):
 
 
 def _batches(seed):
-    gen = torch.Generator().manual_seed(seed)
-    n = MICRO * DP
-    return [[(torch.randint(0, VOCAB, (n, SEQ), generator=gen), torch.randint(0, VOCAB, (n, SEQ), generator=gen))
-             for _ in range(ACCUM)] for _ in range(STEPS)]
+    return random_batches(seed, STEPS, ACCUM, MICRO * DP, SEQ, VOCAB)
 
 
 def _engine_world(rank, directory, seed, ep, tp=1, backend=None):
@@ -41,7 +39,7 @@ def _engine_world(rank, directory, seed, ep, tp=1, backend=None):
     from zo_megatron.model.sharding import gather_full, load_full_params, model_shard_infos
     from zo_megatron.offload.engine import AdamConfig, ZeroOffloadEngine
     from zo_megatron.offload.expert_parallel import ExpertParallelEngine
-    from zo_megatron.parallel import collectives, init_parallel
+    from zo_megatron.parallel import init_parallel
 
     meta, init = _ours(directory)
     ps = init_parallel(tp, seed=seed, expert_parallel=ep, backend=backend)
@@ -55,19 +53,7 @@ def _engine_world(rank, directory, seed, ep, tp=1, backend=None):
                   tp_group=ps.tp_group)
     engine = ExpertParallelEngine(model, dp_group=ps.dp_group, edp_group=ps.edp_group, dp_size=ps.dp_size,
                                   **common) if ep > 1 else ZeroOffloadEngine(model, dp_group=ps.dp_group, **common)
-    losses, norms = [], []
-    for step, micro_batches in enumerate(_batches(seed)):
-        total = torch.zeros((), device=ps.device)
-        for i, (tokens, labels) in enumerate(micro_batches):
-            rows = MICRO * DP // ps.dp_size             # the global batch is the same at any DP
-            mine = slice(ps.dp_rank * rows, (ps.dp_rank + 1) * rows)
-            loss = model.loss(tokens[mine].to(ps.device), labels[mine].to(ps.device))
-            engine.backward(loss / ACCUM, last_micro_batch=i == ACCUM - 1)
-            total += loss.detach().float() / ACCUM
-        collectives.all_reduce(total, group=ps.dp_group)
-        res = engine.step(lr=_lr(step))
-        losses.append(total.item() / ps.dp_size)
-        norms.append(res.grad_norm)
+    losses, norms = train_engine_steps(ps, model, engine, _batches(seed), _lr)
     infos = model_shard_infos(model, ps.tp_rank, ps.tp_size, VOCAB)
     final = {model.full_name(n): gather_full(p.detach(), infos[n], ps.tp_group, ps.tp_size).cpu().clone()
              for n, p in model.named_parameters()}                # this rank's experts (EP 2: half of them)
@@ -83,24 +69,8 @@ def _torch_adamw(directory, tmp_path, seed, dtype):
     hf = transformers.AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=torch.float32,
                                                            attn_implementation="eager",
                                                            experts_implementation="eager").to(dtype)
-    decay = [p for p in hf.parameters() if p.dim() > 1]
-    no_decay = [p for p in hf.parameters() if p.dim() <= 1]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=_lr(0), betas=BETAS, eps=EPS)
-    losses, norms = [], []
-    for step, micro_batches in enumerate(_batches(seed)):
-        opt.zero_grad()
-        total = 0.0
-        for tokens, labels in micro_batches:
-            logits = hf(tokens).logits
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
-            (loss / ACCUM).backward()
-            total += loss.item() / ACCUM
-        norms.append(torch.nn.utils.clip_grad_norm_(hf.parameters(), CLIP).item())
-        for g in opt.param_groups:
-            g["lr"] = _lr(step)
-        opt.step()
-        losses.append(total)
+    losses, norms = train_with_torch_adamw(hf, _batches(seed), lr=_lr, weight_decay=WD, clip=CLIP, betas=BETAS,
+                                           eps=EPS, vocab=VOCAB)
     out = tmp_path / f"final_{dtype}".replace("torch.", "")
     hf.save_pretrained(str(out))
     assert mixtral.FAMILY.architecture == type(hf).__name__

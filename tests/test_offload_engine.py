@@ -11,6 +11,7 @@ import torch.distributed as dist
 from tests.fp32_bounds import assert_fp32_weights_match, fp32_spread
 from tests.harness import run_world
 from tests.seeds import fresh_seed
+from tests.training_loops import train_with_torch_adamw
 
 transformers = pytest.importorskip("transformers")
 
@@ -107,25 +108,8 @@ def _reference(init, seed, dp, accum=ACCUM, skip_step=None, dtype=torch.float64)
                                  activation_function="gelu_new", layer_norm_epsilon=1e-5)
     model = transformers.GPT2LMHeadModel(hc).to(dtype)
     model.load_state_dict(to_hf(init, LAYERS, HEADS), strict=True)
-    decay = [p for p in model.parameters() if p.dim() > 1]
-    no_decay = [p for p in model.parameters() if p.dim() <= 1]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=_lr(0), betas=BETAS, eps=EPS)
-    losses, norms = [], []
-    for step, micro_batches in enumerate(_batches(seed + 7, dp, accum)):
-        opt.zero_grad()
-        total = 0.0
-        for tokens, labels in micro_batches:
-            logits = model(tokens).logits
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
-            (loss / accum).backward()
-            total += loss.item() / accum
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
-        for g in opt.param_groups:
-            g["lr"] = _lr(step)
-        if step != skip_step:
-            opt.step()
-        losses.append(total)
+    losses, norms = train_with_torch_adamw(model, _batches(seed + 7, dp, accum), lr=_lr, weight_decay=WD, clip=CLIP,
+                                           betas=BETAS, eps=EPS, vocab=VOCAB, skip_step=skip_step)
     sd = {n: p.detach() for n, p in model.named_parameters()}
     sd["lm_head.weight"] = sd["transformer.wte.weight"]
     return losses, norms, from_hf(sd, LAYERS, HEADS)
