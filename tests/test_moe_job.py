@@ -107,18 +107,21 @@ def _close(a, b) -> bool:
 
 TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--moe-token-dispatcher-type", "allgather"]
 LAYOUTS = {"EP1": ([], "EP 1 x expert DP 2"), "EP2": (EP2, "EP 2 x expert DP 1"),
-           "TP2": (TP2, "EP 1 x expert DP 1")}
+           "TP2": (TP2, "EP 1 x expert DP 1"), "EP1-baseline": ([], "EP 1 x expert DP 2")}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_the_job_trains_a_mixture_of_experts_as_torch_adamw(tmp_path, layout):
-    """EP 1 (dense engine, DP 2), EP 2 (two engines, alltoall) and TP 2 with sequence parallelism (DP 1,
-    4 micro-batches: the same pairs of samples) on 2 ranks: every iteration's logged LM loss equals
+    """EP 1 (dense engine, DP 2), EP 2 (two engines, alltoall), TP 2 with sequence parallelism (DP 1,
+    4 micro-batches: the same pairs of samples) and EP 1 without --zero-offload (the baseline) on 2 ranks: every iteration's logged LM loss equals
     the torch reference's; the aux and z losses are logged under megatron-core's names in the
     console line and the JSONL rows, the loss stays the LM loss."""
     seed = fresh_seed(f"moe job {layout}")
     flags, words = LAYOUTS[layout]
-    rows, r = _run(tmp_path, layout, _argv(seed) + flags)
+    argv = _argv(seed) + flags
+    if layout == "EP1-baseline":               # DDP + torch AdamW on the device: experts replicated over DP
+        argv.remove("--zero-offload")
+    rows, r = _run(tmp_path, layout, argv)
     ref = _reference(tmp_path, seed)
     got = [rows[i]["loss"] for i in range(1, ITERS + 1)]
     assert all(_close(g, w) for g, w in zip(got, ref)), (got, ref)
@@ -207,3 +210,22 @@ def test_expert_parallel_without_zero_offload_is_one_line(tmp_path):
     argv = [a for a in _argv(1) if a != "--zero-offload"]
     r = _job([*argv, *EP2], tmp_path, nproc=1)
     _one_line(r, "trains with the ZeRO-Offload engine only")
+
+
+def test_fp16_loss_scaling_at_ep2_is_the_plain_engines(tmp_path):
+    """--fp16 with a dynamic scale that grows every 2 steps until a step overflows: at EP 2 (two
+    engines, one scaler: the expert engine unscales by the scale the backward used) the loss scale,
+    the skipped steps and the grad norms are those of EP 1 (one engine). A scaler updated by both
+    engines would grow twice as fast; an expert engine unscaling by the updated scale would report
+    another norm."""
+    seed = fresh_seed("moe fp16 EP1 vs EP2")
+    fp16 = ["--fp16", "--initial-loss-scale", "65536", "--loss-scale-window", "2"]
+    argv = [a for a in _argv(seed) if a != "--fp32"] + fp16
+    one, _ = _run(tmp_path, "ep1", [*argv, "--moe-token-dispatcher-type", "alltoall"])
+    two, _ = _run(tmp_path, "ep2", [*argv, *EP2])
+    assert [one[i]["loss_scale"] for i in one] == [two[i]["loss_scale"] for i in two]
+    assert [one[i]["skipped"] for i in one] == [two[i]["skipped"] for i in two]
+    assert len({one[i]["loss_scale"] for i in one}) > 1, one          # the scale moved
+    for i in one:
+        a, b = one[i]["grad_norm"], two[i]["grad_norm"]
+        assert (a != a and b != b) or abs(a - b) <= 1e-3 * abs(a), (i, a, b)
