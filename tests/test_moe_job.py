@@ -78,8 +78,12 @@ def _reference_world(rank, argv, cache):
     sched = LRScheduler.from_args(args)
     pieces = dp * accum
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / pieces))
+    routed = []                                  # per iteration: [(token, expert) pairs of each expert] per layer
+    for router in (m for m in model.modules() if type(m).__name__ == "TopKRouter"):
+        router.register_forward_hook(lambda _m, _i, out: routed[-1].append(out[1].sum(0)))
     losses = []
     for _ in range(args.train_iters):
+        routed.append([])
         total = 0.0
         micro = {r: [next(ranks[r]) for _ in range(accum)] for r in range(dp)}
         for r in range(dp):
@@ -94,7 +98,11 @@ def _reference_world(rank, argv, cache):
         opt.zero_grad()
         sched.step(args.global_batch_size)
         losses.append(total)
-    return losses
+    tokens = []
+    for it in routed:                            # hooks fire in layer order, micro-batch after micro-batch
+        layers = torch.stack(it).view(pieces, -1, args.num_experts).sum(0).double()
+        tokens.append((layers.min().item(), layers.mean().item(), layers.max().item()))
+    return losses, tokens
 
 
 def _reference(tmp_path, seed):
@@ -122,11 +130,18 @@ def test_the_job_trains_a_mixture_of_experts_as_torch_adamw(tmp_path, layout):
     if layout == "EP1-baseline":               # DDP + torch AdamW on the device: experts replicated over DP
         argv.remove("--zero-offload")
     rows, r = _run(tmp_path, layout, argv)
-    ref = _reference(tmp_path, seed)
+    ref, ref_tokens = _reference(tmp_path, seed)
     got = [rows[i]["loss"] for i in range(1, ITERS + 1)]
     assert all(_close(g, w) for g, w in zip(got, ref)), (got, ref)
     for row in rows.values():
         assert row["load_balancing_loss"] > 0 and row["z_loss"] > 0, row
+    # tokens per expert, summed over the ranks: the mean is exact (8 x 32 tokens x top 2 / 4 experts); min and
+    # max those of the reference's routing (a near-tie may route a token or two elsewhere in fp32)
+    for i, (lo, mean, hi) in enumerate(ref_tokens, start=1):
+        row = rows[i]
+        assert row["tokens_per_expert_mean"] == mean == 8 * 32 * 2 / 4, (row, mean)
+        assert abs(row["tokens_per_expert_min"] - lo) <= 2 and abs(row["tokens_per_expert_max"] - hi) <= 2, \
+            (i, row, lo, hi)
     assert words in r.stdout, r.stdout[:3000]
     assert r.stdout.count("load_balancing_loss ") == ITERS and r.stdout.count("| z_loss ") == ITERS, r.stdout[-3000:]
 
@@ -147,8 +162,8 @@ def test_the_reference_sees_a_wrong_aux_loss_gradient_scale(tmp_path):
     """The aux losses' gradient at megatron-core's default scale (1, what the job had without
     set_scale) leaves the reference's tolerance: the comparison above can see a missing scale."""
     seed = fresh_seed("moe reference, unscaled aux loss")
-    ref = _reference(tmp_path, seed)
-    wrong = run_world(_unscaled_reference_world, 1, _argv(seed), str(tmp_path / "cache"), timeout=120)[0]
+    ref = _reference(tmp_path, seed)[0]
+    wrong = run_world(_unscaled_reference_world, 1, _argv(seed), str(tmp_path / "cache"), timeout=120)[0][0]
     assert wrong[0] == ref[0]                         # the first forward precedes any update
     assert not all(_close(a, b) for a, b in zip(wrong[1:], ref[1:])), (wrong, ref)
 
@@ -161,7 +176,7 @@ def test_an_moe_job_resumes_bit_for_bit(tmp_path, ep):
     seed = fresh_seed(f"moe resume EP{ep}")
     ck = tmp_path / "ck"
     argv = _argv(seed) + (EP2 if ep == 2 else [])
-    keys = ("loss", "grad_norm", "load_balancing_loss", "z_loss")
+    keys = ("loss", "grad_norm", "load_balancing_loss", "z_loss", "tokens_per_expert_min", "tokens_per_expert_max")
     whole, _ = _run(tmp_path, "whole", [*argv, "--save", str(ck), "--save-interval", "2"])
     resumed, r = _run(tmp_path, "resumed", [*argv, "--load", str(ck), "--ckpt-step", "2"])
     assert sorted(resumed) == [3, 4], r.stdout[-2000:]

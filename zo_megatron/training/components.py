@@ -117,12 +117,12 @@ def build_optimizer(args, model, ps):
     return ZeroOffloadEngine(model, **engine)   # at EP 1 experts are replicated over DP as dense parameters
 
 
-def build_moe_losses(args, cfg, ps):
-    """A mixture of experts' aux losses: their gradient's scale and their log (training/moe_losses.py);
-    None for a dense model."""
+def build_moe_losses(args, cfg, ps, model):
+    """A mixture of experts' aux losses and tokens per expert: the losses' gradient scale and their log
+    (training/moe_losses.py); None for a dense model."""
     from zo_megatron.training.moe_losses import MoELosses
 
-    return MoELosses(cfg, ps, args.grad_accum_steps) if cfg.num_experts is not None else None
+    return MoELosses(cfg, ps, args.grad_accum_steps, model) if cfg.num_experts is not None else None
 
 
 def build_timeline(args, ps):

@@ -121,6 +121,8 @@ class Metrics:
         when = f"[{row['time'].replace('T', ' ').replace('+00:00', ' UTC')}] " if row.get("time") else ""
         line = (f" {when}iter {it:>6}/{self.total_iters} | loss {row['loss']:.4f} | "
                 + "".join(f"{k} {row[k]:.4e} | " for k in MOE_LOSS_KEYS if k in row)
+                + (f"tokens/expert min {row['tokens_per_expert_min']:,.0f} max {row['tokens_per_expert_max']:,.0f} | "
+                   if "tokens_per_expert_min" in row else "")
                 + f"lr {row['lr']:.3e} | "
                 + (f"decoupled lr {row['decoupled_lr']:.3e} | " if row.get("decoupled_lr") is not None else "")
                 + f"grad norm {gn:.3f} | loss scale {row['loss_scale']:.0f} | "

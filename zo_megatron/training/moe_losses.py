@@ -15,6 +15,12 @@ the log interval under megatron-core's names (`load_balancing_loss`, `seq_load_b
 `z_loss`). The tracker keeps adding over the interval and is reduced once at its end (the same sums:
 every step is linear), with sum-then-divide in place of ReduceOp.AVG, which gloo lacks. `loss`
 stays the language model's loss (Megatron-LM's "lm loss").
+
+The row also has the tokens each expert received per iteration (`tokens_per_expert_min` / `_mean`
+/ `_max` over every MoE layer's experts): a forward hook on each router adds up its routing map
+(token, expert) during training forwards (not evaluation; a recomputed forward once: the first runs
+without grad), summed over the world at the row (each rank routes its own tokens: its DP share, its
+sequence-parallel share of them). The mean is tokens x top-k / experts; min and max show the balance.
 """
 from __future__ import annotations
 
@@ -39,10 +45,26 @@ class MoELosses:
     """The job's aux-loss component: `set_scale` before each iteration's backward, `window(iterations)`
     when a log row is written (a collective over the world: every rank calls it)."""
 
-    def __init__(self, cfg, ps, micro_batches: int):
+    def __init__(self, cfg, ps, micro_batches: int, model=None):
         self.names = tracked_names(cfg)
         self.num_layers, self.moe_layers = cfg.num_layers, sum(cfg.moe_layers())
         self.ps, self.micro_batches = ps, micro_batches
+        self.routed: list[torch.Tensor] = []                # per router: (token, expert) pairs per expert
+        self.hooks = [] if model is None else [self._count(m) for m in _routers(model)]
+
+    def _count(self, router):
+        counts = torch.zeros(router.config.num_moe_experts, dtype=torch.float64, device=self.ps.device)
+        self.routed.append(counts)
+
+        def hook(module, _inputs, output):
+            if module.training and torch.is_grad_enabled():
+                counts.add_(output[1].sum(dim=0).to(counts.dtype))
+        return router.register_forward_hook(hook)
+
+    def close(self) -> None:
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
 
     def set_scale(self, loss_scale: float) -> None:
         """The aux losses' gradient: the loss scale / micro-batches, as the LM loss's (set every
@@ -69,7 +91,21 @@ class MoELosses:
             per_iteration = values.sum().item() / self.micro_batches / max(iterations, 1)
             out[name] = per_iteration / max(self.moe_layers, 1)
         clear_aux_losses_tracker()
+        if self.routed:
+            counts = collectives.all_reduce(torch.stack(self.routed).cpu())    # [routers, E], over the world
+            counts /= max(iterations, 1)
+            out.update(tokens_per_expert_min=counts.min().item(), tokens_per_expert_mean=counts.mean().item(),
+                       tokens_per_expert_max=counts.max().item())
+            for c in self.routed:
+                c.zero_()
         return out
+
+
+def _routers(model) -> list:
+    """megatron-core's routers of the model's MoE layers, in layer order."""
+    from megatron.core.transformer.moe.router import Router
+
+    return [m for m in model.modules() if isinstance(m, Router)]
 
 
 def _reduced(values: torch.Tensor, entry: dict, ps) -> torch.Tensor:

@@ -127,7 +127,9 @@ class Trainer:
         self.train_batches = iter(DPBatches(train_ds, args.micro_batch_size, ps.dp_rank, ps.dp_size,
                                             consumed_samples=st.consumed_samples))
         self.evaluator = Evaluator(args, ps, valid_ds, st.consumed_valid_samples) if valid_ds is not None else None
-        self.moe = components.build_moe_losses(args, self.cfg, ps)     # None for a dense model
+        self.moe = components.build_moe_losses(args, self.cfg, ps, self.model)     # None for a dense model
+        if self.moe is not None:
+            self.stack.callback(self.moe.close)
         self.log = StepLog(self.metrics, args, ps, self.optimizer, components.flops_per_token(args, self.cfg, ps),
                            self.start_iter, clock=_now, moe=self.moe)
         self.scheduler = LRScheduler.from_args(args)   # after --load: it may take the checkpoint's schedule
