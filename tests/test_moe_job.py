@@ -162,8 +162,8 @@ def test_the_reference_sees_a_wrong_aux_loss_gradient_scale(tmp_path):
     """The aux losses' gradient at megatron-core's default scale (1, what the job had without
     set_scale) leaves the reference's tolerance: the comparison above can see a missing scale."""
     seed = fresh_seed("moe reference, unscaled aux loss")
-    ref = _reference(tmp_path, seed)[0]
-    wrong = run_world(_unscaled_reference_world, 1, _argv(seed), str(tmp_path / "cache"), timeout=120)[0][0]
+    ref = run_world(_reference_world, 1, _argv(seed, 3), str(tmp_path / "cache"), timeout=120)[0][0]
+    wrong = run_world(_unscaled_reference_world, 1, _argv(seed, 3), str(tmp_path / "cache"), timeout=120)[0][0]
     assert wrong[0] == ref[0]                         # the first forward precedes any update
     assert not all(_close(a, b) for a, b in zip(wrong[1:], ref[1:])), (wrong, ref)
 
