@@ -236,11 +236,9 @@ def test_deepspeed_side_taken_from_an_earlier_json(tmp_path):
     host = rng.randrange(1200, 2400)
     base = ["--hidden-size", "128", "--num-attention-heads", "4", "--fp32", "--seq-length", "16",
             "--host-memory", f"{host}MiB", "--skip-run"]
-    env = dict(os.environ, PYTHONPATH=ROOT)
 
-    def tool(*argv):
-        return subprocess.run([sys.executable, TOOL, *argv], capture_output=True, text=True, timeout=120,
-                              env=env, cwd=ROOT)
+    def tool(*argv):          # --skip-run: planning only, so main() in this process (tests/cli.py)
+        return run_tool("find_max_model", *argv, cwd=ROOT)
     earlier = tmp_path / "earlier.json"
     res = tool(*base, "--json", str(earlier))
     assert res.returncode == 0, res.stderr
