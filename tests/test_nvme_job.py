@@ -38,6 +38,10 @@ def test_job_with_states_on_disk_equals_the_in_memory_job(tmp_path):
     assert "exp_avg (bf16), exp_avg_sq (bf16), fp32 master in " + nvme in line and "I/O ring 3 x 4096" in line
     assert ("is on tmpfs, which is host memory" in out["nvme"]) == (shm is not None)
     assert left == []                                          # the state files go at a clean exit
+    # the progress line: the disk traffic per iteration and the exposed I/O wait, only with the tier
+    iters = {k: [x for x in v.splitlines() if " iter " in x and " loss " in x] for k, v in out.items()}
+    assert iters["nvme"] and all(" disk read " in x and " written " in x and " waited " in x for x in iters["nvme"])
+    assert iters["memory"] and not any(" disk read " in x for x in iters["memory"])
     said = [x for x in out["nvme"].splitlines() if "TB per day over its 1 ranks" in x]
     assert len(said) == 1 and "GB written per step per rank" in said[0], out["nvme"][-2000:]
     assert all(x == (None, None, None) for x in io["memory"])   # the I/O fields only with the tier

@@ -134,7 +134,8 @@ class Metrics:
                 f"{row['tflops_per_rank']:.3f} TFLOP/s/rank | "
                 + (f"MFU {row['mfu']:.1%} | " if row.get("mfu") is not None else "")
                 + f"{row['step_time_s'] * 1000:.0f} ms/it | "
-                f"model states dev {human_bytes(row['device_model_state_bytes'])} "
+                + _disk_words(row)
+                + f"model states dev {human_bytes(row['device_model_state_bytes'])} "
                 f"host {human_bytes(row['host_model_state_bytes'])} | " + _peak_words(row)
                 + f"elapsed {human_time(elapsed)} eta {human_time(eta)}")
         if self._bar is not None:
@@ -220,6 +221,16 @@ class Metrics:
                 f.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def _disk_words(row: dict) -> str:
+    """--optimizer-nvme-path: the states' disk traffic per iteration and the CPU step's wait for it (the
+    I/O the ring did not hide behind the CPU Adam); nothing without the tier."""
+    if row.get("nvme_read_bytes_per_step") is None:
+        return ""
+    return (f"disk read {human_bytes(row['nvme_read_bytes_per_step'])} written "
+            f"{human_bytes(row['nvme_written_bytes_per_step'])} /it, waited "
+            f"{row['nvme_io_wait_s_per_step'] * 1000:.0f} ms/it | ")
 
 
 def _peak_words(row: dict) -> str:
