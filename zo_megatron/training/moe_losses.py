@@ -50,6 +50,9 @@ class MoELosses:
         self.num_layers, self.moe_layers = cfg.num_layers, sum(cfg.moe_layers())
         self.ps, self.micro_batches = ps, micro_batches
         self.routed: list[torch.Tensor] = []                # per router: (token, expert) pairs per expert
+        # the gradient scale lives in one device scalar refilled when it changes: a tensor built from a
+        # Python float every iteration is a blocking pageable host-to-device copy on CUDA (issue 34, 2.6)
+        self._scale, self._scale_value = None, None
         self.hooks = [] if model is None else [self._count(m) for m in _routers(model)]
 
     def _count(self, router):
@@ -71,11 +74,16 @@ class MoELosses:
         iteration: a dynamic fp16 scale moves)."""
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-        scale = torch.tensor(loss_scale / self.micro_batches, dtype=torch.float32, device=self.ps.device)
+        value = loss_scale / self.micro_batches
+        if self._scale is None:
+            self._scale = torch.full((), value, dtype=torch.float32, device=self.ps.device)
+        elif value != self._scale_value:            # rounded to fp32 by fill_ as torch.full rounds it
+            self._scale.fill_(value)
+        self._scale_value = value
         if MoEAuxLossAutoScaler.main_loss_backward_scale is not None and \
-                MoEAuxLossAutoScaler.main_loss_backward_scale.device != scale.device:
+                MoEAuxLossAutoScaler.main_loss_backward_scale.device != self._scale.device:
             MoEAuxLossAutoScaler.main_loss_backward_scale = None       # another run's, on another device
-        MoEAuxLossAutoScaler.set_loss_scale(scale)
+        MoEAuxLossAutoScaler.set_loss_scale(self._scale)
 
     def window(self, iterations: int) -> dict[str, float]:
         """The mean per iteration of each tracked loss since the last call; the tracker starts over."""
