@@ -119,6 +119,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seq-length", type=int, default=32)
     g.add_argument("--micro-batch-size", type=int, default=1)
     g.add_argument("--train-iters", type=int, default=3)
+    g.add_argument("--optimizer-nvme-path", default=None, metavar="DIR",
+                   help="the job's NVMe tier (docs/nvme.md): Adam's moments in files under DIR (a directory on the "
+                        "disk; the runs write up to 12 bytes/param there); the plan drops them from host memory")
+    g.add_argument("--optimizer-nvme-master", action="store_true",
+                   help="with --optimizer-nvme-path: the fp32 master on disk too")
+    g.add_argument("--optimizer-nvme-buffer-count", type=int, default=None, metavar="N",
+                   help="with --optimizer-nvme-path: the job's I/O ring depth (default: the job's)")
+    g.add_argument("--optimizer-nvme-buffer-size", type=int, default=None, metavar="ELEMENTS",
+                   help="with --optimizer-nvme-path: elements per ring buffer (default: the job's)")
     g = p.add_argument_group("memory (default: what the job sees)")
     g.add_argument("--host-memory", type=parse_bytes, default=None,
                    help="host memory for the plan and the job (default: MemAvailable of /proc/meminfo)")
@@ -192,6 +201,7 @@ class Rule:
             flags.append("--recompute-activations")
         if a.recompute_granularity:
             flags += ["--recompute-granularity", a.recompute_granularity]
+        flags += nvme_flags(a)
         if self.family == "llama":
             h = s["hidden_size"]
             flags += ["--position-embedding-type", "rope", "--rotary-base", "500000", "--normalization", "RMSNorm",
@@ -200,6 +210,31 @@ class Rule:
             if self.heads >= LLAMA_KV_RATIO:
                 flags += ["--group-query-attention", "--num-query-groups", str(self.heads // LLAMA_KV_RATIO)]
         return flags
+
+
+def nvme_flags(a) -> list[str]:
+    """The job's --optimizer-nvme-* flags as this tool was given them (the job checks them)."""
+    flags = []
+    if a.optimizer_nvme_path is not None:
+        flags += ["--optimizer-nvme-path", a.optimizer_nvme_path]
+    if a.optimizer_nvme_master:
+        flags.append("--optimizer-nvme-master")
+    for name in ("buffer_count", "buffer_size"):
+        if getattr(a, f"optimizer_nvme_{name}") is not None:
+            flags += [f"--optimizer-nvme-{name.replace('_', '-')}", str(getattr(a, f"optimizer_nvme_{name}"))]
+    return flags
+
+
+def without_tier(a):
+    """The same tool arguments with the optimizer states in memory (the in-memory edge to compare with)."""
+    return SimpleNamespace(**{**vars(a), "optimizer_nvme_path": None, "optimizer_nvme_master": False,
+                              "optimizer_nvme_buffer_count": None, "optimizer_nvme_buffer_size": None})
+
+
+def tier_name(a) -> str:
+    if a.optimizer_nvme_path is None:
+        return "optimizer states in memory"
+    return f"{'moments + master' if a.optimizer_nvme_master else 'moments'} on disk ({a.optimizer_nvme_path})"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -252,6 +287,21 @@ class JobPlanner:
         from zo_megatron.planner import largest_fitting
 
         return largest_fitting(self.fits, self.may_fit, limit)
+
+
+def tier_edge(a, rule: Rule, p, host: int, ranks: int) -> dict:
+    """With --optimizer-nvme-path: the disk the plan needs and the in-memory edge of the same rule,
+    layout and memory (planned the same way, the tier off), for the ratio the tier buys."""
+    mem = JobPlanner(Rule(without_tier(a)), host, ranks, a.device_memory)
+    k_mem = mem.largest(a.max_size)
+    mem_params = mem.plan(k_mem).params_total if k_mem else 0
+    out = dict(path=a.optimizer_nvme_path, master=a.optimizer_nvme_master, disk_bytes_per_node=p.disk_bytes_per_node,
+               in_memory_size=k_mem, in_memory_params=mem_params,
+               over_in_memory=p.params_total / mem_params if mem_params else None)
+    print(f"  planner: {p.disk_bytes_per_node / 1e9:.2f} GB of state files on disk; in memory the largest is "
+          f"k = {k_mem} = {mem_params / 1e6:.1f}M params: the tier plans "
+          + (f"{out['over_in_memory']:.2f}x the parameters" if mem_params else "a model where none fit"), flush=True)
+    return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -369,7 +419,10 @@ def plot(result: dict, path: str) -> None:
     o = result["ours"]
     ax.set_title(f"{o['rule']}: largest {o['params'] / 1e6:.1f}M params ({o['shape']['num_layers']} x "
                  f"{o['shape']['hidden_size']}), {result['precision']}, TP{result['tensor_parallel']} x "
-                 f"DP{result['data_parallel']}, {format_bytes(result['host_memory_bytes'])}", fontsize=9)
+                 f"DP{result['data_parallel']}, {format_bytes(result['host_memory_bytes'])}"
+                 + (f"\n{'moments + master' if result['nvme']['master'] else 'Adam moments'} on disk "
+                    f"({result['nvme']['disk_bytes_per_node'] / 1e9:.1f} GB); in memory the largest is "
+                    f"{result['nvme']['in_memory_params'] / 1e6:.1f}M" if result.get("nvme") else ""), fontsize=9)
     ax.legend()
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
@@ -446,6 +499,9 @@ def main(argv=None) -> int:
                    data_parallel=a.data_parallel, seq_length=a.seq_length, micro_batch_size=a.micro_batch_size,
                    host_memory_bytes=host)
         earlier_ds = earlier_deepspeed_side(a.deepspeed_from, job, rule.describe()) if a.deepspeed_from else None
+        if a.optimizer_nvme_path is not None and not a.skip_run and not os.path.isdir(a.optimizer_nvme_path):
+            raise ValueError(f"--optimizer-nvme-path {a.optimizer_nvme_path} is not a directory: create it on the disk "
+                             "the runs should use (or add --skip-run to plan only)")
     except (ValueError, SystemExit) as exc:
         if isinstance(exc, SystemExit) and exc.code in (0, None):
             raise
@@ -458,7 +514,7 @@ def main(argv=None) -> int:
         f"CUDA: {torch.cuda.get_device_name(0)}, device {format_bytes(a.device_memory or torch.cuda.get_device_properties(0).total_memory)}"
     print(f"find_max_model: {rule.describe()}, {a.precision}, TP {a.tensor_parallel} x DP {a.data_parallel}, "
           f"seq {a.seq_length}, micro-batch {a.micro_batch_size}; host memory {format_bytes(host)}"
-          f"{' (given)' if a.host_memory else ' (MemAvailable)'}; {where}", flush=True)
+          f"{' (given)' if a.host_memory else ' (MemAvailable)'}; {where}; {tier_name(a)}", flush=True)
     t0 = time.monotonic()
     k = planner.largest(a.max_size)
     if k == 0:
@@ -472,12 +528,15 @@ def main(argv=None) -> int:
         print(f"    {r}")
     for w in p.warnings:
         print(f"    ! {w}")
+    tier = tier_edge(a, rule, p, host, ranks) if a.optimizer_nvme_path is not None else None
     result = dict(tool="tools/find_max_model.py", argv=sys.argv[1:] if argv is None else list(argv),
                   **job, device_is_host=not gpu, machine=machine(),
                   ours=dict(rule=rule.describe(), size=k, shape=rule.shape(k), params=p.params_total,
                             job_flags=rule.job_flags(k), planned_fits=True, next_size_params=p_next.params_total,
                             plan_reasons=p.reasons, next_size_plan_reasons=p_next.reasons,
                             probes={str(x): f for x, f in sorted(planner.probes.items())}))
+    if tier:
+        result["nvme"] = tier
     ok = True
     if not a.skip_run:
         with tempfile.TemporaryDirectory(prefix="find_max_model_") as tmp:
