@@ -9,6 +9,10 @@ parameters and each run takes seconds.
    recorded), and the next size is refused by the job's pre-launch check: rank exit status 2 and
    exactly one `error:` line, no training.
 3. Bad input: one line, exit 2.
+4. With --optimizer-nvme-path (issue 38): the plans and the runs carry the tier's flags, the host
+   total at the size found drops by the states on disk (counted here from the shape) plus the ring,
+   the size is above the in-memory edge; end to end (slow) the engine holds the ring and writes the
+   disk bytes the plan counts.
 """
 from __future__ import annotations
 
@@ -342,3 +346,110 @@ def test_engine_build_does_not_hold_the_fp32_model_next_to_its_states(precision)
     print(f"{precision}: {r['params'] / 1e6:.1f}M params, fp32 model {fp32_model / MiB:.0f} MiB, set-up peak "
           f"{over / MiB:+.0f} MiB over the resident steady state")
     assert over < fp32_model / 4, r
+
+
+def _gpt2_params(vocab, seq, layers, hidden):
+    """GPT-2's parameter count written out (Megatron pads the vocabulary to a multiple of 128 at TP 1;
+    tied output, learned positions, two LayerNorms and biases per layer, a final LayerNorm)."""
+    return -(-vocab // 128) * 128 * hidden + seq * hidden + layers * (12 * hidden ** 2 + 13 * hidden) + 2 * hidden
+
+
+@pytest.mark.parametrize("master", [False, True], ids=["moments", "moments+master"])
+def test_the_search_with_states_on_disk_drops_their_bytes(tmp_path, master):
+    """--optimizer-nvme-path (issue 38): the tool's plans carry the job's tier flags; at the size it
+    finds, the host total is the in-memory plan's less Adam's two moments (and the fp32 master) plus
+    the I/O ring, all counted here from the model's shape; the disk line holds their chunks; that size
+    fits and the next does not; and it is larger than the in-memory edge of the same rule and memory,
+    which the tool reports."""
+    rng = random.Random(fresh_seed(f"find_max_model nvme search master={master}"))
+    heads = rng.choice([4, 8])
+    hidden, seq, vocab = heads * rng.choice([16, 32]), rng.choice([16, 64]), rng.choice([50257, 60000])
+    host_mib = rng.randrange(1600, 3000)
+    count, size = rng.randint(1, 6), 64 * rng.randint(256, 8192)
+    bf16_states = rng.random() < 0.5
+    argv = ["--hidden-size", str(hidden), "--num-attention-heads", str(heads), rng.choice(["--bf16", "--fp32"]),
+            "--seq-length", str(seq), "--vocab-size", str(vocab), "--host-memory", f"{host_mib}MiB",
+            "--optimizer-nvme-path", str(tmp_path), "--optimizer-nvme-buffer-count", str(count),
+            "--optimizer-nvme-buffer-size", str(size)] + (["--optimizer-nvme-master"] if master else []) + \
+        (["--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"] if bf16_states else [])
+    print(argv)
+    a = _tool_args(argv)
+    rule = fmm.Rule(a)
+    flags = rule.job_flags(3)
+    assert flags[flags.index("--optimizer-nvme-path") + 1] == str(tmp_path)
+    assert ("--optimizer-nvme-master" in flags) == master
+    tier = fmm.JobPlanner(rule, host_mib * MiB, 1)
+    memory = fmm.JobPlanner(fmm.Rule(fmm.without_tier(a)), host_mib * MiB, 1)
+    k, k_mem = tier.largest(100_000), memory.largest(100_000)
+    print(f"host {host_mib} MiB: k = {k} with the tier, {k_mem} in memory")
+    assert k > k_mem >= 1 and tier.fits(k) and not tier.fits(k + 1) and memory.fits(k_mem)
+    j = k + 1
+    while tier.may_fit(j):                    # no size above k fits (fits is not monotone: see above)
+        assert not tier.fits(j), (j, k)
+        j += 1
+    for size_k in (k, k_mem):
+        on, off = tier.plan(size_k), memory.plan(size_k)
+        n = _gpt2_params(vocab, seq, size_k, hidden)
+        part = -(-n // 128) * 128                                 # the partition, 128-element aligned (DP 1)
+        assert on.params_total == off.params_total == n
+        state_b = 2 if bf16_states else 4
+        sizes = [state_b, state_b] + ([4] if master else [])
+        chunk = min(size, part)
+        slot = sum(-(-chunk * b // 4096) * 4096 for b in sizes)   # each state's chunk padded to 4 KiB
+        chunks = -(-part // chunk)
+        ring = min(count, chunks) * slot
+        moved = sum(sizes) * part
+        assert off.host_bytes_per_node - on.host_bytes_per_node == moved - ring, (size_k, on.host_items)
+        assert on.host_items["nvme_io_ring"] == ring and on.disk_bytes_per_node == chunks * slot
+        assert ("master_fp32" in on.host_items) != master and "adam_exp_avg" not in on.host_items
+        assert on.device_items == off.device_items and off.disk_bytes_per_node == 0
+    out = tmp_path / "plan.json"
+    res = run_tool("find_max_model", *argv, "--skip-run", "--json", str(out), cwd=ROOT)
+    assert res.returncode == 0, res.stderr
+    r = json.loads(out.read_text())
+    assert r["ours"]["size"] == k and r["nvme"]["in_memory_size"] == k_mem and r["nvme"]["master"] == master
+    assert r["nvme"]["in_memory_params"] == memory.plan(k_mem).params_total
+    assert r["nvme"]["disk_bytes_per_node"] == tier.plan(k).disk_bytes_per_node
+    assert f"in memory the largest is k = {k_mem} " in res.stdout
+    assert os.listdir(tmp_path) == ["plan.json"]                 # planning wrote nothing into DIR
+
+
+def test_nvme_bad_input_is_one_line_exit_2(tmp_path):
+    for argv, needle in ((["--optimizer-nvme-path", str(tmp_path / "none")], "is not a directory: create it"),
+                         (["--optimizer-nvme-master", "--skip-run"], "add --optimizer-nvme-path DIR")):
+        res = run_tool("find_max_model", "--host-memory", "2GiB", *argv)
+        lines = res.stderr.strip().splitlines()
+        assert res.returncode == 2 and len(lines) == 1 and needle in lines[0], res.stderr
+    assert not (tmp_path / "none").exists()
+
+
+@pytest.mark.slow       # 2-5 min here: the in-memory run above and the plan-only tier test run by default
+def test_tool_trains_the_largest_with_states_on_disk(tmp_path):
+    """The tool end to end with the moments and the master on disk: the planner's largest size (with
+    the tier) trains within the memory given, its engine holds the I/O ring the plan counts and writes
+    the disk bytes the plan counts, the next size is refused by the pre-launch check, and DIR is left
+    empty."""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    out = tmp_path / "edge.json"
+    argv = ["--host-memory", "1212MiB", "--hidden-size", "128", "--num-attention-heads", "4", "--fp32",
+            "--seq-length", "16", "--optimizer-nvme-path", str(nvme), "--optimizer-nvme-master",
+            "--optimizer-nvme-buffer-size", "65536", "--optimizer-nvme-buffer-count", "2", "--json", str(out)]
+    res = subprocess.run([sys.executable, TOOL, *argv], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT)
+    print(res.stdout[-4000:], res.stderr[-4000:])
+    assert res.returncode == 0, res.stderr[-2000:]
+    ours = json.loads(out.read_text())["ours"]
+    planner = fmm.JobPlanner(fmm.Rule(_tool_args(argv)), 1212 * MiB, 1)
+    k = ours["size"]
+    assert planner.fits(k) and not planner.fits(k + 1)
+    assert k > fmm.JobPlanner(fmm.Rule(fmm.without_tier(_tool_args(argv))), 1212 * MiB, 1).largest(100_000)
+    assert ours["trained"] and ours["within_budget"] and ours["next_size_refused"]
+    p = planner.plan(k)
+    acc = ours["comparison"]["measured"]["engine_accounting_rank0"]
+    assert acc["host_nvme_buffer_bytes"] == p.host_items["nvme_io_ring"]
+    assert acc["nvme_disk_bytes"] >= p.disk_bytes_per_node - 3 * 4096 * 8     # the store may cut a few more chunks
+    assert abs(acc["nvme_disk_bytes"] / p.disk_bytes_per_node - 1) < 0.01, (acc, p.disk_bytes_per_node)
+    m, pl = ours["comparison"]["measured"], ours["comparison"]["planned"]
+    assert abs(m["engine_model_states"] / (pl["device_model_states"] + pl["host_model_states"]) - 1) < 0.05
+    assert list(nvme.iterdir()) == []
