@@ -352,10 +352,28 @@ def _cpu_step_line(p: P.Plan) -> str:
     if i.dpu:
         return "CPU Adam one step behind, overlapping the next forward/backward (--dpu)"
     if i.overlap_cpu_step and i.overlap_speculated_fraction > 0:
-        rb = p.host_items.get("overlap_rollback", 0)
+        rb = sum(v for k, v in p.host_items.items() if k.endswith("overlap_rollback"))
         return (f"overlapped with backward (--overlap-cpu-step): {i.overlap_speculated_fraction:.0%} of each rank's "
                 f"host partition speculated, its rollback state {P.format_bytes(rb)} per node")
     return "synchronous, after backward (nothing speculated: no rollback state on the host)"
+
+
+def moe_lines(p: P.Plan) -> list[str]:
+    """A mixture of experts' lines: total vs active parameters, experts per EP rank, the engines."""
+    i = p.input
+    if i.num_experts is None:
+        return []
+    moe = i.moe()
+    dense = p.params_per_tp_rank - p.params_expert_per_rank
+    engines = (f"two engines: the dense parameters over DP {i.data_parallel}, the experts over expert DP "
+               f"{i.expert_data_parallel()} (items 'expert_...')" if i.expert_parallel > 1 else
+               f"one engine: the experts replicated over DP {i.data_parallel} as dense parameters")
+    return [f"  experts    {P.format_params(p.params_active)} active of {P.format_params(p.params_total)} total "
+            f"(top-{i.moe_router_topk} of {i.num_experts} experts in {sum(moe.layers)} of {i.num_layers} layers; "
+            f"routed experts {P.format_params(p.params_experts_total)} of the total)",
+            f"  per rank   {p.experts_per_ep_rank} of {i.num_experts} experts per EP rank (EP {i.expert_parallel}): "
+            f"{P.format_params(p.params_expert_per_rank)} expert + {P.format_params(dense)} dense parameters",
+            f"  engines    {engines}; {i.moe_token_dispatcher_type} dispatcher"]
 
 
 def print_plan(p: P.Plan, title: str = "zo_megatron memory plan", overlap_reason: str | None = None) -> None:
@@ -370,8 +388,11 @@ def print_plan(p: P.Plan, title: str = "zo_megatron memory plan", overlap_reason
     print(f"  architecture: {i.architecture_name()}")
     print(f"  params     {P.format_params(p.params_total)} total; per TP rank "
           f"{P.format_params(p.params_per_tp_rank)} ({p.replicated_params_per_tp_rank:,} replicated)")
+    for line in moe_lines(p):
+        print(line)
     print(f"  parallel   TP {i.tensor_parallel} x DP {i.data_parallel} = {p.world_size} ranks on "
-          f"{p.num_nodes} node(s), {p.ranks_per_node} per node")
+          f"{p.num_nodes} node(s), {p.ranks_per_node} per node"
+          + (f"; EP {i.expert_parallel} x expert DP {i.expert_data_parallel()}" if i.num_experts is not None else ""))
     print(f"  training   {i.precision}, micro-batch {i.micro_batch_size}, grad accumulation "
           f"{i.grad_accum_steps}, recompute {rc}, ZeRO-Offload {'on' if i.zero_offload else 'off'}, "
           f"DPU {'on' if i.dpu else 'off'}, bucket {i.bucket_size:,} elements, optimizer states "

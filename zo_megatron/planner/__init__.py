@@ -43,10 +43,18 @@ Llama-family shapes (rope, RMSNorm, SwiGLU, GQA, untied output layer, no biases 
 q/k norm; GPTConfig's field names in PlanInput): parameters in params.py, activations in memory.py
 (_layer_saved), both described in docs/memory_planner.md.
 
+Mixtures of experts (GPTConfig's MoE fields and expert_parallel in PlanInput): the router, E / EP
+experts per rank and the shared expert in params.py (total and active counts); at EP > 1 two engines
+(the dense parameters over DP, the experts over expert DP = DP / EP), each with its own flat buffer,
+buckets and host partition ("expert_..." items); the MoE layer's activations and the dispatcher's
+buffers in moe.py; docs/memory_planner.md, "Mixtures of experts".
+
 Layers (each module imports only those above it):
   units    GiB, formatting
-  params   the parameter list (Architecture, registration order) and its counts
+  params   the parameter list (Architecture, MoEShape, registration order) and its counts
   inputs   PlanInput (the question), Plan (the answer), plan_input_from_flags
+  buckets  the engine's bucket layout (one engine, or at EP > 1 the dense and the experts' engines)
+  moe      what a mixture-of-experts layer adds to the activations, the token dispatcher's buffers
   memory   the memory model, one function per component (_compute assembles them)
   search   plan() with suggestions, max_model()
   presets  hardware and model-shape presets
@@ -60,7 +68,7 @@ from zo_megatron.planner.memory import (PLAN_ERROR_MARGIN, _activation_items, _b
                                         may_fit, overlap_full_bytes_per_rank, solve_offload_fraction,
                                         solve_overlap_fraction, resolve_overlap, OVERLAP_MODES)
 from zo_megatron.planner.paper import GOALS, baseline_maxima, our_maxima, paper_checks
-from zo_megatron.planner.params import (Architecture, count_params, default_ffn_size, layer_parameters,
+from zo_megatron.planner.params import (Architecture, MoEShape, count_params, default_ffn_size, layer_parameters,
                                         model_parameters, pad_vocab_size)
 from zo_megatron.planner.presets import (HARDWARE_PRESETS, MODEL_PRESET_NUMERICS, MODEL_PRESETS, apply_hardware_preset,
                                          model_preset)
@@ -75,6 +83,6 @@ __all__ = [
     "HARDWARE_PRESETS", "MODEL_PRESETS", "MODEL_PRESET_NUMERICS", "apply_hardware_preset", "model_preset", "paper_checks",
     "baseline_maxima", "our_maxima", "GOALS", "FAMILIES",
     "format_bytes", "format_params", "solve_offload_fraction", "solve_overlap_fraction", "overlap_full_bytes_per_rank", "resolve_overlap", "OVERLAP_MODES", "Architecture", "default_ffn_size",
-    "layer_parameters", "model_parameters", "may_fit", "largest_fitting", "largest_monotone", "os_reserve_bytes",
+    "layer_parameters", "model_parameters", "MoEShape", "may_fit", "largest_fitting", "largest_monotone", "os_reserve_bytes",
     "PLAN_ERROR_MARGIN", "family_member",
 ]

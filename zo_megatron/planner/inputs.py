@@ -5,7 +5,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from zo_megatron.planner.params import Architecture, default_ffn_size
+from zo_megatron.planner.params import Architecture, MoEShape, default_ffn_size, moe_layer_pattern
 from zo_megatron.planner.units import GiB, MiB
 
 PRECISIONS = ("bf16", "fp16", "fp32")
@@ -56,6 +56,15 @@ class PlanInput:
     add_bias_linear: bool = True
     add_qkv_bias: bool = False
     qk_layernorm: bool = False
+    # mixture of experts (GPTConfig's MoE fields, docs/moe.md): None = a dense model
+    num_experts: int | None = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int | None = None  # None: ffn_hidden_size (Megatron-LM's default)
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_shared_expert_gate: bool = False
+    moe_layer_freq: int | list = 1  # every N-th layer from 0, or one 0/1 per layer
+    moe_token_dispatcher_type: str = "allgather"  # "allgather" | "alltoall"
+    expert_parallel: int = 1  # EP (--expert-model-parallel-size); expert DP = DP / EP, expert TP = TP
     tensor_parallel: int = 1
     data_parallel: int = 1
     micro_batch_size: int = 1
@@ -105,6 +114,22 @@ class PlanInput:
     def arch(self) -> Architecture:
         return Architecture(**{k: getattr(self, k) for k in Architecture.__dataclass_fields__})
 
+    def moe(self) -> MoEShape | None:
+        """The MoE shape on one EP rank, None for a dense model."""
+        if self.num_experts is None:
+            return None
+        return MoEShape(num_experts=self.num_experts, topk=self.moe_router_topk, ffn=self.moe_ffn(),
+                        layers=tuple(moe_layer_pattern(self.num_layers, self.moe_layer_freq)),
+                        shared=self.moe_shared_expert_intermediate_size or 0, shared_gate=self.moe_shared_expert_gate,
+                        expert_parallel=self.expert_parallel)
+
+    def moe_ffn(self) -> int:
+        return self.moe_ffn_hidden_size or self.ffn()
+
+    def expert_data_parallel(self) -> int:
+        """EDP = world / (expert TP x EP) = DP / EP (expert TP = TP)."""
+        return self.data_parallel // self.expert_parallel
+
     def query_groups(self) -> int:
         return self.num_query_groups or self.num_attention_heads
 
@@ -125,6 +150,11 @@ class PlanInput:
             parts.append("biases" if self.add_bias_linear else "qkv bias only" if self.add_qkv_bias else "no biases")
         if self.qk_layernorm:
             parts.append("qk norm")
+        if self.num_experts is not None:
+            moe = self.moe()
+            parts.append(f"MoE: {self.num_experts} experts, top-{self.moe_router_topk}, expert ffn {self.moe_ffn()}"
+                         + (f", shared expert {moe.shared}" + (" gated" if moe.shared_gate else "") if moe.shared else "")
+                         + ("" if all(moe.layers) else f", {sum(moe.layers)} of {self.num_layers} layers"))
         return f"{'GPT-2' if gpt2 else 'Llama-family'} ({', '.join(parts)})"
 
     def reserve(self) -> int:
@@ -221,6 +251,7 @@ class PlanInput:
             if self.ffn_hidden_size % self.tensor_parallel:
                 raise ValueError(f"ffn_hidden_size {self.ffn_hidden_size} is not divisible by "
                                  f"tensor_parallel {self.tensor_parallel}")
+        self._validate_moe()
         if self.host_grad_fp32 and not self.reduces_in_fp32():
             raise ValueError("host_grad_fp32 needs grad_reduce_fp32")
         if self.dpu and not self.zero_offload:
@@ -242,6 +273,34 @@ class PlanInput:
                 raise ValueError(f"{name} must be >= 0")
         if not 0 <= self.fragmentation < 1:
             raise ValueError(f"fragmentation must be in [0, 1), got {self.fragmentation}")
+
+    def _validate_moe(self) -> None:
+        """megatron-core's MoE rules that shape memory (the job checks the rest, GPTConfig._check_moe)."""
+        ep = self.expert_parallel
+        if self.num_experts is None:
+            if ep != 1:
+                raise ValueError(f"expert_parallel {ep} needs num_experts (a dense model has no experts to split)")
+            return
+        e, k, t = self.num_experts, self.moe_router_topk, self.tensor_parallel
+        if not isinstance(e, int) or e < 1 or not isinstance(ep, int) or ep < 1:
+            raise ValueError(f"num_experts ({e}) and expert_parallel ({ep}) must be positive integers")
+        if not 1 <= k <= e:
+            raise ValueError(f"moe_router_topk {k} must be in 1..num_experts {e}")
+        if e % ep:
+            raise ValueError(f"expert_parallel {ep} does not divide num_experts {e}: use an EP size that divides {e}")
+        if self.data_parallel % ep:
+            raise ValueError(f"expert_parallel {ep} does not divide the data parallel size {self.data_parallel} (EP x "
+                             f"TP {t} must divide the world {t * self.data_parallel}): use an EP size that divides it")
+        if self.moe_token_dispatcher_type not in ("allgather", "alltoall"):
+            raise ValueError(f"moe_token_dispatcher_type must be allgather or alltoall, got "
+                             f"{self.moe_token_dispatcher_type!r}")
+        for name, n in (("moe_ffn_hidden_size", self.moe_ffn()),
+                        ("moe_shared_expert_intermediate_size", self.moe_shared_expert_intermediate_size or 0)):
+            if n < 0 or n % t:
+                raise ValueError(f"{name} {n} is not divisible by tensor_parallel {t}")
+        if self.moe_shared_expert_gate and not self.moe_shared_expert_intermediate_size:
+            raise ValueError("moe_shared_expert_gate needs moe_shared_expert_intermediate_size")
+        moe_layer_pattern(self.num_layers, self.moe_layer_freq)
 
 
 @dataclass
@@ -267,6 +326,11 @@ class Plan:
     fits_device: bool
     fits_host: bool
     disk_bytes_per_node: int = 0  # --optimizer-nvme-path: the state files of the node's ranks
+    # mixture of experts (0 for a dense model)
+    params_active: int = 0  # what one token uses: the top-k routed experts per MoE layer (= total when dense)
+    params_experts_total: int = 0  # every routed expert of every MoE layer
+    params_expert_per_rank: int = 0  # the routed-expert parameters one rank holds (E/EP experts, 1/TP of each)
+    experts_per_ep_rank: int = 0  # E / EP
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -280,10 +344,6 @@ def plan_input_from_flags(flags: Any, *, data_parallel: int, vocab_size: int, **
     job's pre-launch check and tools/estimate_memory.py (which takes the same flag names and
     defaults), so the two can never plan different models. `flags` has pretrain_gpt.py's argparse
     attribute names; `hardware` the PlanInput fields of the machine (memory sizes, overheads)."""
-    if getattr(flags, "num_experts", None) is not None:
-        raise ValueError(f"--num-experts {flags.num_experts}: the memory planner has no mixture-of-experts lines "
-                         "yet (issue 39; the job trains MoE models without a memory check, docs/moe.md); drop "
-                         "--num-experts to plan the dense model")
     precision = flags.precision or "bf16"
     mb = flags.micro_batch_size
     gbs = flags.global_batch_size
@@ -325,7 +385,23 @@ def plan_input_from_flags(flags: Any, *, data_parallel: int, vocab_size: int, **
         nvme_states=getattr(flags, "optimizer_nvme_path", None) is not None,
         nvme_master=bool(getattr(flags, "optimizer_nvme_master", False)),
         nvme_buffer_count=getattr(flags, "optimizer_nvme_buffer_count", 4),
-        nvme_buffer_size=getattr(flags, "optimizer_nvme_buffer_size", 1 << 24), **hardware)
+        nvme_buffer_size=getattr(flags, "optimizer_nvme_buffer_size", 1 << 24), **_moe_fields(flags), **hardware)
+
+
+def _moe_fields(flags: Any) -> dict[str, Any]:
+    """PlanInput's MoE fields from the job's flags (Megatron-LM's names; absent: a dense model)."""
+    if getattr(flags, "num_experts", None) is None:
+        return {}
+    etp = getattr(flags, "expert_tensor_parallel", None)
+    if etp not in (None, flags.tensor_parallel):
+        raise ValueError(f"--expert-tensor-parallel-size {etp} differs from --tensor-model-parallel-size "
+                         f"{flags.tensor_parallel}: not supported (the job refuses it too); drop it")
+    return dict(num_experts=flags.num_experts, moe_router_topk=flags.moe_router_topk,
+                moe_ffn_hidden_size=flags.moe_ffn_hidden_size,
+                moe_shared_expert_intermediate_size=flags.moe_shared_expert_intermediate_size,
+                moe_shared_expert_gate=bool(flags.moe_shared_expert_gate), moe_layer_freq=flags.moe_layer_freq,
+                moe_token_dispatcher_type=flags.moe_token_dispatcher_type,
+                expert_parallel=getattr(flags, "expert_parallel", 1) or 1)
 
 
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 import math
 
 from zo_megatron.planner.inputs import Plan, PlanInput
-from zo_megatron.planner.params import count_params, layer_parameters, model_parameters, pad_vocab_size
+from zo_megatron.planner.buckets import _bucket_layout
+from zo_megatron.planner.moe import moe_backward_grads, moe_dispatcher, moe_mlp_saved
+from zo_megatron.planner.params import count_params, pad_vocab_size
 from zo_megatron.planner.units import format_bytes
 
 
@@ -94,11 +96,12 @@ def _attention_saved(inp: PlanInput) -> int:
     return saved_bytes
 
 
-def _layer_saved(inp: PlanInput) -> tuple[int, int, int]:
+def _layer_saved(inp: PlanInput, moe_layer: bool = False) -> tuple[int, int, int]:
     """(replicated, split, scores) bytes one transformer layer keeps for backward on one TP rank.
 
     Korthikanti et al. 2022 for GPT-2 (16-bit, dropout, no SP): s·b·h·(10 + 24/t + 5·a·s/(h·t));
-    here built from its parts so precision, options and the architecture change it consistently."""
+    here built from its parts so precision, options and the architecture change it consistently.
+    moe_layer: a mixture-of-experts layer, whose MLP keeps `moe.moe_mlp_saved` (in `split`)."""
     s, b, h = inp.seq_length, inp.micro_batch_size, inp.hidden_size
     a, t, f = inp.num_attention_heads, inp.tensor_parallel, inp.ffn()
     w = _bytes16(inp.precision)
@@ -111,8 +114,10 @@ def _layer_saved(inp: PlanInput) -> tuple[int, int, int]:
     # split over TP: q, k, v (+ the fused qkv output they may be views of), proj input, the MLP:
     # GELU keeps fc1's output and fc2's input (2f); SwiGLU keeps fc1's [gate; up] output (2f), silu(gate),
     # up + 0 (megatron's glu_linear_offset makes it a new tensor) and their product, fc2's input (5f)
-    mlp = (5 if inp.swiglu else 2) * f // t
+    mlp = 0 if moe_layer else (5 if inp.swiglu else 2) * f // t
     split = sb * (_attention_saved(inp) + w * (inp.num_attention_heads * inp.head_dim() // t + mlp))
+    if moe_layer:
+        split += moe_mlp_saved(inp)
     if inp.sp():
         # sequence parallel: norms, dropouts and the qkv / fc1 inputs (each linear saves its local
         # [s/t, b, h] input and re-gathers it in backward) hold 1/t of the sequence
@@ -174,8 +179,13 @@ def _activation_items(inp: PlanInput, vocab_padded: int) -> dict[str, int]:
     w = _bytes16(inp.precision)
     sbh = s * b * h
     mask = 1 if inp.dropout else 0
-    replicated, split, scores = _layer_saved(inp)
-    per_layer_full = replicated + split + scores
+    # the layers' kinds (dense, and with experts MoE: `moe.py`), each kind's saved bytes
+    moe = inp.moe()
+    kinds = list(moe.layers) if moe is not None else [False] * L
+    saved = {kind: _layer_saved(inp, kind) for kind in set(kinds)}
+    full = {kind: sum(v) for kind, v in saved.items()}          # a layer's activations, all of them
+    no_scores = {kind: r + sp for kind, (r, sp, _) in saved.items()}
+    scores = max(v[2] for v in saved.values())
 
     items: dict[str, int] = {}
     # a layer's input (what full recompute checkpoints): [s/t, b, h] with sequence parallelism
@@ -183,16 +193,17 @@ def _activation_items(inp: PlanInput, vocab_padded: int) -> dict[str, int]:
     rc = inp.normalized_recompute()
     working_set = 0
     if rc is None:
-        items["activations_layers"] = L * per_layer_full
+        items["activations_layers"] = sum(full[k] for k in kinds)
     elif rc == "selective":
-        items["activations_layers"] = L * (replicated + split)
+        items["activations_layers"] = sum(no_scores[k] for k in kinds)
         working_set = items["activations_recompute_working_set"] = scores  # one layer's attention core
     elif inp.recompute_method == "uniform":
         # full, uniform N: keep the input of each group of N layers; backward recomputes one group
         # at a time, so a whole group's activations are live at once
         n = min(inp.recompute_num_layers, L)
         items["activations_layer_inputs"] = (L // n) * layer_input
-        working_set = items["activations_recompute_working_set"] = n * per_layer_full
+        working_set = items["activations_recompute_working_set"] = max(
+            sum(full[k] for k in kinds[i:i + n]) for i in range(0, L, n))
     else:
         # full, block N: the first N layers keep only their input and are recomputed one at a time;
         # the others store everything (an upper bound: by the time backward reaches the recomputed
@@ -200,16 +211,24 @@ def _activation_items(inp: PlanInput, vocab_padded: int) -> dict[str, int]:
         n = min(inp.recompute_num_layers, L)
         items["activations_layer_inputs"] = n * layer_input
         if L > n:
-            items["activations_layers"] = (L - n) * per_layer_full
-        working_set = items["activations_recompute_working_set"] = per_layer_full
+            items["activations_layers"] = sum(full[k] for k in kinds[n:])
+        working_set = items["activations_recompute_working_set"] = max(full.values())
     # phase A1: embedding dropout mask, final norm input (+ RMSNorm's own), output-layer input; the logits
     emb_final = (mask + w) * sbh + _norm_saved(inp, sbh, s * b)[0]
     # sequence parallel: the embedding dropout, final norm and the output layer's (local) input are
     # 1/t of the sequence; megatron's global memory buffer keeps one all-gathered [s, b, h] tensor
     sp_buffer = w * sbh if inp.sp() else 0
     items["activations_embedding_final"] = emb_final = emb_final // t if inp.sp() else emb_final
-    if sp_buffer:
+    # experts: the allgather dispatcher gathers T x EP tokens into the same global buffer (its larger
+    # size); the alltoall's transient buffers live during one MoE layer's forward (phase A0) and
+    # backward (B)
+    dispatch_buffer, dispatch_transient = moe_dispatcher(inp) if moe is not None else (0, 0)
+    if dispatch_buffer > sp_buffer:
+        items["moe_dispatch_gather_buffer"] = sp_buffer = dispatch_buffer
+    elif sp_buffer:
         items["activations_sp_gather_buffer"] = sp_buffer
+    if dispatch_transient:
+        items["moe_dispatch_transient"] = dispatch_transient
     logits = s * b * vocab_padded // t
     items["logits" if w == 4 else "logits_16bit"] = w * logits
     items["logits_fp32_cross_entropy"] = 4 * logits
@@ -230,67 +249,16 @@ def _activation_items(inp: PlanInput, vocab_padded: int) -> dict[str, int]:
     # two fc1-output-sized gradients with GELU (fc2's input, fc1's output); with SwiGLU the same 2f
     # bytes are one gradient of fc1's [gate; up] output (measured: tests/test_planner_validation.py)
     # (the residual stream's two gradients: 1/t of the sequence with sequence parallelism)
-    items["activations_layer_backward_grads"] = layer_grads = \
-        2 * w * s * b * f // t + 2 * w * sbh // (t if inp.sp() else 1)
-    phase_b = sp_buffer + working_set + layer_grads + emb_grad
+    # (an MoE layer: its routed slots' and shared expert's gradients, moe.moe_backward_grads)
+    residual = 2 * w * sbh // (t if inp.sp() else 1)
+    items["activations_layer_backward_grads"] = layer_grads = residual + max(
+        moe_backward_grads(inp) if kind else 2 * w * s * b * f // t for kind in set(kinds))
+    phase_b = sp_buffer + working_set + layer_grads + emb_grad + dispatch_transient
+    phase_a0 = sp_buffer + dispatch_transient       # the last MoE layer's dispatch in forward
     listed = sum(v for k, v in items.items()
                  if k not in ("activations_layers", "activations_layer_inputs"))
-    items["activations_phases_not_coexisting"] = max(phase_a1, phase_a2, phase_b) - listed
+    items["activations_phases_not_coexisting"] = max(phase_a0, phase_a1, phase_a2, phase_b) - listed
     return items
-
-
-def _bucket_layout(inp: PlanInput, vocab_padded: int, max_positions: int, quantum: int) -> tuple[int, int]:
-    """(number of buckets, largest bucket in elements) of the engine's flat layout on one TP rank.
-
-    The engine (offload/flat_buffer.py) walks the parameters in backward order (reverse
-    registration order: the untied output layer, the final norm, the layers from last to first,
-    the position and word embeddings) and closes a bucket as soon as it holds >= bucket_size
-    elements, padded to a multiple of N x alignment; a parameter never straddles two buckets. Whole
-    layers that cannot close a bucket are skipped in one step and a repeating pattern of buckets
-    over layers is jumped over, so this stays cheap for deep models and tiny buckets alike (checked
-    against a parameter-by-parameter walk)."""
-    h, t, L, cap, f = inp.hidden_size, inp.tensor_parallel, inp.num_layers, inp.bucket_size, inp.ffn()
-    arch, a = inp.arch(), inp.num_attention_heads
-    layer = [n // t if split else n for _, n, split in layer_parameters(h, f, a, arch)]
-    outside = model_parameters(0, h, f, a, vocab_padded, max_positions, arch)
-    first_after = next(i for i, (name, _, _) in enumerate(outside) if name.startswith("decoder.final"))
-    before = [n // t if split else n for _, n, split in outside[:first_after]]   # embeddings
-    after = [n // t if split else n for _, n, split in outside[first_after:]]    # final norm, output layer
-    layer_bwd, layer_total = layer[::-1], sum(layer)
-    count, largest, fill, open_ = 0, 0, 0, False
-
-    def add(n: int) -> None:
-        nonlocal count, largest, fill, open_
-        fill, open_ = fill + n, True
-        if fill >= cap:
-            count, largest = count + 1, max(largest, -(-fill // quantum) * quantum)
-            fill, open_ = 0, False
-
-    for n in after[::-1]:                 # (untied output layer,) final norm bias, weight
-        add(n)
-    left = L
-    seen: dict[int, tuple[int, int]] | None = {}   # fill at a layer boundary -> (left, count)
-    while left:
-        k = min(left, (cap - 1 - fill) // layer_total) if fill + layer_total < cap else 0
-        if k:
-            fill, open_, left = fill + k * layer_total, True, left - k
-            continue
-        if seen is not None:              # the walk only depends on `fill` here: jump over cycles
-            if fill in seen:
-                left0, count0 = seen[fill]
-                period = left0 - left
-                cycles = left // period
-                count, left, seen = count + cycles * (count - count0), left - cycles * period, None
-                continue
-            seen[fill] = (left, count)
-        for n in layer_bwd:
-            add(n)
-        left -= 1
-    for n in before[::-1]:                # (position embedding,) word embedding (tied: the output layer)
-        add(n)
-    if open_:
-        count, largest = count + 1, max(largest, -(-fill // quantum) * quantum)
-    return count, largest
 
 
 def _ranks_layout(inp: PlanInput) -> tuple[int, int, int]:
@@ -307,29 +275,45 @@ def _compute(inp: PlanInput, bucket_overfill: bool = True) -> Plan:
     t, N = inp.tensor_parallel, inp.data_parallel
     S = inp.max_position_embeddings or inp.seq_length
     V_pad = pad_vocab_size(inp.vocab_size, t, inp.make_vocab_size_divisible_by)
+    moe = inp.moe()
     counts = count_params(inp.num_layers, inp.hidden_size, V_pad, S, t, inp.ffn(),
-                          num_attention_heads=inp.num_attention_heads, arch=inp.arch())
+                          num_attention_heads=inp.num_attention_heads, arch=inp.arch(), moe=moe)
     psi = counts["per_tp_rank"]
-    chunk = N * inp.partition_alignment
-    psi_pad = (psi + chunk - 1) // chunk * chunk
-    part = psi_pad // N
     world, nodes, per_node = _ranks_layout(inp)
     warnings: list[str] = []
 
     opt_b = 2 if inp.bf16_optimizer_states else 4
-    if inp.zero_offload:
-        dev, host_gpu = _offload_model_states(inp, psi_pad, part, chunk, V_pad, S, opt_b, bucket_overfill)
-    else:
-        dev, host_gpu = _device_model_states(inp, psi, opt_b), {}
+    # one engine over DP, or at EP > 1 two (offload/expert_parallel.py): the dense parameters over DP,
+    # this rank's experts over expert DP (EDP = DP / EP); expert items are named "expert_..."
+    groups = [("", "all", psi, N)]
+    if moe is not None and inp.expert_parallel > 1:
+        groups = [("", "dense", counts["dense_per_tp_rank"], N),
+                  ("expert_", "expert", counts["expert_per_rank"], inp.expert_data_parallel())]
+    dev: dict[str, int] = {}
+    host_gpu: dict[str, int] = {}
+    disk_rank = 0
+    psi_pad = 0
+    share = inp.optimizer_offload_fraction    # the host part of the partition, as _offload_model_states cuts it
+    for prefix, group, numel, n in groups:
+        chunk = n * inp.partition_alignment
+        padded = (numel + chunk - 1) // chunk * chunk
+        psi_pad += padded
+        part = padded // n
+        if inp.zero_offload:
+            d, hg = _offload_model_states(inp, padded, part, chunk, V_pad, S, opt_b, bucket_overfill, n, group)
+        else:
+            d, hg = _device_model_states(inp, numel, opt_b), {}
+        dev.update({prefix + k: v for k, v in d.items()})
+        host_gpu.update({prefix + k: v for k, v in hg.items()})
+        host_part = part if share >= 1 else min(part, round(share * part / 64) * 64)
+        disk_rank += nvme_bytes(inp, host_part, opt_b)[1]
     act = _activation_items(inp, V_pad)
     dev.update(act)
     dev["allocator_fragmentation"] = int(inp.fragmentation * sum(act.values()))
     dev["framework_overhead"] = inp.device_overhead_bytes
 
     host_per_gpu = sum(host_gpu.values())
-    share = inp.optimizer_offload_fraction    # the host part of the partition, as _offload_model_states cuts it
-    host_part = part if share >= 1 else min(part, round(share * part / 64) * 64)
-    disk_node = nvme_bytes(inp, host_part, opt_b)[1] * per_node
+    disk_node = disk_rank * per_node
     host_node = {k: v * per_node for k, v in host_gpu.items()}
     host_node["process_overhead"] = inp.host_overhead_bytes_per_rank * per_node + inp.host_overhead_bytes_per_node
     host_node["os_reserve"] = inp.reserve()
@@ -380,7 +364,9 @@ def _compute(inp: PlanInput, bucket_overfill: bool = True) -> Plan:
                 replicated_params_per_tp_rank=counts["replicated_per_tp_rank"],
                 vocab_size_padded=V_pad, world_size=world, num_nodes=nodes,
                 ranks_per_node=per_node, fits_device=fits_device, fits_host=fits_host,
-                disk_bytes_per_node=disk_node)
+                disk_bytes_per_node=disk_node, params_active=counts["active"],
+                params_experts_total=counts["experts_total"], params_expert_per_rank=counts["expert_per_rank"],
+                experts_per_ep_rank=moe.local_experts if moe is not None else 0)
 
 
 # How far a measured peak has been from the plan (docs/memory_planner.md, "The edge, measured":
@@ -414,16 +400,18 @@ def _margin_warnings(inp: PlanInput, device_total: int, host_total: int, per_nod
 
 
 def _offload_model_states(inp: PlanInput, psi_pad: int, part: int, chunk: int, V_pad: int, S: int, opt_b: int,
-                          bucket_overfill: bool) -> tuple[dict[str, int], dict[str, int]]:
+                          bucket_overfill: bool, N: int | None = None,
+                          group: str = "all") -> tuple[dict[str, int], dict[str, int]]:
     """ZeRO-Offload's model states: (device items per GPU, host items per GPU) for a partition of
-    `part` elements of a TP rank's `psi_pad` (padded) parameters."""
+    `part` elements of a TP rank's `psi_pad` (padded) parameters, over N ranks (DP; the expert
+    engine's: expert DP), the engine's parameters `group` (buckets.BUCKET_GROUPS)."""
     w = _bytes16(inp.precision)
     p16 = "params_fp32" if w == 4 else "params_16bit"
     dev: dict[str, int] = {}
     host_gpu: dict[str, int] = {}
-    N = inp.data_parallel
+    N = inp.data_parallel if N is None else N
     bucket = min(inp.bucket_size, psi_pad)
-    n_buckets, max_bucket = _bucket_layout(inp, V_pad, S, chunk)
+    n_buckets, max_bucket = _bucket_layout(inp, V_pad, S, chunk, group)
     if not bucket_overfill:
         max_bucket = min(max_bucket, bucket)
     buffers = min(2, n_buckets)       # the engine allocates one buffer when one bucket holds it all
@@ -515,7 +503,7 @@ def overlap_rollback_host_bytes(part: int, param_bytes: int, host_grad_bytes: in
 def overlap_full_bytes_per_rank(inp: PlanInput) -> int:
     """overlap_rollback_host_bytes at fraction 1 for this plan's host partition (one rank)."""
     p = _compute(inp.replace(overlap_cpu_step=True, overlap_speculated_fraction=1.0))
-    return p.host_items.get("overlap_rollback", 0) // p.ranks_per_node
+    return sum(v for k, v in p.host_items.items() if k.endswith("overlap_rollback")) // p.ranks_per_node
 
 
 def solve_overlap_fraction(inp: PlanInput, budget_bytes_per_rank: int | None = None) -> float:
@@ -542,6 +530,11 @@ def solve_overlap_fraction(inp: PlanInput, budget_bytes_per_rank: int | None = N
 
 
 OVERLAP_MODES = ("auto", "full", "memory", "off")
+# At EP > 1 the job's two engines (offload/expert_parallel.py) run the synchronous CPU step over the
+# whole partition (training/model_flags.check_moe_job_flags refuses the rest): the defaults that cost
+# memory resolve to that (overlap off, --optimizer-offload-fraction auto = 1). The model-state lines
+# themselves model DPU, the overlap, a partial offload and the NVMe tier per engine.
+EXPERT_ENGINE_SYNCHRONOUS_ONLY = True
 
 
 def resolve_overlap(inp: PlanInput, mode: str | None, budget_bytes_per_rank: int | None = None) -> tuple[float, str]:
@@ -554,9 +547,12 @@ def resolve_overlap(inp: PlanInput, mode: str | None, budget_bytes_per_rank: int
         mode = "off" if host_default else "auto"
     if mode not in OVERLAP_MODES:
         raise ValueError(f"overlap mode must be one of {OVERLAP_MODES}, got {mode!r}")
-    if mode == "off" or not inp.zero_offload or inp.dpu:
+    experts_apart = EXPERT_ENGINE_SYNCHRONOUS_ONLY and inp.num_experts is not None and inp.expert_parallel > 1
+    if mode == "off" or not inp.zero_offload or inp.dpu or experts_apart:
         why = ("the device is the host: it shares the cores" if host_default else "--no-overlap-cpu-step"
-               if mode == "off" else "no --zero-offload" if not inp.zero_offload else "--dpu")
+               if mode == "off" else "no --zero-offload" if not inp.zero_offload else "--dpu" if inp.dpu else
+               f"--expert-model-parallel-size {inp.expert_parallel}: the experts' engine runs the synchronous "
+               "CPU step")
         return 0.0, f"CPU step overlap off ({why})"
     full = overlap_full_bytes_per_rank(inp)
     need = f"all of it would take {format_bytes(full)}/rank"
@@ -585,7 +581,11 @@ def _free_host_bytes(p: Plan) -> int:
 
 def solve_offload_fraction(inp: PlanInput, step: float = 0.05) -> float | None:
     """`--optimizer-offload-fraction auto`: the smallest host share F (so the largest device share
-    of the optimizer), on a grid of `step`, with which the run fits; None if not even F=1 fits."""
+    of the optimizer), on a grid of `step`, with which the run fits; None if not even F=1 fits. At EP > 1
+    (two engines, offload/expert_parallel.py) only 1: the experts' engine offloads its whole partition."""
+    if EXPERT_ENGINE_SYNCHRONOUS_ONLY and inp.num_experts is not None and inp.expert_parallel > 1:
+        p = _try(inp.replace(optimizer_offload_fraction=1.0))
+        return 1.0 if p is not None and p.fits else None
     n = round(1 / step)
     for i in range(n + 1):
         f = i / n

@@ -5,6 +5,12 @@ biases / qkv bias only, qk LayerNorm).
 
 One list of parameters (`layer_parameters`, `model_parameters`) in megatron-core's registration
 order feeds both the counts here and the bucket walk of the memory model.
+
+Mixture of experts (`MoEShape`, GPTConfig's MoE fields): the MLP of every layer `layers` names is
+megatron-core's MoELayer (local spec): the router (E x h, + E with biases; replicated over TP), the
+experts this EP rank holds (E / EP of them, each a dense MLP of the experts' FFN size, split over
+TP as the dense MLP: expert TP = TP), and the shared expert (no biases) with its gate (h). Expert
+parameters are named `.mlp.experts.` as offload/expert_parallel.is_expert names them.
 """
 from __future__ import annotations
 
@@ -30,6 +36,41 @@ class Architecture:
 GPT2 = Architecture()
 
 
+@dataclass(frozen=True)
+class MoEShape:
+    """The mixture-of-experts fields that change memory (GPTConfig's names in PlanInput)."""
+
+    num_experts: int
+    topk: int
+    ffn: int                                # each expert's FFN size
+    layers: tuple[bool, ...]                # which layers are MoE
+    shared: int = 0                         # the shared expert's FFN size (0: none)
+    shared_gate: bool = False
+    expert_parallel: int = 1
+
+    @property
+    def local_experts(self) -> int:
+        return self.num_experts // self.expert_parallel
+
+
+def moe_layer_pattern(num_layers: int, freq) -> list[bool]:
+    """megatron-core's --moe-layer-freq: every N-th layer from layer 0, or a 0/1 list per layer."""
+    if isinstance(freq, int) and not isinstance(freq, bool):
+        if freq < 1:
+            raise ValueError(f"moe_layer_freq {freq} must be >= 1 (every N-th layer is MoE)")
+        return [i % freq == 0 for i in range(num_layers)]
+    freq = list(freq)
+    if len(freq) != num_layers or any(x not in (0, 1) or isinstance(x, bool) for x in freq):
+        raise ValueError(f"moe_layer_freq {freq}: a list needs one 0 (dense) or 1 (MoE) per layer, "
+                         f"{num_layers} entries")
+    return [x == 1 for x in freq]
+
+
+def is_expert_name(name: str) -> bool:
+    """A routed expert's parameter (offload/expert_parallel.is_expert's rule)."""
+    return ".mlp.experts." in name or name.startswith("mlp.experts.")
+
+
 def default_ffn_size(hidden_size: int, swiglu: bool) -> int:
     """Megatron-LM's --ffn-hidden-size default: 4h, or int(4h * 2/3 / 64) * 64 with --swiglu."""
     return int(4 * hidden_size * 2 / 3 / 64) * 64 if swiglu else 4 * hidden_size
@@ -42,14 +83,15 @@ def pad_vocab_size(vocab_size: int, tensor_parallel: int = 1, divisible_by: int 
 
 
 def layer_parameters(hidden_size: int, ffn_size: int, num_attention_heads: int,
-                     arch: Architecture = GPT2) -> list[tuple[str, int, bool]]:
+                     arch: Architecture = GPT2, moe: MoEShape | None = None) -> list[tuple[str, int, bool]]:
     """(name, numel, split over TP) of one transformer layer, in megatron-core's registration order
     (input norm, linear_proj, linear_qkv, q/k norms, pre-MLP norm, fc1, fc2).
 
     linear_qkv has (heads + 2G)·head_dim output rows (GQA's k/v are G heads each); fc1 has 2f rows
     with SwiGLU ([gate; up]); norms have a bias only as LayerNorm; linear biases with
     add_bias_linear, the qkv bias also with add_qkv_bias; q/k norms act on one head (head_dim).
-    Biases of row-parallel layers (proj, fc2) are replicated over TP."""
+    Biases of row-parallel layers (proj, fc2) are replicated over TP. With `moe` the MLP is the MoE
+    layer's (`moe_mlp_parameters`: router, this EP rank's experts, shared expert)."""
     h, f, a = hidden_size, ffn_size, num_attention_heads
     d = arch.kv_channels or h // a
     g = arch.num_query_groups or a
@@ -69,26 +111,52 @@ def layer_parameters(hidden_size: int, ffn_size: int, num_attention_heads: int,
     if arch.qk_layernorm:
         rows += norm("self_attention.q_layernorm", d) + norm("self_attention.k_layernorm", d)
     rows += norm("pre_mlp_layernorm", h)
-    rows += [("mlp.linear_fc1.weight", fc1_out * h, True)]
-    rows += [("mlp.linear_fc1.bias", fc1_out, True)] if bias else []
-    rows += [("mlp.linear_fc2.weight", h * f, True)]
-    rows += [("mlp.linear_fc2.bias", h, False)] if bias else []
+    if moe is not None:
+        return rows + moe_mlp_parameters(h, arch, moe)
+    return rows + _mlp_rows("mlp.", h, f, arch.swiglu, bias)
+
+
+def _mlp_rows(prefix: str, h: int, f: int, swiglu: bool, bias: bool) -> list[tuple[str, int, bool]]:
+    fc1_out = 2 * f if swiglu else f
+    rows = [(prefix + "linear_fc1.weight", fc1_out * h, True)]
+    rows += [(prefix + "linear_fc1.bias", fc1_out, True)] if bias else []
+    rows += [(prefix + "linear_fc2.weight", h * f, True)]
+    rows += [(prefix + "linear_fc2.bias", h, False)] if bias else []
+    return rows
+
+
+def moe_mlp_parameters(h: int, arch: Architecture, moe: MoEShape) -> list[tuple[str, int, bool]]:
+    """(name, numel, split over TP) of one MoE layer's MLP on one EP rank, in megatron-core's
+    registration order: router weight [E, h] (+ bias [E] with add_bias_linear), the rank's E / EP
+    experts (each a dense MLP of the experts' FFN size, its biases with add_bias_linear), the shared
+    expert's gate [1, h] and its fc1 / fc2 (never biases)."""
+    bias = arch.add_bias_linear
+    rows = [("mlp.router.weight", moe.num_experts * h, False)]
+    rows += [("mlp.router.bias", moe.num_experts, False)] if bias else []
+    for j in range(moe.local_experts):
+        rows += _mlp_rows(f"mlp.experts.local_experts.{j}.", h, moe.ffn, arch.swiglu, bias)
+    if moe.shared:
+        rows += [("mlp.shared_experts.gate_weight", h, False)] if moe.shared_gate else []
+        rows += _mlp_rows("mlp.shared_experts.", h, moe.shared, arch.swiglu, False)
     return rows
 
 
 def model_parameters(num_layers: int, hidden_size: int, ffn_size: int, num_attention_heads: int,
                      vocab_size_padded: int, max_position_embeddings: int,
-                     arch: Architecture = GPT2) -> list[tuple[str, int, bool]]:
+                     arch: Architecture = GPT2, moe: MoEShape | None = None) -> list[tuple[str, int, bool]]:
     """(name, numel, split over TP) of the whole GPTModel in registration order: embeddings, the
     layers, the final norm, and the output layer when it is untied (vocab-padded like the embedding;
-    tied, the word embedding is the output layer). No position table with rope."""
+    tied, the word embedding is the output layer). No position table with rope. With `moe`, the
+    layers it names are MoE layers (one EP rank's experts)."""
     h = hidden_size
     rows = [("embedding.word_embeddings.weight", vocab_size_padded * h, True)]
     if arch.position_embedding_type == "learned_absolute":
         rows.append(("embedding.position_embeddings.weight", max_position_embeddings * h, False))
     layer = layer_parameters(h, ffn_size, num_attention_heads, arch)
+    moe_layer = layer_parameters(h, ffn_size, num_attention_heads, arch, moe) if moe is not None else layer
+    kinds = moe.layers if moe is not None else [False] * num_layers
     for i in range(num_layers):
-        rows += [(f"decoder.layers.{i}.{n}", k, s) for n, k, s in layer]
+        rows += [(f"decoder.layers.{i}.{n}", k, s) for n, k, s in (moe_layer if kinds[i] else layer)]
     rows.append(("decoder.final_layernorm.weight", h, False))
     if arch.normalization == "LayerNorm":
         rows.append(("decoder.final_layernorm.bias", h, False))
@@ -100,14 +168,19 @@ def model_parameters(num_layers: int, hidden_size: int, ffn_size: int, num_atten
 def count_params(num_layers: int, hidden_size: int, vocab_size_padded: int,
                  max_position_embeddings: int, tensor_parallel: int = 1,
                  ffn_hidden_size: int | None = None, *, num_attention_heads: int | None = None,
-                 arch: Architecture = GPT2) -> dict[str, int]:
+                 arch: Architecture = GPT2, moe: MoEShape | None = None) -> dict[str, int]:
     """Parameters of the model, total and on one TP rank (Megatron layout).
 
     GPT-2 (the default `arch`), split over t: word embedding (vocab rows), qkv weight 3h x h + bias
     3h (column parallel), proj weight h x h (row parallel), fc1 f x h + bias f (column), fc2 h x f
     (row); f = ffn size (4h). Replicated: position embedding S x h, proj bias h, fc2 bias h, two
     LayerNorms 2h each, final LN 2h. Other architectures: see `layer_parameters`
-    (num_attention_heads is needed only with GQA or kv_channels)."""
+    (num_attention_heads is needed only with GQA or kv_channels).
+
+    Keys: total, per_tp_rank (everything one rank holds: with experts, the dense parameters of its TP
+    rank and its EP rank's experts), replicated_per_tp_rank; dense_per_tp_rank and expert_per_rank
+    (the rank's routed-expert parameters; 0 without experts), experts_total (every routed expert) and
+    active (what one token uses: top-k routed experts per MoE layer instead of E; = total without)."""
     L, h, V, S, t = num_layers, hidden_size, vocab_size_padded, max_position_embeddings, tensor_parallel
     f = default_ffn_size(h, arch.swiglu) if ffn_hidden_size is None else ffn_hidden_size
     a = num_attention_heads
@@ -117,13 +190,31 @@ def count_params(num_layers: int, hidden_size: int, vocab_size_padded: int,
         a = 1                                       # MHA with head_dim h: the counts do not depend on a
     if h % t or V % t or f % t:
         raise ValueError(f"hidden_size {h}, ffn size {f} and padded vocab {V} must be divisible by TP {t}")
-    layer = layer_parameters(h, f, a, arch)
-    layer_split = sum(n for _, n, split in layer if split)
-    layer_rep = sum(n for _, n, split in layer if not split)
-    if layer_split % t:
-        raise ValueError(f"the TP-split parameters of a layer ({layer_split}) are not divisible by TP {t}")
     rows = model_parameters(0, h, f, a, V, S, arch)          # everything outside the layers
-    total = sum(n for _, n, _ in rows) + L * (layer_split + layer_rep)
-    replicated = sum(n for _, n, split in rows if not split) + L * layer_rep
-    per_rank = sum(n // t for _, n, split in rows if split) + L * layer_split // t + replicated
-    return {"total": total, "per_tp_rank": per_rank, "replicated_per_tp_rank": replicated}
+    out = {"total": sum(n for _, n, _ in rows), "replicated_per_tp_rank": sum(n for _, n, split in rows if not split),
+           "per_tp_rank": sum(n // t for _, n, split in rows if split), "expert_per_rank": 0, "experts_total": 0}
+    out["per_tp_rank"] += out["replicated_per_tp_rank"]
+    kinds = list(moe.layers) if moe is not None else [False] * L
+    full = None if moe is None else MoEShape(**{**moe.__dict__, "expert_parallel": 1})   # every expert
+    routed_one = 0
+    for is_moe in (False, True):
+        count = sum(1 for k in kinds if k == is_moe)
+        if not count:
+            continue
+        local = layer_parameters(h, f, a, arch, moe if is_moe else None)
+        every = layer_parameters(h, f, a, arch, full) if is_moe else local
+        if sum(n for _, n, split in local if split) % t:
+            raise ValueError(f"the TP-split parameters of a layer are not divisible by TP {t}")
+        out["total"] += count * sum(n for _, n, _ in every)
+        out["replicated_per_tp_rank"] += count * sum(n for name, n, split in local if not split)
+        out["per_tp_rank"] += count * sum(n // t if split else n for _, n, split in local)
+        if is_moe:
+            out["expert_per_rank"] += count * sum(n // t if split else n for name, n, split in local
+                                                  if is_expert_name(name))
+            experts = sum(n for name, n, _ in every if is_expert_name(name))
+            out["experts_total"] += count * experts
+            routed_one = experts // moe.num_experts
+    out["dense_per_tp_rank"] = out["per_tp_rank"] - out["expert_per_rank"]
+    out["active"] = out["total"] - (0 if moe is None else
+                                    sum(kinds) * (moe.num_experts - moe.topk) * routed_one)
+    return out

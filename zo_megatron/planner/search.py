@@ -221,6 +221,9 @@ def max_model(inp_template: PlanInput, family: str = "layers", *, max_layers: in
              "num_attention_heads": best.input.num_attention_heads}
     if best.input.arch() != Architecture() and family == "hidden":    # the grown Llama's own proportions
         shape.update(num_query_groups=best.input.num_query_groups, ffn_hidden_size=best.input.ffn_hidden_size)
+        if best.input.num_experts is not None:
+            shape.update(moe_ffn_hidden_size=best.input.moe_ffn_hidden_size,
+                         moe_shared_expert_intermediate_size=best.input.moe_shared_expert_intermediate_size)
     return best.params_total, shape
 
 
@@ -233,8 +236,16 @@ def family_member(template: PlanInput, family: str, k: int) -> PlanInput:
     presets) and its heads per KV group; k x TP query groups (TP must divide them), hidden = heads x
     head dim; an explicit ffn size grown in the template's ratio to hidden (Llama-3's 3.5h = 1.3 x
     8/3 h) and rounded up as Meta's reference code does, to a multiple (the largest power of two up to
-    1024 that divides the template's ffn: 1024 for Llama-3, as its multiple_of)."""
+    1024 that divides the template's ffn: 1024 for Llama-3, as its multiple_of).
+
+    A mixture of experts keeps its experts, top-k, EP and dispatcher: "layers" adds layers (megatron's
+    integer --moe-layer-freq continues its pattern; a 0/1 list fixes the layer count: refused), "hidden"
+    grows the experts' and the shared expert's FFN sizes with the dense one's rule (their ratio to
+    hidden kept, rounded up to their own multiple)."""
     if family == "layers":
+        if template.num_experts is not None and not isinstance(template.moe_layer_freq, int):
+            raise ValueError("--moe-layer-freq as a list fixes the number of layers: use --max-model hidden, or an "
+                             "integer --moe-layer-freq")
         return template.replace(num_layers=k)
     if template.arch() == Architecture():
         return template.replace(hidden_size=k * math.lcm(128, template.num_attention_heads))
@@ -245,12 +256,19 @@ def family_member(template: PlanInput, family: str, k: int) -> PlanInput:
     hidden = heads * d
     changes = dict(hidden_size=hidden, num_attention_heads=heads,
                    num_query_groups=new_groups if template.num_query_groups is not None else None)
-    f0 = template.ffn_hidden_size
-    if f0 is not None:
-        multiple = math.lcm(next(m for m in (1024, 512, 256, 128, 64, 32, 16, 8, 4, 2, 1) if f0 % m == 0),
-                            template.tensor_parallel)
-        changes["ffn_hidden_size"] = -(-f0 * hidden // (template.hidden_size * multiple)) * multiple
+    for name in ("ffn_hidden_size", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+        f0 = getattr(template, name)
+        if f0:
+            changes[name] = _grown_ffn(f0, hidden, template)
     return template.replace(**changes)
+
+
+def _grown_ffn(f0: int, hidden: int, template: PlanInput) -> int:
+    """An explicit FFN size grown in its ratio to hidden, rounded up to its own multiple (the largest power
+    of two up to 1024 dividing it, as Meta's multiple_of) and TP."""
+    multiple = math.lcm(next(m for m in (1024, 512, 256, 128, 64, 32, 16, 8, 4, 2, 1) if f0 % m == 0),
+                        template.tensor_parallel)
+    return -(-f0 * hidden // (template.hidden_size * multiple)) * multiple
 
 
 def largest_fitting(fits, may_fit, limit: int) -> int:

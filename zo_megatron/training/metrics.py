@@ -28,16 +28,21 @@ def human_time(s: float) -> str:
 def flops_per_token(num_layers: int, hidden: int, seq: int, vocab: int, recompute: str | None,
                     ffn_hidden_size: int | None = None, recomputed_layers: int | None = None, *,
                     num_attention_heads: int | None = None, num_query_groups: int | None = None,
-                    kv_channels: int | None = None, swiglu: bool = False) -> int:
+                    kv_channels: int | None = None, swiglu: bool = False, moe_layers: list[bool] | None = None,
+                    moe_ffn_hidden_size: int | None = None, moe_router_topk: int = 2,
+                    moe_shared_expert_intermediate_size: int | None = None) -> int:
     """Model FLOPs per trained token (forward + backward): Megatron-LM's count
-    (`num_floating_point_operations`, megatron/training/training.py at core_v0.16.1, dense GPT),
-    divided by batch x seq. Per layer forward, with q = kv_channels x heads (= h by default) and
-    k = v = kv_channels x G (GQA; = q without it): the QKV projection 2h(q + 2k), causal attention
-    scores and values 2qs (Megatron counts half of the s x s products since 2025-03: QK^T and
-    (QK^T)V are 2·q·s/2 each), the output projection 2qh, the MLP 4hf (6hf with SwiGLU: fc1 is
-    h -> 2f); the LM head 2Vh (V padded). Backward is twice the forward; full recompute adds one
-    more forward of the layers it recomputes (`recomputed_layers`, default all; --recompute-method
-    block N: the first N) -- Megatron's own count leaves recompute out."""
+    (`num_floating_point_operations`, megatron/training/training.py at core_v0.16.1, GPT with or
+    without experts), divided by batch x seq. Per layer forward, with q = kv_channels x heads (= h by
+    default) and k = v = kv_channels x G (GQA; = q without it): the QKV projection 2h(q + 2k), causal
+    attention scores and values 2qs (Megatron counts half of the s x s products since 2025-03: QK^T
+    and (QK^T)V are 2·q·s/2 each), the output projection 2qh, the MLP 4hf (6hf with SwiGLU: fc1 is
+    h -> 2f); the LM head 2Vh (V padded). A mixture of experts' layer (`moe_layers`: which layers)
+    counts only the experts a token uses: its top-k routed experts of `moe_ffn_hidden_size` (default
+    the dense FFN size) and the shared expert, each 4h·f_e (6h·f_e with SwiGLU); the router's
+    h x E product is not counted (Megatron's formula leaves it out). Backward is twice the forward;
+    full recompute adds one more forward of the layers it recomputes (`recomputed_layers`, default
+    all; --recompute-method block N: the first N) -- Megatron's own count leaves recompute out."""
     h = hidden
     f = (int(4 * h * 2 / 3 / 64) * 64 if swiglu else 4 * h) if ffn_hidden_size is None else ffn_hidden_size
     if num_attention_heads is None:
@@ -48,20 +53,32 @@ def flops_per_token(num_layers: int, hidden: int, seq: int, vocab: int, recomput
         d = kv_channels or h // num_attention_heads
         q, kv = d * num_attention_heads, d * (num_query_groups or num_attention_heads)
     attention = 2 * h * (q + 2 * kv) + 2 * q * seq + 2 * q * h
-    mlp = 2 * h * f * (3 if swiglu else 2)
-    per_layer = attention + mlp
+    gemms = 3 if swiglu else 2                  # h -> f (-> 2f with SwiGLU) and f -> h, 2 FLOPs per product
+    dense_layer = attention + 2 * h * f * gemms
+    moe_ffn = (moe_ffn_hidden_size or f) * moe_router_topk + (moe_shared_expert_intermediate_size or 0)
+    moe_layer = attention + 2 * h * moe_ffn * gemms
+    kinds = list(moe_layers) if moe_layers is not None else [False] * num_layers
+    if len(kinds) != num_layers:
+        raise ValueError(f"moe_layers names {len(kinds)} layers, the model has {num_layers}")
+    per_layer = [moe_layer if kind else dense_layer for kind in kinds]
     head_fwd = 2 * vocab * h
     again = 0 if recompute != "full" else (num_layers if recomputed_layers is None else recomputed_layers)
-    return 3 * num_layers * per_layer + again * per_layer + 3 * head_fwd
+    return 3 * sum(per_layer) + sum(per_layer[:again]) + 3 * head_fwd
 
 
 def model_flops_per_token(cfg, seq_length: int, padded_vocab_size: int, recompute: str | None,
                           recomputed_layers: int | None = None) -> int:
-    """`flops_per_token` of a GPTConfig (its architecture fields; GPT-2 where a field is absent)."""
+    """`flops_per_token` of a GPTConfig (its architecture and MoE fields; GPT-2 where a field is absent)."""
+    experts = getattr(cfg, "num_experts", None) is not None
     return flops_per_token(cfg.num_layers, cfg.hidden_size, seq_length, padded_vocab_size, recompute,
                            cfg.ffn_size, recomputed_layers, num_attention_heads=cfg.num_attention_heads,
                            num_query_groups=getattr(cfg, "num_query_groups", None),
-                           kv_channels=getattr(cfg, "kv_channels", None), swiglu=getattr(cfg, "swiglu", False))
+                           kv_channels=getattr(cfg, "kv_channels", None), swiglu=getattr(cfg, "swiglu", False),
+                           moe_layers=cfg.moe_layers() if experts else None,
+                           moe_ffn_hidden_size=cfg.moe_ffn_size if experts else None,
+                           moe_router_topk=cfg.moe_router_topk if experts else 2,
+                           moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size
+                           if experts else None)
 
 
 class Metrics:

@@ -111,36 +111,10 @@ def job_plan(args, env, dp: int, vocab_size: int, host_bytes: int | None = None,
     return plan(inp.replace(overlap_cpu_step=f > 0, overlap_speculated_fraction=f))
 
 
-def resolve_unplanned_moe(args, vocab_size: int) -> int:
-    """A mixture of experts, which the planner has no lines for yet (docs/moe.md): the memory is not
-    checked (said in the banner), --optimizer-offload-fraction auto is 1, --overlap-cpu-step's default
-    off (`full` speculates all; a memory budget needs the plan). Returns the model's parameter count."""
-    from zo_megatron.model import GPTConfig
-    from zo_megatron.training.model_flags import architecture_kwargs, moe_kwargs
-
-    mode = getattr(args, "overlap_cpu_step_mode", args.overlap_cpu_step)
-    args.overlap_cpu_step_mode = mode
-    if mode == "memory" or args.overlap_cpu_step_memory is not None:
-        raise UserError("--overlap-cpu-step-memory sizes the speculated share with the memory planner, which has no "
-                        "mixture-of-experts lines yet: use --overlap-cpu-step full, or drop it")
-    if args.optimizer_offload_fraction == "auto":
-        args.optimizer_offload_fraction = 1.0
-        args.offload_fraction_reason = "--optimizer-offload-fraction auto: 1.0 (no memory plan for experts yet)"
-    f = 1.0 if mode == "full" else 0.0
-    args.overlap_speculated_fraction, args.overlap_cpu_step = f, f > 0
-    args.overlap_reason = ("--overlap-cpu-step: the whole partition speculated" if f else
-                           "CPU step overlap off (the default with experts: the memory planner cannot size it yet)")
-    args.memory_plan = None
-    args.memory_plan_note = (" memory: not checked before launch (the memory planner has no mixture-of-experts "
-                             "lines yet, docs/moe.md)")
-    return GPTConfig(**architecture_kwargs(args), **moe_kwargs(args), vocab_size=vocab_size).num_parameters()
-
-
 def memory_check(args, env, dp: int, vocab_size: int) -> None:
-    """Refuse a run the planner says cannot fit the device or host memory this machine has."""
-    if getattr(args, "num_experts", None) is not None:
-        args.params_total = resolve_unplanned_moe(args, vocab_size)
-        return
+    """Refuse a run the planner says cannot fit the device or host memory this machine has (a mixture of
+    experts too: the planner's MoE lines, docs/memory_planner.md; at EP > 1 --optimizer-offload-fraction
+    auto is 1 and the CPU-step overlap off, as the experts' engine runs)."""
     p = job_plan(args, env, dp, vocab_size)
     args.params_total = p.params_total
     args.memory_plan = p

@@ -1,0 +1,291 @@
+"""The memory planner's mixture-of-experts lines (issue 39), against the built model and the engines.
+
+- Parameters: the planner's list (names, order, sizes) and its counts per rank (dense, this EP rank's
+  experts) are the built model's at EP 1 and EP 2 (dense and MoE layers, the shared expert and its
+  gate, SwiGLU without biases and GELU with biases); the total is GPTConfig.num_parameters().
+- Activations: what one MoE layer and one dense layer of megatron-core (local spec, both dispatchers)
+  save for backward, measured with saved-tensor hooks, is the planner's `_layer_saved` within 2% (at
+  EP 2 summed over the EP ranks: routing is balanced only in sum).
+- Model states: at EP 2 the two engines' allocations (offload/expert_parallel.py, their
+  `accounting`) are the planner's dense and "expert_" lines.
+- TFLOP/s: Megatron-LM's MoE count against a hand count of every GEMM of a small model.
+- The tool and the job: estimate_memory takes the MoE flags and prints total vs active parameters and
+  experts per EP rank; the job's pre-launch check plans experts and refuses a plan that does not fit;
+  EP > 1 resolves --optimizer-offload-fraction auto to 1 and the overlap off.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from types import SimpleNamespace
+from unittest import mock
+
+import pytest
+import torch
+
+from tests.harness import free_port, run_world
+from tests.seeds import fresh_seed
+from zo_megatron import planner as P
+
+SEQ, MICRO, VOCAB = 32, 2, 128          # VOCAB a multiple of 128: padded = unpadded at TP 1
+SWIGLU = dict(num_layers=3, hidden_size=64, num_attention_heads=4, num_query_groups=2, swiglu=True,
+              add_bias_linear=False, normalization="RMSNorm", position_embedding_type="rope",
+              untie_embeddings_and_output_weights=True, ffn_hidden_size=96, num_experts=4, moe_router_topk=2,
+              moe_ffn_hidden_size=40, moe_shared_expert_intermediate_size=48, moe_shared_expert_gate=True,
+              moe_layer_freq=[1, 0, 1])
+GELU = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_experts=4, moe_router_topk=2,
+            moe_ffn_hidden_size=72, moe_layer_freq=2)          # GPT-2 with biases, layer 1 dense
+GELU_NO_BIAS = dict(GELU, add_bias_linear=False)
+CONFIGS = {"swiglu": SWIGLU, "gelu": GELU, "gelu_no_bias": GELU_NO_BIAS}
+
+
+def _plan_input(cfg: dict, ep: int, dp: int, dispatcher: str, **kw) -> P.PlanInput:
+    fields = {k: v for k, v in cfg.items() if k in P.PlanInput.__dataclass_fields__}
+    return P.PlanInput(**fields, vocab_size=VOCAB, seq_length=SEQ, max_position_embeddings=SEQ,
+                       micro_batch_size=MICRO, data_parallel=dp, expert_parallel=ep,
+                       moe_token_dispatcher_type=dispatcher, dropout=False, fused_softmax=False, **kw)
+
+
+def _measure(rank, cases, bucket_size, ports):
+    """Per case (config, EP, dispatcher): the built model's parameters, what layers 0 (MoE) and 1
+    (dense) save for backward, and (at EP > 1) the two engines' accounting."""
+    from zo_megatron.model import GPTConfig, build_gpt_model
+    from zo_megatron.offload.engine import AdamConfig
+    from zo_megatron.offload.expert_parallel import ExpertParallelEngine, is_expert
+    from zo_megatron.parallel import collectives, destroy_parallel, init_parallel
+
+    out = []
+    for (cfg, ep, dispatcher), port in zip(cases, ports):
+        os.environ["MASTER_PORT"] = str(port)         # a fresh world per case
+        ps = init_parallel(1, expert_parallel=ep)
+        conf = GPTConfig(**cfg, vocab_size=VOCAB, max_position_embeddings=SEQ, precision="bf16",
+                         moe_token_dispatcher_type=dispatcher)
+        model = build_gpt_model(conf, ps.tp_rank, ps.tp_size, seed=1)
+        rows = [(n.removeprefix("gpt."), p.numel(), bool(getattr(p, "tensor_model_parallel", False)))
+                for n, p in model.named_parameters()]
+        res = dict(rows=rows, num_parameters=conf.num_parameters(),
+                   experts=sum(p.numel() for n, p in model.named_parameters() if is_expert(n)))
+        if ep > 1:
+            engine = ExpertParallelEngine(model, dp_group=ps.dp_group, edp_group=ps.edp_group, dp_size=ps.dp_size,
+                                          precision="bf16", adam=AdamConfig(lr=1e-3), clip_grad=1.0,
+                                          bucket_size=bucket_size, tp_rank=ps.tp_rank, device=ps.device,
+                                          tp_group=ps.tp_group)
+            res["accounting"] = {"dense": engine.dense.accounting.as_dict(),
+                                 "expert": engine.experts.accounting.as_dict()}
+        else:
+            model = model.to(torch.bfloat16)
+        # megatron-core 0.16.1's expert MLP with biases cannot run forward here (its in-place bias add on the
+        # output of a custom autograd Function): parameters only
+        res["saved"] = None if conf.add_bias_linear else _saved_bytes(model, rank)
+        out.append(res)
+        if ep > 1:
+            engine.close()
+        collectives.barrier()
+        destroy_parallel()
+    return out
+
+
+def _saved_bytes(model, rank) -> list[int]:
+    """What layers 0 and 1 save for backward (each storage once; no parameter, no cached s x s mask)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: list[dict[int, int]] = [{}, {}]
+    region = [None]
+
+    def pack(t):
+        st = t.untyped_storage()
+        if region[0] is not None and st.data_ptr() not in params and not (t.dtype == torch.bool and t.dim() == 4):
+            seen[region[0]][st.data_ptr()] = st.nbytes()
+        return t
+
+    for i in (0, 1):
+        layer = model.gpt.decoder.layers[i]
+        layer.register_forward_pre_hook(lambda m, a, i=i: region.__setitem__(0, i))
+        layer.register_forward_hook(lambda m, a, o: region.__setitem__(0, None))
+    gen = torch.Generator().manual_seed(fresh_seed("moe saved") + rank)
+    tokens = torch.randint(0, VOCAB, (MICRO, SEQ), generator=gen)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.loss(tokens, tokens)
+    return [sum(s.values()) for s in seen]
+
+
+@pytest.fixture(scope="module")
+def measured():
+    ep1 = run_world(_measure, 1, [(SWIGLU, 1, "allgather"), (GELU, 1, "allgather"), (GELU_NO_BIAS, 1, "allgather")],
+                    1 << 30, [free_port() for _ in range(3)], timeout=240)
+    ep2 = run_world(_measure, 2, [(SWIGLU, 2, "alltoall"), (SWIGLU, 2, "allgather"), (GELU, 2, "alltoall")],
+                    1 << 30, [free_port() for _ in range(3)], timeout=300)
+    return {(1, "allgather", "swiglu"): ep1[0][0], (1, "allgather", "gelu"): ep1[0][1],
+            (1, "allgather", "gelu_no_bias"): ep1[0][2],
+            (2, "alltoall", "swiglu"): [r[0] for r in ep2], (2, "allgather", "swiglu"): [r[1] for r in ep2],
+            (2, "alltoall", "gelu"): [r[2] for r in ep2]}
+
+
+@pytest.mark.parametrize("key", [(1, "allgather", "swiglu"), (1, "allgather", "gelu"), (2, "alltoall", "swiglu"),
+                                 (2, "alltoall", "gelu")])
+def test_parameters_per_rank_are_the_built_models(measured, key):
+    ep, dispatcher, name = key
+    cfg = CONFIGS[name]
+    ranks = measured[key] if ep > 1 else [measured[key]]
+    inp = _plan_input(cfg, ep, ep, dispatcher)
+    rows = P.model_parameters(inp.num_layers, inp.hidden_size, inp.ffn(), inp.num_attention_heads, VOCAB, SEQ,
+                              inp.arch(), inp.moe())
+    counts = P.count_params(inp.num_layers, inp.hidden_size, VOCAB, SEQ, 1, inp.ffn(),
+                            num_attention_heads=inp.num_attention_heads, arch=inp.arch(), moe=inp.moe())
+    for got in ranks:       # every rank: the same names, order and sizes (local expert indices)
+        assert rows == got["rows"]
+        assert counts["per_tp_rank"] == sum(n for _, n, _ in got["rows"])
+        assert counts["expert_per_rank"] == got["experts"]
+        assert counts["dense_per_tp_rank"] == sum(n for _, n, _ in got["rows"]) - got["experts"]
+        assert counts["total"] == got["num_parameters"]
+    assert counts["experts_total"] == sum(r["experts"] for r in ranks) * (1 if ep > 1 else 1)
+    p = P.plan(inp)
+    assert (p.params_total, p.params_expert_per_rank, p.experts_per_ep_rank) == \
+        (counts["total"], counts["expert_per_rank"], cfg["num_experts"] // ep)
+    # active: the dense parameters and k of E experts in each MoE layer
+    per_expert = counts["experts_total"] // (cfg["num_experts"] * sum(inp.moe().layers))
+    assert p.params_active == counts["total"] - sum(inp.moe().layers) * (cfg["num_experts"] - 2) * per_expert
+
+
+@pytest.mark.parametrize("key", [(1, "allgather", "swiglu"), (1, "allgather", "gelu_no_bias"),
+                                 (2, "alltoall", "swiglu"), (2, "allgather", "swiglu")])
+def test_what_a_moe_layer_saves_is_planned(measured, key):
+    from zo_megatron.planner.memory import _layer_saved
+
+    ep, dispatcher, name = key
+    cfg = CONFIGS[name]
+    ranks = measured[key] if ep > 1 else [measured[key]]
+    inp = _plan_input(cfg, ep, ep, dispatcher, precision="bf16")
+    for layer, moe in ((0, True), (1, False)):
+        got = sum(r["saved"][layer] for r in ranks)           # EP ranks together: balanced in sum
+        want = ep * sum(_layer_saved(inp, moe))
+        assert abs(want - got) <= 0.02 * got, (key, layer, want, got)
+
+
+def test_the_two_engines_allocate_the_planned_model_states(measured):
+    """At EP 2 on 2 ranks (DP 2, expert DP 1): the dense engine's and the experts' engine's bytes."""
+    inp = _plan_input(SWIGLU, 2, 2, "alltoall", bucket_size=1 << 30, device_is_host=True,
+                      gpu_memory_bytes=64 * P.GiB, host_memory_bytes_per_node=64 * P.GiB, gpus_per_node=2)
+    p = P.plan(inp)
+    per_rank = {k: v // p.ranks_per_node for k, v in p.host_items.items()}
+    for rank in measured[(2, "alltoall", "swiglu")]:
+        for group, prefix in (("dense", ""), ("expert", "expert_")):
+            acc = rank["accounting"][group]
+            planned = {"device_param_bytes": p.device_items[prefix + "params_16bit"],
+                       "device_bucket_bytes": p.device_items[prefix + "grad_buckets_x2"],
+                       "host_master_bytes": per_rank[prefix + "master_fp32"],
+                       "host_optimizer_bytes": per_rank[prefix + "adam_exp_avg"] + per_rank[prefix + "adam_exp_avg_sq"],
+                       "host_staging_bytes": per_rank[prefix + "grad_param_staging_16bit"]}
+            for k, want in planned.items():
+                # the planner pads each bucket to N x 128 elements, the engine to N x 64
+                assert abs(acc[k] - want) <= 2 * 128 * 4, (group, k, acc[k], want)
+
+
+def test_tflops_count_megatrons_moe_formula_against_a_hand_count():
+    """2 layers (MoE, dense), h 8, 2 heads of 4 and 1 KV group, seq 16, vocab 32, SwiGLU ffn 24, 4 experts
+    of 12, top 2, a shared expert of 6. Forward FLOPs per token, each GEMM as 2 x its products:
+    attention  qkv 2*8*(8+4+4) = 256, QK^T and (QK^T)V causal 2 * 2*8*16/2 = 256, proj 2*8*8 = 128: 640
+    dense MLP  fc1 2*8*48 = 768, fc2 2*24*8 = 384: 1152
+    MoE MLP    2 experts x (fc1 2*8*24 + fc2 2*12*8 = 576) + shared (2*8*12 + 2*6*8 = 288) = 1440
+    LM head    2*32*8 = 512
+    forward 640+1440 + 640+1152 + 512 = 4384; forward + backward x3 = 13152; full recompute: + the two
+    layers' forward (3872) = 17024; block recompute of layer 0 only: + 2080 = 15232."""
+    from zo_megatron.training.metrics import flops_per_token
+
+    common = dict(num_attention_heads=2, num_query_groups=1, kv_channels=4, swiglu=True, moe_layers=[True, False],
+                  moe_ffn_hidden_size=12, moe_router_topk=2, moe_shared_expert_intermediate_size=6)
+    assert flops_per_token(2, 8, 16, 32, None, 24, **common) == 13152
+    assert flops_per_token(2, 8, 16, 32, "full", 24, **common) == 17024
+    assert flops_per_token(2, 8, 16, 32, "full", 24, 1, **common) == 15232
+    # the job's count of a GPTConfig takes its MoE fields
+    from zo_megatron.model import GPTConfig
+    from zo_megatron.training.metrics import model_flops_per_token
+
+    cfg = GPTConfig(num_layers=2, hidden_size=8, num_attention_heads=2, num_query_groups=1, kv_channels=4,
+                    swiglu=True, add_bias_linear=False, ffn_hidden_size=24, num_experts=4, moe_ffn_hidden_size=12,
+                    moe_shared_expert_intermediate_size=6, moe_layer_freq=[1, 0], vocab_size=32)
+    assert model_flops_per_token(cfg, 16, 32, None) == 13152
+
+
+MIXTRAL = ["--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32", "--group-query-attention",
+           "--num-query-groups", "8", "--ffn-hidden-size", "14336", "--vocab-size", "32000",
+           "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+           "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--num-experts", "8",
+           "--moe-router-topk", "2", "--seq-length", "4096", "--bf16", "--zero-offload", "--use-flash-attn",
+           "--recompute-granularity", "full"]
+
+
+def _cli(*args):
+    from tests.cli import run_tool
+
+    return run_tool("estimate_memory", *args)
+
+
+def test_estimate_memory_prints_total_active_and_experts_per_rank():
+    r = _cli("--preset", "h100-80gb", "--world-size", "8", *MIXTRAL, "--expert-model-parallel-size", "8",
+             "--moe-token-dispatcher-type", "alltoall")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "12.88B active of 46.70B total (top-2 of 8 experts in 32 of 32 layers" in r.stdout
+    assert "1 of 8 experts per EP rank (EP 8)" in r.stdout and "EP 8 x expert DP 1" in r.stdout
+    assert "expert_master_fp32" in r.stdout and "moe_dispatch_transient" in r.stdout
+    assert "CPU step overlap off (--expert-model-parallel-size 8" in r.stdout
+    d = json.loads(_cli("--preset", "h100-80gb", "--world-size", "8", *MIXTRAL, "--expert-model-parallel-size", "8",
+                        "--optimizer-offload-fraction", "auto", "--json").stdout)
+    assert (d["params_total"], d["params_active"], d["experts_per_ep_rank"]) == (46_702_792_704, 12_879_925_248, 1)
+    assert d["input"]["optimizer_offload_fraction"] == 1.0 and d["overlap_speculated_fraction"] == 0.0
+    # at EP 1 every rank holds all 8 experts (93 GB of bf16 weights): it does not fit an 80 GB GPU
+    r = _cli("--preset", "h100-80gb", "--world-size", "8", *MIXTRAL)
+    assert r.returncode == 1 and "DOES NOT FIT" in r.stdout and "8 of 8 experts per EP rank" in r.stdout
+    bad = _cli("--preset", "h100-80gb", "--world-size", "8", *MIXTRAL, "--expert-model-parallel-size", "3")
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
+    assert "--expert-model-parallel-size 3 does not divide --num-experts 8" in bad.stderr
+
+
+def test_max_model_grows_moe_shapes():
+    d = json.loads(_cli("--preset", "h100-80gb", "--world-size", "8", *MIXTRAL, "--expert-model-parallel-size", "8",
+                        "--max-model", "layers", "--json").stdout)
+    assert d["max_shape"]["num_layers"] > 32 and d["input"]["num_experts"] == 8 and d["fits"]
+    nxt = P.plan(P.PlanInput(**{**d["input"], "num_layers": d["max_shape"]["num_layers"] + 1}))
+    assert not nxt.fits
+    qwen = _cli("--preset", "h100-80gb", "--world-size", "8", "--num-layers", "4", "--hidden-size", "2048",
+                "--num-attention-heads", "32", "--group-query-attention", "--num-query-groups", "4", "--kv-channels",
+                "128", "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+                "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--ffn-hidden-size", "6144",
+                "--num-experts", "128", "--moe-router-topk", "8", "--moe-ffn-hidden-size", "768",
+                "--expert-model-parallel-size", "8", "--zero-offload", "--max-model", "hidden", "--json", "--seq-length",
+                "4096")
+    d = json.loads(qwen.stdout)
+    shape = d["max_shape"]
+    assert shape["hidden_size"] > 2048 and shape["moe_ffn_hidden_size"] * 2048 >= 768 * shape["hidden_size"]
+    assert d["input"]["num_experts"] == 128 and d["fits"]
+
+
+def _job(argv, world, host_gib, gpu_gib=79.1):
+    """The job's pre-launch memory check of `argv` on `world` GPUs of one node (CUDA mocked)."""
+    from zo_megatron.training import prelaunch
+    from zo_megatron.training.arguments import check_batch_sizes, parse_args
+
+    props = SimpleNamespace(total_memory=int(gpu_gib * P.GiB), name="H100")
+    with mock.patch.object(torch.cuda, "is_available", return_value=True), \
+            mock.patch.object(torch.cuda, "get_device_properties", return_value=props), \
+            mock.patch("zo_megatron.parallel.launch_env.memory_limit_bytes", return_value=int(host_gib * P.GiB)):
+        args = parse_args([*argv, "--train-iters", "10", "--lr", "1e-4"])
+        check_batch_sizes(args, world)
+        prelaunch.memory_check(args, argparse.Namespace(local_world_size=world), world, 32000)
+    return args
+
+
+def test_the_jobs_memory_check_plans_experts_and_refuses_what_does_not_fit():
+    from zo_megatron.errors import UserError
+
+    ep8 = [*MIXTRAL, "--expert-model-parallel-size", "8", "--optimizer-offload-fraction", "auto"]
+    args = _job(ep8, 8, 2048)
+    assert args.memory_plan.fits and args.memory_plan.params_active == 12_879_925_248
+    assert args.params_total == 46_702_792_704
+    assert args.optimizer_offload_fraction == 1.0 and not args.overlap_cpu_step
+    assert "--expert-model-parallel-size 8" in args.overlap_reason
+    assert not getattr(args, "memory_plan_note", None)            # no "memory not checked" line any more
+    with pytest.raises(UserError, match="the memory planner predicts this run does not fit: host"):
+        _job(ep8, 8, 512)                  # 8 x 84 GiB of expert states do not fit 512 GiB
+    with pytest.raises(UserError, match="does not fit: device"):
+        _job(MIXTRAL, 8, 2048)             # EP 1: all 8 experts on every GPU

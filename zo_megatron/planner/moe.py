@@ -1,0 +1,84 @@
+"""What a mixture-of-experts layer adds to the activations (megatron-core 0.16.1's MoELayer, local
+spec, SequentialMLP experts; read from its source and measured with saved-tensor hooks in
+tests/test_planner_moe.py). Per rank, for one micro-batch of T = s·b tokens per TP group (T/t of
+them on a rank with sequence parallelism), k = top-k, E experts, f_e the experts' FFN size, t = TP
+(= expert TP), w = 2 bytes (bf16/fp16) or 4 (fp32). Routing is assumed balanced (the aux loss's
+aim): each EP rank's experts receive k·T token slots, whatever EP is (allgather: T·EP gathered
+tokens, k/EP of their slots local; alltoall: k·T/t slots sent, as many received, gathered over TP).
+"""
+from __future__ import annotations
+
+from zo_megatron.planner.inputs import PlanInput
+
+# bytes the router keeps per local token and routing slot: the fp32 top-k probabilities and two int64
+# index tensors (top-k indices, their scatter into the routing map)
+ROUTER_BYTES_PER_SLOT = 4 + 8 + 8
+# and per routed slot on the expert side: the int64 permutation index (saved by the gather/scatter)
+PERMUTE_INDEX_BYTES = 8
+
+
+def _w(inp: PlanInput) -> int:
+    return 4 if inp.precision == "fp32" else 2
+
+
+def _tokens(inp: PlanInput) -> tuple[int, int]:
+    """(T: the TP group's tokens of one micro-batch, T_loc: those on this rank's sequence shard)."""
+    t = inp.seq_length * inp.micro_batch_size
+    return t, t // inp.tensor_parallel if inp.sp() else t
+
+
+def moe_mlp_saved(inp: PlanInput) -> int:
+    """Bytes one MoE layer's MLP keeps for backward on one rank (instead of the dense MLP's
+    F·f/t·w per token, F = 5 with SwiGLU, 2 with GELU; the router's input is the pre-MLP norm's
+    output, which the layer keeps as a dense layer's fc1 keeps it).
+
+    routed experts (k·T slots): their input rows (the permuted tokens, h wide: split views keep the
+      whole tensor), each expert's MLP (F·f_e/t, + f_e/t: the output scaled by its routing weight is a
+      new tensor), the routing weight (w) and the permutation index (8) per slot;
+    router, per local token: fp32 scores (4·E) and per slot ROUTER_BYTES_PER_SLOT;
+    routing map and weights of the local experts, E x T (allgather: the gathered tokens; alltoall:
+      the local ones): bool + 16-bit;
+    shared expert: a dense MLP of its size (F·f_s/t per token) and, gated, its output (h) and the
+      sigmoid (1) per local token."""
+    e, k, t, h = inp.num_experts, inp.moe_router_topk, inp.tensor_parallel, inp.hidden_size
+    w, f_e = _w(inp), inp.moe_ffn()
+    T, T_loc = _tokens(inp)
+    mlp = 5 if inp.swiglu else 2
+    routed = k * T * (w * h + w * (mlp + 1) * f_e // t + w + PERMUTE_INDEX_BYTES)
+    router = T_loc * (4 * e + ROUTER_BYTES_PER_SLOT * k)
+    routing_map = (w + 1) * e * (T if inp.moe_token_dispatcher_type == "allgather" else T_loc)
+    shared = 0
+    if inp.moe_shared_expert_intermediate_size:
+        shared = w * mlp * inp.moe_shared_expert_intermediate_size // t * T
+        if inp.moe_shared_expert_gate:
+            shared += w * T_loc * (h + 1)
+    return routed + router + routing_map + shared
+
+
+def moe_backward_grads(inp: PlanInput) -> int:
+    """The largest gradients of one MoE layer's backward besides the residual stream's: each routed
+    slot's fc1-output gradient (2·f_e/t wide, as the dense MLP's 2f) and its input-row gradient (h),
+    and the shared expert's fc1-output gradient (2·f_s/t per token)."""
+    k, t, w = inp.moe_router_topk, inp.tensor_parallel, _w(inp)
+    T, _ = _tokens(inp)
+    shared = 2 * w * T * (inp.moe_shared_expert_intermediate_size or 0) // t
+    return k * T * w * (2 * inp.moe_ffn() // t + inp.hidden_size) + shared
+
+
+def moe_dispatcher(inp: PlanInput) -> tuple[int, int]:
+    """(persistent, transient) bytes of the token dispatcher on one rank.
+
+    allgather (TP x EP > 1): the hidden states of the TP x EP group's T·EP tokens are gathered into
+      megatron-core's global memory buffer ("mpu", the one sequence parallelism's linears gather into:
+      one buffer of the larger size, live in every phase), persistent w·T·EP·h; transient, the gathered
+      routing weights and map (fp32 + bool, E per gathered token).
+    alltoall: transient, the permuted local slots (k·T_loc rows of h) and what the all-to-all receives
+      (as many, balanced); the rows gathered over TP and sorted by expert are the experts' saved input.
+    Both dispatchers' backward moves gradients of the same sizes (counted in the layer's backward)."""
+    e, k, h, w, ep = inp.num_experts, inp.moe_router_topk, inp.hidden_size, _w(inp), inp.expert_parallel
+    T, T_loc = _tokens(inp)
+    if inp.moe_token_dispatcher_type == "allgather":
+        if inp.tensor_parallel * ep == 1:
+            return 0, 0
+        return w * T * ep * h, 5 * e * T * ep
+    return 0, 2 * k * T_loc * h * w
