@@ -532,7 +532,9 @@ def solve_overlap_fraction(inp: PlanInput, budget_bytes_per_rank: int | None = N
 OVERLAP_MODES = ("auto", "full", "memory", "off")
 # At EP > 1 the job's two engines (offload/expert_parallel.py) run the synchronous CPU step over the
 # whole partition (training/model_flags.check_moe_job_flags refuses the rest): the defaults that cost
-# memory resolve to that (overlap off, --optimizer-offload-fraction auto = 1). The model-state lines
+# memory resolve to that (the overlap's default off, --optimizer-offload-fraction auto = 1; set this to
+# False once the engine runs every schedule at EP > 1: the defaults then resolve as for a dense model,
+# and an explicit --overlap-cpu-step is always planned as given). The model-state lines
 # themselves model DPU, the overlap, a partial offload and the NVMe tier per engine.
 EXPERT_ENGINE_SYNCHRONOUS_ONLY = True
 
@@ -543,11 +545,13 @@ def resolve_overlap(inp: PlanInput, mode: str | None, budget_bytes_per_rank: int
     host (device and CPU Adam share the cores). Off without ZeRO-Offload or with DPU (which takes
     the CPU step off the critical path already). `memory`: --overlap-cpu-step-memory's budget."""
     host_default = mode is None and inp.device_is_host
+    # the default only: an explicit mode is the job's to accept or refuse (model_flags.check_moe_job_flags)
+    experts_apart = EXPERT_ENGINE_SYNCHRONOUS_ONLY and mode is None and inp.num_experts is not None \
+        and inp.expert_parallel > 1
     if mode is None:
         mode = "off" if host_default else "auto"
     if mode not in OVERLAP_MODES:
         raise ValueError(f"overlap mode must be one of {OVERLAP_MODES}, got {mode!r}")
-    experts_apart = EXPERT_ENGINE_SYNCHRONOUS_ONLY and inp.num_experts is not None and inp.expert_parallel > 1
     if mode == "off" or not inp.zero_offload or inp.dpu or experts_apart:
         why = ("the device is the host: it shares the cores" if host_default else "--no-overlap-cpu-step"
                if mode == "off" else "no --zero-offload" if not inp.zero_offload else "--dpu" if inp.dpu else
