@@ -2,12 +2,15 @@
 bit for bit (one rank, bf16, bf16 states and the master on disk, eval included; TP x DP and the other
 cases are tests/test_nvme_engine.py's), the banner says where the states live
 and warns when DIR is RAM-backed, DIR is empty after a clean exit; the flags' conflicts are one line,
-exit 2."""
+exit 2; the disk filling up mid-step on one rank of two stops the job with one line, no rank
+hanging, and the last checkpoint resumes to the uninterrupted run's losses."""
 import os
+import subprocess
+import time
 
 import pytest
 
-from tests.test_pretrain import TINY, _rows, _single
+from tests.test_pretrain import ROOT, SCRIPT, TINY, TORCHRUN, _clean_env, _rank_job, _rows, _single
 
 
 def test_job_with_states_on_disk_equals_the_in_memory_job(tmp_path):
@@ -63,3 +66,84 @@ def test_nvme_flag_conflicts_are_one_line(tmp_path, extra, needle):
     lines = [x for x in r.stderr.splitlines() if x.startswith("error:")]
     assert r.returncode == 2 and len(lines) == 1 and needle in lines[0], r.stderr[-2000:]
     assert "Traceback" not in r.stderr
+
+
+# Loaded by every interpreter of the launch (PYTHONPATH): in the rank named by ZO_TEST_DISK_QUOTA
+# ("rank:bytes") the state files may take that many bytes of writes in all; the write that would pass
+# it fails with ENOSPC, as a disk filling up does (offload/nvme_io.py's _pwritev, its one system call).
+FILLING_DISK = """
+import errno, os
+_rank, _, _quota = os.environ.get("ZO_TEST_DISK_QUOTA", "").partition(":")
+if _rank and os.environ.get("RANK") == _rank:
+    from zo_megatron.offload import nvme_io
+    _real, _written = nvme_io._pwritev, [0]
+    def _filling(fd, bufs, offset):
+        n = sum(memoryview(b).nbytes for b in bufs)
+        if _written[0] + n > int(_quota):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        _written[0] += n
+        return _real(fd, bufs, offset)
+    nvme_io._pwritev = _filling
+"""
+
+
+def _world(tmp_path, argv):
+    import types
+
+    from tests.harness import run_world
+
+    res = run_world(_rank_job, 2, [str(a) for a in argv], {"ZO_MEGATRON_CACHE": str(tmp_path / "cache")}, timeout=300)
+    return types.SimpleNamespace(rcs=[rc for rc, _, _ in res], stderr="".join(e for _, _, e in res))
+
+
+@pytest.mark.slow       # three 2-rank runs, 1.5-2.5 min here
+def test_disk_full_mid_step_is_one_line_and_the_last_checkpoint_resumes(tmp_path):
+    """Issue 38's fault: the disk fills while rank 1 writes its states back in iteration 3 (after the
+    checkpoint of iteration 2), under torchrun. Every rank ends (no hang), one `error:` line in all,
+    torchrun names rank 1's full disk and --optimizer-nvme-path as the root cause; iteration 2 stays
+    the latest checkpoint, and resuming from it gives iteration 3 the loss and grad norm of the run the
+    disk never stopped. (That the one line itself names the disk: expected to fail, see the end.)"""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    common = ["--zero-offload", "--mock-data", "--train-iters", "3", *TINY, "--eval-interval", "100",
+              "--save-interval", "2", "--optimizer-nvme-path", nvme, "--optimizer-nvme-buffer-size", "4096",
+              "--optimizer-nvme-buffer-count", "2"]
+    ref = _world(tmp_path, [*common, "--save", tmp_path / "ref", "--log-jsonl", tmp_path / "ref.jsonl"])
+    assert ref.rcs == [0, 0], ref.stderr[-3000:]
+    rows = _rows(tmp_path / "ref.jsonl", "train")
+    step = rows[1]["nvme_written_bytes_per_step"]                 # per rank: DP partitions are equal
+    assert step > 0 and rows[0]["nvme_written_bytes_per_step"] == 2 * step   # + the initial states
+    save = tmp_path / "ckpt"
+    quota = 3 * step + step // 2            # the initial states, iterations 1 and 2, half of iteration 3
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(FILLING_DISK)
+    env = _clean_env(tmp_path)
+    env.update(PYTHONPATH=f"{site}{os.pathsep}{ROOT}", ZO_TEST_DISK_QUOTA=f"1:{quota}")
+    t0 = time.monotonic()
+    r = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node=2", SCRIPT, *map(str, common), "--save", str(save)],
+                       capture_output=True, text=True, timeout=240, env=env)
+    print(f"{time.monotonic() - t0:.0f} s, exit {r.returncode}", r.stdout[-2000:], r.stderr[-4000:])
+    assert r.returncode != 0 and time.monotonic() - t0 < 200          # every rank ended, none waits
+    errors = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1, r.stderr[-3000:]
+    # torchrun's summary names rank 1 and its one line, the full disk, as the failure's root cause
+    disk = "no space left on the device while writing optimizer states"
+    assert "rank      : 1" in r.stderr and f"error: {nvme}/zo_optimizer.tp0.dp1." in r.stderr, r.stderr[-3000:]
+    assert disk in r.stderr and "--optimizer-nvme-path" in r.stderr
+    assert f'File "{ROOT}/zo_megatron' not in r.stderr               # no traceback through the job's code
+    assert " iter      2/" in r.stdout or " iter 2/" in r.stdout or "iteration 2" in r.stdout, r.stdout[-2000:]
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    res = _world(tmp_path, [*common, "--save", save, "--load", save, "--log-jsonl", tmp_path / "resumed.jsonl"])
+    assert res.rcs == [0, 0], res.stderr[-3000:]
+    again = _rows(tmp_path / "resumed.jsonl", "train")
+    assert [(x["iteration"], x["loss"], x["grad_norm"]) for x in again] == \
+        [(x["iteration"], x["loss"], x["grad_norm"]) for x in rows if x["iteration"] == 3]
+    assert os.listdir(nvme) == []                                 # the resumed run reclaimed and removed them
+    if disk not in errors[0]:
+        # Known defect (docs/nvme.md, "Not done yet"): rank 1 leaves its CPU step with the disk's
+        # UserError while rank 0 goes on to the parameters' all-gather, which then fails; the line
+        # printed is rank 0's "lost contact with its peers", and the disk's line is only in
+        # torchrun's summary (asserted above). The schedule's CPU step needs the ranks to agree on
+        # its outcome (collectives.all_ranks_agree) before the all-gather.
+        pytest.xfail(f"the one error line is rank 0's lost contact, not rank 1's full disk: {errors[0][:160]}")
