@@ -10,7 +10,8 @@ pretrain_gpt.py command line is planned by tools/estimate_memory.py on the hardw
 fit, and the CPU-step overlap's speculated share must be what the job prints: the job's own
 pre-launch computation (training/prelaunch.job_plan, its parser, tokenizer and vocabulary, CUDA mocked
 for a GPU target) and planner.resolve_overlap on the same input give the same share and reason,
-and the tool's input is the job's.
+and the tool's input is the job's. The mixtures of experts at EP 8 (mixtral_8x7b_ep8.sh,
+qwen3_30b_a3b_ep8.sh) plan both engines and run the synchronous CPU step (the overlap's default off).
 
 Fails before the overlap was bounded: with the whole partition speculated (the old default, now
 `--overlap-cpu-step full`) the two 70B examples on one DGX-2 need ~1,920 GiB of its 1,536 GiB
@@ -117,10 +118,20 @@ def test_example_fits_its_hardware_as_the_job_plans_it(path, launches):
         extras += [("--bf16",), ("--fp32",)]
     for extra in extras:
         est, info = check_example(path, launch, extra)
-        if X.hardware(path).gpu is not None:        # a GPU: the default is `auto`
+        ep = _expert_parallel(launch.job_argv)
+        if X.hardware(path).gpu is not None and ep > 1:     # two engines: the synchronous CPU step
+            assert info["overlap_speculated_fraction"] == 0.0 and "overlap_rollback" not in est.host_items
+            assert info["overlap_reason"].startswith(f"CPU step overlap off (--expert-model-parallel-size {ep}:"), info
+        elif X.hardware(path).gpu is not None:      # a GPU: the default is `auto`
             assert info["overlap_reason"].startswith("--overlap-cpu-step auto:"), info
         else:                                       # the device is the host: off by default
             assert info["overlap_speculated_fraction"] == 0.0 and "overlap_rollback" not in est.host_items
+
+
+def _expert_parallel(argv) -> int:
+    """--expert-model-parallel-size as the command line gives it (the last one wins), 1 without."""
+    sizes = [int(argv[i + 1]) for i, a in enumerate(argv[:-1]) if a == "--expert-model-parallel-size"]
+    return sizes[-1] if sizes else 1
 
 
 @pytest.mark.parametrize("name", DGX2_70B)

@@ -18,13 +18,18 @@ TINY = ["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "4"
         "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1", "--tensor-parallel", "1",
         "--lr", "1e-3", "--lr-warmup-iters", "0", "--lr-decay-iters", "1", "--eval-iters", "1",
         "--eval-interval", "1", "--no-progress-bar"]
+# a mixture of experts' script (mixtral_8x7b_ep8.sh, qwen3_30b_a3b_ep8.sh) also gets 4 small experts, top 2,
+# on the one process: EP 1 (its routing, dispatcher and aux-loss flags are its own)
+TINY_MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "64",
+            "--expert-model-parallel-size", "1"]
 EXAMPLES = [p for p in X.EXAMPLES if X.launches_pretrain(p)]
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
 def test_the_example_reaches_its_first_iteration_on_its_first_launch(path, tmp_path, hf_tokenizer_dir):
     assert '"$@"' in path.read_text(), f"{path.name} must pass \"$@\" on to pretrain_gpt.py"
-    launch = X.launch(path, tmp_path, {"TOKENIZER_MODEL": hf_tokenizer_dir}, TINY)
+    tiny = TINY + (TINY_MOE if "--num-experts" in path.read_text() else [])
+    launch = X.launch(path, tmp_path, {"TOKENIZER_MODEL": hf_tokenizer_dir}, tiny)
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "OMPI_", "PMI_", "SLURM_", "TORCHELASTIC"))}
     env.update(ZO_MEGATRON_CACHE=str(tmp_path / "cache"), PYTHONPATH=str(X.ROOT))
