@@ -8,8 +8,8 @@ FFN 40, top 2; every weight random) with a tokenizer and a config vocabulary lar
   - the printed model flags, parsed by the job's parser, give the checkpoint's architecture;
   - our model built from the from-hf checkpoint gives transformers' logits at TP1 x EP2 (alltoall) and
     TP2 with sequence parallelism (2 forked ranks);
-  - to-megatron (not done for MoE), a Mixtral written as Llama, and a top-1 or jittered Mixtral are one
-    line each, exit 2, nothing written.
+  - a Mixtral written as Llama, and a top-1 or jittered Mixtral are one line each, exit 2, nothing written
+    (to-megatron / from-megatron of MoE checkpoints: tests/test_convert_megatron_moe.py).
 Qwen2-MoE and Qwen3-MoE: HF -> ours -> HF bit-exact and their printed flags (the last test).
 (Every gradient and the loss against transformers: tests/test_moe_model.py, through the same mappings.)
 """
@@ -120,7 +120,6 @@ def test_what_mixtral_conversion_refuses_is_one_line(tmp_path, capsys):
     out = str(tmp_path / "out")
     capsys.readouterr()
     for argv, says in (
-            (["to-megatron", "--load", ck, "--output", out], ["mixture-of-experts", "to-megatron does not write MoE"]),
             (["to-hf", "--load", ck, "--output", out, "--architecture", "LlamaForCausalLM"],
              ["cannot be written as LlamaForCausalLM", "has no experts"]),
             (["from-hf", "--input", _edited_copy(src, tmp_path / "top1", num_experts_per_tok=1), "--output", out,

@@ -4,7 +4,8 @@
     python tools/convert_checkpoint.py to-hf --load CKPT [--iteration N] --output DIR [--dtype fp32|bf16|fp16]
                                              [--architecture NAME] [--tokenizer-model DIR]
     python tools/convert_checkpoint.py from-hf --input DIR --output CKPT --tensor-parallel N
-    python tools/convert_checkpoint.py to-megatron --load CKPT --output DIR
+    python tools/convert_checkpoint.py to-megatron --load CKPT --output DIR [--tensor-parallel N]
+                                                   [--expert-model-parallel-size M]
     python tools/convert_checkpoint.py from-megatron --input DIR --output CKPT --tensor-parallel N
                                                      [--vocab-size N] [--tokenizer-model DIR]
     python tools/convert_checkpoint.py to-fp32 --load CKPT --output PATH [--max-shard-size 5GB]
@@ -13,7 +14,7 @@
 
 Hugging Face architectures: GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
 Qwen3ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM (a sliding window: trained at
---seq-length up to it; the mixtures of experts: from-hf, to-hf and to-fp32, not yet to-megatron). CKPT is a `pretrain_gpt.py --save` directory. Outputs are written under a temporary name and
+--seq-length up to it; the mixtures of experts at any TP x EP with to-megatron / from-megatron). CKPT is a `pretrain_gpt.py --save` directory. Outputs are written under a temporary name and
 renamed when complete; an existing non-empty output is refused unless --force. Wrong input gets
 one `error:` line and exit 2. See docs/checkpoints.md.
 """
@@ -69,10 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
     common(p, "input")
     p.add_argument("--tensor-parallel", "--tensor-model-parallel-size", dest="tensor_parallel", type=int, required=True)
 
-    p = sub.add_parser("to-megatron", help="Megatron-LM's torch checkpoint format (mp_rank_XX/model_optim_rng.pt)")
+    p = sub.add_parser("to-megatron", help="Megatron-LM's torch checkpoint format (mp_rank_XX[_EEE]/model_optim_rng.pt)")
     common(p, "load")
     p.add_argument("--tensor-parallel", "--tensor-model-parallel-size", dest="tensor_parallel", type=int,
                    help="TP ranks to write (default: the checkpoint's)")
+    p.add_argument("--expert-parallel", "--expert-model-parallel-size", dest="expert_parallel", type=int,
+                   help="EP ranks to write for a mixture of experts (mp_rank_TT_EEE; default: the checkpoint's)")
 
     p = sub.add_parser("from-megatron", help="a weights-only zo_megatron checkpoint from a Megatron-LM torch checkpoint")
     common(p, "input")
@@ -104,7 +107,8 @@ def run(argv: list[str] | None = None) -> int:
     elif a.command == "from-hf":
         convert.from_hf(a.input, a.output, tensor_parallel=a.tensor_parallel, force=a.force)
     elif a.command == "to-megatron":
-        convert.to_megatron(a.load, a.output, iteration=a.iteration, tensor_parallel=a.tensor_parallel, force=a.force)
+        convert.to_megatron(a.load, a.output, iteration=a.iteration, tensor_parallel=a.tensor_parallel,
+                            expert_parallel=a.expert_parallel, force=a.force)
     elif a.command == "from-megatron":
         convert.from_megatron(a.input, a.output, tensor_parallel=a.tensor_parallel, vocab_size=a.vocab_size,
                               tokenizer_model=a.tokenizer_model, force=a.force)

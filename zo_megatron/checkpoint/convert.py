@@ -3,8 +3,8 @@
     to-hf          zo_megatron checkpoint -> Hugging Face model directory (+ tokenizer)
     from-hf        Hugging Face model directory -> zo_megatron checkpoint (weights only) at TP=N
                    (GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM: checkpoint/hf/)
-    to-megatron    zo_megatron checkpoint -> Megatron-LM `torch` checkpoint (megatron_lm.py)
-    from-megatron  Megatron-LM `torch` checkpoint -> zo_megatron checkpoint (weights only) at TP=N
+    to-megatron    zo_megatron checkpoint -> Megatron-LM `torch` checkpoint at TP x EP (megatron_lm.py)
+    from-megatron  Megatron-LM `torch` checkpoint (any TP x EP) -> zo_megatron checkpoint (weights only) at TP=N
     to-fp32        zo_megatron checkpoint -> consolidated fp32 master weights (safetensors)
     reshard        zo_megatron checkpoint -> the same checkpoint laid out for TP=N x DP=M
 
@@ -132,8 +132,9 @@ def _write_weights_checkpoint(output: str, weights: dict[str, torch.Tensor], met
             "to-hf will need --tokenizer-model DIR")
     log(f"  model flags: {job_flags(meta, hf_tokenizer=has_tokenizer)}")
     if meta.get("num_experts") is not None:
-        log(f"  weights only at TP{tp}, a mixture-of-experts model: the job does not train MoE models yet "
-            "(docs/moe.md); to-hf and to-fp32 read it")
+        log(f"  weights only at TP{tp}, a mixture of {meta['num_experts']} experts: `pretrain_gpt.py --load {output}` "
+            "starts from them at iteration 0 with a fresh optimizer at any --expert-model-parallel-size that divides "
+            f"{meta['num_experts']} (docs/moe.md)")
     else:
         log(f"  weights only at TP{tp}: `pretrain_gpt.py --load {output}` starts from them at iteration 0 with a "
             "fresh optimizer (any DP size)")
@@ -307,15 +308,21 @@ def _hf_source(input_dir: str, cfg_json: dict) -> dict:
 # ---------------------------------------------------------------- Megatron-LM
 
 def to_megatron(load: str, output: str, *, iteration: int | None = None, tensor_parallel: int | None = None,
-                force: bool = False, log: Log = print) -> None:
+                expert_parallel: int | None = None, force: bool = False, log: Log = print) -> None:
+    """expert_parallel: EP ranks to write (default: the checkpoint's; 1 for a dense model)."""
     reader = CheckpointReader(load, iteration)
     log(reader.describe())
     meta, args = full_meta(reader.model_meta), reader.args
-    if meta["num_experts"] is not None:
-        raise UserError(f"{reader.dir}: a mixture-of-experts model (num_experts={meta['num_experts']}): to-megatron does "
-                        "not write MoE checkpoints yet (docs/moe.md); to-hf and to-fp32 write it")
     tp = tensor_parallel or reader.layout[0]
     check_tensor_parallel(meta, tp)
+    if meta["num_experts"] is not None and meta["moe_ffn_hidden_size"] % tp:
+        raise UserError(f"--tensor-parallel {tp} does not divide the experts' FFN size {meta['moe_ffn_hidden_size']}: "
+                        "each expert splits over TP as the MLP; choose a TP size that divides it")
+    if meta["num_experts"] is not None and (meta["moe_shared_expert_intermediate_size"] or 0) % tp:
+        raise UserError(f"--tensor-parallel {tp} does not divide the shared expert's FFN size "
+                        f"{meta['moe_shared_expert_intermediate_size']}: choose a TP size that divides it")
+    saved_ep = int(reader.manifest.get("layout", {}).get("expert_parallel", 1))
+    ep = expert_parallel or (saved_ep if meta["num_experts"] is not None else 1)
     weights = reader.read_weights()
     saved_tok = os.path.join(reader.dir, TOKENIZER_DIR)
     has_tokenizer = os.path.isdir(saved_tok)
@@ -325,9 +332,10 @@ def to_megatron(load: str, output: str, *, iteration: int | None = None, tensor_
                                    or ("HuggingFaceTokenizer" if has_tokenizer else "GPT2BPETokenizer"),
                                    tokenizer_model=os.path.abspath(saved_tok) if has_tokenizer else None,
                                    consumed_samples=int(reader.manifest.get("consumed_samples", 0)),
-                                   consumed_valid_samples=int(reader.manifest.get("consumed_valid_samples", 0)))
+                                   consumed_valid_samples=int(reader.manifest.get("consumed_valid_samples", 0)),
+                                   expert_parallel=ep)
     with atomic_output(output, force=force) as tmp:
-        megatron_lm.write(tmp, weights, ns, progress=Progress("writing TP ranks"))
+        megatron_lm.write(tmp, weights, ns, progress=Progress("writing TP ranks" if ep == 1 else "writing TP x EP ranks"))
     _wrote(log, output)
     window = reader.manifest.get("attention_window")
     if window is not None:
@@ -342,7 +350,10 @@ def to_megatron(load: str, output: str, *, iteration: int | None = None, tensor_
         log(f"  warning: the model's Llama-3.1 RoPE scaling factor is {meta['rope_scaling_factor']:g}; Megatron-LM's "
             "pretrain_gpt.py passes --use-rope-scaling to its GPTModel but not --rope-scaling-factor, so it would "
             "build factor 8 (megatron-core's default): pass rope_scaling_factor to GPTModel in its model builder")
-    log(f"  Megatron-LM torch format, TP{tp}, iteration {reader.iteration}: load it in Megatron-LM with "
+    moe = "" if meta["num_experts"] is None else (
+        f" x EP{ep} ({meta['num_experts'] // ep} experts per EP rank; --expert-model-parallel-size {ep}"
+        + (", --sequence-parallel" if tp > 1 else "") + ")")
+    log(f"  Megatron-LM torch format, TP{tp}{moe}, iteration {reader.iteration}: load it in Megatron-LM with "
         "--finetune (no optimizer or RNG state is included)"
         + (f"; its tokenizer: --tokenizer-model {saved_tok}" if has_tokenizer else ""))
 
@@ -355,7 +366,7 @@ def from_megatron(input_dir: str, output: str, *, tensor_parallel: int, vocab_si
         raise UserError(f"--input {input_dir}: no such directory; point it at a Megatron-LM checkpoint directory")
     if vocab_size is not None and vocab_size < 1:
         raise UserError(f"--vocab-size {vocab_size}: must be >= 1")
-    weights, ns, it, vocab = megatron_lm.read(input_dir, progress=Progress("reading TP ranks"), vocab_size=vocab_size,
+    weights, ns, it, vocab = megatron_lm.read(input_dir, progress=Progress("reading rank files"), vocab_size=vocab_size,
                                               tokenizer_model=tokenizer_model)
     meta = megatron_lm.meta_from_args(ns, vocab, os.path.join(input_dir, megatron_lm.TRACKER))
     expected = param_shapes(meta)
@@ -366,7 +377,9 @@ def from_megatron(input_dir: str, output: str, *, tensor_parallel: int, vocab_si
         raise UserError(f"{input_dir}: the weights do not match the model its args describe (first: "
                         f"{missing[0]!r}): not a megatron-core GPT model zo_megatron builds")
     n = sum(t.numel() for t in weights.values())
-    log(f"read {input_dir}: Megatron-LM iteration {it}, TP{ns.tensor_model_parallel_size}, {meta['num_layers']} "
+    moe = "" if meta["num_experts"] is None else \
+        f" x EP{getattr(ns, 'expert_model_parallel_size', None) or 1}, {meta['num_experts']} experts"
+    log(f"read {input_dir}: Megatron-LM iteration {it}, TP{ns.tensor_model_parallel_size}{moe}, {meta['num_layers']} "
         f"layers x {meta['hidden_size']} hidden, vocab {vocab}, {n:,} parameters")
     args = {"make_vocab_size_divisible_by": meta["make_vocab_size_divisible_by"],
             "seq_length": getattr(ns, "seq_length", None)}

@@ -33,6 +33,11 @@ READ = frozenset({
     "tensor_model_parallel_size",
     "pipeline_model_parallel_size", "vocab_size", "padded_vocab_size", "tokenizer_type", "tokenizer_model",
     "seq_length",
+    # mixture of experts (num_experts set; meta_from_args refuses grouped-GEMM experts): inert without experts
+    "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_router_load_balancing_type", "moe_aux_loss_coeff",
+    "moe_z_loss_coeff", "moe_router_pre_softmax", "moe_router_score_function", "moe_router_topk_scaling_factor",
+    "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_layer_freq", "moe_token_dispatcher_type",
+    "moe_grouped_gemm", "expert_model_parallel_size", "expert_tensor_parallel_size",
     # YaRN (position_embedding_type "yarn"; Megatron-LM core_v0.19 on): read with it, inert without it
     "rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow",
     "yarn_correction_range_round_to_int", "mscale", "mscale_all_dim",
@@ -58,7 +63,6 @@ NEUTRAL: dict[str, tuple[tuple, str]] = {
     "linear_attention_freq": ((None,), "linear-attention layers"),
     "window_size": ((None, -1, (-1, -1), [-1, -1]), "sliding-window attention"),
     "window_attn_skip_freq": ((None,), "sliding-window attention"),
-    "num_experts": ((None, 0), "mixture of experts"),
     "mtp_num_layers": ((None, 0), "multi-token prediction layers"),
     "is_hybrid_model": ((False, None), "a Mamba/hybrid model"),
     "hybrid_override_pattern": ((None,), "a Mamba/hybrid model"),
@@ -110,7 +114,7 @@ _ANY_MODEL_GROUP = frozenset({
     "linear_conv_kernel_dim", "linear_key_head_dim", "linear_num_key_heads", "linear_num_value_heads",
     "linear_value_head_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads", "mamba_state_dim",
     "use_mamba_mem_eff_path", "dsa_indexer_head_dim", "dsa_indexer_loss_coeff", "dsa_indexer_n_heads",
-    "dsa_indexer_topk", "dsa_indexer_use_sparse_loss", "moe_ffn_hidden_size",
+    "dsa_indexer_topk", "dsa_indexer_use_sparse_loss",
     # network size: positions the weights check decides (a learned table is a tensor), relative
     # attention only with position_embedding_type relative (READ), BERT/encoder and ONNX options
     "add_position_embedding", "relative_attention_max_distance", "relative_attention_num_buckets",
@@ -171,9 +175,18 @@ def _flag_table() -> tuple[frozenset, dict]:
 
 
 _OTHER_GROUPS, _MODEL_DEFAULTS = _flag_table()
-# MoE options (moe_*) are inert without experts (num_experts is NEUTRAL)
-ANY = _ANY_MODEL_GROUP | _ANY_DERIVED | {d for d in _MODEL_DEFAULTS if d.startswith("moe_")} | \
-    (_OTHER_GROUPS - set(NEUTRAL) - READ)
+ANY = _ANY_MODEL_GROUP | _ANY_DERIVED | (_OTHER_GROUPS - set(NEUTRAL) - READ)
+# MoE options (moe_*) are inert without experts. With experts, READ has the model's; these change no
+# math (kernels, fusions, communication, logging, recomputation, upcycling's initialisation, the
+# router's compute dtype, options that act only with an option still checked here: grouped GEMM, the
+# capacity factor, the expert bias); every other moe_* arg must keep Megatron-LM's default.
+MOE_ANY = frozenset({
+    "moe_permute_fusion", "moe_router_fusion", "moe_enable_deepep", "moe_deepep_num_sms", "moe_hybridep_num_sms",
+    "moe_flex_dispatcher_backend", "moe_layer_recompute", "moe_per_layer_logging", "moe_shared_expert_overlap",
+    "moe_use_legacy_grouped_gemm", "moe_router_bias_update_rate", "moe_token_drop_policy",
+    "moe_pad_expert_input_to_capacity", "moe_router_dtype", "moe_enable_routing_replay",
+    "moe_pad_experts_for_cuda_graph_inference", "moe_upcycling_granularity", "moe_use_upcycling",
+})
 _EMPTY = (None, False, 0, "", [], ())
 
 
@@ -191,12 +204,13 @@ def non_neutral(args) -> list[str]:
     """Every arg of Megatron-LM's saved `args` that would change the model away from zo_megatron's GPT,
     each as 'args.NAME=VALUE (what it means)'; empty when the checkpoint converts exactly."""
     out = []
+    experts = getattr(args, "num_experts", None) not in (None, 0)
     for name, value in sorted(vars(args).items()):
         if name in NEUTRAL:
             values, what = NEUTRAL[name]
             if not any(_same(value, v) for v in values):
                 out.append(f"args.{name}={value!r} ({what})")
-        elif name in READ or name in ANY:
+        elif name in READ or name in ANY or (name.startswith("moe_") and (not experts or name in MOE_ANY)):
             continue
         elif name in _MODEL_DEFAULTS:
             if not _same(value, _MODEL_DEFAULTS[name]):

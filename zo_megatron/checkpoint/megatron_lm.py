@@ -2,8 +2,17 @@
 
     DIR/latest_checkpointed_iteration.txt            "N", or "release" for iteration 0
     DIR/iter_000000N/mp_rank_XX/model_optim_rng.pt   one file per TP rank (no pipeline parallelism)
+    DIR/iter_000000N/mp_rank_XX_EEE/model_optim_rng.pt   with expert parallelism: one per (TP, EP) rank
         {"args": argparse.Namespace, "checkpoint_version": 3.0, "iteration": N,
          "model": {megatron-core parameter name: this TP rank's shard, "<linear>._extra_state": None}}
+
+A mixture of experts (megatron-core's local spec, SequentialMLP): the router
+(`mlp.router.weight`, replicated), the shared expert (`mlp.shared_experts.*`, split over TP as the
+dense MLP, its gate replicated) and the experts by their LOCAL index: EP rank e's file holds
+`mlp.experts.local_experts.J.*`, J < E/EP, which is expert e x E/EP + J (megatron-core's
+SequentialMLP; Megatron-LM's get_checkpoint_name appends `_{ep_rank:03d}` when EP > 1, and an EP
+rank's file holds every dense parameter too). Experts split over TP as the MLP (expert TP = TP,
+Megatron-LM's default; another --expert-tensor-parallel-size is refused).
 
 Megatron-LM's loader (`megatron/training/checkpointing.py`) reads `checkpoint_version`,
 `iteration`, `model` (load_state_dict, strict) and `args` (check_checkpoint_args: num_layers,
@@ -33,9 +42,9 @@ import torch
 
 from zo_megatron.checkpoint.arch import full_meta, head_dim, query_groups
 from zo_megatron.checkpoint.megatron_allow import non_neutral
-from zo_megatron.checkpoint.tp_layout import (EXTRA_STATE_LAYERS, OUTPUT_LAYER, WORD_EMBEDDING, local_rows,
+from zo_megatron.checkpoint.tp_layout import (OUTPUT_LAYER, WORD_EMBEDDING, local_rows,
                                               padded_vocab_size, partition_stride, tp_axis)
-from zo_megatron.model.config import YARN_FIELDS
+from zo_megatron.model.config import MOE_DISPATCHERS, MOE_FIELDS, YARN_FIELDS
 from zo_megatron.model.sharding import split_pieces
 from zo_megatron.errors import UserError
 
@@ -52,12 +61,14 @@ _TE_NAMES = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.wei
              "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
              "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
              "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias"}
-_MP_DIR = re.compile(r"^mp_rank_(\d{2})(_\d{3})?$")
+_MP_DIR = re.compile(r"^mp_rank_(\d{2})(_\d{3})?(_\d{3})?$")
+_EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
 
 
 def megatron_args(meta: dict, *, tp: int, iteration: int, divisible_by: int, seq_length: int | None,
                   precision: str | None, tokenizer_type: str = "GPT2BPETokenizer", tokenizer_model: str | None = None,
-                  consumed_samples: int = 0, consumed_valid_samples: int = 0) -> argparse.Namespace:
+                  consumed_samples: int = 0, consumed_valid_samples: int = 0,
+                  expert_parallel: int = 1) -> argparse.Namespace:
     """The args Megatron-LM reads from a checkpoint (its argument names), for the model `meta`."""
     meta = full_meta(meta)
     h, heads, groups = meta["hidden_size"], meta["num_attention_heads"], query_groups(meta)
@@ -84,7 +95,26 @@ def megatron_args(meta: dict, *, tp: int, iteration: int, divisible_by: int, seq
         add_bias_linear=meta["add_bias_linear"], add_qkv_bias=meta["add_bias_linear"] or meta["add_qkv_bias"],
         swiglu=meta["swiglu"], squared_relu=False, openai_gelu=not meta["swiglu"], transformer_impl="local",
         ckpt_format="torch", bf16=precision == "bf16", fp16=precision == "fp16", iteration=iteration,
-        consumed_train_samples=consumed_samples, consumed_valid_samples=consumed_valid_samples)
+        consumed_train_samples=consumed_samples, consumed_valid_samples=consumed_valid_samples,
+        **_moe_args(meta, tp, expert_parallel))
+
+
+def _moe_args(meta: dict, tp: int, ep: int) -> dict:
+    """The MoE args under Megatron-LM's names (its validate_args' forms: one load-balancing type and
+    one aux-loss coefficient as plain values, expert TP = TP, moe_ffn_hidden_size resolved); none
+    for a dense model (then the args are what they were before MoE)."""
+    if meta["num_experts"] is None:
+        if ep != 1:
+            raise UserError(f"--expert-model-parallel-size {ep}: the model is dense (no experts); use 1")
+        return {}
+    e = meta["num_experts"]
+    if ep < 1 or e % ep:
+        raise UserError(f"--expert-model-parallel-size {ep} does not divide the model's {e} experts: each EP rank "
+                        f"holds E/EP whole experts; choose one that divides {e}")
+    return {**{k: meta[k] for k in MOE_FIELDS}, "expert_model_parallel_size": ep, "expert_tensor_parallel_size": tp,
+            "moe_grouped_gemm": False, "moe_router_enable_expert_bias": False, "moe_expert_capacity_factor": None,
+            # Megatron-LM needs sequence parallelism for MoE with TP (the math is the same)
+            "sequence_parallel": tp > 1}
 
 
 def _yarn_args(meta: dict) -> dict:
@@ -149,7 +179,42 @@ def meta_from_args(args: argparse.Namespace, vocab: int, where: str) -> dict:
         qk_layernorm=bool(getattr(args, "qk_layernorm", False)),
         # Megatron-LM's --apply-layernorm-1p (its TransformerConfig field in newer saves): the same raw weights
         layernorm_zero_centered_gamma=bool(getattr(args, "apply_layernorm_1p", False)
-                                           or getattr(args, "layernorm_zero_centered_gamma", False))))
+                                           or getattr(args, "layernorm_zero_centered_gamma", False)),
+        **_moe_meta(args, refuse)))
+
+
+def _one(args: argparse.Namespace, name: str, default, refuse):
+    """An arg Megatron-LM takes with nargs='+' (its validate_args keeps a list of one as the value)."""
+    value = getattr(args, name, None)
+    if value is None:
+        return default
+    if isinstance(value, (list, tuple)):
+        if len(value) != 1:
+            refuse(f"args.{name}={value!r} (one value per layer group)")
+        value = value[0]
+    return value
+
+
+def _moe_meta(args: argparse.Namespace, refuse) -> dict:
+    """The MoE fields (GPTConfig's, Megatron-LM's names) from the args; none for a dense model. What
+    the job does not build is refused through `refuse` (or GPTConfig's one line)."""
+    experts = getattr(args, "num_experts", None)
+    if not experts:
+        return {}
+    if getattr(args, "moe_grouped_gemm", False):
+        refuse("args.moe_grouped_gemm=True (the experts saved as grouped weights, GroupedMLP / TEGroupedMLP; "
+               "from-megatron reads SequentialMLP's local_experts)")
+    out = {k: getattr(args, k, None) if getattr(args, k, None) is not None else default
+           for k, default in MOE_FIELDS.items()}
+    out.update(num_experts=int(experts), moe_router_pre_softmax=bool(out["moe_router_pre_softmax"]),
+               moe_shared_expert_gate=bool(out["moe_shared_expert_gate"]),
+               moe_router_load_balancing_type=_one(args, "moe_router_load_balancing_type", "aux_loss", refuse),
+               moe_aux_loss_coeff=float(_one(args, "moe_aux_loss_coeff", 0.0, refuse)))
+    if out["moe_token_dispatcher_type"] not in MOE_DISPATCHERS:     # 'flex' (DeepEP): the same math as alltoall
+        out["moe_token_dispatcher_type"] = "alltoall"
+    freq = out["moe_layer_freq"]
+    out["moe_layer_freq"] = list(freq) if isinstance(freq, (list, tuple)) else int(freq)
+    return out
 
 
 def _local_name(key: str) -> str:
@@ -176,35 +241,59 @@ def rank_layout(name: str, full_shape: tuple[int, ...], rank: int, tp: int, padd
     return axis, local, split_pieces(full_shape[axis], local, rank, tp, partition_stride(name, swiglu))
 
 
+def _tp_shard(name: str, full: torch.Tensor, r: int, tp: int, padded_vocab: int, swiglu: bool) -> torch.Tensor:
+    """TP rank r's shard of the full unpadded tensor `full` (vocab padding rows zero)."""
+    layout = rank_layout(name, tuple(full.shape), r, tp, padded_vocab, swiglu)
+    if layout is None:
+        return full.clone()
+    axis, local, pieces = layout
+    shape = list(full.shape)
+    shape[axis] = local
+    shard = full.new_zeros(shape)
+    for full_off, local_off, n in pieces:
+        shard.narrow(axis, local_off, n).copy_(full.narrow(axis, full_off, n))
+    return shard
+
+
+def _extra_states(keys) -> list[str]:
+    """megatron-core's local-spec linear layers (attention, MLP, every expert's and the shared
+    expert's fc1/fc2, the output layer even when tied) each carry `<layer>._extra_state` (None)."""
+    layers = {k.rpartition(".")[0] for k in keys if k.rpartition(".")[0].rpartition(".")[2].startswith("linear_")}
+    return sorted(layers | {"output_layer"})
+
+
+def rank_dir(tp_rank: int, ep_rank: int, ep: int) -> str:
+    """Megatron-LM's get_checkpoint_name without pipeline parallelism: mp_rank_TT, or mp_rank_TT_EEE at EP > 1."""
+    return f"mp_rank_{tp_rank:02d}" + (f"_{ep_rank:03d}" if ep > 1 else "")
+
+
 def write(out_dir: str, weights: dict[str, torch.Tensor], args: argparse.Namespace, *, progress=None) -> list[str]:
-    """One model_optim_rng.pt per TP rank from full unpadded weights (our names); returns the files."""
+    """One model_optim_rng.pt per (TP, EP) rank from full unpadded weights (our names, experts by
+    global index); returns the files."""
     tp, it = args.tensor_model_parallel_size, args.iteration
+    ep = int(getattr(args, "expert_model_parallel_size", None) or 1)
+    per_rank = args.num_experts // ep if getattr(args, "num_experts", None) else 0
     sub = "release" if it == 0 else f"iter_{it:07d}"
     files = []
     for r in range(tp):
-        model = {}
+        dense, experts = {}, {}                      # experts: {ep rank: {megatron name: shard}}
         for name, full in weights.items():
-            layout = rank_layout(name, tuple(full.shape), r, tp, args.padded_vocab_size, args.swiglu)
-            if layout is None:
-                shard = full.clone()
+            shard = _tp_shard(name, full, r, tp, args.padded_vocab_size, args.swiglu)
+            m = _EXPERT.match(_ours_to_megatron(name))
+            if m is None:
+                dense[_ours_to_megatron(name)] = shard
             else:
-                axis, local, pieces = layout
-                shape = list(full.shape)
-                shape[axis] = local
-                shard = full.new_zeros(shape)                # vocab padding rows stay zero
-                for full_off, local_off, n in pieces:
-                    shard.narrow(axis, local_off, n).copy_(full.narrow(axis, full_off, n))
-            model[_ours_to_megatron(name)] = shard
-        for i in range(args.num_layers):
-            for layer in EXTRA_STATE_LAYERS:
-                model[f"decoder.layers.{i}.{layer}._extra_state"] = None
-        model["output_layer._extra_state"] = None
-        path = os.path.join(out_dir, sub, f"mp_rank_{r:02d}", FILE)
-        os.makedirs(os.path.dirname(path))
-        torch.save({"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": it, "model": model}, path)
-        files.append(path)
-        if progress is not None:
-            progress(r + 1, tp)
+                e, j = divmod(int(m[2]), per_rank)  # global expert e x E/EP + j is EP rank e's local j
+                experts.setdefault(e, {})[f"{m[1]}{j}{m[3]}"] = shard
+        for e in range(ep):
+            model = {**dense, **experts.get(e, {})}
+            model.update({f"{layer}._extra_state": None for layer in _extra_states(model)})
+            path = os.path.join(out_dir, sub, rank_dir(r, e, ep), FILE)
+            os.makedirs(os.path.dirname(path))
+            torch.save({"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": it, "model": model}, path)
+            files.append(path)
+            if progress is not None:
+                progress(len(files), tp * ep)
     with open(os.path.join(out_dir, TRACKER), "w") as f:
         f.write("release" if it == 0 else str(it))
     return files
@@ -301,41 +390,105 @@ def _vocab_size(args: argparse.Namespace, where: str, vocab_size: int | None, to
         raise UserError(f"{where}: {source} cannot be read as the run's tokenizer ({exc}); {fixes}") from None
 
 
+_MERGE_PIPELINE = "merge the pipeline stages first (Megatron-LM's tools/checkpoint/convert.py --target-pipeline-parallel-size 1)"
+
+
+def _rank_layout(d: str, names: list[str], args) -> tuple[int, int]:
+    """(TP, EP) of the rank directories `names` under `d`, as the args (rank 0's file's) say; one
+    line for pipeline ranks, a missing or extra rank, or an expert TP other than TP."""
+    where = os.path.join(d, names[0], FILE)
+    if not isinstance(args, argparse.Namespace):
+        raise UserError(f"{where}: the checkpoint has no 'args' (argparse.Namespace): its model shape is unknown")
+    if getattr(args, "pipeline_model_parallel_size", 1) not in (None, 1):
+        raise UserError(f"{where}: pipeline_model_parallel_size={args.pipeline_model_parallel_size}: {_MERGE_PIPELINE}")
+    experts = getattr(args, "num_experts", None) or None
+    ep = int(getattr(args, "expert_model_parallel_size", None) or 1)
+    if ep > 1 and not experts:
+        raise UserError(f"{where}: args.expert_model_parallel_size={ep} but args.num_experts={experts!r}: the args "
+                        "describe a dense model and the files are expert-parallel ranks; the args are not the run's")
+    suffixes = max(len([g for g in _MP_DIR.match(n).groups()[1:] if g]) for n in names)
+    if suffixes > (1 if ep > 1 else 0):
+        raise UserError(f"{d}: pipeline-parallel ranks (mp_rank_XX_YYY{'_ZZZ' if ep > 1 else ''}): {_MERGE_PIPELINE}")
+    tp = int(getattr(args, "tensor_model_parallel_size", None) or len(names))
+    etp = getattr(args, "expert_tensor_parallel_size", None)
+    if experts and etp not in (None, tp):
+        raise UserError(f"{where}: args.expert_tensor_parallel_size={etp} with tensor_model_parallel_size={tp}: "
+                        "from-megatron reads experts split over TP as the MLP (expert TP = TP, Megatron-LM's "
+                        "default); convert it with Megatron-LM's tools to --expert-tensor-parallel-size "
+                        f"{tp} first")
+    want = [rank_dir(t, e, ep) for t in range(tp) for e in range(ep)]
+    layout = f"TP{tp}" + (f" x EP{ep}" if ep > 1 else "")
+    missing = [n for n in want if n not in names]
+    if missing:
+        raise UserError(f"{d}: {missing[0]} is missing ({len(missing)} of the {len(want)} rank directories of "
+                        f"{layout} that the args name): the checkpoint is incomplete; copy every rank's directory")
+    extra = sorted(set(names) - set(want))
+    if extra:
+        raise UserError(f"{d}: holds {extra[0]}, which args of {layout} (tensor_model_parallel_size={tp}"
+                        + (f", expert_model_parallel_size={ep}" if experts else "")
+                        + ") do not name: the rank directories come from different runs")
+    return tp, ep
+
+
+def _merge_ep(d: str, files: list[dict], num_experts: int | None, tp_rank: int) -> dict:
+    """One TP rank's parameters from its EP ranks' files: the dense ones (each EP rank holds them, all
+    equal) and the experts by global index (EP rank e's local expert j is e x E/EP + j)."""
+    ep = len(files)
+    out, ref = {}, rank_dir(tp_rank, 0, ep)
+    per_rank = (num_experts or 0) // ep
+    for e, sd in enumerate(files):
+        name = rank_dir(tp_rank, e, ep)
+        dense = {k: v for k, v in sd.items() if not _EXPERT.match(k)}
+        if e == 0:
+            out.update(dense)
+        elif set(dense) != {k for k in out if not _EXPERT.match(k)} or \
+                any(not torch.equal(v, out[k]) for k, v in dense.items()):
+            raise UserError(f"{os.path.join(d, name, FILE)}: its dense parameters differ from {ref}'s: the EP ranks "
+                            "come from different models or iterations")
+        for k, v in sd.items():
+            m = _EXPERT.match(k)
+            if m is None:
+                continue
+            if not num_experts:
+                raise UserError(f"{os.path.join(d, name, FILE)}: holds {k} but args.num_experts=None: the args describe "
+                                "a dense model and the files a mixture of experts; the args are not the run's")
+            if int(m[2]) >= per_rank:
+                raise UserError(f"{os.path.join(d, name, FILE)}: holds {k}, but with args.num_experts={num_experts} "
+                                f"over {ep} EP ranks each holds local experts 0..{per_rank - 1}: the files are not "
+                                "the run the args describe")
+            out[f"{m[1]}{e * per_rank + int(m[2])}{m[3]}"] = v
+    return out
+
+
 def read(in_dir: str, *, progress=None, vocab_size: int | None = None,
          tokenizer_model: str | None = None) -> tuple[dict[str, torch.Tensor], argparse.Namespace, int, int]:
-    """(full unpadded weights by our names, in the files' dtype, args, iteration, vocab size) of a
-    Megatron-LM checkpoint; vocab_size / tokenizer_model give the vocabulary when the args do not
-    (_vocab_size)."""
+    """(full unpadded weights by our names, experts by global index, in the files' dtype, args,
+    iteration, vocab size) of a Megatron-LM checkpoint at any TP x EP; vocab_size / tokenizer_model
+    give the vocabulary when the args do not (_vocab_size)."""
     d, it = find_iteration_dir(in_dir)
-    ranks = sorted(n for n in os.listdir(d) if _MP_DIR.match(n))
-    if not ranks:
+    names = sorted(n for n in os.listdir(d) if _MP_DIR.match(n))
+    if not names:
         raise UserError(f"{d}: no mp_rank_XX directories: not a Megatron-LM 'torch' checkpoint "
                         "(a torch_dist one must be converted with Megatron-LM's tools first)")
-    if any(_MP_DIR.match(n).group(2) for n in ranks):
-        raise UserError(f"{d}: pipeline-parallel ranks (mp_rank_XX_YYY): merge the pipeline stages first "
-                        "(Megatron-LM's tools/checkpoint/convert.py --target-pipeline-parallel-size 1)")
-    tp = len(ranks)
-    if ranks != [f"mp_rank_{r:02d}" for r in range(tp)]:
-        raise UserError(f"{d}: TP rank directories {ranks} are not mp_rank_00..mp_rank_{tp - 1:02d}: some are missing")
-    shards, args = [], None
-    for r, name in enumerate(ranks):
-        path = os.path.join(d, name, FILE)
-        if not os.path.isfile(path):
-            raise UserError(f"{path} is missing: the checkpoint is incomplete")
-        sd = safe_load(path)
-        args = sd.get("args") if args is None else args
-        shards.append({_local_name(k): v for k, v in sd["model"].items() if not k.endswith("_extra_state")})
-        if progress is not None:
-            progress(r + 1, tp)
-    if not isinstance(args, argparse.Namespace):
-        raise UserError(f"{d}: the checkpoint has no 'args' (argparse.Namespace): its model shape is unknown")
-    where = os.path.join(d, ranks[0], FILE)
-    if getattr(args, "pipeline_model_parallel_size", 1) not in (None, 1):
-        raise UserError(f"{where}: pipeline_model_parallel_size={args.pipeline_model_parallel_size}: "
-                        "merge the pipeline stages first (Megatron-LM's tools/checkpoint/convert.py --target-pipeline-parallel-size 1)")
-    saved_tp = getattr(args, "tensor_model_parallel_size", tp)
-    if saved_tp != tp:
-        raise UserError(f"{d}: args say tensor_model_parallel_size={saved_tp} but there are {tp} mp_rank directories")
+    first = os.path.join(d, names[0], FILE)
+    if not os.path.isfile(first):
+        raise UserError(f"{first} is missing: the checkpoint is incomplete")
+    loaded = {names[0]: safe_load(first)}
+    args = loaded[names[0]].get("args")
+    tp, ep = _rank_layout(d, names, args)
+    shards, ranks = [], [rank_dir(t, 0, ep) for t in range(tp)]
+    for t in range(tp):
+        files = []
+        for e in range(ep):
+            path = os.path.join(d, rank_dir(t, e, ep), FILE)
+            if not os.path.isfile(path):
+                raise UserError(f"{path} is missing: the checkpoint is incomplete")
+            sd = loaded.pop(rank_dir(t, e, ep), None) or safe_load(path)
+            files.append({_local_name(k): v for k, v in sd["model"].items() if not k.endswith("_extra_state")})
+            if progress is not None:
+                progress(t * ep + e + 1, tp * ep)
+        shards.append(_merge_ep(d, files, getattr(args, "num_experts", None), t))
+    where = first
     vocab = _vocab_size(args, where, vocab_size, tokenizer_model)
     keys = set(shards[0])
     for r, sh in enumerate(shards[1:], 1):

@@ -1,0 +1,313 @@
+"""tools/convert_checkpoint.py to-megatron / from-megatron for mixtures of experts, against transformers
+and megatron-core.
+
+A random Mixtral and a random Qwen2-MoE (a shared expert with its sigmoid gate, QKV biases,
+norm_topk_prob false = --moe-router-pre-softmax, layer 1 dense) that transformers builds and saves
+(hidden 64, 4 heads, 2 KV groups, 4 experts of FFN 40, top 2; every weight random, from a printed seed):
+  - HF -> from-hf (TP 2) -> to-megatron at TP2 x EP2 and TP1 x EP1 -> from-megatron -> to-hf gives every
+    tensor bit for bit and the config's fields; the from-megatron checkpoint's architecture is the
+    from-hf one's, and its printed flags, parsed by the job's parser, give that architecture;
+  - the files are Megatron-LM's layout (get_checkpoint_name: mp_rank_TT_EEE at EP > 1), each EP rank's
+    file holds its experts by local index (EP rank e's local j = expert e x E/EP + j, checked against
+    the HF tensors), the dense parameters on every EP rank, and the MoE args under Megatron-LM's names;
+  - on 4 gloo ranks megatron-core's own GPTModel (get_gpt_decoder_block_spec, local modules, built from
+    the files' args alone) loads each (TP, EP) rank's file with load_state_dict(strict=True) and gives
+    transformers' logits (fp32, every element), at TP2 x EP2 and at TP1 x EP1;
+  - bad input is one line, exit 2, nothing written: EP not dividing the experts, a file set missing an
+    EP rank, an MoE file set whose args say dense (no num_experts), an MoE arg that changes the model
+    (a capacity factor), grouped-GEMM experts, EP for a dense model.
+"""
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from tests.harness import free_port, run_world
+from tests.hf_tokenizer import HF_VOCAB_SIZE
+from tests.seeds import fresh_seed
+from tests.test_convert_llama import CONFIG_FIELDS, _cli, close, hf_logits, make_hf_model, quiet
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+HIDDEN, HEADS, GROUPS, FFN, LAYERS, EXPERTS, TOPK, SHARED = 64, 4, 2, 40, 2, 4, 2, 48
+VOCAB = HF_VOCAB_SIZE + 37
+SEQ = 12
+LAYOUTS = ((2, 2), (1, 1))                  # (TP, EP) that to-megatron writes
+MOE_CONFIG_FIELDS = ("num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                     "shared_expert_intermediate_size", "norm_topk_prob", "mlp_only_layers", "decoder_sparse_step",
+                     "router_jitter_noise", "qkv_bias")
+
+
+def moe_configs():
+    common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                  num_key_value_heads=GROUPS, max_position_embeddings=64, num_experts_per_tok=TOPK,
+                  tie_word_embeddings=False, bos_token_id=0, eos_token_id=1,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    return {"mixtral": transformers.MixtralConfig(**common, intermediate_size=FFN, num_local_experts=EXPERTS,
+                                                  rms_norm_eps=1e-5, sliding_window=None),
+            "qwen2_moe": transformers.Qwen2MoeConfig(**common, intermediate_size=56, moe_intermediate_size=FFN,
+                                                     num_experts=EXPERTS, shared_expert_intermediate_size=SHARED,
+                                                     norm_topk_prob=False, mlp_only_layers=[1], rms_norm_eps=1e-6)}
+
+
+def _flags(lines):
+    (flags,) = [ln.removeprefix("  model flags: ") for ln in lines if ln.startswith("  model flags: ")]
+    return flags
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    from zo_megatron.checkpoint import convert
+
+    d = tmp_path_factory.mktemp("megatron_moe")
+    seed = fresh_seed("convert megatron moe")
+    out = {"d": str(d), "seed": seed, "names": list(moe_configs()), "from_megatron_lines": {}}
+    for i, (name, cfg) in enumerate(moe_configs().items()):
+        src = make_hf_model(d / name, cfg, seed + i)
+        ck = str(d / f"{name}_ck")
+        convert.from_hf(src, ck, tensor_parallel=2, log=quiet)
+        for tp, ep in LAYOUTS:
+            meg = str(d / f"{name}_megatron_tp{tp}_ep{ep}")
+            convert.to_megatron(ck, meg, tensor_parallel=tp, expert_parallel=ep, log=quiet)
+            lines = out["from_megatron_lines"][(name, tp, ep)] = []
+            back = str(d / f"{name}_from_megatron_tp{tp}_ep{ep}")
+            convert.from_megatron(meg, back, tensor_parallel=tp, log=lines.append)
+            convert.to_hf(back, str(d / f"{name}_hf_tp{tp}_ep{ep}"), log=quiet)
+    return out
+
+
+def test_hf_megatron_hf_is_bit_exact_and_the_printed_flags_give_the_model(converted):
+    from zo_megatron.checkpoint.reader import CheckpointReader
+    from zo_megatron.model import GPTConfig
+    from zo_megatron.training.arguments import build_parser
+    from zo_megatron.training.model_flags import architecture_kwargs, moe_kwargs
+
+    d = converted["d"]
+    for name in converted["names"]:
+        a = safetensors_torch.load_file(os.path.join(d, name, "model.safetensors"))
+        cfg_a = json.load(open(os.path.join(d, name, "config.json")))
+        ref = CheckpointReader(os.path.join(d, f"{name}_ck"))
+        assert ref.model_meta["num_experts"] == EXPERTS
+        for tp, ep in LAYOUTS:
+            back = CheckpointReader(os.path.join(d, f"{name}_from_megatron_tp{tp}_ep{ep}"))
+            assert back.model_meta == ref.model_meta, (name, tp, ep)
+            wa, wb = ref.read_weights(), back.read_weights()
+            assert set(wa) == set(wb), (name, tp, ep, set(wa) ^ set(wb))
+            for k in wa:
+                assert torch.equal(wa[k], wb[k]), (name, tp, ep, k)
+            hf_dir = os.path.join(d, f"{name}_hf_tp{tp}_ep{ep}")
+            b = safetensors_torch.load_file(os.path.join(hf_dir, "model.safetensors"))
+            assert set(a) == set(b), (name, tp, ep, set(a) ^ set(b))
+            for k in a:
+                assert b[k].dtype == torch.float32 and torch.equal(a[k], b[k]), (name, tp, ep, k)
+            cfg_b = json.load(open(os.path.join(hf_dir, "config.json")))
+            for f in CONFIG_FIELDS + MOE_CONFIG_FIELDS:
+                assert cfg_a.get(f) == cfg_b.get(f), (name, tp, ep, f, cfg_a.get(f), cfg_b.get(f))
+            flags = _flags(converted["from_megatron_lines"][(name, tp, ep)])
+            assert f"--num-experts {EXPERTS}" in flags, flags
+            args = build_parser().parse_args(flags.split())
+            ours = GPTConfig(**architecture_kwargs(args), **moe_kwargs(args), vocab_size=args.vocab_size,
+                             precision="fp32")
+            assert ours.arch_meta() == ref.model_meta, (name, tp, ep, flags)
+
+
+def test_the_files_are_megatron_lm_s_layout_with_experts_by_local_index(converted):
+    from zo_megatron.checkpoint import megatron_lm
+    from zo_megatron.checkpoint.reader import CheckpointReader
+
+    d = converted["d"]
+    for name in converted["names"]:
+        ours = CheckpointReader(os.path.join(d, f"{name}_ck")).read_weights()
+        for tp, ep in LAYOUTS:
+            rel = os.path.join(d, f"{name}_megatron_tp{tp}_ep{ep}", "release")
+            want = sorted(f"mp_rank_{t:02d}" + (f"_{e:03d}" if ep > 1 else "") for t in range(tp) for e in range(ep))
+            assert sorted(os.listdir(rel)) == want, (name, tp, ep, os.listdir(rel))
+            for t in range(tp):
+                dense = None
+                for e in range(ep):
+                    sd = megatron_lm.safe_load(os.path.join(rel, want[t * ep + e], megatron_lm.FILE))
+                    args, model = sd["args"], sd["model"]
+                    assert (args.num_experts, args.moe_router_topk, args.moe_ffn_hidden_size) == (EXPERTS, TOPK, FFN)
+                    assert (args.expert_model_parallel_size, args.expert_tensor_parallel_size) == (ep, tp)
+                    assert args.tensor_model_parallel_size == tp and args.sequence_parallel == (tp > 1)
+                    assert args.moe_router_pre_softmax == (name == "qwen2_moe")
+                    assert args.moe_shared_expert_intermediate_size == (SHARED if name == "qwen2_moe" else None)
+                    assert args.moe_shared_expert_gate == (name == "qwen2_moe")
+                    assert args.moe_layer_freq == ([1, 0] if name == "qwen2_moe" else 1)
+                    local = sorted({int(k.split(".")[6]) for k in model if ".mlp.experts.local_experts." in k})
+                    assert local == list(range(EXPERTS // ep)), (name, tp, ep, local)
+                    for j in local:
+                        g = e * EXPERTS // ep + j                   # the global expert this file holds as local j
+                        fc2 = model[f"decoder.layers.0.mlp.experts.local_experts.{j}.linear_fc2.weight"]
+                        full = ours[f"gpt.decoder.layers.0.mlp.experts.local_experts.{g}.linear_fc2.weight"]
+                        assert torch.equal(fc2, full.chunk(tp, dim=1)[t]), (name, tp, ep, e, j)
+                        assert model[f"decoder.layers.0.mlp.experts.local_experts.{j}.linear_fc1._extra_state"] is None
+                    others = {k: v for k, v in model.items() if ".mlp.experts." not in k}
+                    if dense is None:
+                        dense = others
+                    assert set(others) == set(dense) and all(
+                        (v is None and dense[k] is None) or torch.equal(v, dense[k]) for k, v in others.items())
+                    assert model["decoder.layers.0.mlp.router.weight"].shape == (EXPERTS, HIDDEN)
+                    if name == "qwen2_moe":
+                        assert model["decoder.layers.0.mlp.shared_experts.gate_weight"].shape == (1, HIDDEN)
+                        assert model["decoder.layers.0.mlp.shared_experts.linear_fc1.weight"].shape == \
+                            (2 * SHARED // tp, HIDDEN)
+                        assert "decoder.layers.1.mlp.linear_fc1.weight" in model       # the dense layer
+                        assert "decoder.layers.1.mlp.router.weight" not in model
+
+
+def _megatron_core_moe_gpt(args):
+    """megatron-core's GPTModel from Megatron-LM's saved args alone (its own decoder block spec with
+    the local modules: the dense and MoE layers moe_layer_freq names), as Megatron-LM would build it."""
+    import torch.nn.functional as F
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cfg = TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups, kv_channels=args.kv_channels, ffn_hidden_size=args.ffn_hidden_size,
+        gated_linear_unit=args.swiglu, activation_func=F.silu, normalization=args.normalization,
+        layernorm_epsilon=args.norm_epsilon, add_bias_linear=args.add_bias_linear, add_qkv_bias=args.add_qkv_bias,
+        hidden_dropout=0.0, attention_dropout=0.0, apply_query_key_layer_scaling=False, attention_softmax_in_fp32=True,
+        # the args' sequence parallelism is a training layout (megatron-core's MoELayer asks for it only when
+        # training; its torch norms refuse it without Apex): the eval forward here runs without it, same math
+        tensor_model_parallel_size=args.tensor_model_parallel_size, sequence_parallel=False,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size, num_moe_experts=args.num_experts,
+        moe_router_topk=args.moe_router_topk, moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+        moe_router_pre_softmax=args.moe_router_pre_softmax,
+        moe_router_load_balancing_type=args.moe_router_load_balancing_type, moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+        moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+        moe_shared_expert_gate=args.moe_shared_expert_gate, moe_layer_freq=args.moe_layer_freq,
+        moe_token_dispatcher_type=args.moe_token_dispatcher_type, moe_grouped_gemm=args.moe_grouped_gemm,
+        params_dtype=torch.float32, use_cpu_initialization=True, perform_initialization=False,
+        gradient_accumulation_fusion=False, masked_softmax_fusion=False, bias_activation_fusion=False,
+        bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False)
+    spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization=args.normalization)
+    return GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
+                    max_sequence_length=args.max_position_embeddings,
+                    share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                    position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
+                    rotary_percent=args.rotary_percent, parallel_output=True)
+
+
+def _megatron_core_ranks(rank, d, names, tokens, ports):
+    from megatron.core import parallel_state as mpu
+
+    from zo_megatron.checkpoint import megatron_lm
+    from zo_megatron.parallel import collectives, destroy_parallel, init_parallel
+
+    out = {}
+    for (tp, ep), port in zip(LAYOUTS, ports):
+        os.environ["MASTER_PORT"] = str(port)
+        ps = init_parallel(tp, expert_parallel=ep)
+        e_rank = mpu.get_expert_model_parallel_rank()
+        for name in names:
+            rank_dir = f"mp_rank_{ps.tp_rank:02d}" + (f"_{e_rank:03d}" if ep > 1 else "")
+            sd = megatron_lm.safe_load(os.path.join(d, f"{name}_megatron_tp{tp}_ep{ep}", "release", rank_dir,
+                                                    megatron_lm.FILE))
+            model = _megatron_core_moe_gpt(sd["args"])
+            model.load_state_dict(sd["model"], strict=True)
+            model.eval()
+            b, s = tokens.shape
+            mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)[None, None]
+            with torch.no_grad():
+                local = model(tokens, torch.arange(s).expand(b, s), mask)
+            full = torch.cat(collectives.all_gather_list(local.contiguous(), ps.tp_group), -1) if tp > 1 else local
+            out[(name, tp, ep)] = (full[..., :VOCAB].float().clone(), rank_dir)
+        collectives.barrier()
+        destroy_parallel()
+    return out
+
+
+def test_megatron_core_loads_every_rank_s_file_strictly_with_transformers_logits(converted):
+    d = converted["d"]
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(converted["seed"] + 7))
+    world = run_world(_megatron_core_ranks, 4, d, converted["names"], tokens, [free_port() for _ in LAYOUTS],
+                      timeout=400)
+    for name in converted["names"]:
+        ref = hf_logits(os.path.join(d, name), tokens)
+        for tp, ep in LAYOUTS:
+            dirs = set()
+            for rank_out in world:
+                logits, rank_dir = rank_out[(name, tp, ep)]
+                close(logits, ref)
+                dirs.add(rank_dir)
+            assert len(dirs) == tp * ep, (name, tp, ep, dirs)       # every (TP, EP) rank's file was loaded
+
+
+def _rewrite_args(path, **changes):
+    from zo_megatron.checkpoint import megatron_lm
+
+    sd = megatron_lm.safe_load(path)
+    for k, v in changes.items():
+        setattr(sd["args"], k, v)
+    torch.save(sd, path)
+
+
+def test_bad_input_is_one_error_line_exit_2_and_nothing_written(converted, tmp_path, capsys):
+    from zo_megatron.checkpoint import convert, megatron_lm
+
+    d = converted["d"]
+    ck = os.path.join(d, "mixtral_ck")
+    meg = os.path.join(d, "mixtral_megatron_tp2_ep2")
+
+    def variant(tag, remove=None, **args):
+        dst = str(tmp_path / tag)
+        shutil.copytree(meg, dst)
+        if remove:
+            shutil.rmtree(os.path.join(dst, "release", remove))
+        for rank in sorted(os.listdir(os.path.join(dst, "release"))):
+            if args:
+                _rewrite_args(os.path.join(dst, "release", rank, megatron_lm.FILE), **args)
+        return dst
+
+    from_meg = ["from-megatron", "--output", str(tmp_path / "out"), "--tensor-parallel", "1", "--input"]
+    dense_ck = str(tmp_path / "dense_ck")
+    llama = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    convert.from_hf(make_hf_model(tmp_path / "llama", llama, converted["seed"] + 11), dense_ck, tensor_parallel=1,
+                    log=quiet)
+    cases = [
+        (["to-megatron", "--load", ck, "--output", str(tmp_path / "out"), "--expert-model-parallel-size", "3"],
+         ["--expert-model-parallel-size 3 does not divide the model's 4 experts"]),
+        (from_meg + [variant("missing_ep", remove="mp_rank_01_001")],
+         ["mp_rank_01_001 is missing", "TP2 x EP2", "incomplete"]),
+        (from_meg + [variant("dense_args", num_experts=None)],
+         ["args.expert_model_parallel_size=2 but args.num_experts=None", "dense model"]),
+        (from_meg + [variant("capacity", moe_expert_capacity_factor=1.0)],
+         ["args.moe_expert_capacity_factor=1.0", "does not convert"]),
+        (from_meg + [variant("grouped", moe_grouped_gemm=True)], ["args.moe_grouped_gemm=True", "SequentialMLP"]),
+        (from_meg + [variant("etp1", expert_tensor_parallel_size=1)],
+         ["args.expert_tensor_parallel_size=1", "--expert-tensor-parallel-size 2"]),
+        (["to-megatron", "--load", dense_ck, "--output", str(tmp_path / "out"), "--expert-model-parallel-size", "2"],
+         ["--expert-model-parallel-size 2: the model is dense"]),
+    ]
+    cli = _cli()
+    for argv, says in cases:
+        capsys.readouterr()
+        rc = cli.main(argv)
+        lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip() and "%" not in ln]
+        assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), (argv, lines)
+        assert all(s in lines[0] for s in says), (says, lines[0])
+        assert not os.path.exists(tmp_path / "out"), argv
+
+
+def test_an_ep1_file_set_read_with_dense_args_is_one_line(converted, tmp_path, capsys):
+    """At EP 1 the directories look dense (mp_rank_TT): args without num_experts over files holding experts
+    are refused naming both."""
+    from zo_megatron.checkpoint import megatron_lm
+
+    dst = str(tmp_path / "ep1_dense_args")
+    shutil.copytree(os.path.join(converted["d"], "mixtral_megatron_tp1_ep1"), dst)
+    _rewrite_args(os.path.join(dst, "release", "mp_rank_00", megatron_lm.FILE), num_experts=None)
+    capsys.readouterr()
+    rc = _cli().main(["from-megatron", "--input", dst, "--output", str(tmp_path / "out"), "--tensor-parallel", "1"])
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip() and "%" not in ln]
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), lines
+    assert "args.num_experts=None" in lines[0] and "a dense model" in lines[0], lines[0]
+    assert not os.path.exists(tmp_path / "out")
