@@ -236,6 +236,11 @@ def test_estimate_memory_prints_total_active_and_experts_per_rank():
     # at EP 1 every rank holds all 8 experts (93 GB of bf16 weights): it does not fit an 80 GB GPU
     r = _cli("--preset", "h100-80gb", "--world-size", "8", *MIXTRAL)
     assert r.returncode == 1 and "DOES NOT FIT" in r.stdout and "8 of 8 experts per EP rank" in r.stdout
+    # the advice: more expert parallelism on the same 8 GPUs (EP 2 fits), and TP with sequence parallelism
+    line = next(ln for ln in r.stdout.splitlines() if "raise expert parallelism" in ln)
+    assert "raise expert parallelism to 2 (`--expert-model-parallel-size 2`: 4 of 8 experts per GPU)" in line
+    assert line.endswith("-> fits")
+    assert "(`--tensor-model-parallel-size 2 --sequence-parallel --global-batch-size 8`" in r.stdout
     bad = _cli("--preset", "h100-80gb", "--world-size", "8", *MIXTRAL, "--expert-model-parallel-size", "3")
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
     assert "--expert-model-parallel-size 3 does not divide --num-experts 8" in bad.stderr

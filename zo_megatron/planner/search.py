@@ -63,6 +63,7 @@ def _suggest(base: Plan) -> list[str]:
                     f"{mb * accum * inp.data_parallel}`: grad accumulation {accum}, {what})",
                     inp.replace(micro_batch_size=mb, grad_accum_steps=accum))
         _tp_suggestions(inp, add, global_batch)
+        _ep_suggestions(inp, add)
         if inp.precision == "fp32":
             add("train in bf16 (`--bf16`; or `--fp16`)", inp.replace(precision="bf16"))
         if inp.zero_offload and inp.bucket_size > 5_000_000:
@@ -114,6 +115,21 @@ def _devices(inp: PlanInput) -> int:
     return max(world, nodes * inp.gpus_per_node) if inp.gpus_per_node else world
 
 
+def _ep_suggestions(inp: PlanInput, add) -> None:
+    """More expert parallelism on the same ranks: each GPU holds E / EP experts (EP divides the experts
+    and DP; at EP > 1 the job trains with --zero-offload only)."""
+    if inp.num_experts is None or not inp.zero_offload:
+        return
+    ep = inp.expert_parallel * 2
+    while ep <= min(inp.num_experts, inp.data_parallel):
+        if inp.num_experts % ep == 0 and inp.data_parallel % ep == 0:
+            p = add(f"raise expert parallelism to {ep} (`--expert-model-parallel-size {ep}`: "
+                    f"{inp.num_experts // ep} of {inp.num_experts} experts per GPU)", inp.replace(expert_parallel=ep))
+            if p is not None and p.fits_device:
+                break
+        ep *= 2
+
+
 def _tp_suggestions(inp: PlanInput, add, global_batch: int) -> None:
     """A larger TP on the devices the job has (never more: a one-GPU machine gets none), within a
     node; where TP x DP would need more devices, the same ranks with a smaller DP (global batch kept)."""
@@ -124,11 +140,14 @@ def _tp_suggestions(inp: PlanInput, add, global_batch: int) -> None:
         dp = inp.data_parallel if t * inp.data_parallel <= devices else ranks // t
         if inp.num_attention_heads % t == 0 and dp >= 1 and t * dp <= devices and \
                 global_batch % (inp.micro_batch_size * dp) == 0:
-            changed = inp.replace(tensor_parallel=t, data_parallel=dp,
+            # experts at TP > 1 need sequence parallelism (megatron-core's MoE layer; the job's rule)
+            sp = inp.num_experts is not None and not inp.sequence_parallel
+            changed = inp.replace(tensor_parallel=t, data_parallel=dp, sequence_parallel=inp.sequence_parallel or sp,
                                   grad_accum_steps=global_batch // (inp.micro_batch_size * dp))
             how = (f"launched on {t * dp} ranks" if dp == inp.data_parallel else
                    f" --global-batch-size {global_batch}`, launched on the same {t * dp} ranks: DP {dp}")
             p = add(f"raise tensor parallel to {t} (`--tensor-model-parallel-size {t}"
+                    + (" --sequence-parallel" if sp else "")
                     + ("`, " if dp == inp.data_parallel else "") + f"{how})", changed)
             if p is not None and p.fits_device:
                 break
