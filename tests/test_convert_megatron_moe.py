@@ -15,7 +15,8 @@ norm_topk_prob false = --moe-router-pre-softmax, layer 1 dense) that transformer
     transformers' logits (fp32, every element), at TP2 x EP2 and at TP1 x EP1;
   - bad input is one line, exit 2, nothing written: EP not dividing the experts, a file set missing an
     EP rank, an MoE file set whose args say dense (no num_experts), an MoE arg that changes the model
-    (a capacity factor), grouped-GEMM experts, EP for a dense model.
+    (a capacity factor), grouped-GEMM experts, expert TP other than TP, EP for a dense model.
+`-m slow`: Qwen3-MoE (q/k norms, head_dim 24) HF -> TP2 x EP2 -> HF bit for bit.
 """
 import json
 import os
@@ -311,3 +312,36 @@ def test_an_ep1_file_set_read_with_dense_args_is_one_line(converted, tmp_path, c
     assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), lines
     assert "args.num_experts=None" in lines[0] and "a dense model" in lines[0], lines[0]
     assert not os.path.exists(tmp_path / "out")
+
+
+@pytest.mark.slow
+def test_qwen3_moe_round_trips_through_megatron_at_tp2_ep2_bit_exact(tmp_path):
+    """Qwen3-MoE (q/k norms, head_dim 24 with hidden 64 and 4 heads, norm_topk_prob true): HF -> from-hf ->
+    to-megatron TP2 x EP2 -> from-megatron -> to-hf gives every tensor bit for bit, the config's fields and the
+    from-hf checkpoint's architecture."""
+    from zo_megatron.checkpoint import convert, megatron_lm
+    from zo_megatron.checkpoint.reader import CheckpointReader
+
+    seed = fresh_seed("convert megatron qwen3 moe")
+    cfg = transformers.Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+                                      num_attention_heads=HEADS, num_key_value_heads=GROUPS, max_position_embeddings=64,
+                                      num_experts_per_tok=TOPK, tie_word_embeddings=False, bos_token_id=0,
+                                      eos_token_id=1, intermediate_size=56, moe_intermediate_size=FFN,
+                                      num_experts=EXPERTS, norm_topk_prob=True, head_dim=24, rms_norm_eps=1e-6,
+                                      rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    src = make_hf_model(tmp_path / "src", cfg, seed)
+    ck, meg, back, hf_dir = (str(tmp_path / n) for n in ("ck", "meg", "back", "hf"))
+    convert.from_hf(src, ck, tensor_parallel=1, log=quiet)
+    convert.to_megatron(ck, meg, tensor_parallel=2, expert_parallel=2, log=quiet)
+    sd = megatron_lm.safe_load(os.path.join(meg, "release", "mp_rank_01_001", megatron_lm.FILE))
+    assert sd["args"].qk_layernorm and sd["args"].kv_channels == 24
+    assert sd["model"]["decoder.layers.0.self_attention.q_layernorm.weight"].shape == (24,)
+    convert.from_megatron(meg, back, tensor_parallel=2, log=quiet)
+    assert CheckpointReader(back).model_meta == CheckpointReader(ck).model_meta
+    convert.to_hf(back, hf_dir, log=quiet)
+    a = safetensors_torch.load_file(os.path.join(src, "model.safetensors"))
+    b = safetensors_torch.load_file(os.path.join(hf_dir, "model.safetensors"))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a), set(a) ^ set(b)
+    cfg_a, cfg_b = (json.load(open(os.path.join(x, "config.json"))) for x in (src, hf_dir))
+    for f in CONFIG_FIELDS + MOE_CONFIG_FIELDS:
+        assert cfg_a.get(f) == cfg_b.get(f), (f, cfg_a.get(f), cfg_b.get(f))
