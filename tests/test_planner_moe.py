@@ -159,6 +159,8 @@ def test_what_a_moe_layer_saves_is_planned(measured, key):
     for layer, moe in ((0, True), (1, False)):
         got = sum(r["saved"][layer] for r in ranks)           # EP ranks together: balanced in sum
         want = ep * sum(_layer_saved(inp, moe))
+        print(f"{key} layer {layer} ({'MoE' if moe else 'dense'}): planned {want} measured {got} "
+              f"({want / got - 1:+.2%})")
         assert abs(want - got) <= 0.02 * got, (key, layer, want, got)
 
 
