@@ -17,6 +17,17 @@
 
 The states after the passes are checked against the in-memory run: bitwise equal, or the tool fails.
 
+--job: whole training jobs instead (pretrain/pretrain_gpt.py under torchrun, --mock-data, the model
+the flags below give), one per arm: states in memory, the moments on disk, the moments and the
+master on disk, each with the synchronous schedule and with --dpu (the CPU step, and so the disk
+pass, behind the next step's forward/backward). Reported per arm: the median step_time_s of the
+iterations after --warmup, its ratio to the in-memory arm of the same schedule, the disk bytes per
+step and the seconds the CPU step waited for the disk (the job's own JSONL), the load average
+around the arm (the machine may be shared: the numbers are as noisy as the load says), and the
+seconds the disk's ceiling (measured first, as above) needs for the step's bytes.
+
+  python tools/bench_nvme.py --job --dir /nvme/tmp --num-layers 8 --hidden-size 512 --seq-length 32
+
   python tools/bench_nvme.py --dir /nvme/tmp                      # 1 GiB ceiling, 64M elements
   python tools/bench_nvme.py --dir /nvme/tmp --elements 16M --passes 2 --json out.json
 """
@@ -117,6 +128,74 @@ def passes(directory: str, n: int, count: int, size: int, threads: int, block_mi
             "bitwise_equal": True}
 
 
+SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pretrain", "pretrain_gpt.py")
+JOB_ARMS = (("memory", []), ("moments on disk", ["--optimizer-nvme-path", "{dir}"]),
+            ("moments + master on disk", ["--optimizer-nvme-path", "{dir}", "--optimizer-nvme-master"]))
+
+
+def _median(xs: list[float]) -> float | None:
+    xs = sorted(xs)
+    return None if not xs else (xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2)
+
+
+def job_arm(directory: str, model: list[str], extra: list[str], a, tag: str) -> dict:
+    """One pretrain_gpt.py run: the median step time after the warm-up and the tier's I/O per step."""
+    log = os.path.join(directory, f"bench_nvme_job.{os.getpid()}.jsonl")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.nproc}", SCRIPT,
+           *model, *extra, "--log-jsonl", log]
+    load0 = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout,
+                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        wall = time.perf_counter() - t0
+        load1 = os.getloadavg()[0]
+        errors = [x for x in (res.stdout + res.stderr).splitlines() if x.startswith("error:")]
+        if res.returncode != 0:
+            raise SystemExit(f"bench_nvme: the {tag} job failed (exit {res.returncode}): "
+                             f"{errors[0] if errors else res.stderr.strip().splitlines()[-1:]}")
+        with open(log) as f:
+            rows = [r for r in map(json.loads, f) if r.get("kind") == "train"]
+    finally:
+        if os.path.exists(log):
+            os.unlink(log)
+    timed = rows[a.warmup:]
+    if not timed:
+        raise SystemExit(f"bench_nvme: --train-iters {a.train_iters} leaves no iteration after --warmup {a.warmup}")
+    return {"arm": tag, "flags": extra, "step_s": _median([r["step_time_s"] for r in timed]),
+            "step_s_all": [r["step_time_s"] for r in rows],
+            "read_bytes_per_step": _median([r.get("nvme_read_bytes_per_step") or 0 for r in timed]),
+            "written_bytes_per_step": _median([r.get("nvme_written_bytes_per_step") or 0 for r in timed]),
+            "io_wait_s_per_step": _median([r.get("nvme_io_wait_s_per_step") or 0.0 for r in timed]),
+            "loss": [r["loss"] for r in rows], "wall_s": wall, "load_before": load0, "load_after": load1}
+
+
+def jobs(directory: str, a) -> list[dict]:
+    model = ["--num-layers", str(a.num_layers), "--hidden-size", str(a.hidden_size), "--num-attention-heads",
+             str(a.num_attention_heads), "--seq-length", str(a.seq_length), "--max-position-embeddings",
+             str(a.seq_length), "--micro-batch-size", str(a.micro_batch_size), "--global-batch-size",
+             str(a.micro_batch_size * a.nproc), "--train-iters", str(a.train_iters), "--lr", "1e-4",
+             "--min-lr", "1e-5", "--zero-offload", f"--{a.precision}", "--mock-data", "--eval-iters", "0",
+             "--log-interval", "1", "--no-progress-bar", "--optimizer-nvme-buffer-size", str(_count(a.buffer_size)),
+             "--optimizer-nvme-buffer-count", str(a.buffer_count)]
+    arms = []
+    for schedule in ([], ["--dpu"]) if a.dpu_arms else ([],):
+        for name, extra in JOB_ARMS:
+            flags = [x.format(dir=directory) for x in extra] + schedule
+            if not extra:                                  # the ring's flags are refused without the tier
+                run_model = [x for i, x in enumerate(model) if not model[i].startswith("--optimizer-nvme")
+                             and not (i and model[i - 1].startswith("--optimizer-nvme"))]
+            else:
+                run_model = model
+            tag = name + (" + --dpu" if schedule else "")
+            print(f"  job      {tag} ...", flush=True)
+            arms.append(job_arm(directory, run_model, flags, a, tag))
+    for arm in arms:
+        base = next(b for b in arms if b["arm"] == ("memory" + (" + --dpu" if "--dpu" in arm["flags"] else "")))
+        arm["over_memory"] = arm["step_s"] / base["step_s"]
+    return arms
+
+
 def machine() -> dict:
     model = platform.processor()
     try:
@@ -145,7 +224,22 @@ def main(argv=None) -> int:
     ap.add_argument("--passes", type=int, default=3, help="CPU steps timed (the best is reported)")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--json", default=None, help="also write the result here")
+    g = ap.add_argument_group("--job: whole training jobs with and without the tier")
+    g.add_argument("--job", action="store_true", help="time pretrain_gpt.py's steps per arm instead of the pass")
+    g.add_argument("--num-layers", type=int, default=8)
+    g.add_argument("--hidden-size", type=int, default=512)
+    g.add_argument("--num-attention-heads", type=int, default=8)
+    g.add_argument("--seq-length", type=int, default=32, help="short: optimizer-bound; long: compute-bound")
+    g.add_argument("--micro-batch-size", type=int, default=1)
+    g.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    g.add_argument("--train-iters", type=int, default=6)
+    g.add_argument("--warmup", type=int, default=2, help="iterations left out of the median (DPU's warm-up too)")
+    g.add_argument("--nproc", type=int, default=1, help="ranks (data parallel)")
+    g.add_argument("--no-dpu-arms", dest="dpu_arms", action="store_false", help="only the synchronous schedule")
+    g.add_argument("--timeout", type=float, default=1800, help="seconds per job")
     args = ap.parse_args(argv)
+    if args.job:
+        return main_job(args)
     try:
         with tempfile.TemporaryDirectory(dir=args.dir) as d:
             res = {"machine": machine(), "dir": args.dir or d}
@@ -174,6 +268,33 @@ def main(argv=None) -> int:
           "states bitwise equal")
     if args.json:
         with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+def main_job(a) -> int:
+    try:
+        with tempfile.TemporaryDirectory(dir=a.dir) as d:
+            res = {"machine": machine(), "dir": a.dir or d, "mode": "job", "args": {k: v for k, v in vars(a).items()}}
+            c = ceiling(d, a.ceiling_mib, a.threads, a.block_mib)
+            res["ceiling"], res["jobs"] = c, jobs(d, a)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    m = res["machine"]
+    print(f"bench_nvme --job: {m['cpu']}, {m['cores']} cores, commit {m['commit']}, dir {res['dir']}; GPT "
+          f"{a.num_layers} x {a.hidden_size}, seq {a.seq_length}, micro-batch {a.micro_batch_size}, {a.precision}, "
+          f"{a.nproc} rank(s); disk ceiling write {c['write_gbps']:.2f} / read {c['read_gbps']:.2f} GB/s")
+    print(f"  {'arm':34s} {'step s':>8s} {'x memory':>9s} {'GB r+w/step':>12s} {'disk s at ceiling':>18s} "
+          f"{'I/O wait s':>11s} {'load':>10s}")
+    for j in res["jobs"]:
+        disk_s = j["read_bytes_per_step"] / (c["read_gbps"] * 1e9) + j["written_bytes_per_step"] / (c["write_gbps"] * 1e9)
+        j["disk_s_at_ceiling"] = disk_s
+        print(f"  {j['arm']:34s} {j['step_s']:8.3f} {j['over_memory']:9.2f} "
+              f"{(j['read_bytes_per_step'] + j['written_bytes_per_step']) / 1e9:12.3f} {disk_s:18.3f} "
+              f"{j['io_wait_s_per_step']:11.3f} {j['load_before']:4.1f}-{j['load_after']:<4.1f}")
+    if a.json:
+        with open(a.json, "w") as f:
             json.dump(res, f, indent=1)
     return 0
 
