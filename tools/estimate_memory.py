@@ -12,6 +12,12 @@
         --num-attention-heads 96 --seq-length 1024 --micro-batch-size 8 --train-iters 20000 --lr 1e-4 \
         --fp16 --recompute-granularity full --use-flash-attn --sequence-parallel --zero-offload \
         --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR ...   # a pretrain_gpt.py command line
+    python tools/estimate_memory.py --preset h100-80gb --world-size 8 --num-layers 32 --hidden-size 4096 \
+        --num-attention-heads 32 --group-query-attention --num-query-groups 8 --ffn-hidden-size 14336 --swiglu \
+        --normalization RMSNorm --position-embedding-type rope --untie-embeddings-and-output-weights \
+        --disable-bias-linear --vocab-size 32000 --num-experts 8 --moe-router-topk 2 \
+        --expert-model-parallel-size 8 --seq-length 4096 --zero-offload --use-flash-attn \
+        --recompute-granularity full                     # Mixtral-8x7B: total vs active, experts per EP rank
     python tools/estimate_memory.py --paper-check
 
 It takes pretrain_gpt.py's command line: every flag the job accepts (its own parser,
@@ -25,7 +31,9 @@ vocabulary (model_vocab_size); then --optimizer-offload-fraction auto and the CP
 (--overlap-cpu-step [auto|full], --overlap-cpu-step-memory, --no-overlap-cpu-step; default auto on
 a GPU, off where the device is the host) exactly as the job's pre-launch check (prelaunch.job_plan):
 the input is built by the same function (planner.plan_input_from_flags), so both give the same plan
-and the same speculated share. Its own flags: --model (a shape preset), --world-size or
+and the same speculated share. Mixtures of experts take Megatron-LM's MoE flags and
+--expert-model-parallel-size: the plan prints total vs active parameters, experts per EP rank and,
+at EP > 1, the experts' engine's lines ("expert_..."). Its own flags: --model (a shape preset), --world-size or
 --data-parallel-size, the hardware (--preset, --gpu-memory-gb, --host-memory-gb, --gpus-per-node and
 the overheads) and the output (--json, --max-model, --paper-check). Unlike the job it does not
 require --train-iters and --lr, and --seq-length defaults to 1024 when a shape is given.
@@ -118,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-model", choices=list(P.FAMILIES),
                    help="largest model that fits: 'layers' keeps hidden/heads and grows layers; "
                         "'hidden' keeps layers and grows hidden: GPT-2 in steps of lcm(128, heads), heads kept; a "
-                        "Llama-family model keeps its head dim, heads per KV group and ffn/hidden ratio. The CPU-step "
+                        "Llama-family model keeps its head dim, heads per KV group and ffn/hidden ratio (and a mixture of "
+                        "experts its experts, top-k and EP, its experts' FFN in ratio). The CPU-step "
                         "overlap never shrinks it: searched with the overlap off (`auto` and the default), then "
                         "resolved on the result")
     g.add_argument("--paper-check", action="store_true",
