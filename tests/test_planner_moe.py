@@ -307,6 +307,13 @@ def test_max_model_grows_moe_shapes():
     shape = d["max_shape"]
     assert shape["hidden_size"] > 2048 and shape["moe_ffn_hidden_size"] * 2048 >= 768 * shape["hidden_size"]
     assert d["input"]["num_experts"] == 128 and d["fits"]
+    # GPT-2 with experts: the experts' explicit FFN grows with hidden; a 0/1 layer list cannot grow layers
+    t = P.PlanInput(num_layers=4, hidden_size=1024, num_attention_heads=16, num_experts=8, moe_ffn_hidden_size=2048,
+                    data_parallel=8, expert_parallel=8)
+    m = P.family_member(t, "hidden", 16)
+    assert (m.hidden_size, m.moe_ffn_hidden_size, m.num_experts, m.expert_parallel) == (2048, 4096, 8, 8)
+    with pytest.raises(ValueError, match="fixes the number of layers"):
+        P.family_member(t.replace(moe_layer_freq=[1, 0, 1, 0]), "layers", 5)
 
 
 def _job(argv, world, host_gib, gpu_gib=79.1):

@@ -267,7 +267,10 @@ def family_member(template: PlanInput, family: str, k: int) -> PlanInput:
                              "integer --moe-layer-freq")
         return template.replace(num_layers=k)
     if template.arch() == Architecture():
-        return template.replace(hidden_size=k * math.lcm(128, template.num_attention_heads))
+        hidden = k * math.lcm(128, template.num_attention_heads)
+        grown = {name: _grown_ffn(getattr(template, name), hidden, template)     # explicit experts' sizes
+                 for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size") if getattr(template, name)}
+        return template.replace(hidden_size=hidden, **grown)
     d, groups = template.head_dim(), template.query_groups()
     per_group = template.num_attention_heads // groups
     new_groups = k * template.tensor_parallel
