@@ -99,9 +99,9 @@ def _cases(d):
          "--moe-grouped-gemm: megatron-core's grouped-GEMM experts need"),
         ("MoE at TP 2 without sequence parallelism", ["--num-experts", "4", "--tensor-model-parallel-size", "2"], {},
          "need --sequence-parallel"),
-        ("MoE at EP 2 with --dpu, not done yet",
-         ["--num-experts", "4", "--expert-model-parallel-size", "2", "--zero-offload", "--dpu"], {},
-         "--dpu with --expert-model-parallel-size 2 is not supported yet"),
+        ("MoE at EP 2 with the NVMe tier, not done in the job yet",
+         ["--num-experts", "4", "--expert-model-parallel-size", "2", "--zero-offload", "--optimizer-nvme-path", d], {},
+         "--optimizer-nvme-path with --expert-model-parallel-size 2 is not supported by the job yet"),
         ("an MoE checkpoint loaded with dense flags", [*data, "--load", f"{d}/moe_ck"], {},
          "--num-experts: 4 in the checkpoint, None here"),
         # data paths (#28)

@@ -168,19 +168,39 @@ def test_the_reference_sees_a_wrong_aux_loss_gradient_scale(tmp_path):
     assert not all(_close(a, b) for a, b in zip(wrong[1:], ref[1:])), (wrong, ref)
 
 
-@pytest.mark.parametrize("ep", [2])
-def test_an_moe_job_resumes_bit_for_bit(tmp_path, ep):
-    """Saved at iteration 2 and resumed there at the same layout, iterations 3-4 log the
-    uninterrupted run's losses, aux losses and grad norms bit for bit (the Adam step of both engines
-    included); the checkpoint names every expert by its global index."""
-    seed = fresh_seed(f"moe resume EP{ep}")
+# the CPU step's schedules and state placements at EP 2 (tests/test_moe_schedules.py checks their math):
+# DPU delayed from the 2nd update on (the save at iteration 2 flushes a pending update: mid-delay) with
+# the weight prediction and bf16 moments; the speculated CPU step with half of each partition on the device
+SCHEDULES = {"sync": [],
+             "dpu-predicted-bf16": ["--dpu", "--dpu-warmup-steps", "2", "--dpu-corrector", "weight-prediction",
+                                    "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"],
+             "overlap-partial": ["--overlap-cpu-step", "full", "--optimizer-offload-fraction", "0.5",
+                                 "--clip-grad", "100"]}
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_an_moe_job_resumes_bit_for_bit(tmp_path, schedule):
+    """At EP 2, saved at iteration 2 and resumed there, iterations 3-4 log the uninterrupted run's
+    losses, aux losses and grad norms bit for bit (the Adam step of both engines included); the
+    checkpoint names every expert by its global index. With --dpu the save flushes both engines'
+    pending update and the resumed run delays again; with --overlap-cpu-step (no clipping: every step
+    commits) both engines speculate."""
+    ep = 2
+    seed = fresh_seed(f"moe resume EP{ep} {schedule}")
     ck = tmp_path / "ck"
-    argv = _argv(seed) + (EP2 if ep == 2 else [])
+    argv = _argv(seed) + EP2 + SCHEDULES[schedule]
     keys = ("loss", "grad_norm", "load_balancing_loss", "z_loss", "tokens_per_expert_min", "tokens_per_expert_max")
-    whole, _ = _run(tmp_path, "whole", [*argv, "--save", str(ck), "--save-interval", "2"])
+    whole, w = _run(tmp_path, "whole", [*argv, "--save", str(ck), "--save-interval", "2"])
     resumed, r = _run(tmp_path, "resumed", [*argv, "--load", str(ck), "--ckpt-step", "2"])
     assert sorted(resumed) == [3, 4], r.stdout[-2000:]
     assert {i: [whole[i][k] for k in keys] for i in resumed} == {i: [resumed[i][k] for k in keys] for i in resumed}
+    if schedule.startswith("dpu"):
+        assert "delayed parameter update starts at iteration 2" in w.stdout, w.stdout[-3000:]
+        assert "delayed parameter update starts" not in r.stdout     # its step count is past the warm-up
+    if schedule.startswith("overlap"):
+        for rows in (whole, resumed):      # how many buckets a step speculates depends on timing; some do
+            assert sum(row["speculated_buckets"] for row in rows.values()) > 0, rows
+            assert all(row["rolled_back_buckets"] == 0 for row in rows.values()), rows
     manifest = json.loads((ck / "iter_0000002" / "checkpoint.json").read_text())
     assert manifest["layout"].get("expert_parallel", 1) == ep and manifest["optimizer"]["step"] == 2
     experts = {k for k in manifest["params"] if ".mlp.experts.local_experts." in k}
@@ -211,9 +231,7 @@ def test_an_moe_run_resumes_at_another_ep(tmp_path, saved, resumed):
 
 
 @pytest.mark.parametrize("extra, needle", [
-    (["--dpu"], "--dpu with --expert-model-parallel-size 2 is not supported yet"),
-    (["--overlap-cpu-step"], "--overlap-cpu-step with --expert-model-parallel-size 2 is not supported yet"),
-    (["--optimizer-offload-fraction", "0.5"], "--optimizer-offload-fraction 0.5 with --expert-model-parallel-size 2"),
+    (["--overlap-cpu-step-memory", "1GiB"], "--overlap-cpu-step-memory with --expert-model-parallel-size 2"),
     (["--optimizer-nvme-path", "/tmp"], "--optimizer-nvme-path with --expert-model-parallel-size 2"),
 ])
 def test_what_experts_do_not_support_yet_is_one_line(tmp_path, extra, needle):

@@ -96,10 +96,13 @@ class ZeroOffloadEngine(EngineState):
                  dpu_warmup_steps: int | None = None, race_check: bool = False,
                  optimizer_offload_fraction: float = 1.0, tp_group=None, overlap_cpu_step: bool = False,
                  dpu_weight_prediction: bool = False, overlap_speculated_fraction: float = 1.0,
-                 nvme: NvmeConfig | None = None, params=None, grad_divisor: int | None = None):
+                 nvme: NvmeConfig | None = None, params=None, grad_divisor: int | None = None,
+                 cpu_worker=None, nvme_tag: str | None = None):
         # MoE (expert_parallel.py): params, a predicate on (name, param), picks this engine's parameters;
-        # grad_divisor replaces the group size in the average; extra_grad_stats, another engine's share
+        # grad_divisor replaces the group size in the average; extra_grad_stats, another engine's share;
+        # cpu_worker, another engine's schedule worker to share; nvme_tag, this engine's state files' name
         self._owns, self.extra_grad_stats = params or (lambda _n, _p: True), None
+        self._cpu_worker, self._nvme_tag = cpu_worker, nvme_tag
         if precision not in _DTYPES:
             raise ConfigError(f"precision must be bf16, fp16 or fp32 (got {precision!r})")
         self.model = model
@@ -183,9 +186,10 @@ class ZeroOffloadEngine(EngineState):
         self._norm_segments = [(a, e, c) for a, e, _, c, _ in self._host_segments]
         self.step_count = 0
         if dpu_warmup_steps:
-            self.schedule = DelayedSchedule(dpu_warmup_steps, self.dpu_weight_prediction, self.device)
+            self.schedule = DelayedSchedule(dpu_warmup_steps, self.dpu_weight_prediction, self.device,
+                                            worker=self._cpu_worker)
         elif self.overlap_cpu_step:
-            self.schedule = SpeculativeSchedule(self, self.overlap_speculated_fraction)
+            self.schedule = SpeculativeSchedule(self, self.overlap_speculated_fraction, worker=self._cpu_worker)
             self.accounting.host_overlap_bytes = self.schedule.backup_bytes
         else:
             self.schedule = SynchronousSchedule()
@@ -250,7 +254,8 @@ class ZeroOffloadEngine(EngineState):
         on_disk = {} if self.nvme_config is None else {
             "exp_avg": state_dtype, "exp_avg_sq": state_dtype, **({"master": torch.float32} if self.nvme_config.master else {})}
         if on_disk:
-            self._nvme = NvmeStateStore.open_on_every_rank(self.nvme_config, f"zo_optimizer.tp{self.tp_rank}.dp{self.dp_rank}",
+            tag = self._nvme_tag or f"zo_optimizer.tp{self.tp_rank}.dp{self.dp_rank}"
+            self._nvme = NvmeStateStore.open_on_every_rank(self.nvme_config, tag,
                                         [(s.start, min(s.end, cut)) for s in L.segments if s.start < cut], cut, on_disk)
         self.master = None if "master" in on_disk else torch.zeros(cut, dtype=torch.float32)
         # The moments and landing buffers are zeroed (touched) only after the model's fp32
@@ -526,6 +531,12 @@ class ZeroOffloadEngine(EngineState):
         the CPU Adam (schedules.py): at once, in the background (DPU), or commit/redo what it
         speculated during backward (overlap). `decoupled_lr`: the word embedding's and output
         layer's rate (Megatron's --decoupled-lr; None: `lr`)."""
+        self.prepare_step()
+        return self.finish_step(lr, decoupled_lr)
+
+    def prepare_step(self) -> None:
+        """step() up to the norm: every gradient of this step home and final (the gradient sync
+        finished, a speculating worker joined), so local_grad_stats() reads what the step will."""
         self.check_params()
         t0 = time.monotonic()
         self.finish_grad_sync()
@@ -533,6 +544,9 @@ class ZeroOffloadEngine(EngineState):
         self._phases.append(("grad_sync", t0, time.monotonic()))
         self.schedule.before_norm(self)
         self._check_no_race()
+
+    def finish_step(self, lr: float | None = None, decoupled_lr: float | None = None) -> StepResult:
+        """step() from the norm on (after prepare_step())."""
         scale = self.loss_scaler.scale
         found_inf, grad_norm = self._global_grad_norm(scale)
         self.loss_scaler.update(found_inf)

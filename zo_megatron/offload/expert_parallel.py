@@ -15,9 +15,16 @@ the same overflowing step.
 One loss.backward() per micro-batch reaches both: the dense engine runs it (with the loss scale),
 the expert engine only its bookkeeping (begin_backward / end_backward). One loss scaler: the dense
 engine's updates it; the expert engine unscales by the scale the backward used (a follower set
-before each step). Only the synchronous CPU step is offered (DPU, --overlap-cpu-step, partial
-offload and the NVMe tier with experts: not yet). At EP 1 with expert TP = TP the expert groups are
-the DP groups and one engine suffices (the caller keeps the plain engine).
+before each backward and each step). At EP 1 with expert TP = TP the expert groups are the DP
+groups and one engine suffices (the caller keeps the plain engine).
+
+The CPU step's schedules (schedules.py) run in both engines, driven by the one norm and overflow
+decision: DPU delays both engines' updates alike (both step counts, hence both warm-ups, are one),
+and a flush flushes both; --overlap-cpu-step speculates in both and each validates against the
+global norm, so both commit or both roll back. Both schedules share one worker thread (the dense
+engine's): their CPU Adam calls run one after another, as the synchronous step runs them. A partial
+offload keeps the tail of each engine's partition on the device; the NVMe tier gives each engine
+its own state files (the expert engine's named by its global rank).
 
 The job drives it as any TrainingOptimizer (optimizer_api.py): the checkpoint reads both engines'
 host states (`host_state_views`), the log both engines' accounting (summed).
@@ -27,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 
-from zo_megatron.errors import ConfigError
 from zo_megatron.offload.accounting import Accounting
 from zo_megatron.offload.engine import ZeroOffloadEngine
 from zo_megatron.optimizer_api import StepResult
@@ -45,19 +51,17 @@ class ExpertParallelEngine:
     one optimizer: backward, step, close (the engine's other options are passed to both)."""
 
     def __init__(self, model, *, dp_group, edp_group, dp_size: int, **engine_kwargs):
-        for option in ("dpu_warmup_steps", "overlap_cpu_step", "nvme"):
-            if engine_kwargs.get(option):
-                raise ConfigError(f"{option} with expert parallelism is not supported yet (docs/moe.md): drop it")
-        if engine_kwargs.get("optimizer_offload_fraction", 1.0) != 1.0:
-            raise ConfigError("a partial offload with expert parallelism is not supported yet (docs/moe.md)")
         from zo_megatron.offload.loss_scaler import ConstantLossScaler
+        from zo_megatron.parallel import collectives
 
         self.model = model
         self.dense = ZeroOffloadEngine(model, dp_group=dp_group, params=lambda n, p: not is_expert(n), **engine_kwargs)
-        # the one scaler is the dense engine's; the expert engine's follows it (set before each step)
+        # the one scaler is the dense engine's; the expert engine's follows it (set before each backward)
         follower = ConstantLossScaler(self.dense.loss_scaler.scale)
         try:
             self.experts = ZeroOffloadEngine(model, dp_group=edp_group, params=is_expert, grad_divisor=dp_size,
+                                             cpu_worker=self.dense.schedule.worker,
+                                             nvme_tag=f"zo_optimizer.experts.rank{collectives.group_rank(None)}",
                                              **{**engine_kwargs, "loss_scaler": follower})
         except BaseException:
             self.dense.close()
@@ -116,24 +120,27 @@ class ExpertParallelEngine:
         self.close()
 
     def backward(self, loss, *, last_micro_batch: bool = True) -> None:
+        self.experts.loss_scaler.scale = self.dense.loss_scaler.scale     # the scale this backward uses
         self.experts.begin_backward(last_micro_batch)
         self.dense.backward(loss, last_micro_batch=last_micro_batch)
         self.experts.end_backward(last_micro_batch)
 
     def step(self, lr: float | None = None, decoupled_lr: float | None = None) -> StepResult:
-        """Both engines' gradients home first (each one's norm reads the other's), then each steps
-        with the one global norm."""
-        self.experts.finish_grad_sync()
-        self.dense.finish_grad_sync()
+        """Both engines' gradients home and final first (each one's norm reads the other's; a
+        speculating worker joined), then each steps with the one global norm. The result is the
+        dense engine's, with both engines' speculated and rolled-back buckets."""
+        self.experts.prepare_step()
+        self.dense.prepare_step()
         # each engine's norm adds the other's share, taken now: a step rewrites its host gradient
         self.dense.extra_grad_stats, self.experts.extra_grad_stats = \
             self.experts.local_grad_stats(), self.dense.local_grad_stats()
         self.experts.loss_scaler.scale = self.dense.loss_scaler.scale     # the scale the backward used
-        result = self.dense.step(lr=lr, decoupled_lr=decoupled_lr)
-        other = self.experts.step(lr=lr, decoupled_lr=decoupled_lr)
+        result = self.dense.finish_step(lr, decoupled_lr)
+        other = self.experts.finish_step(lr, decoupled_lr)
         if (result.skipped, result.grad_norm) != (other.skipped, other.grad_norm) and not result.skipped:
             raise RuntimeError(f"the dense and expert engines disagree on the step: {result} vs {other}")
-        return result
+        return dataclasses.replace(result, speculated_buckets=result.speculated_buckets + other.speculated_buckets,
+                                   rolled_back_buckets=result.rolled_back_buckets + other.rolled_back_buckets)
 
     def close(self) -> None:
         try:

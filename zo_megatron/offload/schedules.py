@@ -127,10 +127,9 @@ class DelayedSchedule(SynchronousSchedule):
     name = "delayed"
 
     def __init__(self, warmup_steps: int, weight_prediction: bool = False,
-                 device: torch.device = torch.device("cpu")):
+                 device: torch.device = torch.device("cpu"), worker: ThreadPoolExecutor | None = None):
         self.warmup_steps = warmup_steps
-        self.worker = ThreadPoolExecutor(1, thread_name_prefix=WORKER_PREFIX, initializer=select_worker_device,
-                                         initargs=(device,))
+        self.worker, self._own_worker = new_worker(device, worker)
         self.pending = None                # (future, landing set, StepResult) of the update in flight
         # --dpu-weight-prediction: the device gets w_t + (w_t - w_{t-1}) instead of w_t after a
         # delayed update. Forward/backward of step t+2 run on what the device gets at step t+1,
@@ -187,7 +186,8 @@ class DelayedSchedule(SynchronousSchedule):
         kernel), its error raised here."""
         pending, self.pending = self.pending, None
         if self.worker is not None:
-            self.worker.shutdown(wait=True)
+            if self._own_worker:
+                self.worker.shutdown(wait=True)
             self.worker = None
         if pending is not None:
             pending[0].result()
@@ -235,11 +235,10 @@ class SpeculativeSchedule(SynchronousSchedule):
 
     name = "speculative"
 
-    def __init__(self, engine, fraction: float = 1.0):
+    def __init__(self, engine, fraction: float = 1.0, worker: ThreadPoolExecutor | None = None):
         if not 0.0 < fraction <= 1.0:
             raise ValueError(f"the speculated fraction must be in (0, 1] (got {fraction!r})")
-        self.worker = ThreadPoolExecutor(1, thread_name_prefix=WORKER_PREFIX, initializer=select_worker_device,
-                                         initargs=(engine.device,))
+        self.worker, self._own_worker = new_worker(engine.device, worker)
         self.budget = math.floor(fraction * engine._cut)       # elements the backup holds
         segs = engine._host_segments
         self.limit = 0                                         # segments [0, limit) may be speculated
@@ -427,11 +426,23 @@ class SpeculativeSchedule(SynchronousSchedule):
         for f in reversed(futures):
             f.cancel()
         if self.worker is not None:
-            self.worker.shutdown(wait=True, cancel_futures=True)
+            if self._own_worker:
+                self.worker.shutdown(wait=True, cancel_futures=True)
             self.worker = None
         for f in futures:
             if not f.cancelled():
                 f.result()
+
+
+def new_worker(device: torch.device, shared: ThreadPoolExecutor | None) -> tuple[ThreadPoolExecutor, bool]:
+    """(the schedule's worker, whether the schedule owns it). `shared`: another engine's worker
+    (expert_parallel.py: the dense and the expert engine's CPU steps run one after another on one
+    thread, in the order they are handed over, instead of two kernels contending for the cores);
+    its owner shuts it down, a schedule that borrows it only joins its own tasks."""
+    if shared is not None:
+        return shared, False
+    return ThreadPoolExecutor(1, thread_name_prefix=WORKER_PREFIX, initializer=select_worker_device,
+                              initargs=(device,)), True
 
 
 def select_worker_device(device: torch.device) -> None:

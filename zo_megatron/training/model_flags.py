@@ -9,7 +9,8 @@ import os
 import sys
 
 from zo_megatron.errors import ConfigError
-from zo_megatron.model.config import MOE_DISPATCHERS, MOE_FIELDS, MOE_LOAD_BALANCING, MOE_SCORE_FUNCTIONS, YARN_FIELDS
+from zo_megatron.model.config import (MOE_DISPATCHERS, MOE_DROP_POLICIES, MOE_FIELDS, MOE_LOAD_BALANCING,
+                                      MOE_SCORE_FUNCTIONS, YARN_FIELDS)
 
 # --attention-backend (megatron-core's AttnBackend names) -> the model's core attention.
 ATTENTION_BACKENDS = {"flash": "sdpa", "fused": "sdpa", "auto": "sdpa", "local": "local", "unfused": "local"}
@@ -133,6 +134,16 @@ def add_moe_flags(g) -> None:
                         "'([1]*3+[0]*1)*3' (Megatron's syntax)")
     g.add_argument("--moe-token-dispatcher-type", default="allgather",
                    help=f"how tokens reach their experts' ranks: {', '.join(MOE_DISPATCHERS)}")
+    g.add_argument("--moe-expert-capacity-factor", type=float, default=None,
+                   help="each expert takes at most ceil(tokens x topk / experts x factor) of a rank's tokens per "
+                        "layer, the rest of its assignments are dropped (contribute nothing from it); default: no "
+                        "dropping (a negative factor means the same)")
+    g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true",
+                   help="with --moe-expert-capacity-factor: every expert runs exactly its capacity of tokens, "
+                        "padded with zero-weight ones (fixed shapes; the same output)")
+    g.add_argument("--moe-token-drop-policy", default="probs",
+                   help=f"which assignments over capacity are dropped: {', '.join(MOE_DROP_POLICIES)} (the lowest "
+                        "routing probabilities, or the latest tokens of the rank's [seq, batch] order)")
 
 
 def add_expert_parallel_flags(g) -> None:
@@ -216,10 +227,11 @@ def check_architecture_flags(args: argparse.Namespace) -> None:
 
 
 def check_moe_job_flags(args: argparse.Namespace) -> None:
-    """What the job does not do with experts yet, one line each (docs/moe.md). At EP > 1 the two-engine
-    optimizer (offload/expert_parallel.py) runs only the synchronous CPU step over the whole partition,
-    and only ZeRO-Offload reduces experts over expert DP (the baseline's DDP would average different
-    experts over DP)."""
+    """What the job does not do with experts yet, one line each (docs/moe.md). At EP > 1 only
+    ZeRO-Offload reduces experts over expert DP (the baseline's DDP would average different experts
+    over DP); the two-engine optimizer (offload/expert_parallel.py) runs every CPU-step schedule and a
+    partial offload, but the job's NVMe banner and I/O log read one engine's store, and a memory
+    budget for the overlap needs the planner's expert lines."""
     ep = args.expert_parallel
     if ep == 1:
         return
@@ -227,20 +239,13 @@ def check_moe_job_flags(args: argparse.Namespace) -> None:
     if not args.zero_offload:
         raise ConfigError(f"--num-experts {where} trains with the ZeRO-Offload engine only (the baseline's DDP "
                           "does not reduce experts over expert DP): add --zero-offload")
-    fraction = str(args.optimizer_offload_fraction).strip().lower()
-    try:
-        partial = fraction != "auto" and float(fraction) != 1.0
-    except ValueError:
-        partial = False                          # not a number: its own check says so
-    unsupported = [("--dpu", args.dpu), ("--overlap-cpu-step", args.overlap_cpu_step in ("full", "auto")),
-                   ("--overlap-cpu-step-memory", args.overlap_cpu_step_memory is not None),
-                   (f"--optimizer-offload-fraction {fraction}", partial),
-                   ("--optimizer-nvme-path", getattr(args, "optimizer_nvme_path", None) is not None)]
-    given = [flag for flag, on in unsupported if on]
-    if given:
-        raise ConfigError(f"{given[0]} {where} is not supported yet (the experts' engine runs the synchronous "
-                          f"CPU step over the whole partition; docs/moe.md): drop {given[0].split()[0]}, or train "
-                          "at --expert-model-parallel-size 1")
+    if args.overlap_cpu_step_memory is not None:
+        raise ConfigError(f"--overlap-cpu-step-memory {where} is not supported yet (its budget needs the memory "
+                          "planner's expert lines; docs/moe.md): use --overlap-cpu-step full, or drop it")
+    if getattr(args, "optimizer_nvme_path", None) is not None:
+        raise ConfigError(f"--optimizer-nvme-path {where} is not supported by the job yet (the engine keeps both "
+                          "engines' states on disk, the job's banner and I/O log read one store; docs/moe.md): drop "
+                          "--optimizer-nvme-path, or train at --expert-model-parallel-size 1")
 
 
 def check_attention_flags(args: argparse.Namespace) -> None:
