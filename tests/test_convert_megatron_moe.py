@@ -280,8 +280,11 @@ def test_bad_input_is_one_error_line_exit_2_and_nothing_written(converted, tmp_p
          ["mp_rank_01_001 is missing", "TP2 x EP2", "incomplete"]),
         (from_meg + [variant("dense_args", num_experts=None)],
          ["args.expert_model_parallel_size=2 but args.num_experts=None", "dense model"]),
-        (from_meg + [variant("capacity", moe_expert_capacity_factor=1.0)],
-         ["args.moe_expert_capacity_factor=1.0", "does not convert"]),
+        (from_meg + [variant("pad_alltoall", moe_expert_capacity_factor=3.0, moe_pad_expert_input_to_capacity=True,
+                             moe_token_dispatcher_type="alltoall")],
+         ["--moe-pad-expert-input-to-capacity", "megatron-core's alltoall dispatcher cannot pad"]),
+        (from_meg + [variant("drop_policy", moe_expert_capacity_factor=1.0, moe_token_drop_policy="random")],
+         ["--moe-token-drop-policy random"]),
         (from_meg + [variant("grouped", moe_grouped_gemm=True)], ["args.moe_grouped_gemm=True", "SequentialMLP"]),
         (from_meg + [variant("etp1", expert_tensor_parallel_size=1)],
          ["args.expert_tensor_parallel_size=1", "--expert-tensor-parallel-size 2"]),
@@ -296,6 +299,48 @@ def test_bad_input_is_one_error_line_exit_2_and_nothing_written(converted, tmp_p
         assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), (argv, lines)
         assert all(s in lines[0] for s in says), (says, lines[0])
         assert not os.path.exists(tmp_path / "out"), argv
+
+
+def test_capacity_args_convert_both_ways_and_to_hf_refuses_them(converted, tmp_path, capsys):
+    """A Megatron-LM MoE checkpoint trained with a capacity factor, padding and the position policy:
+    from-megatron records them as the model's (the printed flags give them), to-megatron writes them
+    back under Megatron-LM's names, the weights bit for bit; a negative factor reads as no dropping
+    (megatron-core's meaning); to-hf refuses in one line (transformers' MoE drops no tokens)."""
+    from zo_megatron.checkpoint import convert, megatron_lm
+    from zo_megatron.checkpoint.reader import CheckpointReader
+
+    d = converted["d"]
+    meg = str(tmp_path / "megatron_capacity")
+    shutil.copytree(os.path.join(d, "mixtral_megatron_tp2_ep2"), meg)
+    capacity = dict(moe_expert_capacity_factor=1.5, moe_pad_expert_input_to_capacity=True,
+                    moe_token_drop_policy="position")
+    for rank in os.listdir(os.path.join(meg, "release")):
+        _rewrite_args(os.path.join(meg, "release", rank, megatron_lm.FILE), **capacity)
+    lines = []
+    ours = str(tmp_path / "ours")
+    convert.from_megatron(meg, ours, tensor_parallel=1, log=lines.append)
+    back, ref = CheckpointReader(ours), CheckpointReader(os.path.join(d, "mixtral_ck"))
+    assert back.model_meta == {**ref.model_meta, **capacity}
+    wa, wb = ref.read_weights(), back.read_weights()
+    assert set(wa) == set(wb) and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert "--moe-expert-capacity-factor 1.5 --moe-pad-expert-input-to-capacity --moe-token-drop-policy position" \
+        in _flags(lines), _flags(lines)
+    again = str(tmp_path / "megatron_again")
+    convert.to_megatron(ours, again, tensor_parallel=2, expert_parallel=2, log=quiet)
+    for rank in os.listdir(os.path.join(again, "release")):
+        args = megatron_lm.safe_load(os.path.join(again, "release", rank, megatron_lm.FILE))["args"]
+        assert {k: getattr(args, k) for k in capacity} == capacity, rank
+    for rank in os.listdir(os.path.join(meg, "release")):
+        _rewrite_args(os.path.join(meg, "release", rank, megatron_lm.FILE), moe_expert_capacity_factor=-1.0,
+                      moe_pad_expert_input_to_capacity=False)
+    convert.from_megatron(meg, str(tmp_path / "no_dropping"), tensor_parallel=1, log=quiet)
+    meta = CheckpointReader(str(tmp_path / "no_dropping")).model_meta
+    assert meta["moe_expert_capacity_factor"] is None and meta["moe_token_drop_policy"] == "position"
+    capsys.readouterr()
+    rc = _cli().main(["to-hf", "--load", ours, "--output", str(tmp_path / "hf")])
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip() and "%" not in ln]
+    assert rc == 2 and len(lines) == 1 and "moe_expert_capacity_factor=1.5" in lines[0], lines
+    assert not os.path.exists(tmp_path / "hf")
 
 
 def test_an_ep1_file_set_read_with_dense_args_is_one_line(converted, tmp_path, capsys):

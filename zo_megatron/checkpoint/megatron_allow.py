@@ -38,6 +38,7 @@ READ = frozenset({
     "moe_z_loss_coeff", "moe_router_pre_softmax", "moe_router_score_function", "moe_router_topk_scaling_factor",
     "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_layer_freq", "moe_token_dispatcher_type",
     "moe_grouped_gemm", "expert_model_parallel_size", "expert_tensor_parallel_size",
+    "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity", "moe_token_drop_policy",
     # YaRN (position_embedding_type "yarn"; Megatron-LM core_v0.19 on): read with it, inert without it
     "rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow",
     "yarn_correction_range_round_to_int", "mscale", "mscale_all_dim",
@@ -179,12 +180,11 @@ ANY = _ANY_MODEL_GROUP | _ANY_DERIVED | (_OTHER_GROUPS - set(NEUTRAL) - READ)
 # MoE options (moe_*) are inert without experts. With experts, READ has the model's; these change no
 # math (kernels, fusions, communication, logging, recomputation, upcycling's initialisation, the
 # router's compute dtype, options that act only with an option still checked here: grouped GEMM, the
-# capacity factor, the expert bias); every other moe_* arg must keep Megatron-LM's default.
+# expert bias); every other moe_* arg must keep Megatron-LM's default.
 MOE_ANY = frozenset({
     "moe_permute_fusion", "moe_router_fusion", "moe_enable_deepep", "moe_deepep_num_sms", "moe_hybridep_num_sms",
     "moe_flex_dispatcher_backend", "moe_layer_recompute", "moe_per_layer_logging", "moe_shared_expert_overlap",
-    "moe_use_legacy_grouped_gemm", "moe_router_bias_update_rate", "moe_token_drop_policy",
-    "moe_pad_expert_input_to_capacity", "moe_router_dtype", "moe_enable_routing_replay",
+    "moe_use_legacy_grouped_gemm", "moe_router_bias_update_rate", "moe_router_dtype", "moe_enable_routing_replay",
     "moe_pad_experts_for_cuda_graph_inference", "moe_upcycling_granularity", "moe_use_upcycling",
 })
 _EMPTY = (None, False, 0, "", [], ())

@@ -112,7 +112,7 @@ def _moe_args(meta: dict, tp: int, ep: int) -> dict:
         raise UserError(f"--expert-model-parallel-size {ep} does not divide the model's {e} experts: each EP rank "
                         f"holds E/EP whole experts; choose one that divides {e}")
     return {**{k: meta[k] for k in MOE_FIELDS}, "expert_model_parallel_size": ep, "expert_tensor_parallel_size": tp,
-            "moe_grouped_gemm": False, "moe_router_enable_expert_bias": False, "moe_expert_capacity_factor": None,
+            "moe_grouped_gemm": False, "moe_router_enable_expert_bias": False,
             # Megatron-LM needs sequence parallelism for MoE with TP (the math is the same)
             "sequence_parallel": tp > 1}
 
@@ -209,7 +209,10 @@ def _moe_meta(args: argparse.Namespace, refuse) -> dict:
     out.update(num_experts=int(experts), moe_router_pre_softmax=bool(out["moe_router_pre_softmax"]),
                moe_shared_expert_gate=bool(out["moe_shared_expert_gate"]),
                moe_router_load_balancing_type=_one(args, "moe_router_load_balancing_type", "aux_loss", refuse),
-               moe_aux_loss_coeff=float(_one(args, "moe_aux_loss_coeff", 0.0, refuse)))
+               moe_aux_loss_coeff=float(_one(args, "moe_aux_loss_coeff", 0.0, refuse)),
+               moe_pad_expert_input_to_capacity=bool(out["moe_pad_expert_input_to_capacity"]))
+    factor = out["moe_expert_capacity_factor"]
+    out["moe_expert_capacity_factor"] = None if factor is None or factor < 0 else float(factor)  # < 0: none
     if out["moe_token_dispatcher_type"] not in MOE_DISPATCHERS:     # 'flex' (DeepEP): the same math as alltoall
         out["moe_token_dispatcher_type"] = "alltoall"
     freq = out["moe_layer_freq"]

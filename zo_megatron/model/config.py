@@ -26,10 +26,13 @@ MOE_FIELDS = {"num_experts": None, "moe_router_topk": 2, "moe_ffn_hidden_size": 
               "moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 0.0, "moe_z_loss_coeff": None,
               "moe_router_pre_softmax": False, "moe_router_score_function": "softmax",
               "moe_router_topk_scaling_factor": None, "moe_shared_expert_intermediate_size": None,
-              "moe_shared_expert_gate": False, "moe_layer_freq": 1, "moe_token_dispatcher_type": "allgather"}
+              "moe_shared_expert_gate": False, "moe_layer_freq": 1, "moe_token_dispatcher_type": "allgather",
+              "moe_expert_capacity_factor": None, "moe_pad_expert_input_to_capacity": False,
+              "moe_token_drop_policy": "probs"}
 MOE_LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "none")
 MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
 MOE_DISPATCHERS = ("allgather", "alltoall")
+MOE_DROP_POLICIES = ("probs", "position")
 
 # The fields that define the architecture: recorded in checkpoints and compared on resume.
 ARCH_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
@@ -101,6 +104,11 @@ class GPTConfig:
     moe_shared_expert_gate: bool = False        # the shared expert's output scaled by sigmoid(x . gate_weight)
     moe_layer_freq: int | list = 1              # every N-th layer is MoE, or a 0/1 list per layer
     moe_token_dispatcher_type: str = "allgather"
+    # capacity (docs/moe.md): each expert takes at most ceil(tokens x topk / E x factor) of a rank's routed
+    # tokens per layer call; the rest of its assignments are dropped (None: no dropping, Megatron-LM's default)
+    moe_expert_capacity_factor: float | None = None
+    moe_pad_expert_input_to_capacity: bool = False  # every expert gets exactly its capacity (zero-weight padding)
+    moe_token_drop_policy: str = "probs"        # drop the lowest-probability ("probs") or latest ("position")
     recompute: str | None = None                # None | "full" (whole layers) | "selective" (attention core)
     recompute_method: str = "uniform"           # full only: "uniform" (groups of N layers) | "block" (first N)
     recompute_num_layers: int = 1               # full only: N (megatron's --recompute-num-layers)
@@ -189,6 +197,8 @@ class GPTConfig:
 
     def _check_moe(self) -> None:
         """Megatron-LM's MoE rules (megatron-core's TransformerConfig asserts), one line each."""
+        if self.moe_expert_capacity_factor is not None and self.moe_expert_capacity_factor < 0:
+            self.moe_expert_capacity_factor = None      # megatron-core's meaning of a negative factor: no dropping
         if self.num_experts is None:
             off = [f"--{k.replace('_', '-')}" for k, v in MOE_FIELDS.items() if getattr(self, k) != v]
             if off:
@@ -224,7 +234,28 @@ class GPTConfig:
         if self.moe_shared_expert_gate and self.moe_shared_expert_intermediate_size is None:
             raise ConfigError("--moe-shared-expert-gate gates the shared expert: add "
                               "--moe-shared-expert-intermediate-size")
+        self._check_capacity()
         self.moe_layers()
+
+    def _check_capacity(self) -> None:
+        """Capacity and token dropping (megatron-core's rules, and what its dispatchers can run)."""
+        f, k, e = self.moe_expert_capacity_factor, self.moe_router_topk, self.num_experts
+        if self.moe_token_drop_policy not in MOE_DROP_POLICIES:
+            raise ConfigError(f"--moe-token-drop-policy {self.moe_token_drop_policy}: choose one of "
+                              f"{', '.join(MOE_DROP_POLICIES)}")
+        if self.moe_pad_expert_input_to_capacity and f is None:
+            raise ConfigError("--moe-pad-expert-input-to-capacity pads each expert's input to its capacity: add "
+                              "--moe-expert-capacity-factor (megatron-core's rule)")
+        if f is None:
+            return
+        if f == 0:
+            raise ConfigError("--moe-expert-capacity-factor 0 gives every expert a capacity of 0 tokens (all dropped): "
+                              "use a factor > 0 (1.0: an even share of the routed tokens), or drop it for no dropping")
+        if self.moe_pad_expert_input_to_capacity and self.moe_token_dispatcher_type == "alltoall" and k * f > e:
+            raise ConfigError(f"--moe-pad-expert-input-to-capacity with --moe-expert-capacity-factor {f:g} x "
+                              f"--moe-router-topk {k} > --num-experts {e}: the capacity exceeds a rank's tokens, which "
+                              f"megatron-core's alltoall dispatcher cannot pad to; use a factor <= {e / k:g} (nothing "
+                              "is dropped above it) or --moe-token-dispatcher-type allgather")
 
     def moe_layers(self) -> list[bool]:
         """Which layers are MoE (megatron-core's moe_layer_freq: every N-th layer from layer 0, or a 0/1

@@ -122,6 +122,8 @@ def moe_config_kwargs(cfg: GPTConfig, tensor_parallel: int) -> dict:
         return {}
     from megatron.core import parallel_state as mpu
 
+    if cfg.moe_expert_capacity_factor is not None and cfg.moe_token_drop_policy == "position":
+        _keep_the_earliest_tokens_on_position_drops()
     ep, etp = 1, tensor_parallel
     if mpu.model_parallel_is_initialized():
         ep, etp = mpu.get_expert_model_parallel_world_size(), mpu.get_expert_tensor_parallel_world_size()
@@ -138,9 +140,41 @@ def moe_config_kwargs(cfg: GPTConfig, tensor_parallel: int) -> dict:
                 moe_router_topk_scaling_factor=cfg.moe_router_topk_scaling_factor,
                 moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
                 moe_shared_expert_gate=cfg.moe_shared_expert_gate, moe_layer_freq=cfg.moe_layer_freq,
-                moe_token_dispatcher_type=cfg.moe_token_dispatcher_type, moe_grouped_gemm=False,
+                moe_token_dispatcher_type=cfg.moe_token_dispatcher_type,
+                moe_expert_capacity_factor=cfg.moe_expert_capacity_factor,
+                moe_pad_expert_input_to_capacity=cfg.moe_pad_expert_input_to_capacity,
+                moe_token_drop_policy=cfg.moe_token_drop_policy, moe_grouped_gemm=False,
                 moe_permute_fusion=False, moe_router_fusion=False,
                 expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+
+
+def _keep_the_earliest_tokens_on_position_drops() -> None:
+    """--moe-token-drop-policy position: megatron-core 0.16.1 documents "tokens at the end of each batch
+    will be dropped" but picks each expert's kept tokens with torch.topk over the 0/1 routing map, whose
+    choice among equal values is unspecified (on CPU it keeps an arbitrary subset of the routed tokens).
+    Here its apply_router_token_dropping (as the router calls it) keeps what it documents: each expert's
+    first `capacity` routed tokens in the order of the flattened [s, b] tokens (with padding, then the
+    earliest unrouted ones, at probability 0); the capacity, the "probs" policy and the rest are its own."""
+    from megatron.core.transformer.moe import moe_utils, router
+
+    original = moe_utils.apply_router_token_dropping
+    if getattr(router.apply_router_token_dropping, "zo_position_in_order", False):
+        return
+
+    def apply_router_token_dropping(routing_probs, routing_map, router_topk, capacity_factor, drop_policy="probs",
+                                    pad_to_capacity=False):
+        tokens, experts = routing_map.shape
+        capacity = moe_utils.get_capacity(tokens * router_topk, experts, capacity_factor)
+        if drop_policy != "position" or capacity > tokens:
+            return original(routing_probs, routing_map, router_topk, capacity_factor, drop_policy, pad_to_capacity)
+        earlier = torch.arange(tokens, 0, -1, device=routing_map.device, dtype=torch.long)[:, None]
+        order = routing_map.long() * (tokens + 1) + earlier       # routed first, each group earliest first
+        keep = torch.zeros_like(routing_map).scatter(0, torch.topk(order, k=capacity, dim=0).indices, True)
+        final_map = keep if pad_to_capacity else routing_map & keep
+        return routing_probs * final_map, final_map
+
+    apply_router_token_dropping.zo_position_in_order = True
+    router.apply_router_token_dropping = apply_router_token_dropping
 
 
 def transformer_config(cfg: GPTConfig, tensor_parallel: int):
