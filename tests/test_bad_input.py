@@ -87,7 +87,7 @@ def _cases(d):
         # --save
         ("save onto a file", [*data, "--save", f"{d}/a_file"], {}, f"--save {d}/a_file"),
         # Megatron-LM flags: every refusal of one command line in one line (#28)
-        ("refused Megatron flags together", ["--moe-expert-capacity-factor", "1.0", "--fp8-format", "hybrid"], {},
+        ("refused Megatron flags together", ["--moe-input-jitter-eps", "0.01", "--fp8-format", "hybrid"], {},
          "(2 flags refused)"),
         # mixture of experts (issue 39): Megatron-LM's rules, one line each; what the job does not do with experts
         ("top-k above the experts", ["--num-experts", "4", "--moe-router-topk", "5"], {},
@@ -97,6 +97,8 @@ def _cases(d):
         ("an MoE flag without --num-experts", ["--moe-router-topk", "4"], {}, "add --num-experts"),
         ("grouped GEMM without Transformer Engine", ["--num-experts", "4", "--moe-grouped-gemm"], {},
          "--moe-grouped-gemm: megatron-core's grouped-GEMM experts need"),
+        ("expert padding without a capacity factor", ["--num-experts", "4", "--moe-pad-expert-input-to-capacity"], {},
+         "--moe-pad-expert-input-to-capacity pads each expert's input to its capacity: add --moe-expert-capacity-factor"),
         ("MoE at TP 2 without sequence parallelism", ["--num-experts", "4", "--tensor-model-parallel-size", "2"], {},
          "need --sequence-parallel"),
         ("MoE at EP 2 with the NVMe tier, not done in the job yet",
