@@ -27,15 +27,15 @@ from tests.seeds import fresh_seed
 HIDDEN, FFN, EXPERTS, TOPK, SEQ, BATCH = 16, 12, 4, 2, 8, 2
 TOKENS = SEQ * BATCH                          # per rank
 FACTOR = 0.75                                 # capacity ceil(16 x 2 / 4 x 0.75) = 6: 4 x 6 < 32 assignments
-LAYOUTS = ((1, "allgather"), (2, "alltoall"), (2, "allgather"))       # (EP, dispatcher)
+LAYOUTS = ((1, 1, "allgather"), (1, 2, "alltoall"), (1, 2, "allgather"), (2, 1, "allgather"))  # (TP, EP, dispatcher)
 CASES = ((None, False, "probs"), (FACTOR, False, "probs"), (FACTOR, True, "probs"), (FACTOR, False, "position"),
          (FACTOR, True, "position"))                                  # (factor, pad, policy)
 
 
-def _cfg(dispatcher, factor, pad, policy):
+def _cfg(dispatcher, factor, pad, policy, sequence_parallel=False):
     from zo_megatron.model import GPTConfig
 
-    return GPTConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=2, vocab_size=32,
+    return GPTConfig(sequence_parallel=sequence_parallel, num_layers=1, hidden_size=HIDDEN, num_attention_heads=2, vocab_size=32,
                      max_position_embeddings=SEQ, ffn_hidden_size=FFN, swiglu=True, add_bias_linear=False,
                      normalization="RMSNorm", position_embedding_type="rope", num_experts=EXPERTS,
                      moe_router_topk=TOPK, moe_token_dispatcher_type=dispatcher, moe_expert_capacity_factor=factor,
@@ -60,28 +60,41 @@ def _full(mlp, name):
     return name
 
 
+def _inputs(tensors, rank, tp):
+    """Rank `rank`'s tokens: its own [s, b] at TP 1 (DP 2), its sequence shard of sample 0's at TP 2 (SP)."""
+    return tensors[rank] if tp == 1 else tensors[0].chunk(tp)[rank]
+
+
 def _world(rank, weights, xs, gs, ports):
     from zo_megatron.model import build_gpt_model
+    from zo_megatron.model.sharding import gather_full, shard_info, shard_of
     from zo_megatron.parallel import collectives, destroy_parallel, init_parallel
 
     out = {}
-    for (ep, dispatcher), port in zip(LAYOUTS, ports):
+    for (tp, ep, dispatcher), port in zip(LAYOUTS, ports):
         os.environ["MASTER_PORT"] = str(port)
-        ps = init_parallel(1, expert_parallel=ep)
+        ps = init_parallel(tp, expert_parallel=ep)
         for factor, pad, policy in CASES:
-            model = build_gpt_model(_cfg(dispatcher, factor, pad, policy), ps.tp_rank, ps.tp_size, seed=1)
+            model = build_gpt_model(_cfg(dispatcher, factor, pad, policy, tp > 1), ps.tp_rank, tp, seed=1)
             mlp = model.gpt.decoder.layers[0].mlp
+            infos = {n: shard_info(f"decoder.layers.0.mlp.{_full(mlp, n)}", p, ps.tp_rank, tp)
+                     for n, p in mlp.named_parameters()}
             with torch.no_grad():
                 for n, p in mlp.named_parameters():
-                    p.copy_(weights[_full(mlp, n)])
+                    p.copy_(shard_of(weights[_full(mlp, n)], infos[n]))
             maps = []
             mlp.router.register_forward_hook(lambda _m, _i, o: maps.append(o[1].detach().clone()))
-            x = xs[rank].clone().requires_grad_(True)
+            x = _inputs(xs, rank, tp).clone().requires_grad_(True)
             y, _ = mlp(x)
-            (y * gs[rank]).sum().backward()
-            out[(ep, dispatcher, factor, pad, policy)] = dict(
-                y=y.detach().clone(), dx=x.grad.clone(), routing_map=maps[0],
-                grads={_full(mlp, n): p.grad.clone() for n, p in mlp.named_parameters()})
+            (y * _inputs(gs, rank, tp)).sum().backward()
+            grads = {}
+            for n, p in mlp.named_parameters():
+                g = p.grad
+                if getattr(p, "sequence_parallel", False) and tp > 1:     # the router: megatron's finalize_model_grads
+                    g = collectives.all_reduce(g.clone(), "sum", ps.tp_group)
+                grads[_full(mlp, n)] = gather_full(g, infos[n], ps.tp_group, tp).clone()
+            out[(tp, ep, dispatcher, factor, pad, policy)] = dict(
+                y=y.detach().clone(), dx=x.grad.clone(), routing_map=maps[0], grads=grads, tp_rank=ps.tp_rank)
         collectives.barrier()
         destroy_parallel()
     return out
@@ -91,20 +104,21 @@ def _reference(weights, x, factor, pad, policy):
     """One rank's MoE layer output from Megatron-LM's documented semantics (float64 autograd graph),
     and the assignments it drops. `pad` is not an argument of the math: padding changes nothing."""
     del pad
-    h = x.reshape(TOKENS, HIDDEN)
+    h = x.reshape(-1, HIDDEN)
+    tokens = h.shape[0]
     logits = h @ weights["router.weight"].T
     top, chosen = logits.topk(TOPK, dim=1)
-    probs = torch.zeros(TOKENS, EXPERTS, dtype=h.dtype).scatter(1, chosen, torch.softmax(top, dim=1))
-    routed = torch.zeros(TOKENS, EXPERTS, dtype=torch.bool).scatter(1, chosen, True)
-    capacity = TOKENS if factor is None else math.ceil(TOKENS * TOPK / EXPERTS * factor)
+    probs = torch.zeros(tokens, EXPERTS, dtype=h.dtype).scatter(1, chosen, torch.softmax(top, dim=1))
+    routed = torch.zeros(tokens, EXPERTS, dtype=torch.bool).scatter(1, chosen, True)
+    capacity = tokens if factor is None else math.ceil(tokens * TOPK / EXPERTS * factor)
     y = torch.zeros_like(h)
     dropped = 0
     for e in range(EXPERTS):
-        tokens = routed[:, e].nonzero().flatten().tolist()           # in [s, b] order
+        assigned = routed[:, e].nonzero().flatten().tolist()         # in [s, b] order
         if policy == "probs":
-            tokens = sorted(tokens, key=lambda t: -probs[t, e].item())
-        kept = torch.tensor(sorted(tokens[:capacity]), dtype=torch.long)
-        dropped += len(tokens) - len(kept)
+            assigned = sorted(assigned, key=lambda t: -probs[t, e].item())
+        kept = torch.tensor(sorted(assigned[:capacity]), dtype=torch.long)
+        dropped += len(assigned) - len(kept)
         if not len(kept):
             continue
         gate, up = (h[kept] @ weights[f"experts.{e}.linear_fc1.weight"].T).chunk(2, dim=1)
@@ -117,20 +131,21 @@ def _rel_err(a, b):
     return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp(min=1e-30)).item()
 
 
-def test_capacity_dropping_and_padding_equal_the_reference_at_ep1_ep2_alltoall_and_allgather():
+def test_capacity_dropping_and_padding_equal_the_reference_at_ep1_ep2_alltoall_allgather_and_tp2():
     seed = fresh_seed("moe capacity")
     weights = _weights(seed)
     gen = torch.Generator().manual_seed(seed + 1)
     xs = torch.randn(2, SEQ, BATCH, HIDDEN, generator=gen)
     gs = torch.randn(2, SEQ, BATCH, HIDDEN, generator=gen)
     world = run_world(_world, 2, weights, xs, gs, [free_port() for _ in LAYOUTS], timeout=300)
-    for factor, pad, policy in CASES:
-        ref_w = {n: w.double().requires_grad_(True) for n, w in weights.items()}
-        ref_x = [xs[r].double().requires_grad_(True) for r in range(2)]
-        outs = [_reference(ref_w, ref_x[r], factor, pad, policy) for r in range(2)]
-        sum((o[0] * gs[r].double()).sum() for r, o in enumerate(outs)).backward()
-        for (ep, dispatcher) in LAYOUTS:
-            key = (ep, dispatcher, factor, pad, policy)
+    for (tp, ep, dispatcher) in LAYOUTS:
+        for factor, pad, policy in CASES:
+            key = (tp, ep, dispatcher, factor, pad, policy)
+            # the reference: each rank's tokens (a TP rank's sequence shard under SP) routed on their own
+            ref_w = {n: w.double().requires_grad_(True) for n, w in weights.items()}
+            ref_x = [_inputs(xs, r, tp).double().requires_grad_(True) for r in range(2)]
+            outs = [_reference(ref_w, ref_x[r], factor, pad, policy) for r in range(2)]
+            sum((o[0] * _inputs(gs, r, tp).double()).sum() for r, o in enumerate(outs)).backward()
             grads = {}
             for r in range(2):
                 got = world[r][key]
@@ -139,13 +154,15 @@ def test_capacity_dropping_and_padding_equal_the_reference_at_ep1_ep2_alltoall_a
                 assert _rel_err(got["dx"], ref_x[r].grad) <= 1e-5, (key, r)
                 per_expert = got["routing_map"].sum(dim=0)
                 if factor is None:
-                    assert dropped == 0 and per_expert.sum() == TOKENS * TOPK, key
+                    assert dropped == 0 and per_expert.sum() == y_ref.numel() // HIDDEN * TOPK, key
                 elif pad:
                     assert dropped > 0 and per_expert.tolist() == [capacity] * EXPERTS, (key, per_expert)
                 else:
-                    assert dropped > 0 and per_expert.sum() == TOKENS * TOPK - dropped, (key, dropped, per_expert)
-                for n, g in got["grads"].items():
-                    grads[n] = grads[n] + g if n in grads else g
+                    assert dropped > 0 and per_expert.sum() == y_ref.numel() // HIDDEN * TOPK - dropped, \
+                        (key, dropped, per_expert)
+                if got["tp_rank"] == 0:           # TP ranks hold the same gathered gradients
+                    for n, g in got["grads"].items():
+                        grads[n] = grads[n] + g if n in grads else g
             assert set(grads) == set(ref_w), key
             for n, g in grads.items():
                 assert _rel_err(g, ref_w[n].grad) <= 1e-5, (key, n, _rel_err(g, ref_w[n].grad))
