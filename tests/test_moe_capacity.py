@@ -8,8 +8,9 @@ of the rank's assignments, dropping the lowest-probability ones ("probs") or the
 ("position"); a dropped assignment contributes nothing from that expert; padding each expert's input to
 its capacity changes nothing numerically. On 2 forked gloo ranks (different tokens on each), one MoE
 layer of our model (megatron-core's MoELayer as zo_megatron.model.gpt builds it) runs forward and
-backward under a random upstream gradient at EP 1 (allgather, DP 2), EP 2 with the alltoall dispatcher
-and EP 2 with the allgather dispatcher; the output, the input's gradient and every parameter's gradient
+backward under a random upstream gradient at EP 1 (allgather, DP 2), EP 2 with the alltoall dispatcher,
+EP 2 with the allgather dispatcher, and TP 2 with sequence parallelism (allgather, DP 1: each TP rank's
+router sees, and drops over, its own sequence shard); the output, the input's gradient and every parameter's gradient
 (router, each expert's fc1 and fc2, summed over the ranks that hold them) equal the reference's, every
 element. The factor is chosen so that E x capacity < T x k: every rank drops, which the test asserts on
 the routing map megatron-core's router returns (and, with padding, that each expert runs exactly its
