@@ -101,9 +101,9 @@ def _cases(d):
          "--moe-pad-expert-input-to-capacity pads each expert's input to its capacity: add --moe-expert-capacity-factor"),
         ("MoE at TP 2 without sequence parallelism", ["--num-experts", "4", "--tensor-model-parallel-size", "2"], {},
          "need --sequence-parallel"),
-        ("MoE at EP 2 with the NVMe tier, not done in the job yet",
-         ["--num-experts", "4", "--expert-model-parallel-size", "2", "--zero-offload", "--optimizer-nvme-path", d], {},
-         "--optimizer-nvme-path with --expert-model-parallel-size 2 is not supported by the job yet"),
+        ("MoE at EP 2 with an overlap memory budget, not done yet",
+         ["--num-experts", "4", "--expert-model-parallel-size", "2", "--zero-offload", "--overlap-cpu-step-memory",
+          "1GiB"], {}, "--overlap-cpu-step-memory with --expert-model-parallel-size 2 is not supported yet"),
         ("an MoE checkpoint loaded with dense flags", [*data, "--load", f"{d}/moe_ck"], {},
          "--num-experts: 4 in the checkpoint, None here"),
         # data paths (#28)

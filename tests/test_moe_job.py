@@ -208,6 +208,28 @@ def test_an_moe_job_resumes_bit_for_bit(tmp_path, schedule):
     assert {k.split(".local_experts.")[1].split(".")[0] for k in experts} == {"0", "1", "2", "3"}, experts
 
 
+def test_an_moe_job_with_states_on_disk_at_ep2_is_the_in_memory_job(tmp_path):
+    """--optimizer-nvme-path at EP 2 (each engine its own state files, tests/test_moe_schedules.py):
+    the losses, aux losses and grad norms of the in-memory EP 2 job bit for bit; the banner and the
+    rows' disk I/O count both engines' stores (every step reads and writes each state once: read ==
+    written from the second row on), and DIR is left empty."""
+    seed = fresh_seed("moe EP2 NVMe job")
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    keys = ("loss", "grad_norm", "load_balancing_loss", "z_loss")
+    memory, _ = _run(tmp_path, "memory", _argv(seed) + EP2)
+    disk, r = _run(tmp_path, "nvme", _argv(seed) + EP2 + ["--optimizer-nvme-path", str(nvme),
+                                                          "--optimizer-nvme-buffer-size", "1024",
+                                                          "--optimizer-nvme-buffer-count", "2"])
+    assert {i: [memory[i][k] for k in keys] for i in memory} == {i: [disk[i][k] for k in keys] for i in disk}
+    assert sorted(disk) == list(range(1, ITERS + 1))
+    line = next(x for x in r.stdout.splitlines() if "optimizer states on disk" in x)
+    assert f"exp_avg (fp32), exp_avg_sq (fp32) in {nvme}" in line and "I/O ring 4 x 1024" in line, line  # 2 rings of 2
+    first, *rest = [(disk[i]["nvme_read_bytes_per_step"], disk[i]["nvme_written_bytes_per_step"]) for i in sorted(disk)]
+    assert first[1] == 2 * first[0] > 0 and all(x == (first[0], first[0]) for x in rest), (first, rest)
+    assert list(nvme.iterdir()) == []                      # the state files (and locks) go at a clean exit
+
+
 def _one_line(r, needle):
     errors = [ln for ln in r.stderr.splitlines() if "error:" in ln]
     assert r.returncode == 2 and len(errors) == 1 and needle in errors[0] and "Traceback" not in r.stderr, \
@@ -233,7 +255,6 @@ def test_an_moe_run_resumes_at_another_ep(tmp_path, saved, resumed):
 
 @pytest.mark.parametrize("extra, needle", [
     (["--overlap-cpu-step-memory", "1GiB"], "--overlap-cpu-step-memory with --expert-model-parallel-size 2"),
-    (["--optimizer-nvme-path", "/tmp"], "--optimizer-nvme-path with --expert-model-parallel-size 2"),
 ])
 def test_what_experts_do_not_support_yet_is_one_line(tmp_path, extra, needle):
     r = _job([*_argv(1), *EP2, *extra], tmp_path, nproc=1)

@@ -24,7 +24,8 @@ and a flush flushes both; --overlap-cpu-step speculates in both and each validat
 global norm, so both commit or both roll back. Both schedules share one worker thread (the dense
 engine's): their CPU Adam calls run one after another, as the synchronous step runs them. A partial
 offload keeps the tail of each engine's partition on the device; the NVMe tier gives each engine
-its own state files (the expert engine's named by its global rank).
+its own state files (the expert engine's named by its global rank); the job reads both stores as
+one (`_nvme`).
 
 The job drives it as any TrainingOptimizer (optimizer_api.py): the checkpoint reads both engines'
 host states (`host_state_views`), the log both engines' accounting (summed).
@@ -87,6 +88,13 @@ class ExpertParallelEngine:
         a, b = self.dense.accounting, self.experts.accounting
         return Accounting(**{f.name: getattr(a, f.name) + getattr(b, f.name) for f in dataclasses.fields(Accounting)})
 
+    @property
+    def _nvme(self):
+        """Both engines' NVMe stores as one (the job's banner and disk-I/O log read `optimizer._nvme`:
+        training/nvme_flags.py); None without the tier."""
+        stores = [e._nvme for e in (self.dense, self.experts) if e._nvme is not None]
+        return _NvmeStores(stores) if stores else None
+
     def forward_context(self):
         stack = contextlib.ExitStack()
         stack.enter_context(self.dense.forward_context())
@@ -147,3 +155,22 @@ class ExpertParallelEngine:
             self.experts.close()
         finally:
             self.dense.close()
+
+
+class _NvmeStores:
+    """Several engines' NvmeStateStores read as one: the states' dtypes (the same in each), the rings
+    side by side, and the byte counts, disk bytes and I/O wait summed (per rank)."""
+
+    _SUMMED = ("disk_bytes", "buffer_bytes", "read_bytes", "written_bytes", "wait_s")
+
+    def __init__(self, stores):
+        self._stores = stores
+
+    dtypes = property(lambda self: self._stores[0].dtypes)
+    ring = property(lambda self: [slot for s in self._stores for slot in s.ring])
+    direct = property(lambda self: all(s.direct for s in self._stores))
+
+    def __getattr__(self, name):
+        if name in _NvmeStores._SUMMED:
+            return sum(getattr(s, name) for s in self._stores)
+        raise AttributeError(name)

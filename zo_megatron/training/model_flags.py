@@ -229,9 +229,9 @@ def check_architecture_flags(args: argparse.Namespace) -> None:
 def check_moe_job_flags(args: argparse.Namespace) -> None:
     """What the job does not do with experts yet, one line each (docs/moe.md). At EP > 1 only
     ZeRO-Offload reduces experts over expert DP (the baseline's DDP would average different experts
-    over DP); the two-engine optimizer (offload/expert_parallel.py) runs every CPU-step schedule and a
-    partial offload, but the job's NVMe banner and I/O log read one engine's store, and a memory
-    budget for the overlap needs the planner's expert lines."""
+    over DP); the two-engine optimizer (offload/expert_parallel.py) runs every CPU-step schedule, a
+    partial offload and the NVMe tier, but a memory budget for the overlap needs the planner's expert
+    lines."""
     ep = args.expert_parallel
     if ep == 1:
         return
@@ -242,10 +242,6 @@ def check_moe_job_flags(args: argparse.Namespace) -> None:
     if args.overlap_cpu_step_memory is not None:
         raise ConfigError(f"--overlap-cpu-step-memory {where} is not supported yet (its budget needs the memory "
                           "planner's expert lines; docs/moe.md): use --overlap-cpu-step full, or drop it")
-    if getattr(args, "optimizer_nvme_path", None) is not None:
-        raise ConfigError(f"--optimizer-nvme-path {where} is not supported by the job yet (the engine keeps both "
-                          "engines' states on disk, the job's banner and I/O log read one store; docs/moe.md): drop "
-                          "--optimizer-nvme-path, or train at --expert-model-parallel-size 1")
 
 
 def check_attention_flags(args: argparse.Namespace) -> None:
