@@ -99,6 +99,8 @@ def _cases(d):
          "--moe-grouped-gemm: megatron-core's grouped-GEMM experts need"),
         ("expert padding without a capacity factor", ["--num-experts", "4", "--moe-pad-expert-input-to-capacity"], {},
          "--moe-pad-expert-input-to-capacity pads each expert's input to its capacity: add --moe-expert-capacity-factor"),
+        ("MoE with biases at EP 1 (megatron-core's in-place bias add fails there)", ["--num-experts", "4"], {},
+         "mixture-of-experts layers with biases at --expert-model-parallel-size 1"),
         ("MoE at TP 2 without sequence parallelism", ["--num-experts", "4", "--tensor-model-parallel-size", "2"], {},
          "need --sequence-parallel"),
         ("MoE at EP 2 with an overlap memory budget, not done yet",

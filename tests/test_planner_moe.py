@@ -76,8 +76,7 @@ def _measure(rank, cases, bucket_size, ports):
                                  "expert": engine.experts.accounting.as_dict()}
         else:
             engine = ZeroOffloadEngine(model, dp_group=ps.dp_group, **common)
-        # megatron-core 0.16.1's expert MLP with biases cannot run forward here (its in-place bias add on the
-        # output of a custom autograd Function): parameters only
+        # with biases (EP 2 only: at EP 1 megatron-core 0.16.1's in-place bias add is refused): parameters only
         res["saved"] = None if conf.add_bias_linear else _saved_bytes(model, rank)
         res["peak"] = None if conf.add_bias_linear else _activation_peak(model, engine, rank)
         out.append(res)
@@ -136,18 +135,18 @@ def _saved_bytes(model, rank) -> list[int]:
 
 @pytest.fixture(scope="module")
 def measured():
-    ep1 = run_world(_measure, 1, [(SWIGLU, 1, "allgather"), (GELU, 1, "allgather"), (GELU_NO_BIAS, 1, "allgather")],
-                    1 << 30, [free_port() for _ in range(3)], timeout=240)
+    # (GELU with biases at EP 1 is refused: megatron-core's expert MLP cannot add its bias there; EP 2 below)
+    ep1 = run_world(_measure, 1, [(SWIGLU, 1, "allgather"), (GELU_NO_BIAS, 1, "allgather")],
+                    1 << 30, [free_port() for _ in range(2)], timeout=240)
     ep2 = run_world(_measure, 2, [(SWIGLU, 2, "alltoall"), (SWIGLU, 2, "allgather"), (GELU, 2, "alltoall")],
                     1 << 30, [free_port() for _ in range(3)], timeout=300)
-    return {(1, "allgather", "swiglu"): ep1[0][0], (1, "allgather", "gelu"): ep1[0][1],
-            (1, "allgather", "gelu_no_bias"): ep1[0][2],
+    return {(1, "allgather", "swiglu"): ep1[0][0], (1, "allgather", "gelu_no_bias"): ep1[0][1],
             (2, "alltoall", "swiglu"): [r[0] for r in ep2], (2, "allgather", "swiglu"): [r[1] for r in ep2],
             (2, "alltoall", "gelu"): [r[2] for r in ep2]}
 
 
-@pytest.mark.parametrize("key", [(1, "allgather", "swiglu"), (1, "allgather", "gelu"), (2, "alltoall", "swiglu"),
-                                 (2, "alltoall", "gelu")])
+@pytest.mark.parametrize("key", [(1, "allgather", "swiglu"), (1, "allgather", "gelu_no_bias"),
+                                 (2, "alltoall", "swiglu"), (2, "alltoall", "gelu")])
 def test_parameters_per_rank_are_the_built_models(measured, key):
     ep, dispatcher, name = key
     cfg = CONFIGS[name]

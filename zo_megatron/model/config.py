@@ -300,6 +300,14 @@ class GPTConfig:
         if self.add_bias_linear and etp > 1:
             raise ConfigError(f"mixture-of-experts layers with biases need expert TP 1 (megatron-core's rule; here "
                               f"{etp}): add --disable-bias-linear or use --tensor-model-parallel-size 1")
+        if self.add_bias_linear and etp == 1 and expert_parallel == 1:
+            # megatron-core 0.16.1's MLP.forward does `output += bias * probs` on linear_fc2's output,
+            # which at expert TP 1 and EP 1 is the unchanged return of _ReduceFromModelParallelRegion:
+            # autograd refuses the in-place change of a custom Function's view in the first forward
+            raise ConfigError("mixture-of-experts layers with biases at --expert-model-parallel-size 1: megatron-core "
+                              "0.16.1's expert MLP adds its bias in place where autograd forbids it (the first "
+                              "forward fails); add --disable-bias-linear (Mixtral and Qwen-MoE have no biases) or "
+                              "use --expert-model-parallel-size > 1")
         if self.moe_ffn_size % etp:
             raise ConfigError(f"--tensor-model-parallel-size {etp} does not divide the experts' FFN size "
                               f"{self.moe_ffn_size}: use a TP size that divides it")
