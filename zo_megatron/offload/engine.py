@@ -524,7 +524,6 @@ class ZeroOffloadEngine(EngineState):
         self._reset_bucket_state()
         self._sync_pending = False
 
-    # ------------------------------------------------------------------- sequence parallelism
     # -------------------------------------------------------------------------------------- step
     def step(self, lr: float | None = None, decoupled_lr: float | None = None) -> StepResult:
         """Finish the gradient sync, check and clip on the main thread, then let the schedule run
