@@ -16,7 +16,8 @@
 # Training : bf16, full activation recompute, micro-batch 1 x 16 accumulation steps x DP 8 = global
 #            batch 128, aux loss 1e-2 (Megatron-LM's Mixtral recipe; --moe-grouped-gemm is refused
 #            without Transformer Engine, the experts run one after another), alltoall dispatcher.
-#            The CPU step is synchronous: the two-engine optimizer offers no overlap at EP > 1.
+#            The CPU step overlaps backward in both engines (--overlap-cpu-step auto, the default on
+#            a GPU: here all of each engine's host partition is speculated, see the host line).
 # Attention: --use-flash-attn (torch SDPA, causal: FlashAttention on the H100, no s x s scores).
 # Planner  : python tools/estimate_memory.py --preset h100-80gb --world-size 8 --host-memory-gb \
 #                2048 --tensor-model-parallel-size 1 --num-layers 32 --hidden-size 4096 \
@@ -43,10 +44,12 @@
 #                    embedding / output layer, an expert's fc1), gradients kept across micro-batches
 #                    in fp32 5.98 + 21.00, layer inputs 1.00, one recomputed layer's backward 2.37 +
 #                    the alltoall's buffers 0.12, fragmentation 0.35, CUDA context 1.00)
-#   host per node  : 664.94 GiB of 2,048 GiB (the experts' fp32 master + Adam m + v 504.0 and
-#                    16-bit staging 84.0, the dense ones' 17.9 + 3.0, 8 processes x 3 GiB, 32 GiB OS
-#                    reserve). CPU step overlap off (--expert-model-parallel-size 8: the experts'
-#                    engine runs the synchronous CPU step).
+#   host per node  : 1,273.87 GiB of 2,048 GiB (the experts' fp32 master + Adam m + v 504.0 and
+#                    16-bit staging 84.0, the dense ones' 17.9 + 3.0, the CPU-step overlap's rollback
+#                    state 588.0 experts + 20.9 dense, 8 processes x 3 GiB, 32 GiB OS reserve).
+#                    --overlap-cpu-step auto (the default on a GPU) speculates all of each engine's
+#                    host partition: the whole of it takes 76.12 GiB/rank, which the memory the plan
+#                    leaves free holds. --no-overlap-cpu-step: 664.94 GiB.
 # Data     : DATA_PATH = prefix of a dataset preprocessed with the same tokenizer
 #            (tools/preprocess_data.py --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR);
 #            TOKENIZER_MODEL = a local directory with tokenizer.json + tokenizer_config.json.

@@ -17,8 +17,9 @@
 #            parameters (30,532,122,624), 3.35B active per token; seq 4096 (its context is 40960).
 # Training : bf16, full activation recompute, micro-batch 1 x 16 accumulation steps x DP 8 = global
 #            batch 128, aux loss 1e-3 (Qwen3-MoE's router_aux_loss_coef; megatron-core's aux loss is
-#            per layer, docs/moe.md), alltoall dispatcher. The CPU step is synchronous: the
-#            two-engine optimizer offers no overlap at EP > 1.
+#            per layer, docs/moe.md), alltoall dispatcher. The CPU step overlaps backward in both
+#            engines (--overlap-cpu-step auto, the default on a GPU: here all of each engine's host
+#            partition is speculated, see the host line).
 # Attention: --use-flash-attn (torch SDPA, causal: FlashAttention on the H100, no s x s scores).
 # Planner  : python tools/estimate_memory.py --preset h100-80gb --world-size 8 --host-memory-gb \
 #                2048 --tensor-model-parallel-size 1 --num-layers 48 --hidden-size 2048 \
@@ -48,10 +49,12 @@
 #                    logits phase: bf16 logits 1.16 + their fp32 copy in the cross-entropy 2.32 +
 #                    final-norm/output-layer inputs 0.08 (one recomputed layer's backward with the
 #                    alltoall's buffers is 1.32), fragmentation 0.43, CUDA context 1.00)
-#   host per node  : 454.09 GiB of 2,048 GiB (the experts' fp32 master + Adam m + v 324.0 and
-#                    16-bit staging 54.0, the dense ones' 17.2 + 2.9, 8 processes x 3 GiB, 32 GiB OS
-#                    reserve). CPU step overlap off (--expert-model-parallel-size 8: the experts'
-#                    engine runs the synchronous CPU step).
+#   host per node  : 852.19 GiB of 2,048 GiB (the experts' fp32 master + Adam m + v 324.0 and
+#                    16-bit staging 54.0, the dense ones' 17.2 + 2.9, the CPU-step overlap's rollback
+#                    state 378.0 experts + 20.1 dense, 8 processes x 3 GiB, 32 GiB OS reserve).
+#                    --overlap-cpu-step auto (the default on a GPU) speculates all of each engine's
+#                    host partition: the whole of it takes 49.76 GiB/rank, which the memory the plan
+#                    leaves free holds. --no-overlap-cpu-step: 454.09 GiB.
 # Data     : DATA_PATH = prefix of a dataset preprocessed with the same tokenizer
 #            (tools/preprocess_data.py --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR);
 #            TOKENIZER_MODEL = a local directory with tokenizer.json + tokenizer_config.json.

@@ -103,9 +103,9 @@ def _cases(d):
          "mixture-of-experts layers with biases at --expert-model-parallel-size 1"),
         ("MoE at TP 2 without sequence parallelism", ["--num-experts", "4", "--tensor-model-parallel-size", "2"], {},
          "need --sequence-parallel"),
-        ("MoE at EP 2 with an overlap memory budget, not done yet",
-         ["--num-experts", "4", "--expert-model-parallel-size", "2", "--zero-offload", "--overlap-cpu-step-memory",
-          "1GiB"], {}, "--overlap-cpu-step-memory with --expert-model-parallel-size 2 is not supported yet"),
+        ("MoE at EP 2 without ZeRO-Offload (the baseline's DDP does not reduce experts over expert DP)",
+         ["--num-experts", "4", "--expert-model-parallel-size", "2"], {},
+         "--num-experts with --expert-model-parallel-size 2 trains with the ZeRO-Offload engine only"),
         ("an MoE checkpoint loaded with dense flags", [*data, "--load", f"{d}/moe_ck"], {},
          "--num-experts: 4 in the checkpoint, None here"),
         # data paths (#28)

@@ -12,7 +12,8 @@
 - TFLOP/s: Megatron-LM's MoE count against a hand count of every GEMM of a small model.
 - The tool and the job: estimate_memory takes the MoE flags and prints total vs active parameters and
   experts per EP rank; the job's pre-launch check plans experts and refuses a plan that does not fit;
-  EP > 1 resolves --optimizer-offload-fraction auto to 1 and the overlap off.
+  at EP > 1 --optimizer-offload-fraction auto and the overlap's default resolve as for a dense model,
+  planned per engine (each engine keeps the one offload fraction and speculates the one share).
 """
 from __future__ import annotations
 
@@ -271,11 +272,12 @@ def test_estimate_memory_prints_total_active_and_experts_per_rank():
     assert "12.88B active of 46.70B total (top-2 of 8 experts in 32 of 32 layers" in r.stdout
     assert "1 of 8 experts per EP rank (EP 8)" in r.stdout and "EP 8 x expert DP 1" in r.stdout
     assert "expert_master_fp32" in r.stdout and "moe_dispatch_transient" in r.stdout
-    assert "CPU step overlap off (--expert-model-parallel-size 8" in r.stdout
+    # the overlap's default resolves as for a dense model, its rollback state planned per engine
+    assert "--overlap-cpu-step auto: " in r.stdout and "expert_overlap_rollback" in r.stdout
     d = json.loads(_cli("--preset", "h100-80gb", "--world-size", "8", *MIXTRAL, "--expert-model-parallel-size", "8",
                         "--optimizer-offload-fraction", "auto", "--json").stdout)
     assert (d["params_total"], d["params_active"], d["experts_per_ep_rank"]) == (46_702_792_704, 12_879_925_248, 1)
-    assert d["input"]["optimizer_offload_fraction"] == 1.0 and d["overlap_speculated_fraction"] == 0.0
+    _assert_smallest_fitting_fraction(d["input"])
     # at EP 1 every rank holds all 8 experts (93 GB of bf16 weights): it does not fit an 80 GB GPU
     r = _cli("--preset", "h100-80gb", "--world-size", "8", *MIXTRAL)
     assert r.returncode == 1 and "DOES NOT FIT" in r.stdout and "8 of 8 experts per EP rank" in r.stdout
@@ -287,6 +289,17 @@ def test_estimate_memory_prints_total_active_and_experts_per_rank():
     bad = _cli("--preset", "h100-80gb", "--world-size", "8", *MIXTRAL, "--expert-model-parallel-size", "3")
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
     assert "--expert-model-parallel-size 3 does not divide --num-experts 8" in bad.stderr
+
+
+def _assert_smallest_fitting_fraction(inp: dict):
+    """auto's offload fraction at EP > 1 is the dense model's rule: the smallest share on the 5% grid
+    that fits (here below 1: both engines keep a device tail), one step less does not."""
+    f = inp["optimizer_offload_fraction"]
+    assert 0 < f < 1, f
+    assert P.plan(P.PlanInput(**inp)).fits
+    assert not P.plan(P.PlanInput(**{**inp, "optimizer_offload_fraction": round(f - 0.05, 2)})).fits
+    tail = P.plan(P.PlanInput(**inp)).device_items
+    assert tail["optimizer_on_device_fp32"] > 0 and tail["expert_optimizer_on_device_fp32"] > 0, tail
 
 
 def test_max_model_grows_moe_shapes():
@@ -337,10 +350,13 @@ def test_the_jobs_memory_check_plans_experts_and_refuses_what_does_not_fit():
     args = _job(ep8, 8, 2048)
     assert args.memory_plan.fits and args.memory_plan.params_active == 12_879_925_248
     assert args.params_total == 46_702_792_704
-    assert args.optimizer_offload_fraction == 1.0 and not args.overlap_cpu_step
-    assert "--expert-model-parallel-size 8" in args.overlap_reason
-    assert not getattr(args, "memory_plan_note", None)            # no "memory not checked" line any more
+    _assert_smallest_fitting_fraction(vars(args.memory_plan.input))
+    assert args.optimizer_offload_fraction == args.memory_plan.input.optimizer_offload_fraction
+    # the overlap's default `auto` on a GPU, as for a dense model: what the memory the plan leaves holds
+    assert args.overlap_cpu_step and args.overlap_reason.startswith("--overlap-cpu-step auto: "), args.overlap_reason
+    assert args.overlap_speculated_fraction == args.memory_plan.input.overlap_speculated_fraction > 0
+    assert {"overlap_rollback", "expert_overlap_rollback"} <= set(args.memory_plan.host_items)
     with pytest.raises(UserError, match="the memory planner predicts this run does not fit: host"):
-        _job(ep8, 8, 512)                  # 8 x 84 GiB of expert states do not fit 512 GiB
+        _job(ep8, 8, 128)   # at the smallest host share the device allows (35%) the host needs ~270 GiB
     with pytest.raises(UserError, match="does not fit: device"):
         _job(MIXTRAL, 8, 2048)             # EP 1: all 8 experts on every GPU

@@ -530,13 +530,10 @@ def solve_overlap_fraction(inp: PlanInput, budget_bytes_per_rank: int | None = N
 
 
 OVERLAP_MODES = ("auto", "full", "memory", "off")
-# At EP > 1 the job's two engines (offload/expert_parallel.py) run the synchronous CPU step over the
-# whole partition (training/model_flags.check_moe_job_flags refuses the rest): the defaults that cost
-# memory resolve to that (the overlap's default off, --optimizer-offload-fraction auto = 1; set this to
-# False once the engine runs every schedule at EP > 1: the defaults then resolve as for a dense model,
-# and an explicit --overlap-cpu-step is always planned as given). The model-state lines
-# themselves model DPU, the overlap, a partial offload and the NVMe tier per engine.
-EXPERT_ENGINE_SYNCHRONOUS_ONLY = True
+# At EP > 1 the job's two engines (offload/expert_parallel.py) each take the one resolved speculated
+# share and offload fraction (training/components.build_optimizer): the model-state lines plan DPU,
+# the overlap's share of each engine's host partition, a partial offload's device tail and the NVMe
+# tier per engine, so the defaults resolve as for a dense model.
 
 
 def resolve_overlap(inp: PlanInput, mode: str | None, budget_bytes_per_rank: int | None = None) -> tuple[float, str]:
@@ -545,18 +542,13 @@ def resolve_overlap(inp: PlanInput, mode: str | None, budget_bytes_per_rank: int
     host (device and CPU Adam share the cores). Off without ZeRO-Offload or with DPU (which takes
     the CPU step off the critical path already). `memory`: --overlap-cpu-step-memory's budget."""
     host_default = mode is None and inp.device_is_host
-    # the default only: an explicit mode is the job's to accept or refuse (model_flags.check_moe_job_flags)
-    experts_apart = EXPERT_ENGINE_SYNCHRONOUS_ONLY and mode is None and inp.num_experts is not None \
-        and inp.expert_parallel > 1
     if mode is None:
         mode = "off" if host_default else "auto"
     if mode not in OVERLAP_MODES:
         raise ValueError(f"overlap mode must be one of {OVERLAP_MODES}, got {mode!r}")
-    if mode == "off" or not inp.zero_offload or inp.dpu or experts_apart:
+    if mode == "off" or not inp.zero_offload or inp.dpu:
         why = ("the device is the host: it shares the cores" if host_default else "--no-overlap-cpu-step"
-               if mode == "off" else "no --zero-offload" if not inp.zero_offload else "--dpu" if inp.dpu else
-               f"--expert-model-parallel-size {inp.expert_parallel}: the experts' engine runs the synchronous "
-               "CPU step")
+               if mode == "off" else "no --zero-offload" if not inp.zero_offload else "--dpu")
         return 0.0, f"CPU step overlap off ({why})"
     full = overlap_full_bytes_per_rank(inp)
     need = f"all of it would take {format_bytes(full)}/rank"
@@ -586,10 +578,7 @@ def _free_host_bytes(p: Plan) -> int:
 def solve_offload_fraction(inp: PlanInput, step: float = 0.05) -> float | None:
     """`--optimizer-offload-fraction auto`: the smallest host share F (so the largest device share
     of the optimizer), on a grid of `step`, with which the run fits; None if not even F=1 fits. At EP > 1
-    (two engines, offload/expert_parallel.py) only 1: the experts' engine offloads its whole partition."""
-    if EXPERT_ENGINE_SYNCHRONOUS_ONLY and inp.num_experts is not None and inp.expert_parallel > 1:
-        p = _try(inp.replace(optimizer_offload_fraction=1.0))
-        return 1.0 if p is not None and p.fits else None
+    the one F is each engine's (offload/expert_parallel.py): both keep that share of their partition."""
     n = round(1 / step)
     for i in range(n + 1):
         f = i / n

@@ -109,7 +109,8 @@ def add_moe_flags(g) -> None:
     GPTConfig's fields (MOE_FIELDS) except --num-experts' num_experts, which is both."""
     g.add_argument("--num-experts", type=int, default=None,
                    help="experts per MoE layer (megatron-core's MoELayer, local spec; default: a dense model; "
-                        "docs/moe.md). The memory planner has no MoE lines yet: the job does not check its memory")
+                        "docs/moe.md). The memory planner plans the experts too (both engines at EP > 1; "
+                        "docs/memory_planner.md)")
     g.add_argument("--moe-router-topk", type=int, default=2, help="experts each token is routed to")
     g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="each expert's FFN size (default: "
                    "--ffn-hidden-size)")
@@ -230,8 +231,8 @@ def check_moe_job_flags(args: argparse.Namespace) -> None:
     """What the job does not do with experts yet, one line each (docs/moe.md). At EP > 1 only
     ZeRO-Offload reduces experts over expert DP (the baseline's DDP would average different experts
     over DP); the two-engine optimizer (offload/expert_parallel.py) runs every CPU-step schedule, a
-    partial offload and the NVMe tier, but a memory budget for the overlap needs the planner's expert
-    lines."""
+    partial offload and the NVMe tier, and the planner resolves their defaults and budgets as for a
+    dense model (its lines per engine)."""
     ep = args.expert_parallel
     if ep == 1:
         return
@@ -239,9 +240,6 @@ def check_moe_job_flags(args: argparse.Namespace) -> None:
     if not args.zero_offload:
         raise ConfigError(f"--num-experts {where} trains with the ZeRO-Offload engine only (the baseline's DDP "
                           "does not reduce experts over expert DP): add --zero-offload")
-    if args.overlap_cpu_step_memory is not None:
-        raise ConfigError(f"--overlap-cpu-step-memory {where} is not supported yet (its budget needs the memory "
-                          "planner's expert lines; docs/moe.md): use --overlap-cpu-step full, or drop it")
 
 
 def check_attention_flags(args: argparse.Namespace) -> None:

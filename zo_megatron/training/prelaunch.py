@@ -113,8 +113,8 @@ def job_plan(args, env, dp: int, vocab_size: int, host_bytes: int | None = None,
 
 def memory_check(args, env, dp: int, vocab_size: int) -> None:
     """Refuse a run the planner says cannot fit the device or host memory this machine has (a mixture of
-    experts too: the planner's MoE lines, docs/memory_planner.md; at EP > 1 --optimizer-offload-fraction
-    auto is 1 and the CPU-step overlap off, as the experts' engine runs)."""
+    experts too: the planner's MoE lines, docs/memory_planner.md, both engines' at EP > 1, whose
+    defaults resolve as for a dense model)."""
     p = job_plan(args, env, dp, vocab_size)
     args.params_total = p.params_total
     args.memory_plan = p

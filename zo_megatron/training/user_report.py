@@ -157,7 +157,8 @@ def plan_warnings(args) -> list[str]:
 
 
 def moe_lines(args, cfg, ps) -> list[str]:
-    """A mixture of experts: its experts, router, layout and engine; the memory not planned (docs/moe.md)."""
+    """A mixture of experts: its experts, router, layout and engine (docs/moe.md; its memory is in the
+    plan's lines, docs/memory_planner.md)."""
     if cfg.num_experts is None:
         return []
     engine = ("two engines: dense parameters over DP, experts over expert DP" if ps.ep_size > 1
@@ -166,8 +167,7 @@ def moe_lines(args, cfg, ps) -> list[str]:
         + (f", z-loss x {cfg.moe_z_loss_coeff:g}" if cfg.moe_z_loss_coeff is not None else "")
     return [f" experts: {cfg.num_experts} per MoE layer ({sum(cfg.moe_layers())} of {cfg.num_layers} layers), top "
             f"{cfg.moe_router_topk}, {aux}, {cfg.moe_token_dispatcher_type} dispatcher; EP {ps.ep_size} x expert DP "
-            f"{ps.edp_size} ({engine})",
-            *([args.memory_plan_note] if getattr(args, "memory_plan_note", None) else [])]
+            f"{ps.edp_size} ({engine})"]
 
 
 def noop_lines(args) -> list[str]:
