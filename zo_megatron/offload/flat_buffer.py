@@ -143,6 +143,15 @@ class FlatLayout:
         ends = [r[0] for r in runs[1:]] + [self.host_numel]
         return [Segment(r[0], e, *r[1:]) for r, e in zip(runs, ends)]
 
+    def padding(self) -> list[tuple[int, int]]:
+        """The flat buffer's (start, end) ranges no parameter covers: the buckets' padding."""
+        gaps, end = [], 0
+        for s in sorted(self.slots, key=lambda s: s.start):
+            if s.start > end:
+                gaps.append((end, s.start))
+            end = max(end, s.start + s.numel)
+        return gaps + ([(end, self.numel)] if end < self.numel else [])
+
     def host_fragments(self):
         """(slot, host_start, param_start, length): which piece of each param this rank holds."""
         for b in self.buckets:
