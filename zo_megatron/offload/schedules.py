@@ -44,6 +44,7 @@ collective: `WORKER_PREFIX` names it and tests record the thread of every collec
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -52,6 +53,7 @@ import torch
 
 from zo_megatron.offload.dpu_diagnostics import WeightError
 from zo_megatron.optimizer_api import StepResult
+from zo_megatron.parallel import collectives
 
 WORKER_PREFIX = "zo-cpu-step"       # the worker threads' name prefix: they never issue a collective
 
@@ -66,6 +68,15 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bitwise equality (a NaN gradient of a step about to be skipped equals itself)."""
     return torch.equal(_bits(a), _bits(b))
+
+
+def cpu_step_agreed(engine):
+    """With the NVMe tier a CPU step can fail on one rank alone (its disk full, a state file changed
+    on disk): the ranks agree on the step's outcome before the parameters' all-gather, so every rank
+    raises that rank's one line instead of the others waiting at the all-gather for a rank that left
+    (they then died with "lost contact with its peers", the disk's line only in the launcher's
+    summary). In memory the step cannot fail on one rank alone: no collective is added."""
+    return collectives.all_ranks_agree() if engine._nvme is not None else contextlib.nullcontext()
 
 
 class SynchronousSchedule:
@@ -94,8 +105,9 @@ class SynchronousSchedule:
         lr, decoupled_lr = rates
         if engine._tail is not None:       # queued first: on a GPU it runs while the CPU Adam does
             engine._tail.step(engine.step_count, lr, clip_coef / scale, decoupled_lr)
-        engine._cpu_update(k, engine._update_grad(), engine.step_count, lr, clip_coef / scale,
-                           decoupled_lr=decoupled_lr)
+        with cpu_step_agreed(engine):
+            engine._cpu_update(k, engine._update_grad(), engine.step_count, lr, clip_coef / scale,
+                               decoupled_lr=decoupled_lr)
         engine._params_to_device(k)
         return StepResult(False, grad_norm, clip_coef, scale)
 
@@ -168,7 +180,8 @@ class DelayedSchedule(SynchronousSchedule):
         future, k, result = self.pending
         self.pending = None
         t0 = time.monotonic()
-        future.result()
+        with cpu_step_agreed(engine):
+            future.result()
         engine._phases.append(("cpu_step_wait", t0, time.monotonic()))
         if self.diagnostics is not None:
             self.diagnostics.after_join(engine, from_step=predicted)
