@@ -12,7 +12,9 @@ import io
 import multiprocessing as mp
 import os
 import queue
+import shutil
 import socket
+import tempfile
 import time
 import traceback
 
@@ -39,10 +41,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn, rank, world_size, port, threads, results, args, kwargs):
+_ports_taken = 0                    # next_port() calls in this rank (every rank calls it in one order)
+
+
+def next_port(timeout: float = 120.0) -> int:
+    """MASTER_PORT for this world's next process group, chosen by rank 0 just before use and read by
+    the other ranks from a file of the world's own directory. A world that runs several jobs one
+    after another must not take their ports when the test starts: minutes later another test's
+    world may have bound one, and the ranks then join that world's store (a chance failure seen in
+    test_checkpoint_resume: "Gloo connectFullMesh failed ... Connection refused")."""
+    global _ports_taken
+    _ports_taken += 1
+    path = os.path.join(os.environ["ZO_TEST_PORT_DIR"], f"port.{_ports_taken}")
+    if os.environ["RANK"] == "0":
+        with open(path + ".tmp", "w") as f:
+            f.write(str(free_port()))
+        os.replace(path + ".tmp", path)
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 published no port {_ports_taken} in {timeout:.0f} s")
+        time.sleep(0.02)
+    with open(path) as f:
+        os.environ["MASTER_PORT"] = f.read()
+    return int(os.environ["MASTER_PORT"])
+
+
+def _worker(fn, rank, world_size, port, threads, results, args, kwargs, port_dir):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      ZO_CPU_ADAM_THREADS=str(threads))
+                      ZO_CPU_ADAM_THREADS=str(threads), ZO_TEST_PORT_DIR=port_dir)
     import torch
 
     torch.set_num_threads(threads)
@@ -81,7 +109,8 @@ def _run_world_once(fn, world_size: int, args: tuple, kwargs: dict, timeout: flo
     results = ctx.Queue()
     port = free_port()
     threads = max(1, (os.cpu_count() or 2) // world_size)
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, threads, results, args, kwargs),
+    port_dir = tempfile.mkdtemp(prefix="zo_ports_")             # next_port()'s files
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, threads, results, args, kwargs, port_dir),
                          daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()
@@ -127,6 +156,7 @@ def _run_world_once(fn, world_size: int, args: tuple, kwargs: dict, timeout: flo
             p.join(timeout=5)
             if p.is_alive():
                 p.kill()
+        shutil.rmtree(port_dir, ignore_errors=True)
     if errors:
         raise AssertionError("rank failed:\n" + "\n".join(errors))
     return [outs[r] for r in range(world_size)]

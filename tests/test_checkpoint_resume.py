@@ -11,7 +11,7 @@ import os
 import shutil
 
 
-from tests.harness import free_port, run_world
+from tests.harness import next_port, run_world
 from tests.seeds import fresh_seed
 
 # Small enough that the GPT-2 vocabulary's output layer (50304 logits per token) stays cheap.
@@ -38,8 +38,8 @@ def _run_jobs(rank, jobs, cache):
                     f.write(f"{it}\n")
             out.append(None)
             continue
-        port, argv = job
-        os.environ["MASTER_PORT"] = str(port)
+        _, argv = job
+        next_port()                                  # chosen now, not when the test started
         buf = io.StringIO()
         try:
             with contextlib.redirect_stdout(buf):
@@ -51,7 +51,7 @@ def _run_jobs(rank, jobs, cache):
 
 
 def _world(n, jobs, tmp_path, timeout=400):
-    jobs = [j if j[0] == "reset" else (free_port(), j) for j in jobs]
+    jobs = [j if j[0] == "reset" else ("job", j) for j in jobs]
     return run_world(_run_jobs, n, jobs, str(tmp_path / "cache"), timeout=timeout)[0]
 
 

@@ -20,7 +20,7 @@ import os
 import pytest
 import torch
 
-from tests.harness import built_once, free_port, run_world
+from tests.harness import built_once, next_port, run_world
 from tests.seeds import fresh_seed
 from tests.test_checkpoint_resume import _losses, _world
 
@@ -158,13 +158,13 @@ def _resharded_load(rank, seed, d):
     return out
 
 
-def _worker(rank, layouts, seed, d, ports):
+def _worker(rank, layouts, seed, d):
     out = []
-    for tp, port in zip(layouts, ports):        # each layout its own rendezvous
-        os.environ["MASTER_PORT"] = str(port)
+    for tp in layouts:                          # each layout its own rendezvous
+        next_port()
         out.append(_layout(rank, tp, seed, d))
     if layouts == [2, 1]:                       # the 2-rank world, after the 4-rank one wrote the reshard
-        os.environ["MASTER_PORT"] = str(ports[2])
+        next_port()
         out.append(_resharded_load(rank, seed, d))
     return out
 
@@ -206,7 +206,7 @@ def _convert_all(directory):
     worlds = [(4, [4, 2, 1]), (2, [2, 1]), (1, [1])]       # the 4-rank world writes the reshard first
     res, reshard_load = {}, None
     for n, layouts in worlds:
-        world = run_world(_worker, n, layouts, seed, d, [free_port() for _ in range(len(layouts) + 1)], timeout=400)
+        world = run_world(_worker, n, layouts, seed, d, timeout=400)
         for i in range(len(layouts)):           # layouts: {name: per-rank results}
             o = [w[i] for w in world]
             res[f"tp{o[0]['tp']}dp{o[0]['dp']}"] = o

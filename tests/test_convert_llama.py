@@ -19,7 +19,7 @@ import os
 import pytest
 import torch
 
-from tests.harness import free_port, run_world
+from tests.harness import next_port, run_world
 from tests.hf_tokenizer import HF_VOCAB_SIZE, make_hf_tokenizer
 from tests.seeds import fresh_seed
 
@@ -220,13 +220,13 @@ def _megatron_core_gpt(args, tp):
                     rope_scaling_factor=args.rope_scaling_factor, parallel_output=True)
 
 
-def _load_megatron_files(rank, d, names, tokens, ports):
+def _load_megatron_files(rank, d, names, tokens):
     from zo_megatron.checkpoint import megatron_lm
     from zo_megatron.parallel import collectives, destroy_parallel, init_parallel
 
     out = {}
-    for tp, port in zip(TPS[::-1], ports):
-        os.environ["MASTER_PORT"] = str(port)
+    for tp in TPS[::-1]:
+        next_port()
         ps = init_parallel(tp, num_attention_heads=HEADS, hidden_size=HIDDEN)
         for name in names:
             sd = megatron_lm.safe_load(os.path.join(d, f"{name}_megatron_tp{tp}", "release",
@@ -247,8 +247,7 @@ def _load_megatron_files(rank, d, names, tokens, ports):
 
 def test_megatron_core_loads_the_files_strictly_on_every_tp_rank_with_transformers_logits(models):
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(models["seed"] + 7))
-    world = run_world(_load_megatron_files, 4, models["d"], models["names"], tokens,
-                      [free_port() for _ in TPS], timeout=400)
+    world = run_world(_load_megatron_files, 4, models["d"], models["names"], tokens, timeout=400)
     for name in models["names"]:
         ref = hf_logits(os.path.join(models["d"], name), tokens)
         for tp in TPS:
@@ -416,7 +415,7 @@ def assemble(outs, which):
     return full
 
 
-def _engine_world(rank, d, tokens, seed, ports):
+def _engine_world(rank, d, tokens, seed):
     """Per layout: our model loads the from-hf checkpoint through the job's loader (its logits come
     back); at TP4 it trains and saves; rank 0 converts; each reshard loads as a same-layout resume."""
     from zo_megatron.checkpoint import LoadOptions, load_checkpoint, save_checkpoint
@@ -429,10 +428,9 @@ def _engine_world(rank, d, tokens, seed, ports):
     from zo_megatron.parallel import collectives, destroy_parallel, init_parallel
 
     out = {}
-    ports = iter(ports)
 
     def world(tp, name, ck, train=False, resume=False):
-        os.environ["MASTER_PORT"] = str(next(ports))
+        next_port()
         meta = CheckpointReader(ck).model_meta
         cfg = _our_config(meta)
         ps = init_parallel(tp, seed=seed, num_attention_heads=HEADS, hidden_size=HIDDEN)
@@ -469,7 +467,7 @@ def _engine_world(rank, d, tokens, seed, ports):
         convert.to_fp32(os.path.join(d, "trained"), os.path.join(d, "trained_fp32.safetensors"), log=quiet)
         convert.reshard(os.path.join(d, "trained"), os.path.join(d, "tp2"), target_tp=2, target_dp=2, log=quiet)
         convert.reshard(os.path.join(d, "tp2"), os.path.join(d, "tp1"), target_tp=1, target_dp=4, log=quiet)
-    os.environ["MASTER_PORT"] = str(next(ports))
+    next_port()
     init_parallel(1)
     collectives.barrier()
     destroy_parallel()
@@ -481,8 +479,7 @@ def _engine_world(rank, d, tokens, seed, ports):
 @pytest.fixture(scope="module")
 def engine_runs(models):
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(models["seed"] + 5))
-    world = run_world(_engine_world, 4, models["d"], tokens, models["seed"], [free_port() for _ in range(7)],
-                      timeout=500)
+    world = run_world(_engine_world, 4, models["d"], tokens, models["seed"], timeout=500)
     return {"tokens": tokens, "world": world}
 
 

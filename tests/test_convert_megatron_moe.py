@@ -25,7 +25,7 @@ import shutil
 import pytest
 import torch
 
-from tests.harness import free_port, run_world
+from tests.harness import next_port, run_world
 from tests.hf_tokenizer import HF_VOCAB_SIZE
 from tests.seeds import fresh_seed
 from tests.test_convert_llama import CONFIG_FIELDS, _cli, close, hf_logits, make_hf_model, quiet
@@ -196,15 +196,15 @@ def _megatron_core_moe_gpt(args):
                     rotary_percent=args.rotary_percent, parallel_output=True)
 
 
-def _megatron_core_ranks(rank, d, names, tokens, ports):
+def _megatron_core_ranks(rank, d, names, tokens):
     from megatron.core import parallel_state as mpu
 
     from zo_megatron.checkpoint import megatron_lm
     from zo_megatron.parallel import collectives, destroy_parallel, init_parallel
 
     out = {}
-    for (tp, ep), port in zip(LAYOUTS, ports):
-        os.environ["MASTER_PORT"] = str(port)
+    for tp, ep in LAYOUTS:
+        next_port()
         ps = init_parallel(tp, expert_parallel=ep)
         e_rank = mpu.get_expert_model_parallel_rank()
         for name in names:
@@ -228,8 +228,7 @@ def _megatron_core_ranks(rank, d, names, tokens, ports):
 def test_megatron_core_loads_every_rank_s_file_strictly_with_transformers_logits(converted):
     d = converted["d"]
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(converted["seed"] + 7))
-    world = run_world(_megatron_core_ranks, 4, d, converted["names"], tokens, [free_port() for _ in LAYOUTS],
-                      timeout=400)
+    world = run_world(_megatron_core_ranks, 4, d, converted["names"], tokens, timeout=400)
     for name in converted["names"]:
         ref = hf_logits(os.path.join(d, name), tokens)
         for tp, ep in LAYOUTS:

@@ -32,3 +32,24 @@ def test_a_taken_rendezvous_port_is_retried_on_a_fresh_one(monkeypatch):
         for s in held:
             s.close()
     assert len(held) == 1
+
+
+def _ports(rank, calls):
+    import os
+    import time
+
+    got = []
+    for i in range(calls):
+        if rank == 0:
+            time.sleep(0.2 * i)                 # the others must wait for rank 0's choice, not read a stale one
+        got.append((harness.next_port(), int(os.environ["MASTER_PORT"])))
+    return got
+
+
+def test_next_port_is_rank_0_s_choice_at_the_time_of_use_on_every_rank():
+    """The ports of a world's successive jobs: one per call, the same on every rank, chosen by rank 0
+    when the call is made, and set as MASTER_PORT."""
+    world = harness.run_world(_ports, 3, 4, timeout=60)
+    assert world[1] == world[0] and world[2] == world[0]
+    assert all(port == env for port, env in world[0])
+    assert len({port for port, _ in world[0]}) >= 2       # fresh choices, not one port reused

@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from types import SimpleNamespace
 from unittest import mock
 
 import pytest
 import torch
 
-from tests.harness import free_port, run_world
+from tests.harness import next_port, run_world
 from tests.seeds import fresh_seed
 from zo_megatron import planner as P
 
@@ -49,7 +48,7 @@ def _plan_input(cfg: dict, ep: int, dp: int, dispatcher: str, **kw) -> P.PlanInp
                        moe_token_dispatcher_type=dispatcher, dropout=False, fused_softmax=False, **kw)
 
 
-def _measure(rank, cases, bucket_size, ports):
+def _measure(rank, cases, bucket_size):
     """Per case (config, EP, dispatcher): the built model's parameters, what layers 0 (MoE) and 1
     (dense) save for backward, and (at EP > 1) the two engines' accounting."""
     from zo_megatron.model import GPTConfig, build_gpt_model
@@ -58,8 +57,8 @@ def _measure(rank, cases, bucket_size, ports):
     from zo_megatron.parallel import collectives, destroy_parallel, init_parallel
 
     out = []
-    for (cfg, ep, dispatcher), port in zip(cases, ports):
-        os.environ["MASTER_PORT"] = str(port)         # a fresh world per case
+    for cfg, ep, dispatcher in cases:
+        next_port()                                    # a fresh world per case
         ps = init_parallel(1, expert_parallel=ep)
         conf = GPTConfig(**cfg, vocab_size=VOCAB, max_position_embeddings=SEQ, precision="bf16",
                          moe_token_dispatcher_type=dispatcher)
@@ -138,9 +137,9 @@ def _saved_bytes(model, rank) -> list[int]:
 def measured():
     # (GELU with biases at EP 1 is refused: megatron-core's expert MLP cannot add its bias there; EP 2 below)
     ep1 = run_world(_measure, 1, [(SWIGLU, 1, "allgather"), (GELU_NO_BIAS, 1, "allgather")],
-                    1 << 30, [free_port() for _ in range(2)], timeout=240)
+                    1 << 30, timeout=240)
     ep2 = run_world(_measure, 2, [(SWIGLU, 2, "alltoall"), (SWIGLU, 2, "allgather"), (GELU, 2, "alltoall")],
-                    1 << 30, [free_port() for _ in range(3)], timeout=300)
+                    1 << 30, timeout=300)
     return {(1, "allgather", "swiglu"): ep1[0][0], (1, "allgather", "gelu_no_bias"): ep1[0][1],
             (2, "alltoall", "swiglu"): [r[0] for r in ep2], (2, "allgather", "swiglu"): [r[1] for r in ep2],
             (2, "alltoall", "gelu"): [r[2] for r in ep2]}
