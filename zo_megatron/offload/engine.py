@@ -170,7 +170,7 @@ class ZeroOffloadEngine(EngineState):
         try:
             self.layout = FlatLayout(named, dp_size=self.dp_size, dp_rank=self.dp_rank, tp_rank=tp_rank,
                                      bucket_size=bucket_size, no_decay_embeddings=no_decay_embeddings)
-            self._check_dp_group_agrees()
+            self.layout.check_same_across(self.dp_group, self.dp_size)
             self._build_buffers()
             self._place_model_on_device()
             self._zero_host_state()
@@ -222,20 +222,6 @@ class ZeroOffloadEngine(EngineState):
         self.close()
 
     # ----------------------------------------------------------------------------------- set-up
-    def _check_dp_group_agrees(self) -> None:
-        """Every DP rank must derive the same layout, or the collectives would mix up shards."""
-        if self.dp_size == 1:
-            return
-        sig = torch.tensor([self.layout.numel, len(self.layout.buckets), self.layout.max_bucket_numel],
-                           dtype=torch.int64)
-        lo = collectives.all_reduce(sig.clone(), "min", self.dp_group)
-        hi = collectives.all_reduce(sig.clone(), "max", self.dp_group)
-        if not torch.equal(lo, hi):
-            raise ConfigError(
-                f"DP ranks disagree on the parameter partitioning (flat size/buckets/max bucket "
-                f"{sig.tolist()} here, {lo.tolist()}..{hi.tolist()} across the DP group): every DP rank "
-                f"must build the same model with the same --bucket-size")
-
     def _build_buffers(self) -> None:
         L, acc = self.layout, Accounting()
         state_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(self.adam.state_dtype)

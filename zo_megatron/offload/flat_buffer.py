@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from zo_megatron.errors import ConfigError
+from zo_megatron.parallel import collectives
 
 ALIGN = 64  # elements: keeps every host shard 128-byte aligned for the CPU Adam kernel
 
@@ -142,6 +143,19 @@ class FlatLayout:
         runs[0][0] = 0
         ends = [r[0] for r in runs[1:]] + [self.host_numel]
         return [Segment(r[0], e, *r[1:]) for r, e in zip(runs, ends)]
+
+    def check_same_across(self, dp_group, dp_size: int) -> None:
+        """Every DP rank must derive the same layout, or the collectives would mix up shards."""
+        if dp_size == 1:
+            return
+        sig = torch.tensor([self.numel, len(self.buckets), self.max_bucket_numel], dtype=torch.int64)
+        lo = collectives.all_reduce(sig.clone(), "min", dp_group)
+        hi = collectives.all_reduce(sig.clone(), "max", dp_group)
+        if not torch.equal(lo, hi):
+            raise ConfigError(
+                f"DP ranks disagree on the parameter partitioning (flat size/buckets/max bucket "
+                f"{sig.tolist()} here, {lo.tolist()}..{hi.tolist()} across the DP group): every DP rank "
+                f"must build the same model with the same --bucket-size")
 
     def padding(self) -> list[tuple[int, int]]:
         """The flat buffer's (start, end) ranges no parameter covers: the buckets' padding."""
