@@ -14,7 +14,10 @@ the initialisation and the data order, so one seed gives every arm the same star
   --mode demo   the demo model (4 x 256, seq 256) on the embedded corpus, 300 iterations,
                 evaluated every 25 (the tool's mode before issue 37; default; --nproc 2, TP=2).
   --mode long   2 x 128, seq 128, same recipe, 2000 iterations (W=40 is 2% of the run),
-                evaluated every 100 (--nproc 1, TP=1: small enough for 2 cores).
+                evaluated every 100 (--nproc 1, TP=1: small enough for 2 cores), with a 4096-token
+                byte-level BPE trained on the embedded corpus (tools/dpu_report.corpus_tokenizer,
+                cached in $ZO_MEGATRON_CACHE/dpu_tokenizers; passed as --tokenizer-type
+                HuggingFaceTokenizer --tokenizer-model DIR) instead of GPT-2's 50257 tokens.
 
 Per arm and seed it records, from the job's JSONL (--log-interval 1): the training loss of every
 iteration, the validation curve, the loss spikes (tools/dpu_report.py), tokens/s, and the job's own
@@ -27,14 +30,18 @@ given: one report per precision): .json (every curve, each arm's mean, spread an
 its uncertainty, the diagnostics, the cost: tokens/s relative to exact and to plain DPU, extra host
 and device bytes) and .png (loss curves and the weight error, mean over seeds with a min..max band);
 in the demo mode at the job's default precision also dpu_timeline.png from plain DPU's first seed.
-The runs' own logs go to --runs-dir (--reuse: a complete log with the same settings is read instead
-of run again, so an interrupted long measurement resumes).
+Each run's log is written while it runs under $ZO_MEGATRON_CACHE/dpu_convergence_live and, once
+complete, gzip-compressed into --runs-dir (default docs/img/dpu_runs, committed, so a measurement
+outlives the session that ran it): <arm>_seed<N>.jsonl.gz and .diag.jsonl.gz. --reuse reads a
+complete log there with the same settings (the tokenizer named by its tokenizer.json's sha256, not
+its path) instead of running again, so an interrupted measurement resumes, in another session too.
 Exit 0 when the best delayed arm's mean gap is within --tolerance (default 2%) of exact updates in
 every precision, 1 otherwise.
 """
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import statistics
@@ -51,15 +58,21 @@ import dpu_report  # noqa: E402
 # Staleness mitigations of --dpu the job implements: name -> the flags added to --dpu (docs/dpu.md).
 MITIGATIONS = {"weight-prediction": ["--dpu-weight-prediction"]}
 DEFAULT_LAYOUT = {"demo": (2, 2), "long": (1, 1)}          # (--nproc, --tensor-parallel)
+# Complete runs' logs live in git (docs/img/dpu_runs/<report>/), so a measurement of hours that a
+# session could not finish resumes in the next one with --reuse; gzip keeps a 2000-iteration log
+# to a fraction of its ~1 MB.
+DEFAULT_RUNS_DIR = os.path.join(ROOT, "docs", "img", "dpu_runs")
 
 
 class RunFailed(Exception):
     pass
 
 
-def mode_flags(mode: str, train_iters: int | None, eval_interval: int | None) -> list[str]:
+def mode_flags(mode: str, train_iters: int | None, eval_interval: int | None,
+               tokenizer_cache: str | None = None) -> list[str]:
     """pretrain_gpt.py flags of a mode. demo: the job's own demo defaults; long: the same recipe
-    spelled out (a model shape given, the demo's defaults no longer apply)."""
+    spelled out (a model shape given, the demo's defaults no longer apply) and, where the mode
+    names a vocabulary, the corpus's own BPE of that size (trained into `tokenizer_cache` once)."""
     m = dpu_report.MODES[mode]
     iters = train_iters or m["train_iters"]
     flags = ["--train-iters", str(iters), "--eval-interval", str(eval_interval or m["eval_interval"]),
@@ -70,28 +83,62 @@ def mode_flags(mode: str, train_iters: int | None, eval_interval: int | None) ->
                   "--micro-batch-size", str(m["batch"]), "--lr", "1e-3", "--min-lr", "1e-4",
                   "--lr-warmup-iters", "30", "--lr-decay-style", "cosine", "--weight-decay", "0.1",
                   "--adam-beta2", "0.95", "--eval-iters", "10"]
+    if m.get("vocab"):
+        flags += ["--tokenizer-type", "HuggingFaceTokenizer",
+                  "--tokenizer-model", dpu_report.corpus_tokenizer(m["vocab"], tokenizer_cache)]
     return flags
 
 
+def canonical_flags(flags: list[str]) -> list[str]:
+    """The flags as a log records them: the tokenizer directory (a path on this machine) replaced
+    by its tokenizer.json's sha256, so a committed log is recognised in another checkout."""
+    out = list(flags)
+    if "--tokenizer-model" in out:
+        i = out.index("--tokenizer-model") + 1
+        out[i] = dpu_report.tokenizer_digest(out[i])
+    return out
+
+
+def read_jsonl(path: str) -> list[dict]:
+    """The records of a JSONL log, gzip-compressed (.gz) or not."""
+    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def write_gz(rows: list[dict], path: str) -> None:
+    """Records as gzip-compressed JSONL, reproducibly (no name or time in the gzip header), renamed
+    into place so an interrupted write never leaves a truncated log under the final name."""
+    with open(path + ".partial", "wb") as raw:
+        with gzip.GzipFile(filename="", mode="wb", fileobj=raw, compresslevel=9, mtime=0) as f:
+            f.write("".join(json.dumps(r) + "\n" for r in rows).encode())
+    os.replace(path + ".partial", path)
+
+
 def _complete(log: str, flags: list[str]) -> bool:
-    """A log that ran these flags to the end (its header's command line, its last evaluation)."""
+    """A log that ran these flags (canonical_flags) to the end (its header's command line, its last
+    evaluation)."""
     if not os.path.exists(log):
         return False
-    rows = [json.loads(line) for line in open(log)]
+    rows = read_jsonl(log)
     heads = [r for r in rows if r.get("kind") == "header"]
     iters = int(flags[flags.index("--train-iters") + 1])
     return (len(heads) == 1 and heads[0].get("argv", flags) == flags
             and any(r.get("kind") == "eval" and r["iteration"] == iters for r in rows))
 
 
-def run_one(name: str, seed: int, flags: list[str], nproc: int, runs_dir: str, reuse: bool) -> dict:
-    """One arm, one seed: the job, then its curves, diagnostics and cost from its logs."""
+def run_one(name: str, seed: int, flags: list[str], nproc: int, runs_dir: str, reuse: bool,
+            live_dir: str | None = None) -> dict:
+    """One arm, one seed: the job (its logs written in `live_dir`, then compressed into `runs_dir`),
+    then its curves, diagnostics and cost from the compressed logs."""
     tag = f"{name}_seed{seed}"
-    log, diag = os.path.join(runs_dir, f"{tag}.jsonl"), os.path.join(runs_dir, f"{tag}.diag.jsonl")
+    log_gz, diag_gz = os.path.join(runs_dir, f"{tag}.jsonl.gz"), os.path.join(runs_dir, f"{tag}.diag.jsonl.gz")
+    live_dir = live_dir or runs_dir
+    log, diag = os.path.join(live_dir, f"{tag}.jsonl"), os.path.join(live_dir, f"{tag}.diag.jsonl")
     flags = [*flags, "--seed", str(seed)]
+    canon = canonical_flags(flags)
     t0 = time.monotonic()
-    if not (reuse and _complete(log, flags)):
-        for path in (log, diag):
+    if not (reuse and _complete(log_gz, canon)):
+        for path in (log, diag, log_gz, diag_gz):
             if os.path.exists(path):
                 os.remove(path)
         torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
@@ -105,12 +152,20 @@ def run_one(name: str, seed: int, flags: list[str], nproc: int, runs_dir: str, r
         if p.returncode != 0:
             sys.stderr.write(p.stdout[-3000:] + p.stderr[-3000:])
             raise RunFailed(f"the {tag} run failed (exit {p.returncode}); its output is above")
-        _stamp_argv(log, flags)
-    rows = [json.loads(line) for line in open(log)]
+        rows = read_jsonl(log)
+        for r in rows:            # the tool's flags, so --reuse can tell a run of other settings
+            if r.get("kind") == "header":
+                r["argv"] = canon
+        if os.path.exists(diag):  # the diagnostics first: a log without its diagnostics is not complete
+            write_gz(read_jsonl(diag), diag_gz)
+            os.remove(diag)
+        write_gz(rows, log_gz)
+        os.remove(log)
+    rows = read_jsonl(log_gz)
     train = [r for r in rows if r["kind"] == "train"]
     val = [(r["iteration"], r["val_loss"]) for r in rows if r["kind"] == "eval" and r.get("split", "validation") == "validation"]
-    weight_error = [(r["update"], r["weight_error"]) for r in map(json.loads, open(diag))
-                    if r["weight_error"] is not None] if os.path.exists(diag) else []
+    weight_error = [(r["update"], r["weight_error"]) for r in read_jsonl(diag_gz)
+                    if r["weight_error"] is not None] if os.path.exists(diag_gz) else []
     if "--dpu" not in flags:
         weight_error = [(r["iteration"], 0.0) for r in train if r["iteration"] % dpu_report.DIAG_EVERY == 0]
     warm = int(flags[flags.index("--dpu-warmup-steps") + 1]) if "--dpu-warmup-steps" in flags else 40
@@ -126,17 +181,6 @@ def run_one(name: str, seed: int, flags: list[str], nproc: int, runs_dir: str, r
             "device_model_state_bytes": last["device_model_state_bytes"],
             "host_peak_bytes_max": last.get("host_peak_bytes_max"),
             "spikes": dpu_report.spike_counts([(r["iteration"], r["loss"]) for r in train])}
-
-
-def _stamp_argv(log: str, flags: list[str]) -> None:
-    """Note the tool's flags in the log's header, so --reuse can tell a run of other settings."""
-    rows = [json.loads(line) for line in open(log)]
-    for r in rows:
-        if r.get("kind") == "header":
-            r["argv"] = flags
-    with open(log + ".partial", "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
-    os.replace(log + ".partial", log)
 
 
 def cost(runs: dict) -> dict:
@@ -223,8 +267,8 @@ def _parse(argv):
     ap.add_argument("--nproc", type=int, default=None, help="ranks (default: demo 2 as `make demo`, long 1)")
     ap.add_argument("--tensor-parallel", type=int, default=None, help="default: demo 2, long 1")
     ap.add_argument("--out-dir", default="docs/img")
-    ap.add_argument("--runs-dir", default=None,
-                    help="the runs' logs (default: $ZO_MEGATRON_CACHE/dpu_convergence_runs)")
+    ap.add_argument("--runs-dir", default=DEFAULT_RUNS_DIR,
+                    help="the complete runs' logs, gzip-compressed (default: docs/img/dpu_runs, committed)")
     ap.add_argument("--reuse", action="store_true", help="read a complete log of the same settings instead of running")
     ap.add_argument("--tolerance", type=float, default=0.02, help="relative final validation-loss gap allowed")
     ap.add_argument("--jobs", type=int, default=1,
@@ -247,9 +291,10 @@ def main(argv=None) -> int:
     out_ok = True
     for precision in args.precision or [None]:
         base = "dpu_convergence" + ("" if args.mode == "demo" else f"_{args.mode}") + (f"_{precision}" if precision else "")
-        runs_dir = os.path.join(args.runs_dir or os.path.join(default_cache_dir(), "dpu_convergence_runs"), base)
-        os.makedirs(runs_dir, exist_ok=True)
-        os.makedirs(args.out_dir, exist_ok=True)
+        runs_dir = os.path.join(args.runs_dir, base)
+        live_dir = os.path.join(default_cache_dir(), "dpu_convergence_live", base)
+        for d in (runs_dir, live_dir, args.out_dir):
+            os.makedirs(d, exist_ok=True)
         common = ["--tensor-parallel", str(args.tensor_parallel),
                   *mode_flags(args.mode, args.train_iters, args.eval_interval),
                   *([f"--{precision}"] if precision else []), *extra]
@@ -259,9 +304,9 @@ def main(argv=None) -> int:
         seeds = [args.seed + i for i in range(args.seeds)]
         timeline = args.mode == "demo" and precision is None
         with ThreadPoolExecutor(max(1, args.jobs)) as pool:       # seed-major: paired runs finish together
-            futures = {(n, s): pool.submit(run_one, n, s, f + (["--timeline", os.path.join(runs_dir, "dpu_timeline")]
+            futures = {(n, s): pool.submit(run_one, n, s, f + (["--timeline", os.path.join(live_dir, "dpu_timeline")]
                                                                if timeline and n == "dpu" and s == seeds[0] else []),
-                                           args.nproc, runs_dir, args.reuse)
+                                           args.nproc, runs_dir, args.reuse, live_dir)
                        for s in seeds for n, f in plans.items()}
             try:
                 runs = {n: {s: futures[n, s].result() for s in seeds} for n in plans}
@@ -276,7 +321,7 @@ def main(argv=None) -> int:
         dpu_report.plot(runs, os.path.join(args.out_dir, base + ".png"),
                         f"DPU vs exact, {args.mode} mode{', ' + precision if precision else ''}", args.dpu_warmup_steps)
         if timeline:
-            _timeline(runs_dir, args.out_dir, args.dpu_warmup_steps)
+            _timeline(live_dir, args.out_dir, args.dpu_warmup_steps)
         print(f"final validation loss, {args.mode} mode{', ' + precision if precision else ''} "
               f"({len(seeds)} seeds):")
         print("\n".join(dpu_report.format_summary(result["summary"])))

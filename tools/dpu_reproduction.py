@@ -10,8 +10,8 @@ computes it (betas 0.9/0.95, weight decay 0.1 on matrices and embeddings, clip 1
 cosine to 1e-4 after 30 warm-up iterations, batch 8), fed by the project's data pipeline on the
 embedded corpus: the demo's recipe, written from scratch so that a convergence gap seen in the
 engine can be told apart from a bug in it (docs/dpu.md). --shape demo: the demo model (4 x 256,
-4 heads, seq 256), 300 iterations; --shape long: 2 x 128, seq 128, 2000 iterations (the long mode
-of tools/dpu_convergence.py, tools/dpu_report.MODES).
+4 heads, seq 256), 300 iterations; --shape long: 2 x 128, seq 128, 2000 iterations and the same
+4096-token corpus BPE (the long mode of tools/dpu_convergence.py, tools/dpu_report.MODES).
 
 Two copies of the weights: the master w (what the optimizer updates) and the device copy p (what
 forward/backward sees). Update k consumes g_k = grad f(p_k) and makes w_{k+1}. The arms (--mode,
@@ -233,10 +233,12 @@ def run(arm: str, seed: int, cfg: dict) -> dict:
 
     torch.set_num_threads(cfg["threads"])
     torch.manual_seed(seed)
-    tok = build_tokenizer()
+    # The shape's vocabulary as the engine's long mode trains it (the corpus's own BPE), else GPT-2's.
+    tok = (build_tokenizer(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=dpu_report.corpus_tokenizer(cfg["vocab"]))
+           if cfg.get("vocab") else build_tokenizer())
     b, T = cfg["batch"], cfg["train_iters"]
     train_ds, valid_ds, _ = build_gpt_datasets(
-        default_data_prefix(), "969, 30, 1", cfg["seq"], seed, tok, train_samples=T * b,
+        default_data_prefix(tokenizer=tok), "969, 30, 1", cfg["seq"], seed, tok, train_samples=T * b,
         valid_samples=cfg["eval_iters"] * b, test_samples=0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=tok.vocab_size, n_positions=cfg["seq"], n_embd=cfg["hidden"],
                                        n_layer=cfg["layers"], n_head=cfg["heads"], resid_pdrop=0.0,
