@@ -40,7 +40,8 @@ if Pybind11Extension is not None:
         Pybind11Extension(
             "zo_megatron._cpu_adam",
             ["csrc/cpu_adam.cpp"],
-            depends=["csrc/cpu_adam_avx512.inc"],  # #included twice (AVX-512 with/without AVX512_BF16)
+            depends=["csrc/cpu_adam_avx512.inc",  # #included twice (AVX-512 with/without AVX512_BF16)
+                     "csrc/checksum.inc"],   # CRC32C, the NVMe tier's block checksum
             cxx_std=17,
             # -Wno-*uninitialized: GCC 12's own AVX-512 headers trip these (the `__Y = __Y` idiom).
             extra_compile_args=["-O3", "-fopenmp", "-fno-math-errno",

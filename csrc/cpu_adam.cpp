@@ -804,6 +804,11 @@ bool cpu_has_avx2() {
 
 bool cpu_has_avx512_bf16() { return cpu_has_avx512() && __builtin_cpu_supports("avx512bf16"); }
 
+bool cpu_has_sse42() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("sse4.2");
+}
+
 const char* isa_name(int isa) { return isa == kAvx512 ? "avx512" : isa == kAvx2 ? "avx2" : "scalar"; }
 
 py::list available_isas() {
@@ -827,6 +832,12 @@ void set_isa(const std::string& name) {
     throw std::invalid_argument("unknown ISA '" + name + "' (expected avx512, avx2 or scalar)");
   }
 }
+
+// ------------------------------------------------------------------------------------------
+// CRC32C, the NVMe tier's block checksum: its own section (csrc/checksum.inc), sharing only the
+// module and the CPUID helpers with the Adam kernel.
+// ------------------------------------------------------------------------------------------
+#include "checksum.inc"
 
 }  // namespace
 
@@ -893,4 +904,20 @@ PYBIND11_MODULE(_cpu_adam, mod) {
   mod.def("_f32_to_bf16_scalar", [](float f) { return f32_to_bf16_rne(f); });
   mod.def("_f32_to_f16_scalar", [](float f) { return f32_to_f16_rne(f); });
   mod.def("_f16_to_f32_scalar", [](uint16_t h) { return f16_to_f32(h); });
+
+  crc32c::init();
+  mod.def("crc32c", &crc32c::of_buffer, py::arg("buf"), py::arg("value") = 0u,
+          "CRC32C (Castagnoli) of a C-contiguous Python buffer, continuing `value` (zlib.crc32's "
+          "convention); releases the GIL.");
+  mod.def("crc32c_ptr", &crc32c::of_pointer, py::arg("ptr"), py::arg("n"), py::arg("value") = 0u,
+          "CRC32C of n bytes at an integer address (a contiguous tensor's data_ptr()); releases the GIL.");
+  mod.def("crc32c_impl", []() { return std::string(crc32c::impl_name()); },
+          "The CRC32C path in use: sse4.2 or software.");
+  mod.def("crc32c_impls", []() {
+    py::list l;
+    if (cpu_has_sse42()) l.append("sse4.2");
+    l.append("software");
+    return l;
+  });
+  mod.def("_set_crc32c_impl", &crc32c::set_impl, "Private (tests, benchmarks): sse4.2 or software.");
 }

@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 import torch
 
+from zo_megatron.errors import UserError
 from zo_megatron.offload import cpu_adam as ca
 
 EXT = ca._ext
@@ -548,6 +549,7 @@ def test_cli_info_and_env_overrides():
     assert r.returncode == 0, r.stderr
     assert f"isa:            {isa}" in r.stdout and "threads:        3" in r.stdout
     assert "available isas:" in r.stdout
+    assert f"checksum:       crc32c ({EXT.crc32c_impl()})" in r.stdout   # the NVMe tier's CRC32C path
     r = _cli({"ZO_CPU_ADAM_ISA": "sse9"})
     assert r.returncode != 0 and "ZO_CPU_ADAM_ISA" in r.stderr
     if "avx512" not in ca._available_isas():
@@ -921,3 +923,120 @@ def test_segments_fallback_when_extension_missing(monkeypatch):
         assert_same_bits(f"missing extension: {name} vs per-segment adam_step", x, y)
     ref = sum(ca.grad_sumsq_and_finite(grads[0][a:b])[0] for a, b, _ in segs)
     assert finite is True and abs(s - ref) <= 1e-12 * ref
+
+
+# --------------------------------------------------------------------------------------------
+# CRC32C (csrc/checksum.inc): the NVMe tier's block checksum, in the same extension
+# --------------------------------------------------------------------------------------------
+def _crc32c_table() -> list[int]:
+    table = []
+    for b in range(256):
+        c = b
+        for _ in range(8):
+            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1   # reflected Castagnoli polynomial
+        table.append(c)
+    return table
+
+
+_CRC32C_TABLE = _crc32c_table()
+
+
+def crc32c_reference(data: bytes, value: int = 0) -> int:
+    """Bytewise, from the polynomial: shares nothing with the extension (no slicing, no shifts)."""
+    c = value ^ 0xFFFFFFFF
+    for x in data:
+        c = _CRC32C_TABLE[(c ^ x) & 0xFF] ^ (c >> 8)
+    return c ^ 0xFFFFFFFF
+
+
+CRC_PATHS = list(EXT.crc32c_impls()) if ca.has_crc32c() else []
+needs_crc32c = pytest.mark.skipif(not ca.has_crc32c(), reason="extension not built")
+
+
+@contextlib.contextmanager
+def crc_path(name: str):
+    old = EXT.crc32c_impl()
+    try:
+        ca._set_crc32c_impl(name)
+        assert EXT.crc32c_impl() == name
+        yield
+    finally:
+        ca._set_crc32c_impl(old)
+
+
+@needs_crc32c
+def test_crc32c_paths_available():
+    # this project's CI machines are x86-64 with SSE4.2: the fast path must be the one chosen there
+    assert CRC_PATHS[-1] == "software"
+    if "sse4.2" in CRC_PATHS:
+        assert EXT.crc32c_impl() == "sse4.2" and ca.info()["checksum"] == "crc32c (sse4.2)"
+
+
+@needs_crc32c
+@pytest.mark.parametrize("path", CRC_PATHS)
+def test_crc32c_against_a_bytewise_reference(path):
+    rng = random.Random(fresh_seed(f"crc32c {path}"))
+    pool = bytes(rng.getrandbits(8) for _ in range(100_000 + 64))
+    # the loops' edges (8-byte words, 3 x 256 and 3 x 8192 rounds) and random lengths 0..100k
+    lengths = [0, 1, 7, 8, 9, 767, 768, 769, 3 * 8192 - 1, 3 * 8192, 3 * 8192 + 1, 100_000]
+    lengths += [rng.randrange(0, 100_001) for _ in range(24)]
+    with crc_path(path):
+        assert ca.crc32c(b"123456789") == 0xE3069283          # the standard check value
+        assert ca.crc32c(b"") == 0 and ca.crc32c(b"", 0x12345678) == 0x12345678
+        for n in lengths:
+            start = rng.randrange(0, 65)                       # unaligned starts (and so ends)
+            data = memoryview(pool)[start:start + n]
+            value = rng.choice([0, rng.getrandbits(32)])
+            ref = crc32c_reference(bytes(data), value)
+            assert ca.crc32c(data, value) == ref, (path, start, n, value)
+            # a tensor's bytes, as StateFile's buffers are
+            t = torch.frombuffer(bytearray(data), dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
+            assert ca.crc32c(t, value) == ref, (path, "tensor", n)
+            cut = rng.randrange(0, n + 1)                       # chained: crc(a + b) == crc(b, crc(a))
+            assert ca.crc32c(data[cut:], ca.crc32c(data[:cut], value)) == ref, (path, n, cut)
+
+
+@needs_crc32c
+def test_crc32c_paths_agree_on_large_buffers_and_across_threads():
+    import concurrent.futures
+    rng = np.random.default_rng(fresh_seed("crc32c large"))
+    bufs = [torch.from_numpy(rng.integers(0, 256, n, dtype=np.uint8)) for n in (4 << 20, (1 << 20) + 13)]
+    bufs.append(torch.from_numpy(rng.standard_normal(300_001).astype(np.float32)))   # 4-byte elements
+    got = {}
+    for path in CRC_PATHS:
+        with crc_path(path):
+            got[path] = [ca.crc32c(b) for b in bufs]
+            # the GIL is released: threads run at once; each result must still be its own buffer's
+            with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                assert list(pool.map(ca.crc32c, bufs * 4)) == got[path] * 4
+    assert len(set(map(tuple, got.values()))) == 1, got
+    # and the odd-sized MiB against the bytewise reference (every long round, then the tails)
+    whole = bufs[1].numpy().tobytes()
+    assert got["software"][1] == crc32c_reference(whole)
+    # a flipped bit anywhere changes it
+    flipped = bufs[0].clone()
+    pos = int(rng.integers(flipped.numel()))
+    flipped[pos] ^= 1 << int(rng.integers(8))
+    assert ca.crc32c(flipped) != got["software"][0]
+
+
+@needs_crc32c
+def test_crc32c_bad_inputs():
+    t = torch.zeros(64, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="contiguous"):
+        ca.crc32c(t[::2])
+    with pytest.raises(BufferError):
+        ca.crc32c(memoryview(bytes(64))[::2])                 # not C-contiguous
+    with pytest.raises(TypeError):
+        ca.crc32c(b"abc", -1)                                 # value is an unsigned 32-bit CRC
+    with pytest.raises(UserError, match="not available"):
+        ca._set_crc32c_impl("pclmul")
+
+
+def test_crc32c_when_extension_missing(monkeypatch):
+    monkeypatch.setattr(ca, "_ext", None)
+    monkeypatch.setattr(ca, "_EXT_ERROR", "ImportError: simulated")
+    assert ca.has_crc32c() is False
+    assert ca.info()["checksum"].startswith("zlib crc32")
+    with pytest.raises(UserError, match="crc32c needs the C.. extension.*simulated"):
+        ca.crc32c(b"123456789")

@@ -3,13 +3,15 @@ flight, O_DIRECT or buffered; a truncated or altered file and a block never writ
 full disk (ENOSPC, injected) is one line naming the flag; a file already there is refused."""
 import errno
 import os
+import random
+import zlib
 
 import pytest
 import torch
 
 from tests.seeds import fresh_seed
 from zo_megatron.errors import UserError
-from zo_megatron.offload import nvme_io
+from zo_megatron.offload import cpu_adam, nvme_io
 from zo_megatron.offload.nvme_io import ALIGN, AsyncFileIO, StateFile, StateFileError, aligned_empty
 
 
@@ -141,3 +143,79 @@ def test_an_existing_file_is_refused_and_misaligned_requests_are_errors(tmp_path
     with pytest.raises(ValueError, match="past"):
         io.write(f, 0, aligned_empty(3 * ALIGN))
     f.close(remove=True)
+
+
+# The checksum: CRC32C from the extension (tests/test_cpu_adam.py checks the function itself against
+# a bytewise reference), zlib's CRC-32 without it; one kind per file, each entry checked by its own.
+KINDS = [nvme_io.CRC32C, nvme_io.ZLIB] if cpu_adam.has_crc32c() else [nvme_io.ZLIB]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_each_block_has_its_files_checksum_and_a_flipped_bit_is_refused(tmp_path, io, monkeypatch, kind):
+    rng = random.Random(fresh_seed(f"nvme checksum {kind}"))
+    monkeypatch.setenv("ZO_NVME_CHECKSUM", kind)
+    n = 8 * ALIGN
+    f = StateFile(str(tmp_path / "s.bin"), n)
+    assert f.checksum == kind
+    buf = aligned_empty(n)
+    buf.copy_(_random_bytes(n, rng.randrange(2**31)))
+    io.write(f, 0, buf).wait()
+    raw = buf.numpy().tobytes()
+    B = io.block_bytes
+    for off in range(0, n, B):                        # every block: its length and its own kind's value
+        block = raw[off:off + B]
+        want = (B, cpu_adam.crc32c(block), nvme_io.CRC32C) if kind == nvme_io.CRC32C else (B, zlib.crc32(block))
+        assert f.crc[off] == want
+    pos, bit = rng.randrange(n), rng.randrange(8)     # one bit flipped on disk between steps
+    with open(f.path, "r+b") as fh:
+        fh.seek(pos)
+        old = fh.read(1)[0]
+        fh.seek(pos)
+        fh.write(bytes([old ^ (1 << bit)]))
+    hit = pos // B * B
+    back = aligned_empty(n)
+    for off in range(0, n, B):
+        if off == hit:
+            with pytest.raises(StateFileError, match=r"changed on disk.*checksum mismatch.*last checkpoint") as e:
+                io.read(f, off, back[off:off + B]).wait()
+            assert f"bytes {off}..{off + B} changed" in str(e.value) and "\n" not in str(e.value)
+        else:                                          # the other blocks still read back as written
+            io.read(f, off, back[off:off + B]).wait()
+            assert back[off:off + B].numpy().tobytes() == raw[off:off + B]
+    f.close(remove=True)
+
+
+def test_an_entry_of_the_zlib_form_is_checked_with_zlib_in_a_crc32c_file(tmp_path, io):
+    # NvmeStateStore.resync, after a checkpoint wrote into the mapped files, sets (length, zlib.crc32)
+    # entries itself: read_block must check those with zlib whatever the file's own kind
+    f, buf = _written(tmp_path, io, n=4 * ALIGN)
+    B = io.block_bytes
+    raw = bytearray(buf.numpy().tobytes())
+    raw[B + 5] ^= 0x10                                 # the "checkpoint" changes block 1
+    with open(f.path, "r+b") as fh:
+        fh.seek(B)
+        fh.write(raw[B:2 * B])
+    f.crc[B] = (B, zlib.crc32(bytes(raw[B:2 * B])))   # ... and takes its checksum
+    back = aligned_empty(4 * ALIGN)
+    io.read(f, 0, back).wait()
+    assert back.numpy().tobytes() == bytes(raw)
+    f.crc[B] = (B, zlib.crc32(bytes(raw[B:2 * B])) ^ 1)
+    with pytest.raises(StateFileError, match="checksum mismatch"):
+        io.read(f, B, back[B:2 * B]).wait()
+    f.close(remove=True)
+
+
+def test_the_checksum_kind_without_the_extension_and_a_bad_switch(tmp_path, monkeypatch):
+    monkeypatch.delenv("ZO_NVME_CHECKSUM", raising=False)
+    assert nvme_io.checksum_kind() == (nvme_io.CRC32C if cpu_adam.has_crc32c() else nvme_io.ZLIB)
+    monkeypatch.setattr(cpu_adam, "_ext", None)        # a failed build: zlib's CRC-32, per file
+    f = StateFile(str(tmp_path / "s.bin"), 2 * ALIGN)
+    assert f.checksum == nvme_io.ZLIB
+    f.close(remove=True)
+    monkeypatch.setenv("ZO_NVME_CHECKSUM", "crc32c")
+    with pytest.raises(UserError, match="ZO_NVME_CHECKSUM=crc32c.*no crc32c"):
+        nvme_io.checksum_kind()
+    monkeypatch.setenv("ZO_NVME_CHECKSUM", "md5")
+    with pytest.raises(UserError, match="ZO_NVME_CHECKSUM='md5'") as e:
+        StateFile(str(tmp_path / "t.bin"), 2 * ALIGN)
+    assert "\n" not in str(e.value) and not os.path.exists(tmp_path / "t.bin")

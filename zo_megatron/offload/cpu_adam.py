@@ -34,7 +34,11 @@ Environment:
     ZO_CPU_ADAM_THREADS   OpenMP threads of the kernel (default: CPUs in this process's affinity)
     ZO_CPU_ADAM_ISA       force a code path: avx512 | avx2 | scalar (error if the CPU lacks it)
 
-``python -m zo_megatron.offload.cpu_adam --info`` prints the chosen ISA, threads and what the CPU has.
+``crc32c(buf, value=0)``: the NVMe tier's block checksum (CRC32C, SSE4.2 or portable C++, chosen
+from CPUID), in the same extension; ``has_crc32c()`` says whether the build has it.
+
+``python -m zo_megatron.offload.cpu_adam --info`` prints the chosen ISA, threads, what the CPU has
+and the checksum path.
 """
 from __future__ import annotations
 
@@ -51,7 +55,7 @@ import torch
 from zo_megatron.errors import UserError
 
 __all__ = ["adam_step", "adam_step_segments", "grad_sumsq_and_finite", "grad_sumsq_and_finite_segments",
-           "set_num_threads", "get_num_threads", "info"]
+           "set_num_threads", "get_num_threads", "info", "crc32c", "has_crc32c"]
 
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _NONE_CODE = 3
@@ -141,6 +145,7 @@ def info() -> dict:
         d["extension_error"] = _EXT_ERROR
     else:  # whether the avx512 path converts fp32 -> bf16 with AVX512_BF16 instructions
         d["avx512_bf16"] = bool(_ext._get_avx512_bf16())
+    d["checksum"] = _checksum_path()
     return d
 
 
@@ -394,6 +399,49 @@ def grad_sumsq_and_finite_segments(grad, segments) -> tuple[float, bool]:
 
 
 # ----------------------------------------------------------------------------------------------
+# CRC32C: the NVMe tier's block checksum (csrc/checksum.inc, same extension)
+# ----------------------------------------------------------------------------------------------
+def has_crc32c() -> bool:
+    """Whether the extension has crc32c (a missing build, or one from before it, has not)."""
+    return _ext is not None and hasattr(_ext, "crc32c")
+
+
+def crc32c(buf, value: int = 0) -> int:
+    """CRC32C (Castagnoli) of ``buf``, continuing ``value`` as zlib.crc32 does:
+    crc32c(a + b) == crc32c(b, crc32c(a)); crc32c(b"123456789") == 0xE3069283.
+
+    buf: a C-contiguous Python buffer (bytes, bytearray, memoryview) or a contiguous CPU tensor
+    (its bytes). The GIL is released while it runs, so several threads checksum in parallel.
+    Without the extension there is no CRC32C here (a Python loop would run at a few MB/s);
+    nvme_io then checksums with zlib.crc32 instead (see its module docstring).
+    """
+    if not has_crc32c():
+        why = _EXT_ERROR if _ext is None else "the build predates crc32c"
+        raise UserError(f"crc32c needs the C++ extension ({why}); rebuild with `pip install --no-build-isolation -e .`")
+    if isinstance(buf, torch.Tensor):
+        if buf.device.type != "cpu" or not buf.is_contiguous():
+            raise ValueError(f"crc32c: expected a contiguous CPU tensor, got one on {buf.device} "
+                             f"with stride {buf.stride()}")
+        return _ext.crc32c_ptr(buf.data_ptr(), buf.numel() * buf.element_size(), value)
+    return _ext.crc32c(buf, value)
+
+
+def _checksum_path() -> str:
+    """What the NVMe tier checksums with, for info(): CRC32C and its path, or zlib's CRC-32."""
+    return f"crc32c ({_ext.crc32c_impl()})" if has_crc32c() else "zlib crc32 (no crc32c in the extension)"
+
+
+def _set_crc32c_impl(name: str) -> None:
+    """Private selector (tests, benchmarks): 'sse4.2' | 'software' (the portable C++ path)."""
+    if not has_crc32c():
+        raise UserError("crc32c is not in this build of the C++ extension")
+    if name not in _ext.crc32c_impls():
+        raise UserError(f"CRC32C path {name!r} is not available on this CPU "
+                        f"(available: {', '.join(_ext.crc32c_impls())})")
+    _ext._set_crc32c_impl(name)
+
+
+# ----------------------------------------------------------------------------------------------
 # Torch fallback (also the reference for "what torch would do")
 # ----------------------------------------------------------------------------------------------
 def _torch_sumsq(flat) -> float:
@@ -476,7 +524,7 @@ except UserError as _exc:
 def _main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m zo_megatron.offload.cpu_adam",
                                  description="ZeRO-Offload CPU Adam kernel")
-    ap.add_argument("--info", action="store_true", help="print the ISA, threads and available ISAs")
+    ap.add_argument("--info", action="store_true", help="print the ISA, threads, available ISAs and checksum path")
     ap.add_argument("--json", action="store_true", help="print info() as JSON")
     args = ap.parse_args(argv)
     d = info()
@@ -489,6 +537,7 @@ def _main(argv=None) -> int:
     print(f"available isas: {', '.join(d['available_isas']) or '-'}")
     if d["isa"] == "avx512" and d.get("avx512_bf16") is not None:
         print(f"avx512_bf16:    {'used for fp32->bf16' if d['avx512_bf16'] else 'no'}")
+    print(f"checksum:       {d['checksum']}")
     return 0
 
 

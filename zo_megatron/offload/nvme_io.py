@@ -8,9 +8,14 @@ between page-aligned host buffers and files, fast and checked.
     The whole file is reserved at open (posix_fallocate), so a disk too small fails at the start.
   - Requests: a transfer is cut into blocks of `block_bytes`; each block is one os.preadv /
     os.pwritev on a thread of a pool (both release the GIL), so several blocks are in flight.
-  - Checksums: each block written gets a CRC32 (zlib releases the GIL on large buffers), kept in
+  - Checksums: each block written gets a CRC32C (the extension's cpu_adam.crc32c: SSE4.2, several
+    times zlib.crc32's speed; it releases the GIL, so the I/O threads checksum in parallel), kept in
     memory; a block read back must match it, or the read fails: a state file truncated or changed
     between steps is refused (`StateFileError`), never trained on. A block never written is refused.
+    Without the extension (a failed build) a file checksums with zlib.crc32 instead: another
+    function, so each file picks its kind once, at open, and every entry says which function made
+    it (below): a value is only ever compared with the same function's. The checksums live in
+    this process only (the files never outlive the run), so nothing else needs to agree on a kind.
   - Errors: ENOSPC (disk full) and the others become one-line UserErrors naming the file and the
     fix; they are raised by `Request.wait()` on the caller's thread.
 
@@ -28,6 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from zo_megatron.errors import UserError
+from zo_megatron.offload import cpu_adam
 
 ALIGN = 4096                          # bytes: offsets, sizes and buffer addresses of every request
 DEFAULT_BLOCK_BYTES = 4 << 20         # bytes per request (and per checksum)
@@ -36,6 +42,24 @@ DEFAULT_THREADS = 4                   # requests in flight
 # The system calls, module-level so a test can inject a fault (ENOSPC) in one place.
 _pwritev = os.pwritev
 _preadv = os.preadv
+
+
+# The two checksum kinds. An entry of StateFile.crc is (length, CRC-32) for zlib.crc32 -- the form the
+# dict always had, which NvmeStateStore.resync still writes after a checkpoint load -- and
+# (length, CRC32C, "crc32c") for cpu_adam.crc32c, so read_block checks each with its own function.
+CRC32C, ZLIB = "crc32c", "zlib"
+
+
+def checksum_kind() -> str:
+    """The kind a new StateFile uses: CRC32C when the extension has it, else zlib's CRC-32.
+    ZO_NVME_CHECKSUM=zlib|crc32c (private: the benchmarks' before/after comparison) forces one."""
+    env = os.environ.get("ZO_NVME_CHECKSUM", "").strip().lower()
+    if env not in ("", CRC32C, ZLIB):
+        raise UserError(f"ZO_NVME_CHECKSUM={env!r}: expected crc32c or zlib (or unset it)")
+    if env == CRC32C and not cpu_adam.has_crc32c():
+        raise UserError("ZO_NVME_CHECKSUM=crc32c but the C++ extension has no crc32c: rebuild with "
+                        "`pip install --no-build-isolation -e .` or unset it")
+    return env or (CRC32C if cpu_adam.has_crc32c() else ZLIB)
 
 
 class StateFileError(UserError):
@@ -69,11 +93,13 @@ def _disk_error(e: OSError, path: str, what: str) -> UserError:
 
 
 class StateFile:
-    """One file of `nbytes` (a multiple of ALIGN), reserved at open; the CRC32 of every block written."""
+    """One file of `nbytes` (a multiple of ALIGN), reserved at open; the checksum of every block written
+    (CRC32C, or zlib's CRC-32 without the extension: `checksum`, one kind per file)."""
 
     def __init__(self, path: str, nbytes: int, *, direct: bool = True):
         if nbytes % ALIGN:
             raise ValueError(f"state file size {nbytes} is not a multiple of {ALIGN}")
+        self.checksum = checksum_kind()    # chosen once (before the file exists): every block it writes uses it
         self.path, self.nbytes = path, nbytes
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
         self.direct = bool(direct and hasattr(os, "O_DIRECT"))
@@ -100,7 +126,7 @@ class StateFile:
         except OSError as e:
             self.close(remove=True)
             raise _disk_error(e, path, f"reserving {nbytes} bytes for optimizer states") from None
-        self.crc: dict[int, tuple[int, int]] = {}     # block offset -> (length, CRC32)
+        self.crc: dict[int, tuple] = {}               # block offset -> (length, CRC-32) | (length, CRC32C, "crc32c")
         self._lock = threading.Lock()
 
     def close(self, remove: bool = False) -> None:
@@ -115,7 +141,7 @@ class StateFile:
 
     # The two block operations, on an I/O thread.
     def write_block(self, offset: int, view: memoryview) -> None:
-        crc = zlib.crc32(view)
+        entry = (len(view), cpu_adam.crc32c(view), CRC32C) if self.checksum == CRC32C else (len(view), zlib.crc32(view))
         done = 0
         try:
             while done < len(view):          # a short write (rare) continues where it stopped
@@ -126,7 +152,7 @@ class StateFile:
         except OSError as e:
             raise _disk_error(e, self.path, f"writing optimizer states at byte {offset + done}") from None
         with self._lock:
-            self.crc[offset] = (len(view), crc)
+            self.crc[offset] = entry
 
     def read_block(self, offset: int, view: memoryview) -> None:
         with self._lock:
@@ -144,7 +170,7 @@ class StateFile:
                 done += n
         except OSError as e:
             raise _disk_error(e, self.path, f"reading optimizer states at byte {offset + done}") from None
-        if zlib.crc32(view) != expected[1]:
+        if (cpu_adam.crc32c(view) if expected[2:] == (CRC32C,) else zlib.crc32(view)) != expected[1]:
             raise StateFileError(f"{self.path}: bytes {offset}..{offset + len(view)} changed on disk since they were "
                                  "written (checksum mismatch): the optimizer states are corrupted; resume from "
                                  "the last checkpoint")
