@@ -30,9 +30,10 @@ def _train(engine, model, ps, seed, accum, overflow_step, steps=STEPS):
 
     victim = model.gpt.decoder.layers[0].mlp.linear_fc1.weight
     gen = torch.Generator().manual_seed(seed)
-    out = []
+    out, speculated = [], []
     for step in range(steps):
         total = torch.zeros((), device=ps.device)
+        engine.expect_lr(1e-3 * (1 + step / STEPS))         # (--overlap-cpu-step speculates with it)
         for i in range(accum):
             n = MICRO * ps.dp_size
             tokens, labels = (torch.randint(0, VOCAB, (n, SEQ), generator=gen) for _ in range(2))
@@ -50,8 +51,9 @@ def _train(engine, model, ps, seed, accum, overflow_step, steps=STEPS):
         res = engine.step(lr=1e-3 * (1 + step / STEPS))
         out.append((total.item(), res.grad_norm, res.clip_coef, res.skipped, res.loss_scale,
                     engine.schedule.pending is not None))
+        speculated.append((res.speculated_buckets, res.rolled_back_buckets))
     engine.flush()
-    return out
+    return out, speculated
 
 
 def _states(engine):
@@ -94,10 +96,14 @@ def _pair_world(rank, tp, seed, runs, nvme_dir):
             init = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
             adam = AdamConfig(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-6, weight_decay=0.1, state_dtype=run["states"])
             scaler = DynamicLossScaler(initial_scale=2.0 ** 12) if precision == "fp16" else None
+            if kw.get("overlap_cpu_step"):        # a share from the seed: chunks cut inside the prefix too
+                kw = {**kw, "overlap_speculated_fraction": kw.get("overlap_speculated_fraction", rng.uniform(0.4, 1.0))}
             engine = ZeroOffloadEngine(model, precision=precision, adam=adam, clip_grad=run["clip"], bucket_size=2500,
                                        dp_group=ps.dp_group, tp_rank=ps.tp_rank, device=ps.device,
                                        loss_scaler=scaler, **kw, **extra)
-            steps = _train(engine, model, ps, seed + 1, accum, overflow)
+            if kw.get("overlap_cpu_step"):
+                engine.schedule.max_backoff = 0    # speculate every step, rolled back or not
+            steps, speculated = _train(engine, model, ps, seed + 1, accum, overflow)
             cuts_inside = prefetched = None
             if engine._nvme is not None:
                 prefetched = engine._nvme.prefetched_chunks
@@ -107,7 +113,12 @@ def _pair_world(rank, tp, seed, runs, nvme_dir):
                 files = sorted(f for f in os.listdir(nvme_dir) if f.startswith(mine) and f.endswith(".bin"))
             got[name] = dict(init=init, steps=steps, flat=engine.flat.cpu().clone(), states=_states(engine),
                              cuts_inside=cuts_inside, files=files if engine._nvme is not None else None,
-                             prefetched=prefetched)
+                             prefetched=prefetched, speculated=speculated,
+                             shadow=None if engine._nvme is None else engine._nvme.shadow_chunks,
+                             disk=engine.accounting.nvme_disk_bytes, overlap_bytes=engine.accounting.host_overlap_bytes,
+                             chunks=None if engine._nvme is None else len(engine._nvme.chunks),
+                             slot=None if engine._nvme is None else sum(engine._nvme.slot_bytes.values()),
+                             budget=getattr(engine.schedule, "budget", None))
             engine.close()
             got[name]["left"] = [f for f in os.listdir(nvme_dir) if f.startswith(mine)]
         results.append(got)
@@ -143,7 +154,28 @@ def _check(results, runs):
                 assert [x[3] for x in s] == [i == run["overflow"] for i in range(STEPS)]
             if run["engine"].get("dpu_warmup_steps"):
                 assert any(x[5] for x in s), "an update must have been delayed"
+            if run["engine"].get("overlap_cpu_step"):
+                _check_speculation(run, got)
         assert steps
+
+
+def _check_speculation(run, got):
+    """--overlap-cpu-step with the tier: it speculated (committed where nothing clips, overflows or
+    rolls back, rolled back where the clip clips), the chunks it may speculate have their second
+    place on disk (the files grew by exactly those), and the rollback backup in memory holds only
+    what is not on disk: the in-memory engine's less both moments (and the master with it on disk)."""
+    nv, mem = got["nvme"], got["memory"]
+    spec = [s for s, _ in nv["speculated"]]
+    assert sum(spec) > 0, (run, nv["speculated"])
+    if run["clip"] < 1:
+        assert all(r == s for s, r in nv["speculated"]), nv["speculated"]          # every one rolled back
+    else:
+        assert any(s > 0 and r == 0 for s, r in nv["speculated"]), nv["speculated"]  # committed
+    assert 0 < nv["shadow"] <= nv["chunks"], (nv["shadow"], nv["chunks"])
+    assert nv["disk"] == (nv["chunks"] + nv["shadow"]) * nv["slot"], (nv["disk"], nv["chunks"], nv["shadow"])
+    state_bytes = 2 if run["states"] == "bf16" else 4
+    on_disk = nv["budget"] * (2 * state_bytes + (4 if run["master"] else 0))
+    assert mem["overlap_bytes"] - nv["overlap_bytes"] == on_disk > 0, (mem["overlap_bytes"], nv["overlap_bytes"])
 
 
 RUNS = {
@@ -152,10 +184,22 @@ RUNS = {
         dict(precision="fp32", accum=1, clip=1.0, states="fp32", master=False, engine={"dpu_warmup_steps": 3}),
         # partial offload: the host part's states on disk, the tail's on the device
         dict(precision="bf16", accum=2, clip=0.05, states="fp32", master=True, engine={"optimizer_offload_fraction": 0.6}),
+        # the overlap with the master on disk and a device tail: speculated chunks committed
+        dict(precision="bf16", accum=2, clip=1e3, states="fp32", master=True,
+             engine={"overlap_cpu_step": True, "optimizer_offload_fraction": 0.8}),
+        # weight prediction with the master on disk: a flush reads the exact master back
+        dict(precision="fp32", accum=1, clip=1.0, states="fp32", master=True,
+             engine={"dpu_warmup_steps": 3, "dpu_weight_prediction": True}),
     ],
     "tp2dp1": [
         dict(precision="fp16", accum=2, clip=0.05, states="bf16", master=True, overflow=2, engine={}),
         dict(precision="bf16", accum=2, clip=1.0, states="bf16", master=False, engine={"accumulate_on_host": True}),
+        # the overlap rolled back every step (the clip clips; an overflow), the master in memory
+        dict(precision="fp16", accum=2, clip=0.05, states="bf16", master=False, overflow=2,
+             engine={"overlap_cpu_step": True}),
+        # the overlap committing, gradients accumulated on the host (the worker adds each shard)
+        dict(precision="bf16", accum=2, clip=1e3, states="fp32", master=False,
+             engine={"overlap_cpu_step": True, "accumulate_on_host": True}),
     ],
 }
 
@@ -183,9 +227,7 @@ def _refusals_world(rank, root):
     path = os.path.join(root, f"rank{rank}")
     os.makedirs(path)
     nv = NvmeConfig(path)
-    cases = [(dict(overlap_cpu_step=True), nv),
-             (dict(dpu_warmup_steps=2, dpu_weight_prediction=True), NvmeConfig(path, master=True))]
-    cases += [({}, NvmeConfig(**{**nv.__dict__, **bad}))
+    cases = [({}, NvmeConfig(**{**nv.__dict__, **bad}))
               for bad in (dict(buffer_count=0), dict(buffer_size=100), dict(path=path + "/nope"))]
     messages = []
     for kw, config in cases:
@@ -225,8 +267,7 @@ def _refusals_world(rank, root):
 
 def test_nvme_refusals_are_one_line_and_every_rank_refuses_together(tmp_path):
     results = run_world(_refusals_world, 2, str(tmp_path))
-    needles = ["--overlap-cpu-step", "--dpu-weight-prediction with --optimizer-nvme",
-               "--optimizer-nvme-buffer-count must be >= 1", "--optimizer-nvme-buffer-size must be a positive multiple",
+    needles = ["--optimizer-nvme-buffer-count must be >= 1", "--optimizer-nvme-buffer-size must be a positive multiple",
                "is not a directory", "state_dict() of optimizer states on disk would copy them all"]
     for rank, (messages, left, accounts) in enumerate(results):
         _planner_equals_the_engine(accounts)

@@ -54,6 +54,37 @@ def test_job_with_states_on_disk_equals_the_in_memory_job(tmp_path):
         assert read == written == first[0] and wait >= 0.0, io["nvme"]
 
 
+def test_overlapped_job_with_states_on_disk_equals_the_in_memory_one_and_resumes(tmp_path):
+    """--overlap-cpu-step with the states and the master on disk: the in-memory overlapped job's losses
+    and grad norms bit for bit (a clip that never clips: the speculated chunks commit), a save
+    in the middle and a resume from it as well; the banner's overlap line counts the rollback state on
+    disk; DIR empty after."""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    common = ["--zero-offload", "--bf16", "--mock-data", *TINY, "--eval-interval", "2", "--clip-grad", "1000",
+              "--overlap-cpu-step", "--lr-warmup-iters", "0", "--lr-decay-style", "constant"]
+    tier = ["--optimizer-nvme-path", nvme, "--optimizer-nvme-master", "--optimizer-nvme-buffer-size", "4096",
+            "--optimizer-nvme-buffer-count", "3"]
+    rows, out = {}, {}
+    for name, extra in (("memory", []), ("nvme", tier),
+                        ("nvme-resumed", [*tier, "--load", tmp_path / "ckpt", "--ckpt-step", "2"])):
+        log = tmp_path / f"{name}.jsonl"
+        save = [] if name == "memory" else ["--save", tmp_path / ("ckpt" if name == "nvme" else "ckpt2"),
+                                            "--save-interval", "2"]
+        r = _single([str(a) for a in (*common, "--train-iters", "4", *extra, *save, "--log-jsonl", log)], tmp_path)
+        assert r.returncode == 0, name + r.stderr[-3000:]
+        rows[name] = [(x["iteration"], x["loss"], x["grad_norm"], x["skipped"], x.get("speculated_buckets"),
+                       x.get("rolled_back_buckets")) for x in _rows(log, "train")]
+        out[name] = r.stdout
+        assert os.listdir(nvme) == [], (name, os.listdir(nvme))     # the state files go at a clean exit
+    same = {k: [x[:4] for x in v] for k, v in rows.items()}    # (the speculated units differ: chunks, segments)
+    assert len(same["nvme"]) == 4 and same["nvme"] == same["memory"], rows
+    assert sum(x[4] or 0 for x in rows["nvme"]) > 0 and not any(x[5] for x in rows["nvme"]), rows   # committed
+    assert same["nvme-resumed"] == same["memory"][2:], rows        # resumed at iteration 2: bit for bit
+    line = next(x for x in out["nvme"].splitlines() if "--overlap-cpu-step" in x and "speculated" in x)
+    assert "of disk per node" in line, line
+
+
 @pytest.mark.parametrize("extra,needle", [
     (["--optimizer-nvme-master"], "--optimizer-nvme-master applies to the optimizer states on disk: add "
                                   "--optimizer-nvme-path DIR"),

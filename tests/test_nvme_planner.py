@@ -77,3 +77,47 @@ def test_the_launch_check_refuses_a_disk_short_of_the_plans_line_in_one_line(tmp
     with pytest.raises(UserError, match=r"free on its filesystem, the optimizer states of this node's ranks need") as e:
         check_nvme_space(args)
     assert "\n" not in str(e.value)
+
+
+def test_the_overlaps_rollback_state_of_the_states_on_disk_is_on_disk():
+    """--overlap-cpu-step with the tier: its host line keeps only what lives in memory (the master's
+    backup unless it is on disk, the speculated 16-bit parameters where they would overwrite the
+    gradient), the disk line grows by a second place per speculated chunk, and `auto` speculates all
+    of it when that costs no host memory, less when the disk the job measured is short, none when the
+    states alone do not fit that disk."""
+    import math
+
+    from zo_megatron.planner import resolve_overlap
+
+    rng = random.Random(fresh_seed("nvme overlap planner"))
+    base = PlanInput(num_layers=rng.choice([24, 32]), hidden_size=rng.choice([2048, 4096]), num_attention_heads=32,
+                     vocab_size=50257, seq_length=2048, data_parallel=rng.choice([1, 2, 4]), micro_batch_size=1,
+                     precision="bf16", gpus_per_node=8, zero_offload=True, nvme_states=True,
+                     nvme_buffer_size=64 * rng.randint(1 << 12, 1 << 16), gpu_memory_bytes=80 << 30,
+                     host_memory_bytes_per_node=2 << 40, recompute=True)
+    for master, host_grad_fp32 in ((False, False), (True, False), (True, True)):
+        inp = base.replace(nvme_master=master, host_grad_fp32=host_grad_fp32, grad_reduce_fp32=True)
+        f = rng.randint(10, 100) / 100
+        off, on = plan(inp), plan(inp.replace(overlap_cpu_step=True, overlap_speculated_fraction=f))
+        part = off.params_per_tp_rank_padded // inp.data_parallel
+        n = math.floor(f * part)
+        per_rank = n * (0 if master else 4) + (0 if host_grad_fp32 else 2 * n)   # master backup, parameters
+        assert on.host_items.get("overlap_rollback", 0) == per_rank * on.ranks_per_node, (master, host_grad_fp32)
+        kinds = [4, 4] + ([4] if master else [])
+        slot = sum(_round4k(inp.nvme_buffer_size * b) for b in kinds)
+        assert on.disk_bytes_per_node - off.disk_bytes_per_node == n // inp.nvme_buffer_size * slot * on.ranks_per_node
+        assert {k: v for k, v in on.host_items.items() if k != "overlap_rollback"} == off.host_items
+    free_host = base.replace(nvme_master=True, host_grad_fp32=True, grad_reduce_fp32=True)
+    f, why = resolve_overlap(free_host, "auto")
+    assert f == 1.0 and "0.00 GiB/rank" in why and "of disk per node" in why, why
+    full = plan(free_host.replace(overlap_cpu_step=True, overlap_speculated_fraction=1.0)).disk_bytes_per_node
+    none = plan(free_host).disk_bytes_per_node
+    assert full > none
+    short = none + (full - none) // 2                              # the disk holds about half the second places
+    f, _ = resolve_overlap(free_host.replace(nvme_disk_free_bytes=short), "auto")
+    assert 0 < f < 1
+    assert plan(free_host.replace(overlap_cpu_step=True, overlap_speculated_fraction=f)).disk_bytes_per_node <= short
+    assert plan(free_host.replace(overlap_cpu_step=True, overlap_speculated_fraction=round(f + 0.01, 2))
+                ).disk_bytes_per_node > short
+    f, why = resolve_overlap(free_host.replace(nvme_disk_free_bytes=none - 1), "auto")
+    assert f == 0.0, why

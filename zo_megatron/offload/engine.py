@@ -158,7 +158,7 @@ class ZeroOffloadEngine(EngineState):
         self.nvme_config = nvme             # --optimizer-nvme-path: the states on disk (nvme_store.py)
         self._nvme: NvmeStateStore | None = None
         if nvme is not None:
-            nvme.check_engine(self.overlap_cpu_step, dpu_weight_prediction)
+            nvme.check_engine()
         # race_check (tests, debugging): snapshot the flat parameters at the first forward of a
         # step that overlaps a CPU update and fail in step() if anything changed them meanwhile.
         self.race_check = race_check
@@ -245,8 +245,10 @@ class ZeroOffloadEngine(EngineState):
             "exp_avg": state_dtype, "exp_avg_sq": state_dtype, **({"master": torch.float32} if self.nvme_config.master else {})}
         if on_disk:
             tag = self._nvme_tag or f"zo_optimizer.tp{self.tp_rank}.dp{self.dp_rank}"
+            # --overlap-cpu-step: the chunks it may speculate get a second place for the rollback
             self._nvme = NvmeStateStore.open_on_every_rank(self.nvme_config, tag,
-                                        [(s.start, min(s.end, cut)) for s in L.segments if s.start < cut], cut, on_disk)
+                                        [(s.start, min(s.end, cut)) for s in L.segments if s.start < cut], cut, on_disk,
+                                        math.floor(self.overlap_speculated_fraction * cut))
         self.master = None if "master" in on_disk else torch.zeros(cut, dtype=torch.float32)
         # The moments and landing buffers are zeroed (touched) only after the model's fp32
         # parameters are released (_zero_host_state): touched now, they would coexist with the
@@ -597,13 +599,15 @@ class ZeroOffloadEngine(EngineState):
     @torch.no_grad()
     def _cpu_update(self, k: int, grad: torch.Tensor, step: int, lr: float, grad_scale: float,
                     segments=None, phase: str | None = "cpu_step", out: torch.Tensor | None = None,
-                    decoupled_lr: float | None = None, extrapolate: bool = False) -> None:
+                    decoupled_lr: float | None = None, extrapolate: bool = False, speculated: bool = False) -> None:
         """ONE CPU Adam call over the partition's segments (default: all; on a schedule's worker
         under DPU and overlap), the decoupled ones at `decoupled_lr` (None: `lr`): reads `grad`,
         updates master and moments, writes the 16-bit parameters into set k, or into `out` (a
         buffer of the partition's first out.numel() elements, which the segments then lie in:
         --overlap-cpu-step's speculated parameters). extrapolate: the parameters written are
-        w_new + (w_new - w_old), --dpu-weight-prediction's copy, in the same kernel pass."""
+        w_new + (w_new - w_old), --dpu-weight-prediction's copy, in the same kernel pass. speculated
+        (--overlap-cpu-step): with the states on disk, written to their chunks' other places until the
+        schedule commits or discards them (nvme_store.py)."""
         t0 = time.monotonic()
         a = self.adam
         full = segments is None
@@ -612,8 +616,8 @@ class ZeroOffloadEngine(EngineState):
         if out is None:
             out = self._params[k]
         else:                               # a prefix buffer: every tensor cut to the prefix
-            n = out.numel()
-            master, grad, exp_avg, exp_avg_sq = master[:n], grad[:n], exp_avg[:n], exp_avg_sq[:n]
+            n = out.numel()             # (states on disk are None here: the store cuts its chunks)
+            master, grad, exp_avg, exp_avg_sq = (None if t is None else t[:n] for t in (master, grad, exp_avg, exp_avg_sq))
         rate = (lr, lr if decoupled_lr is None else decoupled_lr)          # by the segment's decoupled flag
 
         def run(master, grad, exp_avg, exp_avg_sq, segments, out, full):
@@ -630,7 +634,8 @@ class ZeroOffloadEngine(EngineState):
         if self._nvme is None:
             run(master, grad, exp_avg, exp_avg_sq, segments, out, full)
         else:                               # chunk by chunk through the store's ring (nvme_store.py)
-            self._nvme.update(run, segments, master, grad, out, prefetch_after=self.dpu_warmup_steps is not None)
+            self._nvme.update(run, segments, master, grad, out, prefetch_after=self.dpu_warmup_steps is not None,
+                              shadow=speculated)
         if phase is not None:
             self._phases.append((phase, t0, time.monotonic()))
 

@@ -23,8 +23,17 @@ a killed run's: they are reclaimed (removed, the banner says so). Nothing in the
 the job resumes from its last checkpoint, which holds the states. A clean close removes the files
 and the lock.
 
+Shadow slots (--overlap-cpu-step, schedules.SpeculativeSchedule): the first `shadow_chunks` chunks
+(those the overlap may speculate: ending within its budget) have a second place in each file, after
+the n main ones. A speculated pass (`shadow=True`) reads a chunk where it lives and writes it to its
+other place; commit_shadow() then moves the chunk there, discard_shadow() (a rollback) forgets the
+write, so the state before the step is still on disk: the rollback costs no host memory, only disk.
+
+  file   |chunk 0|chunk 1| ... |chunk n-1|other place of chunk 0| ... |of chunk shadow_chunks-1|
+
 Only the thread running the CPU step uses a store (the main thread, or a schedule's worker under
---dpu); drain() and close() are called when that thread is joined.
+--dpu and during --overlap-cpu-step's speculating backward); drain() and close() are called when
+that thread is joined.
 """
 from __future__ import annotations
 
@@ -69,13 +78,9 @@ class NvmeConfig:
         if need_dir and not os.path.isdir(self.path):
             raise ConfigError(f"--optimizer-nvme-path {self.path} is not a directory: create it (on the NVMe disk)")
 
-    def check_engine(self, overlap_cpu_step: bool, weight_prediction: bool) -> None:
-        """check() and what the engine cannot combine with the tier yet (one line each)."""
+    def check_engine(self) -> None:
+        """check(): the engine combines the tier with every schedule and corrector."""
         self.check()
-        for bad, why in ((overlap_cpu_step, "--overlap-cpu-step"),
-                         (weight_prediction and self.master, "--dpu-weight-prediction with --optimizer-nvme-master")):
-            if bad:
-                raise ConfigError(f"--optimizer-nvme-path cannot be combined with {why} yet (issue 38): drop one")
 
 
 RAM_FILESYSTEMS = ("tmpfs", "ramfs", "devtmpfs", "hugetlbfs")
@@ -126,21 +131,27 @@ class NvmeStateStore:
     """The on-disk states of one rank: `dtypes` maps each state ("master", "exp_avg", "exp_avg_sq")
     to its dtype; files `<tag>.<state>.bin` under config.path."""
 
-    def __init__(self, config: NvmeConfig, tag: str, segments, total: int, dtypes: dict[str, torch.dtype]):
+    def __init__(self, config: NvmeConfig, tag: str, segments, total: int, dtypes: dict[str, torch.dtype],
+                 shadow_elements: int = 0):
         self.config = config
         self.chunks = plan_chunks(segments, total, config.buffer_size)
+        # chunks [0, shadow_chunks) have a second place (see the module docstring)
+        self.shadow_chunks = sum(1 for _, b in self.chunks if b <= shadow_elements)
+        self._side = [0] * len(self.chunks)            # 1: chunk i lives in its other place
+        self._pending: set[int] = set()                # written to the other place, not committed
         self.dtypes = dict(dtypes)
         most = max(b - a for a, b in self.chunks)
         self.slot_bytes = {k: round_up(most * dt.itemsize) for k, dt in self.dtypes.items()}
         self.files: dict[str, StateFile] = {}
         self.io = self.ring = None
         self._maps: dict | None = None                 # checkpoints: the files mapped (mapped_views)
-        self._prefetched: dict[int, object] = {}       # prefetch(): position -> reads in flight
+        self._prefetched: dict[int, object] = {}       # prefetch(): chunk -> its reads in flight
         self.prefetched_chunks = 0                     # (counted for tests and the curious)
         self._lock_fd, self._lock_path = None, os.path.join(config.path, f"{tag}.lock")
         self.reclaimed = self._lock(tag)
         try:
-            need = len(self.chunks) * sum(self.slot_bytes.values())
+            places = len(self.chunks) + self.shadow_chunks
+            need = places * sum(self.slot_bytes.values())
             st = os.statvfs(config.path)
             if st.f_bavail * st.f_frsize < need:
                 raise ConfigError(f"--optimizer-nvme-path {config.path} has {st.f_bavail * st.f_frsize / 2**30:.2f} GiB "
@@ -148,8 +159,7 @@ class NvmeStateStore:
                                   "or use a larger disk")
             self.io = AsyncFileIO(config.io_threads, min(config.block_bytes, max(self.slot_bytes.values())))
             for k in self.dtypes:
-                self.files[k] = StateFile(os.path.join(config.path, f"{tag}.{k}.bin"),
-                                          len(self.chunks) * self.slot_bytes[k])
+                self.files[k] = StateFile(os.path.join(config.path, f"{tag}.{k}.bin"), places * self.slot_bytes[k])
         except BaseException:
             self.close()
             raise
@@ -246,46 +256,84 @@ class NvmeStateStore:
                     del self._chunk_write[i]
         return True
 
-    def _write(self, slot: int, i: int) -> None:
-        req = self._transfer(self.io.write, slot, i, self.dtypes)
+    def _place(self, k: str, i: int, side: int) -> int:
+        """Byte offset of chunk i of state k in its file: its main place, or (side 1) its other one."""
+        return (i if side == 0 else len(self.chunks) + i) * self.slot_bytes[k]
+
+    def _read_side(self, i: int) -> int:
+        """Where chunk i's newest bytes are: a speculated write not yet committed is read back too."""
+        return 1 - self._side[i] if i in self._pending else self._side[i]
+
+    def _write(self, slot: int, i: int, shadow: bool = False) -> None:
+        if shadow:                                     # to the chunk's other place, until commit_shadow()
+            if i >= self.shadow_chunks:
+                raise ValueError(f"chunk {i} has no other place (the first {self.shadow_chunks} have)")
+            self._pending.add(i)
+        elif i in self._pending:
+            raise ValueError(f"chunk {i} holds an uncommitted speculated write: commit or discard it first")
+        side = 1 - self._side[i] if shadow else self._side[i]
+        req = self._transfer(self.io.write, slot, i, self.dtypes, side)
         self._slot_write[slot] = req
         self._chunk_write[i] = req
         self.written_bytes += sum(self._nbytes(i, k) for k in self.dtypes)
 
-    def stream(self, chunk_ids=None, kinds=None, write: bool = True):
-        """Yield (a, b, {state: view}) for each chunk (default: all, in order), its `kinds` (default:
-        every state) read from disk; with `write`, every state of the chunk is written back after the
-        caller's turn (so `kinds` must then be all). Reads run up to the ring's depth ahead."""
+    def commit_shadow(self) -> None:
+        """The speculated writes become the chunks' states (their old places become the other ones)."""
+        for i in self._pending:
+            self._side[i] ^= 1
+        self._pending.clear()
+
+    def discard_shadow(self) -> None:
+        """A rollback: forget the speculated writes; each chunk's state is again the one before them.
+        Reads issued ahead since may hold speculated bytes: they are dropped too."""
+        if self._pending:
+            self._drop_prefetch()
+            self._pending.clear()
+
+    def chunk_range(self, lo: int, hi: int) -> range:
+        """The chunks holding partition elements [lo, hi)."""
+        starts = [a for a, _ in self.chunks]
+        return range(bisect.bisect_right(starts, lo) - 1, bisect.bisect_left(starts, hi)) if hi > lo else range(0)
+
+    def stream(self, chunk_ids=None, kinds=None, write: bool = True, shadow: bool = False):
+        """Yield (a, b, {state: view}) for each chunk of `chunk_ids` (default: all, in order), its
+        `kinds` (default: every state) read from disk; with `write`, every state of the chunk is
+        written back after the caller's turn (so `kinds` must then be all), to its other place with
+        `shadow`. Reads run up to the ring's depth ahead; chunk i always uses ring slot i % depth, so
+        a pass over consecutive chunks takes the reads prefetch() started for them."""
         ids = list(range(len(self.chunks))) if chunk_ids is None else list(chunk_ids)
         kinds = tuple(self.dtypes) if kinds is None else tuple(kinds)
         if write and set(kinds) != set(self.dtypes):
             raise ValueError("a pass that writes back reads every state")
         K = len(self.ring)
-        reads: dict[int, object] = {}                  # position -> the reads in flight into its slot
-        if chunk_ids is None and write:                # the full pass prefetch() started: take its reads
-            reads, self._prefetched = self._prefetched, {}
-        else:
+        if ids == list(range(ids[0], ids[0] + len(ids))) if ids else True:
+            reads = self._take_prefetched(ids)         # chunk -> the reads in flight into its slot
+        else:                                          # (any order: tests) slots may collide, start clean
             self._drop_prefetch()
+            reads = {}
 
-        def issue(pos: int, block: bool) -> bool:
-            req = self._issue_read(pos % K, ids[pos], kinds, block)
+        def issue(i: int, block: bool) -> bool:
+            req = self._issue_read(i, kinds, block)
             if req is not None:
-                reads[pos] = req
+                reads[i] = req
             return req is not None
 
-        issued = len(reads)
         try:
             for pos, i in enumerate(ids):
-                if issued == pos:                      # this chunk's read must start now
-                    issue(pos, block=True)
-                    issued += 1
-                while issued < min(len(ids), pos + K) and issue(issued, block=False):
-                    issued += 1                        # read ahead as far as free slots allow
-                self._wait(reads.pop(pos))
+                if i not in reads:                     # this chunk's read must start now
+                    issue(i, block=True)
+                busy = {r % K for r in reads}          # slots holding a read of this pass
+                for j in ids[pos + 1:pos + K]:         # read ahead as far as free slots allow
+                    if j in reads:
+                        continue
+                    if j % K in busy or not issue(j, block=False):
+                        break
+                    busy.add(j % K)
+                self._wait(reads.pop(i))
                 a, b = self.chunks[i]
-                yield a, b, self._views(pos % K, i, kinds)
+                yield a, b, self._views(i % K, i, kinds)
                 if write:
-                    self._write(pos % K, i)
+                    self._write(i % K, i, shadow)
         finally:
             for req in reads.values():                 # a pass left early: nothing in flight into the ring
                 try:
@@ -293,9 +341,26 @@ class NvmeStateStore:
                 except Exception:              # noqa: BLE001 - the pass's own error is the one raised
                     pass
 
-    def _issue_read(self, slot: int, i: int, kinds, block: bool):
-        """Read chunk i's `kinds` into the slot once the slot's and the chunk's last writes are done
-        (without `block`: None if they are not yet)."""
+    def _take_prefetched(self, ids: list[int]) -> dict[int, object]:
+        """The prefetched reads of chunks in `ids` (a prefetch reads every state: any pass may use
+        them); those of later chunks stay for a later pass when their slots are not this pass's."""
+        pre, self._prefetched = self._prefetched, {}
+        mine, K = set(ids), len(self.ring)
+        slots = {i % K for i in ids}
+        taken = {}
+        for i, req in pre.items():
+            if i in mine:
+                taken[i] = req
+            elif i % K not in slots:
+                self._prefetched[i] = req
+            else:
+                self._quiet_wait(req)
+        return taken
+
+    def _issue_read(self, i: int, kinds, block: bool):
+        """Read chunk i's `kinds` into its ring slot once the slot's and the chunk's last writes are
+        done (without `block`: None if they are not yet)."""
+        slot = i % len(self.ring)
         if not self._free(slot, block):
             return None
         if i in self._chunk_write:                     # this chunk's last write is from another slot
@@ -303,46 +368,66 @@ class NvmeStateStore:
                 return None
             self._wait(self._chunk_write.pop(i))
         self.read_bytes += sum(self._nbytes(i, k) for k in kinds)
-        return self._transfer(self.io.read, slot, i, kinds)
+        return self._transfer(self.io.read, slot, i, kinds, self._read_side(i))
 
-    def _transfer(self, op, slot: int, i: int, kinds) -> Request:
-        """A Request for `op` (self.io.read or write) of chunk i's `kinds`: their files <-> ring slot `slot`."""
-        return Request.joined([op(self.files[k], i * self.slot_bytes[k], self.ring[slot][k][:self._nbytes(i, k)])
+    def _transfer(self, op, slot: int, i: int, kinds, side: int) -> Request:
+        """A Request for `op` (self.io.read or write) of chunk i's `kinds` at `side`: files <-> ring slot `slot`."""
+        return Request.joined([op(self.files[k], self._place(k, i, side), self.ring[slot][k][:self._nbytes(i, k)])
                                for k in kinds])
 
-    def prefetch(self) -> None:
-        """Start the next full pass's first reads now, into the ring slots whose writes are done: the
-        engine calls it when the last micro-batch's backward starts, so the disk works while the
-        device does (the reads do not depend on the gradients). Only the thread that runs the passes
-        calls it (the engine does for the synchronous schedule, not under --dpu)."""
-        if self._prefetched or self._maps is not None:
+    def prefetch(self, start: int = 0) -> None:
+        """Start the reads of chunks start, start + 1, ... now, into their ring slots while their writes
+        are done: the engine calls it when the last micro-batch's backward starts (and the overlap's
+        worker after each speculated pass), so the disk works while the device does (the reads do not
+        depend on the gradients). Only the thread that runs the passes calls it."""
+        if self._maps is not None:
             return
-        for pos in range(min(len(self.ring), len(self.chunks))):
-            req = self._issue_read(pos, pos, tuple(self.dtypes), block=False)
+        K = len(self.ring)
+        held = {i % K for i in self._prefetched}
+        for i in range(start, min(start + K, len(self.chunks))):
+            if i in self._prefetched:
+                continue
+            if i % K in held:                          # its slot holds another chunk's read
+                break
+            req = self._issue_read(i, tuple(self.dtypes), block=False)
             if req is None:
                 break
-            self._prefetched[pos] = req
+            self._prefetched[i] = req
+            held.add(i % K)
             self.prefetched_chunks += 1
 
+    @staticmethod
+    def _quiet_wait(req) -> None:
+        try:
+            req.wait()
+        except Exception:                      # noqa: BLE001 - the next full pass reads it again and finds it
+            pass
+
     def _drop_prefetch(self) -> None:
-        """Wait for prefetched reads nobody will use (a checkpoint, a partial pass): their errors are
-        the next full pass's to find."""
+        """Wait for prefetched reads nobody will use (a checkpoint, a rollback): their errors are the
+        next pass's to find."""
         reads, self._prefetched = self._prefetched, {}
         for req in reads.values():
-            try:
-                req.wait()
-            except Exception:                  # noqa: BLE001 - see the docstring
-                pass
+            self._quiet_wait(req)
 
-    def update(self, run, segments, master, grad, out, prefetch_after: bool = False) -> None:
-        """The engine's CPU step as one pass: run(master, grad, exp_avg, exp_avg_sq, segments, out, False)
-        on each chunk's slices, the segments clipped and shifted to the chunk (`master`: the partition's
-        in memory, or None when it is on disk). prefetch_after (--dpu's worker, off the critical path):
-        then let the writes land and start the next pass's first reads."""
-        for lo, hi, st in self.stream():
+    def update(self, run, segments, master, grad, out, prefetch_after: bool = False, shadow: bool = False) -> None:
+        """The engine's CPU step over `segments` (consecutive, covering a range of the partition) as
+        one pass over the chunks holding them: run(master, grad, exp_avg, exp_avg_sq, segments, out,
+        False) on each chunk's slices, the segments clipped and shifted to the chunk (`master`: the
+        partition's in memory, or None when it is on disk; `out` may be a prefix of the partition
+        holding the segments). shadow: --overlap-cpu-step's speculated update, written to the chunks'
+        other places (the segments' range must then be whole chunks), then the next chunks' reads
+        started. prefetch_after (--dpu's worker, off the critical path): then let the writes land and
+        start the next pass's first reads."""
+        ids = self.chunk_range(segments[0][0], segments[-1][1]) if segments else range(0)
+        if shadow and ids and (self.chunks[ids[0]][0] != segments[0][0] or self.chunks[ids[-1]][1] != segments[-1][1]):
+            raise ValueError("a speculated update covers whole chunks")
+        for lo, hi, st in self.stream(ids, shadow=shadow):
             segs = [(max(s, lo) - lo, min(e, hi) - lo, *rest) for s, e, *rest in segments if s < hi and e > lo]
             run(st.get("master", master[lo:hi] if master is not None else None), grad[lo:hi], st["exp_avg"],
                 st["exp_avg_sq"], segs, out[lo:hi], False)
+        if shadow and ids:
+            self.prefetch(ids[-1] + 1)
         if prefetch_after:
             self.drain()
             self.prefetch()
@@ -385,6 +470,8 @@ class NvmeStateStore:
         """Each state's chunks as tensors over a shared mapping of its file: a checkpoint reads from or
         writes into them in place, through the page cache (the kernel's to evict), never a copy of the
         states in process memory. After writing call resync(). Waits for the writes in flight first."""
+        if self._pending:
+            raise RuntimeError("the states hold an uncommitted speculated update: commit or discard it first")
         self._drop_prefetch()
         self.drain()
         if self._maps is None:
@@ -399,7 +486,8 @@ class NvmeStateStore:
         out = {}
         for k, (_, t) in self._maps.items():
             dt, slot = self.dtypes[k], self.slot_bytes[k]
-            out[k] = [t[i * slot:i * slot + (b - a) * dt.itemsize].view(dt) for i, (a, b) in enumerate(self.chunks)]
+            out[k] = [t[self._place(k, i, self._side[i]):][:(b - a) * dt.itemsize].view(dt)
+                      for i, (a, b) in enumerate(self.chunks)]
         return out
 
     def fragment_views(self, fragments, in_memory: dict[str, torch.Tensor]):
@@ -430,7 +518,7 @@ class NvmeStateStore:
             f = self.files[k]
             with memoryview(mm) as whole:
                 for i in range(len(self.chunks)):
-                    off, n = i * self.slot_bytes[k], self._nbytes(i, k)
+                    off, n = self._place(k, i, self._side[i]), self._nbytes(i, k)
                     for s in range(0, n, B):
                         block = whole[off + s:off + min(n, s + B)]
                         f.crc[off + s] = (len(block), zlib.crc32(block))

@@ -185,8 +185,11 @@ class DelayedSchedule(SynchronousSchedule):
         engine._phases.append(("cpu_step_wait", t0, time.monotonic()))
         if self.diagnostics is not None:
             self.diagnostics.after_join(engine, from_step=predicted)
-        if self.weight_prediction and not predicted:
-            engine._params[k].copy_(engine.master)
+        if self.weight_prediction and not predicted:       # the exact master, not the predicted copy
+            if engine.master is not None:
+                engine._params[k].copy_(engine.master)
+            else:                                        # --optimizer-nvme-master: read from disk
+                engine._nvme.copy_master_to(engine._params[k])
         engine._params_to_device(k)
         if engine._params[0] is engine._params[-1] and len(engine._params) > 1:
             # One 16-bit output buffer shared by both sets: the next update may overwrite it only
@@ -233,6 +236,12 @@ class SpeculativeSchedule(SynchronousSchedule):
     two moments [+ the 16-bit parameters]), the planner's `overlap_rollback` line
     (planner.memory.overlap_rollback_host_bytes).
 
+    With the states on disk (--optimizer-nvme-path) the units speculated are the store's chunks, not
+    the segments: each speculated chunk is read, updated and written to its other place on disk
+    (nvme_store.py's shadow slots), so the state before the step stays where it was; a commit moves
+    the chunks to their new places, a rollback forgets them. The backup then holds only what lives
+    in memory (the master, unless --optimizer-nvme-master): the rollback costs disk, not host memory.
+
     At the end of backward the main thread takes back the buckets the worker has not started
     (their accumulation into the host accumulator runs there; their update waits for the
     validation, in place and unspeculated): after backward, speculating would only add the
@@ -253,13 +262,20 @@ class SpeculativeSchedule(SynchronousSchedule):
             raise ValueError(f"the speculated fraction must be in (0, 1] (got {fraction!r})")
         self.worker, self._own_worker = new_worker(engine.device, worker)
         self.budget = math.floor(fraction * engine._cut)       # elements the backup holds
-        segs = engine._host_segments
-        self.limit = 0                                         # segments [0, limit) may be speculated
-        while self.limit < len(segs) and segs[self.limit][1] <= self.budget:
+        # The units speculated whole: the partition's segments; with the states on disk its chunks
+        # (nvme_store.py: one read and one write per chunk and step, as the synchronous pass), whose
+        # cuts the kernel's result does not depend on either.
+        nvme = engine._nvme
+        self.units = [s[:2] for s in engine._host_segments] if nvme is None else nvme.chunks
+        self.limit = 0                                         # units [0, limit) may be speculated
+        while self.limit < len(self.units) and self.units[self.limit][1] <= self.budget:
             self.limit += 1
+        if nvme is not None:
+            self.limit = min(self.limit, nvme.shadow_chunks)  # (equal: the store was cut for this budget)
         n = self.budget
-        self.backup = (torch.empty(n, dtype=engine.master.dtype), torch.empty(n, dtype=engine.exp_avg.dtype),
-                       torch.empty(n, dtype=engine.exp_avg_sq.dtype))
+        # The rollback backup holds the prefix's states that live in memory; those on disk keep their
+        # state before the step in the chunks' other places (nvme_store.py's shadow slots).
+        self.backup = tuple(torch.empty(n, dtype=t.dtype) for t in _live_state(engine))
         # Where the synchronous kernel writes the parameters over the gradient it reads (and the
         # update reads that gradient, not the host accumulator), speculated parameters go apart.
         aliased = any(p.data_ptr() == g.data_ptr() for p, g in zip(engine._params, engine._grads))
@@ -283,13 +299,19 @@ class SpeculativeSchedule(SynchronousSchedule):
         self._next_seg = 0                  # the first host segment not yet speculated
         self._race: list = []               # race_check: (name, view, snapshot) to verify at the join
 
+    def _done_end(self) -> int:
+        """The end of the speculated prefix of the partition (0: nothing speculated)."""
+        return self.units[self.done[-1]][1] if self.done else 0
+
     def _restore(self, engine) -> None:
-        """Rollback: the segments done get their state from before the step back."""
+        """Rollback: the units done get their state from before the step back."""
         if not self.done:
             return
-        hi = engine._host_segments[self.done[-1]][1]
+        hi = self._done_end()
         for live, kept in zip(_live_state(engine), self.backup):
             live[:hi].copy_(kept[:hi])
+        if engine._nvme is not None:
+            engine._nvme.discard_shadow()
 
     def on_backward_start(self, engine, last_micro_batch: bool) -> None:
         if not last_micro_batch or self.active or not self.limit:
@@ -321,33 +343,33 @@ class SpeculativeSchedule(SynchronousSchedule):
 
     @torch.no_grad()
     def _speculate(self, engine, bucket, handle) -> None:
-        """Worker: the shard home and accumulated, then every segment of the prefix that is now
-        complete (segments never straddle a call): back up its state, update it in place."""
+        """Worker: the shard home and accumulated, then every unit of the prefix that is now
+        complete (units never straddle a call): back up its state, update it in place."""
         landed = self._accumulate(engine, bucket, handle)
-        segs = engine._host_segments
         j0 = j = self._next_seg
-        while j < self.limit and segs[j][1] <= landed:
+        while j < self.limit and self.units[j][1] <= landed:
             j += 1
         if j == j0:
             return
         t0 = time.monotonic()                   # the phase is the worker's work, not its wait
         step, (lr, decoupled_lr), grad_scale, _ = self.args
-        lo, hi = segs[j0][0], segs[j - 1][1]
+        lo, hi = self.units[j0][0], self.units[j - 1][1]
         for live, kept in zip(_live_state(engine), self.backup):
             kept[lo:hi].copy_(live[lo:hi])
         self._next_seg = j
         grad = engine._update_grad()
-        engine._cpu_update(engine._cur, grad, step, lr, grad_scale, segments=segs[j0:j], phase=None, out=self.params,
-                           decoupled_lr=decoupled_lr)
+        engine._cpu_update(engine._cur, grad, step, lr, grad_scale, segments=_clip(engine._host_segments, lo, hi),
+                           phase=None, out=self.params, decoupled_lr=decoupled_lr, speculated=True)
         self.done.extend(range(j0, j))
         self.buckets += 1
         if engine.race_check:   # what the kernel read and wrote must not change until the join
-            named = (("gradient", grad), ("kept master", self.backup[0]), ("kept exp_avg", self.backup[1]),
-                     ("kept exp_avg_sq", self.backup[2]), ("master", engine.master), ("exp_avg", engine.exp_avg),
+            kept = [(f"kept {name}", t) for name, t in zip(("master", "exp_avg", "exp_avg_sq"), self.backup)]
+            named = (("gradient", grad), *kept, ("master", engine.master), ("exp_avg", engine.exp_avg),
                      ("exp_avg_sq", engine.exp_avg_sq),
                      ("staged parameters", engine._params[engine._cur] if self.params is None else self.params))
             for name, t in named:
-                self._race.append((name, lo, t[lo:hi], t[lo:hi].clone()))
+                if t is not None:               # (states on disk: their chunks' other places hold them)
+                    self._race.append((name, lo, t[lo:hi], t[lo:hi].clone()))
         engine._phases.append(("cpu_step_speculated", t0, time.monotonic()))
 
     def before_norm(self, engine) -> None:
@@ -409,13 +431,15 @@ class SpeculativeSchedule(SynchronousSchedule):
         if engine._tail is not None:        # the device part needs no speculation
             engine._tail.step(engine.step_count, lr, clip_coef / scale, decoupled_lr)
         # A redo updates every segment from the restored state; a commit the segments after the
-        # speculated ones (done is a prefix: buckets land in order). Both in place.
-        rest = None if rollback else engine._host_segments[len(done):]
+        # speculated units (done is a prefix: buckets land in order). Both in place.
+        end = self.units[done[-1]][1] if done else 0
+        if not rollback and done and engine._nvme is not None:
+            engine._nvme.commit_shadow()            # the speculated chunks' new places become theirs
+        rest = None if rollback else _clip(engine._host_segments, end, engine._cut)
         if rest is None or rest:
             engine._cpu_update(k, engine._update_grad(), engine.step_count, lr, clip_coef / scale, segments=rest,
                                decoupled_lr=decoupled_lr)
-        prefix = None if rollback or self.params is None or not done else \
-            self.params[:engine._host_segments[done[-1]][1]]
+        prefix = None if rollback or self.params is None or not done else self.params[:end]
         engine._params_to_device(k, prefix=prefix)
         return StepResult(False, grad_norm, clip_coef, scale, speculated_buckets=speculated,
                           rolled_back_buckets=speculated if rollback else 0)
@@ -467,4 +491,11 @@ def select_worker_device(device: torch.device) -> None:
 
 
 def _live_state(engine) -> tuple:
-    return engine.master, engine.exp_avg, engine.exp_avg_sq
+    """The states a rollback backs up: those in memory (with --optimizer-nvme-path the moments, and
+    with --optimizer-nvme-master the master, live on disk: None here), in the order master, moments."""
+    return tuple(t for t in (engine.master, engine.exp_avg, engine.exp_avg_sq) if t is not None)
+
+
+def _clip(segments, lo: int, hi: int) -> list:
+    """The engine's host segments (start, end, ...) cut to the partition range [lo, hi)."""
+    return [(max(s, lo), min(e, hi), *rest) for s, e, *rest in segments if s < hi and e > lo]

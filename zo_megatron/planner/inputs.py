@@ -106,6 +106,7 @@ class PlanInput:
     nvme_master: bool = False  # --optimizer-nvme-master: the fp32 master in files too
     nvme_buffer_count: int = 4  # --optimizer-nvme-buffer-count: I/O buffers in the ring
     nvme_buffer_size: int = 1 << 24  # --optimizer-nvme-buffer-size: partition elements per buffer
+    nvme_disk_free_bytes: int | None = None  # free space where the states go (the job's statvfs); None: unknown
 
     def ffn(self) -> int:
         return default_ffn_size(self.hidden_size, self.swiglu) if self.ffn_hidden_size is None \

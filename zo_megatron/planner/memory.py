@@ -452,7 +452,8 @@ def _offload_model_states(inp: PlanInput, psi_pad: int, part: int, chunk: int, V
     if inp.overlap_cpu_step and inp.overlap_speculated_fraction > 0:
         host_gpu["overlap_rollback"] = overlap_rollback_host_bytes(
             part, w, wh, opt_b, inp.overlap_speculated_fraction,
-            inp.grad_accum_steps > 1 and inp.accumulate_on_host)
+            inp.grad_accum_steps > 1 and inp.accumulate_on_host, moments_on_disk=inp.nvme_states,
+            master_on_disk=inp.nvme_master)
     if inp.dpu:                       # the second landing set: gradients [+ fp32 accumulator]
         host_gpu["dpu_pending_grad"] = wh * part + (
             4 * part if inp.grad_accum_steps > 1 and inp.accumulate_on_host else 0)
@@ -464,14 +465,18 @@ def nvme_bytes(inp: PlanInput, part: int, opt_b: int) -> tuple[int, int]:
     host partition of `part` elements (offload/nvme_store.py): each state's chunk is padded to 4 KiB;
     the ring has min(count, chunks) buffers, each one chunk of every state on disk. Exact for the ring
     when the partition holds at least `count` chunks (one chunk when it fits in one buffer); the disk
-    bytes count ceil(part / size) chunks (the store may cut a few more, smaller ones)."""
+    bytes count ceil(part / size) chunks (the store may cut a few more, smaller ones), plus, with
+    --overlap-cpu-step, a second place for each chunk within the speculated share (the rollback's
+    state on disk: nvme_store.py's shadow slots; the store counts the chunks that end within it)."""
     if not (inp.zero_offload and inp.nvme_states) or part <= 0:
         return 0, 0
     sizes = [opt_b, opt_b] + ([4] if inp.nvme_master else [])
     chunk = min(inp.nvme_buffer_size, part)
     slot = sum(-(-chunk * b // 4096) * 4096 for b in sizes)
     chunks = -(-part // chunk)
-    return min(inp.nvme_buffer_count, chunks) * slot, chunks * slot
+    shadow = math.floor(inp.overlap_speculated_fraction * part) // chunk \
+        if inp.overlap_cpu_step and inp.overlap_speculated_fraction > 0 else 0
+    return min(inp.nvme_buffer_count, chunks) * slot, (chunks + shadow) * slot
 
 
 def _device_model_states(inp: PlanInput, psi: int, opt_b: int) -> dict[str, int]:
@@ -489,15 +494,19 @@ def _device_model_states(inp: PlanInput, psi: int, opt_b: int) -> dict[str, int]
 
 
 def overlap_rollback_host_bytes(part: int, param_bytes: int, host_grad_bytes: int, state_bytes: int,
-                                fraction: float = 1.0, accumulate_on_host: bool = False) -> int:
+                                fraction: float = 1.0, accumulate_on_host: bool = False,
+                                moments_on_disk: bool = False, master_on_disk: bool = False) -> int:
     """--overlap-cpu-step's extra host bytes for a host partition of `part` elements of which
     `fraction` is speculated (offload/schedules.SpeculativeSchedule): the rollback backup of the
     fp32 master + both moments of that prefix, and its own 16-bit parameter buffer where the
     parameters would otherwise be written over the gradient the update reads (the gradient must
-    survive for the norm and a redo). Equals the engine's accounting.host_overlap_bytes."""
+    survive for the norm and a redo). States on disk (--optimizer-nvme-path, -master) keep their
+    rollback state on disk (nvme_bytes' second places), not here. Equals the engine's
+    accounting.host_overlap_bytes."""
     n = math.floor(fraction * part)
     aliased = host_grad_bytes == param_bytes and not accumulate_on_host
-    return n * (4 + 2 * state_bytes) + (param_bytes * n if aliased else 0)
+    backup = (0 if master_on_disk else 4) + (0 if moments_on_disk else 2 * state_bytes)
+    return n * backup + (param_bytes * n if aliased else 0)
 
 
 def overlap_full_bytes_per_rank(inp: PlanInput) -> int:
@@ -513,20 +522,29 @@ def solve_overlap_fraction(inp: PlanInput, budget_bytes_per_rank: int | None = N
     fit. An explicit budget (--overlap-cpu-step-memory): the share it holds, at most 1 (whether the
     run then fits is the plan's verdict)."""
     full = overlap_full_bytes_per_rank(inp)
-    if full <= 0:
+    free_rollback = full <= 0 and inp.zero_offload and inp.nvme_states   # all of it on disk, none in memory
+    if full <= 0 and not free_rollback:
         return 0.0
     if budget_bytes_per_rank is not None:
-        return math.floor(min(1.0, budget_bytes_per_rank / full) * 100) / 100
+        return 1.0 if free_rollback else math.floor(min(1.0, budget_bytes_per_rank / full) * 100) / 100
     base = _try(inp.replace(overlap_cpu_step=False))
-    if base is None or not base.fits:
+    if base is None or not base.fits or not _fits_disk(base):
         return 0.0
-    f = math.floor(min(1.0, _free_host_bytes(base) / (full * base.ranks_per_node)) * 100) / 100
+    f = 1.0 if free_rollback else \
+        math.floor(min(1.0, _free_host_bytes(base) / (full * base.ranks_per_node)) * 100) / 100
     while f > 0:              # the 1% grid and the partition's rounding: step down until it fits
         p = _try(inp.replace(overlap_cpu_step=True, overlap_speculated_fraction=f))
-        if p is not None and p.fits:
+        if p is not None and p.fits and _fits_disk(p):
             return f
         f = round(f - 0.01, 2)
     return 0.0
+
+
+def _fits_disk(p: Plan) -> bool:
+    """The state files (with the overlap's second places) fit the free space the job measured on
+    --optimizer-nvme-path (unknown: estimate_memory plans without the directory)."""
+    free = p.input.nvme_disk_free_bytes
+    return free is None or p.disk_bytes_per_node <= free
 
 
 OVERLAP_MODES = ("auto", "full", "memory", "off")
@@ -552,6 +570,11 @@ def resolve_overlap(inp: PlanInput, mode: str | None, budget_bytes_per_rank: int
         return 0.0, f"CPU step overlap off ({why})"
     full = overlap_full_bytes_per_rank(inp)
     need = f"all of it would take {format_bytes(full)}/rank"
+    if inp.zero_offload and inp.nvme_states:            # the rollback state of the states on disk: on disk
+        disk = _try(inp.replace(overlap_cpu_step=True, overlap_speculated_fraction=1.0))
+        none = _try(inp.replace(overlap_cpu_step=False))
+        if disk is not None and none is not None:
+            need += f" + {format_bytes(disk.disk_bytes_per_node - none.disk_bytes_per_node)} of disk per node"
     if mode == "full":
         return 1.0, f"--overlap-cpu-step: the whole partition speculated ({need})"
     f = solve_overlap_fraction(inp, budget_bytes_per_rank if mode == "memory" else None)

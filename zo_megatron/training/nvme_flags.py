@@ -29,7 +29,8 @@ def add_nvme_flags(g) -> None:
 
 
 def check_nvme_flags(args) -> None:
-    """One line per conflict; turns the default --overlap-cpu-step auto off with the tier."""
+    """One line per conflict. The CPU-step overlap resolves with the tier as without it (the planner
+    counts its rollback state: the chunks' other places on disk, the in-memory master's backup)."""
     if args.optimizer_nvme_path is None:
         for flag in ("master", "buffer_count", "buffer_size"):
             if f"optimizer_nvme_{flag}" in getattr(args, "given", ()):
@@ -38,14 +39,9 @@ def check_nvme_flags(args) -> None:
         return
     if not args.zero_offload:
         raise ConfigError("--optimizer-nvme-path puts the CPU optimizer's states on disk: add --zero-offload")
-    refused = (("--overlap-cpu-step", args.overlap_cpu_step in ("full", "memory")),
-               ("--optimizer-offload-fraction auto (give the share)", args.optimizer_offload_fraction == "auto"),
-               ("--dpu-weight-prediction with --optimizer-nvme-master",
-                getattr(args, "dpu_weight_prediction", False) and args.optimizer_nvme_master))
-    for flag, bad in refused:
-        if bad:
-            raise ConfigError(f"--optimizer-nvme-path cannot be combined with {flag} yet (issue 38): drop one")
-    args.overlap_cpu_step = "off" if args.overlap_cpu_step in (None, "auto") else args.overlap_cpu_step
+    if args.optimizer_offload_fraction == "auto":
+        raise ConfigError("--optimizer-nvme-path cannot be combined with --optimizer-offload-fraction auto yet "
+                          "(issue 38): give the share")
     nvme_config(args).check(need_dir=False)     # the directory: check_nvme_space, before launch
 
 

@@ -86,6 +86,10 @@ def job_plan(args, env, dp: int, vocab_size: int, host_bytes: int | None = None,
     from zo_megatron.planner import plan, resolve_overlap
 
     inp = job_plan_input(args, env, dp, vocab_size, host_bytes, device_bytes)
+    path = getattr(args, "optimizer_nvme_path", None)
+    if path is not None and os.path.isdir(path):        # the overlap's auto share also fits the disk
+        st = os.statvfs(path)
+        inp = inp.replace(nvme_disk_free_bytes=st.f_bavail * st.f_frsize)
     # --overlap-cpu-step as typed (None, auto, full, memory, off), kept apart from its resolution
     mode = getattr(args, "overlap_cpu_step_mode", args.overlap_cpu_step)
     args.overlap_cpu_step_mode = mode
