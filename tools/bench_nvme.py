@@ -26,7 +26,13 @@ step and the seconds the CPU step waited for the disk (the job's own JSONL), the
 around the arm (the machine may be shared: the numbers are as noisy as the load says), and the
 seconds the disk's ceiling (measured first, as above) needs for the step's bytes.
 
+--checksum: the tier's block checksum alone, on one thread: zlib.crc32 (the tier's checksum without
+the extension) and each path of cpu_adam.crc32c (sse4.2, software), GB/s over a --checksum-mib buffer
+and over the 4 MiB blocks the tier checksums, the best of --passes. The pass and the jobs report the
+checksum their state files used (`checksum`: crc32c or zlib; ZO_NVME_CHECKSUM=zlib forces zlib's).
+
   python tools/bench_nvme.py --job --dir /nvme/tmp --num-layers 8 --hidden-size 512 --seq-length 32
+  python tools/bench_nvme.py --checksum
 
   python tools/bench_nvme.py --dir /nvme/tmp                      # 1 GiB ceiling, 64M elements
   python tools/bench_nvme.py --dir /nvme/tmp --elements 16M --passes 2 --json out.json
@@ -48,7 +54,7 @@ import torch  # noqa: E402
 
 from zo_megatron.errors import UserError  # noqa: E402
 from zo_megatron.offload import cpu_adam  # noqa: E402
-from zo_megatron.offload.nvme_io import AsyncFileIO, StateFile, aligned_empty  # noqa: E402
+from zo_megatron.offload.nvme_io import AsyncFileIO, StateFile, aligned_empty, checksum_kind  # noqa: E402
 from zo_megatron.offload.nvme_store import NvmeConfig, NvmeStateStore  # noqa: E402
 
 STATES = {"master": torch.float32, "exp_avg": torch.float32, "exp_avg_sq": torch.float32}
@@ -209,7 +215,46 @@ def machine() -> dict:
                                 cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         commit = None
-    return {"cpu": model, "cores": os.cpu_count(), "commit": commit, "cpu_adam_threads": cpu_adam.get_num_threads()}
+    return {"cpu": model, "cores": os.cpu_count(), "commit": commit, "cpu_adam_threads": cpu_adam.get_num_threads(),
+            "checksum": checksum_kind(), "load_average": list(os.getloadavg())}
+
+
+def checksums(mib: int, block_mib: int, reps: int) -> dict:
+    """GB/s of each checksum function on one thread, over one `mib` buffer and over its `block_mib` blocks."""
+    import zlib
+    buf = torch.randint(0, 256, (mib << 20,), dtype=torch.uint8)
+    view = memoryview(buf.numpy())
+    B = block_mib << 20
+    # for reference, the memory's own pace: a plain read of the same bytes (torch's int64 sum, one thread)
+    funcs = {"read (int64 sum)": lambda v: torch.frombuffer(v, dtype=torch.int64).sum(), "zlib.crc32": zlib.crc32}
+    if cpu_adam.has_crc32c():
+        for impl in cpu_adam._ext.crc32c_impls():
+            def run(v, impl=impl):
+                cpu_adam._set_crc32c_impl(impl)
+                return cpu_adam.crc32c(v)
+            funcs[f"crc32c {impl}"] = run
+    out = {"bytes": len(view), "block_bytes": B, "repeats": reps, "gbps": {}, "blocks_gbps": {}}
+    default = cpu_adam._ext.crc32c_impl() if cpu_adam.has_crc32c() else None
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for name, f in funcs.items():
+            whole, blocks = [], []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                f(view)
+                t1 = time.perf_counter()
+                for s in range(0, len(view), B):
+                    f(view[s:s + B])
+                blocks.append(time.perf_counter() - t1)
+                whole.append(t1 - t0)
+            out["gbps"][name] = len(view) / min(whole) / 1e9
+            out["blocks_gbps"][name] = len(view) / min(blocks) / 1e9
+    finally:
+        torch.set_num_threads(torch_threads)
+        if default is not None:
+            cpu_adam._set_crc32c_impl(default)
+    return out
 
 
 def main(argv=None) -> int:
@@ -224,6 +269,8 @@ def main(argv=None) -> int:
     ap.add_argument("--passes", type=int, default=3, help="CPU steps timed (the best is reported)")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--json", default=None, help="also write the result here")
+    ap.add_argument("--checksum", action="store_true", help="time the block checksum functions instead (one thread)")
+    ap.add_argument("--checksum-mib", type=int, default=64, help="MiB of the --checksum buffer")
     g = ap.add_argument_group("--job: whole training jobs with and without the tier")
     g.add_argument("--job", action="store_true", help="time pretrain_gpt.py's steps per arm instead of the pass")
     g.add_argument("--num-layers", type=int, default=8)
@@ -240,6 +287,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.job:
         return main_job(args)
+    if args.checksum:
+        return main_checksum(args)
     try:
         with tempfile.TemporaryDirectory(dir=args.dir) as d:
             res = {"machine": machine(), "dir": args.dir or d}
@@ -268,6 +317,23 @@ def main(argv=None) -> int:
           "states bitwise equal")
     if args.json:
         with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+def main_checksum(a) -> int:
+    res = {"machine": machine(), "mode": "checksum"}
+    res["checksum"] = c = checksums(a.checksum_mib, a.block_mib, a.passes)
+    res["machine"]["load_average_after"] = list(os.getloadavg())
+    m = res["machine"]
+    print(f"bench_nvme --checksum: {m['cpu']}, commit {m['commit']}, one thread, best of {a.passes}, load "
+          f"{m['load_average'][0]:.2f}-{m['load_average_after'][0]:.2f}")
+    base = c["gbps"]["zlib.crc32"]
+    for name, gbps in c["gbps"].items():
+        print(f"  {name:18s} {gbps:6.2f} GB/s over {c['bytes'] >> 20} MiB ({gbps / base:4.1f}x zlib), "
+              f"{c['blocks_gbps'][name]:6.2f} GB/s in {c['block_bytes'] >> 20} MiB blocks")
+    if a.json:
+        with open(a.json, "w") as f:
             json.dump(res, f, indent=1)
     return 0
 
