@@ -241,7 +241,7 @@ class ZeroOffloadEngine(EngineState):
             if cut < L.host_numel else None
         # --optimizer-nvme-path: the moments (and with --optimizer-nvme-master the master) live in
         # files instead (None here), streamed through the store's ring for each CPU step.
-        on_disk = {} if self.nvme_config is None else {
+        on_disk = {} if self.nvme_config is None or cut == 0 else {     # (cut 0: nothing on the host)
             "exp_avg": state_dtype, "exp_avg_sq": state_dtype, **({"master": torch.float32} if self.nvme_config.master else {})}
         if on_disk:
             tag = self._nvme_tag or f"zo_optimizer.tp{self.tp_rank}.dp{self.dp_rank}"

@@ -39,9 +39,6 @@ def check_nvme_flags(args) -> None:
         return
     if not args.zero_offload:
         raise ConfigError("--optimizer-nvme-path puts the CPU optimizer's states on disk: add --zero-offload")
-    if args.optimizer_offload_fraction == "auto":
-        raise ConfigError("--optimizer-nvme-path cannot be combined with --optimizer-offload-fraction auto yet "
-                          "(issue 38): give the share")
     nvme_config(args).check(need_dir=False)     # the directory: check_nvme_space, before launch
 
 
@@ -77,8 +74,10 @@ def nvme_config(args) -> NvmeConfig | None:
 def nvme_banner_lines(args, optimizer) -> list[str]:
     """The banner's lines for the tier: what lives where, the ring, the I/O mode; a RAM-backed DIR warned."""
     store = getattr(optimizer, "_nvme", None)
-    if store is None:
-        return []
+    if store is None:        # --optimizer-offload-fraction 0 (or auto's 0): no optimizer state on the host
+        return [f" optimizer states on disk: none, the whole optimizer is on the device (--optimizer-offload-fraction "
+                f"{args.optimizer_offload_fraction:g}): {args.optimizer_nvme_path} is not used"] \
+            if args.optimizer_nvme_path is not None and getattr(optimizer, "offload_fraction", None) == 0 else []
     from zo_megatron.training.metrics import human_bytes
 
     states = ", ".join(("fp32 master" if k == "master" else f"{k} ({args.exp_avg_dtype})") for k in store.dtypes)
