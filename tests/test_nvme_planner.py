@@ -121,3 +121,31 @@ def test_the_overlaps_rollback_state_of_the_states_on_disk_is_on_disk():
                 ).disk_bytes_per_node > short
     f, why = resolve_overlap(free_host.replace(nvme_disk_free_bytes=none - 1), "auto")
     assert f == 0.0, why
+
+
+def test_the_set_up_peak_is_planned_where_it_binds():
+    """Each rank builds its model on the host in fp32 and the engine places it while the master, the
+    ring and (on a GPU) the pinned staging exist: with the master on disk that is above training's
+    host lines. Written out here: ranks x (4 B x the rank's parameters + those lines) + the process and
+    OS lines; a host that holds training but not the set-up is refused, naming the set-up. In memory at
+    DP 1 the set-up stays below training (no extra line)."""
+    rng = random.Random(fresh_seed("nvme set-up peak"))
+    base = PlanInput(num_layers=rng.choice([24, 32]), hidden_size=rng.choice([2048, 4096]), num_attention_heads=32,
+                     vocab_size=50257, seq_length=2048, data_parallel=1, micro_batch_size=1, precision="bf16",
+                     gpus_per_node=1, zero_offload=True, gpu_memory_bytes=80 << 30, host_memory_bytes_per_node=2 << 40,
+                     recompute=True)
+    mem = plan(base)
+    assert mem.host_setup_bytes_per_node < mem.host_bytes_per_node           # in memory: training binds
+    assert not any(r.startswith("host at set-up") for r in mem.reasons)
+    tier = base.replace(nvme_states=True, nvme_master=True)
+    p = plan(tier)
+    psi = p.params_per_tp_rank
+    held = p.host_items["grad_param_staging_16bit"] + p.host_items["nvme_io_ring"]
+    other = p.host_items["process_overhead"] + p.host_items["os_reserve"]
+    assert p.host_setup_bytes_per_node == 4 * psi + held + other > p.host_bytes_per_node
+    line = next(r for r in p.reasons if r.startswith("host at set-up"))
+    assert "(OK)" in line and p.fits
+    between = (p.host_bytes_per_node + p.host_setup_bytes_per_node) // 2      # holds training, not the set-up
+    short = plan(tier.replace(host_memory_bytes_per_node=between, host_reserve_bytes=p.host_items["os_reserve"]))
+    assert not short.fits and not short.fits_host and short.host_bytes_per_node <= between
+    assert any(r.startswith("host at set-up") and "OVER" in r for r in short.reasons), short.reasons

@@ -327,6 +327,7 @@ class Plan:
     fits_device: bool
     fits_host: bool
     disk_bytes_per_node: int = 0  # --optimizer-nvme-path: the state files of the node's ranks
+    host_setup_bytes_per_node: int = 0  # while the engine is built: every rank's fp32 model + what it allocates
     # mixture of experts (0 for a dense model)
     params_active: int = 0  # what one token uses: the top-k routed experts per MoE layer (= total when dense)
     params_experts_total: int = 0  # every routed expert of every MoE layer

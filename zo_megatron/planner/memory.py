@@ -335,6 +335,14 @@ def _compute(inp: PlanInput, bucket_overfill: bool = True) -> Plan:
     if disk_node:
         reasons.append(f"disk (--optimizer-nvme-path): {format_bytes(disk_node)} per node of optimizer states "
                        f"({per_node} ranks; checked against the directory's free space at launch)")
+    setup = _setup_host_bytes(inp, host_gpu, sum(n for _, _, n, _ in groups), per_node) if inp.zero_offload else 0
+    if setup > host_total:     # the set-up peak binds (the tier, with few bytes per parameter left on the host)
+        ok = setup <= inp.host_memory_bytes_per_node
+        reasons.append(f"host at set-up: {format_bytes(setup)} per node of {format_bytes(inp.host_memory_bytes_per_node)}"
+                       f" ({per_node} ranks each holding its model in fp32 while the engine places it) "
+                       + ("(OK)" if ok else f"(OVER by {format_bytes(setup - inp.host_memory_bytes_per_node)}: "
+                                            "raise TP or put fewer ranks on a node)"))
+        fits_host = fits_host and ok
     fits = fits_device and fits_host
     if inp.device_is_host:
         unified = device_total * per_node + host_total
@@ -364,7 +372,7 @@ def _compute(inp: PlanInput, bucket_overfill: bool = True) -> Plan:
                 replicated_params_per_tp_rank=counts["replicated_per_tp_rank"],
                 vocab_size_padded=V_pad, world_size=world, num_nodes=nodes,
                 ranks_per_node=per_node, fits_device=fits_device, fits_host=fits_host,
-                disk_bytes_per_node=disk_node, params_active=counts["active"],
+                disk_bytes_per_node=disk_node, host_setup_bytes_per_node=setup, params_active=counts["active"],
                 params_experts_total=counts["experts_total"], params_expert_per_rank=counts["expert_per_rank"],
                 experts_per_ep_rank=moe.local_experts if moe is not None else 0)
 
@@ -458,6 +466,24 @@ def _offload_model_states(inp: PlanInput, psi_pad: int, part: int, chunk: int, V
         host_gpu["dpu_pending_grad"] = wh * part + (
             4 * part if inp.grad_accum_steps > 1 and inp.accumulate_on_host else 0)
     return dev, host_gpu
+
+
+def _setup_host_bytes(inp: PlanInput, host_gpu: dict[str, int], model_numel: int, per_node: int) -> int:
+    """Host bytes per node at the engine's set-up peak: each rank builds its model (its TP shard, its
+    experts) on the host in fp32 (model/gpt.py: use_cpu_initialization) and the engine places it
+    parameter by parameter (offload/engine.py _place_model_on_device) while the fp32 master, the
+    NVMe ring (the initial states go through it) and, on a GPU, the pinned staging are allocated;
+    the moments and landing buffers are touched only after the model is released, and on a CPU the
+    16-bit flat buffer grows as the fp32 parameters go. In memory this stays below training's 14
+    bytes/param/DP at DP 1; with the states on disk it is what binds the host (6 B/param at DP 1
+    with the master on disk against 2 in training). Equals the steady-state host lines where the
+    set-up holds nothing more than training does."""
+    held = ("master_fp32", "nvme_io_ring") + (() if inp.device_is_host else ("grad_param_staging_16bit",
+                                                                           "grad_param_staging_fp32",
+                                                                           "grad_staging_fp32", "param_staging_16bit"))
+    engine = sum(v for k, v in host_gpu.items() if k.removeprefix("expert_") in held)
+    return per_node * (4 * model_numel + engine) + inp.host_overhead_bytes_per_rank * per_node \
+        + inp.host_overhead_bytes_per_node + inp.reserve()
 
 
 def nvme_bytes(inp: PlanInput, part: int, opt_b: int) -> tuple[int, int]:
