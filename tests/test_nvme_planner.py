@@ -149,3 +149,28 @@ def test_the_set_up_peak_is_planned_where_it_binds():
     short = plan(tier.replace(host_memory_bytes_per_node=between, host_reserve_bytes=p.host_items["os_reserve"]))
     assert not short.fits and not short.fits_host and short.host_bytes_per_node <= between
     assert any(r.startswith("host at set-up") and "OVER" in r for r in short.reasons), short.reasons
+
+
+def test_estimate_memorys_max_model_with_the_tier_is_find_max_models(tmp_path):
+    """estimate_memory.py --max-model with --optimizer-nvme-path (-master) finds the size that
+    tools/find_max_model.py's plan (the job's own pre-launch computation) finds for the same rule (the
+    12 GiB edge of docs/nvme.md: GPT-2, hidden 2048, 16 heads, bf16, seq 32, micro-batch 1, the CPU), and
+    the tier grows it: in memory < moments on disk < the master too."""
+    rule = ["--hidden-size", "2048", "--num-attention-heads", "16", "--seq-length", "32", "--micro-batch-size", "1"]
+    sizes = []
+    for tier in ([], ["--optimizer-nvme-path", str(tmp_path)],
+                 ["--optimizer-nvme-path", str(tmp_path), "--optimizer-nvme-master"]):
+        est = run_tool("estimate_memory", "--preset", "cpu", "--host-memory-gb", "12", *rule, "--bf16", "--zero-offload",
+                       "--max-model", "layers", "--json", *tier)
+        assert est.returncode == 0, est.stderr
+        got = json.loads(est.stdout)
+        out = tmp_path / "fmm.json"
+        fmm = run_tool("find_max_model", "--host-memory", "12GiB", *rule, "--skip-run", "--json", str(out), *tier)
+        assert fmm.returncode == 0, fmm.stderr
+        ours = json.loads(out.read_text())["ours"]
+        out.unlink()
+        assert got["fits"] and got["max_shape"]["num_layers"] == ours["size"], (tier, got["max_shape"], ours["size"])
+        assert got["max_params"] == ours["params"]
+        sizes.append(ours["size"])
+    assert sizes[0] < sizes[1] < sizes[2], sizes
+    assert os.listdir(tmp_path) == []                          # planning wrote nothing into DIR
