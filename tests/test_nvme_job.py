@@ -52,6 +52,12 @@ def test_job_with_states_on_disk_equals_the_in_memory_job(tmp_path):
     assert first[1] == 2 * first[0] > 0, io["nvme"]
     for read, written, wait in rest:                           # every step reads and writes each state once
         assert read == written == first[0] and wait >= 0.0, io["nvme"]
+    # before any step, the banner projects what the run writes: each step's bytes (those the log then
+    # measures) x the iterations x the ranks
+    said = [x for x in out["nvme"].splitlines() if "the run's 3 iterations write about" in x]
+    assert len(said) == 1, out["nvme"][-3000:]
+    assert f"each step reads and writes {first[0] / 1e9:.3g} GB per rank" in said[0], (said, first)
+    assert f"write about {3 * first[0] / 1e12:.3g} TB over its 1 ranks" in said[0], (said, first)
 
 
 def test_overlapped_job_with_states_on_disk_equals_the_in_memory_one_and_resumes(tmp_path):

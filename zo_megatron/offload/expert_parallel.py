@@ -161,7 +161,7 @@ class _NvmeStores:
     """Several engines' NvmeStateStores read as one: the states' dtypes (the same in each), the rings
     side by side, and the byte counts, disk bytes and I/O wait summed (per rank)."""
 
-    _SUMMED = ("disk_bytes", "buffer_bytes", "read_bytes", "written_bytes", "wait_s")
+    _SUMMED = ("disk_bytes", "buffer_bytes", "read_bytes", "written_bytes", "wait_s", "bytes_per_pass")
 
     def __init__(self, stores):
         self._stores = stores

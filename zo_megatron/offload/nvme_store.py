@@ -219,6 +219,11 @@ class NvmeStateStore:
         return sum(f.nbytes for f in self.files.values())
 
     @property
+    def bytes_per_pass(self) -> int:
+        """Bytes a CPU step reads (and writes back): every chunk of every state once."""
+        return sum(self._nbytes(i, k) for i in range(len(self.chunks)) for k in self.dtypes)
+
+    @property
     def direct(self) -> bool:
         return all(f.direct for f in self.files.values())
 

@@ -71,8 +71,9 @@ def nvme_config(args) -> NvmeConfig | None:
                       buffer_count=args.optimizer_nvme_buffer_count, buffer_size=args.optimizer_nvme_buffer_size)
 
 
-def nvme_banner_lines(args, optimizer) -> list[str]:
-    """The banner's lines for the tier: what lives where, the ring, the I/O mode; a RAM-backed DIR warned."""
+def nvme_banner_lines(args, optimizer, world_size: int = 1) -> list[str]:
+    """The banner's lines for the tier: what lives where, the ring, the I/O mode, what the run will write
+    (over `world_size` ranks); a RAM-backed DIR warned."""
     store = getattr(optimizer, "_nvme", None)
     if store is None:        # --optimizer-offload-fraction 0 (or auto's 0): no optimizer state on the host
         return [f" optimizer states on disk: none, the whole optimizer is on the device (--optimizer-offload-fraction "
@@ -86,6 +87,13 @@ def nvme_banner_lines(args, optimizer) -> list[str]:
              f"{human_bytes(store.buffer_bytes)} host per rank; "
              + ("O_DIRECT" if store.direct else "buffered I/O (the filesystem refuses O_DIRECT: the page cache "
                                                 "holds another copy)")]
+    # Before any step: what the run will write (consumer SSDs are rated for a few hundred TB in all);
+    # the pace per day follows once steps have run (nvme_endurance_line).
+    world = world_size
+    run = store.bytes_per_pass * args.train_iters * world
+    lines.append(f" optimizer states on disk: each step reads and writes {store.bytes_per_pass / 1e9:.3g} GB per rank: "
+                 f"the run's {args.train_iters} iterations write about {run / 1e12:.3g} TB over its {world} ranks "
+                 "(the TB per day follows once steps have run)")
     fs = filesystem_type(args.optimizer_nvme_path)
     if fs in RAM_FILESYSTEMS:
         lines.append(f" warning: --optimizer-nvme-path {args.optimizer_nvme_path} is on {fs}, which is host memory: "

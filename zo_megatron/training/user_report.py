@@ -228,7 +228,7 @@ def banner(metrics, args, ps, cfg, optimizer, data_path, setup_s) -> None:
         f" model states per rank: device {human_bytes(acc.device_model_state_bytes)}, host {human_bytes(acc.host_bytes)}"
         + (f"; planner: device {human_bytes(plan.device_bytes_per_gpu)}/rank, host {human_bytes(plan.host_bytes_per_node)}/node"
            if plan is not None else ""),
-        *nvme_banner_lines(args, optimizer),
+        *nvme_banner_lines(args, optimizer, ps.world_size),
         *pin_memory_warnings(args, ps),
         *plan_warnings(args),
         *noop_lines(args),
