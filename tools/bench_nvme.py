@@ -20,7 +20,8 @@ The states after the passes are checked against the in-memory run: bitwise equal
 --job: whole training jobs instead (pretrain/pretrain_gpt.py under torchrun, --mock-data, the model
 the flags below give), one per arm: states in memory, the moments on disk, the moments and the
 master on disk, each with the synchronous schedule and with --dpu (the CPU step, and so the disk
-pass, behind the next step's forward/backward). Reported per arm: the median step_time_s of the
+pass, behind the next step's forward/backward), and with --overlap-arms also --overlap-cpu-step (the
+speculated chunks' pass behind the last micro-batch's backward). Reported per arm: the median step_time_s of the
 iterations after --warmup, its ratio to the in-memory arm of the same schedule, the disk bytes per
 step and the seconds the CPU step waited for the disk (the job's own JSONL), the load average
 around the arm (the machine may be shared: the numbers are as noisy as the load says), and the
@@ -185,7 +186,8 @@ def jobs(directory: str, a) -> list[dict]:
              "--log-interval", "1", "--no-progress-bar", "--optimizer-nvme-buffer-size", str(_count(a.buffer_size)),
              "--optimizer-nvme-buffer-count", str(a.buffer_count)]
     arms = []
-    for schedule in ([], ["--dpu"]) if a.dpu_arms else ([],):
+    schedules = [[]] + ([["--dpu"]] if a.dpu_arms else []) + ([["--overlap-cpu-step"]] if a.overlap_arms else [])
+    for schedule in schedules:
         for name, extra in JOB_ARMS:
             flags = [x.format(dir=directory) for x in extra] + schedule
             if not extra:                                  # the ring's flags are refused without the tier
@@ -193,11 +195,12 @@ def jobs(directory: str, a) -> list[dict]:
                              and not (i and model[i - 1].startswith("--optimizer-nvme"))]
             else:
                 run_model = model
-            tag = name + (" + --dpu" if schedule else "")
+            tag = name + "".join(f" + {x}" for x in schedule)
             print(f"  job      {tag} ...", flush=True)
             arms.append(job_arm(directory, run_model, flags, a, tag))
-    for arm in arms:
-        base = next(b for b in arms if b["arm"] == ("memory" + (" + --dpu" if "--dpu" in arm["flags"] else "")))
+            arms[-1]["schedule"] = schedule
+    for arm in arms:                                       # against the in-memory arm of the same schedule
+        base = next(b for b in arms if b["flags"] == b["schedule"] == arm["schedule"])
         arm["over_memory"] = arm["step_s"] / base["step_s"]
     return arms
 
@@ -282,7 +285,9 @@ def main(argv=None) -> int:
     g.add_argument("--train-iters", type=int, default=6)
     g.add_argument("--warmup", type=int, default=2, help="iterations left out of the median (DPU's warm-up too)")
     g.add_argument("--nproc", type=int, default=1, help="ranks (data parallel)")
-    g.add_argument("--no-dpu-arms", dest="dpu_arms", action="store_false", help="only the synchronous schedule")
+    g.add_argument("--no-dpu-arms", dest="dpu_arms", action="store_false", help="no --dpu arms")
+    g.add_argument("--overlap-arms", action="store_true",
+                   help="also each arm with --overlap-cpu-step (the speculated chunks' disk pass behind backward)")
     g.add_argument("--timeout", type=float, default=1800, help="seconds per job")
     args = ap.parse_args(argv)
     if args.job:
