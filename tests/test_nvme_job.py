@@ -91,26 +91,29 @@ def test_overlapped_job_with_states_on_disk_equals_the_in_memory_one_and_resumes
     assert "of disk per node" in line, line
 
 
-@pytest.mark.parametrize("share", ["0", "auto"])
-def test_the_whole_optimizer_on_the_device_leaves_the_disk_unused(tmp_path, share):
-    """--optimizer-offload-fraction 0 with the tier (or auto, which picks 0 for this small model, where
-    the device is the host's memory): the in-memory job's losses bit for bit, no state file, one banner
-    line saying DIR is unused. Before, the store was opened for an empty host partition: a traceback."""
+def test_the_whole_optimizer_on_the_device_leaves_the_disk_unused(tmp_path):
+    """--optimizer-offload-fraction 0 with the tier, and auto, which picks 0 for this small model (the
+    device is the host's memory): the in-memory job's losses bit for bit, no state file, one banner
+    line saying DIR is unused. Before, the store was opened for an empty host partition (a traceback),
+    and auto was refused with the tier."""
     nvme = tmp_path / "nvme"
     nvme.mkdir()
-    common = ["--zero-offload", "--mock-data", "--train-iters", "2", *TINY, "--optimizer-offload-fraction", share]
+    common = ["--zero-offload", "--mock-data", "--train-iters", "2", *TINY]
     rows, out = {}, {}
-    for name, extra in (("memory", []), ("nvme", ["--optimizer-nvme-path", str(nvme)])):
+    for name, extra in (("memory", ["--optimizer-offload-fraction", "0"]),
+                        ("nvme", ["--optimizer-offload-fraction", "0", "--optimizer-nvme-path", str(nvme)]),
+                        ("nvme-auto", ["--optimizer-offload-fraction", "auto", "--optimizer-nvme-path", str(nvme)])):
         log = tmp_path / f"{name}.jsonl"
         r = _single([*common, *extra, "--log-jsonl", str(log)], tmp_path)
         assert r.returncode == 0, name + r.stderr[-3000:]
         rows[name] = [(x["loss"], x["grad_norm"]) for x in _rows(log, "train")]
         out[name] = r.stdout
-    assert len(rows["nvme"]) == 2 and rows["nvme"] == rows["memory"], rows
-    assert "0% on the host" in out["nvme"] or share == "0", out["nvme"][-2000:]
-    said = [x for x in out["nvme"].splitlines() if "optimizer states on disk: none" in x]
-    assert len(said) == 1 and f"{nvme} is not used" in said[0], out["nvme"][-2000:]
-    assert os.listdir(nvme) == []
+        assert os.listdir(nvme) == [], name
+    assert len(rows["nvme"]) == 2 and rows["nvme"] == rows["memory"] == rows["nvme-auto"], rows
+    assert "0% on the host" in out["nvme-auto"], out["nvme-auto"][-2000:]
+    for name in ("nvme", "nvme-auto"):
+        said = [x for x in out[name].splitlines() if "optimizer states on disk: none" in x]
+        assert len(said) == 1 and f"{nvme} is not used" in said[0], out[name][-2000:]
 
 
 @pytest.mark.parametrize("extra,needle", [
