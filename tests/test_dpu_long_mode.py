@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from tests.cli import run_tool
 from tests.seeds import fresh_seed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -143,3 +144,28 @@ def test_a_complete_run_is_kept_compressed_and_reuse_reads_it(tokenizer_dir, tmp
     conv.write_gz(rows[:-1], os.path.join(runs, "dpu_seed7.jsonl.gz"))   # no last evaluation: not complete
     conv.run_one("dpu", 7, flags, 1, runs, True, live)
     assert len(calls) == 4
+
+
+COMMITTED = os.path.join(ROOT, "docs", "img", "dpu_runs", "dpu_convergence_long_fp32")
+
+
+def test_reuse_reads_the_committed_long_mode_logs(tmp_path, monkeypatch):
+    """The committed logs of seed 1234 (docs/img/dpu_runs, exact and --dpu) are complete for today's
+    long-mode flags and the tool's CLI reports from them without starting a job. Fails when MODES, the recipe or the
+    tokenizer change: the committed measurement then no longer describes the tool."""
+    def no_job(*a, **k):
+        raise AssertionError(f"--reuse started a job: {a[0] if a else k}")
+
+    monkeypatch.setattr(conv.subprocess, "run", no_job)
+    monkeypatch.setenv("ZO_MEGATRON_CACHE", str(tmp_path / "cache"))     # the tokenizer trained afresh
+    out = tmp_path / "out"
+    r = run_tool("dpu_convergence", "--mode", "long", "--seeds", "1", "--precision", "fp32", "--reuse",
+                 "--mitigation", "none", "--runs-dir", os.path.dirname(COMMITTED), "--out-dir", str(out))
+    assert r.returncode in (0, 1), r.stderr
+    report = json.load(open(out / "dpu_convergence_long_fp32.json"))
+    assert report["seeds"] == [1234] and report["train_iters"] == 2000
+    assert sorted(report["summary"]) == ["dpu", "exact"]
+    for arm in ("exact", "dpu"):
+        with gzip.open(os.path.join(COMMITTED, f"{arm}_seed1234.jsonl.gz"), "rt") as f:
+            evals = [json.loads(line) for line in f if '"kind": "eval"' in line]
+        assert report["summary"][arm]["final_val_loss"]["mean"] == evals[-1]["val_loss"]
