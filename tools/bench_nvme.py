@@ -23,7 +23,8 @@ master on disk, each with the synchronous schedule and with --dpu (the CPU step,
 pass, behind the next step's forward/backward), and with --overlap-arms also --overlap-cpu-step (the
 speculated chunks' pass behind the last micro-batch's backward). Reported per arm: the median step_time_s of the
 iterations after --warmup, its ratio to the in-memory arm of the same schedule, the disk bytes per
-step and the seconds the CPU step waited for the disk (the job's own JSONL), the load average
+step and the seconds the CPU step waited for the disk (the job's own JSONL), the job's CPU seconds
+(launcher and ranks, start to end: less sensitive to a shared machine than the step times), the load average
 around the arm (the machine may be shared: the numbers are as noisy as the load says), and the
 seconds the disk's ceiling (measured first, as above) needs for the step's bytes.
 
@@ -44,6 +45,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import subprocess
 import sys
 import tempfile
@@ -151,11 +153,16 @@ def job_arm(directory: str, model: list[str], extra: list[str], a, tag: str) -> 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.nproc}", SCRIPT,
            *model, *extra, "--log-jsonl", log]
     load0 = os.getloadavg()[0]
+    ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout,
                              env=dict(os.environ, PYTHONUNBUFFERED="1"))
         wall = time.perf_counter() - t0
+        # CPU seconds of the whole job (launcher and ranks: each waits for its children), less
+        # sensitive than step times to a shared machine's load: what the tier's CPU work adds
+        ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
         load1 = os.getloadavg()[0]
         errors = [x for x in (res.stdout + res.stderr).splitlines() if x.startswith("error:")]
         if res.returncode != 0:
@@ -174,7 +181,7 @@ def job_arm(directory: str, model: list[str], extra: list[str], a, tag: str) -> 
             "read_bytes_per_step": _median([r.get("nvme_read_bytes_per_step") or 0 for r in timed]),
             "written_bytes_per_step": _median([r.get("nvme_written_bytes_per_step") or 0 for r in timed]),
             "io_wait_s_per_step": _median([r.get("nvme_io_wait_s_per_step") or 0.0 for r in timed]),
-            "loss": [r["loss"] for r in rows], "wall_s": wall, "load_before": load0, "load_after": load1}
+            "loss": [r["loss"] for r in rows], "wall_s": wall, "cpu_s": cpu, "load_before": load0, "load_after": load1}
 
 
 def jobs(directory: str, a) -> list[dict]:
@@ -357,13 +364,13 @@ def main_job(a) -> int:
           f"{a.num_layers} x {a.hidden_size}, seq {a.seq_length}, micro-batch {a.micro_batch_size}, {a.precision}, "
           f"{a.nproc} rank(s); disk ceiling write {c['write_gbps']:.2f} / read {c['read_gbps']:.2f} GB/s")
     print(f"  {'arm':34s} {'step s':>8s} {'x memory':>9s} {'GB r+w/step':>12s} {'disk s at ceiling':>18s} "
-          f"{'I/O wait s':>11s} {'load':>10s}")
+          f"{'I/O wait s':>11s} {'job CPU s':>10s} {'load':>10s}")
     for j in res["jobs"]:
         disk_s = j["read_bytes_per_step"] / (c["read_gbps"] * 1e9) + j["written_bytes_per_step"] / (c["write_gbps"] * 1e9)
         j["disk_s_at_ceiling"] = disk_s
         print(f"  {j['arm']:34s} {j['step_s']:8.3f} {j['over_memory']:9.2f} "
               f"{(j['read_bytes_per_step'] + j['written_bytes_per_step']) / 1e9:12.3f} {disk_s:18.3f} "
-              f"{j['io_wait_s_per_step']:11.3f} {j['load_before']:4.1f}-{j['load_after']:<4.1f}")
+              f"{j['io_wait_s_per_step']:11.3f} {j['cpu_s']:10.1f} {j['load_before']:4.1f}-{j['load_after']:<4.1f}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)
