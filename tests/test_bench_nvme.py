@@ -2,10 +2,13 @@
 (12 B each way per element: fp32 master and moments, each chunk padded to 4 KiB), and its passes on
 disk end bitwise equal to the in-memory kernel (the tool checks and fails otherwise)."""
 import json
+import os
+import random
 
 import pytest
 
 from tests.cli import run_tool
+from tests.seeds import fresh_seed
 
 
 def test_bench_nvme_measures_the_ceiling_and_an_exact_pass(tmp_path):
@@ -50,3 +53,44 @@ def test_bench_nvme_job_mode_times_whole_jobs_that_train_alike(tmp_path):
         assert j["over_memory"] == j["step_s"] / arms["memory"]["step_s"] and j["step_s"] > 0
     assert arms["memory"]["read_bytes_per_step"] == 0 and arms["memory"]["over_memory"] == 1.0
     assert "x memory" in r.stdout and [f.name for f in tmp_path.iterdir()] == ["r.json"]
+
+
+def _bench_module():
+    import importlib
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+    return importlib.import_module("bench_nvme")
+
+
+def test_job_modes_dpu_arms_are_delayed_in_every_timed_iteration(tmp_path, monkeypatch):
+    """--job's --dpu arms start the delay at update --warmup (a 6-iteration run never left DPU's 40
+    exact warm-up updates before, so those arms timed the synchronous step), and an arm whose log says
+    a timed iteration was not delayed fails the tool instead of being reported."""
+    import argparse
+    import subprocess as sp
+
+    bench = _bench_module()
+    warmup = random.Random(fresh_seed("bench_nvme dpu arms")).randint(1, 4)
+    a = argparse.Namespace(num_layers=1, hidden_size=64, num_attention_heads=4, seq_length=32, micro_batch_size=1,
+                           nproc=1, train_iters=warmup + 3, precision="fp32", buffer_size="64K", buffer_count=2,
+                           dpu_arms=True, overlap_arms=True, warmup=warmup, timeout=60)
+    seen, real_job_arm = [], bench.job_arm
+    monkeypatch.setattr(bench, "job_arm", lambda d, model, flags, a, tag: seen.append((tag, flags)) or
+                        {"arm": tag, "flags": flags, "step_s": 1.0})
+    bench.jobs(str(tmp_path), a)
+    dpu = [f for tag, f in seen if "--dpu" in f]
+    assert len(dpu) == 3 and all(f[f.index("--dpu-warmup-steps") + 1] == str(warmup) for f in dpu), seen
+    assert sum("--overlap-cpu-step" in f for _, f in seen) == 3 and len(seen) == 9
+
+    def fake_run(cmd, **kw):                       # a job whose log has one timed iteration not delayed
+        log = cmd[cmd.index("--log-jsonl") + 1]
+        with open(log, "w") as f:
+            for i in range(a.train_iters):
+                f.write(json.dumps({"kind": "train", "step_time_s": 1.0, "loss": 1.0,
+                                    "delayed_update": i != a.train_iters - 1}) + "\n")
+        return sp.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    with pytest.raises(SystemExit, match="were not all delayed"):
+        real_job_arm(str(tmp_path), [], ["--dpu"], a, "memory + --dpu")

@@ -176,6 +176,8 @@ def job_arm(directory: str, model: list[str], extra: list[str], a, tag: str) -> 
     timed = rows[a.warmup:]
     if not timed:
         raise SystemExit(f"bench_nvme: --train-iters {a.train_iters} leaves no iteration after --warmup {a.warmup}")
+    if "--dpu" in extra and not all(r.get("delayed_update") for r in timed):
+        raise SystemExit(f"bench_nvme: the {tag} job's timed iterations were not all delayed (its log's delayed_update)")
     return {"arm": tag, "flags": extra, "step_s": _median([r["step_time_s"] for r in timed]),
             "step_s_all": [r["step_time_s"] for r in rows],
             "read_bytes_per_step": _median([r.get("nvme_read_bytes_per_step") or 0 for r in timed]),
@@ -193,7 +195,10 @@ def jobs(directory: str, a) -> list[dict]:
              "--log-interval", "1", "--no-progress-bar", "--optimizer-nvme-buffer-size", str(_count(a.buffer_size)),
              "--optimizer-nvme-buffer-count", str(a.buffer_count)]
     arms = []
-    schedules = [[]] + ([["--dpu"]] if a.dpu_arms else []) + ([["--overlap-cpu-step"]] if a.overlap_arms else [])
+    # --dpu delays from update W on (default 40): W = --warmup, so every timed iteration is delayed (the
+    # tool checks the log says so). Before, a 6-iteration run never left DPU's exact warm-up.
+    dpu = ["--dpu", "--dpu-warmup-steps", str(max(1, a.warmup))]
+    schedules = [[]] + ([dpu] if a.dpu_arms else []) + ([["--overlap-cpu-step"]] if a.overlap_arms else [])
     for schedule in schedules:
         for name, extra in JOB_ARMS:
             flags = [x.format(dir=directory) for x in extra] + schedule
@@ -202,7 +207,7 @@ def jobs(directory: str, a) -> list[dict]:
                              and not (i and model[i - 1].startswith("--optimizer-nvme"))]
             else:
                 run_model = model
-            tag = name + "".join(f" + {x}" for x in schedule)
+            tag = name + (" + --dpu" if "--dpu" in schedule else "".join(f" + {x}" for x in schedule))
             print(f"  job      {tag} ...", flush=True)
             arms.append(job_arm(directory, run_model, flags, a, tag))
             arms[-1]["schedule"] = schedule
