@@ -158,7 +158,7 @@ class ZeroOffloadEngine(EngineState):
         self.nvme_config = nvme             # --optimizer-nvme-path: the states on disk (nvme_store.py)
         self._nvme: NvmeStateStore | None = None
         if nvme is not None:
-            nvme.check_engine()
+            nvme.check()                    # (the tier combines with every schedule and corrector)
         # race_check (tests, debugging): snapshot the flat parameters at the first forward of a
         # step that overlaps a CPU update and fail in step() if anything changed them meanwhile.
         self.race_check = race_check
@@ -245,8 +245,7 @@ class ZeroOffloadEngine(EngineState):
             "exp_avg": state_dtype, "exp_avg_sq": state_dtype, **({"master": torch.float32} if self.nvme_config.master else {})}
         if on_disk:
             tag = self._nvme_tag or f"zo_optimizer.tp{self.tp_rank}.dp{self.dp_rank}"
-            # --overlap-cpu-step: the chunks it may speculate get a second place for the rollback
-            self._nvme = NvmeStateStore.open_on_every_rank(self.nvme_config, tag,
+            self._nvme = NvmeStateStore.open_on_every_rank(self.nvme_config, tag,   # (+ the overlap's second places)
                                         [(s.start, min(s.end, cut)) for s in L.segments if s.start < cut], cut, on_disk,
                                         math.floor(self.overlap_speculated_fraction * cut))
         self.master = None if "master" in on_disk else torch.zeros(cut, dtype=torch.float32)
@@ -605,9 +604,8 @@ class ZeroOffloadEngine(EngineState):
         updates master and moments, writes the 16-bit parameters into set k, or into `out` (a
         buffer of the partition's first out.numel() elements, which the segments then lie in:
         --overlap-cpu-step's speculated parameters). extrapolate: the parameters written are
-        w_new + (w_new - w_old), --dpu-weight-prediction's copy, in the same kernel pass. speculated
-        (--overlap-cpu-step): with the states on disk, written to their chunks' other places until the
-        schedule commits or discards them (nvme_store.py)."""
+        w_new + (w_new - w_old), --dpu-weight-prediction's copy, in the same kernel pass. speculated:
+        states on disk go to their chunks' other places until committed (nvme_store.py)."""
         t0 = time.monotonic()
         a = self.adam
         full = segments is None

@@ -78,10 +78,6 @@ class NvmeConfig:
         if need_dir and not os.path.isdir(self.path):
             raise ConfigError(f"--optimizer-nvme-path {self.path} is not a directory: create it (on the NVMe disk)")
 
-    def check_engine(self) -> None:
-        """check(): the engine combines the tier with every schedule and corrector."""
-        self.check()
-
 
 RAM_FILESYSTEMS = ("tmpfs", "ramfs", "devtmpfs", "hugetlbfs")
 
@@ -135,6 +131,7 @@ class NvmeStateStore:
                  shadow_elements: int = 0):
         self.config = config
         self.chunks = plan_chunks(segments, total, config.buffer_size)
+        self._starts = [a for a, _ in self.chunks]     # (bisect: the chunk holding a partition element)
         # chunks [0, shadow_chunks) have a second place (see the module docstring)
         self.shadow_chunks = sum(1 for _, b in self.chunks if b <= shadow_elements)
         self._side = [0] * len(self.chunks)            # 1: chunk i lives in its other place
@@ -297,7 +294,7 @@ class NvmeStateStore:
 
     def chunk_range(self, lo: int, hi: int) -> range:
         """The chunks holding partition elements [lo, hi)."""
-        starts = [a for a, _ in self.chunks]
+        starts = self._starts
         return range(bisect.bisect_right(starts, lo) - 1, bisect.bisect_left(starts, hi)) if hi > lo else range(0)
 
     def stream(self, chunk_ids=None, kinds=None, write: bool = True, shadow: bool = False):
@@ -500,7 +497,7 @@ class NvmeStateStore:
         boundaries: (name, param, parameter offset, length, {state: view}), the states on disk as
         mapped views, those in memory (`in_memory`, whole-partition tensors) as slices."""
         maps = self.mapped_views()
-        starts = [a for a, _ in self.chunks]
+        starts = self._starts
         for s, host, pstart, n in fragments:
             pos = host
             while pos < host + n:
