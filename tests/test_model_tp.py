@@ -89,14 +89,20 @@ def _rel_err_l2(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30)).item()
 
 
-# bf16 gradients: within BF16_TOL of the fp32 reference per tensor (L2), or within BF16_FACTOR x
-# the error of HF GPT-2 run in bf16 on the same draw, whichever is larger. Why the floor: the norm
-# weights' and biases' gradients are sums over every token that nearly cancel, and at TP > 1 the
-# row-parallel partial sums are rounded to bf16 before the all-reduce (as in Megatron-LM). Measured
-# (AMD EPYC, torch 2.13.0+cpu, 9-12 seeds each): the worst tensor is 1.0-1.4% at TP 1, the same as
-# HF in bf16; at TP 2 1.3-1.9%, up to 1.95x HF's error on the same tensor; seed 597722321 reached
-# 2.07% against a fixed 2% bound. A wrong sharding, scale or missing term is 10% and more.
-BF16_TOL, BF16_FACTOR = 2e-2, 3.0
+# bf16: logits and loss within BF16_TOL of the fp32 reference. Gradients, per tensor (L2):
+# ||ours - ref|| / ||ref|| within BF16_TENSOR_TOL, or BF16_FACTOR x the error of HF GPT-2 run in bf16
+# on the same draw, whichever is larger; and over the whole model, the RMS of those per-tensor
+# errors within BF16_POOLED_FACTOR x the RMS of HF's. Why two bounds: the norm weights' and biases'
+# gradients are sums over every token that nearly cancel, and at TP > 1 the row-parallel partial
+# sums are rounded to bf16 before the all-reduce (as in Megatron-LM), so one tensor's error is a
+# heavy-tailed draw, while the model-wide RMS is steady. Measured at TP 2 (Intel Xeon, AVX512_BF16 +
+# AMX, torch 2.13.0+cpu, 200 seeds, 2026-12-02): the worst tensor 1.29-2.12% (p99 2.11%), up to 2.36x
+# HF's error on that tensor; CI's seed 1920372539 drew 2.44% where HF's own was 0.67% (3.63x), which
+# failed the old bound (3x HF, floor 2%). The RMS ratio: 0.98-1.32 (p99 1.29; that seed 1.26). So the
+# per-tensor floor is 2x the worst draw seen and the pooled bound 1.5x; a wrong sharding, scale or
+# missing term is 10% and more on its tensor, and a 3% error on every tensor is 3.7x HF's RMS
+# (test_the_bf16_bounds_pass_hf_in_bf16_and_fail_a_wrong_gradient holds both).
+BF16_TOL, BF16_TENSOR_TOL, BF16_FACTOR, BF16_POOLED_FACTOR = 2e-2, 5e-2, 3.0, 2.0
 
 
 def _check_against_reference(out, vocab, tol, metric=_rel_err, bf16_floor=False):
@@ -105,10 +111,22 @@ def _check_against_reference(out, vocab, tol, metric=_rel_err, bf16_floor=False)
     assert abs(out["loss"] - ref_loss) / abs(ref_loss) <= tol
     assert set(out["grads"]) == set(ref_grads)
     hf16 = _reference(out, vocab, torch.bfloat16)[2] if bf16_floor else None
+    ours_errors, hf_errors = [], []
     for name, g in out["grads"].items():
         assert g.shape == ref_grads[name].shape, name
-        bound = max(tol, BF16_FACTOR * metric(hf16[name], ref_grads[name])) if bf16_floor else tol
-        assert metric(g, ref_grads[name]) <= bound, (name, metric(g, ref_grads[name]), bound)
+        error = metric(g, ref_grads[name])
+        if bf16_floor:
+            hf_error = metric(hf16[name], ref_grads[name])
+            ours_errors.append(error)
+            hf_errors.append(hf_error)
+            bound = max(BF16_TENSOR_TOL, BF16_FACTOR * hf_error)
+        else:
+            bound = tol
+        assert error <= bound, (name, error, bound)
+    if bf16_floor:
+        rms = lambda xs: (sum(x * x for x in xs) / len(xs)) ** 0.5
+        assert rms(ours_errors) <= BF16_POOLED_FACTOR * rms(hf_errors), \
+            ("the gradients' RMS error", rms(ours_errors), rms(hf_errors))
 
 
 @pytest.mark.parametrize("tp,world", [(1, 1), (2, 2), (4, 4), (2, 4)])
@@ -123,16 +141,16 @@ def test_tp_matches_single_process_fp32(tp, world):
 def test_tp2_matches_single_process_bf16():
     seed = fresh_seed("tp2 bf16 vs HF")
     out = run_world(_world, 2, 2, "bf16", 997, 128, seed, seed + 1)[0]
-    # bf16 has an 8-bit mantissa: per-element error vs the fp32 reference is judged tensor-wide,
-    # ||ours - ref|| / ||ref|| <= 2e-2 or 3x HF's own bf16 error (BF16_TOL above; the fp32 tests
-    # bound the max element error by 1e-5).
+    # bf16 has an 8-bit mantissa: per-element error vs the fp32 reference is judged tensor-wide and
+    # model-wide (the bounds above; the fp32 tests bound the max element error by 1e-5).
     _check_against_reference(out, 997, tol=BF16_TOL, metric=_rel_err_l2, bf16_floor=True)
 
 
 
-def test_the_bf16_floor_passes_hf_in_bf16_and_fails_a_gradient_10_percent_off():
-    """The floor of the bf16 bound hides no wrong gradient: HF GPT-2 itself in bf16 passes; the
-    same with one tensor's gradient scaled by 1.1 (a wrong scale) or with a zeroed bias fails."""
+def test_the_bf16_bounds_pass_hf_in_bf16_and_fail_a_wrong_gradient():
+    """The bf16 bounds hide no wrong gradient: HF GPT-2 itself in bf16 passes; the same with one
+    tensor's gradient scaled by 1.1 (a wrong scale), a zeroed bias, or every gradient 3% off (below
+    the per-tensor floor, caught by the model-wide RMS) fails."""
     from zo_megatron.checkpoint.hf.gpt2 import from_hf
 
     seed = fresh_seed("bf16 floor power")
@@ -147,9 +165,13 @@ def test_the_bf16_floor_passes_hf_in_bf16_and_fails_a_gradient_10_percent_off():
     out["logits"], out["loss"], out["grads"] = _reference(out, vocab, torch.bfloat16)
     _check_against_reference(out, vocab, tol=BF16_TOL, metric=_rel_err_l2, bf16_floor=True)
     for name, wrong in (("gpt.decoder.layers.1.mlp.linear_fc1.weight", lambda g: g * 1.1),
-                        ("gpt.decoder.layers.0.input_layernorm.bias", torch.zeros_like)):
-        bad = {**out, "grads": {**out["grads"], name: wrong(out["grads"][name])}}
-        with pytest.raises(AssertionError):
+                        ("gpt.decoder.layers.0.input_layernorm.bias", torch.zeros_like),
+                        ("every tensor", lambda g: g * 1.03)):
+        grads = out["grads"]
+        bad_grads = ({n: wrong(g) for n, g in grads.items()} if name == "every tensor"
+                     else {**grads, name: wrong(grads[name])})
+        bad = {**out, "grads": bad_grads}
+        with pytest.raises(AssertionError, match="RMS" if name == "every tensor" else name):
             _check_against_reference(bad, vocab, tol=BF16_TOL, metric=_rel_err_l2, bf16_floor=True)
             pytest.fail(f"{name} off passed")
 
