@@ -114,8 +114,10 @@ def _close(a, b) -> bool:
 
 
 TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--moe-token-dispatcher-type", "allgather"]
-LAYOUTS = {"EP1": ([], "EP 1 x expert DP 2"), "EP2": (EP2, "EP 2 x expert DP 1"),
-           "TP2": (TP2, "EP 1 x expert DP 1"), "EP1-baseline": ([], "EP 1 x expert DP 2")}
+LAYOUTS = {"EP1": ([], "EP 1 x expert TP 1 x expert DP 2"), "EP2": (EP2, "EP 2 x expert TP 1 x expert DP 1"),
+           "TP2": (TP2, "EP 1 x expert TP 2 x expert DP 1"), "EP1-baseline": ([], "EP 1 x expert TP 1 x expert DP 2"),
+           "TP2-ETP1": (TP2 + ["--expert-tensor-parallel-size", "1"],
+                        "EP 1 x expert TP 1 x expert DP 2 (two engines")}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -236,17 +238,24 @@ def _one_line(r, needle):
         (r.returncode, r.stderr[-2000:])
 
 
-@pytest.mark.parametrize("saved, resumed", [(2, 1), pytest.param(1, 2, marks=pytest.mark.slow)])
+ETP1 = TP2 + ["--expert-tensor-parallel-size", "1"]
+RESHARDS = {1: (["--moe-token-dispatcher-type", "alltoall"], "EP1"), 2: (EP2, "EP2"),
+            "tp2-etp1": (ETP1, "EP1 x expert TP1"), "tp2": (TP2, "EP1")}
+
+
+@pytest.mark.parametrize("saved, resumed", [(2, 1), pytest.param(1, 2, marks=pytest.mark.slow),
+                                            ("tp2-etp1", "tp2"), pytest.param("tp2", "tp2-etp1", marks=pytest.mark.slow)])
 def test_an_moe_run_resumes_at_another_ep(tmp_path, saved, resumed):
     """Saved at one EP and resumed at another (experts are keyed by their global index, so DCP
-    reshards them as it reshards DP): iterations 3-4 give the uninterrupted run's losses and grad
-    norms (within fp32 reduction order: expert DP and the dispatcher change), and it says so."""
-    seed = fresh_seed(f"moe EP{saved} -> EP{resumed}")
+    reshards them as it reshards DP), or at TP 2 with whole experts (expert TP 1) and resumed with the
+    experts split over TP (and back): iterations 3-4 give the uninterrupted run's losses and grad norms
+    (within fp32 reduction order: expert DP and the dispatcher change), and it says so."""
+    seed = fresh_seed(f"moe {saved} -> {resumed}")
     ck = tmp_path / "ck"
-    layout = {1: ["--moe-token-dispatcher-type", "alltoall"], 2: EP2}
-    whole, _ = _run(tmp_path, "whole", [*_argv(seed), *layout[saved], "--save", str(ck), "--save-interval", "2"])
-    res, r = _run(tmp_path, "resumed", [*_argv(seed), *layout[resumed], "--load", str(ck), "--ckpt-step", "2"])
-    assert f"resharded the experts from EP{saved} to EP{resumed}" in r.stdout, r.stdout[-2000:]
+    (saved_flags, saved_name), (resumed_flags, resumed_name) = RESHARDS[saved], RESHARDS[resumed]
+    whole, _ = _run(tmp_path, "whole", [*_argv(seed), *saved_flags, "--save", str(ck), "--save-interval", "2"])
+    res, r = _run(tmp_path, "resumed", [*_argv(seed), *resumed_flags, "--load", str(ck), "--ckpt-step", "2"])
+    assert f"resharded the experts from {saved_name} to {resumed_name}" in r.stdout, r.stdout[-2000:]
     assert sorted(res) == [3, 4]
     for i in res:
         for k in ("loss", "grad_norm", "load_balancing_loss"):

@@ -77,11 +77,12 @@ def _world(rank, dirs, tokens, labels, layouts, ports):
 
     models = {name: _ours(d) for name, d in dirs.items()}
     out = {}
-    for (tp, ep, dispatcher), port in zip(layouts, ports):
+    for layout, port in zip(layouts, ports):
+        tp, ep, dispatcher, *etp = layout          # (TP, EP, dispatcher[, expert TP: default TP])
         os.environ["MASTER_PORT"] = str(port)
-        ps = init_parallel(tp, expert_parallel=ep)
+        ps = init_parallel(tp, expert_parallel=ep, expert_tensor_parallel=etp[0] if etp else None)
         for name, (meta, full) in models.items():
-            out[(name, tp, ep, dispatcher)] = _one(ps, meta, full, tokens, labels, dispatcher)
+            out[(name, *layout)] = _one(ps, meta, full, tokens, labels, dispatcher)
         collectives.barrier()
         destroy_parallel()
     return out
@@ -98,7 +99,7 @@ def _one(ps, meta, full, tokens, labels, dispatcher):
     cfg = GPTConfig(**{**meta, "moe_token_dispatcher_type": dispatcher}, precision="fp32", sequence_parallel=tp > 1)
     model = build_gpt_model(cfg, ps.tp_rank, ps.tp_size, seed=1)
     infos = model_shard_infos(model, ps.tp_rank, ps.tp_size, VOCAB)
-    init = {model.full_name(n): gather_full(p.detach().clone(), infos[n], ps.tp_group, tp)
+    init = {model.full_name(n): gather_full(p.detach().clone(), infos[n], ps.tp_group, tp, ps.etp_group)
             for n, p in model.named_parameters()}
     load_full_params(model, full, ps.tp_rank, ps.tp_size, VOCAB)
     rows = slice(ps.dp_rank * BATCH // ps.dp_size, (ps.dp_rank + 1) * BATCH // ps.dp_size)
@@ -111,9 +112,9 @@ def _one(ps, meta, full, tokens, labels, dispatcher):
         g = p.grad
         if getattr(p, "sequence_parallel", False) and tp > 1:     # megatron's finalize_model_grads
             g = collectives.all_reduce(g.clone(), "sum", ps.tp_group)
-        grads[model.full_name(n)] = gather_full(g, infos[n], ps.tp_group, tp) / ps.dp_size
+        grads[model.full_name(n)] = gather_full(g, infos[n], ps.tp_group, tp, ps.etp_group) / ps.dp_size
     full_logits = torch.cat(collectives.all_gather_list(logits.detach().contiguous(), ps.tp_group), -1)
-    return dict(tp_rank=ps.tp_rank, dp_rank=ps.dp_rank, rows=(rows.start, rows.stop), ep=(ps.ep_rank, ps.ep_size),
+    return dict(tp_rank=ps.tp_rank, etp_rank=ps.etp_rank, dp_rank=ps.dp_rank, rows=(rows.start, rows.stop), ep=(ps.ep_rank, ps.ep_size),
                 edp=(ps.edp_rank, ps.edp_size), logits=full_logits[..., :VOCAB].clone(), loss=loss.item(), grads=grads,
                 init=init,
                 # the offline tools' shapes (checkpoint/arch.py) are the built model's
@@ -133,9 +134,9 @@ def _check(world, key, ref_logits, ref_loss, ref_grads):
     dp = {o["dp_rank"]: o["loss"] for o in outs}
     assert abs(sum(dp.values()) / len(dp) - ref_loss) <= 1e-5 * ref_loss, (key, dp, ref_loss)
     got = {}
-    for o in outs:
-        if o["tp_rank"] == 0:                 # each DP rank once; each expert once per expert-DP rank
-            for n, g in o["grads"].items():
+    for o in outs:          # dense: each DP rank once (TP rank 0); an expert: once per expert-DP rank (expert TP
+        for n, g in o["grads"].items():     # rank 0), which at expert TP 1 < TP is every TP rank of a DP rank
+            if o["etp_rank" if ".mlp.experts." in n else "tp_rank"] == 0:
                 got[n] = got[n] + g if n in got else g
     assert set(got) == set(ref_grads), (key, set(got) ^ set(ref_grads))
     for n, g in got.items():
@@ -190,6 +191,21 @@ def test_moe_logits_loss_and_every_gradient_equal_transformers_at_tp1_ep1_ep2_an
         assert ep1["experts"] == ["0", "1", "2", "3"] and ep1["edp"] == (rank, 2)
 
 
+def test_experts_whole_beside_attention_at_tp2_expert_tp_1(tmp_path):
+    """--expert-tensor-parallel-size 1 at TP 2 (Megatron-LM's MoE recipes): attention and the dense MLP
+    split over TP, each expert whole on its rank. EP 1: expert DP 2 (both TP ranks hold every expert,
+    each sees its own sequence-parallel tokens); EP 2 with either dispatcher: each rank holds 2 whole
+    experts, expert DP 1. Logits, loss and every gradient equal transformers'."""
+    seed = fresh_seed("moe expert tp 1 at tp 2")
+    layouts = [(2, 1, "allgather", 1), (2, 2, "alltoall", 1), (2, 2, "allgather", 1)]
+    world = _compare(tmp_path, seed, 2, layouts)
+    for rank, o in enumerate(world):
+        ep1, ep2 = o[("mixtral", 2, 1, "allgather", 1)], o[("mixtral", 2, 2, "alltoall", 1)]
+        assert ep1["experts"] == ["0", "1", "2", "3"] and ep1["edp"] == (rank, 2) and ep1["tp_rank"] == rank
+        assert ep2["experts"] == [str(2 * rank), str(2 * rank + 1)] and ep2["ep"] == (rank, 2) and ep2["edp"] == (0, 1)
+        assert ep1["etp_rank"] == ep2["etp_rank"] == 0
+
+
 def _aux_world(rank, directory, tokens, labels, coeff):
     from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
@@ -234,7 +250,7 @@ def test_the_load_balancing_loss_of_one_moe_layer_is_transformers_over_k(tmp_pat
 
 def test_expert_layout_rules_and_the_parameter_count():
     """The expert layout's one-line refusals (EP x expert TP not dividing the world, EP not dividing the
-    experts, an expert TP other than TP, MoE at TP > 1 without sequence parallelism, top-k above the
+    experts, an expert TP not dividing the experts' FFN, MoE at TP > 1 without sequence parallelism, top-k above the
     experts) and the MoE parameter count against transformers' Mixtral and Qwen2-MoE (shared expert, gate)."""
     from zo_megatron.errors import ConfigError
     from zo_megatron.model import GPTConfig
@@ -250,11 +266,13 @@ def test_expert_layout_rules_and_the_parameter_count():
                 swiglu=True, add_bias_linear=False, num_experts=6)
     cfg = GPTConfig(**base)
     for args, says in (((1, 4, None, False), "--expert-model-parallel-size 4 does not divide --num-experts 6"),
-                       ((2, 1, 1, True), "--expert-tensor-parallel-size 1 differs"),
+                       ((2, 1, 3, True), r"expert TP 3 \(--expert-tensor-parallel-size, default TP\) does not divide "
+                                         r"the experts' FFN size"),
                        ((2, 2, None, False), "need --sequence-parallel")):
         with pytest.raises(ConfigError, match=says):
             cfg.check_expert_parallel(*args)
     cfg.check_expert_parallel(2, 3, None, True)
+    cfg.check_expert_parallel(2, 2, 1, True)          # whole experts beside TP 2 attention (expert TP 1)
     with pytest.raises(ConfigError, match="--moe-router-topk 7 with --num-experts 6"):
         GPTConfig(**base, moe_router_topk=7)
     with pytest.raises(ConfigError, match="add --moe-router-pre-softmax"):

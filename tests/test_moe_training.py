@@ -34,7 +34,7 @@ def _batches(seed):
     return random_batches(seed, STEPS, ACCUM, MICRO * DP, SEQ, VOCAB)
 
 
-def _engine_world(rank, directory, seed, ep, tp=1, backend=None):
+def _engine_world(rank, directory, seed, ep, tp=1, backend=None, etp=None):
     from zo_megatron.model import GPTConfig, build_gpt_model
     from zo_megatron.model.sharding import gather_full, load_full_params, model_shard_infos
     from zo_megatron.offload.engine import AdamConfig, ZeroOffloadEngine
@@ -42,9 +42,9 @@ def _engine_world(rank, directory, seed, ep, tp=1, backend=None):
     from zo_megatron.parallel import init_parallel
 
     meta, init = _ours(directory)
-    ps = init_parallel(tp, seed=seed, expert_parallel=ep, backend=backend)
+    ps = init_parallel(tp, seed=seed, expert_parallel=ep, backend=backend, expert_tensor_parallel=etp)
     # (the alltoall dispatcher at expert TP > 1 is refused on CPUs: gloo cannot all-gather uneven sizes)
-    cfg = GPTConfig(**{**meta, "moe_token_dispatcher_type": "alltoall" if ep > 1 and tp == 1 else "allgather"},
+    cfg = GPTConfig(**{**meta, "moe_token_dispatcher_type": "alltoall" if ep > 1 and ps.etp_size == 1 else "allgather"},
                     precision="fp32", sequence_parallel=tp > 1)
     model = build_gpt_model(cfg, ps.tp_rank, ps.tp_size, seed)
     load_full_params(model, init, ps.tp_rank, ps.tp_size, VOCAB)
@@ -52,10 +52,12 @@ def _engine_world(rank, directory, seed, ep, tp=1, backend=None):
     common = dict(precision="fp32", adam=adam, clip_grad=CLIP, bucket_size=5000, tp_rank=ps.tp_rank, device=ps.device,
                   tp_group=ps.tp_group)
     engine = ExpertParallelEngine(model, dp_group=ps.dp_group, edp_group=ps.edp_group, dp_size=ps.dp_size,
-                                  **common) if ep > 1 else ZeroOffloadEngine(model, dp_group=ps.dp_group, **common)
+                                  expert_tp=(ps.etp_rank, ps.etp_group), **common) \
+        if ps.experts_apart else ZeroOffloadEngine(model, dp_group=ps.dp_group, **common)
+    assert ps.experts_apart == (ep > 1 or ps.etp_size != tp)
     losses, norms = train_engine_steps(ps, model, engine, _batches(seed), _lr)
     infos = model_shard_infos(model, ps.tp_rank, ps.tp_size, VOCAB)
-    final = {model.full_name(n): gather_full(p.detach(), infos[n], ps.tp_group, ps.tp_size).cpu().clone()
+    final = {model.full_name(n): gather_full(p.detach(), infos[n], ps.tp_group, ps.tp_size, ps.etp_group).cpu().clone()
              for n, p in model.named_parameters()}                # this rank's experts (EP 2: half of them)
     engine.close()
     return dict(losses=losses, norms=norms, final=final)
@@ -77,19 +79,22 @@ def _torch_adamw(directory, tmp_path, seed, dtype):
     return losses, norms, _ours(str(out))[1]
 
 
-@pytest.mark.parametrize("tp,ep,dp", [pytest.param(1, 1, 2, marks=pytest.mark.slow), (1, 2, 2),
-                                      pytest.param(2, 2, 2, marks=pytest.mark.slow),
-                                      pytest.param(1, 2, 4, marks=pytest.mark.slow)],
-                         ids=["1", "2", "tp2ep2", "ep2dp4"])
-def test_engine_trains_a_mixtral_as_torch_adamw_on_transformers(tmp_path, tp, ep, dp):
+@pytest.mark.parametrize("tp,ep,dp,etp", [pytest.param(1, 1, 2, None, marks=pytest.mark.slow), (1, 2, 2, None),
+                                          pytest.param(2, 2, 2, None, marks=pytest.mark.slow),
+                                          pytest.param(1, 2, 4, None, marks=pytest.mark.slow),
+                                          (2, 1, 1, 1), pytest.param(2, 2, 1, 1, marks=pytest.mark.slow)],
+                         ids=["1", "2", "tp2ep2", "ep2dp4", "tp2etp1", "tp2etp1ep2"])
+def test_engine_trains_a_mixtral_as_torch_adamw_on_transformers(tmp_path, tp, ep, dp, etp):
     """EP 1: the plain engine (experts replicated over DP as dense parameters). EP 2 (2 ranks: DP 2,
     expert DP 1, each rank 2 of the 4 experts, the alltoall dispatcher): offload/expert_parallel.py's
     two engines, dense over DP and experts over expert DP averaged by DP, with one gradient norm.
     TP2 x EP2 (4 ranks, sequence parallelism, allgather): the same two engines with TP-split experts.
-    EP2 x DP4 (4 ranks): expert DP 2, the experts' reduce-scatter over a real group."""
-    seed = fresh_seed(f"moe engine TP{tp} EP{ep}")
+    EP2 x DP4 (4 ranks): expert DP 2, the experts' reduce-scatter over a real group. TP 2 with expert
+    TP 1 (2 ranks, DP 1): whole experts; at EP 1 expert DP is 2 (each TP rank trains every expert on its
+    own sequence-parallel tokens, the two engines again), at EP 2 (alltoall) expert DP 1."""
+    seed = fresh_seed(f"moe engine TP{tp} EP{ep} ETP{etp or tp}")
     directory = _random_hf(tmp_path / "mixtral", _configs()["mixtral"], seed)
-    world = run_world(_engine_world, tp * dp, directory, seed, ep, tp, timeout=400)
+    world = run_world(_engine_world, tp * dp, directory, seed, ep, tp, None, etp, timeout=400)
     out = dict(world[0], final={n: t for o in world for n, t in o["final"].items()})
     for o in world[1:]:
         assert o["losses"] == out["losses"] and o["norms"] == out["norms"]

@@ -43,10 +43,12 @@ GELU_NO_BIAS = dict(GELU, add_bias_linear=False)
 CONFIGS = {"swiglu": SWIGLU, "gelu": GELU, "gelu_no_bias": GELU_NO_BIAS}
 
 
-def _plan_input(cfg: dict, ep: int, dp: int, dispatcher: str, **kw) -> P.PlanInput:
+def _plan_input(cfg: dict, ep: int, dp: int, dispatcher: str, tp: int = 1, etp: int | None = None,
+                **kw) -> P.PlanInput:
     fields = {k: v for k, v in cfg.items() if k in P.PlanInput.__dataclass_fields__}
     return P.PlanInput(**fields, vocab_size=VOCAB, seq_length=SEQ, max_position_embeddings=SEQ,
-                       micro_batch_size=MICRO, data_parallel=dp, expert_parallel=ep,
+                       micro_batch_size=MICRO, data_parallel=dp, expert_parallel=ep, tensor_parallel=tp,
+                       expert_tensor_parallel=etp, sequence_parallel=tp > 1,
                        moe_token_dispatcher_type=dispatcher, dropout=False, fused_softmax=False, **kw)
 
 
@@ -59,11 +61,12 @@ def _measure(rank, cases, bucket_size):
     from zo_megatron.parallel import collectives, destroy_parallel, init_parallel
 
     out = []
-    for cfg, ep, dispatcher in cases:
+    for cfg, ep, dispatcher, *tp_etp in cases:         # (config, EP, dispatcher[, TP, expert TP])
+        tp, etp = tp_etp or (1, None)
         next_port()                                    # a fresh world per case
-        ps = init_parallel(1, expert_parallel=ep)
+        ps = init_parallel(tp, expert_parallel=ep, expert_tensor_parallel=etp)
         conf = GPTConfig(**cfg, vocab_size=VOCAB, max_position_embeddings=SEQ, precision="bf16",
-                         moe_token_dispatcher_type=dispatcher)
+                         moe_token_dispatcher_type=dispatcher, sequence_parallel=tp > 1)
         model = build_gpt_model(conf, ps.tp_rank, ps.tp_size, seed=1)
         rows = [(n.removeprefix("gpt."), p.numel(), bool(getattr(p, "tensor_model_parallel", False)))
                 for n, p in model.named_parameters()]
@@ -71,9 +74,9 @@ def _measure(rank, cases, bucket_size):
                    experts=sum(p.numel() for n, p in model.named_parameters() if is_expert(n)))
         common = dict(precision="bf16", adam=AdamConfig(lr=1e-3), clip_grad=1.0, bucket_size=bucket_size,
                       tp_rank=ps.tp_rank, device=ps.device, tp_group=ps.tp_group)
-        if ep > 1:
+        if ps.experts_apart:
             engine = ExpertParallelEngine(model, dp_group=ps.dp_group, edp_group=ps.edp_group, dp_size=ps.dp_size,
-                                          **common)
+                                          expert_tp=(ps.etp_rank, ps.etp_group), **common)
             res["accounting"] = {"dense": engine.dense.accounting.as_dict(),
                                  "expert": engine.experts.accounting.as_dict()}
         else:
@@ -143,11 +146,38 @@ def measured():
     # (GELU with biases at EP 1 is refused: megatron-core's expert MLP cannot add its bias there; EP 2 below)
     ep1 = run_world(_measure, 1, [(SWIGLU, 1, "allgather"), (GELU_NO_BIAS, 1, "allgather")],
                     1 << 30, timeout=240)
-    ep2 = run_world(_measure, 2, [(SWIGLU, 2, "alltoall"), (SWIGLU, 2, "allgather"), (GELU, 2, "alltoall")],
+    ep2 = run_world(_measure, 2, [(SWIGLU, 2, "alltoall"), (SWIGLU, 2, "allgather"), (GELU, 2, "alltoall"),
+                                  (SWIGLU, 1, "allgather", 2, 1), (SWIGLU, 2, "alltoall", 2, 1)],
                     1 << 30, timeout=300)
     return {(1, "allgather", "swiglu"): ep1[0][0], (1, "allgather", "gelu_no_bias"): ep1[0][1],
             (2, "alltoall", "swiglu"): [r[0] for r in ep2], (2, "allgather", "swiglu"): [r[1] for r in ep2],
-            (2, "alltoall", "gelu"): [r[2] for r in ep2]}
+            (2, "alltoall", "gelu"): [r[2] for r in ep2],
+            # TP 2 with whole experts (expert TP 1): EP 1 (expert DP 2) and EP 2 (expert DP 1)
+            (1, "allgather", "swiglu-tp2-etp1"): [r[3] for r in ep2], (2, "alltoall", "swiglu-tp2-etp1"): [r[4] for r in ep2]}
+
+
+TP2_ETP1 = {"swiglu-tp2-etp1": dict(tp=2, etp=1)}     # the cases' layout; the others: TP 1
+
+
+def _layout(name: str) -> tuple[dict, dict]:
+    """(model config, _plan_input's TP kwargs) of a case name."""
+    return CONFIGS[name.removesuffix("-tp2-etp1")], TP2_ETP1.get(name, {})
+
+
+@pytest.mark.parametrize("key", [(1, "allgather", "swiglu-tp2-etp1"), (2, "alltoall", "swiglu-tp2-etp1")])
+def test_parameters_per_rank_at_tp2_with_whole_experts(measured, key):
+    """TP 2, expert TP 1: the dense parameters split over TP, every expert whole on its EP rank."""
+    ep, dispatcher, name = key
+    cfg, layout = _layout(name)
+    inp = _plan_input(cfg, ep, 1, dispatcher, **layout)
+    counts = P.count_params(inp.num_layers, inp.hidden_size, 256, SEQ, 2, inp.ffn(),
+                            num_attention_heads=inp.num_attention_heads, arch=inp.arch(), moe=inp.moe(),
+                            expert_tensor_parallel=1)
+    for got in measured[key]:
+        assert counts["per_tp_rank"] == sum(n for _, n, _ in got["rows"])
+        assert counts["expert_per_rank"] == got["experts"]
+    p = P.plan(inp)
+    assert p.params_expert_per_rank == counts["expert_per_rank"] and inp.expert_data_parallel() == 2 // ep
 
 
 @pytest.mark.parametrize("key", [(1, "allgather", "swiglu"), (1, "allgather", "gelu_no_bias"),
@@ -176,35 +206,41 @@ def test_parameters_per_rank_are_the_built_models(measured, key):
     assert p.params_active == counts["total"] - sum(inp.moe().layers) * (cfg["num_experts"] - 2) * per_expert
 
 
-@pytest.mark.parametrize("key", [(1, "allgather", "swiglu"), (1, "allgather", "gelu_no_bias"),
-                                 (2, "alltoall", "swiglu"), (2, "allgather", "swiglu")])
+WITH_TP2 = [(1, "allgather", "swiglu"), (1, "allgather", "gelu_no_bias"), (2, "alltoall", "swiglu"),
+            (2, "allgather", "swiglu"), (1, "allgather", "swiglu-tp2-etp1"), (2, "alltoall", "swiglu-tp2-etp1")]
+
+
+def _ranks_and_input(measured, key, **kw):
+    """The measured ranks of a case and its PlanInput (DP: the world over TP)."""
+    ep, dispatcher, name = key
+    cfg, layout = _layout(name)
+    ranks = measured[key] if isinstance(measured[key], list) else [measured[key]]
+    return ranks, _plan_input(cfg, ep, len(ranks) // layout.get("tp", 1), dispatcher, **layout, **kw)
+
+
+@pytest.mark.parametrize("key", WITH_TP2)
 def test_what_a_moe_layer_saves_is_planned(measured, key):
     from zo_megatron.planner.memory import _layer_saved
 
-    ep, dispatcher, name = key
-    cfg = CONFIGS[name]
-    ranks = measured[key] if ep > 1 else [measured[key]]
-    inp = _plan_input(cfg, ep, ep, dispatcher, precision="bf16")
+    ranks, inp = _ranks_and_input(measured, key, precision="bf16")
     for layer, moe in ((0, True), (1, False)):
-        got = sum(r["saved"][layer] for r in ranks)           # EP ranks together: balanced in sum
-        want = ep * sum(_layer_saved(inp, moe))
+        got = sum(r["saved"][layer] for r in ranks)           # the ranks together: balanced in sum
+        want = len(ranks) * sum(_layer_saved(inp, moe))
         print(f"{key} layer {layer} ({'MoE' if moe else 'dense'}): planned {want} measured {got} "
               f"({want / got - 1:+.2%})")
         assert abs(want - got) <= 0.02 * got, (key, layer, want, got)
 
 
-@pytest.mark.parametrize("key", [(1, "allgather", "swiglu"), (1, "allgather", "gelu_no_bias"),
-                                 (2, "alltoall", "swiglu"), (2, "allgather", "swiglu")])
+@pytest.mark.parametrize("key", WITH_TP2)
 def test_the_activation_peak_is_planned(measured, key):
     """The planner's activation estimate (every activations_*, logits* and moe_* item) against the CPU
     allocator's measured peak over forward + backward (bytes above what was live before, without a
     GEMM's own workspace; the measure of tests/test_planner_validation.py, whose dense cases allow
     20%), within 10%, on the rank with the
     higher peak (random tokens: at EP 2 the routing is balanced only on average)."""
-    ep, dispatcher, name = key
-    ranks = measured[key] if ep > 1 else [measured[key]]
-    p = P.plan(_plan_input(CONFIGS[name], ep, ep, dispatcher, precision="bf16", bucket_size=1 << 30,
-                           device_is_host=True, gpu_memory_bytes=64 * P.GiB, host_memory_bytes_per_node=64 * P.GiB))
+    ranks, inp = _ranks_and_input(measured, key, precision="bf16", bucket_size=1 << 30, device_is_host=True,
+                                  gpu_memory_bytes=64 * P.GiB, host_memory_bytes_per_node=64 * P.GiB)
+    p = P.plan(inp)
     want = sum(v for k, v in p.device_items.items() if k.startswith(("activations", "logits", "moe_")))
     got = max(r["peak"] for r in ranks)
     print(f"{key}: planned activations {want} measured peak {got} ({want / got - 1:+.1%}; "
@@ -212,13 +248,16 @@ def test_the_activation_peak_is_planned(measured, key):
     assert abs(want - got) <= 0.1 * got, (key, want, got)
 
 
-def test_the_two_engines_allocate_the_planned_model_states(measured):
-    """At EP 2 on 2 ranks (DP 2, expert DP 1): the dense engine's and the experts' engine's bytes."""
-    inp = _plan_input(SWIGLU, 2, 2, "alltoall", bucket_size=1 << 30, device_is_host=True,
-                      gpu_memory_bytes=64 * P.GiB, host_memory_bytes_per_node=64 * P.GiB, gpus_per_node=2)
+@pytest.mark.parametrize("key", [(2, "alltoall", "swiglu"), (1, "allgather", "swiglu-tp2-etp1"),
+                                 (2, "alltoall", "swiglu-tp2-etp1")])
+def test_the_two_engines_allocate_the_planned_model_states(measured, key):
+    """On 2 ranks, the dense engine's and the experts' engine's bytes: at EP 2 (DP 2, expert DP 1), and
+    at TP 2 with whole experts (expert TP 1; DP 1): EP 1 (expert DP 2) and EP 2 (expert DP 1)."""
+    ranks, inp = _ranks_and_input(measured, key, bucket_size=1 << 30, device_is_host=True,
+                                  gpu_memory_bytes=64 * P.GiB, host_memory_bytes_per_node=64 * P.GiB, gpus_per_node=2)
     p = P.plan(inp)
     per_rank = {k: v // p.ranks_per_node for k, v in p.host_items.items()}
-    for rank in measured[(2, "alltoall", "swiglu")]:
+    for rank in ranks:
         for group, prefix in (("dense", ""), ("expert", "expert_")):
             acc = rank["accounting"][group]
             planned = {"device_param_bytes": p.device_items[prefix + "params_16bit"],
@@ -276,7 +315,8 @@ def test_estimate_memory_prints_total_active_and_experts_per_rank():
              "--moe-token-dispatcher-type", "alltoall")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "12.88B active of 46.70B total (top-2 of 8 experts in 32 of 32 layers" in r.stdout
-    assert "1 of 8 experts per EP rank (EP 8)" in r.stdout and "EP 8 x expert DP 1" in r.stdout
+    assert "1 of 8 experts per EP rank (EP 8, each split over expert TP 1)" in r.stdout
+    assert "EP 8 x expert TP 1 x expert DP 1" in r.stdout
     assert "expert_master_fp32" in r.stdout and "moe_dispatch_transient" in r.stdout
     # the overlap's default resolves as for a dense model, its rollback state planned per engine
     assert "--overlap-cpu-step auto: " in r.stdout and "expert_overlap_rollback" in r.stdout

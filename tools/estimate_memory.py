@@ -375,12 +375,13 @@ def moe_lines(p: P.Plan) -> list[str]:
     moe = i.moe()
     dense = p.params_per_tp_rank - p.params_expert_per_rank
     engines = (f"two engines: the dense parameters over DP {i.data_parallel}, the experts over expert DP "
-               f"{i.expert_data_parallel()} (items 'expert_...')" if i.expert_parallel > 1 else
+               f"{i.expert_data_parallel()} (items 'expert_...')" if i.experts_apart() else
                f"one engine: the experts replicated over DP {i.data_parallel} as dense parameters")
     return [f"  experts    {P.format_params(p.params_active)} active of {P.format_params(p.params_total)} total "
             f"(top-{i.moe_router_topk} of {i.num_experts} experts in {sum(moe.layers)} of {i.num_layers} layers; "
             f"routed experts {P.format_params(p.params_experts_total)} of the total)",
-            f"  per rank   {p.experts_per_ep_rank} of {i.num_experts} experts per EP rank (EP {i.expert_parallel}): "
+            f"  per rank   {p.experts_per_ep_rank} of {i.num_experts} experts per EP rank (EP {i.expert_parallel}, "
+            f"each split over expert TP {i.expert_tp()}): "
             f"{P.format_params(p.params_expert_per_rank)} expert + {P.format_params(dense)} dense parameters",
             f"  engines    {engines}; {i.moe_token_dispatcher_type} dispatcher"]
 
@@ -401,7 +402,8 @@ def print_plan(p: P.Plan, title: str = "zo_megatron memory plan", overlap_reason
         print(line)
     print(f"  parallel   TP {i.tensor_parallel} x DP {i.data_parallel} = {p.world_size} ranks on "
           f"{p.num_nodes} node(s), {p.ranks_per_node} per node"
-          + (f"; EP {i.expert_parallel} x expert DP {i.expert_data_parallel()}" if i.num_experts is not None else ""))
+          + (f"; EP {i.expert_parallel} x expert TP {i.expert_tp()} x expert DP {i.expert_data_parallel()}"
+             if i.num_experts is not None else ""))
     print(f"  training   {i.precision}, micro-batch {i.micro_batch_size}, grad accumulation "
           f"{i.grad_accum_steps}, recompute {rc}, ZeRO-Offload {'on' if i.zero_offload else 'off'}, "
           f"DPU {'on' if i.dpu else 'off'}, bucket {i.bucket_size:,} elements, optimizer states "

@@ -8,7 +8,8 @@ Both optimizer engines use the same keys, so weights move between them (--no-loa
 rank declares the boxes it holds: the offload engine its DP partition's flat fragments of its TP
 shard (boxes.py), the baseline its whole TP shard (DP replicas hold copies: DP rank 0 writes
 them). Parameters replicated over TP (LayerNorms, biases of row-parallel layers, position
-embeddings) are written by TP rank 0 and read by every TP rank. Vocab padding rows, whose size
+embeddings) are written by TP rank 0 and read by every TP rank (a routed expert's: expert TP rank
+0, which at expert TP 1 is every rank holding it). Vocab padding rows, whose size
 depends on TP, are neither saved nor loaded: the logits of those rows are masked to -inf. A
 stride-2 shard (SwiGLU's fc1: [gate_r; up_r]) is two boxes of the full tensor, so resharding
 TP works for it as for any other tensor. A routed expert's keys name its global index (the model's
@@ -71,7 +72,7 @@ def offload_pieces(engine, ps, vocab_size: int, *, saving: bool, with_optimizer:
     out = []
     for name, param, start, n, views in engine.host_state_views():
         info = infos[name]
-        if saving and info.replicated and ps.tp_rank != 0:
+        if saving and info.replicated and info.split_rank != 0:    # TP rank 0 (an expert's: expert TP rank 0)
             continue
         for box in flat_range_boxes(tuple(param.shape), start, start + n):
             for what, prefix in STATE_KEYS.items():
@@ -101,7 +102,7 @@ def baseline_pieces(optimizer, ps, vocab_size: int, *, saving: bool, with_optimi
         if not p.requires_grad:
             continue
         info = infos[name]
-        if saving and info.replicated and ps.tp_rank != 0:
+        if saving and info.replicated and info.split_rank != 0:
             continue
         box = Box((0,) * p.dim(), tuple(p.shape), 0)
         tensors = {"master": p.data}

@@ -69,7 +69,7 @@ class Resumed:
     resharded_from: tuple[int, int] | None     # (TP, DP) of the checkpoint when it differs
     rng_restored: str                          # "exact", "shared streams" or "no"
     converted_from: str | None = None          # weights-only checkpoint from tools/convert_checkpoint.py
-    resharded_ep: tuple[int, int] | None = None  # (the checkpoint's EP, this run's) when they differ
+    resharded_ep: tuple[str, str] | None = None  # (the checkpoint's expert layout, this run's) when they differ
 
 
 def _plain_diff(field: str, in_checkpoint, here) -> str:
@@ -168,6 +168,10 @@ def load_checkpoint(root: str, *, ps, model, optimizer, vocab_size: int, model_m
         saved_tp, saved_dp = int(saved_layout["tensor_parallel"]), int(saved_layout["data_parallel"])
         # experts are keyed by their global index: another EP is a reshard as another DP (docs/moe.md)
         saved_ep, ep = int(saved_layout.get("expert_parallel", 1)), getattr(ps, "ep_size", 1)
+        # and another expert TP as another TP ("EP2", "EP1 x expert TP1": an expert TP other than TP named)
+        saved_experts = _experts_layout(saved_ep, saved_layout.get("expert_tensor_parallel"))
+        experts = _experts_layout(ep, ps.etp_size if getattr(ps, "experts_apart", False)
+                                  and ps.etp_size != ps.tp_size else None)
         same_layout = (saved_tp, saved_dp) == (ps.tp_size, ps.dp_size)
         load_rng = not (opts.no_load_rng or opts.finetune)
         rng_src = rng_file(ps.tp_rank, ps.dp_rank) if same_layout else \
@@ -216,4 +220,10 @@ def load_checkpoint(root: str, *, ps, model, optimizer, vocab_size: int, model_m
         consumed_valid_samples=0 if opts.finetune else int(manifest.get("consumed_valid_samples", 0)),
         opt_param_scheduler=use_schedule,
         resharded_from=None if same_layout or converted_from else (saved_tp, saved_dp), rng_restored=restored,
-        converted_from=converted_from, resharded_ep=None if saved_ep == ep or converted_from else (saved_ep, ep))
+        converted_from=converted_from,
+        resharded_ep=None if saved_experts == experts or converted_from else (saved_experts, experts))
+
+
+def _experts_layout(ep: int, etp: int | None) -> str:
+    """The experts' layout as the log names it: EP, and expert TP where it is not TP."""
+    return f"EP{ep}" + (f" x expert TP{etp}" if etp is not None else "")

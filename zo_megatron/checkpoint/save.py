@@ -119,7 +119,9 @@ def save_checkpoint(root: str, iteration: int, *, ps, model, optimizer, vocab_si
         manifest = {
             "format": FORMAT, "format_version": FORMAT_VERSION, "iteration": iteration, **train_state,
             "layout": {"tensor_parallel": ps.tp_size, "data_parallel": ps.dp_size,
-                       **({"expert_parallel": ps.ep_size} if getattr(ps, "ep_size", 1) > 1 else {})},
+                       **({"expert_parallel": ps.ep_size} if getattr(ps, "ep_size", 1) > 1 else {}),
+                       **({"expert_tensor_parallel": ps.etp_size} if getattr(ps, "experts_apart", False)
+                          and ps.etp_size != ps.tp_size else {})},
             "optimizer": {"kind": content.optimizer_kind(optimizer), "step": int(optimizer.step_count),
                           "loss_scaler": optimizer.loss_scaler.state_dict()},
             "model": model_meta, "params": content.full_shapes(model, ps.tp_rank, ps.tp_size, vocab_size),

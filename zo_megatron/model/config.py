@@ -290,16 +290,14 @@ class GPTConfig:
             raise ConfigError(f"--expert-model-parallel-size {expert_parallel} does not divide --num-experts "
                               f"{self.num_experts}: each EP rank holds num_experts / EP whole experts; use an EP size "
                               f"that divides {self.num_experts}")
-        if etp != tensor_parallel:
-            raise ConfigError(f"--expert-tensor-parallel-size {etp} differs from --tensor-model-parallel-size "
-                              f"{tensor_parallel}: not supported yet; drop it (the experts then split over TP as the "
-                              "dense MLP does)")
+        if etp < 1:
+            raise ConfigError(f"--expert-tensor-parallel-size {etp} must be >= 1")
         if tensor_parallel > 1 and not sequence_parallel:
             raise ConfigError(f"mixture-of-experts layers at --tensor-model-parallel-size {tensor_parallel} need "
                               "--sequence-parallel (megatron-core's MoE layer refuses to train without it)")
         if self.add_bias_linear and etp > 1:
             raise ConfigError(f"mixture-of-experts layers with biases need expert TP 1 (megatron-core's rule; here "
-                              f"{etp}): add --disable-bias-linear or use --tensor-model-parallel-size 1")
+                              f"{etp}): add --disable-bias-linear or use --expert-tensor-parallel-size 1")
         if self.add_bias_linear and etp == 1 and expert_parallel == 1:
             # megatron-core 0.16.1's MLP.forward does `output += bias * probs` on linear_fc2's output,
             # which at expert TP 1 and EP 1 is the unchanged return of _ReduceFromModelParallelRegion:
@@ -309,8 +307,8 @@ class GPTConfig:
                               "forward fails); add --disable-bias-linear (Mixtral and Qwen-MoE have no biases) or "
                               "use --expert-model-parallel-size > 1")
         if self.moe_ffn_size % etp:
-            raise ConfigError(f"--tensor-model-parallel-size {etp} does not divide the experts' FFN size "
-                              f"{self.moe_ffn_size}: use a TP size that divides it")
+            raise ConfigError(f"expert TP {etp} (--expert-tensor-parallel-size, default TP) does not divide the "
+                              f"experts' FFN size {self.moe_ffn_size}: use an expert TP that divides it")
 
     def check_query_groups_tp(self, tensor_parallel: int) -> None:
         """Grouped-query attention: megatron-core's local attention splits num_query_groups over

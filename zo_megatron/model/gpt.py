@@ -36,7 +36,8 @@ megatron-core's MoELayer, local spec (SequentialMLP: the experts run one after a
 
       mlp.router.weight[.bias]             replicated             [E, h]        fp32, sequence_parallel
       mlp.experts.local_experts.{j}.       expert j of this EP rank: global expert ep_rank x E/EP + j;
-        linear_fc1.weight, linear_fc2.weight  split over expert TP as the dense MLP's fc1 / fc2
+        linear_fc1.weight, linear_fc2.weight  split over EXPERT TP (--expert-tensor-parallel-size, default
+                                              TP; may be 1 with TP > 1) as the dense MLP's fc1 / fc2
       [mlp.shared_experts.linear_fc1/2.weight, .gate_weight [1, h]]  the shared expert (and its sigmoid gate)
 
 Full tensors (init, load_full_params) name experts by their GLOBAL index (GPTModelTP.full_name), so
@@ -248,6 +249,7 @@ class GPTModelTP(torch.nn.Module):
 
         self.cfg = cfg
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.expert_tp = _expert_tp(cfg, tp_rank, tp_size)
         self.padded_vocab_size = cfg.padded_vocab_size(tp_size)
         config = transformer_config(cfg, tp_size)
         self.sequence_parallel = config.sequence_parallel
@@ -348,6 +350,16 @@ def _mark_tp_split_params(module: torch.nn.Module, swiglu: bool = False) -> None
             b.tensor_model_parallel, b.partition_dim, b.partition_stride = True, 0, stride
 
 
+def _expert_tp(cfg: GPTConfig, tp_rank: int, tp_size: int) -> tuple[int, int]:
+    """(expert TP rank, size) the routed experts split over: megatron-core's expert TP group where the
+    parallel state is set up, else TP's."""
+    from megatron.core import parallel_state as mpu
+
+    if cfg.num_experts is None or not mpu.model_parallel_is_initialized():
+        return tp_rank, tp_size
+    return mpu.get_expert_tensor_parallel_rank(), mpu.get_expert_tensor_parallel_world_size()
+
+
 def _expert_full_names(model: torch.nn.Module) -> dict[str, str]:
     """{local name: full name} of every expert parameter: megatron-core's MoE layer knows its experts'
     global indices (local_expert_indices)."""
@@ -381,7 +393,7 @@ def init_weights_(model: GPTModelTP, seed: int) -> None:
     out_std = cfg.init_method_std / (2.0 * cfg.num_layers) ** 0.5
     for name, p in model.named_parameters():
         local_name = model.full_name(name).removeprefix("gpt.")
-        info = shard_info(local_name, p, model.tp_rank, model.tp_size, cfg.vocab_size)
+        info = shard_info(local_name, p, model.tp_rank, model.tp_size, cfg.vocab_size, model.expert_tp)
         if local_name.endswith("layernorm.weight"):
             p.fill_(0.0 if cfg.layernorm_zero_centered_gamma else 1.0)     # the scale starts at 1 either way
             continue

@@ -12,6 +12,11 @@ concatenation of the TP shards. A shard is therefore described by its PIECES alo
 (full offset, local offset, length): one piece for stride 1, `stride` pieces otherwise.
 
     full  [g0 g1 | u0 u1]  (TP 2)       rank 0: [g0; u0]   rank 1: [g1; u1]
+
+Routed experts (names with `.mlp.experts.`) split over EXPERT TP instead (--expert-tensor-parallel-size,
+megatron-core's expert TP group), which may differ from TP: Megatron-LM's MoE recipes run experts
+whole (expert TP 1) beside attention at TP > 1. The model carries its (expert TP rank, size) as
+`expert_tp`; a ShardInfo says which group it splits over (`expert`, `split_rank`, `split_size`).
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import torch
 
 from zo_megatron.parallel import collectives
 
+_EXPERT = ".mlp.experts."
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT_LAYER = "output_layer.weight"
 VOCAB_PADDED = (WORD_EMBEDDING, OUTPUT_LAYER)
@@ -53,6 +59,9 @@ class ShardInfo:
     full_shape: tuple[int, ...]  # unpadded
     pieces: tuple[tuple[int, int, int], ...]   # (full offset, local offset, length) along tp_axis
     stride: int = 1
+    expert: bool = False         # a routed expert's: split over expert TP, not TP
+    split_rank: int = 0          # this rank's index in the group tp_axis splits over
+    split_size: int = 1          # that group's size (TP, or expert TP for an expert)
 
     @property
     def replicated(self) -> bool:
@@ -71,21 +80,30 @@ class ShardInfo:
         return self.pieces[0][0] if self.pieces else 0
 
 
+def is_expert_param(name: str) -> bool:
+    """A routed expert's parameter (megatron-core's MoE experts; not the router, not the shared expert)."""
+    return _EXPERT in name
+
+
 def shard_info(name: str, param: torch.Tensor, tp_rank: int, tp_size: int,
-               vocab_size: int | None = None) -> ShardInfo:
+               vocab_size: int | None = None, expert_tp: tuple[int, int] | None = None) -> ShardInfo:
+    """Where `param` (TP rank `tp_rank` of `tp_size`) sits in its full tensor; a routed expert's
+    splits over `expert_tp` = (expert TP rank, size) where given (default: TP's)."""
     local = tuple(param.shape)
+    expert = is_expert_param(name)
+    rank, size = expert_tp if expert and expert_tp is not None else (tp_rank, tp_size)
     if not getattr(param, "tensor_model_parallel", False):
         n = local[0] if local else 0
-        return ShardInfo(name, None, local, local, ((0, 0, n),))
+        return ShardInfo(name, None, local, local, ((0, 0, n),), expert=expert, split_rank=rank, split_size=size)
     axis = int(getattr(param, "partition_dim", 0))
     stride = int(getattr(param, "partition_stride", 1))
     n = local[axis]
     full = list(local)
-    full[axis] = n * tp_size
+    full[axis] = n * size
     if name.endswith(VOCAB_PADDED) and vocab_size is not None:
         full[axis] = vocab_size
-    pieces = split_pieces(full[axis], n, tp_rank, tp_size, stride)
-    return ShardInfo(name, axis, local, tuple(full), pieces, stride)
+    pieces = split_pieces(full[axis], n, rank, size, stride)
+    return ShardInfo(name, axis, local, tuple(full), pieces, stride, expert, rank, size)
 
 
 def shard_of(full: torch.Tensor, info: ShardInfo) -> torch.Tensor:
@@ -98,31 +116,39 @@ def shard_of(full: torch.Tensor, info: ShardInfo) -> torch.Tensor:
     return out
 
 
-def gather_full(local: torch.Tensor, info: ShardInfo, tp_group, tp_size: int) -> torch.Tensor:
-    """All-gather a TP-split tensor into the full unpadded tensor (every TP rank gets it)."""
+def gather_full(local: torch.Tensor, info: ShardInfo, tp_group, tp_size: int, etp_group=None) -> torch.Tensor:
+    """All-gather a TP-split tensor into the full unpadded tensor (every rank of its group gets it):
+    over `tp_group`, or for an expert split over an expert TP other than TP over `etp_group`."""
     if info.replicated:
         return local
-    axis = info.tp_axis
-    if tp_size == 1:                       # the whole tensor (a view), minus vocab padding rows
+    axis, size = info.tp_axis, info.split_size
+    if size == 1:                          # the whole tensor (a view), minus vocab padding rows
         return local.narrow(axis, 0, info.full_shape[axis])
-    shards = collectives.all_gather_list(local, tp_group)
+    group = tp_group
+    if size != tp_size:
+        if etp_group is None:
+            raise ValueError(f"{info.name}: split over expert TP {size}, not TP {tp_size}: pass etp_group")
+        group = etp_group
+    shards = collectives.all_gather_list(local, group)
     out = local.new_empty(info.full_shape)
     for r, shard in enumerate(shards):
-        for f, l, n in split_pieces(info.full_shape[axis], info.local_shape[axis], r, tp_size, info.stride):
+        for f, l, n in split_pieces(info.full_shape[axis], info.local_shape[axis], r, size, info.stride):
             out.narrow(axis, f, n).copy_(shard.narrow(axis, l, n))
     return out
 
 
 def model_shard_infos(model: torch.nn.Module, tp_rank: int, tp_size: int,
                       vocab_size: int) -> dict[str, ShardInfo]:
-    return {name: shard_info(name, p, tp_rank, tp_size, vocab_size) for name, p in model.named_parameters()}
+    expert_tp = getattr(model, "expert_tp", None)
+    return {name: shard_info(name, p, tp_rank, tp_size, vocab_size, expert_tp) for name, p in model.named_parameters()}
 
 
 def gather_full_params(model: torch.nn.Module, tp_group, tp_rank: int, tp_size: int,
-                       vocab_size: int) -> dict[str, torch.Tensor]:
-    """Full unpadded copies of every parameter (collective over the TP group)."""
+                       vocab_size: int, etp_group=None) -> dict[str, torch.Tensor]:
+    """Full unpadded copies of every parameter (collective over the TP group, and over the expert TP
+    group for experts split over an expert TP other than TP)."""
     infos = model_shard_infos(model, tp_rank, tp_size, vocab_size)
-    return {name: gather_full(p.detach(), infos[name], tp_group, tp_size)
+    return {name: gather_full(p.detach(), infos[name], tp_group, tp_size, etp_group)
             for name, p in model.named_parameters()}
 
 
@@ -132,9 +158,10 @@ def load_full_params(model: torch.nn.Module, full: dict[str, torch.Tensor], tp_r
     """Copy this rank's shards of full unpadded tensors into the model's parameters (experts by their
     global index: the model's `full_name`, when it has one)."""
     full_name = getattr(model, "full_name", lambda n: n)
+    expert_tp = getattr(model, "expert_tp", None)
     for local_name, p in model.named_parameters():
         name = full_name(local_name)
-        info = shard_info(name, p, tp_rank, tp_size, vocab_size)
+        info = shard_info(name, p, tp_rank, tp_size, vocab_size, expert_tp)
         if name not in full:
             raise KeyError(f"missing parameter {name!r}")
         if tuple(full[name].shape) != info.full_shape:

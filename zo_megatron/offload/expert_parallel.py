@@ -16,7 +16,8 @@ One loss.backward() per micro-batch reaches both: the dense engine runs it (with
 the expert engine only its bookkeeping (begin_backward / end_backward). One loss scaler: the dense
 engine's updates it; the expert engine unscales by the scale the backward used (a follower set
 before each backward and each step). At EP 1 with expert TP = TP the expert groups are the DP
-groups and one engine suffices (the caller keeps the plain engine).
+groups and one engine suffices (the caller keeps the plain engine); an expert TP other than TP
+(ParallelState.experts_apart) needs both engines even at EP 1 (TP 2, expert TP 1: DP 1, expert DP 2).
 
 The CPU step's schedules (schedules.py) run in both engines, driven by the one norm and overflow
 decision: DPU delays both engines' updates alike (both step counts, hence both warm-ups, are one),
@@ -51,7 +52,10 @@ class ExpertParallelEngine:
     """The dense engine over `dp_group` and the expert engine over `edp_group` of one model, driven as
     one optimizer: backward, step, close (the engine's other options are passed to both)."""
 
-    def __init__(self, model, *, dp_group, edp_group, dp_size: int, **engine_kwargs):
+    def __init__(self, model, *, dp_group, edp_group, dp_size: int, expert_tp: tuple[int, object] | None = None,
+                 **engine_kwargs):
+        """`expert_tp`: (expert TP rank, expert TP group) where expert TP differs from TP (default: the
+        engine kwargs' tp_rank / tp_group): the rank that counts an expert's TP-replicated elements."""
         from zo_megatron.offload.loss_scaler import ConstantLossScaler
         from zo_megatron.parallel import collectives
 
@@ -59,11 +63,14 @@ class ExpertParallelEngine:
         self.dense = ZeroOffloadEngine(model, dp_group=dp_group, params=lambda n, p: not is_expert(n), **engine_kwargs)
         # the one scaler is the dense engine's; the expert engine's follows it (set before each backward)
         follower = ConstantLossScaler(self.dense.loss_scaler.scale)
+        expert_kwargs = {**engine_kwargs, "loss_scaler": follower}
+        if expert_tp is not None:
+            expert_kwargs.update(tp_rank=expert_tp[0], tp_group=expert_tp[1])
         try:
             self.experts = ZeroOffloadEngine(model, dp_group=edp_group, params=is_expert, grad_divisor=dp_size,
                                              cpu_worker=self.dense.schedule.worker,
                                              nvme_tag=f"zo_optimizer.experts.rank{collectives.group_rank(None)}",
-                                             **{**engine_kwargs, "loss_scaler": follower})
+                                             **expert_kwargs)
         except BaseException:
             self.dense.close()
             raise

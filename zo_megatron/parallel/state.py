@@ -7,7 +7,9 @@ Mixture-of-experts layers (docs/moe.md) have a second layout, megatron-core's ex
 the same ranks: expert TP (ETP, --expert-tensor-parallel-size, default TP) x expert model parallel
 (EP, --expert-model-parallel-size) x expert data parallel (EDP = world / (ETP x EP)), ETP fastest
 then EP. At 4 ranks, TP 1, EP 2: EP groups [0,1], [2,3], EDP groups [0,2], [1,3]; the dense
-parameters are replicated over DP (all 4 ranks), each expert only over its EDP group.
+parameters are replicated over DP (all 4 ranks), each expert only over its EDP group. At 2 ranks,
+TP 2, ETP 1, EP 1: DP is 1 but EDP is 2: each rank holds every expert whole and trains it on its
+own sequence-parallel tokens.
 """
 from __future__ import annotations
 
@@ -53,6 +55,12 @@ class ParallelState:
     @property
     def is_first_rank(self) -> bool:
         return self.rank == 0
+
+    @property
+    def experts_apart(self) -> bool:
+        """Whether the routed experts are replicated over another group than the dense parameters (EP > 1,
+        or an expert TP other than TP): then the experts need their own optimizer partition over expert DP."""
+        return self.ep_size > 1 or self.etp_size != self.tp_size
 
 
 _STATE: ParallelState | None = None

@@ -11,8 +11,8 @@ def _bucket_layout(inp: PlanInput, vocab_padded: int, max_positions: int, quantu
                    group: str = "all") -> tuple[int, int]:
     """(number of buckets, largest bucket in elements) of one engine's flat layout on one rank.
 
-    group: "all" (one engine holds every parameter: a dense model, or experts at EP 1), "dense" or
-    "expert" (at EP > 1, offload/expert_parallel.py's two engines: the dense parameters, and this
+    group: "all" (one engine holds every parameter: a dense model, or experts at EP 1 and expert TP =
+    TP), "dense" or "expert" (at EP > 1 or another expert TP, offload/expert_parallel.py's two engines: the dense parameters, and this
     EP rank's routed experts). A dense model takes the fast walk (`_dense_bucket_layout`)."""
     if group not in BUCKET_GROUPS:
         raise ValueError(f"group must be one of {BUCKET_GROUPS}, got {group!r}")
@@ -22,8 +22,10 @@ def _bucket_layout(inp: PlanInput, vocab_padded: int, max_positions: int, quantu
     h, t, cap, f, a, arch = (inp.hidden_size, inp.tensor_parallel, inp.bucket_size, inp.ffn(),
                              inp.num_attention_heads, inp.arch())
 
+    et = inp.expert_tp() if moe is not None else t
+
     def local(rows) -> list[int]:
-        return [n // t if split else n for name, n, split in rows
+        return [n // (et if is_expert_name(name) else t) if split else n for name, n, split in rows
                 if group == "all" or is_expert_name(name) == (group == "expert")]
 
     kinds = moe.layers if moe is not None else (False,) * inp.num_layers

@@ -64,7 +64,8 @@ class PlanInput:
     moe_shared_expert_gate: bool = False
     moe_layer_freq: int | list = 1  # every N-th layer from 0, or one 0/1 per layer
     moe_token_dispatcher_type: str = "allgather"  # "allgather" | "alltoall"
-    expert_parallel: int = 1  # EP (--expert-model-parallel-size); expert DP = DP / EP, expert TP = TP
+    expert_parallel: int = 1  # EP (--expert-model-parallel-size); expert DP = world / (expert TP x EP)
+    expert_tensor_parallel: int | None = None  # expert TP (--expert-tensor-parallel-size); None: = TP
     tensor_parallel: int = 1
     data_parallel: int = 1
     micro_batch_size: int = 1
@@ -127,9 +128,18 @@ class PlanInput:
     def moe_ffn(self) -> int:
         return self.moe_ffn_hidden_size or self.ffn()
 
+    def expert_tp(self) -> int:
+        """Expert TP: what each routed expert's TP-split tensors split over (default TP)."""
+        return self.tensor_parallel if self.expert_tensor_parallel is None else self.expert_tensor_parallel
+
     def expert_data_parallel(self) -> int:
-        """EDP = world / (expert TP x EP) = DP / EP (expert TP = TP)."""
-        return self.data_parallel // self.expert_parallel
+        """EDP = world / (expert TP x EP) (= DP / EP at expert TP = TP)."""
+        return self.tensor_parallel * self.data_parallel // (self.expert_tp() * self.expert_parallel)
+
+    def experts_apart(self) -> bool:
+        """The job's two engines (offload/expert_parallel.py): EP > 1 or an expert TP other than TP
+        (ParallelState.experts_apart)."""
+        return self.num_experts is not None and (self.expert_parallel > 1 or self.expert_tp() != self.tensor_parallel)
 
     def query_groups(self) -> int:
         return self.num_query_groups or self.num_attention_heads
@@ -277,28 +287,34 @@ class PlanInput:
 
     def _validate_moe(self) -> None:
         """megatron-core's MoE rules that shape memory (the job checks the rest, GPTConfig._check_moe)."""
-        ep = self.expert_parallel
+        ep, etp = self.expert_parallel, self.expert_tensor_parallel
         if self.num_experts is None:
-            if ep != 1:
-                raise ValueError(f"expert_parallel {ep} needs num_experts (a dense model has no experts to split)")
+            if ep != 1 or etp not in (None, self.tensor_parallel):
+                raise ValueError(f"expert_parallel {ep} / expert_tensor_parallel {etp} need num_experts (a dense "
+                                 "model has no experts to split)")
             return
         e, k, t = self.num_experts, self.moe_router_topk, self.tensor_parallel
         if not isinstance(e, int) or e < 1 or not isinstance(ep, int) or ep < 1:
             raise ValueError(f"num_experts ({e}) and expert_parallel ({ep}) must be positive integers")
+        if etp is not None and (not isinstance(etp, int) or etp < 1):
+            raise ValueError(f"expert_tensor_parallel ({etp}) must be a positive integer (None: = TP)")
+        etp = self.expert_tp()
         if not 1 <= k <= e:
             raise ValueError(f"moe_router_topk {k} must be in 1..num_experts {e}")
         if e % ep:
             raise ValueError(f"expert_parallel {ep} does not divide num_experts {e}: use an EP size that divides {e}")
-        if self.data_parallel % ep:
-            raise ValueError(f"expert_parallel {ep} does not divide the data parallel size {self.data_parallel} (EP x "
-                             f"TP {t} must divide the world {t * self.data_parallel}): use an EP size that divides it")
+        world = t * self.data_parallel
+        if world % (ep * etp):
+            raise ValueError(f"expert_parallel {ep} x expert_tensor_parallel {etp} does not divide the world {world} "
+                             f"(TP {t} x DP {self.data_parallel}): use an EP size that divides {world // etp}")
         if self.moe_token_dispatcher_type not in ("allgather", "alltoall"):
             raise ValueError(f"moe_token_dispatcher_type must be allgather or alltoall, got "
                              f"{self.moe_token_dispatcher_type!r}")
-        for name, n in (("moe_ffn_hidden_size", self.moe_ffn()),
-                        ("moe_shared_expert_intermediate_size", self.moe_shared_expert_intermediate_size or 0)):
-            if n < 0 or n % t:
-                raise ValueError(f"{name} {n} is not divisible by tensor_parallel {t}")
+        for name, n, by, what in (("moe_ffn_hidden_size", self.moe_ffn(), etp, "expert_tensor_parallel"),
+                                  ("moe_shared_expert_intermediate_size", self.moe_shared_expert_intermediate_size or 0,
+                                   t, "tensor_parallel")):
+            if n < 0 or n % by:
+                raise ValueError(f"{name} {n} is not divisible by {what} {by}")
         if self.moe_shared_expert_gate and not self.moe_shared_expert_intermediate_size:
             raise ValueError("moe_shared_expert_gate needs moe_shared_expert_intermediate_size")
         moe_layer_pattern(self.num_layers, self.moe_layer_freq)
@@ -394,11 +410,8 @@ def _moe_fields(flags: Any) -> dict[str, Any]:
     """PlanInput's MoE fields from the job's flags (Megatron-LM's names; absent: a dense model)."""
     if getattr(flags, "num_experts", None) is None:
         return {}
-    etp = getattr(flags, "expert_tensor_parallel", None)
-    if etp not in (None, flags.tensor_parallel):
-        raise ValueError(f"--expert-tensor-parallel-size {etp} differs from --tensor-model-parallel-size "
-                         f"{flags.tensor_parallel}: not supported (the job refuses it too); drop it")
-    return dict(num_experts=flags.num_experts, moe_router_topk=flags.moe_router_topk,
+    return dict(expert_tensor_parallel=getattr(flags, "expert_tensor_parallel", None),
+                num_experts=flags.num_experts, moe_router_topk=flags.moe_router_topk,
                 moe_ffn_hidden_size=flags.moe_ffn_hidden_size,
                 moe_shared_expert_intermediate_size=flags.moe_shared_expert_intermediate_size,
                 moe_shared_expert_gate=bool(flags.moe_shared_expert_gate), moe_layer_freq=flags.moe_layer_freq,

@@ -277,16 +277,18 @@ def _compute(inp: PlanInput, bucket_overfill: bool = True) -> Plan:
     V_pad = pad_vocab_size(inp.vocab_size, t, inp.make_vocab_size_divisible_by)
     moe = inp.moe()
     counts = count_params(inp.num_layers, inp.hidden_size, V_pad, S, t, inp.ffn(),
-                          num_attention_heads=inp.num_attention_heads, arch=inp.arch(), moe=moe)
+                          num_attention_heads=inp.num_attention_heads, arch=inp.arch(), moe=moe,
+                          expert_tensor_parallel=inp.expert_tp() if moe is not None else None)
     psi = counts["per_tp_rank"]
     world, nodes, per_node = _ranks_layout(inp)
     warnings: list[str] = []
 
     opt_b = 2 if inp.bf16_optimizer_states else 4
-    # one engine over DP, or at EP > 1 two (offload/expert_parallel.py): the dense parameters over DP,
-    # this rank's experts over expert DP (EDP = DP / EP); expert items are named "expert_..."
+    # one engine over DP, or at EP > 1 or an expert TP other than TP two (offload/expert_parallel.py): the
+    # dense parameters over DP, this rank's experts over expert DP (EDP = world / (expert TP x EP)); expert
+    # items are named "expert_..."
     groups = [("", "all", psi, N)]
-    if moe is not None and inp.expert_parallel > 1:
+    if inp.experts_apart():
         groups = [("", "dense", counts["dense_per_tp_rank"], N),
                   ("expert_", "expert", counts["expert_per_rank"], inp.expert_data_parallel())]
     dev: dict[str, int] = {}

@@ -1,10 +1,12 @@
 """What a mixture-of-experts layer adds to the activations (megatron-core 0.16.1's MoELayer, local
 spec, SequentialMLP experts; read from its source and measured with saved-tensor hooks in
-tests/test_planner_moe.py). Per rank, for one micro-batch of T = s·b tokens per TP group (T/t of
-them on a rank with sequence parallelism), k = top-k, E experts, f_e the experts' FFN size, t = TP
-(= expert TP), w = 2 bytes (bf16/fp16) or 4 (fp32). Routing is assumed balanced (the aux loss's
-aim): each EP rank's experts receive k·T token slots, whatever EP is (allgather: T·EP gathered
-tokens, k/EP of their slots local; alltoall: k·T/t slots sent, as many received, gathered over TP).
+tests/test_planner_moe.py). Per rank, for one micro-batch of T = s·b tokens per TP group (T_loc =
+T/t of them on a rank with sequence parallelism), k = top-k, E experts, f_e the experts' FFN size,
+t = TP, e_t = expert TP (default t), w = 2 bytes (bf16/fp16) or 4 (fp32). The experts see the tokens
+of their expert-TP group, T_e = T_loc·e_t (= T at e_t = t). Routing is assumed balanced (the aux
+loss's aim): each EP rank's experts receive k·T_e token slots, whatever EP is (allgather: T_e·EP
+gathered over expert TP x EP, k/EP of their slots local; alltoall: k·T_loc slots sent, as many
+received, gathered over expert TP).
 """
 from __future__ import annotations
 
@@ -22,9 +24,11 @@ def _w(inp: PlanInput) -> int:
 
 
 def _tokens(inp: PlanInput) -> tuple[int, int]:
-    """(T: the TP group's tokens of one micro-batch, T_loc: those on this rank's sequence shard)."""
+    """(T_e: the tokens of one micro-batch this rank's expert-TP group routes, T_loc: those on this
+    rank's sequence shard)."""
     t = inp.seq_length * inp.micro_batch_size
-    return t, t // inp.tensor_parallel if inp.sp() else t
+    local = t // inp.tensor_parallel if inp.sp() else t
+    return local * inp.expert_tp() if inp.sp() else t, local
 
 
 def moe_mlp_saved(inp: PlanInput) -> int:
@@ -33,23 +37,23 @@ def moe_mlp_saved(inp: PlanInput) -> int:
     output, which the layer keeps as a dense layer's fc1 keeps it).
 
     routed experts (k·T slots): their input rows (the permuted tokens, h wide: split views keep the
-      whole tensor), each expert's MLP (F·f_e/t, + f_e/t: the output scaled by its routing weight is a
+      whole tensor), each expert's MLP (F·f_e/e_t, + f_e/e_t: the output scaled by its routing weight is a
       new tensor), the routing weight (w) and the permutation index (8) per slot;
     router, per local token: fp32 scores (4·E) and per slot ROUTER_BYTES_PER_SLOT;
-    routing map and weights of the local experts, E x T (allgather: the gathered tokens; alltoall:
+    routing map and weights of the local experts, E x T_e (allgather: the gathered tokens; alltoall:
       the local ones): bool + 16-bit;
     shared expert: a dense MLP of its size (F·f_s/t per token) and, gated, its output (h) and the
       sigmoid (1) per local token."""
     e, k, t, h = inp.num_experts, inp.moe_router_topk, inp.tensor_parallel, inp.hidden_size
-    w, f_e = _w(inp), inp.moe_ffn()
+    w, f_e, et = _w(inp), inp.moe_ffn(), inp.expert_tp()
     T, T_loc = _tokens(inp)
     mlp = 5 if inp.swiglu else 2
-    routed = k * T * (w * h + w * (mlp + 1) * f_e // t + w + PERMUTE_INDEX_BYTES)
+    routed = k * T * (w * h + w * (mlp + 1) * f_e // et + w + PERMUTE_INDEX_BYTES)
     router = T_loc * (4 * e + ROUTER_BYTES_PER_SLOT * k)
     routing_map = (w + 1) * e * (T if inp.moe_token_dispatcher_type == "allgather" else T_loc)
     shared = 0
-    if inp.moe_shared_expert_intermediate_size:
-        shared = w * mlp * inp.moe_shared_expert_intermediate_size // t * T
+    if inp.moe_shared_expert_intermediate_size:       # dense: over TP, on the TP group's s·b tokens
+        shared = w * mlp * inp.moe_shared_expert_intermediate_size // t * inp.seq_length * inp.micro_batch_size
         if inp.moe_shared_expert_gate:
             shared += w * T_loc * (h + 1)
     return routed + router + routing_map + shared
@@ -57,18 +61,18 @@ def moe_mlp_saved(inp: PlanInput) -> int:
 
 def moe_backward_grads(inp: PlanInput) -> int:
     """The largest gradients of one MoE layer's backward besides the residual stream's: each routed
-    slot's fc1-output gradient (2·f_e/t wide, as the dense MLP's 2f) and its input-row gradient (h),
+    slot's fc1-output gradient (2·f_e/e_t wide, as the dense MLP's 2f) and its input-row gradient (h),
     and the shared expert's fc1-output gradient (2·f_s/t per token)."""
     k, t, w = inp.moe_router_topk, inp.tensor_parallel, _w(inp)
     T, _ = _tokens(inp)
-    shared = 2 * w * T * (inp.moe_shared_expert_intermediate_size or 0) // t
-    return k * T * w * (2 * inp.moe_ffn() // t + inp.hidden_size) + shared
+    shared = 2 * w * inp.seq_length * inp.micro_batch_size * (inp.moe_shared_expert_intermediate_size or 0) // t
+    return k * T * w * (2 * inp.moe_ffn() // inp.expert_tp() + inp.hidden_size) + shared
 
 
 def moe_dispatcher(inp: PlanInput) -> tuple[int, int]:
     """(persistent, transient) bytes of the token dispatcher on one rank.
 
-    allgather (TP x EP > 1): the hidden states of the TP x EP group's T·EP tokens are gathered into
+    allgather (expert TP x EP > 1): the hidden states of the expert TP x EP group's T_e·EP tokens are gathered into
       megatron-core's global memory buffer ("mpu", the one sequence parallelism's linears gather into:
       one buffer of the larger size, live in every phase), persistent w·T·EP·h; transient, the gathered
       routing weights and map (fp32 + bool, E per gathered token).
@@ -78,7 +82,7 @@ def moe_dispatcher(inp: PlanInput) -> tuple[int, int]:
     e, k, h, w, ep = inp.num_experts, inp.moe_router_topk, inp.hidden_size, _w(inp), inp.expert_parallel
     T, T_loc = _tokens(inp)
     if inp.moe_token_dispatcher_type == "allgather":
-        if inp.tensor_parallel * ep == 1:
+        if inp.expert_tp() * ep == 1:
             return 0, 0
         return w * T * ep * h, 5 * e * T * ep
     return 0, 2 * k * T_loc * h * w

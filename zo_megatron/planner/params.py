@@ -9,7 +9,7 @@ order feeds both the counts here and the bucket walk of the memory model.
 Mixture of experts (`MoEShape`, GPTConfig's MoE fields): the MLP of every layer `layers` names is
 megatron-core's MoELayer (local spec): the router (E x h, + E with biases; replicated over TP), the
 experts this EP rank holds (E / EP of them, each a dense MLP of the experts' FFN size, split over
-TP as the dense MLP: expert TP = TP), and the shared expert (no biases) with its gate (h). Expert
+expert TP as the dense MLP over TP; expert TP defaults to TP), and the shared expert (split over TP) (no biases) with its gate (h). Expert
 parameters are named `.mlp.experts.` as offload/expert_parallel.is_expert names them.
 """
 from __future__ import annotations
@@ -168,7 +168,8 @@ def model_parameters(num_layers: int, hidden_size: int, ffn_size: int, num_atten
 def count_params(num_layers: int, hidden_size: int, vocab_size_padded: int,
                  max_position_embeddings: int, tensor_parallel: int = 1,
                  ffn_hidden_size: int | None = None, *, num_attention_heads: int | None = None,
-                 arch: Architecture = GPT2, moe: MoEShape | None = None) -> dict[str, int]:
+                 arch: Architecture = GPT2, moe: MoEShape | None = None,
+                 expert_tensor_parallel: int | None = None) -> dict[str, int]:
     """Parameters of the model, total and on one TP rank (Megatron layout).
 
     GPT-2 (the default `arch`), split over t: word embedding (vocab rows), qkv weight 3h x h + bias
@@ -180,8 +181,10 @@ def count_params(num_layers: int, hidden_size: int, vocab_size_padded: int,
     Keys: total, per_tp_rank (everything one rank holds: with experts, the dense parameters of its TP
     rank and its EP rank's experts), replicated_per_tp_rank; dense_per_tp_rank and expert_per_rank
     (the rank's routed-expert parameters; 0 without experts), experts_total (every routed expert) and
-    active (what one token uses: top-k routed experts per MoE layer instead of E; = total without)."""
+    active (what one token uses: top-k routed experts per MoE layer instead of E; = total without).
+    The routed experts' split tensors divide by `expert_tensor_parallel` (None: TP)."""
     L, h, V, S, t = num_layers, hidden_size, vocab_size_padded, max_position_embeddings, tensor_parallel
+    et = t if expert_tensor_parallel is None else expert_tensor_parallel
     f = default_ffn_size(h, arch.swiglu) if ffn_hidden_size is None else ffn_hidden_size
     a = num_attention_heads
     if a is None:
@@ -203,13 +206,16 @@ def count_params(num_layers: int, hidden_size: int, vocab_size_padded: int,
             continue
         local = layer_parameters(h, f, a, arch, moe if is_moe else None)
         every = layer_parameters(h, f, a, arch, full) if is_moe else local
-        if sum(n for _, n, split in local if split) % t:
-            raise ValueError(f"the TP-split parameters of a layer are not divisible by TP {t}")
+        def by(name: str) -> int:
+            return et if is_expert_name(name) else t
+
+        if any(n % by(name) for name, n, split in local if split):
+            raise ValueError(f"the TP-split parameters of a layer are not divisible by TP {t} (experts: expert TP {et})")
         out["total"] += count * sum(n for _, n, _ in every)
         out["replicated_per_tp_rank"] += count * sum(n for name, n, split in local if not split)
-        out["per_tp_rank"] += count * sum(n // t if split else n for _, n, split in local)
+        out["per_tp_rank"] += count * sum(n // by(name) if split else n for name, n, split in local)
         if is_moe:
-            out["expert_per_rank"] += count * sum(n // t if split else n for name, n, split in local
+            out["expert_per_rank"] += count * sum(n // et if split else n for name, n, split in local
                                                   if is_expert_name(name))
             experts = sum(n for name, n, _ in every if is_expert_name(name))
             out["experts_total"] += count * experts

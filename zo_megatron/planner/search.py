@@ -116,13 +116,13 @@ def _devices(inp: PlanInput) -> int:
 
 
 def _ep_suggestions(inp: PlanInput, add) -> None:
-    """More expert parallelism on the same ranks: each GPU holds E / EP experts (EP divides the experts
-    and DP; at EP > 1 the job trains with --zero-offload only)."""
+    """More expert parallelism on the same ranks: each GPU holds E / EP experts (EP divides the experts,
+    EP x expert TP the world; at EP > 1 the job trains with --zero-offload only)."""
     if inp.num_experts is None or not inp.zero_offload:
         return
-    ep = inp.expert_parallel * 2
-    while ep <= min(inp.num_experts, inp.data_parallel):
-        if inp.num_experts % ep == 0 and inp.data_parallel % ep == 0:
+    ep, world = inp.expert_parallel * 2, inp.tensor_parallel * inp.data_parallel
+    while ep * inp.expert_tp() <= world and ep <= inp.num_experts:
+        if inp.num_experts % ep == 0 and world % (ep * inp.expert_tp()) == 0:
             p = add(f"raise expert parallelism to {ep} (`--expert-model-parallel-size {ep}`: "
                     f"{inp.num_experts // ep} of {inp.num_experts} experts per GPU)", inp.replace(expert_parallel=ep))
             if p is not None and p.fits_device:

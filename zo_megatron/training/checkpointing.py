@@ -114,7 +114,7 @@ class Checkpointer:
             metrics.print(f" resharded from TP{res.resharded_from[0]} x DP{res.resharded_from[1]} to "
                           f"TP{ps.tp_size} x DP{ps.dp_size} (RNG: {res.rng_restored})")
         if res.resharded_ep is not None:
-            metrics.print(f" resharded the experts from EP{res.resharded_ep[0]} to EP{res.resharded_ep[1]}")
+            metrics.print(f" resharded the experts from {res.resharded_ep[0]} to {res.resharded_ep[1]}")
         if res.converted_from is not None:
             metrics.print(f" loaded weights only from {res.path} (converted from {res.converted_from}): fresh "
                           f"optimizer state, iteration 0, in {time.monotonic() - t0:.2f}s")

@@ -110,10 +110,11 @@ def build_optimizer(args, model, ps):
                   overlap_cpu_step=args.overlap_cpu_step,
                   overlap_speculated_fraction=args.overlap_speculated_fraction,
                   nvme=nvme_config(args), **common)
-    if ps.ep_size > 1:          # different EP ranks hold different experts: two engines (docs/moe.md)
+    if ps.experts_apart:        # experts replicated over expert DP, not DP: two engines (docs/moe.md)
         from zo_megatron.offload.expert_parallel import ExpertParallelEngine
 
-        return ExpertParallelEngine(model, edp_group=ps.edp_group, dp_size=ps.dp_size, **engine)
+        return ExpertParallelEngine(model, edp_group=ps.edp_group, dp_size=ps.dp_size,
+                                    expert_tp=(ps.etp_rank, ps.etp_group), **engine)
     return ZeroOffloadEngine(model, **engine)   # at EP 1 experts are replicated over DP as dense parameters
 
 

@@ -228,15 +228,16 @@ def check_architecture_flags(args: argparse.Namespace) -> None:
 
 
 def check_moe_job_flags(args: argparse.Namespace) -> None:
-    """What the job does not do with experts yet, one line each (docs/moe.md). At EP > 1 only
-    ZeRO-Offload reduces experts over expert DP (the baseline's DDP would average different experts
+    """What the job does not do with experts yet, one line each (docs/moe.md). At EP > 1 (or an expert
+    TP other than TP) only ZeRO-Offload reduces experts over expert DP (the baseline's DDP would average different experts
     over DP); the two-engine optimizer (offload/expert_parallel.py) runs every CPU-step schedule, a
     partial offload and the NVMe tier, and the planner resolves their defaults and budgets as for a
     dense model (its lines per engine)."""
-    ep = args.expert_parallel
-    if ep == 1:
+    ep, etp, tp = args.expert_parallel, args.expert_tensor_parallel, args.tensor_parallel
+    if getattr(args, "num_experts", None) is None or (ep == 1 and etp in (None, tp)):
         return
-    where = f"with --expert-model-parallel-size {ep}"
+    where = f"with --expert-model-parallel-size {ep}" if ep > 1 else \
+        f"with --expert-tensor-parallel-size {etp} (TP {tp})"
     if not args.zero_offload:
         raise ConfigError(f"--num-experts {where} trains with the ZeRO-Offload engine only (the baseline's DDP "
                           "does not reduce experts over expert DP): add --zero-offload")

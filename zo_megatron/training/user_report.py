@@ -161,13 +161,13 @@ def moe_lines(args, cfg, ps) -> list[str]:
     plan's lines, docs/memory_planner.md)."""
     if cfg.num_experts is None:
         return []
-    engine = ("two engines: dense parameters over DP, experts over expert DP" if ps.ep_size > 1
+    engine = ("two engines: dense parameters over DP, experts over expert DP" if ps.experts_apart
               else "experts replicated over DP as dense parameters")
     aux = f"aux loss {cfg.moe_router_load_balancing_type} x {cfg.moe_aux_loss_coeff:g}" \
         + (f", z-loss x {cfg.moe_z_loss_coeff:g}" if cfg.moe_z_loss_coeff is not None else "")
     return [f" experts: {cfg.num_experts} per MoE layer ({sum(cfg.moe_layers())} of {cfg.num_layers} layers), top "
-            f"{cfg.moe_router_topk}, {aux}, {cfg.moe_token_dispatcher_type} dispatcher; EP {ps.ep_size} x expert DP "
-            f"{ps.edp_size} ({engine})"]
+            f"{cfg.moe_router_topk}, {aux}, {cfg.moe_token_dispatcher_type} dispatcher; EP {ps.ep_size} x expert TP "
+            f"{ps.etp_size} x expert DP {ps.edp_size} ({engine})"]
 
 
 def noop_lines(args) -> list[str]:
