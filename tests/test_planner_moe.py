@@ -40,7 +40,12 @@ SWIGLU = dict(num_layers=3, hidden_size=64, num_attention_heads=4, num_query_gro
 GELU = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_experts=4, moe_router_topk=2,
             moe_ffn_hidden_size=72, moe_layer_freq=2)          # GPT-2 with biases, layer 1 dense
 GELU_NO_BIAS = dict(GELU, add_bias_linear=False)
-CONFIGS = {"swiglu": SWIGLU, "gelu": GELU, "gelu_no_bias": GELU_NO_BIAS}
+# every expert runs exactly its capacity, here twice the balanced share (cap = ceil(k T / E x 2) = T)
+PADDED = dict(SWIGLU, moe_expert_capacity_factor=2.0, moe_pad_expert_input_to_capacity=True)
+# every token routed to experts 0 and 1 (EP rank 0's at EP 2: twice the balanced share, the most there is)
+SKEWED = dict(SWIGLU, _skew_to_experts_0_1=True)
+CONFIGS = {"swiglu": SWIGLU, "gelu": GELU, "gelu_no_bias": GELU_NO_BIAS, "swiglu_padded": PADDED,
+           "swiglu_skewed": SKEWED}
 
 
 def _plan_input(cfg: dict, ep: int, dp: int, dispatcher: str, tp: int = 1, etp: int | None = None,
@@ -65,9 +70,13 @@ def _measure(rank, cases, bucket_size):
         tp, etp = tp_etp or (1, None)
         next_port()                                    # a fresh world per case
         ps = init_parallel(tp, expert_parallel=ep, expert_tensor_parallel=etp)
-        conf = GPTConfig(**cfg, vocab_size=VOCAB, max_position_embeddings=SEQ, precision="bf16",
-                         moe_token_dispatcher_type=dispatcher, sequence_parallel=tp > 1)
+        skew = cfg.get("_skew_to_experts_0_1", False)
+        conf = GPTConfig(**{k: v for k, v in cfg.items() if not k.startswith("_")}, vocab_size=VOCAB,
+                         max_position_embeddings=SEQ, precision="bf16", moe_token_dispatcher_type=dispatcher,
+                         sequence_parallel=tp > 1)
         model = build_gpt_model(conf, ps.tp_rank, ps.tp_size, seed=1)
+        if skew:
+            _route_every_token_to_experts_0_and_1(model)
         rows = [(n.removeprefix("gpt."), p.numel(), bool(getattr(p, "tensor_model_parallel", False)))
                 for n, p in model.named_parameters()]
         res = dict(rows=rows, num_parameters=conf.num_parameters(),
@@ -90,6 +99,16 @@ def _measure(rank, cases, bucket_size):
         collectives.barrier()
         destroy_parallel()
     return out
+
+
+def _route_every_token_to_experts_0_and_1(model) -> None:
+    """Each MoE router's logits + 100 on experts 0 and 1 (megatron-core's TopKRouter calls self.gating)."""
+    for m in model.modules():
+        if type(m).__name__ == "TopKRouter":
+            def gating(x, _original=m.gating):
+                logits = _original(x)
+                return logits + torch.tensor([100.0, 100.0] + [0.0] * (logits.shape[-1] - 2), dtype=logits.dtype)
+            m.gating = gating
 
 
 def _batch(rank, label):
@@ -144,16 +163,19 @@ def _saved_bytes(model, rank) -> list[int]:
 @pytest.fixture(scope="module")
 def measured():
     # (GELU with biases at EP 1 is refused: megatron-core's expert MLP cannot add its bias there; EP 2 below)
-    ep1 = run_world(_measure, 1, [(SWIGLU, 1, "allgather"), (GELU_NO_BIAS, 1, "allgather")],
-                    1 << 30, timeout=240)
+    ep1 = run_world(_measure, 1, [(SWIGLU, 1, "allgather"), (GELU_NO_BIAS, 1, "allgather"),
+                                  (PADDED, 1, "allgather")], 1 << 30, timeout=240)
     ep2 = run_world(_measure, 2, [(SWIGLU, 2, "alltoall"), (SWIGLU, 2, "allgather"), (GELU, 2, "alltoall"),
-                                  (SWIGLU, 1, "allgather", 2, 1), (SWIGLU, 2, "alltoall", 2, 1)],
+                                  (SWIGLU, 1, "allgather", 2, 1), (SWIGLU, 2, "alltoall", 2, 1),
+                                  (PADDED, 2, "alltoall"), (SKEWED, 2, "alltoall")],
                     1 << 30, timeout=300)
     return {(1, "allgather", "swiglu"): ep1[0][0], (1, "allgather", "gelu_no_bias"): ep1[0][1],
             (2, "alltoall", "swiglu"): [r[0] for r in ep2], (2, "allgather", "swiglu"): [r[1] for r in ep2],
             (2, "alltoall", "gelu"): [r[2] for r in ep2],
             # TP 2 with whole experts (expert TP 1): EP 1 (expert DP 2) and EP 2 (expert DP 1)
-            (1, "allgather", "swiglu-tp2-etp1"): [r[3] for r in ep2], (2, "alltoall", "swiglu-tp2-etp1"): [r[4] for r in ep2]}
+            (1, "allgather", "swiglu-tp2-etp1"): [r[3] for r in ep2], (2, "alltoall", "swiglu-tp2-etp1"): [r[4] for r in ep2],
+            (1, "allgather", "swiglu_padded"): ep1[0][2], (2, "alltoall", "swiglu_padded"): [r[5] for r in ep2],
+            (2, "alltoall", "swiglu_skewed"): [r[6] for r in ep2]}
 
 
 TP2_ETP1 = {"swiglu-tp2-etp1": dict(tp=2, etp=1)}     # the cases' layout; the others: TP 1
@@ -207,7 +229,8 @@ def test_parameters_per_rank_are_the_built_models(measured, key):
 
 
 WITH_TP2 = [(1, "allgather", "swiglu"), (1, "allgather", "gelu_no_bias"), (2, "alltoall", "swiglu"),
-            (2, "allgather", "swiglu"), (1, "allgather", "swiglu-tp2-etp1"), (2, "alltoall", "swiglu-tp2-etp1")]
+            (2, "allgather", "swiglu"), (1, "allgather", "swiglu-tp2-etp1"), (2, "alltoall", "swiglu-tp2-etp1"),
+            (1, "allgather", "swiglu_padded"), (2, "alltoall", "swiglu_padded")]
 
 
 def _ranks_and_input(measured, key, **kw):
@@ -229,6 +252,23 @@ def test_what_a_moe_layer_saves_is_planned(measured, key):
         print(f"{key} layer {layer} ({'MoE' if moe else 'dense'}): planned {want} measured {got} "
               f"({want / got - 1:+.2%})")
         assert abs(want - got) <= 0.02 * got, (key, layer, want, got)
+
+
+def test_unbalanced_routing_is_planned_by_the_imbalance(measured):
+    """Every token routed to experts 0 and 1 at EP 2: EP rank 0's experts compute twice the balanced
+    share of slots (the most an EP rank can get at top 2 of 2 local experts), rank 1's none. What rank 0's
+    MoE layer saves is the plan at moe_routing_imbalance 2 (its bound) within 2%; the balanced plan
+    misses it by far more, and an imbalance above the bound plans no more than the bound."""
+    from zo_megatron.planner.memory import _layer_saved
+
+    ranks, inp = _ranks_and_input(measured, (2, "alltoall", "swiglu_skewed"), precision="bf16")
+    got = max(r["saved"][0] for r in ranks)
+    want = sum(_layer_saved(inp.replace(moe_routing_imbalance=2.0), True))
+    balanced = sum(_layer_saved(inp, True))
+    print(f"skewed: planned {want} (balanced {balanced}) measured on the busiest rank {got} ({want / got - 1:+.2%})")
+    assert abs(want - got) <= 0.02 * got, (want, got)
+    assert balanced < 0.85 * got
+    assert sum(_layer_saved(inp.replace(moe_routing_imbalance=3.0), True)) == want
 
 
 @pytest.mark.parametrize("key", WITH_TP2)

@@ -106,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-zero-offload", dest="zero_offload", action="store_false", default=False,
                    help="(default) baseline: DDP + Adam on the device (16 bytes/param)")
     g.add_argument("--bf16-optimizer-states", action="store_true", help=argparse.SUPPRESS)  # old name
+    g.add_argument("--moe-routing-imbalance", type=float, default=1.0,
+                   help="mixture of experts: plan the busiest EP rank's experts at this many times the balanced "
+                        "share of token slots (default 1: balanced, the aux loss's aim; bounded by what can reach "
+                        "a rank and by --moe-expert-capacity-factor)")
 
     g = ap.add_argument_group("estimate_memory: hardware (default: a GPU, the PlanInput defaults: V100-32GB, "
                               "1.5 TiB host, every rank on one node)")
@@ -383,7 +387,25 @@ def moe_lines(p: P.Plan) -> list[str]:
             f"  per rank   {p.experts_per_ep_rank} of {i.num_experts} experts per EP rank (EP {i.expert_parallel}, "
             f"each split over expert TP {i.expert_tp()}): "
             f"{P.format_params(p.params_expert_per_rank)} expert + {P.format_params(dense)} dense parameters",
-            f"  engines    {engines}; {i.moe_token_dispatcher_type} dispatcher"]
+            f"  engines    {engines}; {i.moe_token_dispatcher_type} dispatcher",
+            f"  routing    {_routing(i)}"]
+
+
+def _routing(i: P.PlanInput) -> str:
+    """The routed slots the plan gives the busiest EP rank, and why."""
+    from zo_megatron.planner.moe import routed_slots
+
+    slots, balanced = routed_slots(i), routed_slots(i.replace(moe_routing_imbalance=1.0,
+                                                                moe_expert_capacity_factor=None,
+                                                                moe_pad_expert_input_to_capacity=False))
+    c = i.moe_expert_capacity_factor
+    why = ("padded to capacity" if i.moe_pad_expert_input_to_capacity else
+           f"imbalance {i.moe_routing_imbalance:g} (--moe-routing-imbalance)" if i.moe_routing_imbalance > 1 else
+           "balanced (the aux loss's aim; --moe-routing-imbalance plans a busier rank)")
+    if c is not None and c >= 0:
+        why += f", capacity factor {c:g}"
+    return f"{slots:,} token slots per MoE layer and micro-batch on the busiest EP rank ({slots / balanced:.2f}x " \
+           f"balanced: {why})"
 
 
 def print_plan(p: P.Plan, title: str = "zo_megatron memory plan", overlap_reason: str | None = None) -> None:

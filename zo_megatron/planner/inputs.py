@@ -64,6 +64,9 @@ class PlanInput:
     moe_shared_expert_gate: bool = False
     moe_layer_freq: int | list = 1  # every N-th layer from 0, or one 0/1 per layer
     moe_token_dispatcher_type: str = "allgather"  # "allgather" | "alltoall"
+    moe_expert_capacity_factor: float | None = None  # --moe-expert-capacity-factor (None / < 0: no dropping)
+    moe_pad_expert_input_to_capacity: bool = False  # --moe-pad-expert-input-to-capacity
+    moe_routing_imbalance: float = 1.0  # planner only: the busiest EP rank's slots / the balanced share
     expert_parallel: int = 1  # EP (--expert-model-parallel-size); expert DP = world / (expert TP x EP)
     expert_tensor_parallel: int | None = None  # expert TP (--expert-tensor-parallel-size); None: = TP
     tensor_parallel: int = 1
@@ -307,6 +310,11 @@ class PlanInput:
         if world % (ep * etp):
             raise ValueError(f"expert_parallel {ep} x expert_tensor_parallel {etp} does not divide the world {world} "
                              f"(TP {t} x DP {self.data_parallel}): use an EP size that divides {world // etp}")
+        if not (isinstance(self.moe_routing_imbalance, (int, float)) and self.moe_routing_imbalance >= 1):
+            raise ValueError(f"moe_routing_imbalance {self.moe_routing_imbalance!r} must be >= 1 (1: balanced routing)")
+        c = self.moe_expert_capacity_factor
+        if self.moe_pad_expert_input_to_capacity and (c is None or c < 0):
+            raise ValueError("moe_pad_expert_input_to_capacity needs moe_expert_capacity_factor >= 0")
         if self.moe_token_dispatcher_type not in ("allgather", "alltoall"):
             raise ValueError(f"moe_token_dispatcher_type must be allgather or alltoall, got "
                              f"{self.moe_token_dispatcher_type!r}")
@@ -416,6 +424,9 @@ def _moe_fields(flags: Any) -> dict[str, Any]:
                 moe_shared_expert_intermediate_size=flags.moe_shared_expert_intermediate_size,
                 moe_shared_expert_gate=bool(flags.moe_shared_expert_gate), moe_layer_freq=flags.moe_layer_freq,
                 moe_token_dispatcher_type=flags.moe_token_dispatcher_type,
+                moe_expert_capacity_factor=getattr(flags, "moe_expert_capacity_factor", None),
+                moe_pad_expert_input_to_capacity=bool(getattr(flags, "moe_pad_expert_input_to_capacity", False)),
+                moe_routing_imbalance=getattr(flags, "moe_routing_imbalance", 1.0),
                 expert_parallel=getattr(flags, "expert_parallel", 1) or 1)
 
 

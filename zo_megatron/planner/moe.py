@@ -6,9 +6,15 @@ t = TP, e_t = expert TP (default t), w = 2 bytes (bf16/fp16) or 4 (fp32). The ex
 of their expert-TP group, T_e = T_loc·e_t (= T at e_t = t). Routing is assumed balanced (the aux
 loss's aim): each EP rank's experts receive k·T_e token slots, whatever EP is (allgather: T_e·EP
 gathered over expert TP x EP, k/EP of their slots local; alltoall: k·T_loc slots sent, as many
-received, gathered over expert TP).
+received, gathered over expert TP) — unless the plan says otherwise (`routed_slots`):
+`moe_routing_imbalance` r (planner only) plans the busiest EP rank at r x the balanced share, and a
+capacity factor c (--moe-expert-capacity-factor) bounds each expert at cap = ceil(k·T_loc/E·c) slots
+from each router rank (megatron-core's get_capacity over the router's tokens), which
+--moe-pad-expert-input-to-capacity fills exactly.
 """
 from __future__ import annotations
+
+import math
 
 from zo_megatron.planner.inputs import PlanInput
 
@@ -21,6 +27,40 @@ PERMUTE_INDEX_BYTES = 8
 
 def _w(inp: PlanInput) -> int:
     return 4 if inp.precision == "fp32" else 2
+
+
+def _capacity(inp: PlanInput) -> int | None:
+    """Each expert's slots from one router rank under a capacity factor (None: no capacity)."""
+    c = inp.moe_expert_capacity_factor
+    if c is None or c < 0:                        # megatron-core: None or negative = no dropping
+        return None
+    _, T_loc = _tokens(inp)
+    return math.ceil(inp.moe_router_topk * T_loc / inp.num_experts * c)
+
+
+def local_slots(inp: PlanInput) -> int:
+    """Routed rows this rank's router sends: k·T_loc, or at most E x capacity (exactly, padded)."""
+    _, T_loc = _tokens(inp)
+    cap, k, e = _capacity(inp), inp.moe_router_topk, inp.num_experts
+    if cap is None:
+        return k * T_loc
+    return e * cap if inp.moe_pad_expert_input_to_capacity else min(k * T_loc, e * cap)
+
+
+def routed_slots(inp: PlanInput) -> int:
+    """Token slots this EP rank's experts compute in one MoE layer call: k·T_e balanced, times
+    moe_routing_imbalance for the busiest rank, never above what can reach it (each of the expert TP
+    x EP group's tokens sends at most min(k, E/EP) slots here) nor, with a capacity, E·cap·e_t (each
+    local expert takes at most cap from each of the group's ranks); padded to capacity: exactly that."""
+    T_e, T_loc = _tokens(inp)
+    k, e, ep, et = inp.moe_router_topk, inp.num_experts, inp.expert_parallel, inp.expert_tp()
+    cap = _capacity(inp)
+    if cap is not None and inp.moe_pad_expert_input_to_capacity:
+        return e * cap * et
+    bound = T_loc * et * ep * min(k, e // ep)
+    if cap is not None:
+        bound = min(bound, e * cap * et)
+    return min(math.ceil(inp.moe_routing_imbalance * k * T_e), bound)
 
 
 def _tokens(inp: PlanInput) -> tuple[int, int]:
@@ -48,7 +88,7 @@ def moe_mlp_saved(inp: PlanInput) -> int:
     w, f_e, et = _w(inp), inp.moe_ffn(), inp.expert_tp()
     T, T_loc = _tokens(inp)
     mlp = 5 if inp.swiglu else 2
-    routed = k * T * (w * h + w * (mlp + 1) * f_e // et + w + PERMUTE_INDEX_BYTES)
+    routed = routed_slots(inp) * (w * h + w * (mlp + 1) * f_e // et + w + PERMUTE_INDEX_BYTES)
     router = T_loc * (4 * e + ROUTER_BYTES_PER_SLOT * k)
     routing_map = (w + 1) * e * (T if inp.moe_token_dispatcher_type == "allgather" else T_loc)
     shared = 0
@@ -63,10 +103,9 @@ def moe_backward_grads(inp: PlanInput) -> int:
     """The largest gradients of one MoE layer's backward besides the residual stream's: each routed
     slot's fc1-output gradient (2·f_e/e_t wide, as the dense MLP's 2f) and its input-row gradient (h),
     and the shared expert's fc1-output gradient (2·f_s/t per token)."""
-    k, t, w = inp.moe_router_topk, inp.tensor_parallel, _w(inp)
-    T, _ = _tokens(inp)
+    t, w = inp.tensor_parallel, _w(inp)
     shared = 2 * w * inp.seq_length * inp.micro_batch_size * (inp.moe_shared_expert_intermediate_size or 0) // t
-    return k * T * w * (2 * inp.moe_ffn() // inp.expert_tp() + inp.hidden_size) + shared
+    return routed_slots(inp) * w * (2 * inp.moe_ffn() // inp.expert_tp() + inp.hidden_size) + shared
 
 
 def moe_dispatcher(inp: PlanInput) -> tuple[int, int]:
@@ -76,8 +115,9 @@ def moe_dispatcher(inp: PlanInput) -> tuple[int, int]:
       megatron-core's global memory buffer ("mpu", the one sequence parallelism's linears gather into:
       one buffer of the larger size, live in every phase), persistent w·T·EP·h; transient, the gathered
       routing weights and map (fp32 + bool, E per gathered token).
-    alltoall: transient, the permuted local slots (k·T_loc rows of h) and what the all-to-all receives
-      (as many, balanced); the rows gathered over TP and sorted by expert are the experts' saved input.
+    alltoall: transient, the permuted local slots (`local_slots` rows of h) and what the all-to-all
+      receives (`routed_slots` / e_t: as many, balanced); the rows gathered over expert TP and sorted
+      by expert are the experts' saved input.
     Both dispatchers' backward moves gradients of the same sizes (counted in the layer's backward)."""
     e, k, h, w, ep = inp.num_experts, inp.moe_router_topk, inp.hidden_size, _w(inp), inp.expert_parallel
     T, T_loc = _tokens(inp)
@@ -85,4 +125,4 @@ def moe_dispatcher(inp: PlanInput) -> tuple[int, int]:
         if inp.expert_tp() * ep == 1:
             return 0, 0
         return w * T * ep * h, 5 * e * T * ep
-    return 0, 2 * k * T_loc * h * w
+    return 0, (local_slots(inp) + routed_slots(inp) // inp.expert_tp()) * h * w
