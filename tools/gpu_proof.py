@@ -320,6 +320,11 @@ def train(name: str, flags: list[str], out: str, budget_s: float, dry_run: bool)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if dry_run:
         env["CUDA_VISIBLE_DEVICES"] = ""
+        # one torch thread in every arm: on a CPU-only run --overlap-cpu-step and --dpu give torch half
+        # the rank's threads (training/components.set_threads), and where torch's matmuls depend on the
+        # thread count (Intel MKL / oneDNN on a Xeon) that alone moves the last bits of the losses; the
+        # dry run compares the schedules, so their forward/backward must be the same computation
+        env["OMP_NUM_THREADS"] = "1"
     t0 = time.monotonic()
     with NvmlPeak() as nv:
         try:
