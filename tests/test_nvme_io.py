@@ -186,8 +186,8 @@ def test_each_block_has_its_files_checksum_and_a_flipped_bit_is_refused(tmp_path
 
 
 def test_an_entry_of_the_zlib_form_is_checked_with_zlib_in_a_crc32c_file(tmp_path, io):
-    # NvmeStateStore.resync, after a checkpoint wrote into the mapped files, sets (length, zlib.crc32)
-    # entries itself: read_block must check those with zlib whatever the file's own kind
+    # a (length, zlib.crc32) entry (a file of a build without the extension; NvmeStateStore.resync set
+    # those before it took StateFile.checksum_entry) is checked with zlib whatever the file's own kind
     f, buf = _written(tmp_path, io, n=4 * ALIGN)
     B = io.block_bytes
     raw = bytearray(buf.numpy().tobytes())
@@ -202,6 +202,18 @@ def test_an_entry_of_the_zlib_form_is_checked_with_zlib_in_a_crc32c_file(tmp_pat
     f.crc[B] = (B, zlib.crc32(bytes(raw[B:2 * B])) ^ 1)
     with pytest.raises(StateFileError, match="checksum mismatch"):
         io.read(f, B, back[B:2 * B]).wait()
+    f.close(remove=True)
+
+
+def test_the_entry_a_resync_takes_is_the_one_a_write_takes(tmp_path, io):
+    """NvmeStateStore.resync checksums what a checkpoint wrote into the mapped files with
+    StateFile.checksum_entry: the entry write_block takes for the same bytes, in the file's own kind."""
+    f, buf = _written(tmp_path, io, n=4 * ALIGN)
+    B = io.block_bytes
+    raw = buf.numpy().tobytes()
+    for off in range(0, len(raw), B):
+        assert f.checksum_entry(memoryview(raw[off:off + B])) == f.crc[off], off
+    assert (f.crc[0][2:] == (nvme_io.CRC32C,)) == (f.checksum == nvme_io.CRC32C)
     f.close(remove=True)
 
 

@@ -139,9 +139,13 @@ class StateFile:
             except FileNotFoundError:
                 pass
 
+    def checksum_entry(self, view: memoryview) -> tuple:
+        """The crc entry of a block holding `view`, in this file's kind (CRC32C or zlib's CRC-32)."""
+        return (len(view), cpu_adam.crc32c(view), CRC32C) if self.checksum == CRC32C else (len(view), zlib.crc32(view))
+
     # The two block operations, on an I/O thread.
     def write_block(self, offset: int, view: memoryview) -> None:
-        entry = (len(view), cpu_adam.crc32c(view), CRC32C) if self.checksum == CRC32C else (len(view), zlib.crc32(view))
+        entry = self.checksum_entry(view)
         done = 0
         try:
             while done < len(view):          # a short write (rare) continues where it stopped

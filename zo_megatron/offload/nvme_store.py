@@ -44,7 +44,6 @@ import mmap
 import os
 import socket
 import time
-import zlib
 from dataclasses import dataclass
 
 import torch
@@ -523,7 +522,7 @@ class NvmeStateStore:
                     off, n = self._place(k, i, self._side[i]), self._nbytes(i, k)
                     for s in range(0, n, B):
                         block = whole[off + s:off + min(n, s + B)]
-                        f.crc[off + s] = (len(block), zlib.crc32(block))
+                        f.crc[off + s] = f.checksum_entry(block)
                         block.release()
         self._maps = None                      # (a mapping lives while a checkpoint's tensors do)
 
