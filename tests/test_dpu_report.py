@@ -1,6 +1,7 @@
 """Issue 37: the DPU convergence report's statistics (tools/dpu_report.py) and the arms of the
 plain-torch reproduction (tools/dpu_reproduction.py) against float64 references of their own
 definitions on a tiny problem (a random quadratic; seconds)."""
+import json
 import math
 import os
 import statistics
@@ -230,3 +231,23 @@ def test_the_convergence_report_cost_and_diagnostics_from_runs():
     long_flags = conv.mode_flags("long", None, None)
     assert long_flags[long_flags.index("--train-iters") + 1] == "2000" and "--num-layers" in long_flags
     assert "--num-layers" not in conv.mode_flags("demo", None, None)
+
+
+def test_the_demo_timeline_is_drawn_from_the_files_kept_beside_the_logs(tmp_path, capsys):
+    """A --reuse of committed logs has no live --timeline: the tool draws dpu_timeline.png from the copy
+    the dpu run left in the runs directory, and without one says so in a line instead of failing."""
+    import dpu_convergence as conv
+
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    runs.mkdir()
+    out.mkdir()
+    conv._timeline(str(runs), str(out), 2)
+    assert "not redrawn" in capsys.readouterr().out and not (out / "dpu_timeline.png").exists()
+    for rank in (0, 1):                  # the lines pretrain_gpt.py --timeline writes, per rank
+        with open(runs / f"{conv.TIMELINE}.rank{rank}", "w") as f:
+            for it in range(1, 12):
+                for j, phase in enumerate(("forward", "backward", "cpu_step")):
+                    f.write(json.dumps({"rank": rank, "iteration": it, "phase": phase,
+                                        "start": it + 0.3 * j, "end": it + 0.3 * j + 0.25}) + "\n")
+    conv._timeline(str(runs), str(out), 2)
+    assert (out / "dpu_timeline.png").stat().st_size > 0

@@ -41,9 +41,11 @@ every precision, 1 otherwise.
 from __future__ import annotations
 
 import argparse
+import glob
 import gzip
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -62,6 +64,7 @@ DEFAULT_LAYOUT = {"demo": (2, 2), "long": (1, 1)}          # (--nproc, --tensor-
 # session could not finish resumes in the next one with --reuse; gzip keeps a 2000-iteration log
 # to a fraction of its ~1 MB.
 DEFAULT_RUNS_DIR = os.path.join(ROOT, "docs", "img", "dpu_runs")
+TIMELINE = "dpu_timeline"          # the demo's first dpu run's --timeline files, beside its log
 
 
 class RunFailed(Exception):
@@ -159,6 +162,10 @@ def run_one(name: str, seed: int, flags: list[str], nproc: int, runs_dir: str, r
         if os.path.exists(diag):  # the diagnostics first: a log without its diagnostics is not complete
             write_gz(read_jsonl(diag), diag_gz)
             os.remove(diag)
+        if "--timeline" in flags:     # kept beside the log, so a later --reuse still draws it
+            src = flags[flags.index("--timeline") + 1]
+            for f in sorted(glob.glob(glob.escape(src) + ".rank*")):
+                shutil.copyfile(f, os.path.join(runs_dir, TIMELINE + f[len(src):]))
         write_gz(rows, log_gz)
         os.remove(log)
     rows = read_jsonl(log_gz)
@@ -256,7 +263,12 @@ def _fmt(x) -> str:
 
 
 def _timeline(runs_dir: str, out_dir: str, warmup: int) -> None:
-    timeline = os.path.join(runs_dir, "dpu_timeline")
+    """dpu_timeline.png from the --timeline files the first seed's dpu run left beside its log."""
+    timeline = os.path.join(runs_dir, TIMELINE)
+    if not glob.glob(glob.escape(timeline) + ".rank*"):
+        print(f"no --timeline of the dpu run in {runs_dir} (a log from before they were kept): "
+              f"{os.path.join(out_dir, 'dpu_timeline.png')} not redrawn", flush=True)
+        return
     it = warmup + 5
     subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plot_timeline.py"), timeline, "--iterations",
                     f"{it}:{it + 3}", "--out", os.path.join(out_dir, "dpu_timeline.png"),
@@ -331,7 +343,7 @@ def main(argv=None) -> int:
         dpu_report.plot(runs, os.path.join(args.out_dir, base + ".png"),
                         f"DPU vs exact, {args.mode} mode{', ' + precision if precision else ''}", args.dpu_warmup_steps)
         if timeline:
-            _timeline(live_dir, args.out_dir, args.dpu_warmup_steps)
+            _timeline(runs_dir, args.out_dir, args.dpu_warmup_steps)
         print(f"final validation loss, {args.mode} mode{', ' + precision if precision else ''} "
               f"({len(seeds)} seeds):")
         print("\n".join(dpu_report.format_summary(result["summary"])))
