@@ -302,3 +302,45 @@ def test_expert_layout_rules_and_the_parameter_count():
 def test_moe_families_at_tp2_ep2_and_ep4_on_4_ranks(tmp_path):
     seed = fresh_seed("moe mixtral tp2 ep2")
     _compare(tmp_path, seed, 4, [(2, 2, "allgather"), (1, 4, "alltoall"), (1, 2, "alltoall")])
+
+
+def _routed_expert_world(rank):
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from zo_megatron.model import GPTConfig, build_gpt_model
+    from zo_megatron.parallel import destroy_parallel, init_parallel
+
+    init_parallel(1)
+    try:
+        cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=97, max_position_embeddings=16,
+                        swiglu=True, add_bias_linear=False, num_experts=4, ffn_hidden_size=40, moe_ffn_hidden_size=24,
+                        moe_shared_expert_intermediate_size=56, moe_shared_expert_gate=True, moe_layer_freq=[1, 0],
+                        position_embedding_type="rope", normalization="RMSNorm", precision="fp32")
+        model = build_gpt_model(cfg, 0, 1, seed=1)
+        owned = {f"{prefix}.{n}" if prefix else n
+                 for prefix, m in model.named_modules() if isinstance(m, SequentialMLP)
+                 for n, _ in m.named_parameters()}
+        return sorted(owned), [n for n, _ in model.named_parameters()]
+    finally:
+        destroy_parallel()
+
+
+def test_one_routed_expert_rule_is_megatron_cores_expert_modules_and_the_planners_rows(tmp_path):
+    """zo_megatron/param_names.is_routed_expert (the rule the sharding, the two engines and the planner
+    share) against megatron-core's own module tree: a parameter is a routed expert's exactly when a
+    SequentialMLP owns it — not the router, not Qwen2-MoE's shared expert or its gate, not a dense MLP
+    layer (--moe-layer-freq [1, 0]); and the planner's parameter rows of the same model mark the same
+    names (the model wraps megatron-core's GPTModel as `gpt.`)."""
+    from zo_megatron.param_names import is_routed_expert
+    from zo_megatron.planner import params as P
+
+    owned, names = run_world(_routed_expert_world, 1)[0]
+    marked = [n for n in names if is_routed_expert(n)]
+    assert marked and any("shared_experts" in n for n in names) and any("router" in n for n in names)
+    assert sorted(marked) == [n for n in owned if n in names] == sorted(set(owned)), (marked, owned)
+    moe = P.MoEShape(num_experts=4, topk=2, ffn=24, shared=56, shared_gate=True, layers=(True, False))
+    arch = P.Architecture(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=False,
+                          untie_embeddings_and_output_weights=False)
+    rows = [n for n, _, _ in P.model_parameters(2, 32, 40, 4, 128, 16, arch, moe)]
+    planned = [n for n in rows if is_routed_expert(n)]
+    assert planned == [n.removeprefix("gpt.") for n in marked], (planned, marked)

@@ -62,7 +62,8 @@ def _measure(rank, cases, bucket_size):
     (dense) save for backward, and (at EP > 1) the two engines' accounting."""
     from zo_megatron.model import GPTConfig, build_gpt_model
     from zo_megatron.offload.engine import AdamConfig, ZeroOffloadEngine
-    from zo_megatron.offload.expert_parallel import ExpertParallelEngine, is_expert
+    from zo_megatron.offload.expert_parallel import ExpertParallelEngine
+    from zo_megatron.param_names import is_routed_expert
     from zo_megatron.parallel import collectives, destroy_parallel, init_parallel
 
     out = []
@@ -80,7 +81,7 @@ def _measure(rank, cases, bucket_size):
         rows = [(n.removeprefix("gpt."), p.numel(), bool(getattr(p, "tensor_model_parallel", False)))
                 for n, p in model.named_parameters()]
         res = dict(rows=rows, num_parameters=conf.num_parameters(),
-                   experts=sum(p.numel() for n, p in model.named_parameters() if is_expert(n)))
+                   experts=sum(p.numel() for n, p in model.named_parameters() if is_routed_expert(n)))
         common = dict(precision="bf16", adam=AdamConfig(lr=1e-3), clip_grad=1.0, bucket_size=bucket_size,
                       tp_rank=ps.tp_rank, device=ps.device, tp_group=ps.tp_group)
         if ps.experts_apart:

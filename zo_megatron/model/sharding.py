@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
+from zo_megatron.param_names import is_routed_expert
 from zo_megatron.parallel import collectives
 
-_EXPERT = ".mlp.experts."
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT_LAYER = "output_layer.weight"
 VOCAB_PADDED = (WORD_EMBEDDING, OUTPUT_LAYER)
@@ -80,17 +80,12 @@ class ShardInfo:
         return self.pieces[0][0] if self.pieces else 0
 
 
-def is_expert_param(name: str) -> bool:
-    """A routed expert's parameter (megatron-core's MoE experts; not the router, not the shared expert)."""
-    return _EXPERT in name
-
-
 def shard_info(name: str, param: torch.Tensor, tp_rank: int, tp_size: int,
                vocab_size: int | None = None, expert_tp: tuple[int, int] | None = None) -> ShardInfo:
     """Where `param` (TP rank `tp_rank` of `tp_size`) sits in its full tensor; a routed expert's
     splits over `expert_tp` = (expert TP rank, size) where given (default: TP's)."""
     local = tuple(param.shape)
-    expert = is_expert_param(name)
+    expert = is_routed_expert(name)
     rank, size = expert_tp if expert and expert_tp is not None else (tp_rank, tp_size)
     if not getattr(param, "tensor_model_parallel", False):
         n = local[0] if local else 0

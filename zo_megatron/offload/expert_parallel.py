@@ -39,14 +39,7 @@ import dataclasses
 from zo_megatron.offload.accounting import Accounting
 from zo_megatron.offload.engine import ZeroOffloadEngine
 from zo_megatron.optimizer_api import StepResult
-
-_EXPERT = ".mlp.experts."
-
-
-def is_expert(name: str, _param=None) -> bool:
-    """Parameters of megatron-core's routed experts (not the router, not the shared expert)."""
-    return _EXPERT in name
-
+from zo_megatron.param_names import is_routed_expert
 
 class ExpertParallelEngine:
     """The dense engine over `dp_group` and the expert engine over `edp_group` of one model, driven as
@@ -60,14 +53,14 @@ class ExpertParallelEngine:
         from zo_megatron.parallel import collectives
 
         self.model = model
-        self.dense = ZeroOffloadEngine(model, dp_group=dp_group, params=lambda n, p: not is_expert(n), **engine_kwargs)
+        self.dense = ZeroOffloadEngine(model, dp_group=dp_group, params=lambda n, p: not is_routed_expert(n), **engine_kwargs)
         # the one scaler is the dense engine's; the expert engine's follows it (set before each backward)
         follower = ConstantLossScaler(self.dense.loss_scaler.scale)
         expert_kwargs = {**engine_kwargs, "loss_scaler": follower}
         if expert_tp is not None:
             expert_kwargs.update(tp_rank=expert_tp[0], tp_group=expert_tp[1])
         try:
-            self.experts = ZeroOffloadEngine(model, dp_group=edp_group, params=is_expert, grad_divisor=dp_size,
+            self.experts = ZeroOffloadEngine(model, dp_group=edp_group, params=lambda n, p: is_routed_expert(n), grad_divisor=dp_size,
                                              cpu_worker=self.dense.schedule.worker,
                                              nvme_tag=f"zo_optimizer.experts.rank{collectives.group_rank(None)}",
                                              **expert_kwargs)

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from zo_megatron.planner.inputs import PlanInput
-from zo_megatron.planner.params import is_expert_name, layer_parameters, model_parameters
+from zo_megatron.param_names import is_routed_expert
+from zo_megatron.planner.params import layer_parameters, model_parameters
 
 BUCKET_GROUPS = ("all", "dense", "expert")
 
@@ -25,8 +26,8 @@ def _bucket_layout(inp: PlanInput, vocab_padded: int, max_positions: int, quantu
     et = inp.expert_tp() if moe is not None else t
 
     def local(rows) -> list[int]:
-        return [n // (et if is_expert_name(name) else t) if split else n for name, n, split in rows
-                if group == "all" or is_expert_name(name) == (group == "expert")]
+        return [n // (et if is_routed_expert(name) else t) if split else n for name, n, split in rows
+                if group == "all" or is_routed_expert(name) == (group == "expert")]
 
     kinds = moe.layers if moe is not None else (False,) * inp.num_layers
     layer = {False: local(layer_parameters(h, f, a, arch)), True: local(layer_parameters(h, f, a, arch, moe))}

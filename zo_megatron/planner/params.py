@@ -10,11 +10,13 @@ Mixture of experts (`MoEShape`, GPTConfig's MoE fields): the MLP of every layer 
 megatron-core's MoELayer (local spec): the router (E x h, + E with biases; replicated over TP), the
 experts this EP rank holds (E / EP of them, each a dense MLP of the experts' FFN size, split over
 expert TP as the dense MLP over TP; expert TP defaults to TP), and the shared expert (split over TP) (no biases) with its gate (h). Expert
-parameters are named `.mlp.experts.` as offload/expert_parallel.is_expert names them.
+parameters are named `.mlp.experts.` as zo_megatron/param_names.is_routed_expert names them.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from zo_megatron.param_names import is_routed_expert
 
 
 @dataclass(frozen=True)
@@ -64,11 +66,6 @@ def moe_layer_pattern(num_layers: int, freq) -> list[bool]:
         raise ValueError(f"moe_layer_freq {freq}: a list needs one 0 (dense) or 1 (MoE) per layer, "
                          f"{num_layers} entries")
     return [x == 1 for x in freq]
-
-
-def is_expert_name(name: str) -> bool:
-    """A routed expert's parameter (offload/expert_parallel.is_expert's rule)."""
-    return ".mlp.experts." in name or name.startswith("mlp.experts.")
 
 
 def default_ffn_size(hidden_size: int, swiglu: bool) -> int:
@@ -207,7 +204,7 @@ def count_params(num_layers: int, hidden_size: int, vocab_size_padded: int,
         local = layer_parameters(h, f, a, arch, moe if is_moe else None)
         every = layer_parameters(h, f, a, arch, full) if is_moe else local
         def by(name: str) -> int:
-            return et if is_expert_name(name) else t
+            return et if is_routed_expert(name) else t
 
         if any(n % by(name) for name, n, split in local if split):
             raise ValueError(f"the TP-split parameters of a layer are not divisible by TP {t} (experts: expert TP {et})")
@@ -216,8 +213,8 @@ def count_params(num_layers: int, hidden_size: int, vocab_size_padded: int,
         out["per_tp_rank"] += count * sum(n // by(name) if split else n for name, n, split in local)
         if is_moe:
             out["expert_per_rank"] += count * sum(n // et if split else n for name, n, split in local
-                                                  if is_expert_name(name))
-            experts = sum(n for name, n, _ in every if is_expert_name(name))
+                                                  if is_routed_expert(name))
+            experts = sum(n for name, n, _ in every if is_routed_expert(name))
             out["experts_total"] += count * experts
             routed_one = experts // moe.num_experts
     out["dense_per_tp_rank"] = out["per_tp_rank"] - out["expert_per_rank"]
