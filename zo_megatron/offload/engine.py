@@ -58,6 +58,7 @@ from zo_megatron.offload.device import DeviceLayer
 from zo_megatron.offload.device_optimizer import DeviceOptimizerTail
 from zo_megatron.offload.engine_state import EngineState
 from zo_megatron.offload.flat_buffer import ALIGN, FlatLayout
+from zo_megatron.offload.grad_buckets import GradientBuckets
 from zo_megatron.offload.loss_scaler import ConstantLossScaler, DynamicLossScaler
 from zo_megatron.offload.nvme_store import NvmeConfig, NvmeStateStore
 from zo_megatron.offload.schedules import DelayedSchedule, SpeculativeSchedule, SynchronousSchedule
@@ -73,10 +74,36 @@ def default_grad_reduce_in_fp32(precision: str) -> bool:
     return precision == "bf16"
 
 
-class ZeroOffloadEngine(EngineState):
+def _refuse_bad_schedule(adam: AdamConfig, dpu_warmup_steps, dpu_weight_prediction, overlap_cpu_step,
+                         speculated_fraction, offload_fraction, accumulate_on_host) -> None:
+    """The engine's option combinations that have no meaning, each refused in one line."""
+    if dpu_warmup_steps is not None and dpu_warmup_steps < 1:
+        raise ConfigError(f"DPU warm-up must be >= 1 step (got {dpu_warmup_steps})")
+    if dpu_weight_prediction and dpu_warmup_steps is None:
+        raise ConfigError("--dpu-weight-prediction extrapolates the delayed update's parameters: add --dpu")
+    if overlap_cpu_step and dpu_warmup_steps is not None:
+        raise ConfigError("--overlap-cpu-step cannot be combined with --dpu (DPU already takes the CPU step "
+                          "off the critical path, one update late): use one or the other")
+    if not 0.0 <= speculated_fraction <= 1.0:
+        raise ConfigError(f"the speculated share of the partition must be in [0, 1] (got {speculated_fraction!r})")
+    f = offload_fraction
+    if not (isinstance(f, (int, float)) and 0.0 <= f <= 1.0):
+        raise ConfigError(f"the optimizer offload fraction must be in [0, 1] (got {f!r})")
+    if f < 1.0:
+        for bad, why in ((dpu_warmup_steps is not None, "--dpu (the device tail would not be delayed)"),
+                         (accumulate_on_host, "--accumulate-grads-on-host (the tail has no host gradients)"),
+                         (not adam.bias_correction, "Adam without bias correction (torch's has it)"),
+                         (adam.state_dtype != "fp32", "bf16 optimizer states (the device part keeps fp32)")):
+            if bad:
+                raise ConfigError(f"--optimizer-offload-fraction {f:g} < 1 cannot be combined with {why}: "
+                                  "use one or the other")
+
+
+class ZeroOffloadEngine(GradientBuckets, EngineState):
     """The offload optimizer engine (see the module docstring). Use as a context manager, or call
     close(): it unregisters pinned host memory and removes the gradient hooks. Implements
-    `optimizer_api.TrainingOptimizer` (its checkpoint state: engine_state.EngineState).
+    `optimizer_api.TrainingOptimizer` (its backward: grad_buckets.GradientBuckets; its checkpoint
+    state: engine_state.EngineState).
 
     The model may be built on the host in fp32 (recommended for large models): its parameters are
     copied into the flat 16-bit buffer on `device` one at a time, so the device never holds more
@@ -129,32 +156,14 @@ class ZeroOffloadEngine(EngineState):
             raise ConfigError("fp32 host gradients need gradients reduced in fp32: add "
                               "--accumulate-allreduce-grads-in-fp32")
         self.accumulate_on_host = accumulate_on_host
-        if dpu_warmup_steps is not None and dpu_warmup_steps < 1:
-            raise ConfigError(f"DPU warm-up must be >= 1 step (got {dpu_warmup_steps})")
+        _refuse_bad_schedule(self.adam, dpu_warmup_steps, dpu_weight_prediction, overlap_cpu_step,
+                             overlap_speculated_fraction, optimizer_offload_fraction, accumulate_on_host)
         self.dpu_warmup_steps = dpu_warmup_steps
-        if dpu_weight_prediction and dpu_warmup_steps is None:
-            raise ConfigError("--dpu-weight-prediction extrapolates the delayed update's parameters: add --dpu")
         self.dpu_weight_prediction = bool(dpu_weight_prediction)
-        if overlap_cpu_step and dpu_warmup_steps is not None:
-            raise ConfigError("--overlap-cpu-step cannot be combined with --dpu (DPU already takes the CPU step "
-                              "off the critical path, one update late): use one or the other")
-        if not 0.0 <= overlap_speculated_fraction <= 1.0:
-            raise ConfigError(f"the speculated share of the partition must be in [0, 1] (got {overlap_speculated_fraction!r})")
         # --overlap-cpu-step with no host memory set aside for it speculates nothing: synchronous
         self.overlap_cpu_step = bool(overlap_cpu_step) and overlap_speculated_fraction > 0
         self.overlap_speculated_fraction = float(overlap_speculated_fraction) if self.overlap_cpu_step else 0.0
-        f = optimizer_offload_fraction
-        if not (isinstance(f, (int, float)) and 0.0 <= f <= 1.0):
-            raise ConfigError(f"the optimizer offload fraction must be in [0, 1] (got {f!r})")
-        if f < 1.0:
-            for bad, why in ((dpu_warmup_steps is not None, "--dpu (the device tail would not be delayed)"),
-                             (accumulate_on_host, "--accumulate-grads-on-host (the tail has no host gradients)"),
-                             (not self.adam.bias_correction, "Adam without bias correction (torch's has it)"),
-                             (self.adam.state_dtype != "fp32", "bf16 optimizer states (the device part keeps fp32)")):
-                if bad:
-                    raise ConfigError(f"--optimizer-offload-fraction {f:g} < 1 cannot be combined with {why}: "
-                                      "use one or the other")
-        self.offload_fraction = float(f)
+        self.offload_fraction = float(optimizer_offload_fraction)
         self.nvme_config = nvme             # --optimizer-nvme-path: the states on disk (nvme_store.py)
         self._nvme: NvmeStateStore | None = None
         if nvme is not None:
@@ -360,160 +369,6 @@ class ZeroOffloadEngine(EngineState):
         if self.race_check and self.schedule.pending is not None and self._race_ref is None:
             self._race_ref = self.flat.clone()
         return contextlib.nullcontext()
-
-    def backward(self, loss: torch.Tensor, *, last_micro_batch: bool = True) -> None:
-        """loss.backward() with loss scaling. Only the last micro-batch communicates, unless
-        gradients accumulate on the host (then every micro-batch is reduced and added there)."""
-        self.begin_backward(last_micro_batch)
-        (loss * self.loss_scaler.scale).backward() if self.loss_scaler.scale != 1.0 else loss.backward()
-        self.end_backward(last_micro_batch)
-
-    def begin_backward(self, last_micro_batch: bool) -> None:
-        """backward() before loss.backward() (an engine another engine's backward reaches: expert_parallel.py)."""
-        if self._micro == 0:
-            self.accounting.reset_step()
-        self._sync = last_micro_batch or self.accumulate_on_host
-        if self._sync:
-            self._sync_pending = True
-        self.schedule.on_backward_start(self, last_micro_batch)
-        if last_micro_batch and self._nvme is not None and self.dpu_warmup_steps is None:
-            self._nvme.prefetch()            # the CPU step's first reads, behind backward (nvme_store.py)
-
-    def end_backward(self, last_micro_batch: bool) -> None:
-        """What backward() does after loss.backward()."""
-        if self.accumulate_on_host:
-            self.finish_grad_sync()
-            if getattr(self.schedule, "active", False):
-                pass                                     # the worker adds each bucket as it lands
-            elif self._micro == 0:
-                self.host_acc.copy_(self.host_grad)
-            else:
-                self.host_acc.add_(self.host_grad)
-        self._micro = 0 if last_micro_batch else self._micro + 1
-
-    def _make_hook(self, slot):
-        def hook(param: torch.Tensor) -> None:
-            if self._sync:
-                self._grad_ready(slot)
-            elif self._fp32_accumulation:
-                self._add_to_main_grad(slot)
-        return hook
-
-    def _add_to_main_grad(self, slot) -> None:
-        """A micro-batch before the last: its 16-bit gradient into the fp32 main_grad, param.grad freed."""
-        if self._main_grad is None:
-            self._main_grad = self.dev.device_empty(self.layout.numel, torch.float32)
-        i = self._slot_index[id(slot)]
-        mg = self._main_grad[slot.start:slot.start + slot.numel]
-        g = slot.param.grad.reshape(-1)
-        mg.add_(g) if self._main_grad_held[i] else mg.copy_(g)
-        self._main_grad_held[i] = True
-        slot.param.grad = None
-
-    def _reset_bucket_state(self) -> None:
-        nb = len(self.layout.buckets)
-        self._next = 0                                   # the next bucket to reduce-scatter
-        self._open: dict[int, tuple[int, torch.Tensor]] = {}   # bucket -> (buffer index, view)
-        self._free = list(range(len(self._grad_buffers)))
-        self._in_use: dict[int, tuple] = {}             # buffer -> its pending copies home
-        self._waiting: list[list] = [[] for _ in range(nb)]   # slots ready before their bucket opened
-        self._absorbed = [False] * len(self.layout.slots)
-        self._count = [0] * nb                           # slots absorbed per bucket
-
-    def _grad_ready(self, slot) -> None:
-        b = slot.bucket
-        if b in self._open:
-            self._absorb(slot)
-        else:
-            self._waiting[b].append(slot)               # param.grad is kept until b has a buffer
-            if b < self._next + len(self._grad_buffers):
-                self._open_bucket(b)
-        self._send_ready()
-
-    def _open_bucket(self, b: int) -> None:
-        """Give bucket b (inside the window) a zeroed buffer and absorb its waiting gradients."""
-        i = self._free.pop(0)                            # the longest-free buffer: its copy is oldest
-        for handle in self._in_use.pop(i, ()):          # its last copies home have read it
-            self.dev.release(handle)
-        buf = self._grad_buffers[i][: self.layout.buckets[b].numel]
-        buf.zero_()
-        self._open[b] = (i, buf)
-        waiting, self._waiting[b] = self._waiting[b], []
-        for s in waiting:
-            self._absorb(s)
-
-    def _absorb(self, slot) -> None:
-        i = self._slot_index[id(slot)]
-        held = self._main_grad_held[i]
-        if self._absorbed[i] or (slot.param.grad is None and not held):
-            return
-        bucket = self.layout.buckets[slot.bucket]
-        off = slot.start - bucket.start
-        view = self._open[slot.bucket][1][off:off + slot.numel]
-        if held:                                         # earlier micro-batches' fp32 sum, then this one's
-            view.copy_(self._main_grad[slot.start:slot.start + slot.numel])
-            if slot.param.grad is not None:
-                view.add_(slot.param.grad.reshape(-1))
-            self._main_grad_held[i] = False
-        else:
-            view.copy_(slot.param.grad.reshape(-1))
-        slot.param.grad = None
-        self._absorbed[i] = True
-        self._count[slot.bucket] += 1
-
-    def _send_ready(self) -> None:
-        """Send every complete bucket whose turn it is; open the buckets the window reaches."""
-        buckets = self.layout.buckets
-        while self._next < len(buckets) and self._next in self._open \
-                and self._count[self._next] == len(buckets[self._next].slots):
-            self._send(self._next)
-            reach = self._next + len(self._grad_buffers) - 1
-            if reach < len(buckets) and self._waiting[reach] and reach not in self._open:
-                self._open_bucket(reach)
-
-    def _send(self, b: int) -> None:
-        """Reduce-scatter bucket b (averaged over DP, async) and queue its shard's copy home."""
-        bucket = self.layout.buckets[b]
-        i, buf = self._open.pop(b)
-        self._sp_grads.reduce(b, buf)
-        n = bucket.shard_numel
-        if self.grad_divisor > 1:
-            buf.div_(self.grad_divisor)
-        mine = buf[self.dp_rank * n:(self.dp_rank + 1) * n]
-        work = collectives.reduce_scatter(mine, buf, self.dp_group, async_op=True)   # in place
-        self.accounting.ring(collectives.wire_bytes("reduce_scatter", buf), self.dp_size)
-        hs, m = bucket.host_start, min(n, max(0, self._cut - bucket.host_start))   # m: the host's part
-        handles = []
-        if m:
-            dst = self.host_grad[hs:hs + m]
-            scratch = self._scratch[i][:m] if self._scratch[i] is not None else None
-            handles.append(self.dev.copy_home(work, dst, mine[:m], scratch))
-            self.accounting.d2h_bytes += m * dst.element_size()
-            self.schedule.on_bucket_home(self, bucket, handles[-1])
-        if m < n:                                        # the device tail's gradients stay on the device
-            t0 = hs + m - self._cut
-            handles.append(self.dev.copy_home(work, self._tail.grad[t0:t0 + n - m], mine[m:]))
-        self._in_use[i] = tuple(handles)
-        self._free.append(i)
-        self._next = b + 1
-
-    def finish_grad_sync(self) -> None:
-        """End of a syncing backward: complete and send, in order, every bucket not yet sent --
-        parameters that got no gradient in this micro-batch contribute what they accumulated
-        earlier, or zero -- then wait until every shard is on the host."""
-        if not self._sync_pending:
-            return
-        buckets = self.layout.buckets
-        while self._next < len(buckets):
-            b = self._next
-            if b not in self._open:
-                self._open_bucket(b)                     # b is the window's first: a buffer is free
-            for s in buckets[b].slots:
-                self._absorb(s)
-            self._send(b)
-        self.dev.wait_host()
-        self._reset_bucket_state()
-        self._sync_pending = False
 
     # -------------------------------------------------------------------------------------- step
     def step(self, lr: float | None = None, decoupled_lr: float | None = None) -> StepResult:
