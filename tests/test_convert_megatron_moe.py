@@ -7,6 +7,9 @@ norm_topk_prob false = --moe-router-pre-softmax, layer 1 dense) that transformer
   - HF -> from-hf (TP 2) -> to-megatron at TP2 x EP2 and TP1 x EP1 -> from-megatron -> to-hf gives every
     tensor bit for bit and the config's fields; the from-megatron checkpoint's architecture is the
     from-hf one's, and its printed flags, parsed by the job's parser, give that architecture;
+  - at TP2 x EP2, TP1 x EP1 and TP2 x expert TP1 x EP2 (Megatron-LM's MoE recipes' whole experts beside TP
+    attention: only global ranks 0 and 1 have expert-DP rank 0, so two files, megatron-core's RankGenerator
+    says which);
   - the files are Megatron-LM's layout (get_checkpoint_name: mp_rank_TT_EEE at EP > 1), each EP rank's
     file holds its experts by local index (EP rank e's local j = expert e x E/EP + j, checked against
     the HF tensors), the dense parameters on every EP rank, and the MoE args under Megatron-LM's names;
@@ -15,10 +18,12 @@ norm_topk_prob false = --moe-router-pre-softmax, layer 1 dense) that transformer
     transformers' logits (fp32, every element), at TP2 x EP2 and at TP1 x EP1;
   - bad input is one line, exit 2, nothing written: EP not dividing the experts, a file set missing an
     EP rank, an MoE file set whose args say dense (no num_experts), an MoE arg that changes the model
-    (a capacity factor), grouped-GEMM experts, expert TP other than TP, EP for a dense model.
+    (a capacity factor), grouped-GEMM experts, a layout Megatron-LM's torch format cannot hold (two ranks
+    on one file, a TP rank never written), EP or expert TP for a dense model.
 `-m slow`: Qwen3-MoE (q/k norms, head_dim 24) HF -> TP2 x EP2 -> HF bit for bit.
 """
 import json
+import math
 import os
 import shutil
 
@@ -36,7 +41,30 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 HIDDEN, HEADS, GROUPS, FFN, LAYERS, EXPERTS, TOPK, SHARED = 64, 4, 2, 40, 2, 4, 2, 48
 VOCAB = HF_VOCAB_SIZE + 37
 SEQ = 12
-LAYOUTS = ((2, 2), (1, 1))                  # (TP, EP) that to-megatron writes
+# (TP, EP, expert TP) that to-megatron writes; TP2 x expert TP1 x EP2 is Megatron-LM's MoE recipes' layout
+# (whole experts beside TP attention), whose torch-format files are those of global ranks 0 and 1 only
+LAYOUTS = ((2, 2, 2), (1, 1, 1), (2, 2, 1))
+
+
+def _tag(tp, ep, etp):
+    return f"tp{tp}_ep{ep}" + (f"_etp{etp}" if etp != tp else "")
+
+
+def _files(tp, ep, etp, scale=1):
+    """Megatron-LM's file of each rank with expert-data-parallel rank 0 (megatron-core's RankGenerator)
+    in a world of `scale` x the smallest that holds the layout."""
+    from megatron.core.parallel_state import RankGenerator
+
+    world = math.lcm(tp, etp * ep) * scale
+    dense = RankGenerator(tp=tp, ep=1, dp=world // tp, pp=1, cp=1, order="tp-cp-ep-dp-pp")
+    moe = RankGenerator(tp=etp, ep=ep, dp=world // (etp * ep), pp=1, cp=1, order="tp-cp-ep-dp-pp")
+
+    def rank_in(gen, token, r):
+        (group,) = [g for g in gen.get_ranks(token) if r in g]
+        return group.index(r)
+
+    return {r: (rank_in(dense, "tp", r), rank_in(moe, "ep", r), rank_in(moe, "tp", r))
+            for r in range(world) if rank_in(moe, "dp", r) == 0}
 MOE_CONFIG_FIELDS = ("num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
                      "shared_expert_intermediate_size", "norm_topk_prob", "mlp_only_layers", "decoder_sparse_step",
                      "router_jitter_noise", "qkv_bias")
@@ -70,13 +98,14 @@ def converted(tmp_path_factory):
         src = make_hf_model(d / name, cfg, seed + i)
         ck = str(d / f"{name}_ck")
         convert.from_hf(src, ck, tensor_parallel=2, log=quiet)
-        for tp, ep in LAYOUTS:
-            meg = str(d / f"{name}_megatron_tp{tp}_ep{ep}")
-            convert.to_megatron(ck, meg, tensor_parallel=tp, expert_parallel=ep, log=quiet)
-            lines = out["from_megatron_lines"][(name, tp, ep)] = []
-            back = str(d / f"{name}_from_megatron_tp{tp}_ep{ep}")
+        for layout in LAYOUTS:
+            tp, ep, etp = layout
+            meg = str(d / f"{name}_megatron_{_tag(*layout)}")
+            convert.to_megatron(ck, meg, tensor_parallel=tp, expert_parallel=ep, expert_tensor_parallel=etp, log=quiet)
+            lines = out["from_megatron_lines"][(name, *layout)] = []
+            back = str(d / f"{name}_from_megatron_{_tag(*layout)}")
             convert.from_megatron(meg, back, tensor_parallel=tp, log=lines.append)
-            convert.to_hf(back, str(d / f"{name}_hf_tp{tp}_ep{ep}"), log=quiet)
+            convert.to_hf(back, str(d / f"{name}_hf_{_tag(*layout)}"), log=quiet)
     return out
 
 
@@ -92,14 +121,14 @@ def test_hf_megatron_hf_is_bit_exact_and_the_printed_flags_give_the_model(conver
         cfg_a = json.load(open(os.path.join(d, name, "config.json")))
         ref = CheckpointReader(os.path.join(d, f"{name}_ck"))
         assert ref.model_meta["num_experts"] == EXPERTS
-        for tp, ep in LAYOUTS:
-            back = CheckpointReader(os.path.join(d, f"{name}_from_megatron_tp{tp}_ep{ep}"))
+        for tp, ep, etp in LAYOUTS:
+            back = CheckpointReader(os.path.join(d, f"{name}_from_megatron_{_tag(tp, ep, etp)}"))
             assert back.model_meta == ref.model_meta, (name, tp, ep)
             wa, wb = ref.read_weights(), back.read_weights()
             assert set(wa) == set(wb), (name, tp, ep, set(wa) ^ set(wb))
             for k in wa:
                 assert torch.equal(wa[k], wb[k]), (name, tp, ep, k)
-            hf_dir = os.path.join(d, f"{name}_hf_tp{tp}_ep{ep}")
+            hf_dir = os.path.join(d, f"{name}_hf_{_tag(tp, ep, etp)}")
             b = safetensors_torch.load_file(os.path.join(hf_dir, "model.safetensors"))
             assert set(a) == set(b), (name, tp, ep, set(a) ^ set(b))
             for k in a:
@@ -107,7 +136,7 @@ def test_hf_megatron_hf_is_bit_exact_and_the_printed_flags_give_the_model(conver
             cfg_b = json.load(open(os.path.join(hf_dir, "config.json")))
             for f in CONFIG_FIELDS + MOE_CONFIG_FIELDS:
                 assert cfg_a.get(f) == cfg_b.get(f), (name, tp, ep, f, cfg_a.get(f), cfg_b.get(f))
-            flags = _flags(converted["from_megatron_lines"][(name, tp, ep)])
+            flags = _flags(converted["from_megatron_lines"][(name, tp, ep, etp)])
             assert f"--num-experts {EXPERTS}" in flags, flags
             args = build_parser().parse_args(flags.split())
             ours = GPTConfig(**architecture_kwargs(args), **moe_kwargs(args), vocab_size=args.vocab_size,
@@ -122,42 +151,46 @@ def test_the_files_are_megatron_lm_s_layout_with_experts_by_local_index(converte
     d = converted["d"]
     for name in converted["names"]:
         ours = CheckpointReader(os.path.join(d, f"{name}_ck")).read_weights()
-        for tp, ep in LAYOUTS:
-            rel = os.path.join(d, f"{name}_megatron_tp{tp}_ep{ep}", "release")
-            want = sorted(f"mp_rank_{t:02d}" + (f"_{e:03d}" if ep > 1 else "") for t in range(tp) for e in range(ep))
-            assert sorted(os.listdir(rel)) == want, (name, tp, ep, os.listdir(rel))
-            for t in range(tp):
-                dense = None
-                for e in range(ep):
-                    sd = megatron_lm.safe_load(os.path.join(rel, want[t * ep + e], megatron_lm.FILE))
-                    args, model = sd["args"], sd["model"]
-                    assert (args.num_experts, args.moe_router_topk, args.moe_ffn_hidden_size) == (EXPERTS, TOPK, FFN)
-                    assert (args.expert_model_parallel_size, args.expert_tensor_parallel_size) == (ep, tp)
-                    assert args.tensor_model_parallel_size == tp and args.sequence_parallel == (tp > 1)
-                    assert args.moe_router_pre_softmax == (name == "qwen2_moe")
-                    assert args.moe_shared_expert_intermediate_size == (SHARED if name == "qwen2_moe" else None)
-                    assert args.moe_shared_expert_gate == (name == "qwen2_moe")
-                    assert args.moe_layer_freq == ([1, 0] if name == "qwen2_moe" else 1)
-                    local = sorted({int(k.split(".")[6]) for k in model if ".mlp.experts.local_experts." in k})
-                    assert local == list(range(EXPERTS // ep)), (name, tp, ep, local)
-                    for j in local:
-                        g = e * EXPERTS // ep + j                   # the global expert this file holds as local j
-                        fc2 = model[f"decoder.layers.0.mlp.experts.local_experts.{j}.linear_fc2.weight"]
-                        full = ours[f"gpt.decoder.layers.0.mlp.experts.local_experts.{g}.linear_fc2.weight"]
-                        assert torch.equal(fc2, full.chunk(tp, dim=1)[t]), (name, tp, ep, e, j)
-                        assert model[f"decoder.layers.0.mlp.experts.local_experts.{j}.linear_fc1._extra_state"] is None
-                    others = {k: v for k, v in model.items() if ".mlp.experts." not in k}
-                    if dense is None:
-                        dense = others
-                    assert set(others) == set(dense) and all(
-                        (v is None and dense[k] is None) or torch.equal(v, dense[k]) for k, v in others.items())
-                    assert model["decoder.layers.0.mlp.router.weight"].shape == (EXPERTS, HIDDEN)
-                    if name == "qwen2_moe":
-                        assert model["decoder.layers.0.mlp.shared_experts.gate_weight"].shape == (1, HIDDEN)
-                        assert model["decoder.layers.0.mlp.shared_experts.linear_fc1.weight"].shape == \
-                            (2 * SHARED // tp, HIDDEN)
-                        assert "decoder.layers.1.mlp.linear_fc1.weight" in model       # the dense layer
-                        assert "decoder.layers.1.mlp.router.weight" not in model
+        for tp, ep, etp in LAYOUTS:
+            rel = os.path.join(d, f"{name}_megatron_{_tag(tp, ep, etp)}", "release")
+            files = _files(tp, ep, etp)         # global rank -> (TP rank, EP rank, expert TP rank), megatron-core's
+            want = {f"mp_rank_{t:02d}" + (f"_{e:03d}" if ep > 1 else ""): (t, e, k) for t, e, k in files.values()}
+            assert len(want) == len(files) and sorted(os.listdir(rel)) == sorted(want), (name, tp, ep, etp, files)
+            if etp == tp:
+                assert len(want) == tp * ep
+            dense = {}
+            for rank_dir, (t, e, k) in sorted(want.items()):
+                sd = megatron_lm.safe_load(os.path.join(rel, rank_dir, megatron_lm.FILE))
+                args, model = sd["args"], sd["model"]
+                assert (args.num_experts, args.moe_router_topk, args.moe_ffn_hidden_size) == (EXPERTS, TOPK, FFN)
+                assert (args.expert_model_parallel_size, args.expert_tensor_parallel_size) == (ep, etp)
+                assert args.tensor_model_parallel_size == tp and args.sequence_parallel == (tp > 1)
+                assert args.moe_router_pre_softmax == (name == "qwen2_moe")
+                assert args.moe_shared_expert_intermediate_size == (SHARED if name == "qwen2_moe" else None)
+                assert args.moe_shared_expert_gate == (name == "qwen2_moe")
+                assert args.moe_layer_freq == ([1, 0] if name == "qwen2_moe" else 1)
+                local = sorted({int(k.split(".")[6]) for k in model if ".mlp.experts.local_experts." in k})
+                assert local == list(range(EXPERTS // ep)), (name, tp, ep, local)
+                for j in local:
+                    g = e * EXPERTS // ep + j                   # the global expert this file holds as local j
+                    fc2 = model[f"decoder.layers.0.mlp.experts.local_experts.{j}.linear_fc2.weight"]
+                    full = ours[f"gpt.decoder.layers.0.mlp.experts.local_experts.{g}.linear_fc2.weight"]
+                    assert torch.equal(fc2, full.chunk(etp, dim=1)[k]), (name, tp, ep, etp, e, j)
+                    assert model[f"decoder.layers.0.mlp.experts.local_experts.{j}.linear_fc1._extra_state"] is None
+                others = {key: v for key, v in model.items() if ".mlp.experts." not in key}
+                proj = ours["gpt.decoder.layers.0.self_attention.linear_proj.weight"]
+                assert torch.equal(others["decoder.layers.0.self_attention.linear_proj.weight"],
+                                   proj.chunk(tp, dim=1)[t]), (name, tp, ep, etp, rank_dir)
+                ref = dense.setdefault(t, others)
+                assert set(others) == set(ref) and all(
+                    (v is None and ref[key] is None) or torch.equal(v, ref[key]) for key, v in others.items())
+                assert model["decoder.layers.0.mlp.router.weight"].shape == (EXPERTS, HIDDEN)
+                if name == "qwen2_moe":
+                    assert model["decoder.layers.0.mlp.shared_experts.gate_weight"].shape == (1, HIDDEN)
+                    assert model["decoder.layers.0.mlp.shared_experts.linear_fc1.weight"].shape == \
+                        (2 * SHARED // tp, HIDDEN)
+                    assert "decoder.layers.1.mlp.linear_fc1.weight" in model       # the dense layer
+                    assert "decoder.layers.1.mlp.router.weight" not in model
 
 
 def _megatron_core_moe_gpt(args):
@@ -203,13 +236,17 @@ def _megatron_core_ranks(rank, d, names, tokens):
     from zo_megatron.parallel import collectives, destroy_parallel, init_parallel
 
     out = {}
-    for tp, ep in LAYOUTS:
+    for tp, ep, etp in LAYOUTS:
         next_port()
-        ps = init_parallel(tp, expert_parallel=ep)
+        ps = init_parallel(tp, expert_parallel=ep, expert_tensor_parallel=etp)
         e_rank = mpu.get_expert_model_parallel_rank()
+        # what this rank's Megatron-LM save would write: (TP, EP, expert TP rank) if its expert DP rank is 0
+        out[("saves", tp, ep, etp)] = (mpu.get_tensor_model_parallel_rank(), e_rank,
+                                       mpu.get_expert_tensor_parallel_rank()) \
+            if mpu.get_expert_data_parallel_rank() == 0 else None
         for name in names:
             rank_dir = f"mp_rank_{ps.tp_rank:02d}" + (f"_{e_rank:03d}" if ep > 1 else "")
-            sd = megatron_lm.safe_load(os.path.join(d, f"{name}_megatron_tp{tp}_ep{ep}", "release", rank_dir,
+            sd = megatron_lm.safe_load(os.path.join(d, f"{name}_megatron_{_tag(tp, ep, etp)}", "release", rank_dir,
                                                     megatron_lm.FILE))
             model = _megatron_core_moe_gpt(sd["args"])
             model.load_state_dict(sd["model"], strict=True)
@@ -219,25 +256,66 @@ def _megatron_core_ranks(rank, d, names, tokens):
             with torch.no_grad():
                 local = model(tokens, torch.arange(s).expand(b, s), mask)
             full = torch.cat(collectives.all_gather_list(local.contiguous(), ps.tp_group), -1) if tp > 1 else local
-            out[(name, tp, ep)] = (full[..., :VOCAB].float().clone(), rank_dir)
+            out[(name, tp, ep, etp)] = (full[..., :VOCAB].float().clone(), rank_dir)
         collectives.barrier()
         destroy_parallel()
     return out
 
 
 def test_megatron_core_loads_every_rank_s_file_strictly_with_transformers_logits(converted):
+    """Every rank of a live megatron-core world (4 gloo ranks) at each layout loads the file its own TP
+    and EP rank name (mp_rank_TT[_EEE]) strictly and gives transformers' logits; the ranks whose expert
+    data-parallel rank is 0 -- the ones Megatron-LM's save writes from -- are exactly the files
+    to-megatron wrote (megatron_lm.legacy_rank_files), at TP2 x expert TP1 x EP2 global ranks 0 and 1."""
+    from zo_megatron.checkpoint import megatron_lm
+
     d = converted["d"]
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(converted["seed"] + 7))
     world = run_world(_megatron_core_ranks, 4, d, converted["names"], tokens, timeout=400)
+    for tp, ep, etp in LAYOUTS:
+        saving = [rank_out[("saves", tp, ep, etp)] for rank_out in world]
+        assert [s for s in saving if s is not None] == megatron_lm.legacy_rank_files(tp, etp, ep), (tp, ep, etp, saving)
     for name in converted["names"]:
         ref = hf_logits(os.path.join(d, name), tokens)
-        for tp, ep in LAYOUTS:
+        for tp, ep, etp in LAYOUTS:
             dirs = set()
             for rank_out in world:
-                logits, rank_dir = rank_out[(name, tp, ep)]
+                logits, rank_dir = rank_out[(name, tp, ep, etp)]
                 close(logits, ref)
                 dirs.add(rank_dir)
-            assert len(dirs) == tp * ep, (name, tp, ep, dirs)       # every (TP, EP) rank's file was loaded
+            # every file was loaded (at expert TP = TP one per (TP, EP) rank)
+            assert len(dirs) == len(megatron_lm.legacy_rank_files(tp, etp, ep)), (name, tp, ep, etp, dirs)
+            if etp == tp:
+                assert len(dirs) == tp * ep
+
+
+def test_legacy_rank_files_are_megatron_cores_expert_dp_rank_0_and_unholdable_layouts_refused():
+    """megatron_lm.legacy_rank_files (TP, EP, expert TP rank of each file) against megatron-core's own
+    RankGenerator for every TP, expert TP, EP in 1..8 and worlds up to 4x the smallest; the layouts the
+    torch format cannot hold are refused in one line (two ranks on one file; a TP rank never written)."""
+    from zo_megatron.checkpoint import megatron_lm
+    from zo_megatron.errors import UserError
+
+    held = refused = 0
+    for tp in (1, 2, 4, 8):
+        for etp in (1, 2, 4, 8):
+            for ep in (1, 2, 4, 8):
+                ref = sorted(_files(tp, ep, etp).items())
+                ranks = [v for _, v in ref]
+                for scale in (2, 4):
+                    assert sorted(_files(tp, ep, etp, scale).items()) == ref, (tp, etp, ep, scale)
+                names = [(t, e) for t, e, _ in ranks]
+                holdable = len(set(names)) == len(names) and {t for t, _ in names} == set(range(tp))
+                if holdable:
+                    assert megatron_lm.legacy_rank_files(tp, etp, ep) == ranks, (tp, etp, ep)
+                    held += 1
+                else:
+                    with pytest.raises(UserError, match="Megatron-LM's torch checkpoint format cannot hold "
+                                                        f"TP{tp} x expert TP{etp} x EP{ep}"):
+                        megatron_lm.legacy_rank_files(tp, etp, ep)
+                    refused += 1
+    assert held and refused, (held, refused)
+    assert megatron_lm.legacy_rank_files(2, 1, 2) == [(0, 0, 0), (1, 1, 0)]
 
 
 def _rewrite_args(path, **changes):
@@ -272,6 +350,10 @@ def test_bad_input_is_one_error_line_exit_2_and_nothing_written(converted, tmp_p
                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
     convert.from_hf(make_hf_model(tmp_path / "llama", llama, converted["seed"] + 11), dense_ck, tensor_parallel=1,
                     log=quiet)
+    tp2_ep1_as_etp1 = str(tmp_path / "tp2_ep1_as_etp1")       # TP2 x EP1's files, args saying expert TP 1
+    convert.to_megatron(ck, tp2_ep1_as_etp1, tensor_parallel=2, expert_parallel=1, log=quiet)
+    for rank in os.listdir(os.path.join(tp2_ep1_as_etp1, "release")):
+        _rewrite_args(os.path.join(tp2_ep1_as_etp1, "release", rank, megatron_lm.FILE), expert_tensor_parallel_size=1)
     cases = [
         (["to-megatron", "--load", ck, "--output", str(tmp_path / "out"), "--expert-model-parallel-size", "3"],
          ["--expert-model-parallel-size 3 does not divide the model's 4 experts"]),
@@ -285,8 +367,21 @@ def test_bad_input_is_one_error_line_exit_2_and_nothing_written(converted, tmp_p
         (from_meg + [variant("drop_policy", moe_expert_capacity_factor=1.0, moe_token_drop_policy="random")],
          ["--moe-token-drop-policy random"]),
         (from_meg + [variant("grouped", moe_grouped_gemm=True)], ["args.moe_grouped_gemm=True", "SequentialMLP"]),
+        # TP2 x EP2's four files read with args of expert TP 1: its files are mp_rank_00_000 and mp_rank_01_001
         (from_meg + [variant("etp1", expert_tensor_parallel_size=1)],
-         ["args.expert_tensor_parallel_size=1", "--expert-tensor-parallel-size 2"]),
+         ["holds mp_rank_00_001", "TP2 x expert TP1 x EP2", "expert_tensor_parallel_size=1", "different runs"]),
+        (from_meg + [tp2_ep1_as_etp1],
+         ["args.expert_tensor_parallel_size=1", "cannot hold TP2 x expert TP1 x EP1", "TP rank 1"]),
+        (["to-megatron", "--load", ck, "--output", str(tmp_path / "out"), "--tensor-parallel", "1",
+          "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "2"],
+         ["cannot hold TP1 x expert TP2 x EP2", "global ranks 0 and 1", "both write mp_rank_00_000"]),
+        (["to-megatron", "--load", ck, "--output", str(tmp_path / "out"), "--tensor-parallel", "2",
+          "--expert-model-parallel-size", "1", "--expert-tensor-parallel-size", "1"],
+         ["cannot hold TP2 x expert TP1 x EP1", "TP rank 1's dense shard is never written"]),
+        (["to-megatron", "--load", ck, "--output", str(tmp_path / "out"), "--expert-tensor-parallel-size", "3"],
+         ["--expert-tensor-parallel-size 3 does not divide the experts' FFN size 40"]),
+        (["to-megatron", "--load", dense_ck, "--output", str(tmp_path / "out"), "--expert-tensor-parallel-size", "2"],
+         ["--expert-tensor-parallel-size 2: the model is dense"]),
         (["to-megatron", "--load", dense_ck, "--output", str(tmp_path / "out"), "--expert-model-parallel-size", "2"],
          ["--expert-model-parallel-size 2: the model is dense"]),
     ]

@@ -308,21 +308,27 @@ def _hf_source(input_dir: str, cfg_json: dict) -> dict:
 # ---------------------------------------------------------------- Megatron-LM
 
 def to_megatron(load: str, output: str, *, iteration: int | None = None, tensor_parallel: int | None = None,
-                expert_parallel: int | None = None, force: bool = False, log: Log = print) -> None:
-    """expert_parallel: EP ranks to write (default: the checkpoint's; 1 for a dense model)."""
+                expert_parallel: int | None = None, expert_tensor_parallel: int | None = None, force: bool = False,
+                log: Log = print) -> None:
+    """expert_parallel: EP ranks to write (default: the checkpoint's; 1 for a dense model);
+    expert_tensor_parallel: the experts' TP (default: the checkpoint's at its TP, else TP)."""
     reader = CheckpointReader(load, iteration)
     log(reader.describe())
     meta, args = full_meta(reader.model_meta), reader.args
     tp = tensor_parallel or reader.layout[0]
     check_tensor_parallel(meta, tp)
-    if meta["num_experts"] is not None and meta["moe_ffn_hidden_size"] % tp:
-        raise UserError(f"--tensor-parallel {tp} does not divide the experts' FFN size {meta['moe_ffn_hidden_size']}: "
-                        "each expert splits over TP as the MLP; choose a TP size that divides it")
     if meta["num_experts"] is not None and (meta["moe_shared_expert_intermediate_size"] or 0) % tp:
         raise UserError(f"--tensor-parallel {tp} does not divide the shared expert's FFN size "
                         f"{meta['moe_shared_expert_intermediate_size']}: choose a TP size that divides it")
     saved_ep = int(reader.manifest.get("layout", {}).get("expert_parallel", 1))
     ep = expert_parallel or (saved_ep if meta["num_experts"] is not None else 1)
+    etp = None
+    if meta["num_experts"] is not None:
+        saved_etp = reader.manifest.get("layout", {}).get("expert_tensor_parallel")
+        etp = expert_tensor_parallel or (int(saved_etp) if saved_etp and tp == reader.layout[0] else tp)
+    elif expert_tensor_parallel not in (None, tp):
+        raise UserError(f"--expert-tensor-parallel-size {expert_tensor_parallel}: the model is dense (no experts); "
+                        "drop it")
     weights = reader.read_weights()
     saved_tok = os.path.join(reader.dir, TOKENIZER_DIR)
     has_tokenizer = os.path.isdir(saved_tok)
@@ -333,7 +339,7 @@ def to_megatron(load: str, output: str, *, iteration: int | None = None, tensor_
                                    tokenizer_model=os.path.abspath(saved_tok) if has_tokenizer else None,
                                    consumed_samples=int(reader.manifest.get("consumed_samples", 0)),
                                    consumed_valid_samples=int(reader.manifest.get("consumed_valid_samples", 0)),
-                                   expert_parallel=ep)
+                                   expert_parallel=ep, expert_tensor_parallel=etp)
     with atomic_output(output, force=force) as tmp:
         megatron_lm.write(tmp, weights, ns, progress=Progress("writing TP ranks" if ep == 1 else "writing TP x EP ranks"))
     _wrote(log, output)
@@ -351,7 +357,9 @@ def to_megatron(load: str, output: str, *, iteration: int | None = None, tensor_
             "pretrain_gpt.py passes --use-rope-scaling to its GPTModel but not --rope-scaling-factor, so it would "
             "build factor 8 (megatron-core's default): pass rope_scaling_factor to GPTModel in its model builder")
     moe = "" if meta["num_experts"] is None else (
-        f" x EP{ep} ({meta['num_experts'] // ep} experts per EP rank; --expert-model-parallel-size {ep}"
+        (f" x expert TP{etp}" if etp != tp else "")
+        + f" x EP{ep} ({meta['num_experts'] // ep} experts per EP rank; --expert-model-parallel-size {ep}"
+        + (f", --expert-tensor-parallel-size {etp}" if etp != tp else "")
         + (", --sequence-parallel" if tp > 1 else "") + ")")
     log(f"  Megatron-LM torch format, TP{tp}{moe}, iteration {reader.iteration}: load it in Megatron-LM with "
         "--finetune (no optimizer or RNG state is included)"
@@ -377,8 +385,10 @@ def from_megatron(input_dir: str, output: str, *, tensor_parallel: int, vocab_si
         raise UserError(f"{input_dir}: the weights do not match the model its args describe (first: "
                         f"{missing[0]!r}): not a megatron-core GPT model zo_megatron builds")
     n = sum(t.numel() for t in weights.values())
+    etp = getattr(ns, "expert_tensor_parallel_size", None) or ns.tensor_model_parallel_size
     moe = "" if meta["num_experts"] is None else \
-        f" x EP{getattr(ns, 'expert_model_parallel_size', None) or 1}, {meta['num_experts']} experts"
+        ((f" x expert TP{etp}" if etp != ns.tensor_model_parallel_size else "")
+         + f" x EP{getattr(ns, 'expert_model_parallel_size', None) or 1}, {meta['num_experts']} experts")
     log(f"read {input_dir}: Megatron-LM iteration {it}, TP{ns.tensor_model_parallel_size}{moe}, {meta['num_layers']} "
         f"layers x {meta['hidden_size']} hidden, vocab {vocab}, {n:,} parameters")
     args = {"make_vocab_size_divisible_by": meta["make_vocab_size_divisible_by"],

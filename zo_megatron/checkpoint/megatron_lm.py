@@ -11,8 +11,10 @@ A mixture of experts (megatron-core's local spec, SequentialMLP): the router
 dense MLP, its gate replicated) and the experts by their LOCAL index: EP rank e's file holds
 `mlp.experts.local_experts.J.*`, J < E/EP, which is expert e x E/EP + J (megatron-core's
 SequentialMLP; Megatron-LM's get_checkpoint_name appends `_{ep_rank:03d}` when EP > 1, and an EP
-rank's file holds every dense parameter too). Experts split over TP as the MLP (expert TP = TP,
-Megatron-LM's default; another --expert-tensor-parallel-size is refused).
+rank's file holds every dense parameter too). Experts split over expert TP as the MLP over TP
+(expert TP = TP by default). With another --expert-tensor-parallel-size the files are those
+Megatron-LM's save writes: one per rank of expert-data-parallel rank 0 (legacy_rank_files), each
+holding its TP rank's dense shard and its EP rank's experts at its expert TP rank's shard.
 
 Megatron-LM's loader (`megatron/training/checkpointing.py`) reads `checkpoint_version`,
 `iteration`, `model` (load_state_dict, strict) and `args` (check_checkpoint_args: num_layers,
@@ -68,7 +70,7 @@ _EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
 def megatron_args(meta: dict, *, tp: int, iteration: int, divisible_by: int, seq_length: int | None,
                   precision: str | None, tokenizer_type: str = "GPT2BPETokenizer", tokenizer_model: str | None = None,
                   consumed_samples: int = 0, consumed_valid_samples: int = 0,
-                  expert_parallel: int = 1) -> argparse.Namespace:
+                  expert_parallel: int = 1, expert_tensor_parallel: int | None = None) -> argparse.Namespace:
     """The args Megatron-LM reads from a checkpoint (its argument names), for the model `meta`."""
     meta = full_meta(meta)
     h, heads, groups = meta["hidden_size"], meta["num_attention_heads"], query_groups(meta)
@@ -96,13 +98,13 @@ def megatron_args(meta: dict, *, tp: int, iteration: int, divisible_by: int, seq
         swiglu=meta["swiglu"], squared_relu=False, openai_gelu=not meta["swiglu"], transformer_impl="local",
         ckpt_format="torch", bf16=precision == "bf16", fp16=precision == "fp16", iteration=iteration,
         consumed_train_samples=consumed_samples, consumed_valid_samples=consumed_valid_samples,
-        **_moe_args(meta, tp, expert_parallel))
+        **_moe_args(meta, tp, expert_parallel, expert_tensor_parallel))
 
 
-def _moe_args(meta: dict, tp: int, ep: int) -> dict:
+def _moe_args(meta: dict, tp: int, ep: int, etp: int | None) -> dict:
     """The MoE args under Megatron-LM's names (its validate_args' forms: one load-balancing type and
-    one aux-loss coefficient as plain values, expert TP = TP, moe_ffn_hidden_size resolved); none
-    for a dense model (then the args are what they were before MoE)."""
+    one aux-loss coefficient as plain values, expert TP (default TP), moe_ffn_hidden_size resolved);
+    none for a dense model (then the args are what they were before MoE)."""
     if meta["num_experts"] is None:
         if ep != 1:
             raise UserError(f"--expert-model-parallel-size {ep}: the model is dense (no experts); use 1")
@@ -111,7 +113,13 @@ def _moe_args(meta: dict, tp: int, ep: int) -> dict:
     if ep < 1 or e % ep:
         raise UserError(f"--expert-model-parallel-size {ep} does not divide the model's {e} experts: each EP rank "
                         f"holds E/EP whole experts; choose one that divides {e}")
-    return {**{k: meta[k] for k in MOE_FIELDS}, "expert_model_parallel_size": ep, "expert_tensor_parallel_size": tp,
+    etp = etp or tp
+    if meta["moe_ffn_hidden_size"] % etp:
+        raise UserError(f"--expert-tensor-parallel-size {etp} does not divide the experts' FFN size "
+                        f"{meta['moe_ffn_hidden_size']}: each expert splits over expert TP as the MLP over TP; "
+                        "choose one that divides it")
+    legacy_rank_files(tp, etp, ep)              # (refuses a layout Megatron-LM's torch format cannot hold)
+    return {**{k: meta[k] for k in MOE_FIELDS}, "expert_model_parallel_size": ep, "expert_tensor_parallel_size": etp,
             "moe_grouped_gemm": False, "moe_router_enable_expert_bias": False,
             # Megatron-LM needs sequence parallelism for MoE with TP (the math is the same)
             "sequence_parallel": tp > 1}
@@ -270,33 +278,64 @@ def rank_dir(tp_rank: int, ep_rank: int, ep: int) -> str:
     return f"mp_rank_{tp_rank:02d}" + (f"_{ep_rank:03d}" if ep > 1 else "")
 
 
+def legacy_rank_files(tp: int, etp: int, ep: int) -> list[tuple[int, int, int]]:
+    """(TP rank, EP rank, expert TP rank) of each file of Megatron-LM's torch format, in rank order.
+
+    Megatron-LM's save_checkpoint writes that format from the ranks whose expert-data-parallel rank
+    is 0, each to get_checkpoint_name's mp_rank_TT[_EEE] (its TP and EP rank). megatron-core orders
+    both rank meshes 'tp-cp-ep-dp-pp' (the dense one with EP 1, the experts' with expert TP in TP's
+    place and CP 1), so without pipeline or context parallelism those are the global ranks
+    r < ETP x EP, each with TP rank r % TP, EP rank (r // ETP) % EP and expert TP rank r % ETP; at
+    expert TP = TP that is every (TP rank, EP rank) once. One line for a layout the format cannot
+    hold: two such ranks on one file (Megatron-LM overwrites one), or a TP rank none of them has
+    (its dense shard is never written)."""
+    files = [(r % tp, (r // etp) % ep, r % etp) for r in range(etp * ep)]
+    layout = f"TP{tp} x expert TP{etp} x EP{ep}"
+    seen: dict[tuple[int, int], int] = {}
+    for r, (t, e, _) in enumerate(files):
+        if (t, e) in seen:
+            raise UserError(f"Megatron-LM's torch checkpoint format cannot hold {layout}: global ranks {seen[t, e]} "
+                            f"and {r} (expert-data-parallel rank 0) both write {rank_dir(t, e, ep)}, so one expert TP "
+                            f"shard is lost; use an expert TP that divides TP (--expert-tensor-parallel-size {tp})")
+        seen[t, e] = r
+    missing = sorted(set(range(tp)) - {t for t, _, _ in files})
+    if missing:
+        raise UserError(f"Megatron-LM's torch checkpoint format cannot hold {layout}: only global ranks "
+                        f"0..{etp * ep - 1} (expert-data-parallel rank 0) write files, so TP rank {missing[0]}'s "
+                        "dense shard is never written; use expert TP x EP >= TP "
+                        f"(e.g. --expert-tensor-parallel-size {tp})")
+    return files
+
+
 def write(out_dir: str, weights: dict[str, torch.Tensor], args: argparse.Namespace, *, progress=None) -> list[str]:
-    """One model_optim_rng.pt per (TP, EP) rank from full unpadded weights (our names, experts by
-    global index); returns the files."""
+    """Megatron-LM's files (legacy_rank_files) from full unpadded weights (our names, experts by
+    global index): each its TP rank's dense shard and its EP rank's experts at its expert TP rank;
+    returns the files."""
     tp, it = args.tensor_model_parallel_size, args.iteration
     ep = int(getattr(args, "expert_model_parallel_size", None) or 1)
-    per_rank = args.num_experts // ep if getattr(args, "num_experts", None) else 0
+    moe = bool(getattr(args, "num_experts", None))
+    etp = int(getattr(args, "expert_tensor_parallel_size", None) or tp) if moe else tp
+    per_rank = args.num_experts // ep if moe else 0
     sub = "release" if it == 0 else f"iter_{it:07d}"
+    specs = legacy_rank_files(tp, etp, ep)
     files = []
-    for r in range(tp):
-        dense, experts = {}, {}                      # experts: {ep rank: {megatron name: shard}}
+    for t, e, k in specs:
+        model = {}
         for name, full in weights.items():
-            shard = _tp_shard(name, full, r, tp, args.padded_vocab_size, args.swiglu)
             m = _EXPERT.match(_ours_to_megatron(name))
             if m is None:
-                dense[_ours_to_megatron(name)] = shard
-            else:
-                e, j = divmod(int(m[2]), per_rank)  # global expert e x E/EP + j is EP rank e's local j
-                experts.setdefault(e, {})[f"{m[1]}{j}{m[3]}"] = shard
-        for e in range(ep):
-            model = {**dense, **experts.get(e, {})}
-            model.update({f"{layer}._extra_state": None for layer in _extra_states(model)})
-            path = os.path.join(out_dir, sub, rank_dir(r, e, ep), FILE)
-            os.makedirs(os.path.dirname(path))
-            torch.save({"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": it, "model": model}, path)
-            files.append(path)
-            if progress is not None:
-                progress(len(files), tp * ep)
+                model[_ours_to_megatron(name)] = _tp_shard(name, full, t, tp, args.padded_vocab_size, args.swiglu)
+                continue
+            owner, j = divmod(int(m[2]), per_rank)  # global expert e x E/EP + j is EP rank e's local j
+            if owner == e:
+                model[f"{m[1]}{j}{m[3]}"] = _tp_shard(name, full, k, etp, args.padded_vocab_size, args.swiglu)
+        model.update({f"{layer}._extra_state": None for layer in _extra_states(model)})
+        path = os.path.join(out_dir, sub, rank_dir(t, e, ep), FILE)
+        os.makedirs(os.path.dirname(path))
+        torch.save({"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": it, "model": model}, path)
+        files.append(path)
+        if progress is not None:
+            progress(len(files), len(specs))
     with open(os.path.join(out_dir, TRACKER), "w") as f:
         f.write("release" if it == 0 else str(it))
     return files
@@ -396,9 +435,9 @@ def _vocab_size(args: argparse.Namespace, where: str, vocab_size: int | None, to
 _MERGE_PIPELINE = "merge the pipeline stages first (Megatron-LM's tools/checkpoint/convert.py --target-pipeline-parallel-size 1)"
 
 
-def _rank_layout(d: str, names: list[str], args) -> tuple[int, int]:
-    """(TP, EP) of the rank directories `names` under `d`, as the args (rank 0's file's) say; one
-    line for pipeline ranks, a missing or extra rank, or an expert TP other than TP."""
+def _rank_layout(d: str, names: list[str], args) -> tuple[int, int, int]:
+    """(TP, EP, expert TP) of the rank directories `names` under `d`, as the args (rank 0's file's)
+    say; one line for pipeline ranks, a missing or extra rank, or a layout the format cannot hold."""
     where = os.path.join(d, names[0], FILE)
     if not isinstance(args, argparse.Namespace):
         raise UserError(f"{where}: the checkpoint has no 'args' (argparse.Namespace): its model shape is unknown")
@@ -413,14 +452,12 @@ def _rank_layout(d: str, names: list[str], args) -> tuple[int, int]:
     if suffixes > (1 if ep > 1 else 0):
         raise UserError(f"{d}: pipeline-parallel ranks (mp_rank_XX_YYY{'_ZZZ' if ep > 1 else ''}): {_MERGE_PIPELINE}")
     tp = int(getattr(args, "tensor_model_parallel_size", None) or len(names))
-    etp = getattr(args, "expert_tensor_parallel_size", None)
-    if experts and etp not in (None, tp):
-        raise UserError(f"{where}: args.expert_tensor_parallel_size={etp} with tensor_model_parallel_size={tp}: "
-                        "from-megatron reads experts split over TP as the MLP (expert TP = TP, Megatron-LM's "
-                        "default); convert it with Megatron-LM's tools to --expert-tensor-parallel-size "
-                        f"{tp} first")
-    want = [rank_dir(t, e, ep) for t in range(tp) for e in range(ep)]
-    layout = f"TP{tp}" + (f" x EP{ep}" if ep > 1 else "")
+    etp = int(getattr(args, "expert_tensor_parallel_size", None) or tp) if experts else tp
+    try:
+        want = [rank_dir(t, e, ep) for t, e, _ in legacy_rank_files(tp, etp, ep)]
+    except UserError as exc:
+        raise UserError(f"{where}: args.expert_tensor_parallel_size={etp}: {exc}") from None
+    layout = f"TP{tp}" + (f" x expert TP{etp}" if etp != tp else "") + (f" x EP{ep}" if ep > 1 else "")
     missing = [n for n in want if n not in names]
     if missing:
         raise UserError(f"{d}: {missing[0]} is missing ({len(missing)} of the {len(want)} rank directories of "
@@ -429,45 +466,65 @@ def _rank_layout(d: str, names: list[str], args) -> tuple[int, int]:
     if extra:
         raise UserError(f"{d}: holds {extra[0]}, which args of {layout} (tensor_model_parallel_size={tp}"
                         + (f", expert_model_parallel_size={ep}" if experts else "")
+                        + (f", expert_tensor_parallel_size={etp}" if etp != tp else "")
                         + ") do not name: the rank directories come from different runs")
-    return tp, ep
+    return tp, ep, etp
 
 
-def _merge_ep(d: str, files: list[dict], num_experts: int | None, tp_rank: int) -> dict:
-    """One TP rank's parameters from its EP ranks' files: the dense ones (each EP rank holds them, all
-    equal) and the experts by global index (EP rank e's local expert j is e x E/EP + j)."""
-    ep = len(files)
-    out, ref = {}, rank_dir(tp_rank, 0, ep)
+def _split_file(path: str, sd: dict, num_experts: int | None, ep_rank: int, ep: int) -> tuple[dict, dict]:
+    """(dense parameters, experts by global index) of one rank file's model (EP rank e's local
+    expert j is e x E/EP + j)."""
     per_rank = (num_experts or 0) // ep
-    for e, sd in enumerate(files):
-        name = rank_dir(tp_rank, e, ep)
-        dense = {k: v for k, v in sd.items() if not _EXPERT.match(k)}
-        if e == 0:
-            out.update(dense)
-        elif set(dense) != {k for k in out if not _EXPERT.match(k)} or \
-                any(not torch.equal(v, out[k]) for k, v in dense.items()):
-            raise UserError(f"{os.path.join(d, name, FILE)}: its dense parameters differ from {ref}'s: the EP ranks "
-                            "come from different models or iterations")
-        for k, v in sd.items():
-            m = _EXPERT.match(k)
-            if m is None:
-                continue
-            if not num_experts:
-                raise UserError(f"{os.path.join(d, name, FILE)}: holds {k} but args.num_experts=None: the args describe "
-                                "a dense model and the files a mixture of experts; the args are not the run's")
-            if int(m[2]) >= per_rank:
-                raise UserError(f"{os.path.join(d, name, FILE)}: holds {k}, but with args.num_experts={num_experts} "
-                                f"over {ep} EP ranks each holds local experts 0..{per_rank - 1}: the files are not "
-                                "the run the args describe")
-            out[f"{m[1]}{e * per_rank + int(m[2])}{m[3]}"] = v
-    return out
+    dense, experts = {}, {}
+    for k, v in sd.items():
+        m = _EXPERT.match(k)
+        if m is None:
+            dense[k] = v
+            continue
+        if not num_experts:
+            raise UserError(f"{path}: holds {k} but args.num_experts=None: the args describe "
+                            "a dense model and the files a mixture of experts; the args are not the run's")
+        if int(m[2]) >= per_rank:
+            raise UserError(f"{path}: holds {k}, but with args.num_experts={num_experts} "
+                            f"over {ep} EP ranks each holds local experts 0..{per_rank - 1}: the files are not "
+                            "the run the args describe")
+        experts[f"{m[1]}{ep_rank * per_rank + int(m[2])}{m[3]}"] = v
+    return dense, experts
+
+
+def _merge_shards(d: str, ranks: list[str], shards: list[dict], swiglu: bool) -> dict[str, torch.Tensor]:
+    """Full tensors (vocab padding rows kept) from one split's shards, rank by rank (`ranks`: the
+    file each shard came from)."""
+    keys, size = set(shards[0]), len(shards)
+    for r, sh in enumerate(shards[1:], 1):
+        if set(sh) != keys:
+            raise UserError(f"{os.path.join(d, ranks[r], FILE)}: holds other parameters than {ranks[0]}: "
+                            "the TP ranks come from different models")
+    full = {}
+    for k in sorted(keys):
+        t0 = shards[0][k]
+        for r, sh in enumerate(shards):
+            if sh[k].shape != t0.shape:
+                raise UserError(f"{os.path.join(d, ranks[r], FILE)}: {k} has shape {tuple(sh[k].shape)}, "
+                                f"{ranks[0]}'s has {tuple(t0.shape)}: the TP ranks come from different models")
+        axis = tp_axis(k)
+        t = t0
+        if axis is not None:
+            shape = list(t0.shape)
+            shape[axis] *= size
+            t = t0.new_empty(shape)
+            for r, sh in enumerate(shards):
+                for full_off, local_off, n in rank_layout(k, tuple(shape), r, size, shape[0], swiglu)[2]:
+                    t.narrow(axis, full_off, n).copy_(sh[k].narrow(axis, local_off, n))
+        full[k] = t
+    return full
 
 
 def read(in_dir: str, *, progress=None, vocab_size: int | None = None,
          tokenizer_model: str | None = None) -> tuple[dict[str, torch.Tensor], argparse.Namespace, int, int]:
     """(full unpadded weights by our names, experts by global index, in the files' dtype, args,
-    iteration, vocab size) of a Megatron-LM checkpoint at any TP x EP; vocab_size / tokenizer_model
-    give the vocabulary when the args do not (_vocab_size)."""
+    iteration, vocab size) of a Megatron-LM checkpoint at any TP x EP x expert TP; vocab_size /
+    tokenizer_model give the vocabulary when the args do not (_vocab_size)."""
     d, it = find_iteration_dir(in_dir)
     names = sorted(n for n in os.listdir(d) if _MP_DIR.match(n))
     if not names:
@@ -478,47 +535,40 @@ def read(in_dir: str, *, progress=None, vocab_size: int | None = None,
         raise UserError(f"{first} is missing: the checkpoint is incomplete")
     loaded = {names[0]: safe_load(first)}
     args = loaded[names[0]].get("args")
-    tp, ep = _rank_layout(d, names, args)
-    shards, ranks = [], [rank_dir(t, 0, ep) for t in range(tp)]
-    for t in range(tp):
-        files = []
-        for e in range(ep):
-            path = os.path.join(d, rank_dir(t, e, ep), FILE)
-            if not os.path.isfile(path):
-                raise UserError(f"{path} is missing: the checkpoint is incomplete")
-            sd = loaded.pop(rank_dir(t, e, ep), None) or safe_load(path)
-            files.append({_local_name(k): v for k, v in sd["model"].items() if not k.endswith("_extra_state")})
-            if progress is not None:
-                progress(t * ep + e + 1, tp * ep)
-        shards.append(_merge_ep(d, files, getattr(args, "num_experts", None), t))
+    tp, ep, etp = _rank_layout(d, names, args)
+    specs = legacy_rank_files(tp, etp, ep)
+    num_experts = getattr(args, "num_experts", None)
+    dense: dict[int, tuple[str, dict]] = {}         # TP rank -> (its first file, its dense shard)
+    experts: dict[int, tuple[str, dict]] = {}       # expert TP rank -> (its first file, every expert's shard)
+    for i, (t, e, k) in enumerate(specs):
+        name = rank_dir(t, e, ep)
+        path = os.path.join(d, name, FILE)
+        if not os.path.isfile(path):
+            raise UserError(f"{path} is missing: the checkpoint is incomplete")
+        sd = loaded.pop(name, None) or safe_load(path)
+        model = {_local_name(key): v for key, v in sd["model"].items() if not key.endswith("_extra_state")}
+        dense_part, expert_part = _split_file(path, model, num_experts, e, ep)
+        if t not in dense:
+            dense[t] = (name, dense_part)
+        elif set(dense_part) != set(dense[t][1]) or \
+                any(not torch.equal(v, dense[t][1][key]) for key, v in dense_part.items()):
+            raise UserError(f"{path}: its dense parameters differ from {dense[t][0]}'s: the EP ranks "
+                            "come from different models or iterations")
+        experts.setdefault(k, (name, {}))[1].update(expert_part)
+        if progress is not None:
+            progress(i + 1, len(specs))
     where = first
     vocab = _vocab_size(args, where, vocab_size, tokenizer_model)
-    keys = set(shards[0])
-    for r, sh in enumerate(shards[1:], 1):
-        if set(sh) != keys:
-            raise UserError(f"{os.path.join(d, ranks[r], FILE)}: holds other parameters than {ranks[0]}: "
-                            "the TP ranks come from different models")
     swiglu = bool(getattr(args, "swiglu", False))
+    merged = _merge_shards(d, [dense[t][0] for t in range(tp)], [dense[t][1] for t in range(tp)], swiglu)
+    if any(experts[k][1] for k in experts):
+        merged.update(_merge_shards(d, [experts[k][0] for k in range(etp)], [experts[k][1] for k in range(etp)],
+                                    swiglu))
     full = {}
-    for k in sorted(keys):
+    for k, t in merged.items():
         if k.startswith("output_layer.") and not getattr(args, "untie_embeddings_and_output_weights", False):
             raise UserError(f"{where}: holds {k} but args.untie_embeddings_and_output_weights is not set")
-        t0 = shards[0][k]
-        for r, sh in enumerate(shards):
-            if sh[k].shape != t0.shape:
-                raise UserError(f"{os.path.join(d, ranks[r], FILE)}: {k} has shape {tuple(sh[k].shape)}, "
-                                f"{ranks[0]}'s has {tuple(t0.shape)}: the TP ranks come from different models")
-        vocab_rows = k.endswith((WORD_EMBEDDING, OUTPUT_LAYER))
-        axis = tp_axis(k)
-        t = t0
-        if axis is not None:
-            shape = list(t0.shape)
-            shape[axis] *= tp                   # the full tensor (vocab padding rows included)
-            t = t0.new_empty(shape)
-            for r, sh in enumerate(shards):
-                for full_off, local_off, n in rank_layout(k, tuple(shape), r, tp, shape[0], swiglu)[2]:
-                    t.narrow(axis, full_off, n).copy_(sh[k].narrow(axis, local_off, n))
-        if vocab_rows:
+        if k.endswith((WORD_EMBEDDING, OUTPUT_LAYER)):
             if t.shape[0] < vocab:
                 raise UserError(f"{where}: {k} has {t.shape[0]} rows for a vocabulary of {vocab}: not the run's "
                                 "vocabulary (give the run's --vocab-size or --tokenizer-model)")
