@@ -14,8 +14,8 @@
 #            biases, untied output layer, vocab 32000 = 46.70B parameters (46,702,792,704), 12.88B
 #            active per token; seq 4096 (its context is 32768).
 # Training : bf16, full activation recompute, micro-batch 1 x 16 accumulation steps x DP 8 = global
-#            batch 128, aux loss 1e-2 (Megatron-LM's Mixtral recipe; --moe-grouped-gemm is refused
-#            without Transformer Engine, the experts run one after another), alltoall dispatcher.
+#            batch 128, aux loss 1e-2, alltoall dispatcher, --moe-grouped-gemm (Megatron-LM's Mixtral
+#            recipe; accepted as a no-op: the experts run one after another, the same function).
 #            The CPU step overlaps backward in both engines (--overlap-cpu-step auto, the default on
 #            a GPU: here all of each engine's host partition is speculated, see the host line).
 # Attention: --use-flash-attn (torch SDPA, causal: FlashAttention on the H100, no s x s scores).
@@ -71,7 +71,7 @@ exec torchrun --standalone --nproc-per-node 8 pretrain/pretrain_gpt.py \
     --disable-bias-linear --untie-embeddings-and-output-weights \
     --num-experts 8 --moe-router-topk 2 \
     --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2 \
-    --moe-token-dispatcher-type alltoall \
+    --moe-token-dispatcher-type alltoall --moe-grouped-gemm \
     --expert-model-parallel-size 8 \
     --seq-length 4096 --max-position-embeddings 32768 --make-vocab-size-divisible-by 128 \
     --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER_MODEL" \

@@ -76,7 +76,7 @@ exec torchrun --standalone --nproc-per-node 8 pretrain/pretrain_gpt.py \
     --disable-bias-linear --untie-embeddings-and-output-weights \
     --num-experts 128 --moe-router-topk 8 --moe-ffn-hidden-size 768 \
     --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-3 \
-    --moe-token-dispatcher-type alltoall \
+    --moe-token-dispatcher-type alltoall --moe-grouped-gemm \
     --expert-model-parallel-size 8 \
     --seq-length 4096 --max-position-embeddings 40960 --make-vocab-size-divisible-by 128 \
     --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER_MODEL" --vocab-size 151936 \

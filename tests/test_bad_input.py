@@ -95,8 +95,6 @@ def _cases(d):
         ("EP not dividing the experts", ["--num-experts", "6", "--expert-model-parallel-size", "4"], {},
          "--expert-model-parallel-size 4 does not divide --num-experts 6"),
         ("an MoE flag without --num-experts", ["--moe-router-topk", "4"], {}, "add --num-experts"),
-        ("grouped GEMM without Transformer Engine", ["--num-experts", "4", "--moe-grouped-gemm"], {},
-         "--moe-grouped-gemm: megatron-core's grouped-GEMM experts need"),
         ("expert padding without a capacity factor", ["--num-experts", "4", "--moe-pad-expert-input-to-capacity"], {},
          "--moe-pad-expert-input-to-capacity pads each expert's input to its capacity: add --moe-expert-capacity-factor"),
         ("MoE with biases at EP 1 (megatron-core's in-place bias add fails there)", ["--num-experts", "4"], {},

@@ -193,9 +193,10 @@ def test_the_files_are_megatron_lm_s_layout_with_experts_by_local_index(converte
                     assert "decoder.layers.1.mlp.router.weight" not in model
 
 
-def _megatron_core_moe_gpt(args):
+def _megatron_core_moe_gpt(args, initialise=False):
     """megatron-core's GPTModel from Megatron-LM's saved args alone (its own decoder block spec with
-    the local modules: the dense and MoE layers moe_layer_freq names), as Megatron-LM would build it."""
+    the local modules: the dense and MoE layers moe_layer_freq names), as Megatron-LM would build it;
+    `initialise`: megatron-core's own random initialisation (on the host, torch's default generator)."""
     import torch.nn.functional as F
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -218,7 +219,8 @@ def _megatron_core_moe_gpt(args):
         moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
         moe_shared_expert_gate=args.moe_shared_expert_gate, moe_layer_freq=args.moe_layer_freq,
         moe_token_dispatcher_type=args.moe_token_dispatcher_type, moe_grouped_gemm=args.moe_grouped_gemm,
-        params_dtype=torch.float32, use_cpu_initialization=True, perform_initialization=False,
+        moe_use_legacy_grouped_gemm=getattr(args, "moe_use_legacy_grouped_gemm", False),
+        params_dtype=torch.float32, use_cpu_initialization=True, perform_initialization=initialise,
         gradient_accumulation_fusion=False, masked_softmax_fusion=False, bias_activation_fusion=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False)
     spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization=args.normalization)
@@ -366,7 +368,6 @@ def test_bad_input_is_one_error_line_exit_2_and_nothing_written(converted, tmp_p
          ["--moe-pad-expert-input-to-capacity", "megatron-core's alltoall dispatcher cannot pad"]),
         (from_meg + [variant("drop_policy", moe_expert_capacity_factor=1.0, moe_token_drop_policy="random")],
          ["--moe-token-drop-policy random"]),
-        (from_meg + [variant("grouped", moe_grouped_gemm=True)], ["args.moe_grouped_gemm=True", "SequentialMLP"]),
         # TP2 x EP2's four files read with args of expert TP 1: its files are mp_rank_00_000 and mp_rank_01_001
         (from_meg + [variant("etp1", expert_tensor_parallel_size=1)],
          ["holds mp_rank_00_001", "TP2 x expert TP1 x EP2", "expert_tensor_parallel_size=1", "different runs"]),
@@ -484,3 +485,111 @@ def test_qwen3_moe_round_trips_through_megatron_at_tp2_ep2_bit_exact(tmp_path):
     cfg_a, cfg_b = (json.load(open(os.path.join(x, "config.json"))) for x in (src, hf_dir))
     for f in CONFIG_FIELDS + MOE_CONFIG_FIELDS:
         assert cfg_a.get(f) == cfg_b.get(f), (f, cfg_a.get(f), cfg_b.get(f))
+
+
+def _gmm(a, b, batch_sizes, trans_b=False):
+    """grouped_gemm.ops.gmm's definition (fanshiqing/grouped_gemm): rows of expert i (batch_sizes[i]
+    consecutive rows of a) times b[i] (transposed with trans_b)."""
+    out, start = [], 0
+    for i, n in enumerate(batch_sizes.tolist()):
+        out.append(a[start:start + n] @ (b[i].t() if trans_b else b[i]))
+        start += n
+    return torch.cat(out) if out else a.new_zeros(0, b.shape[-2 if trans_b else -1])
+
+
+def _grouped_gemm_world(rank, out_dir, args, tokens, seed):
+    """megatron-core's GroupedMLP GPT (--moe-grouped-gemm --moe-use-legacy-grouped-gemm) at TP2 x EP2,
+    initialised by megatron-core; the ranks Megatron-LM's save writes from save its state_dict in the
+    torch format; every rank returns the TP-gathered logits."""
+    import copy
+    import types
+
+    from megatron.core import parallel_state as mpu
+    from megatron.core.transformer.moe import grouped_gemm_util as gg
+
+    from zo_megatron.checkpoint import megatron_lm
+    from zo_megatron.parallel import collectives, destroy_parallel, init_parallel
+
+    gg.assert_grouped_gemm_is_available = lambda: None          # the grouped_gemm package is CUDA-only
+    gg.ops = types.SimpleNamespace(gmm=_gmm)
+    ps = init_parallel(2, expert_parallel=2)
+    try:
+        torch.manual_seed(seed)
+        model = _megatron_core_moe_gpt(args, initialise=True)
+        for layer in model.decoder.layers:
+            experts = layer.mlp.experts
+            assert type(experts).__name__ == "GroupedMLP"
+            # its forward asserts the bf16 flag (it is written for bf16 runs); the rest of the model stays fp32
+            experts.config = copy.copy(experts.config)
+            experts.config.bf16 = True
+        model.eval()
+        if mpu.get_expert_data_parallel_rank() == 0:
+            e = mpu.get_expert_model_parallel_rank()
+            path = os.path.join(out_dir, "release", f"mp_rank_{ps.tp_rank:02d}_{e:03d}", megatron_lm.FILE)
+            os.makedirs(os.path.dirname(path))
+            torch.save({"args": args, "checkpoint_version": 3.0, "iteration": 0,
+                        "model": model.state_dict_for_save_checkpoint()}, path)
+            if rank == 0:
+                with open(os.path.join(out_dir, megatron_lm.TRACKER), "w") as f:
+                    f.write("release")
+        b, s = tokens.shape
+        mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)[None, None]
+        with torch.no_grad():
+            local = model(tokens, torch.arange(s).expand(b, s), mask)
+        return torch.cat(collectives.all_gather_list(local.contiguous(), ps.tp_group), -1)[..., :VOCAB].float().clone()
+    finally:
+        collectives.barrier()
+        destroy_parallel()
+
+
+def test_grouped_gemm_experts_read_as_sequential_ones_with_megatron_cores_logits(converted, tmp_path):
+    """A --moe-grouped-gemm run's checkpoint: megatron-core's legacy GroupedMLP (weight1 / weight2, every
+    local expert in one tensor), initialised and run by megatron-core itself on 4 gloo ranks (TP2 x EP2;
+    grouped_gemm's gmm as its definition, the package being CUDA-only), saved as Megatron-LM does:
+    from-megatron -> to-hf gives transformers' logits equal to megatron-core's (fp32, every element).
+    TEGroupedMLP's keys (`linear_fc1.weight{J}`, megatron-core's documented equivalent of SequentialMLP's
+    local expert J) read back to the same weights as the SequentialMLP files they rename."""
+    from zo_megatron.checkpoint import convert, megatron_lm
+    from zo_megatron.checkpoint.reader import CheckpointReader
+
+    d = converted["d"]
+    meg = os.path.join(d, "mixtral_megatron_tp2_ep2")
+    args = megatron_lm.safe_load(os.path.join(meg, "release", "mp_rank_00_000", megatron_lm.FILE))["args"]
+    args.moe_grouped_gemm, args.moe_use_legacy_grouped_gemm = True, True
+    seed = converted["seed"] + 21
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(seed))
+    grouped = str(tmp_path / "grouped")
+    logits = run_world(_grouped_gemm_world, 4, grouped, args, tokens, seed, timeout=400)
+    saved = megatron_lm.safe_load(os.path.join(grouped, "release", "mp_rank_01_001", megatron_lm.FILE))["model"]
+    assert saved["decoder.layers.0.mlp.experts.weight1"].shape == (HIDDEN, EXPERTS // 2 * 2 * FFN // 2)
+    assert not any("local_experts" in k for k in saved)
+    ours, hf_dir = str(tmp_path / "ours"), str(tmp_path / "hf")
+    convert.from_megatron(grouped, ours, tensor_parallel=1, log=quiet)
+    convert.to_hf(ours, hf_dir, log=quiet)
+    ref = hf_logits(hf_dir, tokens)
+    for got in logits:
+        close(got, ref)
+
+    te = str(tmp_path / "te_grouped")                   # TEGroupedMLP's names for the SequentialMLP files
+    shutil.copytree(meg, te)
+    for rank in os.listdir(os.path.join(te, "release")):
+        path = os.path.join(te, "release", rank, megatron_lm.FILE)
+        sd = megatron_lm.safe_load(path)
+        sd["args"].moe_grouped_gemm = True
+        renamed = {}
+        for k, v in sd["model"].items():
+            parts = k.split(".")
+            if "local_experts" in parts:
+                i = parts.index("local_experts")
+                j, layer, rest = parts[i + 1], parts[i + 2], parts[i + 3:]
+                if rest == ["_extra_state"]:
+                    renamed[".".join(parts[:i] + [layer, "_extra_state"])] = None
+                    continue
+                k = ".".join(parts[:i] + [layer, rest[0] + j])
+            renamed[k] = v
+        assert any(k.endswith("mlp.experts.linear_fc1.weight1") for k in renamed)
+        torch.save({**sd, "model": renamed}, path)
+    convert.from_megatron(te, str(tmp_path / "te_ours"), tensor_parallel=2, log=quiet)
+    wa = CheckpointReader(os.path.join(d, "mixtral_ck")).read_weights()
+    wb = CheckpointReader(str(tmp_path / "te_ours")).read_weights()
+    assert set(wa) == set(wb) and all(torch.equal(wa[k], wb[k]) for k in wa)

@@ -33,7 +33,7 @@ READ = frozenset({
     "tensor_model_parallel_size",
     "pipeline_model_parallel_size", "vocab_size", "padded_vocab_size", "tokenizer_type", "tokenizer_model",
     "seq_length",
-    # mixture of experts (num_experts set; meta_from_args refuses grouped-GEMM experts): inert without experts
+    # mixture of experts (num_experts set; grouped-GEMM experts read as SequentialMLP's): inert without experts
     "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_router_load_balancing_type", "moe_aux_loss_coeff",
     "moe_z_loss_coeff", "moe_router_pre_softmax", "moe_router_score_function", "moe_router_topk_scaling_factor",
     "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_layer_freq", "moe_token_dispatcher_type",

@@ -29,7 +29,9 @@ allowed (argparse.Namespace, NumPy arrays for Megatron's saved RNG states, io.By
 Transformer Engine's extra state, megatron-core's own Enum types and
 signal.Signals for args.exit_signal); anything else is refused
 with the class named. Both the local layer names and Transformer Engine's fused-LayerNorm names
-(`linear_qkv.layer_norm_weight`, ...) are read.
+(`linear_qkv.layer_norm_weight`, ...) are read, and a --moe-grouped-gemm run's experts
+(TEGroupedMLP's `linear_fc1.weight{J}`, the legacy GroupedMLP's `weight1` / `weight2`) as
+SequentialMLP's (_sequential_experts); to-megatron writes SequentialMLP's.
 """
 from __future__ import annotations
 
@@ -65,6 +67,10 @@ _TE_NAMES = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.wei
              "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias"}
 _MP_DIR = re.compile(r"^mp_rank_(\d{2})(_\d{3})?(_\d{3})?$")
 _EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
+# --moe-grouped-gemm's experts: TEGroupedMLP's GroupedLinear (one weight{j} / bias{j} per local expert) and
+# the legacy GroupedMLP's two concatenated weights (--moe-use-legacy-grouped-gemm)
+_TE_GROUPED = re.compile(r"^(.*\.mlp\.experts\.)(linear_fc[12])\.(weight|bias)(\d+)$")
+_LEGACY_GROUPED = re.compile(r"^(.*\.mlp\.experts\.)weight([12])$")
 
 
 def megatron_args(meta: dict, *, tp: int, iteration: int, divisible_by: int, seq_length: int | None,
@@ -209,9 +215,6 @@ def _moe_meta(args: argparse.Namespace, refuse) -> dict:
     experts = getattr(args, "num_experts", None)
     if not experts:
         return {}
-    if getattr(args, "moe_grouped_gemm", False):
-        refuse("args.moe_grouped_gemm=True (the experts saved as grouped weights, GroupedMLP / TEGroupedMLP; "
-               "from-megatron reads SequentialMLP's local_experts)")
     out = {k: getattr(args, k, None) if getattr(args, k, None) is not None else default
            for k, default in MOE_FIELDS.items()}
     out.update(num_experts=int(experts), moe_router_pre_softmax=bool(out["moe_router_pre_softmax"]),
@@ -471,6 +474,34 @@ def _rank_layout(d: str, names: list[str], args) -> tuple[int, int, int]:
     return tp, ep, etp
 
 
+def _sequential_experts(path: str, sd: dict, args) -> dict:
+    """A rank file's model with grouped-GEMM experts (--moe-grouped-gemm) under SequentialMLP's names
+    (`mlp.experts.local_experts.J.linear_fc1.weight`, ...), the same tensors; other keys as they are.
+
+    megatron-core 0.16.1 (transformer/moe/experts.py) keeps the two interchangeable in its
+    distributed checkpoints: TEGroupedMLP's `linear_fc1.weight{J}` is local expert J's fc1 weight
+    ([out, in], SwiGLU's [gate; up] per TP rank as the MLP's), and the legacy GroupedMLP holds
+    weight1 = [hidden, J x fc1 out] and weight2 = [J x fc2 in, hidden], which its forward views as
+    (J, hidden, fc1 out) and (J, fc2 in, hidden): local expert J's weights transposed."""
+    out = {}
+    local = (getattr(args, "num_experts", None) or 0) // int(getattr(args, "expert_model_parallel_size", None) or 1)
+    for k, v in sd.items():
+        te, legacy = _TE_GROUPED.match(k), _LEGACY_GROUPED.match(k)
+        if te:
+            out[f"{te[1]}local_experts.{te[4]}.{te[2]}.{te[3]}"] = v
+        elif legacy:
+            h = args.hidden_size
+            if not local or v.dim() != 2 or v.shape[0 if legacy[2] == "1" else 1] != h or v.numel() % (local * h):
+                raise UserError(f"{path}: {k} has shape {tuple(v.shape)}, not GroupedMLP's for {local} local experts "
+                                f"of hidden size {h}: the files are not the run the args describe")
+            per = v.view(local, h, -1) if legacy[2] == "1" else v.view(local, -1, h)
+            for j in range(local):
+                out[f"{legacy[1]}local_experts.{j}.linear_fc{legacy[2]}.weight"] = per[j].t().contiguous()
+        else:
+            out[k] = v
+    return out
+
+
 def _split_file(path: str, sd: dict, num_experts: int | None, ep_rank: int, ep: int) -> tuple[dict, dict]:
     """(dense parameters, experts by global index) of one rank file's model (EP rank e's local
     expert j is e x E/EP + j)."""
@@ -547,6 +578,8 @@ def read(in_dir: str, *, progress=None, vocab_size: int | None = None,
             raise UserError(f"{path} is missing: the checkpoint is incomplete")
         sd = loaded.pop(name, None) or safe_load(path)
         model = {_local_name(key): v for key, v in sd["model"].items() if not key.endswith("_extra_state")}
+        if num_experts and getattr(args, "moe_grouped_gemm", False):
+            model = _sequential_experts(path, model, args)
         dense_part, expert_part = _split_file(path, model, num_experts, e, ep)
         if t not in dense:
             dense[t] = (name, dense_part)

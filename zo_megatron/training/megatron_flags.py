@@ -122,7 +122,12 @@ NO_OP = {
     "--no-create-attention-mask-in-dataloader": "the causal mask is built in the model",
 }
 
+_GROUPED_GEMM = ("performance only: the local experts run one after another (megatron-core's SequentialMLP), "
+                 "the same function as the grouped GEMM, which needs the CUDA-only grouped_gemm package or "
+                 "Transformer Engine; from-megatron reads a grouped-GEMM run's expert weights")
 NO_OP.update({
+    "--moe-grouped-gemm": _GROUPED_GEMM,
+    "--moe-use-legacy-grouped-gemm": _GROUPED_GEMM,
     "--openai-gelu": "GPT-2's GELU is the tanh approximation (Megatron's openai_gelu) already",
     "--local-rank": "the local rank is read from the launcher's environment (LOCAL_RANK, OMPI_*, SLURM_*)",
 })
@@ -173,10 +178,6 @@ REFUSED_WHY = {
     "--offload-modules": "activation offloading is not supported; use --recompute-granularity",
     "--main-params-dtype": "the master weights are fp32 (on the host with --zero-offload)",
     "--use-precision-aware-optimizer": "use --exp-avg-dtype/--exp-avg-sq-dtype bf16 (CPU Adam states) instead",
-    "--moe-grouped-gemm": "megatron-core's grouped-GEMM experts need the grouped_gemm package or Transformer Engine, "
-                          "neither is used here: the experts run one after another (SequentialMLP), the same math",
-    "--moe-use-legacy-grouped-gemm": "megatron-core's grouped-GEMM experts need the grouped_gemm package or "
-                                     "Transformer Engine, neither is used here",
     "--yaml-cfg": "give flags on the command line", "--spec": "the layer spec is megatron-core's local GPT spec",
 }
 for _flag in ("--rotary-interleaved", "--rotary-seq-len-interpolation-factor", "--no-rope-freq", "--rope-type",

@@ -152,7 +152,9 @@ def add_expert_parallel_flags(g) -> None:
                    help="EP: the experts of each MoE layer split over this many ranks (must divide --num-experts); "
                         "expert DP = world / (expert TP x EP)")
     g.add_argument("--expert-tensor-parallel-size", dest="expert_tensor_parallel", type=int, default=None,
-                   help="expert TP (default: --tensor-model-parallel-size, the only value supported)")
+                   help="expert TP: what each routed expert's fc1/fc2 split over (default: --tensor-model-parallel-size); "
+                        "1 with TP > 1 keeps experts whole beside TP attention, as Megatron-LM's MoE recipes; "
+                        "trains, saves, reshards, and converts to and from Megatron-LM (docs/moe.md)")
 
 
 def moe_layer_freq(text):
