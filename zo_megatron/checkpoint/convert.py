@@ -389,6 +389,8 @@ def from_megatron(input_dir: str, output: str, *, tensor_parallel: int, vocab_si
     moe = "" if meta["num_experts"] is None else \
         ((f" x expert TP{etp}" if etp != ns.tensor_model_parallel_size else "")
          + f" x EP{getattr(ns, 'expert_model_parallel_size', None) or 1}, {meta['num_experts']} experts")
+    pp = getattr(ns, "pipeline_model_parallel_size", None) or 1
+    moe += f" x PP{pp} (merged)" if pp > 1 else ""
     log(f"read {input_dir}: Megatron-LM iteration {it}, TP{ns.tensor_model_parallel_size}{moe}, {meta['num_layers']} "
         f"layers x {meta['hidden_size']} hidden, vocab {vocab}, {n:,} parameters")
     args = {"make_vocab_size_divisible_by": meta["make_vocab_size_divisible_by"],

@@ -33,6 +33,9 @@ READ = frozenset({
     "tensor_model_parallel_size",
     "pipeline_model_parallel_size", "vocab_size", "padded_vocab_size", "tokenizer_type", "tokenizer_model",
     "seq_length",
+    # pipeline stages, merged into one model (megatron_lm._layer_offset: megatron-core's layer offsets)
+    "virtual_pipeline_model_parallel_size", "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+    "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split", "pipeline_model_parallel_layout",
     # mixture of experts (num_experts set; grouped-GEMM experts read as SequentialMLP's): inert without experts
     "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_router_load_balancing_type", "moe_aux_loss_coeff",
     "moe_z_loss_coeff", "moe_router_pre_softmax", "moe_router_score_function", "moe_router_topk_scaling_factor",
@@ -101,7 +104,6 @@ _ANY_MODEL_GROUP = frozenset({
     # parallel layout and communication (the files are merged to full tensors; pipeline is checked on its own)
     "sequence_parallel", "context_parallel_size", "hierarchical_context_parallel_sizes", "hybrid_context_parallel",
     "max_seqlen_per_dp_cp_rank", "expert_model_parallel_size", "expert_tensor_parallel_size",
-    "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
     "microbatch_group_size_per_vp_stage", "overlap_p2p_comm_warmup_flush", "pipeline_model_parallel_comm_backend",
     "async_tensor_model_parallel_allreduce", "symmetric_ar_type", "use_ring_exchange_p2p",
     "tp_comm_overlap", "tp_comm_bulk_dgrad", "tp_comm_bulk_wgrad", "tp_comm_overlap_ag", "tp_comm_overlap_rs",
@@ -126,7 +128,7 @@ _ANY_MODEL_GROUP = frozenset({
 # older releases had: bookkeeping, not the model
 _ANY_DERIVED = frozenset({
     "rank", "world_size", "data_parallel_size", "transformer_pipeline_model_parallel_size",
-    "virtual_pipeline_model_parallel_size", "model_parallel_size", "params_dtype", "iteration", "curr_iteration",
+    "model_parallel_size", "params_dtype", "iteration", "curr_iteration",
     "consumed_train_samples", "consumed_valid_samples", "consumed_train_bins", "skipped_train_samples",
     "num_floating_point_operations_so_far", "do_train", "do_valid", "do_test", "eval_global_batch_size",
     "eval_micro_batch_size", "model_type", "variable_seq_lengths", "async_strategy", "cpu_offloading",

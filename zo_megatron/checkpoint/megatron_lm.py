@@ -3,8 +3,16 @@
     DIR/latest_checkpointed_iteration.txt            "N", or "release" for iteration 0
     DIR/iter_000000N/mp_rank_XX/model_optim_rng.pt   one file per TP rank (no pipeline parallelism)
     DIR/iter_000000N/mp_rank_XX_EEE/model_optim_rng.pt   with expert parallelism: one per (TP, EP) rank
+    DIR/iter_000000N/mp_rank_XX_PPP[_EEE]/...            read only: one per pipeline stage too
         {"args": argparse.Namespace, "checkpoint_version": 3.0, "iteration": N,
          "model": {megatron-core parameter name: this TP rank's shard, "<linear>._extra_state": None}}
+        (a virtual pipeline: "model0", "model1", ... one per model chunk of the stage)
+
+Pipeline stages are read back into one model: each stage (and virtual chunk) numbers its layers
+from 0, offset by megatron-core's own get_transformer_layer_offset for the args' split (even,
+--decoder-first/last-pipeline-num-layers, a virtual pipeline, the embedding / loss accounted in the
+split); the embedding is the first stage's, the final norm and output layer the last's (with tied
+embeddings the last stage's output_layer copy must equal the embedding). to-megatron writes one stage.
 
 A mixture of experts (megatron-core's local spec, SequentialMLP): the router
 (`mlp.router.weight`, replicated), the shared expert (`mlp.shared_experts.*`, split over TP as the
@@ -153,9 +161,6 @@ def meta_from_args(args: argparse.Namespace, vocab: int, where: str) -> dict:
     def refuse(what):
         raise UserError(f"{where}: {what}: zo_megatron's GPT does not build it")
 
-    if getattr(args, "pipeline_model_parallel_size", 1) not in (None, 1):
-        raise UserError(f"{where}: pipeline_model_parallel_size={args.pipeline_model_parallel_size}: "
-                        "merge the pipeline stages first (Megatron-LM's tools/checkpoint/convert.py --target-pipeline-parallel-size 1)")
     bad = non_neutral(args)                     # an allow-list: every arg is read, inert or at its neutral value
     if bad:
         them = "it" if len(bad) == 1 else "them"
@@ -276,9 +281,9 @@ def _extra_states(keys) -> list[str]:
     return sorted(layers | {"output_layer"})
 
 
-def rank_dir(tp_rank: int, ep_rank: int, ep: int) -> str:
-    """Megatron-LM's get_checkpoint_name without pipeline parallelism: mp_rank_TT, or mp_rank_TT_EEE at EP > 1."""
-    return f"mp_rank_{tp_rank:02d}" + (f"_{ep_rank:03d}" if ep > 1 else "")
+def rank_dir(tp_rank: int, ep_rank: int, ep: int, pp_rank: int = 0, pp: int = 1) -> str:
+    """Megatron-LM's get_checkpoint_name: mp_rank_TT, then _PPP at PP > 1, then _EEE at EP > 1."""
+    return f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "") + (f"_{ep_rank:03d}" if ep > 1 else "")
 
 
 def legacy_rank_files(tp: int, etp: int, ep: int) -> list[tuple[int, int, int]]:
@@ -379,8 +384,9 @@ def safe_load(path: str) -> dict:
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as exc:
         raise UserError(f"{path}: cannot be read safely ({type(exc).__name__}: "
                         f"{str(exc).splitlines()[0][:160] if str(exc) else ''}); the file is damaged or was tampered with") from None
-    if not isinstance(sd, dict) or not isinstance(sd.get("model"), dict):
-        raise UserError(f"{path}: no 'model' state dict: not a Megatron-LM checkpoint of one model (no virtual pipeline)")
+    if not isinstance(sd, dict) or not (isinstance(sd.get("model"), dict) or isinstance(sd.get("model0"), dict)):
+        raise UserError(f"{path}: no 'model' (or virtual-pipeline 'model0', ...) state dict: not a Megatron-LM "
+                        "model checkpoint")
     return sd
 
 
@@ -435,32 +441,114 @@ def _vocab_size(args: argparse.Namespace, where: str, vocab_size: int | None, to
         raise UserError(f"{where}: {source} cannot be read as the run's tokenizer ({exc}); {fixes}") from None
 
 
-_MERGE_PIPELINE = "merge the pipeline stages first (Megatron-LM's tools/checkpoint/convert.py --target-pipeline-parallel-size 1)"
+_MERGE_PIPELINE = "merge the pipeline stages with Megatron-LM's tools/checkpoint/convert.py --target-pipeline-parallel-size 1"
 
 
-def _rank_layout(d: str, names: list[str], args) -> tuple[int, int, int]:
-    """(TP, EP, expert TP) of the rank directories `names` under `d`, as the args (rank 0's file's)
-    say; one line for pipeline ranks, a missing or extra rank, or a layout the format cannot hold."""
+def _pipeline(args, where: str) -> tuple[int, int | None]:
+    """(pipeline stages, virtual chunks per stage or None) of the args; one line for a custom layout."""
+    pp = int(getattr(args, "pipeline_model_parallel_size", None) or 1)
+    vp = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    layout = getattr(args, "pipeline_model_parallel_layout", None)
+    if pp > 1 and layout:
+        raise UserError(f"{where}: args.pipeline_model_parallel_layout={layout!r}: a hand-written stage layout is not "
+                        f"read; {_MERGE_PIPELINE}")
+    return pp, (int(vp) if pp > 1 and vp else None)
+
+
+def _layer_offset(args, pp: int, vp: int | None, pp_rank: int, vp_stage: int) -> int:
+    """The global index of layer 0 of pipeline stage `pp_rank`'s chunk `vp_stage`: megatron-core's
+    get_transformer_layer_offset on the TransformerConfig fields Megatron-LM sets from the args
+    (core_transformer_config_from_args: num_layers_in_first/last_pipeline_stage are
+    --decoder-first/last-pipeline-num-layers)."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    cfg = SimpleNamespace(
+        num_layers=args.num_layers, pipeline_model_parallel_size=pp, pipeline_model_parallel_layout=None,
+        num_layers_in_first_pipeline_stage=getattr(args, "decoder_first_pipeline_num_layers", None),
+        num_layers_in_last_pipeline_stage=getattr(args, "decoder_last_pipeline_num_layers", None),
+        virtual_pipeline_model_parallel_size=vp,
+        account_for_embedding_in_pipeline_split=bool(getattr(args, "account_for_embedding_in_pipeline_split", False)),
+        account_for_loss_in_pipeline_split=bool(getattr(args, "account_for_loss_in_pipeline_split", False)))
+    return int(get_transformer_layer_offset(cfg, vp_stage=vp_stage if vp else None, pp_rank=pp_rank))
+
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+
+
+def _one_stage_model(path: str, sd: dict, args, pp: int, vp: int | None, pp_rank: int) -> dict:
+    """A stage file's model chunks as one state dict with global layer numbers (its embedding,
+    final norm and output layer as they are)."""
+    chunks = [sd["model"]] if vp is None else [sd.get(f"model{v}") for v in range(vp)]
+    if vp is not None and (any(not isinstance(c, dict) for c in chunks) or f"model{vp}" in sd):
+        raise UserError(f"{path}: args.virtual_pipeline_model_parallel_size={vp} but the file holds "
+                        f"{sorted(k for k in sd if k.startswith('model'))}: the args are not the run's")
+    if pp == 1:
+        return chunks[0]
+    out = {}
+    for v, chunk in enumerate(chunks):
+        offset = _layer_offset(args, pp, vp, pp_rank, v)
+        for k, t in chunk.items():
+            m = _LAYER.match(k)
+            key = f"decoder.layers.{offset + int(m[1])}.{m[2]}" if m else k
+            if key in out:
+                raise UserError(f"{path}: {key} is in two virtual-pipeline chunks: the args' split is not the run's")
+            out[key] = t
+    return out
+
+
+def _merge_stages(stages: list[tuple[str, dict]], args) -> tuple[str, dict]:
+    """One TP x EP position's pipeline stages as one state dict: layers from each stage, the rest
+    from wherever it is; with tied embeddings the last stage's output_layer copy is checked against
+    the first stage's word embedding and dropped (megatron-core keeps the two equal)."""
+    out: dict = {}
+    tied_copy = None
+    for path, model in stages:
+        for k, t in model.items():
+            if k == "output_layer.weight" and not getattr(args, "untie_embeddings_and_output_weights", False):
+                tied_copy = (path, t)
+                continue
+            if k in out and not k.endswith("_extra_state"):
+                raise UserError(f"{path}: {k} is also in another pipeline stage's file: the stages overlap, so the "
+                                "args' split (pipeline_model_parallel_size, decoder_first/last_pipeline_num_layers, "
+                                "virtual_pipeline_model_parallel_size) is not the run's")
+            out[k] = t
+    if tied_copy is not None:
+        path, t = tied_copy
+        emb = out.get("embedding.word_embeddings.weight")
+        if emb is None or emb.shape != t.shape or not torch.equal(emb, t):
+            raise UserError(f"{path}: output_layer.weight differs from the first stage's embedding.word_embeddings."
+                            "weight, but args.untie_embeddings_and_output_weights is not set: the last stage's copy "
+                            "of the tied embedding was not kept in sync; the checkpoint is not one model")
+    return stages[0][0], out
+
+
+def _rank_layout(d: str, names: list[str], args) -> tuple[int, int, int, int]:
+    """(TP, EP, expert TP, PP) of the rank directories `names` under `d`, as the args (rank 0's
+    file's) say; one line for a missing or extra rank, or a layout the format cannot hold."""
     where = os.path.join(d, names[0], FILE)
     if not isinstance(args, argparse.Namespace):
         raise UserError(f"{where}: the checkpoint has no 'args' (argparse.Namespace): its model shape is unknown")
-    if getattr(args, "pipeline_model_parallel_size", 1) not in (None, 1):
-        raise UserError(f"{where}: pipeline_model_parallel_size={args.pipeline_model_parallel_size}: {_MERGE_PIPELINE}")
+    pp, _ = _pipeline(args, where)
     experts = getattr(args, "num_experts", None) or None
     ep = int(getattr(args, "expert_model_parallel_size", None) or 1)
     if ep > 1 and not experts:
         raise UserError(f"{where}: args.expert_model_parallel_size={ep} but args.num_experts={experts!r}: the args "
                         "describe a dense model and the files are expert-parallel ranks; the args are not the run's")
     suffixes = max(len([g for g in _MP_DIR.match(n).groups()[1:] if g]) for n in names)
-    if suffixes > (1 if ep > 1 else 0):
-        raise UserError(f"{d}: pipeline-parallel ranks (mp_rank_XX_YYY{'_ZZZ' if ep > 1 else ''}): {_MERGE_PIPELINE}")
+    if suffixes > (ep > 1) + (pp > 1):
+        raise UserError(f"{d}: rank directories with {suffixes} suffixes (mp_rank_XX_YYY...) but the args name "
+                        f"pipeline_model_parallel_size={pp} and expert_model_parallel_size={ep}: the args are not "
+                        "the run's")
     tp = int(getattr(args, "tensor_model_parallel_size", None) or len(names))
     etp = int(getattr(args, "expert_tensor_parallel_size", None) or tp) if experts else tp
     try:
-        want = [rank_dir(t, e, ep) for t, e, _ in legacy_rank_files(tp, etp, ep)]
+        want = [rank_dir(t, e, ep, p, pp) for p in range(pp) for t, e, _ in legacy_rank_files(tp, etp, ep)]
     except UserError as exc:
         raise UserError(f"{where}: args.expert_tensor_parallel_size={etp}: {exc}") from None
-    layout = f"TP{tp}" + (f" x expert TP{etp}" if etp != tp else "") + (f" x EP{ep}" if ep > 1 else "")
+    layout = f"TP{tp}" + (f" x expert TP{etp}" if etp != tp else "") + (f" x EP{ep}" if ep > 1 else "") \
+        + (f" x PP{pp}" if pp > 1 else "")
     missing = [n for n in want if n not in names]
     if missing:
         raise UserError(f"{d}: {missing[0]} is missing ({len(missing)} of the {len(want)} rank directories of "
@@ -470,8 +558,9 @@ def _rank_layout(d: str, names: list[str], args) -> tuple[int, int, int]:
         raise UserError(f"{d}: holds {extra[0]}, which args of {layout} (tensor_model_parallel_size={tp}"
                         + (f", expert_model_parallel_size={ep}" if experts else "")
                         + (f", expert_tensor_parallel_size={etp}" if etp != tp else "")
+                        + (f", pipeline_model_parallel_size={pp}" if pp > 1 else "")
                         + ") do not name: the rank directories come from different runs")
-    return tp, ep, etp
+    return tp, ep, etp, pp
 
 
 def _sequential_experts(path: str, sd: dict, args) -> dict:
@@ -566,18 +655,26 @@ def read(in_dir: str, *, progress=None, vocab_size: int | None = None,
         raise UserError(f"{first} is missing: the checkpoint is incomplete")
     loaded = {names[0]: safe_load(first)}
     args = loaded[names[0]].get("args")
-    tp, ep, etp = _rank_layout(d, names, args)
+    tp, ep, etp, pp = _rank_layout(d, names, args)
+    _, vp = _pipeline(args, first)
     specs = legacy_rank_files(tp, etp, ep)
     num_experts = getattr(args, "num_experts", None)
     dense: dict[int, tuple[str, dict]] = {}         # TP rank -> (its first file, its dense shard)
     experts: dict[int, tuple[str, dict]] = {}       # expert TP rank -> (its first file, every expert's shard)
     for i, (t, e, k) in enumerate(specs):
-        name = rank_dir(t, e, ep)
-        path = os.path.join(d, name, FILE)
-        if not os.path.isfile(path):
-            raise UserError(f"{path} is missing: the checkpoint is incomplete")
-        sd = loaded.pop(name, None) or safe_load(path)
-        model = {_local_name(key): v for key, v in sd["model"].items() if not key.endswith("_extra_state")}
+        stages = []
+        for p in range(pp):
+            name = rank_dir(t, e, ep, p, pp)
+            path = os.path.join(d, name, FILE)
+            if not os.path.isfile(path):
+                raise UserError(f"{path} is missing: the checkpoint is incomplete")
+            sd = loaded.pop(name, None) or safe_load(path)
+            stages.append((path, _one_stage_model(path, sd, args, pp, vp, p)))
+            if progress is not None:
+                progress(i * pp + p + 1, len(specs) * pp)
+        path, model = _merge_stages(stages, args) if pp > 1 else stages[0]
+        name = os.path.basename(os.path.dirname(path))
+        model = {_local_name(key): v for key, v in model.items() if not key.endswith("_extra_state")}
         if num_experts and getattr(args, "moe_grouped_gemm", False):
             model = _sequential_experts(path, model, args)
         dense_part, expert_part = _split_file(path, model, num_experts, e, ep)
@@ -588,8 +685,6 @@ def read(in_dir: str, *, progress=None, vocab_size: int | None = None,
             raise UserError(f"{path}: its dense parameters differ from {dense[t][0]}'s: the EP ranks "
                             "come from different models or iterations")
         experts.setdefault(k, (name, {}))[1].update(expert_part)
-        if progress is not None:
-            progress(i + 1, len(specs))
     where = first
     vocab = _vocab_size(args, where, vocab_size, tokenizer_model)
     swiglu = bool(getattr(args, "swiglu", False))
