@@ -71,15 +71,7 @@ def _size_flag(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
-        prog="pretrain_gpt.py",
-        allow_abbrev=False,     # as Megatron-LM: a typo must not select another flag
-        description="Pretrain a GPT with Megatron tensor parallelism and ZeRO-Offload data parallelism. "
-                    "Launch with torchrun, mpirun or srun; the world size is TP x DP.",
-        formatter_class=_HelpFormatter)
-
-    g = p.add_argument_group("model")
+def _add_model_flags(g) -> None:
     g.add_argument("--num-layers", type=int, default=None, help="transformer layers")
     g.add_argument("--hidden-size", type=int, default=None, help="hidden size")
     g.add_argument("--num-attention-heads", type=int, default=None, help="attention heads")
@@ -103,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--recompute-activations", action="store_true",
                    help="Megatron's shorthand for --recompute-granularity selective")
 
-    g = p.add_argument_group("parallelism")
+
+def _add_parallelism_flags(g) -> None:
     g.add_argument("--tensor-model-parallel-size", "--tensor-parallel", dest="tensor_parallel", type=int,
                    default=1, help="TP size; DP = world size / TP")
     add_expert_parallel_flags(g)
@@ -111,10 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how long a collective waits for a peer before the rank gives up and exits 1 "
                         "(Megatron's name and default: 10; fractions allowed)")
 
-    g = p.add_argument_group("attention and sequence parallelism (Megatron-LM's names)")
-    add_attention_flags(g)
 
-    g = p.add_argument_group("ZeRO-Offload")
+def _add_zero_offload_flags(g) -> None:
     g.add_argument("--zero-offload", action="store_true",
                    help="partition gradients/optimizer over DP and run Adam on the CPU (otherwise: plain DDP baseline)")
     g.add_argument("--bucket-size", type=int, default=40_000_000, help="gradient bucket size in elements")
@@ -184,7 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "return) as JSON lines, one FILE per rank (FILE.rankN when world > 1); plot with "
                         "tools/plot_timeline.py")
 
-    g = p.add_argument_group("training")
+
+def _add_training_flags(g) -> None:
     g.add_argument("--micro-batch-size", type=int, default=None, help="samples per rank per micro-batch")
     g.add_argument("--global-batch-size", type=int, default=None,
                    help="samples per step = micro x DP x accumulation (default: micro x DP)")
@@ -201,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "gradient (fp16: at the minimum loss scale), saving a checkpoint with --save; "
                         "0: never stop (default: 10)")
 
-    g = p.add_argument_group("learning rate")
+
+def _add_learning_rate_flags(g) -> None:
     g.add_argument("--lr", type=float, default=None, help="peak learning rate")
     g.add_argument("--min-lr", type=float, default=None, help="rate at the end of the decay")
     g.add_argument("--lr-decay-style", choices=DECAY_STYLES, default=None, help="shape of the decay")
@@ -229,7 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --decoupled-lr: where that rate decays to (default: --min-lr); without it, no "
                         "effect (as in Megatron-LM)")
 
-    g = p.add_argument_group("optimizer")
+
+def _add_optimizer_flags(g) -> None:
     g.add_argument("--optimizer", choices=["adam"], default="adam")
     g.add_argument("--weight-decay", type=float, default=None, help="AdamW decoupled weight decay")
     g.add_argument("--no-weight-decay-embeddings", action="store_true",
@@ -243,7 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--exp-avg-sq-dtype", choices=["fp32", "bf16"], default="fp32",
                    help="ZeRO-Offload: dtype of Adam's second moment on the host")
 
-    g = p.add_argument_group("mixed precision")
+
+def _add_mixed_precision_flags(g) -> None:
     m = g.add_mutually_exclusive_group()
     m.add_argument("--bf16", dest="precision", action="store_const", const="bf16",
                    help="bf16 (default on GPUs, and on CPUs with native bf16 (AVX512_BF16 or AMX) where a cached "
@@ -258,7 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--loss-scale-window", type=int, default=1000)
     g.add_argument("--hysteresis", type=int, default=2)
 
-    g = p.add_argument_group("data")
+
+def _add_data_flags(g) -> None:
     g.add_argument("--data-path", nargs="*", default=None,
                    help="PREFIX, or WEIGHT PREFIX WEIGHT PREFIX ... (default: the embedded SOTU corpus)")
     g.add_argument("--split", default="969, 30, 1", help="train, valid, test proportions")
@@ -280,7 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "mean other text: refused without this flag)")
     g.add_argument("--data-cache-path", default=None, help="where dataset indices are cached")
 
-    g = p.add_argument_group("checkpointing")
+
+def _add_checkpointing_flags(g) -> None:
     g.add_argument("--save", default=None, help="directory to save checkpoints to")
     g.add_argument("--load", default=None,
                    help="directory to resume from (its latest checkpoint); with no checkpoint there yet the "
@@ -311,7 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="take the model shape, architecture, tokenizer, --seq-length and vocabulary padding from "
                         "--load's checkpoint (Megatron's); model flags given here must agree with it")
 
-    g = p.add_argument_group("evaluation and logging")
+
+def _add_logging_flags(g) -> None:
     g.add_argument("--eval-interval", type=int, default=None, help="iterations between evaluations")
     g.add_argument("--eval-iters", type=int, default=None,
                    help="global batches per evaluation (0: no evaluation)")
@@ -319,6 +317,27 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--log-jsonl", default=None, help="write one JSON object per logged iteration/evaluation")
     g.add_argument("--tensorboard-dir", default=None, help="write TensorBoard events (needs tensorboard)")
     g.add_argument("--no-progress-bar", action="store_true")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="pretrain_gpt.py",
+        allow_abbrev=False,     # as Megatron-LM: a typo must not select another flag
+        description="Pretrain a GPT with Megatron tensor parallelism and ZeRO-Offload data parallelism. "
+                    "Launch with torchrun, mpirun or srun; the world size is TP x DP.",
+        formatter_class=_HelpFormatter)
+
+    _add_model_flags(p.add_argument_group("model"))
+    _add_parallelism_flags(p.add_argument_group("parallelism"))
+    add_attention_flags(p.add_argument_group("attention and sequence parallelism (Megatron-LM's names)"))
+    _add_zero_offload_flags(p.add_argument_group("ZeRO-Offload"))
+    _add_training_flags(p.add_argument_group("training"))
+    _add_learning_rate_flags(p.add_argument_group("learning rate"))
+    _add_optimizer_flags(p.add_argument_group("optimizer"))
+    _add_mixed_precision_flags(p.add_argument_group("mixed precision"))
+    _add_data_flags(p.add_argument_group("data"))
+    _add_checkpointing_flags(p.add_argument_group("checkpointing"))
+    _add_logging_flags(p.add_argument_group("evaluation and logging"))
     add_megatron_compat_flags(p)
     for a in p._actions:          # argparse hides a flag's default when it has no help text
         if a.help is None and a.default is not None and not isinstance(a.default, bool):
