@@ -82,3 +82,22 @@ def megatron_flops_per_token(*, num_layers, hidden_size, seq_length, ffn_hidden_
         )
     )
     return total / (batch_size * seq_length)
+
+
+def megatron_llama2_tokenize(sp, s, bos=True, eos=False):
+    """Transcribed from megatron/training/tokenizer/tokenizer.py (core_v0.16.1) _Llama2Tokenizer.tokenize
+    over a sentencepiece.SentencePieceProcessor `sp` (its n_words = sp.vocab_size(), eod = eos_id)."""
+    assert type(s) is str
+    t = sp.encode(s)
+    if bos:
+        t = [sp.bos_id()] + t
+    if eos:
+        t = t + [sp.eos_id()]
+    return t
+
+
+def megatron_preprocess_document(sp, text, append_eod=True):
+    """tools/preprocess_data.py's Encoder.encode for one document without --split-sentences (core_v0.16.1):
+    the whole text is one sentence, tokenized, then the tokenizer's eod appended with --append-eod."""
+    ids = megatron_llama2_tokenize(sp, text)
+    return ids + [sp.eos_id()] if append_eod else ids

@@ -213,6 +213,10 @@ def to_hf(load: str, output: str, *, iteration: int | None = None, dtype: str = 
                         f"--architecture {window.get('architecture')}")
     shard = parse_size(max_shard_size)
     saved_tok = os.path.join(reader.dir, TOKENIZER_DIR)         # the tokenizer the run trained with
+    if reader.manifest.get("tokenizer_type") == "Llama2Tokenizer" and tokenizer_model is None:
+        raise UserError(f"{reader.dir}: trained with --tokenizer-type Llama2Tokenizer (the SentencePiece model in "
+                        f"{TOKENIZER_DIR}/): pass --tokenizer-model DIR, a Hugging Face tokenizer directory of the "
+                        "same model (e.g. the one its Hugging Face release ships), for the tokenizer to-hf writes")
     tok_dir = tokenizer_model or (saved_tok if os.path.isdir(saved_tok) else None)
     if tok_dir is not None:
         tok = _hf_tokenizer(tok_dir, meta["vocab_size"])
@@ -332,10 +336,13 @@ def to_megatron(load: str, output: str, *, iteration: int | None = None, tensor_
     weights = reader.read_weights()
     saved_tok = os.path.join(reader.dir, TOKENIZER_DIR)
     has_tokenizer = os.path.isdir(saved_tok)
+    tokenizer_type = (reader.manifest.get("tokenizer_type") or args.get("tokenizer_type")
+                      or ("HuggingFaceTokenizer" if has_tokenizer else "GPT2BPETokenizer"))
+    if has_tokenizer and tokenizer_type == "Llama2Tokenizer":         # Megatron-LM's: the model file itself
+        saved_tok = os.path.join(reader.dir, reader.manifest["tokenizer_files"][0])
     ns = megatron_lm.megatron_args(meta, tp=tp, iteration=reader.iteration, divisible_by=_divisible_by(args),
                                    seq_length=args.get("seq_length"), precision=args.get("precision"),
-                                   tokenizer_type=reader.manifest.get("tokenizer_type") or args.get("tokenizer_type")
-                                   or ("HuggingFaceTokenizer" if has_tokenizer else "GPT2BPETokenizer"),
+                                   tokenizer_type=tokenizer_type,
                                    tokenizer_model=os.path.abspath(saved_tok) if has_tokenizer else None,
                                    consumed_samples=int(reader.manifest.get("consumed_samples", 0)),
                                    consumed_valid_samples=int(reader.manifest.get("consumed_valid_samples", 0)),

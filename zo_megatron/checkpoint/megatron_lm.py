@@ -423,20 +423,22 @@ def _vocab_size(args: argparse.Namespace, where: str, vocab_size: int | None, to
     if kind == "GPT2BPETokenizer":
         return GPT2_VOCAB
     fixes = "pass --vocab-size N (the vocabulary the run's tokenizer gave Megatron-LM)"
-    if kind != "HuggingFaceTokenizer":
+    if kind not in ("HuggingFaceTokenizer", "Llama2Tokenizer"):
         raise UserError(f"{where}: tokenizer_type={kind!r} and no vocab_size: the model's real vocabulary size is "
                         f"not in the checkpoint; {fixes}")
     from zo_megatron.data.errors import DataError
-    from zo_megatron.data.tokenizer import HuggingFaceTokenizer
+    from zo_megatron.data.tokenizer import HuggingFaceTokenizer, Llama2Tokenizer
 
     path = tokenizer_model or getattr(args, "tokenizer_model", None)
     source = f"--tokenizer-model {path}" if tokenizer_model else f"args.tokenizer_model={path!r}"
-    fixes = "pass --tokenizer-model DIR (the run's Hugging Face tokenizer) or --vocab-size N (len(tokenizer))"
-    if not path or not os.path.isdir(path):
-        raise UserError(f"{where}: a HuggingFaceTokenizer run with no vocab_size, and {source} is not a directory "
-                        f"here, so the model's real vocabulary size is unknown: {fixes}")
+    sp = kind == "Llama2Tokenizer"              # Megatron-LM's vocab_size: the SentencePiece model's pieces
+    what = "SentencePiece model file" if sp else "Hugging Face tokenizer"
+    fixes = f"pass --tokenizer-model {'FILE' if sp else 'DIR'} (the run's {what}) or --vocab-size N"
+    if not path or not (os.path.isfile(path) if sp else os.path.isdir(path)):
+        raise UserError(f"{where}: a {kind} run with no vocab_size, and {source} is not a "
+                        f"{'file' if sp else 'directory'} here, so the model's real vocabulary size is unknown: {fixes}")
     try:
-        return HuggingFaceTokenizer(path).vocab_size
+        return (Llama2Tokenizer(path) if sp else HuggingFaceTokenizer(path)).vocab_size
     except DataError as exc:
         raise UserError(f"{where}: {source} cannot be read as the run's tokenizer ({exc}); {fixes}") from None
 

@@ -12,7 +12,8 @@ name -- when its first non-blank line is a JSON object holding the first ``--jso
 obvious case; a notice says so). Any other file is one plain-text document. Each document is encoded with
 the tokenizer (``--tokenizer-type GPT2BPETokenizer``, the default: the bundled GPT-2 BPE;
 ``--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR``: ``AutoTokenizer(DIR)(text).input_ids``,
-BOS as its config says) and followed by EOD, the tokenizer's end-of-text / eos token
+BOS as its config says; ``--tokenizer-type Llama2Tokenizer --tokenizer-model FILE``: [bos] + the
+SentencePiece ids, as Megatron-LM's) and followed by EOD, the tokenizer's end-of-text / eos token
 (``--append-eod``, on by default; ``--no-append-eod`` turns it off). One output dataset per JSON
 key: ``{output_prefix}_{key}_document.{bin,idx}``, written with
 megatron-core's IndexedDatasetBuilder, one sequence per document, token dtype uint16 when the
@@ -510,10 +511,12 @@ def get_parser() -> argparse.ArgumentParser:
     g.add_argument("--keep-newlines", action="store_true", help=argparse.SUPPRESS)
     g = p.add_argument_group("tokenizer")
     g.add_argument("--tokenizer-type", default=GPT2_TOKENIZER, choices=TEXT_TOKENIZER_TYPES,
-                   help="GPT2BPETokenizer (default: the bundled GPT-2 BPE) or HuggingFaceTokenizer "
-                        "(AutoTokenizer from --tokenizer-model, offline, no remote code)")
-    g.add_argument("--tokenizer-model", default=None, metavar="DIR",
-                   help="HuggingFaceTokenizer: a local directory with tokenizer.json and tokenizer_config.json")
+                   help="GPT2BPETokenizer (default: the bundled GPT-2 BPE), HuggingFaceTokenizer "
+                        "(AutoTokenizer from --tokenizer-model, offline, no remote code) or Llama2Tokenizer "
+                        "(the SentencePiece model --tokenizer-model)")
+    g.add_argument("--tokenizer-model", default=None, metavar="PATH",
+                   help="HuggingFaceTokenizer: a local directory with tokenizer.json and tokenizer_config.json; "
+                        "Llama2Tokenizer: a SentencePiece tokenizer.model file")
     g.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json (default: bundled copy)")
     g.add_argument("--merge-file", default=None, help="GPT-2 merges.txt (default: bundled copy)")
     g.add_argument("--allow-custom-vocab", action="store_true",

@@ -3,7 +3,8 @@
 All satisfy one narrow interface (see :class:`Tokenizer`): tokenizer_type, vocab_size, eod,
 fingerprint, encode / encode_batch / decode, spec() (what a worker process needs to build the same
 tokenizer) and files (what a checkpoint copies). :func:`build_tokenizer` picks one from
-Megatron-LM's flags (--tokenizer-type GPT2BPETokenizer | HuggingFaceTokenizer | NullTokenizer).
+Megatron-LM's flags (--tokenizer-type GPT2BPETokenizer | HuggingFaceTokenizer | Llama2Tokenizer |
+NullTokenizer).
 
 GPT-2 (--tokenizer-type GPT2BPETokenizer, the default), built from the bundled vocab.json + merges.txt.
 
@@ -34,6 +35,14 @@ BOS id mid-document. Megatron-LM's tokenizer maps such text to the special ids;
 (``local_files_only``) holding tokenizer.json + tokenizer_config.json, never with
 ``trust_remote_code``: a directory whose config asks for custom code (an ``auto_map`` entry) is
 refused, since files from users never run code.
+
+Llama-2 SentencePiece (--tokenizer-type Llama2Tokenizer --tokenizer-model FILE, a SentencePiece
+``tokenizer.model``; Megatron-LM's Mixtral and Llama-2 recipes), Megatron-LM's _Llama2Tokenizer
+semantics (core_v0.16.1, megatron/training/tokenizer/tokenizer.py): ids = [bos] +
+``SentencePieceProcessor.encode(text)`` (no eos; the data pipeline appends eod with
+--append-eod), eod = the model's eos id, vocab_size = its piece count; detokenize =
+``decode_ids``. SentencePiece never parses control-symbol text ("<s>", "</s>") inside a document,
+so a document cannot inject a boundary. Needs the ``sentencepiece`` package (the hf extra).
 
 Null (--tokenizer-type NullTokenizer --vocab-size N), Megatron-LM's _NullTokenizer: data that is
 already ids (or --mock-data). Ids 0..N-1 are the data's, N is the end-of-document id, so the
@@ -66,8 +75,9 @@ EOD_TOKEN = "<|endoftext|>"
 GPT2_TOKENIZER = "GPT2BPETokenizer"
 HF_TOKENIZER = "HuggingFaceTokenizer"
 NULL_TOKENIZER = "NullTokenizer"
-TOKENIZER_TYPES = (GPT2_TOKENIZER, HF_TOKENIZER, NULL_TOKENIZER)
-TEXT_TOKENIZER_TYPES = (GPT2_TOKENIZER, HF_TOKENIZER)     # tools/preprocess_data.py: text -> ids
+LLAMA2_TOKENIZER = "Llama2Tokenizer"
+TOKENIZER_TYPES = (GPT2_TOKENIZER, HF_TOKENIZER, LLAMA2_TOKENIZER, NULL_TOKENIZER)
+TEXT_TOKENIZER_TYPES = (GPT2_TOKENIZER, HF_TOKENIZER, LLAMA2_TOKENIZER)     # tools/preprocess_data.py: text -> ids
 # The files AutoTokenizer may read from a tokenizer directory: hashed into the fingerprint and
 # copied into checkpoints (tokenizer/). Model weights and config.json are not the tokenizer's.
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -312,6 +322,55 @@ class HuggingFaceTokenizer(Tokenizer):
                 f"model_dir={self.model_dir!r})")
 
 
+class Llama2Tokenizer(Tokenizer):
+    """Megatron-LM's Llama2Tokenizer over a SentencePiece model file (see the module docstring)."""
+
+    tokenizer_type = LLAMA2_TOKENIZER
+
+    def __init__(self, model_file: str):
+        flag = f"--tokenizer-model {model_file}"
+        if not os.path.isfile(model_file):
+            hint = " (a directory: give its tokenizer.model file)" if os.path.isdir(model_file) else ""
+            raise DataError(f"{flag}: no such file{hint}; Llama2Tokenizer reads a SentencePiece model file")
+        try:
+            import sentencepiece
+        except ImportError:
+            raise DataError("--tokenizer-type Llama2Tokenizer needs the sentencepiece package: "
+                            "pip install sentencepiece") from None
+        try:
+            self._sp = sentencepiece.SentencePieceProcessor(model_file=model_file)
+        except (OSError, RuntimeError) as exc:
+            raise DataError(f"{flag}: not a SentencePiece model ({str(exc).splitlines()[0][:120]})") from None
+        self.model_file = os.path.abspath(model_file)
+        self.vocab_size = int(self._sp.get_piece_size())
+        self.bos, self.eod = int(self._sp.bos_id()), int(self._sp.eos_id())
+        for name, i in (("bos", self.bos), ("eos", self.eod)):
+            if i < 0:
+                raise DataError(f"{flag}: the SentencePiece model has no {name} piece ({name}_id -1), which "
+                                "Llama2Tokenizer needs (Megatron-LM's: [bos] + ids, eos as the end of document)")
+        self.files = (self.model_file,)
+        self.fingerprint = hashlib.sha256(f"{LLAMA2_TOKENIZER}\n{sha256_file(model_file)}\n".encode()).hexdigest()
+
+    def spec(self) -> tuple:
+        return (LLAMA2_TOKENIZER, self.model_file)
+
+    def encode(self, text: str) -> list[int]:
+        return [self.bos, *self._sp.encode(text)]
+
+    def encode_batch(self, texts: Iterable[str]) -> list[list[int]]:
+        return [[self.bos, *ids] for ids in self._sp.encode(list(texts))]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        return self._sp.decode_ids(ids)
+
+    def __repr__(self) -> str:
+        return f"Llama2Tokenizer({self.model_file!r}, vocab_size={self.vocab_size}, eod={self.eod})"
+
+
 class NullTokenizer(Tokenizer):
     """Megatron-LM's NullTokenizer: ids in, ids out. `vocab_size_without_eod` is --vocab-size N; the
     end-of-document id is N and the vocabulary N + 1, as in Megatron-LM (so checkpoints agree)."""
@@ -379,11 +438,21 @@ def check_tokenizer_flags(tokenizer_type: str, tokenizer_model: str | None, voca
         if given:
             raise DataError(f"{' and '.join(given)} belong to GPT2BPETokenizer; a HuggingFaceTokenizer reads "
                             f"its files from --tokenizer-model: drop {' and '.join(given)}")
+    elif tokenizer_type == LLAMA2_TOKENIZER:
+        if not tokenizer_model:
+            raise DataError("--tokenizer-type Llama2Tokenizer needs --tokenizer-model FILE: add it (the model's "
+                            "SentencePiece tokenizer.model)")
+        given = [f for f, v in (("--vocab-file", vocab_file), ("--merge-file", merge_file),
+                                ("--allow-custom-vocab", allow_custom_vocab)) if v]
+        if given:
+            raise DataError(f"{' and '.join(given)} belong to GPT2BPETokenizer; a Llama2Tokenizer reads its "
+                            f"SentencePiece model from --tokenizer-model: drop {' and '.join(given)}")
     elif tokenizer_model:
         # Megatron-LM ignores it here; silently training GPT-2 on a run meant for another tokenizer
         # would waste the run, so it is refused.
         raise DataError(f"--tokenizer-model {tokenizer_model} is only read with --tokenizer-type "
-                        f"HuggingFaceTokenizer: add that, or drop --tokenizer-model to use GPT-2's BPE")
+                        f"HuggingFaceTokenizer or Llama2Tokenizer: add one, or drop --tokenizer-model to use "
+                        "GPT-2's BPE")
 
 
 def build_tokenizer(vocab_file: str | None = None, merge_file: str | None = None,
@@ -404,6 +473,12 @@ def build_tokenizer(vocab_file: str | None = None, merge_file: str | None = None
         return NullTokenizer(vocab_size)
     if tokenizer_type == HF_TOKENIZER:
         return HuggingFaceTokenizer(tokenizer_model, parse_special_tokens)
+    if tokenizer_type == LLAMA2_TOKENIZER:
+        if parse_special_tokens:
+            raise DataError("--parse-special-tokens applies to --tokenizer-type HuggingFaceTokenizer: "
+                            "SentencePiece encodes control-symbol text as text, as Megatron-LM's Llama2Tokenizer "
+                            "does; drop the flag")
+        return Llama2Tokenizer(tokenizer_model)
     if parse_special_tokens:
         raise DataError("--parse-special-tokens applies to --tokenizer-type HuggingFaceTokenizer: GPT-2's BPE "
                         "encodes special-token text as text, as Megatron-LM's GPT2BPETokenizer does; drop the flag")
@@ -422,6 +497,8 @@ def tokenizer_from_spec(spec: tuple) -> Tokenizer:
         return HuggingFaceTokenizer(*spec[1:])
     if spec[0] == NULL_TOKENIZER:
         return NullTokenizer(spec[1])
+    if spec[0] == LLAMA2_TOKENIZER:
+        return Llama2Tokenizer(spec[1])
     raise ValueError(f"unknown tokenizer spec {spec!r}")
 
 

@@ -259,15 +259,18 @@ def _add_data_flags(g) -> None:
                    help="PREFIX, or WEIGHT PREFIX WEIGHT PREFIX ... (default: the embedded SOTU corpus)")
     g.add_argument("--split", default="969, 30, 1", help="train, valid, test proportions")
     g.add_argument("--tokenizer-type", default="GPT2BPETokenizer",
-                   choices=["GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer"],
+                   choices=["GPT2BPETokenizer", "HuggingFaceTokenizer", "Llama2Tokenizer", "NullTokenizer"],
                    help="GPT2BPETokenizer: GPT-2's BPE (bundled files); HuggingFaceTokenizer: AutoTokenizer from "
                         "--tokenizer-model (offline, no remote code; eod = its eos, vocabulary = len(tokenizer)); "
+                        "Llama2Tokenizer: the SentencePiece model file --tokenizer-model (ids = [bos] + pieces, "
+                        "eod = its eos; Megatron-LM's Llama-2 / Mixtral recipes); "
                         "NullTokenizer (with --vocab-size N): data that is ids already, or --mock-data; id N is the "
                         "end of document, the vocabulary N + 1 (Megatron-LM's). "
                         "The data must be preprocessed with the same tokenizer")
-    g.add_argument("--tokenizer-model", default=None, metavar="DIR",
-                   help="HuggingFaceTokenizer: a local directory with tokenizer.json and tokenizer_config.json "
-                        "(copied into each checkpoint's tokenizer/ folder)")
+    g.add_argument("--tokenizer-model", default=None, metavar="PATH",
+                   help="HuggingFaceTokenizer: a local directory with tokenizer.json and tokenizer_config.json; "
+                        "Llama2Tokenizer: a SentencePiece tokenizer.model file (either is copied into each "
+                        "checkpoint's tokenizer/ folder)")
     g.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json (default: bundled)")
     g.add_argument("--merge-file", default=None, help="GPT-2 merges.txt (default: bundled)")
     g.add_argument("--allow-custom-vocab", action="store_true", help="accept BPE files that are not GPT-2's")

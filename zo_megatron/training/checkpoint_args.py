@@ -98,7 +98,11 @@ def apply_checkpoint_args(parser: argparse.ArgumentParser, args: argparse.Namesp
     # launch, which need not exist where this run resumes (issue 35, item 3)
     tok_dir = os.path.join(d, CHECKPOINT_TOKENIZER_DIR)
     if manifest.get("tokenizer_files") and os.path.isdir(tok_dir) and not given & TOKENIZER_FLAGS:
-        args.tokenizer_type, args.tokenizer_model = "HuggingFaceTokenizer", tok_dir
+        if manifest.get("tokenizer_type") == "Llama2Tokenizer":        # one SentencePiece model file
+            args.tokenizer_type = "Llama2Tokenizer"
+            args.tokenizer_model = os.path.join(d, manifest["tokenizer_files"][0])
+        else:
+            args.tokenizer_type, args.tokenizer_model = "HuggingFaceTokenizer", tok_dir
         taken.extend(f for f in ("tokenizer_type", "tokenizer_model") if f not in taken)
     if args.tokenizer_type == "NullTokenizer" and "vocab_size" in taken and "vocab_size" not in given:
         # the model's rows are NullTokenizer's N + 1 (its ids and the EOD id); its flag is N, as typed

@@ -223,8 +223,8 @@ def banner(metrics, args, ps, cfg, optimizer, data_path, setup_s) -> None:
         f"(warmup {args.lr_warmup_iters}, min {args.min_lr:g})" + decoupled_words(args)
         + value_sources(args, ("micro_batch_size", "train_iters", "lr", "lr_decay_style", "lr_warmup_iters",
                                "min_lr")),
-        f" data: {src}" + (f"; tokenizer: HuggingFaceTokenizer {args.tokenizer_model}"
-                           if args.tokenizer_type == "HuggingFaceTokenizer" else ""),
+        f" data: {src}" + (f"; tokenizer: {args.tokenizer_type} {args.tokenizer_model}"
+                           if args.tokenizer_type in ("HuggingFaceTokenizer", "Llama2Tokenizer") else ""),
         f" model states per rank: device {human_bytes(acc.device_model_state_bytes)}, host {human_bytes(acc.host_bytes)}"
         + (f"; planner: device {human_bytes(plan.device_bytes_per_gpu)}/rank, host {human_bytes(plan.host_bytes_per_node)}/node"
            if plan is not None else ""),
