@@ -149,11 +149,15 @@ class Tokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ids (special tokens kept); an id outside the vocabulary is a ValueError. Both
         tokenizers wrap a library tokenizer in `_tok` whose decode takes skip_special_tokens."""
+        return self._tok.decode(self._checked_ids(ids), skip_special_tokens=False)
+
+    def _checked_ids(self, ids: Sequence[int]) -> list[int]:
+        """`ids` as ints; a ValueError naming the first one outside [0, vocab_size)."""
         ids = [int(i) for i in ids]
         bad = [i for i in ids if not 0 <= i < self.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        return self._tok.decode(ids, skip_special_tokens=False)
+        return ids
 
     def spec(self) -> tuple:
         raise NotImplementedError
@@ -361,11 +365,7 @@ class Llama2Tokenizer(Tokenizer):
         return [[self.bos, *ids] for ids in self._sp.encode(list(texts))]
 
     def decode(self, ids: Sequence[int]) -> str:
-        ids = [int(i) for i in ids]
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        return self._sp.decode_ids(ids)
+        return self._sp.decode_ids(self._checked_ids(ids))
 
     def __repr__(self) -> str:
         return f"Llama2Tokenizer({self.model_file!r}, vocab_size={self.vocab_size}, eod={self.eod})"
@@ -395,20 +395,13 @@ class NullTokenizer(Tokenizer):
             ids = [int(x) for x in text.split()]
         except ValueError:
             raise ValueError("NullTokenizer reads ids written in decimal, separated by spaces") from None
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        return ids
+        return self._checked_ids(ids)
 
     def encode_batch(self, texts: Iterable[str]) -> list[list[int]]:
         return [self.encode(t) for t in texts]
 
     def decode(self, ids: Sequence[int]) -> str:
-        ids = [int(i) for i in ids]
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        return " ".join(str(i) for i in ids)
+        return " ".join(str(i) for i in self._checked_ids(ids))
 
     def __repr__(self) -> str:
         return f"NullTokenizer(vocab_size={self.vocab_size}, eod={self.eod})"
@@ -429,24 +422,18 @@ def check_tokenizer_flags(tokenizer_type: str, tokenizer_model: str | None, voca
             raise DataError("--tokenizer-type NullTokenizer needs --vocab-size N (ids 0..N-1 in the data; "
                             "N becomes the end-of-document id), as in Megatron-LM")
         return
-    if tokenizer_type == HF_TOKENIZER:
+    if tokenizer_type in (HF_TOKENIZER, LLAMA2_TOKENIZER):
+        hf = tokenizer_type == HF_TOKENIZER
         if not tokenizer_model:
-            raise DataError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model DIR: add it (a local "
-                            "directory with tokenizer.json and tokenizer_config.json)")
+            raise DataError(f"--tokenizer-type {tokenizer_type} needs --tokenizer-model "
+                            + ("DIR: add it (a local directory with tokenizer.json and tokenizer_config.json)" if hf
+                               else "FILE: add it (the model's SentencePiece tokenizer.model)"))
         given = [f for f, v in (("--vocab-file", vocab_file), ("--merge-file", merge_file),
                                 ("--allow-custom-vocab", allow_custom_vocab)) if v]
         if given:
-            raise DataError(f"{' and '.join(given)} belong to GPT2BPETokenizer; a HuggingFaceTokenizer reads "
-                            f"its files from --tokenizer-model: drop {' and '.join(given)}")
-    elif tokenizer_type == LLAMA2_TOKENIZER:
-        if not tokenizer_model:
-            raise DataError("--tokenizer-type Llama2Tokenizer needs --tokenizer-model FILE: add it (the model's "
-                            "SentencePiece tokenizer.model)")
-        given = [f for f, v in (("--vocab-file", vocab_file), ("--merge-file", merge_file),
-                                ("--allow-custom-vocab", allow_custom_vocab)) if v]
-        if given:
-            raise DataError(f"{' and '.join(given)} belong to GPT2BPETokenizer; a Llama2Tokenizer reads its "
-                            f"SentencePiece model from --tokenizer-model: drop {' and '.join(given)}")
+            reads = "its files" if hf else "its SentencePiece model"
+            raise DataError(f"{' and '.join(given)} belong to GPT2BPETokenizer; a {tokenizer_type} reads {reads} "
+                            f"from --tokenizer-model: drop {' and '.join(given)}")
     elif tokenizer_model:
         # Megatron-LM ignores it here; silently training GPT-2 on a run meant for another tokenizer
         # would waste the run, so it is refused.
