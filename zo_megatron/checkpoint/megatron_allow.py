@@ -33,7 +33,7 @@ READ = frozenset({
     "tensor_model_parallel_size",
     "pipeline_model_parallel_size", "vocab_size", "padded_vocab_size", "tokenizer_type", "tokenizer_model",
     "seq_length",
-    # pipeline stages, merged into one model (megatron_lm._layer_offset: megatron-core's layer offsets)
+    # pipeline stages, merged into one model (megatron_stages.layer_offset: megatron-core's layer offsets)
     "virtual_pipeline_model_parallel_size", "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
     "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split", "pipeline_model_parallel_layout",
     # mixture of experts (num_experts set; grouped-GEMM experts read as SequentialMLP's): inert without experts

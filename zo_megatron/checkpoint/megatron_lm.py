@@ -8,11 +8,7 @@
          "model": {megatron-core parameter name: this TP rank's shard, "<linear>._extra_state": None}}
         (a virtual pipeline: "model0", "model1", ... one per model chunk of the stage)
 
-Pipeline stages are read back into one model: each stage (and virtual chunk) numbers its layers
-from 0, offset by megatron-core's own get_transformer_layer_offset for the args' split (even,
---decoder-first/last-pipeline-num-layers, a virtual pipeline, the embedding / loss accounted in the
-split); the embedding is the first stage's, the final norm and output layer the last's (with tied
-embeddings the last stage's output_layer copy must equal the embedding). to-megatron writes one stage.
+Pipeline stages are read back into one model (megatron_stages.py); to-megatron writes one stage.
 
 A mixture of experts (megatron-core's local spec, SequentialMLP): the router
 (`mlp.router.weight`, replicated), the shared expert (`mlp.shared_experts.*`, split over TP as the
@@ -54,6 +50,7 @@ import torch
 
 from zo_megatron.checkpoint.arch import full_meta, head_dim, query_groups
 from zo_megatron.checkpoint.megatron_allow import non_neutral
+from zo_megatron.checkpoint.megatron_stages import merge_stages, one_stage_model, pipeline_layout
 from zo_megatron.checkpoint.tp_layout import (OUTPUT_LAYER, WORD_EMBEDDING, local_rows,
                                               padded_vocab_size, partition_stride, tp_axis)
 from zo_megatron.model.config import MOE_DISPATCHERS, MOE_FIELDS, YARN_FIELDS
@@ -443,96 +440,13 @@ def _vocab_size(args: argparse.Namespace, where: str, vocab_size: int | None, to
         raise UserError(f"{where}: {source} cannot be read as the run's tokenizer ({exc}); {fixes}") from None
 
 
-_MERGE_PIPELINE = "merge the pipeline stages with Megatron-LM's tools/checkpoint/convert.py --target-pipeline-parallel-size 1"
-
-
-def _pipeline(args, where: str) -> tuple[int, int | None]:
-    """(pipeline stages, virtual chunks per stage or None) of the args; one line for a custom layout."""
-    pp = int(getattr(args, "pipeline_model_parallel_size", None) or 1)
-    vp = getattr(args, "virtual_pipeline_model_parallel_size", None)
-    layout = getattr(args, "pipeline_model_parallel_layout", None)
-    if pp > 1 and layout:
-        raise UserError(f"{where}: args.pipeline_model_parallel_layout={layout!r}: a hand-written stage layout is not "
-                        f"read; {_MERGE_PIPELINE}")
-    return pp, (int(vp) if pp > 1 and vp else None)
-
-
-def _layer_offset(args, pp: int, vp: int | None, pp_rank: int, vp_stage: int) -> int:
-    """The global index of layer 0 of pipeline stage `pp_rank`'s chunk `vp_stage`: megatron-core's
-    get_transformer_layer_offset on the TransformerConfig fields Megatron-LM sets from the args
-    (core_transformer_config_from_args: num_layers_in_first/last_pipeline_stage are
-    --decoder-first/last-pipeline-num-layers)."""
-    from types import SimpleNamespace
-
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-
-    cfg = SimpleNamespace(
-        num_layers=args.num_layers, pipeline_model_parallel_size=pp, pipeline_model_parallel_layout=None,
-        num_layers_in_first_pipeline_stage=getattr(args, "decoder_first_pipeline_num_layers", None),
-        num_layers_in_last_pipeline_stage=getattr(args, "decoder_last_pipeline_num_layers", None),
-        virtual_pipeline_model_parallel_size=vp,
-        account_for_embedding_in_pipeline_split=bool(getattr(args, "account_for_embedding_in_pipeline_split", False)),
-        account_for_loss_in_pipeline_split=bool(getattr(args, "account_for_loss_in_pipeline_split", False)))
-    return int(get_transformer_layer_offset(cfg, vp_stage=vp_stage if vp else None, pp_rank=pp_rank))
-
-
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
-
-
-def _one_stage_model(path: str, sd: dict, args, pp: int, vp: int | None, pp_rank: int) -> dict:
-    """A stage file's model chunks as one state dict with global layer numbers (its embedding,
-    final norm and output layer as they are)."""
-    chunks = [sd["model"]] if vp is None else [sd.get(f"model{v}") for v in range(vp)]
-    if vp is not None and (any(not isinstance(c, dict) for c in chunks) or f"model{vp}" in sd):
-        raise UserError(f"{path}: args.virtual_pipeline_model_parallel_size={vp} but the file holds "
-                        f"{sorted(k for k in sd if k.startswith('model'))}: the args are not the run's")
-    if pp == 1:
-        return chunks[0]
-    out = {}
-    for v, chunk in enumerate(chunks):
-        offset = _layer_offset(args, pp, vp, pp_rank, v)
-        for k, t in chunk.items():
-            m = _LAYER.match(k)
-            key = f"decoder.layers.{offset + int(m[1])}.{m[2]}" if m else k
-            if key in out:
-                raise UserError(f"{path}: {key} is in two virtual-pipeline chunks: the args' split is not the run's")
-            out[key] = t
-    return out
-
-
-def _merge_stages(stages: list[tuple[str, dict]], args) -> tuple[str, dict]:
-    """One TP x EP position's pipeline stages as one state dict: layers from each stage, the rest
-    from wherever it is; with tied embeddings the last stage's output_layer copy is checked against
-    the first stage's word embedding and dropped (megatron-core keeps the two equal)."""
-    out: dict = {}
-    tied_copy = None
-    for path, model in stages:
-        for k, t in model.items():
-            if k == "output_layer.weight" and not getattr(args, "untie_embeddings_and_output_weights", False):
-                tied_copy = (path, t)
-                continue
-            if k in out and not k.endswith("_extra_state"):
-                raise UserError(f"{path}: {k} is also in another pipeline stage's file: the stages overlap, so the "
-                                "args' split (pipeline_model_parallel_size, decoder_first/last_pipeline_num_layers, "
-                                "virtual_pipeline_model_parallel_size) is not the run's")
-            out[k] = t
-    if tied_copy is not None:
-        path, t = tied_copy
-        emb = out.get("embedding.word_embeddings.weight")
-        if emb is None or emb.shape != t.shape or not torch.equal(emb, t):
-            raise UserError(f"{path}: output_layer.weight differs from the first stage's embedding.word_embeddings."
-                            "weight, but args.untie_embeddings_and_output_weights is not set: the last stage's copy "
-                            "of the tied embedding was not kept in sync; the checkpoint is not one model")
-    return stages[0][0], out
-
-
 def _rank_layout(d: str, names: list[str], args) -> tuple[int, int, int, int]:
     """(TP, EP, expert TP, PP) of the rank directories `names` under `d`, as the args (rank 0's
     file's) say; one line for a missing or extra rank, or a layout the format cannot hold."""
     where = os.path.join(d, names[0], FILE)
     if not isinstance(args, argparse.Namespace):
         raise UserError(f"{where}: the checkpoint has no 'args' (argparse.Namespace): its model shape is unknown")
-    pp, _ = _pipeline(args, where)
+    pp, _ = pipeline_layout(args, where)
     experts = getattr(args, "num_experts", None) or None
     ep = int(getattr(args, "expert_model_parallel_size", None) or 1)
     if ep > 1 and not experts:
@@ -658,7 +572,7 @@ def read(in_dir: str, *, progress=None, vocab_size: int | None = None,
     loaded = {names[0]: safe_load(first)}
     args = loaded[names[0]].get("args")
     tp, ep, etp, pp = _rank_layout(d, names, args)
-    _, vp = _pipeline(args, first)
+    _, vp = pipeline_layout(args, first)
     specs = legacy_rank_files(tp, etp, ep)
     num_experts = getattr(args, "num_experts", None)
     dense: dict[int, tuple[str, dict]] = {}         # TP rank -> (its first file, its dense shard)
@@ -671,10 +585,10 @@ def read(in_dir: str, *, progress=None, vocab_size: int | None = None,
             if not os.path.isfile(path):
                 raise UserError(f"{path} is missing: the checkpoint is incomplete")
             sd = loaded.pop(name, None) or safe_load(path)
-            stages.append((path, _one_stage_model(path, sd, args, pp, vp, p)))
+            stages.append((path, one_stage_model(path, sd, args, pp, vp, p)))
             if progress is not None:
                 progress(i * pp + p + 1, len(specs) * pp)
-        path, model = _merge_stages(stages, args) if pp > 1 else stages[0]
+        path, model = merge_stages(stages, args) if pp > 1 else stages[0]
         name = os.path.basename(os.path.dirname(path))
         model = {_local_name(key): v for key, v in model.items() if not key.endswith("_extra_state")}
         if num_experts and getattr(args, "moe_grouped_gemm", False):
