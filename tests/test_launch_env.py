@@ -502,3 +502,32 @@ def test_local_rank_beyond_the_visible_gpus_is_refused(monkeypatch):
     assert f"launch at most {count} processes per node" in msg and "check CUDA_VISIBLE_DEVICES" in msg
     assert getattr(exc.value, "every_rank", False), "the offending rank is not rank 0: it must print its line"
     assert not set_to and not dist.is_initialized()
+
+
+def test_a_single_process_job_starts_when_another_job_takes_the_port_it_would_have_chosen(tmp_path):
+    """The CI failure of stop 47 (EADDRINUSE at init_process_group in a one-process example run):
+    a port chosen free and bound later can be taken in between by another job on the host. The
+    race is made certain here: find_free_port returns a port this test holds, listening. Without
+    MASTER_PORT a one-process job must still start (its store binds a port of its own), and with
+    MASTER_PORT it uses that port as given."""
+    script = tmp_path / "single.py"
+    script.write_text(textwrap.dedent("""
+        import os, socket, sys
+        import torch, torch.distributed as dist
+        from zo_megatron.parallel import launch_env, state
+        held = socket.socket(); held.bind(("127.0.0.1", 0)); held.listen()
+        taken = held.getsockname()[1]
+        launch_env.find_free_port = lambda: taken          # the port another job took meanwhile
+        ps = state.init_parallel(1, backend="gloo", device=torch.device("cpu"))
+        x = torch.arange(5.0); dist.all_reduce(x)
+        port = int(os.environ["MASTER_PORT"])
+        assert port != taken and 0 < port < 65536, (port, taken)
+        assert x.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0] and ps.world_size == 1
+        print("started on", port, "not", taken)
+    """))
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "OMPI_", "PMI_", "SLURM_"))}
+    env["PYTHONPATH"] = str(REPO)
+    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                       timeout=SUBPROCESS_TIMEOUT)
+    assert r.returncode == 0 and "started on" in r.stdout, r.stdout + r.stderr[-3000:]

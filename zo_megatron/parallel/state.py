@@ -16,7 +16,7 @@ from __future__ import annotations
 import datetime
 import os
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -162,11 +162,19 @@ def init_parallel(tensor_parallel: int = 1, *, seed: int = 1234, num_attention_h
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
         collectives.set_host_wait_timeout(0.9 * timeout_s)
     if not dist.is_initialized():
-        export_torch_env(env)
-        dist.init_process_group(
-            backend=backend or default_backend(device),
-            init_method="env://", rank=env.rank, world_size=env.world_size,
-            timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if env.world_size == 1 and not os.environ.get("MASTER_PORT", "").strip():
+            # One process and no port asked for: its store binds port 0 itself. A port chosen
+            # first (find_free_port) and bound later can be taken in between by any other job
+            # on the host (EADDRINUSE: two single-GPU jobs, or a parallel test run, starting at once).
+            store = dist.TCPStore(env.master_addr, 0, 1, is_master=True, timeout=timeout)
+            export_torch_env(replace(env, master_port=store.port))
+            dist.init_process_group(backend=backend or default_backend(device), store=store,
+                                    rank=0, world_size=1, timeout=timeout)
+        else:
+            export_torch_env(env)
+            dist.init_process_group(backend=backend or default_backend(device), init_method="env://",
+                                    rank=env.rank, world_size=env.world_size, timeout=timeout)
     if not mpu.model_parallel_is_initialized():
         # The subgroups get the same timeout (megatron-core's default would be 30 minutes).
         mpu.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,
