@@ -7,7 +7,7 @@ import json
 import os
 import shutil
 
-from tests.harness import free_port, run_world
+from tests.harness import next_port, run_world
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
@@ -132,7 +132,7 @@ def _run_table(rank, d):
     def run(argv, env):
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
-        os.environ["MASTER_PORT"] = str(free_port())
+        next_port()                                  # chosen now, just before this run's rendezvous
         err, out = io.StringIO(), io.StringIO()
         try:
             with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):

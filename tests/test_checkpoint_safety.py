@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from tests.harness import free_port, run_world
+from tests.harness import run_world
 from tests.seeds import fresh_seed
 from tests.test_checkpoint_resume import TINY, _log, _losses
 
@@ -114,9 +114,9 @@ def test_refusals_payloads_and_load_flags(tmp_path):
         "finetune": ([*off, "--finetune", "--train-iters", "2", "--load", F, *lg("finetune")], None),
         **{f"payload{k}": ([*off, "--load", F + f"_payload{k}"], "") for k in KINDS},
     }
-    jobs = [(free_port(), [*off, "--save", F, "--save-interval", "2", *lg("F")]),
-            (free_port(), [*base, "--save", G, "--save-interval", "2", *lg("G")])]
-    jobs = [*jobs, ("reset", F, 2), ("reset", G, 2)] + [(free_port(), argv) for argv, _ in cases.values()]
+    jobs = [("job", [*off, "--save", F, "--save-interval", "2", *lg("F")]),
+            ("job", [*base, "--save", G, "--save-interval", "2", *lg("G")])]
+    jobs = [*jobs, ("reset", F, 2), ("reset", G, 2)] + [("job", argv) for argv, _ in cases.values()]
     out = run_world(_jobs_with_prep, 1, jobs, str(tmp_path / "cache"), tmp, timeout=600)[0]
     assert out[0]["rc"] == 0 and out[1]["rc"] == 0, out[:2]
     results = dict(zip(cases, out[4:]))

@@ -19,7 +19,7 @@ import os
 import pytest
 import torch
 
-from tests.harness import free_port, run_world
+from tests.harness import next_port, run_world
 from tests.hf_tokenizer import HF_VOCAB_SIZE
 from tests.seeds import fresh_seed
 from tests.test_convert_llama import CONFIG_FIELDS, _cli, _edited_copy, close, hf_logits, make_hf_model, quiet
@@ -34,7 +34,7 @@ TPS = (2,)
 MOE_FIELDS = ("num_local_experts", "num_experts_per_tok", "router_jitter_noise")
 
 
-def _ranks(rank, d, tokens, layouts, ports):
+def _ranks(rank, d, tokens, layouts):
     from zo_megatron.checkpoint.reader import CheckpointReader
     from zo_megatron.model import GPTConfig, build_gpt_model
     from zo_megatron.model.config import ARCH_FIELDS
@@ -42,8 +42,8 @@ def _ranks(rank, d, tokens, layouts, ports):
     from zo_megatron.parallel import collectives, destroy_parallel, init_parallel
 
     out = {}
-    for (tp, ep, dispatcher, ck_tp), port in zip(layouts, ports):
-        os.environ["MASTER_PORT"] = str(port)
+    for tp, ep, dispatcher, ck_tp in layouts:
+        next_port()                                  # chosen now, not when the test started
         ps = init_parallel(tp, expert_parallel=ep)
         reader = CheckpointReader(os.path.join(d, f"ck_tp{ck_tp}"))
         meta = {**{k: reader.model_meta[k] for k in ARCH_FIELDS}, "moe_token_dispatcher_type": dispatcher}
@@ -99,7 +99,7 @@ def test_mixtral_converts_both_ways_bit_exact_with_transformers_logits(tmp_path)
 
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(seed + 1))
     layouts = [(1, 2, "alltoall", 2), (2, 1, "allgather", 2)]
-    world = run_world(_ranks, 2, str(tmp_path), tokens, layouts, [free_port() for _ in layouts], timeout=300)
+    world = run_world(_ranks, 2, str(tmp_path), tokens, layouts, timeout=300)
     ref = hf_logits(src, tokens)
     for rank_out in world:
         for layout in layouts:

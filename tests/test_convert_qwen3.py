@@ -21,7 +21,7 @@ import os
 import pytest
 import torch
 
-from tests.harness import free_port, run_world
+from tests.harness import next_port, run_world
 from tests.hf_tokenizer import HF_VOCAB_SIZE
 from tests.seeds import fresh_seed
 from tests.test_convert_llama import (CONFIG_FIELDS, _cli, _edited_copy, _megatron_core_gpt, _our_config, close,
@@ -45,7 +45,7 @@ def qwen3_configs():
             "tied_d12": transformers.Qwen3Config(**common, head_dim=HIDDEN // HEADS, tie_word_embeddings=True)}
 
 
-def _ranks(rank, d, names, tokens, ports):
+def _ranks(rank, d, names, tokens):
     """Per TP: our model from each from-hf checkpoint, and megatron-core's GPTModel from the to-megatron files."""
     from zo_megatron.checkpoint import megatron_lm
     from zo_megatron.checkpoint.reader import CheckpointReader
@@ -58,8 +58,8 @@ def _ranks(rank, d, names, tokens, ports):
         return full[..., :VOCAB].float().clone()
 
     out = {}
-    for tp, port in zip(TPS, ports):
-        os.environ["MASTER_PORT"] = str(port)
+    for tp in TPS:
+        next_port()                                  # chosen now, not when the test started
         ps = init_parallel(tp, num_attention_heads=HEADS, hidden_size=HIDDEN)
         b, s = tokens.shape
         for name in names:
@@ -120,7 +120,7 @@ def test_qwen3_converts_both_ways_bit_exact_with_transformers_logits(tmp_path):
             assert set(wa) == set(wb) and all(torch.equal(wa[k], wb[k]) for k in wa), (name, tp)
 
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(seed + 7))
-    world = run_world(_ranks, 2, str(d), names, tokens, [free_port() for _ in TPS], timeout=300)
+    world = run_world(_ranks, 2, str(d), names, tokens, timeout=300)
     for name in names:
         ref = hf_logits(str(d / name), tokens)
         for tp in TPS:

@@ -17,12 +17,11 @@ the routing map megatron-core's router returns (and, with padding, that each exp
 capacity of tokens). Without a factor nothing is dropped.
 """
 import math
-import os
 
 import pytest
 import torch
 
-from tests.harness import free_port, run_world
+from tests.harness import next_port, run_world
 from tests.seeds import fresh_seed
 
 HIDDEN, FFN, EXPERTS, TOPK, SEQ, BATCH = 16, 12, 4, 2, 8, 2
@@ -66,14 +65,14 @@ def _inputs(tensors, rank, tp):
     return tensors[rank] if tp == 1 else tensors[0].chunk(tp)[rank]
 
 
-def _world(rank, weights, xs, gs, ports):
+def _world(rank, weights, xs, gs):
     from zo_megatron.model import build_gpt_model
     from zo_megatron.model.sharding import gather_full, shard_info, shard_of
     from zo_megatron.parallel import collectives, destroy_parallel, init_parallel
 
     out = {}
-    for (tp, ep, dispatcher), port in zip(LAYOUTS, ports):
-        os.environ["MASTER_PORT"] = str(port)
+    for tp, ep, dispatcher in LAYOUTS:
+        next_port()                                  # chosen now, not when the test started
         ps = init_parallel(tp, expert_parallel=ep)
         for factor, pad, policy in CASES:
             model = build_gpt_model(_cfg(dispatcher, factor, pad, policy, tp > 1), ps.tp_rank, tp, seed=1)
@@ -138,7 +137,7 @@ def test_capacity_dropping_and_padding_equal_the_reference_at_ep1_ep2_alltoall_a
     gen = torch.Generator().manual_seed(seed + 1)
     xs = torch.randn(2, SEQ, BATCH, HIDDEN, generator=gen)
     gs = torch.randn(2, SEQ, BATCH, HIDDEN, generator=gen)
-    world = run_world(_world, 2, weights, xs, gs, [free_port() for _ in LAYOUTS], timeout=300)
+    world = run_world(_world, 2, weights, xs, gs, timeout=300)
     for (tp, ep, dispatcher) in LAYOUTS:
         for factor, pad, policy in CASES:
             key = (tp, ep, dispatcher, factor, pad, policy)

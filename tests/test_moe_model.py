@@ -20,7 +20,7 @@ import os
 import pytest
 import torch
 
-from tests.harness import free_port, run_world
+from tests.harness import next_port, run_world
 from tests.seeds import fresh_seed
 
 transformers = pytest.importorskip("transformers")
@@ -72,14 +72,14 @@ def _ours(directory):
     return meta, family.read_state(directory, cfg, meta)
 
 
-def _world(rank, dirs, tokens, labels, layouts, ports):
+def _world(rank, dirs, tokens, labels, layouts):
     from zo_megatron.parallel import collectives, destroy_parallel, init_parallel
 
     models = {name: _ours(d) for name, d in dirs.items()}
     out = {}
-    for layout, port in zip(layouts, ports):
+    for layout in layouts:
         tp, ep, dispatcher, *etp = layout          # (TP, EP, dispatcher[, expert TP: default TP])
-        os.environ["MASTER_PORT"] = str(port)
+        next_port()                                # chosen now, not when the test started
         ps = init_parallel(tp, expert_parallel=ep, expert_tensor_parallel=etp[0] if etp else None)
         for name, (meta, full) in models.items():
             out[(name, *layout)] = _one(ps, meta, full, tokens, labels, dispatcher)
@@ -165,7 +165,7 @@ def _compare(tmp_path, seed, world_size, layouts, names=None):
     gen = torch.Generator().manual_seed(seed + 100)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
     labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
-    world = run_world(_world, world_size, dirs, tokens, labels, layouts, [free_port() for _ in layouts], timeout=300)
+    world = run_world(_world, world_size, dirs, tokens, labels, layouts, timeout=300)
     for name, directory in dirs.items():
         ref_logits, ref_loss, ref_grads = _reference(directory, tmp_path, tokens, labels)
         first = {}

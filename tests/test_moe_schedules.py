@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from tests.fp32_bounds import MAX_RTOL, NORM_RTOL, rel_max, rel_norm
-from tests.harness import free_port, run_world
+from tests.harness import next_port, run_world
 from tests.seeds import fresh_seed
 from tests.test_moe_model import SEQ, VOCAB, _configs, _ours, _random_hf
 from tests.training_loops import random_batches
@@ -95,17 +95,15 @@ def _train(ps, model, engine, batches, run):
     return rec
 
 
-def _world(rank, directory, seed, plan, steps, ports, nvme_dir=None):
+def _world(rank, directory, seed, plan, steps, nvme_dir=None):
     """plan: [(EP, {run name: engine options and test hooks})]; every run from the same initial model
     on the same batches. Returns {(EP, run name): records}."""
-    import os
-
     from zo_megatron.parallel import collectives, destroy_parallel, init_parallel
 
     meta, init = _ours(directory)
     out = {}
-    for (ep, runs), port in zip(plan, ports):
-        os.environ["MASTER_PORT"] = str(port)
+    for ep, runs in plan:
+        next_port()                                  # chosen now, not when the test started
         ps = init_parallel(1, seed=seed, expert_parallel=ep)
         for name, run in runs.items():
             out[(ep, name)] = _one_run(ps, meta, init, seed, ep, run, steps, f"{nvme_dir}/ep{ep}-{name}")
@@ -158,7 +156,7 @@ def _go(mixtral, plan, steps, **kw):
     """Run `plan` on 2 ranks: {(EP, run name): rank 0's records, with every rank's final weights (at
     EP 2 each rank holds half the experts)} and, under "ranks", every rank's records."""
     seed, directory = mixtral
-    worlds = run_world(_world, 2, directory, seed, plan, steps, [free_port() for _ in plan], timeout=400, **kw)
+    worlds = run_world(_world, 2, directory, seed, plan, steps, timeout=400, **kw)
     out = {key: dict(worlds[0][key], final={n: t for w in worlds for n, t in w[key]["final"].items()})
            for key in worlds[0]}
     out["ranks"] = worlds

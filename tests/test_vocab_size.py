@@ -60,7 +60,7 @@ def _qwen2(directory, seed):
 
 def test_a_qwen2_from_hf_loads_with_vocab_size_and_its_first_loss_is_transformers(tmp_path):
 
-    from tests.harness import free_port, run_world
+    from tests.harness import run_world
     from tests.test_checkpoint_resume import _run_jobs
     from zo_megatron.checkpoint import convert
 
@@ -94,9 +94,9 @@ def test_a_qwen2_from_hf_loads_with_vocab_size_and_its_first_loss_is_transformer
               "--seed", str(seed), "--data-path", prefix, "--tokenizer-type", "HuggingFaceTokenizer",
               "--tokenizer-model", tok_dir, "--load", ck]
     log = str(tmp_path / "log.jsonl")
-    jobs = [(free_port(), common),                                        # no --vocab-size: refused
-            (free_port(), [*common, "--vocab-size", str(HF_VOCAB_SIZE - 1)]),   # below the tokenizer
-            (free_port(), [*common, "--vocab-size", str(VOCAB), "--save", str(tmp_path / "out"),
+    jobs = [("job", common),                                        # no --vocab-size: refused
+            ("job", [*common, "--vocab-size", str(HF_VOCAB_SIZE - 1)]),   # below the tokenizer
+            ("job", [*common, "--vocab-size", str(VOCAB), "--save", str(tmp_path / "out"),
                            "--log-jsonl", log])]
     out = run_world(_run_jobs, 1, jobs, str(tmp_path / "cache"), timeout=400)[0]
 
