@@ -130,9 +130,9 @@ def _run_table(rank, d):
     import pretrain_gpt
 
     def run(argv, env):
+        next_port()               # chosen now, just before this run's rendezvous (and before a case's RANK)
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
-        next_port()                                  # chosen now, just before this run's rendezvous
         err, out = io.StringIO(), io.StringIO()
         try:
             with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
