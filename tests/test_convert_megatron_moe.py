@@ -497,10 +497,12 @@ def _gmm(a, b, batch_sizes, trans_b=False):
     return torch.cat(out) if out else a.new_zeros(0, b.shape[-2 if trans_b else -1])
 
 
-def _grouped_gemm_world(rank, out_dir, args, tokens, seed):
+def _grouped_gemm_world(rank, out_dir, args, tokens, seed, ours_dir):
     """megatron-core's GroupedMLP GPT (--moe-grouped-gemm --moe-use-legacy-grouped-gemm) at TP2 x EP2,
     initialised by megatron-core; the ranks Megatron-LM's save writes from save its state_dict in the
-    torch format; every rank returns the TP-gathered logits."""
+    torch format; then the same ranks build the model from the args of to-megatron --moe-grouped-gemm's
+    files (ours_dir) alone and load their rank's file strictly. Every rank returns both models'
+    TP-gathered logits."""
     import copy
     import types
 
@@ -534,9 +536,22 @@ def _grouped_gemm_world(rank, out_dir, args, tokens, seed):
                     f.write("release")
         b, s = tokens.shape
         mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)[None, None]
-        with torch.no_grad():
-            local = model(tokens, torch.arange(s).expand(b, s), mask)
-        return torch.cat(collectives.all_gather_list(local.contiguous(), ps.tp_group), -1)[..., :VOCAB].float().clone()
+
+        def logits(m):
+            with torch.no_grad():
+                local = m(tokens, torch.arange(s).expand(b, s), mask)
+            return torch.cat(collectives.all_gather_list(local.contiguous(), ps.tp_group), -1)[..., :VOCAB].float().clone()
+
+        e = mpu.get_expert_model_parallel_rank()
+        sd = megatron_lm.safe_load(os.path.join(ours_dir, "release", f"mp_rank_{ps.tp_rank:02d}_{e:03d}", megatron_lm.FILE))
+        ours = _megatron_core_moe_gpt(sd["args"])
+        for layer in ours.decoder.layers:
+            assert type(layer.mlp.experts).__name__ == "GroupedMLP"
+            layer.mlp.experts.config = copy.copy(layer.mlp.experts.config)
+            layer.mlp.experts.config.bf16 = True
+        ours.load_state_dict(sd["model"], strict=True)
+        ours.eval()
+        return logits(model), logits(ours)
     finally:
         collectives.barrier()
         destroy_parallel()
@@ -547,6 +562,8 @@ def test_grouped_gemm_experts_read_as_sequential_ones_with_megatron_cores_logits
     local expert in one tensor), initialised and run by megatron-core itself on 4 gloo ranks (TP2 x EP2;
     grouped_gemm's gmm as its definition, the package being CUDA-only), saved as Megatron-LM does:
     from-megatron -> to-hf gives transformers' logits equal to megatron-core's (fp32, every element).
+    The other way: to-megatron --moe-grouped-gemm's files load strictly into the GroupedMLP model
+    megatron-core builds from their args alone, with transformers' logits, and read back bit for bit.
     TEGroupedMLP's keys (`linear_fc1.weight{J}`, megatron-core's documented equivalent of SequentialMLP's
     local expert J) read back to the same weights as the SequentialMLP files they rename."""
     from zo_megatron.checkpoint import convert, megatron_lm
@@ -558,8 +575,20 @@ def test_grouped_gemm_experts_read_as_sequential_ones_with_megatron_cores_logits
     args.moe_grouped_gemm, args.moe_use_legacy_grouped_gemm = True, True
     seed = converted["seed"] + 21
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(seed))
-    grouped = str(tmp_path / "grouped")
-    logits = run_world(_grouped_gemm_world, 4, grouped, args, tokens, seed, timeout=400)
+    grouped, ours_grouped = str(tmp_path / "grouped"), str(tmp_path / "ours_grouped")
+    convert.to_megatron(os.path.join(d, "mixtral_ck"), ours_grouped, tensor_parallel=2, expert_parallel=2,
+                        grouped_gemm=True, log=quiet)
+    ours_sd = megatron_lm.safe_load(os.path.join(ours_grouped, "release", "mp_rank_01_001", megatron_lm.FILE))
+    assert ours_sd["args"].moe_grouped_gemm and not any("local_experts" in k for k in ours_sd["model"])
+    world = run_world(_grouped_gemm_world, 4, grouped, args, tokens, seed, ours_grouped, timeout=400)
+    logits = [init for init, _ in world]
+    mixtral_ref = hf_logits(os.path.join(d, "mixtral"), tokens)
+    for _, got in world:
+        close(got, mixtral_ref)
+    convert.from_megatron(ours_grouped, str(tmp_path / "ours_back"), tensor_parallel=2, log=quiet)
+    wa = CheckpointReader(os.path.join(d, "mixtral_ck")).read_weights()
+    wb = CheckpointReader(str(tmp_path / "ours_back")).read_weights()
+    assert set(wa) == set(wb) and all(torch.equal(wa[k], wb[k]) for k in wa)
     saved = megatron_lm.safe_load(os.path.join(grouped, "release", "mp_rank_01_001", megatron_lm.FILE))["model"]
     assert saved["decoder.layers.0.mlp.experts.weight1"].shape == (HIDDEN, EXPERTS // 2 * 2 * FFN // 2)
     assert not any("local_experts" in k for k in saved)

@@ -6,7 +6,7 @@
     python tools/convert_checkpoint.py from-hf --input DIR --output CKPT --tensor-parallel N
     python tools/convert_checkpoint.py to-megatron --load CKPT --output DIR [--tensor-parallel N]
                                                    [--expert-model-parallel-size M]
-                                                   [--expert-tensor-parallel-size K]
+                                                   [--expert-tensor-parallel-size K] [--moe-grouped-gemm]
     python tools/convert_checkpoint.py from-megatron --input DIR --output CKPT --tensor-parallel N
                                                      [--vocab-size N] [--tokenizer-model DIR]
     python tools/convert_checkpoint.py to-fp32 --load CKPT --output PATH [--max-shard-size 5GB]
@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--expert-tensor-parallel-size", dest="expert_tensor_parallel", type=int,
                    help="the experts' TP for a mixture of experts (Megatron-LM's flag; default: the checkpoint's "
                         "at its TP, else --tensor-parallel)")
+    p.add_argument("--moe-grouped-gemm", dest="grouped_gemm", action="store_true",
+                   help="the experts as a Megatron-LM --transformer-impl local --moe-grouped-gemm run holds them "
+                        "(GroupedMLP's weight1 / weight2; default: SequentialMLP's local_experts.J)")
 
     p = sub.add_parser("from-megatron", help="a weights-only zo_megatron checkpoint from a Megatron-LM torch checkpoint")
     common(p, "input")
@@ -113,7 +116,7 @@ def run(argv: list[str] | None = None) -> int:
     elif a.command == "to-megatron":
         convert.to_megatron(a.load, a.output, iteration=a.iteration, tensor_parallel=a.tensor_parallel,
                             expert_parallel=a.expert_parallel, expert_tensor_parallel=a.expert_tensor_parallel,
-                            force=a.force)
+                            grouped_gemm=a.grouped_gemm, force=a.force)
     elif a.command == "from-megatron":
         convert.from_megatron(a.input, a.output, tensor_parallel=a.tensor_parallel, vocab_size=a.vocab_size,
                               tokenizer_model=a.tokenizer_model, force=a.force)

@@ -312,10 +312,11 @@ def _hf_source(input_dir: str, cfg_json: dict) -> dict:
 # ---------------------------------------------------------------- Megatron-LM
 
 def to_megatron(load: str, output: str, *, iteration: int | None = None, tensor_parallel: int | None = None,
-                expert_parallel: int | None = None, expert_tensor_parallel: int | None = None, force: bool = False,
-                log: Log = print) -> None:
+                expert_parallel: int | None = None, expert_tensor_parallel: int | None = None,
+                grouped_gemm: bool = False, force: bool = False, log: Log = print) -> None:
     """expert_parallel: EP ranks to write (default: the checkpoint's; 1 for a dense model);
-    expert_tensor_parallel: the experts' TP (default: the checkpoint's at its TP, else TP)."""
+    expert_tensor_parallel: the experts' TP (default: the checkpoint's at its TP, else TP);
+    grouped_gemm: the experts as the local spec's GroupedMLP (--moe-grouped-gemm) holds them."""
     reader = CheckpointReader(load, iteration)
     log(reader.describe())
     meta, args = full_meta(reader.model_meta), reader.args
@@ -346,7 +347,7 @@ def to_megatron(load: str, output: str, *, iteration: int | None = None, tensor_
                                    tokenizer_model=os.path.abspath(saved_tok) if has_tokenizer else None,
                                    consumed_samples=int(reader.manifest.get("consumed_samples", 0)),
                                    consumed_valid_samples=int(reader.manifest.get("consumed_valid_samples", 0)),
-                                   expert_parallel=ep, expert_tensor_parallel=etp)
+                                   expert_parallel=ep, expert_tensor_parallel=etp, grouped_gemm=grouped_gemm)
     with atomic_output(output, force=force) as tmp:
         megatron_lm.write(tmp, weights, ns, progress=Progress("writing TP ranks" if ep == 1 else "writing TP x EP ranks"))
     _wrote(log, output)
@@ -367,9 +368,10 @@ def to_megatron(load: str, output: str, *, iteration: int | None = None, tensor_
         (f" x expert TP{etp}" if etp != tp else "")
         + f" x EP{ep} ({meta['num_experts'] // ep} experts per EP rank; --expert-model-parallel-size {ep}"
         + (f", --expert-tensor-parallel-size {etp}" if etp != tp else "")
-        + (", --sequence-parallel" if tp > 1 else "") + ")")
+        + (", --sequence-parallel" if tp > 1 else "") + (", --moe-grouped-gemm" if grouped_gemm else "") + ")")
     log(f"  Megatron-LM torch format, TP{tp}{moe}, iteration {reader.iteration}: load it in Megatron-LM with "
-        "--finetune (no optimizer or RNG state is included)"
+        "--transformer-impl local (megatron-core's local layers' names) and --finetune (no optimizer or RNG state "
+        "is included)"
         + (f"; its tokenizer: --tokenizer-model {saved_tok}" if has_tokenizer else ""))
 
 

@@ -35,7 +35,8 @@ signal.Signals for args.exit_signal); anything else is refused
 with the class named. Both the local layer names and Transformer Engine's fused-LayerNorm names
 (`linear_qkv.layer_norm_weight`, ...) are read, and a --moe-grouped-gemm run's experts
 (TEGroupedMLP's `linear_fc1.weight{J}`, the legacy GroupedMLP's `weight1` / `weight2`) as
-SequentialMLP's (_sequential_experts); to-megatron writes SequentialMLP's.
+SequentialMLP's (_sequential_experts); to-megatron writes SequentialMLP's, or with --moe-grouped-gemm
+the legacy GroupedMLP's that the local spec builds for that flag (_grouped_experts).
 """
 from __future__ import annotations
 
@@ -81,8 +82,10 @@ _LEGACY_GROUPED = re.compile(r"^(.*\.mlp\.experts\.)weight([12])$")
 def megatron_args(meta: dict, *, tp: int, iteration: int, divisible_by: int, seq_length: int | None,
                   precision: str | None, tokenizer_type: str = "GPT2BPETokenizer", tokenizer_model: str | None = None,
                   consumed_samples: int = 0, consumed_valid_samples: int = 0,
-                  expert_parallel: int = 1, expert_tensor_parallel: int | None = None) -> argparse.Namespace:
-    """The args Megatron-LM reads from a checkpoint (its argument names), for the model `meta`."""
+                  expert_parallel: int = 1, expert_tensor_parallel: int | None = None,
+                  grouped_gemm: bool = False) -> argparse.Namespace:
+    """The args Megatron-LM reads from a checkpoint (its argument names), for the model `meta`;
+    grouped_gemm: the experts as a --moe-grouped-gemm run of the local spec holds them (write())."""
     meta = full_meta(meta)
     h, heads, groups = meta["hidden_size"], meta["num_attention_heads"], query_groups(meta)
     rope = meta["position_embedding_type"] == "rope"
@@ -109,17 +112,23 @@ def megatron_args(meta: dict, *, tp: int, iteration: int, divisible_by: int, seq
         swiglu=meta["swiglu"], squared_relu=False, openai_gelu=not meta["swiglu"], transformer_impl="local",
         ckpt_format="torch", bf16=precision == "bf16", fp16=precision == "fp16", iteration=iteration,
         consumed_train_samples=consumed_samples, consumed_valid_samples=consumed_valid_samples,
-        **_moe_args(meta, tp, expert_parallel, expert_tensor_parallel))
+        **_moe_args(meta, tp, expert_parallel, expert_tensor_parallel, grouped_gemm))
 
 
-def _moe_args(meta: dict, tp: int, ep: int, etp: int | None) -> dict:
+def _moe_args(meta: dict, tp: int, ep: int, etp: int | None, grouped_gemm: bool) -> dict:
     """The MoE args under Megatron-LM's names (its validate_args' forms: one load-balancing type and
     one aux-loss coefficient as plain values, expert TP (default TP), moe_ffn_hidden_size resolved);
     none for a dense model (then the args are what they were before MoE)."""
     if meta["num_experts"] is None:
         if ep != 1:
             raise UserError(f"--expert-model-parallel-size {ep}: the model is dense (no experts); use 1")
+        if grouped_gemm:
+            raise UserError("--moe-grouped-gemm: the model is dense (no experts); drop it")
         return {}
+    if grouped_gemm and meta["add_bias_linear"]:
+        # megatron-core 0.16.1's GroupedMLP asserts add_bias_linear is False
+        raise UserError("--moe-grouped-gemm: the experts have biases (add_bias_linear), which megatron-core's "
+                        "GroupedMLP does not hold; drop --moe-grouped-gemm (SequentialMLP's files)")
     e = meta["num_experts"]
     if ep < 1 or e % ep:
         raise UserError(f"--expert-model-parallel-size {ep} does not divide the model's {e} experts: each EP rank "
@@ -131,7 +140,8 @@ def _moe_args(meta: dict, tp: int, ep: int, etp: int | None) -> dict:
                         "choose one that divides it")
     legacy_rank_files(tp, etp, ep)              # (refuses a layout Megatron-LM's torch format cannot hold)
     return {**{k: meta[k] for k in MOE_FIELDS}, "expert_model_parallel_size": ep, "expert_tensor_parallel_size": etp,
-            "moe_grouped_gemm": False, "moe_router_enable_expert_bias": False,
+            "moe_grouped_gemm": grouped_gemm, "moe_use_legacy_grouped_gemm": False,
+            "moe_router_enable_expert_bias": False,
             # Megatron-LM needs sequence parallelism for MoE with TP (the math is the same)
             "sequence_parallel": tp > 1}
 
@@ -334,6 +344,8 @@ def write(out_dir: str, weights: dict[str, torch.Tensor], args: argparse.Namespa
             owner, j = divmod(int(m[2]), per_rank)  # global expert e x E/EP + j is EP rank e's local j
             if owner == e:
                 model[f"{m[1]}{j}{m[3]}"] = _tp_shard(name, full, k, etp, args.padded_vocab_size, args.swiglu)
+        if moe and getattr(args, "moe_grouped_gemm", False):
+            model = _grouped_experts(model, per_rank)
         model.update({f"{layer}._extra_state": None for layer in _extra_states(model)})
         path = os.path.join(out_dir, sub, rank_dir(t, e, ep), FILE)
         os.makedirs(os.path.dirname(path))
@@ -344,6 +356,26 @@ def write(out_dir: str, weights: dict[str, torch.Tensor], args: argparse.Namespa
     with open(os.path.join(out_dir, TRACKER), "w") as f:
         f.write("release" if it == 0 else str(it))
     return files
+
+
+def _grouped_experts(sd: dict, local: int) -> dict:
+    """A rank file's SequentialMLP experts as the legacy GroupedMLP holds them (what the local spec
+    builds for --moe-grouped-gemm): weight1 = local experts' fc1 weights transposed, stacked as
+    (J, hidden, fc1 out) and stored [hidden, J x fc1 out]; weight2 = their fc2 weights transposed,
+    (J, fc2 in, hidden) stored [J x fc2 in, hidden]. The inverse of _sequential_experts."""
+    out, grouped = {}, {}
+    for k, v in sd.items():
+        m = _EXPERT.match(k)
+        if m is None:
+            out[k] = v
+            continue
+        fc = m[3].removeprefix(".").removesuffix(".weight")       # linear_fc1 / linear_fc2
+        grouped.setdefault((m[1].removesuffix("local_experts."), fc), {})[int(m[2])] = v
+    for (prefix, fc), by_j in grouped.items():
+        stacked = torch.stack([by_j[j].t() for j in range(local)])
+        out[f"{prefix}weight{fc[-1]}"] = stacked.reshape(stacked.shape[1], -1) if fc == "linear_fc1" \
+            else stacked.reshape(-1, stacked.shape[2])
+    return out
 
 
 def _allowed_global(name: str):
