@@ -472,13 +472,14 @@ def _vocab_size(args: argparse.Namespace, where: str, vocab_size: int | None, to
         raise UserError(f"{where}: {source} cannot be read as the run's tokenizer ({exc}); {fixes}") from None
 
 
-def _rank_layout(d: str, names: list[str], args) -> tuple[int, int, int, int]:
-    """(TP, EP, expert TP, PP) of the rank directories `names` under `d`, as the args (rank 0's
-    file's) say; one line for a missing or extra rank, or a layout the format cannot hold."""
+def _rank_layout(d: str, names: list[str], args) -> tuple[int, int, int, int, int | None, list]:
+    """(TP, EP, expert TP, PP, virtual pipeline chunks, legacy_rank_files) of the rank directories
+    `names` under `d`, as the args (rank 0's file's) say; one line for a missing or extra rank, or a
+    layout the format cannot hold."""
     where = os.path.join(d, names[0], FILE)
     if not isinstance(args, argparse.Namespace):
         raise UserError(f"{where}: the checkpoint has no 'args' (argparse.Namespace): its model shape is unknown")
-    pp, _ = pipeline_layout(args, where)
+    pp, vp = pipeline_layout(args, where)
     experts = getattr(args, "num_experts", None) or None
     ep = int(getattr(args, "expert_model_parallel_size", None) or 1)
     if ep > 1 and not experts:
@@ -492,7 +493,8 @@ def _rank_layout(d: str, names: list[str], args) -> tuple[int, int, int, int]:
     tp = int(getattr(args, "tensor_model_parallel_size", None) or len(names))
     etp = int(getattr(args, "expert_tensor_parallel_size", None) or tp) if experts else tp
     try:
-        want = [rank_dir(t, e, ep, p, pp) for p in range(pp) for t, e, _ in legacy_rank_files(tp, etp, ep)]
+        files = legacy_rank_files(tp, etp, ep)
+        want = [rank_dir(t, e, ep, p, pp) for p in range(pp) for t, e, _ in files]
     except UserError as exc:
         raise UserError(f"{where}: args.expert_tensor_parallel_size={etp}: {exc}") from None
     layout = f"TP{tp}" + (f" x expert TP{etp}" if etp != tp else "") + (f" x EP{ep}" if ep > 1 else "") \
@@ -508,7 +510,7 @@ def _rank_layout(d: str, names: list[str], args) -> tuple[int, int, int, int]:
                         + (f", expert_tensor_parallel_size={etp}" if etp != tp else "")
                         + (f", pipeline_model_parallel_size={pp}" if pp > 1 else "")
                         + ") do not name: the rank directories come from different runs")
-    return tp, ep, etp, pp
+    return tp, ep, etp, pp, vp, files
 
 
 def _sequential_experts(path: str, sd: dict, args) -> dict:
@@ -603,9 +605,7 @@ def read(in_dir: str, *, progress=None, vocab_size: int | None = None,
         raise UserError(f"{first} is missing: the checkpoint is incomplete")
     loaded = {names[0]: safe_load(first)}
     args = loaded[names[0]].get("args")
-    tp, ep, etp, pp = _rank_layout(d, names, args)
-    _, vp = pipeline_layout(args, first)
-    specs = legacy_rank_files(tp, etp, ep)
+    tp, ep, etp, pp, vp, specs = _rank_layout(d, names, args)
     num_experts = getattr(args, "num_experts", None)
     dense: dict[int, tuple[str, dict]] = {}         # TP rank -> (its first file, its dense shard)
     experts: dict[int, tuple[str, dict]] = {}       # expert TP rank -> (its first file, every expert's shard)
