@@ -101,3 +101,42 @@ def megatron_preprocess_document(sp, text, append_eod=True):
     the whole text is one sentence, tokenized, then the tokenizer's eod appended with --append-eod."""
     ids = megatron_llama2_tokenize(sp, text)
     return ids + [sp.eos_id()] if append_eod else ids
+
+
+def megatron_core_config(args, *, initialise=False, **layout):
+    """megatron-core's TransformerConfig from Megatron-LM's saved args alone (independent of
+    zo_megatron.model), as Megatron-LM's loader would build it: the args' model, its MoE fields where
+    the args have experts; `layout` overrides the parallel sizes (pipeline stages, for instance).
+    `initialise`: megatron-core's own random initialisation (on the host); else the weights are
+    left to a load. Dropout off, no fusions: the CPU eval forward of a test reference. The args'
+    sequence parallelism is a training layout (megatron-core's MoELayer asks for it only when
+    training; its torch norms refuse it without Apex): off here, the same math."""
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    moe = {}
+    if getattr(args, "num_experts", None):
+        moe = dict(
+            expert_model_parallel_size=args.expert_model_parallel_size,
+            expert_tensor_parallel_size=args.expert_tensor_parallel_size, num_moe_experts=args.num_experts,
+            moe_router_topk=args.moe_router_topk, moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+            moe_router_pre_softmax=args.moe_router_pre_softmax,
+            moe_router_load_balancing_type=args.moe_router_load_balancing_type,
+            moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+            moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+            moe_shared_expert_gate=args.moe_shared_expert_gate, moe_layer_freq=args.moe_layer_freq,
+            moe_token_dispatcher_type=args.moe_token_dispatcher_type, moe_grouped_gemm=args.moe_grouped_gemm,
+            moe_use_legacy_grouped_gemm=getattr(args, "moe_use_legacy_grouped_gemm", False))
+    fields = dict(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups, kv_channels=args.kv_channels, ffn_hidden_size=args.ffn_hidden_size,
+        gated_linear_unit=args.swiglu, activation_func=F.silu, normalization=args.normalization,
+        layernorm_epsilon=args.norm_epsilon, add_bias_linear=args.add_bias_linear, add_qkv_bias=args.add_qkv_bias,
+        qk_layernorm=getattr(args, "qk_layernorm", False), hidden_dropout=0.0, attention_dropout=0.0,
+        apply_query_key_layer_scaling=False, attention_softmax_in_fp32=True,
+        tensor_model_parallel_size=args.tensor_model_parallel_size, sequence_parallel=False, **moe,
+        params_dtype=torch.float32, use_cpu_initialization=True, perform_initialization=initialise,
+        gradient_accumulation_fusion=False, masked_softmax_fusion=False, bias_activation_fusion=False,
+        bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False)
+    return TransformerConfig(**{**fields, **layout})

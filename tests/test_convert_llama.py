@@ -190,19 +190,10 @@ def test_megatron_round_trip_is_bit_exact(models):
 # ---------------------------------------------------------------- megatron-core loads the files
 
 def _megatron_core_config(args, tp):
-    """megatron-core's TransformerConfig from Megatron-LM's saved args (independent of zo_megatron.model)."""
-    import torch.nn.functional as F
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    """megatron-core's TransformerConfig from Megatron-LM's saved args, at TP `tp`."""
+    from tests.megatron_reference import megatron_core_config
 
-    return TransformerConfig(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups, kv_channels=args.kv_channels, ffn_hidden_size=args.ffn_hidden_size,
-        gated_linear_unit=args.swiglu, activation_func=F.silu, normalization=args.normalization,
-        layernorm_epsilon=args.norm_epsilon, add_bias_linear=args.add_bias_linear, add_qkv_bias=args.add_qkv_bias,
-        qk_layernorm=getattr(args, "qk_layernorm", False), hidden_dropout=0.0, attention_dropout=0.0, apply_query_key_layer_scaling=False, attention_softmax_in_fp32=True,
-        tensor_model_parallel_size=tp, params_dtype=torch.float32, use_cpu_initialization=True,
-        perform_initialization=False, gradient_accumulation_fusion=False, masked_softmax_fusion=False,
-        bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False)
+    return megatron_core_config(args, tensor_model_parallel_size=tp)
 
 
 def _megatron_core_gpt(args, tp):

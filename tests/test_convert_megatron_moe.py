@@ -197,32 +197,12 @@ def _megatron_core_moe_gpt(args, initialise=False):
     """megatron-core's GPTModel from Megatron-LM's saved args alone (its own decoder block spec with
     the local modules: the dense and MoE layers moe_layer_freq names), as Megatron-LM would build it;
     `initialise`: megatron-core's own random initialisation (on the host, torch's default generator)."""
-    import torch.nn.functional as F
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
-    cfg = TransformerConfig(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups, kv_channels=args.kv_channels, ffn_hidden_size=args.ffn_hidden_size,
-        gated_linear_unit=args.swiglu, activation_func=F.silu, normalization=args.normalization,
-        layernorm_epsilon=args.norm_epsilon, add_bias_linear=args.add_bias_linear, add_qkv_bias=args.add_qkv_bias,
-        hidden_dropout=0.0, attention_dropout=0.0, apply_query_key_layer_scaling=False, attention_softmax_in_fp32=True,
-        # the args' sequence parallelism is a training layout (megatron-core's MoELayer asks for it only when
-        # training; its torch norms refuse it without Apex): the eval forward here runs without it, same math
-        tensor_model_parallel_size=args.tensor_model_parallel_size, sequence_parallel=False,
-        expert_model_parallel_size=args.expert_model_parallel_size,
-        expert_tensor_parallel_size=args.expert_tensor_parallel_size, num_moe_experts=args.num_experts,
-        moe_router_topk=args.moe_router_topk, moe_ffn_hidden_size=args.moe_ffn_hidden_size,
-        moe_router_pre_softmax=args.moe_router_pre_softmax,
-        moe_router_load_balancing_type=args.moe_router_load_balancing_type, moe_aux_loss_coeff=args.moe_aux_loss_coeff,
-        moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
-        moe_shared_expert_gate=args.moe_shared_expert_gate, moe_layer_freq=args.moe_layer_freq,
-        moe_token_dispatcher_type=args.moe_token_dispatcher_type, moe_grouped_gemm=args.moe_grouped_gemm,
-        moe_use_legacy_grouped_gemm=getattr(args, "moe_use_legacy_grouped_gemm", False),
-        params_dtype=torch.float32, use_cpu_initialization=True, perform_initialization=initialise,
-        gradient_accumulation_fusion=False, masked_softmax_fusion=False, bias_activation_fusion=False,
-        bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False)
+    from tests.megatron_reference import megatron_core_config
+
+    cfg = megatron_core_config(args, initialise=initialise)
     spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization=args.normalization)
     return GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
                     max_sequence_length=args.max_position_embeddings,

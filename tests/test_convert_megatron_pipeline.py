@@ -51,29 +51,14 @@ def _stage_args(args, tp, pp, vp, first):
 
 def _stage_models(args, pp_rank, pp, vp):
     """megatron-core's GPTModel chunks of pipeline stage `pp_rank`, from the args (local spec)."""
-    import torch.nn.functional as F
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
-    cfg = TransformerConfig(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups, kv_channels=args.kv_channels, ffn_hidden_size=args.ffn_hidden_size,
-        gated_linear_unit=args.swiglu, activation_func=F.silu, normalization=args.normalization,
-        layernorm_epsilon=args.norm_epsilon, add_bias_linear=args.add_bias_linear, add_qkv_bias=args.add_qkv_bias,
-        hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp,
-        num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
-        pipeline_dtype=torch.float32, sequence_parallel=False,
-        expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1) or 1,
-        num_moe_experts=getattr(args, "num_experts", None), moe_router_topk=getattr(args, "moe_router_topk", 2),
-        moe_ffn_hidden_size=getattr(args, "moe_ffn_hidden_size", None),
-        moe_router_pre_softmax=getattr(args, "moe_router_pre_softmax", False),
-        moe_aux_loss_coeff=getattr(args, "moe_aux_loss_coeff", 0.0),
-        moe_token_dispatcher_type=getattr(args, "moe_token_dispatcher_type", "allgather"),
-        params_dtype=torch.float32, use_cpu_initialization=True, perform_initialization=False,
-        gradient_accumulation_fusion=False, masked_softmax_fusion=False, bias_activation_fusion=False,
-        bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False)
+    from tests.megatron_reference import megatron_core_config
+
+    cfg = megatron_core_config(args, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp,
+                               num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
+                               pipeline_dtype=torch.float32)
     chunks = []
     for v in range(vp or 1):
         first = pp_rank == 0 and v == 0
