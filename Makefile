@@ -36,7 +36,7 @@ demo: setup
 # It prints the slowest tests and its own duration, set-up included (docs/testing.md).
 # test-all adds the exhaustive variants marked slow.
 TEST_WORKERS ?= 2
-PYTEST_ARGS  := tests -q -n $(TEST_WORKERS) --dist worksteal --durations=15
+PYTEST_ARGS  := tests -q -n $(TEST_WORKERS) --dist worksteal --durations=30
 
 test:
 	@start=$$(date +%s); $(MAKE) --no-print-directory setup && \
