@@ -298,6 +298,10 @@ def _mpi_rendezvous(env: Mapping[str, str], rank: int, world: int, local_world: 
         raise RuntimeError(f"mpi4py's COMM_WORLD (rank {comm.Get_rank()} of {comm.Get_size()}) "
                            f"disagrees with the launcher's variables (rank {rank} of {world})")
     payload = None
+    # every rank here before rank 0 picks the port: a port picked free is bound only when the store
+    # starts (init_process_group), and another process on the host may take it in between; the
+    # barrier keeps that window to the broadcast, not to the slowest rank's start-up
+    comm.Barrier()
     if rank == 0:
         # one node: loopback is always right; several: an address the other nodes can reach
         picked_addr = "127.0.0.1" if local_world == world else _routable_host_address()

@@ -138,16 +138,17 @@ def init_parallel(tensor_parallel: int = 1, *, seed: int = 1234, num_attention_h
     GPU on purpose (NCCL refuses that).
     """
     global _STATE
+    from zo_megatron.parallel import megatron_cpu
     from zo_megatron.parallel.launch_env import discover_launch_env, export_torch_env
+
+    # megatron-core imported first: a port the launch environment picks (MPI without MASTER_PORT)
+    # is bound at init_process_group, and the seconds of this import must not lie in between
+    megatron_cpu.apply()
+    from megatron.core import parallel_state as mpu
 
     env = discover_launch_env()
     validate_parallel_config(env.world_size, tensor_parallel, num_attention_heads, hidden_size, expert_parallel,
                              expert_tensor_parallel)
-
-    from zo_megatron.parallel import megatron_cpu
-
-    megatron_cpu.apply()
-    from megatron.core import parallel_state as mpu
 
     device = torch.device(device) if device is not None else _default_device(env.local_rank, env.local_world_size)
     if device.type == "cuda":
