@@ -102,3 +102,34 @@ def test_bench_train_json_and_loss_agreement(tmp_path, regime):
                     rel = abs(a[f"update_norm_{g}"] - b[f"update_norm_{g}"]) / b[f"update_norm_{g}"]
                     assert rel <= 1e-3, (regime, world, g, a["variant"], a[f"update_norm_{g}"], b["variant"],
                                          b[f"update_norm_{g}"])
+
+
+def test_a_world_whose_picked_port_was_taken_starts_again_on_a_fresh_one(monkeypatch):
+    """tools/bench_train_runner.run_world picks a free port that rank 0 binds seconds later; where
+    another process took it (EADDRINUSE) the world is started again, up to twice, and any other
+    failure is raised as it is."""
+    import torch.multiprocessing as mp
+
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+    import bench_train_runner as R
+
+    calls = []
+
+    def once(job, fail=("EADDRINUSE",)):
+        calls.append(job)
+        if len(calls) <= len(fail):
+            raise mp.ProcessRaisedException(f"torch.distributed.DistNetworkError: ... {fail[len(calls) - 1]} ...", 0, 1)
+        return {"ok": len(calls)}
+
+    monkeypatch.setattr(R, "_run_world_once", once)
+    assert R.run_world({"tp": 1, "dp": 1}) == {"ok": 2} and len(calls) == 2
+    calls.clear()
+    monkeypatch.setattr(R, "_run_world_once", lambda job: once(job, ("EADDRINUSE",) * 3))
+    with pytest.raises(mp.ProcessRaisedException, match="EADDRINUSE"):
+        R.run_world({"tp": 1, "dp": 1})
+    assert len(calls) == 3
+    calls.clear()
+    monkeypatch.setattr(R, "_run_world_once", lambda job: once(job, ("out of memory",)))
+    with pytest.raises(mp.ProcessRaisedException, match="out of memory"):
+        R.run_world({"tp": 1, "dp": 1})
+    assert len(calls) == 1

@@ -226,7 +226,22 @@ def _spawn_entry(rank, job, port, out_path):
 
 
 def run_world(job) -> dict:
-    """One world (TP x DP ranks, spawned here), all its variants interleaved; rank 0's result."""
+    """One world (TP x DP ranks, spawned here), all its variants interleaved; rank 0's result.
+    The port is picked free here and bound by rank 0's store seconds later (the ranks' imports):
+    where another process took it meanwhile (EADDRINUSE, before any rank did work) the world
+    starts again on a fresh port, up to twice."""
+    import torch.multiprocessing as mp
+
+    for attempt in range(3):
+        try:
+            return _run_world_once(job)
+        except mp.ProcessRaisedException as exc:
+            if "EADDRINUSE" not in str(exc) or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _run_world_once(job) -> dict:
     world = job["tp"] * job["dp"]
     port = free_port()
     fd, out_path = tempfile.mkstemp(prefix="bench_train_", suffix=".json")
