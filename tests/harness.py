@@ -41,6 +41,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class PortTaken(Exception):
+    """A launch whose rendezvous port another process took between its pick and the store's bind
+    (EADDRINUSE: no rank has started its work)."""
+
+
+def on_a_fresh_port(launch, attempts: int = 3):
+    """launch(port) on a port picked now; where it raises PortTaken it is started again on
+    another, up to attempts times in all (the launchers' processes bind the port seconds after
+    the pick: their imports)."""
+    for attempt in range(attempts):
+        try:
+            return launch(free_port())
+        except PortTaken:
+            if attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
 _ports_taken = 0                    # next_port() calls in this rank (every rank calls it in one order)
 
 

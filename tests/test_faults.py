@@ -10,7 +10,7 @@ import time
 import pytest
 
 from tests.test_pretrain import SCRIPT, TINY, TORCHRUN, _clean_env, _job, _rows
-from tests.harness import free_port
+from tests.harness import PortTaken, on_a_fresh_port
 
 
 @pytest.fixture(scope="module")
@@ -116,8 +116,13 @@ def lose_a_node(corpus, tmp_path, how, node_env=lambda node: {}):
     (agent and worker) gets `how`: SIGKILL closes its sockets, SIGSTOP leaves it hung with them
     open, as a frozen or unreachable node does (only --distributed-timeout-minutes ends the wait).
     Returns the survivor's (exit code, stdout, stderr, seconds from the loss to its exit)."""
-    port = free_port()
+    return on_a_fresh_port(lambda port: _lose_a_node_on(port, corpus, tmp_path, how, node_env))
+
+
+def _lose_a_node_on(port, corpus, tmp_path, how, node_env):
     log = tmp_path / "log.jsonl"
+    if log.exists():
+        log.unlink()                               # an earlier attempt's
     agents = []
     for node in (0, 1):
         cmd = [TORCHRUN, "--nnodes=2", f"--node-rank={node}", "--nproc-per-node=1", "--master-addr=127.0.0.1",
@@ -131,7 +136,11 @@ def lose_a_node(corpus, tmp_path, how, node_env=lambda node: {}):
         while time.monotonic() < deadline:          # wait until training is under way
             if log.exists() and any(json.loads(x).get("iteration", 0) >= 2 for x in log.read_text().splitlines()):
                 break
-            assert agents[0].poll() is None, agents[0].communicate()
+            if agents[0].poll() is not None:
+                out, err = agents[0].communicate()
+                if "EADDRINUSE" in err:
+                    raise PortTaken(err[-500:])
+                pytest.fail(f"node 0 ended before training was under way:\n{out[-2000:]}\n{err[-3000:]}")
             time.sleep(0.5)
         else:
             pytest.fail("training never reached iteration 2")

@@ -53,3 +53,29 @@ def test_next_port_is_rank_0_s_choice_at_the_time_of_use_on_every_rank():
     assert world[1] == world[0] and world[2] == world[0]
     assert all(port == env for port, env in world[0])
     assert len({port for port, _ in world[0]}) >= 2       # fresh choices, not one port reused
+
+
+def test_a_launcher_whose_port_was_taken_is_started_again_on_another():
+    """on_a_fresh_port (the torchrun / fake-SLURM launches of test_faults and test_pretrain_launchers):
+    PortTaken starts the launch again on a newly picked port, up to three launches in all; what
+    the launch returns or raises otherwise passes through."""
+    import pytest
+
+    ports = []
+
+    def launch(port, taken):
+        ports.append(port)
+        if len(ports) <= taken:
+            raise harness.PortTaken("EADDRINUSE")
+        return port
+
+    assert harness.on_a_fresh_port(lambda p: launch(p, 2)) == ports[-1] and len(ports) == 3
+    assert all(0 < p < 65536 for p in ports)
+    ports.clear()
+    with pytest.raises(harness.PortTaken):
+        harness.on_a_fresh_port(lambda p: launch(p, 3))
+    assert len(ports) == 3
+    ports.clear()
+    with pytest.raises(ValueError):
+        harness.on_a_fresh_port(lambda p: (ports.append(p), int("x")))
+    assert len(ports) == 1

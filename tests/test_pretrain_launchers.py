@@ -3,13 +3,12 @@ and the pre-launch memory check refuses a run that cannot fit."""
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
 import pytest
 
-from tests.harness import built_once
+from tests.harness import PortTaken, built_once, on_a_fresh_port
 from tests.test_pretrain import ROOT, SCRIPT, TINY, _clean_env, _single_process, _torchrun, sotu_prefix  # noqa: F401
 
 ARGS = ["--tensor-parallel", "2", "--zero-offload", "--train-iters", "4", *TINY, "--eval-interval", "100"]
@@ -18,12 +17,6 @@ ARGS = ["--tensor-parallel", "2", "--zero-offload", "--train-iters", "4", *TINY,
 def _losses(path):
     with open(path) as f:
         return [r["loss"] for r in map(json.loads, f) if r["kind"] == "train"]
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +47,15 @@ def test_mpiexec_matches_torchrun(sotu_prefix, torchrun_losses, tmp_path):
 
 
 def test_fake_slurm_matches_torchrun(sotu_prefix, torchrun_losses, tmp_path):
-    port = _free_port()
     log = tmp_path / "log.jsonl"
+    procs, outs = on_a_fresh_port(lambda port: _fake_slurm_job(port, sotu_prefix, log, tmp_path))
+    assert all(p.returncode == 0 for p in procs), outs[0][1][-3000:]
+    assert _losses(log) == torchrun_losses
+
+
+def _fake_slurm_job(port, sotu_prefix, log, tmp_path):
+    if log.exists():
+        log.unlink()                               # an earlier attempt's
     procs = []
     for rank in range(2):
         env = _clean_env(tmp_path)
@@ -67,13 +67,14 @@ def test_fake_slurm_matches_torchrun(sotu_prefix, torchrun_losses, tmp_path):
                                       stderr=subprocess.PIPE, text=True))
     outs = []
     try:
-        for p in procs:
+        for p in procs:                            # rank 0 first: it binds the port
             outs.append(p.communicate(timeout=300))
+            if p is procs[0] and p.returncode and "EADDRINUSE" in outs[0][1]:
+                raise PortTaken(outs[0][1][-500:])  # (rank 1 would wait on a port that is not the job's)
     finally:
         for p in procs:
             p.kill()
-    assert all(p.returncode == 0 for p in procs), outs[0][1][-3000:]
-    assert _losses(log) == torchrun_losses
+    return procs, outs
 
 
 def test_memory_check_refuses_a_run_that_cannot_fit(sotu_prefix, tmp_path):
