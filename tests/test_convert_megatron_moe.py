@@ -365,6 +365,8 @@ def test_bad_input_is_one_error_line_exit_2_and_nothing_written(converted, tmp_p
          ["--expert-tensor-parallel-size 2: the model is dense"]),
         (["to-megatron", "--load", dense_ck, "--output", str(tmp_path / "out"), "--expert-model-parallel-size", "2"],
          ["--expert-model-parallel-size 2: the model is dense"]),
+        (["to-megatron", "--load", dense_ck, "--output", str(tmp_path / "out"), "--moe-grouped-gemm"],
+         ["--moe-grouped-gemm: the model is dense"]),
     ]
     cli = _cli()
     for argv, says in cases:
