@@ -362,13 +362,15 @@ def _find_mpiexec() -> str | None:
     return str(local) if local.exists() else shutil.which("mpiexec")
 
 
-def test_mpiexec_two_ranks_broadcast_rendezvous(tmp_path):
+def _mpiexec_two_ranks(script_text: str, tmp_path) -> tuple[subprocess.Popen, str, str]:
+    """The script on 2 ranks under mpiexec (skipped without mpiexec or mpi4py), no launcher
+    variables of this process's own; (the finished process, stdout, stderr)."""
     mpiexec = _find_mpiexec()
     if mpiexec is None:
         pytest.skip("mpiexec not found (pip install 'zo_megatron[mpi]' provides Open MPI)")
     pytest.importorskip("mpi4py")
     script = tmp_path / "worker.py"
-    script.write_text(WORKER)
+    script.write_text(script_text)
     cmd = [mpiexec, "-n", "2"]
     if "openmpi" in Path(mpiexec).resolve().as_posix() or _is_openmpi(mpiexec):
         cmd += ["--oversubscribe", "--bind-to", "none"]
@@ -377,6 +379,11 @@ def test_mpiexec_two_ranks_broadcast_rendezvous(tmp_path):
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env, cwd=tmp_path, start_new_session=True)
     out, err = _communicate(proc)
+    return proc, out, err
+
+
+def test_mpiexec_two_ranks_broadcast_rendezvous(tmp_path):
+    proc, out, err = _mpiexec_two_ranks(WORKER, tmp_path)
     assert proc.returncode == 0, f"mpiexec failed\nstdout:\n{out}\nstderr:\n{err}"
     rows = _results(out)
     assert [r["rank"] for r in rows] == [0, 1], out + err
@@ -565,20 +572,7 @@ def test_under_mpi_the_picked_port_is_bound_within_moments_of_the_pick(tmp_path)
     EADDRINUSE of stop 47's CI in the one-process case). The job's window was seconds: rank 0
     picked before the broadcast that waits for the slowest rank, then imported megatron-core.
     Here rank 1 arrives 3 s late; rank 0's pick must be followed by its bind within 1 s."""
-    mpiexec = _find_mpiexec()
-    if mpiexec is None:
-        pytest.skip("mpiexec not found (pip install 'zo_megatron[mpi]' provides Open MPI)")
-    pytest.importorskip("mpi4py")
-    script = tmp_path / "pick_to_bind.py"
-    script.write_text(PICK_TO_BIND)
-    cmd = [mpiexec, "-n", "2"]
-    if "openmpi" in Path(mpiexec).resolve().as_posix() or _is_openmpi(mpiexec):
-        cmd += ["--oversubscribe", "--bind-to", "none"]
-    cmd += [sys.executable, str(script), str(REPO)]
-    env = _clean_env(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, cwd=tmp_path, start_new_session=True)
-    out, err = _communicate(proc)
+    proc, out, err = _mpiexec_two_ranks(PICK_TO_BIND, tmp_path)
     assert proc.returncode == 0, f"mpiexec failed\nstdout:\n{out}\nstderr:\n{err[-3000:]}"
     rows = _results(out)
     assert [r["rank"] for r in rows] == [0, 1] and all(r["sum"] == 3.0 for r in rows), out + err[-2000:]
