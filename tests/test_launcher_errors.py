@@ -58,12 +58,19 @@ def test_mpirun_prints_the_line_once_and_exits_2(tmp_path):
     assert out.count("error: --lr -1.0 is out of range") == 1, out[-2000:]
 
 
+@pytest.mark.parametrize("extra, line", [
+    (["--lr", "-1"], "error: --lr -1.0 is out of range"),
+    (["--no-such-flag"], "pretrain_gpt.py: error: unrecognized arguments: --no-such-flag"),
+], ids=["bad value", "unknown flag"])
 @pytest.mark.parametrize("rank", ["0", "1"])
-def test_a_rank_that_does_not_print_the_refusal_exits_after_the_one_that_does(rank, monkeypatch, capsys):
+def test_a_rank_that_does_not_print_the_refusal_exits_after_the_one_that_does(rank, extra, line, monkeypatch,
+                                                                               capsys):
     """A launcher ends the whole job at the first non-zero exit (Open MPI's prterun, torchrun's
     agent). Rank 1, which does not print a refusal, exited at once and got rank 0 killed before its
     line was out: CI's `mpirun -n 2 ... --lr -1` showed only prterun's notice naming rank 1. Now a
-    rank that does not print waits errors.REPORT_GRACE_S first; rank 0 prints and exits at once."""
+    rank that does not print waits errors.REPORT_GRACE_S first; rank 0 prints and exits at once.
+    The same for a flag argparse refuses (2026-12-06: torchrun killed rank 0 before its
+    "unrecognized arguments" line was out, test_torchrun_summary_names_our_error_line_as_the_root_cause)."""
     import time
 
     from zo_megatron import errors
@@ -79,11 +86,14 @@ def test_a_rank_that_does_not_print_the_refusal_exits_after_the_one_that_does(ra
     monkeypatch.setenv("RANK", rank)
     monkeypatch.setenv("WORLD_SIZE", "2")
     t0 = time.monotonic()
-    rc = pretrain_gpt.main([*SHAPE, "--lr", "-1"])
+    try:
+        rc = pretrain_gpt.main([*SHAPE, *extra])
+    except SystemExit as exc:                    # argparse's refusal exits from the parser
+        rc = exc.code
     waited = time.monotonic() - t0
     err = capsys.readouterr().err
     assert rc == 2
     if rank == "0":
-        assert err.strip().splitlines()[-1].startswith("error: --lr -1.0 is out of range") and slept == []
+        assert err.strip().splitlines()[-1].startswith(line) and slept == [], (err, slept)
     else:
         assert "error:" not in err and slept == [1.0] and waited >= 1.0, (err, slept, waited)

@@ -54,11 +54,14 @@ class _Parser(argparse.ArgumentParser):
     """argparse that reports a bad command line once per job (global rank 0), not once per rank."""
 
     def error(self, message):
-        from zo_megatron.errors import is_first_rank, record_error_line
+        from zo_megatron.errors import is_first_rank, let_the_first_rank_report, record_error_line
 
-        if is_first_rank():        # one line (the usage of every Megatron flag would be ~100 lines)
+        first = is_first_rank()
+        if first:                  # one line (the usage of every Megatron flag would be ~100 lines)
             sys.stderr.write(f"{self.prog}: error: {message} ({self.prog} --help lists the flags)\n")
         record_error_line(f"{self.prog}: error: {message}")        # torchrun's root cause
+        if not first:
+            let_the_first_rank_report()   # the launcher ends the job at the first exit: rank 0's line first
         sys.exit(2)
 
 
