@@ -73,14 +73,12 @@ def _stage_models(args, pp_rank, pp, vp):
     return chunks
 
 
-def _pipeline_world(rank, jobs):
-    """Per layout: initialise megatron-core with pipeline parallelism, build this rank's stage, fill it
-    from the one-stage files by megatron-core's layer numbers, save it as Megatron-LM does."""
+def start_megatron_core_world() -> None:
+    """This forked rank's gloo world, for megatron-core's parallel_state to be initialised on directly
+    (pipeline stages: zo_megatron's init_parallel has one stage)."""
     import torch.distributed as dist
-    from megatron.core import parallel_state as mpu
 
     from tests.harness import next_port
-    from zo_megatron.checkpoint import megatron_lm
     from zo_megatron.parallel import megatron_cpu
     from zo_megatron.parallel.launch_env import discover_launch_env, export_torch_env
 
@@ -92,6 +90,35 @@ def _pipeline_world(rank, jobs):
     env = discover_launch_env()
     export_torch_env(env)
     dist.init_process_group("gloo", init_method="env://", rank=env.rank, world_size=env.world_size)
+
+
+def fill_stage(model, one_stage: dict, args) -> list[int]:
+    """Load a stage chunk of megatron-core's GPTModel strictly from a one-stage (PP 1) file's model by
+    megatron-core's own layer numbers (`TransformerLayer.layer_number`), the tied output-layer copy of
+    the last stage from the embedding (as Megatron-LM keeps it); returns the chunk's global layers."""
+    numbers = [layer.layer_number - 1 for layer in model.decoder.layers]
+    sd = {}
+    for k in model.state_dict():
+        parts = k.split(".")
+        if k.startswith("decoder.layers."):
+            parts[2] = str(numbers[int(parts[2])])
+        src_key = ".".join(parts)
+        if k == "output_layer.weight" and not args.untie_embeddings_and_output_weights:
+            src_key = "embedding.word_embeddings.weight"     # the last stage's tied copy
+        sd[k] = one_stage[src_key]
+    model.load_state_dict(sd, strict=True)
+    return numbers
+
+
+def _pipeline_world(rank, jobs):
+    """Per layout: initialise megatron-core with pipeline parallelism, build this rank's stage, fill it
+    from the one-stage files by megatron-core's layer numbers, save it as Megatron-LM does."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    from zo_megatron.checkpoint import megatron_lm
+
+    start_megatron_core_world()
     layers = {}
     try:
         for name, (src, out_dir) in jobs.items():
@@ -105,18 +132,7 @@ def _pipeline_world(rank, jobs):
             chunks = _stage_models(args, p, pp, vp)
             saved = {}
             for v, model in enumerate(chunks):
-                numbers = [layer.layer_number - 1 for layer in model.decoder.layers]
-                layers[(name, p, v)] = numbers
-                sd = {}
-                for k in model.state_dict():
-                    parts = k.split(".")
-                    if k.startswith("decoder.layers."):
-                        parts[2] = str(numbers[int(parts[2])])
-                    src_key = ".".join(parts)
-                    if k == "output_layer.weight" and not args.untie_embeddings_and_output_weights:
-                        src_key = "embedding.word_embeddings.weight"     # the last stage's tied copy
-                    sd[k] = one["model"][src_key]
-                model.load_state_dict(sd, strict=True)
+                layers[(name, p, v)] = fill_stage(model, one["model"], args)
                 saved["model" if vp is None else f"model{v}"] = model.state_dict()
             if mpu.get_expert_data_parallel_rank() == 0:            # Megatron-LM's legacy save
                 path = os.path.join(out_dir, "release", megatron_lm.rank_dir(t, e, ep, p, pp), megatron_lm.FILE)

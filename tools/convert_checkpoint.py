@@ -15,7 +15,8 @@
 
 Hugging Face architectures: GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
 Qwen3ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM (a sliding window: trained at
---seq-length up to it; the mixtures of experts at any TP x EP with to-megatron / from-megatron). CKPT is a `pretrain_gpt.py --save` directory. Outputs are written under a temporary name and
+--seq-length up to it; the mixtures of experts at any TP x EP with to-megatron / from-megatron). from-megatron reads
+Megatron-LM's torch_dist format (its default --ckpt-format, saved at any TP x EP x PP) and its torch format. CKPT is a `pretrain_gpt.py --save` directory. Outputs are written under a temporary name and
 renamed when complete; an existing non-empty output is refused unless --force. Wrong input gets
 one `error:` line and exit 2. See docs/checkpoints.md.
 """
@@ -84,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the experts as a Megatron-LM --transformer-impl local --moe-grouped-gemm run holds them "
                         "(GroupedMLP's weight1 / weight2; default: SequentialMLP's local_experts.J)")
 
-    p = sub.add_parser("from-megatron", help="a weights-only zo_megatron checkpoint from a Megatron-LM torch checkpoint")
+    p = sub.add_parser("from-megatron", help="a weights-only zo_megatron checkpoint from a Megatron-LM checkpoint "
+                                            "(--ckpt-format torch_dist, its default, or torch)")
     common(p, "input")
     p.add_argument("--tensor-parallel", "--tensor-model-parallel-size", dest="tensor_parallel", type=int, required=True)
     p.add_argument("--vocab-size", type=int, default=None,

@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from zo_megatron.checkpoint import hf, megatron_lm
+from zo_megatron.checkpoint import hf, megatron_dist, megatron_lm
 from zo_megatron.checkpoint.arch import (check_tensor_parallel, full_meta, job_flags, param_shapes, query_groups,
                                          unit_centred_gamma)
 from zo_megatron.checkpoint.boxes import Box
@@ -383,8 +383,11 @@ def from_megatron(input_dir: str, output: str, *, tensor_parallel: int, vocab_si
         raise UserError(f"--input {input_dir}: no such directory; point it at a Megatron-LM checkpoint directory")
     if vocab_size is not None and vocab_size < 1:
         raise UserError(f"--vocab-size {vocab_size}: must be >= 1")
-    weights, ns, it, vocab = megatron_lm.read(input_dir, progress=Progress("reading rank files"), vocab_size=vocab_size,
-                                              tokenizer_model=tokenizer_model)
+    dist = megatron_dist.is_torch_dist(megatron_lm.find_iteration_dir(input_dir)[0])
+    read = megatron_dist.read if dist else megatron_lm.read
+    weights, ns, it, vocab = read(input_dir, progress=Progress("reading the torch_dist checkpoint" if dist else
+                                                               "reading rank files"),
+                                  vocab_size=vocab_size, tokenizer_model=tokenizer_model)
     meta = megatron_lm.meta_from_args(ns, vocab, os.path.join(input_dir, megatron_lm.TRACKER))
     expected = param_shapes(meta)
     got = {k: tuple(v.shape) for k, v in weights.items()}
@@ -399,8 +402,9 @@ def from_megatron(input_dir: str, output: str, *, tensor_parallel: int, vocab_si
         ((f" x expert TP{etp}" if etp != ns.tensor_model_parallel_size else "")
          + f" x EP{getattr(ns, 'expert_model_parallel_size', None) or 1}, {meta['num_experts']} experts")
     pp = getattr(ns, "pipeline_model_parallel_size", None) or 1
-    moe += f" x PP{pp} (merged)" if pp > 1 else ""
-    log(f"read {input_dir}: Megatron-LM iteration {it}, TP{ns.tensor_model_parallel_size}{moe}, {meta['num_layers']} "
+    moe += f" x PP{pp}" + ("" if dist else " (merged)") if pp > 1 else ""
+    log(f"read {input_dir}: Megatron-LM {'torch_dist' if dist else 'torch'} format, iteration {it}, "
+        f"{'saved at ' if dist else ''}TP{ns.tensor_model_parallel_size}{moe}, {meta['num_layers']} "
         f"layers x {meta['hidden_size']} hidden, vocab {vocab}, {n:,} parameters")
     args = {"make_vocab_size_divisible_by": meta["make_vocab_size_divisible_by"],
             "seq_length": getattr(ns, "seq_length", None)}

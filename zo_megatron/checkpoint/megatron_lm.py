@@ -243,7 +243,7 @@ def _moe_meta(args: argparse.Namespace, refuse) -> dict:
     return out
 
 
-def _local_name(key: str) -> str:
+def local_name(key: str) -> str:
     """Transformer Engine's fused-LayerNorm parameter names -> the local spec's (ours)."""
     for te, local in _TE_NAMES.items():
         if key.endswith("." + te):
@@ -393,8 +393,9 @@ def _allowed_global(name: str):
     return None
 
 
-def safe_load(path: str) -> dict:
-    """torch.load(weights_only=True) with the plain-data allow-list; one-line refusal otherwise."""
+def safe_load(path: str, *, model: bool = True) -> dict:
+    """torch.load(weights_only=True) with the plain-data allow-list; one-line refusal otherwise.
+    model: the file must hold a model state dict (a rank file; not torch_dist's common.pt)."""
     try:
         names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
     except Exception as exc:  # noqa: BLE001 - a damaged archive raises many types
@@ -413,7 +414,9 @@ def safe_load(path: str) -> dict:
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as exc:
         raise UserError(f"{path}: cannot be read safely ({type(exc).__name__}: "
                         f"{str(exc).splitlines()[0][:160] if str(exc) else ''}); the file is damaged or was tampered with") from None
-    if not isinstance(sd, dict) or not (isinstance(sd.get("model"), dict) or isinstance(sd.get("model0"), dict)):
+    if not isinstance(sd, dict):
+        raise UserError(f"{path}: holds a {type(sd).__name__}, not a dict: not a Megatron-LM checkpoint file")
+    if model and not (isinstance(sd.get("model"), dict) or isinstance(sd.get("model0"), dict)):
         raise UserError(f"{path}: no 'model' (or virtual-pipeline 'model0', ...) state dict: not a Megatron-LM "
                         "model checkpoint")
     return sd
@@ -598,8 +601,8 @@ def read(in_dir: str, *, progress=None, vocab_size: int | None = None,
     d, it = find_iteration_dir(in_dir)
     names = sorted(n for n in os.listdir(d) if _MP_DIR.match(n))
     if not names:
-        raise UserError(f"{d}: no mp_rank_XX directories: not a Megatron-LM 'torch' checkpoint "
-                        "(a torch_dist one must be converted with Megatron-LM's tools first)")
+        raise UserError(f"{d}: no mp_rank_XX directories (the 'torch' format) and no metadata.json (the "
+                        "'torch_dist' format): not a Megatron-LM checkpoint's iteration directory")
     first = os.path.join(d, names[0], FILE)
     if not os.path.isfile(first):
         raise UserError(f"{first} is missing: the checkpoint is incomplete")
@@ -622,7 +625,7 @@ def read(in_dir: str, *, progress=None, vocab_size: int | None = None,
                 progress(i * pp + p + 1, len(specs) * pp)
         path, model = merge_stages(stages, args) if pp > 1 else stages[0]
         name = os.path.basename(os.path.dirname(path))
-        model = {_local_name(key): v for key, v in model.items() if not key.endswith("_extra_state")}
+        model = {local_name(key): v for key, v in model.items() if not key.endswith("_extra_state")}
         if num_experts and getattr(args, "moe_grouped_gemm", False):
             model = _sequential_experts(path, model, args)
         dense_part, expert_part = _split_file(path, model, num_experts, e, ep)
@@ -633,13 +636,20 @@ def read(in_dir: str, *, progress=None, vocab_size: int | None = None,
             raise UserError(f"{path}: its dense parameters differ from {dense[t][0]}'s: the EP ranks "
                             "come from different models or iterations")
         experts.setdefault(k, (name, {}))[1].update(expert_part)
-    where = first
-    vocab = _vocab_size(args, where, vocab_size, tokenizer_model)
     swiglu = bool(getattr(args, "swiglu", False))
     merged = _merge_shards(d, [dense[t][0] for t in range(tp)], [dense[t][1] for t in range(tp)], swiglu)
     if any(experts[k][1] for k in experts):
         merged.update(_merge_shards(d, [experts[k][0] for k in range(etp)], [experts[k][1] for k in range(etp)],
                                     swiglu))
+    full, args, vocab = finish_read(merged, args, first, vocab_size, tokenizer_model)
+    return full, args, it, vocab
+
+
+def finish_read(merged: dict[str, torch.Tensor], args, where: str, vocab_size: int | None,
+                tokenizer_model: str | None) -> tuple[dict[str, torch.Tensor], argparse.Namespace, int]:
+    """(full unpadded weights by our names, args, vocab size) from full tensors under megatron-core's
+    local names (vocab padding rows kept), as both formats' readers end."""
+    vocab = _vocab_size(args, where, vocab_size, tokenizer_model)
     full = {}
     for k, t in merged.items():
         if k.startswith("output_layer.") and not getattr(args, "untie_embeddings_and_output_weights", False):
@@ -650,4 +660,4 @@ def read(in_dir: str, *, progress=None, vocab_size: int | None = None,
                                 "vocabulary (give the run's --vocab-size or --tokenizer-model)")
             t = t[:vocab]
         full[_OURS + k] = t.contiguous()          # the files' dtype: the writer converts box by box
-    return full, args, it, vocab
+    return full, args, vocab

@@ -1,0 +1,218 @@
+"""from-megatron of Megatron-LM's `torch_dist` checkpoints (its default --ckpt-format), saved by
+megatron-core's own dist_checkpointing from its own models.
+
+On 4 gloo ranks megatron-core 0.16.1 builds each rank's GPTModel (local spec; a pipeline stage's
+chunk where the layout has stages), loads it strictly from the torch-format files of the same model
+(to-megatron's, tested against transformers in test_convert_megatron_moe / _pipeline), and saves it
+as Megatron-LM's save_checkpoint does at --ckpt-format torch_dist: `dist_checkpointing.save` of
+{args, checkpoint_version, iteration, model: model.sharded_state_dict(metadata), rng_state} with
+Megatron-LM's metadata (singleton_local_shards False; True in one case, the form megatron-core also
+writes), the default torch_dist save strategy, and the tracker file. from-megatron of that directory
+gives every tensor of from-megatron of the torch files bit for bit, and the same architecture:
+  - a tied Llama (4 layers) at TP2 x PP2: layers stacked on one axis, the tied copy not saved;
+  - a Mixtral at TP2 x EP2: layers and experts stacked ([L, E, ...]);
+  - the same Mixtral with singleton_local_shards: one key per layer and expert, SwiGLU's halves apart;
+  - a Qwen2-MoE at TP1 x EP2 (layer 1 dense: one key per layer; a gated shared expert, QKV biases).
+Bad input, one line each, exit 2, nothing written: another sharded backend, a missing .distcp file,
+no common.pt, args whose layer count is not the checkpoint's.
+"""
+import copy
+import os
+import shutil
+
+import pytest
+import torch
+
+from tests.harness import run_world
+from tests.seeds import fresh_seed
+from tests.test_convert_llama import _cli, make_hf_model, quiet
+
+transformers = pytest.importorskip("transformers")
+
+# name: (model, TP, PP, EP, singleton_local_shards)
+JOBS = {
+    "llama_tp2_pp2": ("llama", 2, 2, 1, False),
+    "mixtral_tp2_ep2": ("mixtral", 2, 1, 2, False),
+    "mixtral_tp2_ep2_singleton": ("mixtral", 2, 1, 2, True),
+    "qwen2_moe_tp1_ep2": ("qwen2_moe", 1, 1, 2, False),
+}
+ITERATION = 7
+
+
+def _in_process_writes():
+    """megatron-core's FileSystemWriterAsync forks one writer process per bucket; these ranks are
+    daemonic processes of the test harness, which may not have children. The same writes
+    (FileSystemWriterAsync.write_preloaded_data, bucket by bucket) run in the rank instead."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+
+    fa._get_write_results_queue = lambda: queue.Queue()
+
+    def write(transform_list, use_msc, rank, write_buckets, global_results_queue):
+        local, count, results = queue.Queue(), queue.Queue(), {}
+        for i, bucket in enumerate(write_buckets):
+            count.put(i)
+            fa.FileSystemWriterAsync.write_preloaded_data(transform_list, i, bucket, local, count, True)
+            idx, res = local.get()
+            if isinstance(res, Exception):
+                raise res
+            results[idx] = res
+        global_results_queue.put(results)
+
+    fa.FileSystemWriterAsync.write_preloaded_data_multiproc = staticmethod(write)
+
+
+def _save_world(rank, jobs):
+    """Per job: megatron-core's model of this rank, loaded from the torch files, saved as torch_dist."""
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as mpu
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+
+    from tests.test_convert_megatron_moe import _megatron_core_moe_gpt
+    from tests.test_convert_megatron_pipeline import _stage_args, _stage_models, fill_stage, start_megatron_core_world
+    from zo_megatron.checkpoint import megatron_lm
+    from zo_megatron.parallel import collectives
+
+    torch.cuda.synchronize = lambda *a, **k: None      # the save strategy's D2H sync; nothing is on a GPU here
+    _in_process_writes()
+    start_megatron_core_world()
+    try:
+        for name, (src, out_dir) in jobs.items():
+            _, tp, pp, ep, singleton = JOBS[name]
+            mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                          expert_model_parallel_size=ep)
+            t, p, e = (mpu.get_tensor_model_parallel_rank(), mpu.get_pipeline_model_parallel_rank(),
+                       mpu.get_expert_model_parallel_rank())
+            one = megatron_lm.safe_load(os.path.join(src, "release", megatron_lm.rank_dir(t, e, ep),
+                                                     megatron_lm.FILE))
+            if pp > 1:
+                args = _stage_args(one["args"], tp, pp, None, None)
+                (model,) = _stage_models(args, p, pp, None)
+                fill_stage(model, one["model"], args)
+            else:
+                args = copy.copy(one["args"])
+                model = _megatron_core_moe_gpt(args)
+                model.load_state_dict(one["model"], strict=True)
+            args.ckpt_format = "torch_dist"
+            metadata = {"singleton_local_shards": singleton, "chained_optim_avoid_prefix": True,
+                        "dp_cp_group": mpu.get_data_parallel_group(with_context_parallel=True)}
+            rng = ShardedObject("rng_state", [{"random_rng_state": torch.get_rng_state()}], (pp, tp), (p, t),
+                                replica_id=mpu.get_data_parallel_rank(with_context_parallel=True))
+            state = {"args": args, "checkpoint_version": 3.0, "iteration": ITERATION,
+                     "model": model.sharded_state_dict(metadata=metadata), "rng_state": rng,
+                     "num_floating_point_operations_so_far": 0}
+            d = os.path.join(out_dir, f"iter_{ITERATION:07d}")
+            if rank == 0:
+                os.makedirs(d)
+            collectives.barrier()
+            dist_checkpointing.save(state, d, get_default_save_sharded_strategy("torch_dist"),
+                                    content_metadata={k: v for k, v in metadata.items() if k != "dp_cp_group"})
+            if rank == 0:
+                with open(os.path.join(out_dir, megatron_lm.TRACKER), "w") as f:
+                    f.write(str(ITERATION))
+            collectives.barrier()
+            mpu.destroy_model_parallel()
+    finally:
+        torch.distributed.destroy_process_group()
+    return True
+
+
+def _build(d):
+    from zo_megatron.checkpoint import convert
+
+    from tests.test_convert_megatron_moe import moe_configs
+    from tests.test_convert_megatron_pipeline import VOCAB
+
+    seed = fresh_seed("convert megatron torch_dist")
+    configs = {**moe_configs(), "llama": transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)}
+    sources = {m: make_hf_model(d / m, configs[m], seed + i, tokenizer=False)
+               for i, m in enumerate(sorted({job[0] for job in JOBS.values()}))}
+    jobs = {}
+    for name, (model, tp, _, ep, _) in JOBS.items():
+        ck, torch_dir = str(d / f"{name}_ck"), str(d / f"{name}_torch")
+        if not os.path.isdir(torch_dir):
+            convert.from_hf(sources[model], ck, tensor_parallel=tp, log=quiet)
+            convert.to_megatron(ck, torch_dir, tensor_parallel=tp, expert_parallel=ep, log=quiet)
+        jobs[name] = (torch_dir, str(d / f"{name}_dist"))
+    run_world(_save_world, 4, jobs, timeout=400)
+    return {name: [str(p) for p in paths] for name, paths in jobs.items()}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    from tests.harness import built_once
+
+    return built_once(tmp_path_factory, "megatron_torch_dist", _build)[0]   # once for both xdist workers
+
+
+def test_torch_dist_checkpoints_read_back_bit_for_bit_as_the_torch_format(saved, tmp_path):
+    from zo_megatron.checkpoint import convert
+    from zo_megatron.checkpoint.reader import CheckpointReader
+    from zo_megatron.checkpoint.safe_load import read_dcp_metadata
+
+    for name, (torch_dir, dist_dir) in saved.items():
+        _, tp, pp, ep, singleton = JOBS[name]
+        keys = set(read_dcp_metadata(os.path.join(dist_dir, f"iter_{ITERATION:07d}")).state_dict_metadata)
+        # the forms the reader must take apart are what megatron-core wrote
+        stacked = any(k.startswith("decoder.layers.self_attention.") for k in keys)
+        assert stacked == (name in ("llama_tp2_pp2", "mixtral_tp2_ep2")), (name, sorted(keys)[:8])
+        assert any(k.endswith("linear_fc1.weight_w") for k in keys) == singleton, name
+        assert "rng_state" in {k.split("/")[0] for k in keys}, name
+        a, b = str(tmp_path / f"{name}_torch"), str(tmp_path / f"{name}_dist")
+        convert.from_megatron(torch_dir, a, tensor_parallel=1, log=quiet)
+        lines = []
+        convert.from_megatron(dist_dir, b, tensor_parallel=tp, log=lines.append)
+        wa, wb = CheckpointReader(a).read_weights(), CheckpointReader(b).read_weights()
+        assert set(wa) == set(wb), (name, set(wa) ^ set(wb))
+        for k in wa:
+            assert wa[k].dtype == wb[k].dtype and torch.equal(wa[k], wb[k]), (name, k)
+        assert CheckpointReader(a).model_meta == CheckpointReader(b).model_meta, name
+        (read_line,) = [ln for ln in lines if ln.startswith("read ")]
+        assert f"iteration {ITERATION}" in read_line and "torch_dist" in read_line, read_line
+
+
+def test_bad_torch_dist_checkpoints_are_one_line_exit_2(saved, tmp_path, capsys):
+    import json
+
+    from zo_megatron.checkpoint import megatron_lm
+
+    src = saved["mixtral_tp2_ep2"][1]
+    it_dir = f"iter_{ITERATION:07d}"
+
+    def variant(tag, edit):
+        dst = str(tmp_path / tag)
+        shutil.copytree(src, dst)
+        edit(os.path.join(dst, it_dir))
+        return dst
+
+    def backend(d):
+        with open(os.path.join(d, "metadata.json"), "w") as f:
+            json.dump({"sharded_backend": "zarr", "sharded_backend_version": 1}, f)
+
+    def no_data(d):
+        os.remove(os.path.join(d, sorted(n for n in os.listdir(d) if n.endswith(".distcp"))[0]))
+
+    def layers(d):
+        path = os.path.join(d, "common.pt")
+        common = megatron_lm.safe_load(path, model=False)
+        common["args"].num_layers = 3
+        torch.save(common, path)
+
+    cases = [
+        (variant("backend", backend), ["sharded_backend 'zarr'", "--ckpt-format torch_dist"]),
+        (variant("no_data", no_data), ["cannot be read", ".distcp"]),
+        (variant("no_common", lambda d: os.remove(os.path.join(d, "common.pt"))), ["common.pt is missing"]),
+        (variant("layers", layers), ["not 3 layers stacked", "the args are not the run's"]),
+    ]
+    cli = _cli()
+    for src_dir, says in cases:
+        capsys.readouterr()
+        rc = cli.main(["from-megatron", "--input", src_dir, "--output", str(tmp_path / "out"), "--tensor-parallel", "1"])
+        lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip() and "%" not in ln]
+        assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), (src_dir, lines)
+        assert all(s in lines[0] for s in says), (says, lines[0])
+        assert not os.path.exists(tmp_path / "out"), src_dir

@@ -1,0 +1,179 @@
+"""Megatron-LM's `torch_dist` checkpoint format (its default --ckpt-format) for its megatron-core GPT.
+
+    DIR/latest_checkpointed_iteration.txt       "N" ("release" for iteration 0), as the torch format
+    DIR/iter_000000N/metadata.json              {"sharded_backend": "torch_dist", ...}
+    DIR/iter_000000N/common.pt                  torch.save of {"args", "checkpoint_version", "iteration", ...}
+    DIR/iter_000000N/.metadata, __R_I.distcp    torch.distributed.checkpoint: one GLOBAL tensor per key
+
+Unlike the torch format, the files do not depend on the run's TP, EP or PP: each rank saved its shard
+of megatron-core's `sharded_state_dict` (megatron.core.dist_checkpointing), whose keys and global
+shapes are layout-free (megatron-core 0.16.1, with Megatron-LM's metadata singleton_local_shards=False):
+
+    embedding.word_embeddings.weight                  [padded vocab of the saving TP, h]
+    decoder.layers.<p>                                [L, ...]: every layer stacked on a leading axis
+    decoder.layers.<i>.<p>                            one layer: moe_layer_freq mixing dense and MoE layers
+                                                      (non-homogeneous layers) and singleton_local_shards
+    ...mlp.experts.experts.linear_fc1.weight          [E, ...]: the experts stacked (SequentialMLP,
+                                                      GroupedMLP and TEGroupedMLP save the same keys)
+    ...mlp.experts.experts.<e>.linear_fc1.weight      one expert (singleton_local_shards)
+    ...linear_fc1.weight                              SwiGLU's [gate; up] of the whole FFN (both halves
+                                                      global: TP rank r saved gate_r at r, up_r at TP + r);
+                                                      singleton_local_shards: weight_w (gate), weight_v (up)
+    ...self_attention.linear_qkv.layer_norm_weight    the norms under Transformer Engine's names, which the
+    ...mlp.linear_fc1.layer_norm_weight               local spec's sharded_state_dict maps its norms to
+    ..._extra_state/shard_*, optimizer.*, rng_state   not model weights: not read
+
+So one reader serves every layout the run had: the global tensors are exactly the full TP-1 tensors of
+the torch format's files (the QKV rows grouped per query group, SwiGLU's gate then up), which
+megatron_lm.finish_read then turns into ours. Reading never runs pickled code: `.metadata` through
+safe_load's allow-list unpickler (DCP's own classes, plain data), tensors with
+torch.load(weights_only=True) inside DCP, common.pt through megatron_lm.safe_load.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import warnings
+
+import torch
+
+from zo_megatron.checkpoint import megatron_lm
+from zo_megatron.checkpoint.safe_load import SafeFileSystemReader, first_line, read_dcp_metadata
+from zo_megatron.errors import UserError
+
+CONFIG = "metadata.json"
+COMMON = "common.pt"
+BACKEND = "torch_dist"
+_MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.")
+_ONE_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_STACKED = re.compile(r"^decoder\.layers\.(?!\d+\.)(.+)$")
+_EXPERTS = "mlp.experts.experts."
+_ONE_EXPERT = re.compile(r"^(\d+)\.(.+)$")
+_GLU_HALF = re.compile(r"^(.+)_([wv])$")
+
+
+def is_torch_dist(iteration_dir: str) -> bool:
+    """Whether a checkpoint's iteration directory holds megatron-core's distributed format."""
+    return os.path.isfile(os.path.join(iteration_dir, CONFIG))
+
+
+def _backend(d: str) -> None:
+    path = os.path.join(d, CONFIG)
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{path}: cannot be read as JSON ({first_line(exc)}): the checkpoint is damaged") from None
+    backend = config.get("sharded_backend") if isinstance(config, dict) else None
+    if backend != BACKEND:
+        raise UserError(f"{path}: sharded_backend {backend!r}: only Megatron-LM's {BACKEND!r} format (its default "
+                        "--ckpt-format) and its 'torch' format are read; save the run with --ckpt-format torch_dist")
+
+
+def _model_keys(md, d: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The model's tensors (global shape, dtype) in the checkpoint's metadata."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    keys = {k: (tuple(v.size), v.properties.dtype) for k, v in md.state_dict_metadata.items()
+            if k.startswith(_MODEL_PREFIXES) and "._extra_state" not in k and isinstance(v, TensorStorageMetadata)}
+    if not keys:
+        raise UserError(f"{d}: no model tensors (embedding.*, decoder.*, output_layer.*) in the checkpoint: not a "
+                        "Megatron-LM GPT checkpoint, or one saved without its model (--no-save-model)")
+    return keys
+
+
+def _load(d: str, keys: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, torch.Tensor]:
+    """The global tensors of `keys`, read by torch.distributed.checkpoint in this process alone."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    state = {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in keys.items()}
+    try:
+        with warnings.catch_warnings():     # "torch.distributed is ... uninitialized": one process is the intent
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
+            dcp.load(state, storage_reader=SafeFileSystemReader(d), no_dist=True)
+    except (CheckpointException, OSError, RuntimeError, ValueError) as exc:
+        raise UserError(f"{d}: the checkpoint's tensors cannot be read ({type(exc).__name__}: {first_line(exc)}); "
+                        "a .distcp file is missing or damaged: copy the whole iteration directory") from None
+    return state
+
+
+def _unstack(key: str, t: torch.Tensor, num: int, what: str, where: str) -> list[torch.Tensor]:
+    if t.dim() == 0 or t.shape[0] != num:
+        raise UserError(f"{where}: {key} has shape {tuple(t.shape)}, not {num} {what} stacked on its first axis as "
+                        "the args say: the args are not the run's")
+    return list(t.unbind(0))
+
+
+def _per_layer(tensors: dict[str, torch.Tensor], args, where: str) -> dict[str, torch.Tensor]:
+    """{decoder.layers.<i>.<p>: tensor}: stacked layers and stacked experts taken apart, experts
+    under SequentialMLP's names by global index (`local_experts.<e>`, as at EP 1)."""
+    out: dict[str, torch.Tensor] = {}
+
+    def put(k: str, t: torch.Tensor) -> None:
+        if k in out:
+            raise UserError(f"{where}: {k} is saved both stacked and alone: not one model's checkpoint")
+        out[k] = t
+
+    def layer(prefix: str, rest: str, t: torch.Tensor) -> None:
+        if not rest.startswith(_EXPERTS):
+            return put(prefix + rest, t)
+        rest = rest[len(_EXPERTS):]
+        m = _ONE_EXPERT.match(rest)
+        base = prefix + "mlp.experts.local_experts."
+        if m:
+            return put(f"{base}{m[1]}.{m[2]}", t)
+        for e, te in enumerate(_unstack(prefix + _EXPERTS + rest, t, int(getattr(args, "num_experts", 0) or 0),
+                                        "experts", where)):
+            put(f"{base}{e}.{rest}", te)
+
+    for k, t in tensors.items():
+        one, stacked = _ONE_LAYER.match(k), _STACKED.match(k)
+        if one:
+            layer(f"decoder.layers.{one[1]}.", one[2], t)
+        elif stacked:
+            for i, ti in enumerate(_unstack(k, t, int(args.num_layers), "layers", where)):
+                layer(f"decoder.layers.{i}.", stacked[1], ti)
+        else:
+            put(k, t)
+    return out
+
+
+def _glu_halves(model: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
+    """singleton_local_shards' SwiGLU halves (`linear_fc1.weight_w` gate, `_v` up) as one [gate; up]."""
+    out, halves = {}, {}
+    for k, t in model.items():
+        m = _GLU_HALF.match(k)
+        if m and ".linear_fc1." in k:
+            halves.setdefault(m[1], {})[m[2]] = t
+        else:
+            out[k] = t
+    for k, pair in halves.items():
+        if set(pair) != {"w", "v"}:
+            raise UserError(f"{where}: {k}_{'v' if 'w' in pair else 'w'} is missing beside its other SwiGLU half: "
+                            "the checkpoint is incomplete")
+        out[k] = torch.cat([pair["w"], pair["v"]])
+    return out
+
+
+def read(in_dir: str, *, progress=None, vocab_size: int | None = None,
+         tokenizer_model: str | None = None) -> tuple[dict[str, torch.Tensor], object, int, int]:
+    """megatron_lm.read's result for a torch_dist checkpoint: (full unpadded weights by our names,
+    experts by global index, in the saved dtype; args; iteration; vocab size)."""
+    d, it = megatron_lm.find_iteration_dir(in_dir)
+    _backend(d)
+    where = os.path.join(d, COMMON)
+    if not os.path.isfile(where):
+        raise UserError(f"{where} is missing: the checkpoint is incomplete (Megatron-LM writes it with the args)")
+    args = megatron_lm.safe_load(where, model=False).get("args")
+    if args is None or not hasattr(args, "num_layers"):
+        raise UserError(f"{where}: no 'args' (argparse.Namespace): the model's shape is unknown")
+    keys = _model_keys(read_dcp_metadata(d), d)
+    tensors = _load(d, keys)
+    if progress is not None:
+        progress(1, 1)
+    model = _glu_halves(_per_layer(tensors, args, where), where)
+    model = {megatron_lm.local_name(k): t for k, t in model.items()}
+    full, args, vocab = megatron_lm.finish_read(model, args, where, vocab_size, tokenizer_model)
+    return full, args, it, vocab
