@@ -15,6 +15,14 @@ gives every tensor of from-megatron of the torch files bit for bit, and the same
   - a Qwen2-MoE at TP1 x EP2 (layer 1 dense: one key per layer; a gated shared expert, QKV biases).
 Bad input, one line each, exit 2, nothing written: another sharded backend, a missing .distcp file,
 no common.pt, args whose layer count is not the checkpoint's.
+
+to-megatron --ckpt-format torch_dist, the other way: megatron-core's own loader
+(`dist_checkpointing.load` of its model's `sharded_state_dict`, Megatron-LM's metadata and default
+strictness) reads the written directory into models at other layouts than the one written -- the
+Mixtral written at TP2 x EP2 into TP2 x EP2 and TP1 x EP1, the Qwen2-MoE written at TP1 x EP2 into
+TP2 x EP2 and TP1 x EP2, the tied Llama written at TP2 into TP2 x PP2 stages and TP1 -- and every
+tensor equals the strict load of to-megatron's torch files at that layout (tested against
+transformers' logits elsewhere); from-megatron reads the written directory back bit for bit.
 """
 import copy
 import os
@@ -37,6 +45,12 @@ JOBS = {
     "qwen2_moe_tp1_ep2": ("qwen2_moe", 1, 1, 2, False),
 }
 ITERATION = 7
+# to-megatron --ckpt-format torch_dist: name: (model, TP and EP written, [(TP, PP, EP) megatron-core loads it at])
+WRITES = {
+    "mixtral_w": ("mixtral", 2, 2, [(2, 1, 2), (1, 1, 1)]),
+    "qwen2_moe_w": ("qwen2_moe", 1, 2, [(2, 1, 2), (1, 1, 2)]),
+    "llama_w": ("llama", 2, 1, [(2, 2, 1), (1, 1, 1)]),
+}
 
 
 def _in_process_writes():
@@ -139,7 +153,73 @@ def _build(d):
             convert.to_megatron(ck, torch_dir, tensor_parallel=tp, expert_parallel=ep, log=quiet)
         jobs[name] = (torch_dir, str(d / f"{name}_dist"))
     run_world(_save_world, 4, jobs, timeout=400)
-    return {name: [str(p) for p in paths] for name, paths in jobs.items()}
+    loads = {}
+    for name, (model, tp, ep, layouts) in WRITES.items():
+        ck = str(d / f"{name}_ck")
+        convert.from_hf(sources[model], ck, tensor_parallel=tp, log=quiet)
+        written = str(d / f"{name}_dist")
+        convert.to_megatron(ck, written, tensor_parallel=tp, expert_parallel=ep, ckpt_format="torch_dist", log=quiet)
+        refs = {}
+        for ltp, _, lep in layouts:
+            refs[(ltp, lep)] = str(d / f"{name}_torch_tp{ltp}_ep{lep}")
+            convert.to_megatron(ck, refs[(ltp, lep)], tensor_parallel=ltp, expert_parallel=lep, log=quiet)
+        loads[name] = (written, refs)
+    compared = run_world(_load_world, 4, loads, timeout=400)
+    return {"saved": {name: [str(p) for p in paths] for name, paths in jobs.items()},
+            "written": {name: paths[0] for name, paths in loads.items()}, "compared": compared}
+
+
+def _load_world(rank, loads):
+    """Per written checkpoint and layout: megatron-core's model of this rank loaded by its own
+    dist_checkpointing from to-megatron's torch_dist directory, against the strict load of the torch
+    files at that layout; returns {(name, TP, PP, EP): the tensors compared} (none may differ)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as mpu
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    from tests.test_convert_megatron_moe import _megatron_core_moe_gpt
+    from tests.test_convert_megatron_pipeline import _stage_args, _stage_models, fill_stage, start_megatron_core_world
+    from zo_megatron.checkpoint import megatron_lm
+
+    start_megatron_core_world()
+    out = {}
+    try:
+        for name, (written, refs) in loads.items():
+            for tp, pp, ep in WRITES[name][3]:
+                mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                              expert_model_parallel_size=ep)
+                t, p, e = (mpu.get_tensor_model_parallel_rank(), mpu.get_pipeline_model_parallel_rank(),
+                           mpu.get_expert_model_parallel_rank())
+                one = megatron_lm.safe_load(os.path.join(refs[(tp, ep)], "release", megatron_lm.rank_dir(t, e, ep),
+                                                         megatron_lm.FILE))
+                models = []
+                for _ in range(2):                     # the reference, and the one loaded from torch_dist
+                    if pp > 1:
+                        args = _stage_args(one["args"], tp, pp, None, None)
+                        (model,) = _stage_models(args, p, pp, None)
+                    else:
+                        model = _megatron_core_moe_gpt(one["args"])
+                    models.append(model)
+                ref, model = models
+                if pp > 1:
+                    fill_stage(ref, one["model"], args)
+                else:
+                    ref.load_state_dict(one["model"], strict=True)
+                metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True,
+                            "dp_cp_group": mpu.get_data_parallel_group(with_context_parallel=True)}
+                loaded = dist_checkpointing.load({"model": model.sharded_state_dict(metadata=metadata)},
+                                                 os.path.join(written, "release"),
+                                                 strict=StrictHandling.ASSUME_OK_UNEXPECTED)
+                model.load_state_dict(loaded["model"], strict=True)
+                got, want = model.state_dict(), ref.state_dict()
+                tensors = [k for k, v in want.items() if torch.is_tensor(v)]
+                bad = [k for k in tensors if not torch.equal(got[k], want[k])]
+                assert not bad, (name, tp, pp, ep, bad)
+                out[(name, tp, pp, ep)] = len(tensors)
+                mpu.destroy_model_parallel()
+    finally:
+        torch.distributed.destroy_process_group()
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -149,12 +229,31 @@ def saved(tmp_path_factory):
     return built_once(tmp_path_factory, "megatron_torch_dist", _build)[0]   # once for both xdist workers
 
 
+def test_megatron_core_loads_to_megatron_s_torch_dist_at_other_layouts_bit_for_bit(saved, tmp_path):
+    from zo_megatron.checkpoint import convert
+    from zo_megatron.checkpoint.reader import CheckpointReader
+
+    for rank_out in saved["compared"]:         # every rank of every layout compared its tensors (the world asserts)
+        assert sorted(rank_out) == sorted((n, *lay) for n, w in WRITES.items() for lay in w[3]), rank_out
+        assert all(n > 0 for n in rank_out.values()), rank_out
+    for name, written in saved["written"].items():
+        files = sorted(os.listdir(os.path.join(written, "release")))
+        assert "metadata.json" in files and "common.pt" in files and any(f.endswith(".distcp") for f in files)
+        back = str(tmp_path / name)
+        convert.from_megatron(written, back, tensor_parallel=1, log=quiet)
+        src = os.path.join(os.path.dirname(written), f"{name}_ck")
+        wa, wb = CheckpointReader(src).read_weights(), CheckpointReader(back).read_weights()
+        assert set(wa) == set(wb), (name, set(wa) ^ set(wb))
+        for k in wa:
+            assert wa[k].dtype == wb[k].dtype and torch.equal(wa[k], wb[k]), (name, k)
+
+
 def test_torch_dist_checkpoints_read_back_bit_for_bit_as_the_torch_format(saved, tmp_path):
     from zo_megatron.checkpoint import convert
     from zo_megatron.checkpoint.reader import CheckpointReader
     from zo_megatron.checkpoint.safe_load import read_dcp_metadata
 
-    for name, (torch_dir, dist_dir) in saved.items():
+    for name, (torch_dir, dist_dir) in saved["saved"].items():
         _, tp, pp, ep, singleton = JOBS[name]
         keys = set(read_dcp_metadata(os.path.join(dist_dir, f"iter_{ITERATION:07d}")).state_dict_metadata)
         # the forms the reader must take apart are what megatron-core wrote
@@ -180,7 +279,7 @@ def test_bad_torch_dist_checkpoints_are_one_line_exit_2(saved, tmp_path, capsys)
 
     from zo_megatron.checkpoint import megatron_lm
 
-    src = saved["mixtral_tp2_ep2"][1]
+    src = saved["saved"]["mixtral_tp2_ep2"][1]
     it_dir = f"iter_{ITERATION:07d}"
 
     def variant(tag, edit):

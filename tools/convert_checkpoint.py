@@ -7,6 +7,7 @@
     python tools/convert_checkpoint.py to-megatron --load CKPT --output DIR [--tensor-parallel N]
                                                    [--expert-model-parallel-size M]
                                                    [--expert-tensor-parallel-size K] [--moe-grouped-gemm]
+                                                   [--ckpt-format torch|torch_dist]
     python tools/convert_checkpoint.py from-megatron --input DIR --output CKPT --tensor-parallel N
                                                      [--vocab-size N] [--tokenizer-model DIR]
     python tools/convert_checkpoint.py to-fp32 --load CKPT --output PATH [--max-shard-size 5GB]
@@ -72,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     common(p, "input")
     p.add_argument("--tensor-parallel", "--tensor-model-parallel-size", dest="tensor_parallel", type=int, required=True)
 
-    p = sub.add_parser("to-megatron", help="Megatron-LM's torch checkpoint format (mp_rank_XX[_EEE]/model_optim_rng.pt)")
+    p = sub.add_parser("to-megatron", help="Megatron-LM's checkpoint: its torch format (mp_rank_XX[_EEE]/"
+                                           "model_optim_rng.pt) or, with --ckpt-format torch_dist, its default one")
     common(p, "load")
     p.add_argument("--tensor-parallel", "--tensor-model-parallel-size", dest="tensor_parallel", type=int,
                    help="TP ranks to write (default: the checkpoint's)")
@@ -84,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--moe-grouped-gemm", dest="grouped_gemm", action="store_true",
                    help="the experts as a Megatron-LM --transformer-impl local --moe-grouped-gemm run holds them "
                         "(GroupedMLP's weight1 / weight2; default: SequentialMLP's local_experts.J)")
+    p.add_argument("--ckpt-format", dest="ckpt_format", choices=("torch", "torch_dist"), default="torch",
+                   help="Megatron-LM's checkpoint format: torch (one file per TP x EP rank, loaded with "
+                        "--ckpt-format torch at that layout) or torch_dist (its default: global tensors that its "
+                        "run loads at any TP x EP x PP)")
 
     p = sub.add_parser("from-megatron", help="a weights-only zo_megatron checkpoint from a Megatron-LM checkpoint "
                                             "(--ckpt-format torch_dist, its default, or torch)")
@@ -118,7 +124,7 @@ def run(argv: list[str] | None = None) -> int:
     elif a.command == "to-megatron":
         convert.to_megatron(a.load, a.output, iteration=a.iteration, tensor_parallel=a.tensor_parallel,
                             expert_parallel=a.expert_parallel, expert_tensor_parallel=a.expert_tensor_parallel,
-                            grouped_gemm=a.grouped_gemm, force=a.force)
+                            grouped_gemm=a.grouped_gemm, ckpt_format=a.ckpt_format, force=a.force)
     elif a.command == "from-megatron":
         convert.from_megatron(a.input, a.output, tensor_parallel=a.tensor_parallel, vocab_size=a.vocab_size,
                               tokenizer_model=a.tokenizer_model, force=a.force)

@@ -313,10 +313,14 @@ def _hf_source(input_dir: str, cfg_json: dict) -> dict:
 
 def to_megatron(load: str, output: str, *, iteration: int | None = None, tensor_parallel: int | None = None,
                 expert_parallel: int | None = None, expert_tensor_parallel: int | None = None,
-                grouped_gemm: bool = False, force: bool = False, log: Log = print) -> None:
+                grouped_gemm: bool = False, ckpt_format: str = "torch", force: bool = False,
+                log: Log = print) -> None:
     """expert_parallel: EP ranks to write (default: the checkpoint's; 1 for a dense model);
     expert_tensor_parallel: the experts' TP (default: the checkpoint's at its TP, else TP);
-    grouped_gemm: the experts as the local spec's GroupedMLP (--moe-grouped-gemm) holds them."""
+    grouped_gemm: the experts as the local spec's GroupedMLP (--moe-grouped-gemm) holds them;
+    ckpt_format: Megatron-LM's torch format (rank files) or torch_dist (global tensors, any layout)."""
+    if ckpt_format not in ("torch", "torch_dist"):
+        raise UserError(f"--ckpt-format {ckpt_format}: Megatron-LM's formats written are torch and torch_dist")
     reader = CheckpointReader(load, iteration)
     log(reader.describe())
     meta, args = full_meta(reader.model_meta), reader.args
@@ -347,9 +351,14 @@ def to_megatron(load: str, output: str, *, iteration: int | None = None, tensor_
                                    tokenizer_model=os.path.abspath(saved_tok) if has_tokenizer else None,
                                    consumed_samples=int(reader.manifest.get("consumed_samples", 0)),
                                    consumed_valid_samples=int(reader.manifest.get("consumed_valid_samples", 0)),
-                                   expert_parallel=ep, expert_tensor_parallel=etp, grouped_gemm=grouped_gemm)
+                                   expert_parallel=ep, expert_tensor_parallel=etp, grouped_gemm=grouped_gemm,
+                                   ckpt_format=ckpt_format)
     with atomic_output(output, force=force) as tmp:
-        megatron_lm.write(tmp, weights, ns, progress=Progress("writing TP ranks" if ep == 1 else "writing TP x EP ranks"))
+        if ckpt_format == "torch_dist":
+            megatron_dist.write(tmp, weights, ns)
+        else:
+            megatron_lm.write(tmp, weights, ns,
+                              progress=Progress("writing TP ranks" if ep == 1 else "writing TP x EP ranks"))
     _wrote(log, output)
     window = reader.manifest.get("attention_window")
     if window is not None:
@@ -369,7 +378,9 @@ def to_megatron(load: str, output: str, *, iteration: int | None = None, tensor_
         + f" x EP{ep} ({meta['num_experts'] // ep} experts per EP rank; --expert-model-parallel-size {ep}"
         + (f", --expert-tensor-parallel-size {etp}" if etp != tp else "")
         + (", --sequence-parallel" if tp > 1 else "") + (", --moe-grouped-gemm" if grouped_gemm else "") + ")")
-    log(f"  Megatron-LM torch format, TP{tp}{moe}, iteration {reader.iteration}: load it in Megatron-LM with "
+    fmt = (f"torch_dist format (global tensors: its run loads them at any TP x EP x PP; the args say TP{tp}{moe})"
+           if ckpt_format == "torch_dist" else f"torch format, TP{tp}{moe}")
+    log(f"  Megatron-LM {fmt}, iteration {reader.iteration}: load it in Megatron-LM with --ckpt-format {ckpt_format} "
         "--transformer-impl local (megatron-core's local layers' names) and --finetune (no optimizer or RNG state "
         "is included)"
         + (f"; its tokenizer: --tokenizer-model {saved_tok}" if has_tokenizer else ""))

@@ -28,9 +28,16 @@ the torch format's files (the QKV rows grouped per query group, SwiGLU's gate th
 megatron_lm.finish_read then turns into ours. Reading never runs pickled code: `.metadata` through
 safe_load's allow-list unpickler (DCP's own classes, plain data), tensors with
 torch.load(weights_only=True) inside DCP, common.pt through megatron_lm.safe_load.
+
+write() is the other way (to-megatron --ckpt-format torch_dist): the same global tensors in the
+classic form Megatron-LM saves, written by torch.distributed.checkpoint in one process, with the
+`_extra_state` objects of the local linear layers that megatron-core's load asks for, common.pt and
+metadata.json. A Megatron-LM run loads it at any TP x EP x PP (--ckpt-format torch_dist
+--transformer-impl local --finetune).
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -177,3 +184,103 @@ def read(in_dir: str, *, progress=None, vocab_size: int | None = None,
     model = {megatron_lm.local_name(k): t for k, t in model.items()}
     full, args, vocab = megatron_lm.finish_read(model, args, where, vocab_size, tokenizer_model)
     return full, args, it, vocab
+
+
+def _sharded_name(key: str) -> str:
+    """A local-spec parameter's name as its sharded_state_dict saves it (the norms under Transformer
+    Engine's names: megatron-core's local layer spec maps them so)."""
+    for local, te in (("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
+                      ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_")):
+        m = re.match(rf"^(decoder\.layers\.\d+\.){re.escape(local)}(.+)$", key)
+        if m:
+            return f"{m[1]}{te}{m[2]}"
+    return key
+
+
+def _homogeneous(args) -> bool:
+    """megatron-core's TransformerBlock.sharded_state_dict stacks the layers unless moe_layer_freq
+    mixes dense and MoE layers (a list, or an int above 1)."""
+    freq = getattr(args, "moe_layer_freq", 1) if getattr(args, "num_experts", None) else 1
+    return not isinstance(freq, (list, tuple)) and int(freq) <= 1
+
+
+def global_tensors(weights: dict[str, torch.Tensor], args) -> tuple[dict[str, torch.Tensor], dict[str, tuple]]:
+    """(the GLOBAL tensors Megatron-LM's torch_dist save holds for full unpadded weights -- our names,
+    experts by global index; vocab padded for args' TP -- the inverse of read's taking apart; and each
+    key's stacked leading axes: (), (L,), (E,) or (L, E)). Consumes `weights`: each stacked key
+    replaces its parts, so the model is never held twice."""
+    from zo_megatron.checkpoint.tp_layout import OUTPUT_LAYER, WORD_EMBEDDING
+
+    flat: dict[str, torch.Tensor] = {}
+    for name in list(weights):
+        t = weights.pop(name)
+        key = _sharded_name(megatron_lm.ours_to_megatron(name))
+        if key.endswith((WORD_EMBEDDING, OUTPUT_LAYER)) and t.shape[0] < args.padded_vocab_size:
+            t = torch.cat([t, t.new_zeros(args.padded_vocab_size - t.shape[0], *t.shape[1:])])
+        flat[key] = t
+    axes = {k: () for k in flat}
+
+    def stack(pattern: str, name, size) -> None:
+        groups: dict[str, dict[int, str]] = {}
+        for key in list(flat):
+            m = re.match(pattern, key)
+            if m:
+                groups.setdefault(name(m), {})[int(m["i"])] = key
+        for new, parts in groups.items():
+            if sorted(parts) != list(range(size)):
+                raise UserError(f"{new}: parts {sorted(parts)} of {size}: the weights are not the model's")
+            flat[new] = torch.stack([flat.pop(parts[i]) for i in range(size)])
+            axes[new] = (size, *axes.pop(parts[0]))
+            for i in range(1, size):
+                axes.pop(parts[i])
+
+    if getattr(args, "num_experts", None):
+        stack(r"^(?P<pre>.*\.mlp\.experts\.)local_experts\.(?P<i>\d+)\.(?P<rest>.+)$",
+              lambda m: f"{m['pre']}experts.{m['rest']}", int(args.num_experts))
+    if _homogeneous(args):
+        stack(r"^decoder\.layers\.(?P<i>\d+)\.(?P<rest>.+)$", lambda m: f"decoder.layers.{m['rest']}",
+              int(args.num_layers))
+    return flat, axes
+
+
+def _extra_states(tensors: dict[str, torch.Tensor], axes: dict[str, tuple]) -> dict[str, list]:
+    """The `_extra_state` objects megatron-core's local linear layers in the decoder save (None, as
+    the list [None] of one ShardedObject), one per stacked position, under ShardedObject's unique key
+    `<layer>._extra_state/shard_<offsets>_<shape>` (a layer not stacked: shard_0_1). A load asks for
+    every one of them."""
+    out = {}
+    for key in tensors:
+        module, _, leaf = key.rpartition(".")
+        if not key.startswith("decoder.") or leaf != "weight" or not module.rpartition(".")[2].startswith("linear_"):
+            continue
+        shape = axes[key] or (1,)
+        for offset in itertools.product(*(range(n) for n in shape)):
+            out[f"{module}._extra_state/shard_{'.'.join(map(str, offset))}_{'.'.join(map(str, shape))}"] = [None]
+    return out
+
+
+def write(out_dir: str, weights: dict[str, torch.Tensor], args) -> None:
+    """Megatron-LM's torch_dist checkpoint of the model from full unpadded weights (our names,
+    experts by global index; consumed): what its save_checkpoint writes at --ckpt-format torch_dist
+    with singleton_local_shards false, less the optimizer and RNG state. out_dir: a new directory."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    it = args.iteration
+    d = os.path.join(out_dir, "release" if it == 0 else f"iter_{it:07d}")
+    os.makedirs(d)
+    tensors, axes = global_tensors(weights, args)
+    state = {**tensors, **_extra_states(tensors, axes)}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
+        # not flattened: each object stays one item (torch.save([None])), as megatron-core stores it
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(d), planner=DefaultSavePlanner(flatten_state_dict=False),
+                 no_dist=True)
+    torch.save({"args": args, "checkpoint_version": megatron_lm.CHECKPOINT_VERSION, "iteration": it,
+                "content_metadata": {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}},
+               os.path.join(d, COMMON))
+    with open(os.path.join(d, CONFIG), "w") as f:
+        json.dump({"sharded_backend": BACKEND, "sharded_backend_version": 1, "common_backend": "torch",
+                   "common_backend_version": 1}, f)
+    with open(os.path.join(out_dir, megatron_lm.TRACKER), "w") as f:
+        f.write("release" if it == 0 else str(it))

@@ -83,9 +83,10 @@ def megatron_args(meta: dict, *, tp: int, iteration: int, divisible_by: int, seq
                   precision: str | None, tokenizer_type: str = "GPT2BPETokenizer", tokenizer_model: str | None = None,
                   consumed_samples: int = 0, consumed_valid_samples: int = 0,
                   expert_parallel: int = 1, expert_tensor_parallel: int | None = None,
-                  grouped_gemm: bool = False) -> argparse.Namespace:
+                  grouped_gemm: bool = False, ckpt_format: str = "torch") -> argparse.Namespace:
     """The args Megatron-LM reads from a checkpoint (its argument names), for the model `meta`;
-    grouped_gemm: the experts as a --moe-grouped-gemm run of the local spec holds them (write())."""
+    grouped_gemm: the experts as a --moe-grouped-gemm run of the local spec holds them (write());
+    ckpt_format: the files' format (torch_dist holds any expert layout: its tensors are global)."""
     meta = full_meta(meta)
     h, heads, groups = meta["hidden_size"], meta["num_attention_heads"], query_groups(meta)
     rope = meta["position_embedding_type"] == "rope"
@@ -110,12 +111,12 @@ def megatron_args(meta: dict, *, tp: int, iteration: int, divisible_by: int, seq
         # Megatron-LM keeps add_qkv_bias True whenever add_bias_linear is
         add_bias_linear=meta["add_bias_linear"], add_qkv_bias=meta["add_bias_linear"] or meta["add_qkv_bias"],
         swiglu=meta["swiglu"], squared_relu=False, openai_gelu=not meta["swiglu"], transformer_impl="local",
-        ckpt_format="torch", bf16=precision == "bf16", fp16=precision == "fp16", iteration=iteration,
+        ckpt_format=ckpt_format, bf16=precision == "bf16", fp16=precision == "fp16", iteration=iteration,
         consumed_train_samples=consumed_samples, consumed_valid_samples=consumed_valid_samples,
-        **_moe_args(meta, tp, expert_parallel, expert_tensor_parallel, grouped_gemm))
+        **_moe_args(meta, tp, expert_parallel, expert_tensor_parallel, grouped_gemm, ckpt_format))
 
 
-def _moe_args(meta: dict, tp: int, ep: int, etp: int | None, grouped_gemm: bool) -> dict:
+def _moe_args(meta: dict, tp: int, ep: int, etp: int | None, grouped_gemm: bool, ckpt_format: str) -> dict:
     """The MoE args under Megatron-LM's names (its validate_args' forms: one load-balancing type and
     one aux-loss coefficient as plain values, expert TP (default TP), moe_ffn_hidden_size resolved);
     none for a dense model (then the args are what they were before MoE)."""
@@ -138,7 +139,8 @@ def _moe_args(meta: dict, tp: int, ep: int, etp: int | None, grouped_gemm: bool)
         raise UserError(f"--expert-tensor-parallel-size {etp} does not divide the experts' FFN size "
                         f"{meta['moe_ffn_hidden_size']}: each expert splits over expert TP as the MLP over TP; "
                         "choose one that divides it")
-    legacy_rank_files(tp, etp, ep)              # (refuses a layout Megatron-LM's torch format cannot hold)
+    if ckpt_format == "torch":
+        legacy_rank_files(tp, etp, ep)          # (refuses a layout Megatron-LM's torch format cannot hold)
     return {**{k: meta[k] for k in MOE_FIELDS}, "expert_model_parallel_size": ep, "expert_tensor_parallel_size": etp,
             "moe_grouped_gemm": grouped_gemm, "moe_use_legacy_grouped_gemm": False,
             "moe_router_enable_expert_bias": False,
@@ -251,7 +253,7 @@ def local_name(key: str) -> str:
     return key
 
 
-def _ours_to_megatron(name: str) -> str:
+def ours_to_megatron(name: str) -> str:
     return name.removeprefix(_OURS)
 
 
@@ -337,9 +339,9 @@ def write(out_dir: str, weights: dict[str, torch.Tensor], args: argparse.Namespa
     for t, e, k in specs:
         model = {}
         for name, full in weights.items():
-            m = _EXPERT.match(_ours_to_megatron(name))
+            m = _EXPERT.match(ours_to_megatron(name))
             if m is None:
-                model[_ours_to_megatron(name)] = _tp_shard(name, full, t, tp, args.padded_vocab_size, args.swiglu)
+                model[ours_to_megatron(name)] = _tp_shard(name, full, t, tp, args.padded_vocab_size, args.swiglu)
                 continue
             owner, j = divmod(int(m[2]), per_rank)  # global expert e x E/EP + j is EP rank e's local j
             if owner == e:
