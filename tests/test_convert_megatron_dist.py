@@ -33,7 +33,7 @@ import torch
 
 from tests.harness import run_world
 from tests.seeds import fresh_seed
-from tests.test_convert_llama import _cli, make_hf_model, quiet
+from tests.test_convert_llama import make_hf_model, quiet
 
 transformers = pytest.importorskip("transformers")
 
@@ -277,6 +277,7 @@ def test_torch_dist_checkpoints_read_back_bit_for_bit_as_the_torch_format(saved,
 def test_bad_torch_dist_checkpoints_are_one_line_exit_2(saved, tmp_path, capsys):
     import json
 
+    from tests.test_convert_megatron_pipeline import assert_from_megatron_refuses
     from zo_megatron.checkpoint import megatron_lm
 
     src = saved["saved"]["mixtral_tp2_ep2"][1]
@@ -307,11 +308,4 @@ def test_bad_torch_dist_checkpoints_are_one_line_exit_2(saved, tmp_path, capsys)
         (variant("no_common", lambda d: os.remove(os.path.join(d, "common.pt"))), ["common.pt is missing"]),
         (variant("layers", layers), ["not 3 layers stacked", "the args are not the run's"]),
     ]
-    cli = _cli()
-    for src_dir, says in cases:
-        capsys.readouterr()
-        rc = cli.main(["from-megatron", "--input", src_dir, "--output", str(tmp_path / "out"), "--tensor-parallel", "1"])
-        lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip() and "%" not in ln]
-        assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), (src_dir, lines)
-        assert all(s in lines[0] for s in says), (says, lines[0])
-        assert not os.path.exists(tmp_path / "out"), src_dir
+    assert_from_megatron_refuses(cases, tmp_path, capsys)

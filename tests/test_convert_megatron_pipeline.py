@@ -231,6 +231,12 @@ def test_bad_pipeline_checkpoints_are_one_line_exit_2(stages, tmp_path, capsys):
          ["args.pipeline_model_parallel_layout='Et|tL'", "--target-pipeline-parallel-size 1"]),
         (variant("no_chunk", src=vp_staged, edit=drop_chunk), ["virtual_pipeline_model_parallel_size=2", "['model0']"]),
     ]
+    assert_from_megatron_refuses(cases, tmp_path, capsys)
+
+
+def assert_from_megatron_refuses(cases, tmp_path, capsys) -> None:
+    """Each (input directory, words) case: from-megatron through the CLI prints one `error:` line
+    holding every word, exits 2 and writes nothing."""
     cli = _cli()
     for src, says in cases:
         capsys.readouterr()
