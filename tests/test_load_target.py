@@ -56,6 +56,29 @@ def test_a_hugging_face_model_directory_is_answered_with_the_conversion(tmp_path
     assert "a Hugging Face model (LlamaForCausalLM)" in msg and "convert_checkpoint.py from-hf --input" in msg
 
 
+@pytest.mark.parametrize("fmt", ["torch_dist", "torch", "torch-release"])
+def test_a_megatron_lm_checkpoint_is_answered_with_the_conversion(tmp_path, fmt):
+    """Megatron-LM's checkpoint roots have the same tracker file as ours; --load of one used to end in
+    "checkpoint.json is missing: the checkpoint is incomplete". Now it names the format and the fix."""
+    root = tmp_path / "megatron_ckpt"
+    sub = "release" if fmt.endswith("release") else "iter_0000200"
+    d = root / sub
+    if fmt == "torch_dist":
+        d.mkdir(parents=True)
+        (d / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
+        (d / "common.pt").write_bytes(b"")
+    else:
+        (d / "mp_rank_00").mkdir(parents=True)
+        (d / "mp_rank_00" / "model_optim_rng.pt").write_bytes(b"")
+    (root / "latest_checkpointed_iteration.txt").write_text("release" if sub == "release" else "200")
+    with pytest.raises(UserError) as e:
+        check_load_target(_args(str(root)))
+    msg = str(e.value)
+    assert "\n" not in msg and f"a Megatron-LM checkpoint ({fmt.split('-')[0]} format" in msg, msg
+    assert f"convert_checkpoint.py from-megatron --input {root} --output CKPT --tensor-parallel N" in msg, msg
+    assert "--finetune" in msg and "incomplete" not in msg, msg
+
+
 def test_save_x_load_x_trains_on_the_first_launch_and_resumes_on_the_second(sotu_prefix, tmp_path):
     ck, log = tmp_path / "ck", tmp_path / "log.jsonl"
     common = ["--zero-offload", "--fp32", "--data-path", sotu_prefix, "--save", str(ck), "--load", str(ck),

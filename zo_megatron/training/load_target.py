@@ -7,6 +7,8 @@ than a checkpoint root is not "missing" but a wrong target, answered with its fi
 --load", which would throw away the work DIR points to):
 
   DIR/latest_checkpointed_iteration.txt         a checkpoint root: resume (checkpoint/verify.py)
+    ... naming a Megatron-LM iteration            (mp_rank_XX/ or torch_dist's metadata.json, no
+                                                 checkpoint.json): convert it first
   DIR = ROOT/iter_0000070 (checkpoint.json)     one iteration: pass ROOT
   DIR/config.json with model_type/architectures a Hugging Face model: convert it first
   nothing, or DIR does not exist                 no checkpoint yet: start fresh, with a warning
@@ -33,6 +35,8 @@ def check_load_target(args) -> str | None:
         raise UserError("--ckpt-step picks an iteration of --load's checkpoint: add --load DIR")
     if step is not None and step < 0:
         raise UserError(f"--ckpt-step {step}: an iteration number is >= 0")
+    if d and os.path.isfile(os.path.join(d, LATEST)):
+        _refuse_megatron_lm(d, step)
     if not d or os.path.isfile(os.path.join(d, LATEST)) or (step is not None and os.path.isdir(iter_dir(d, step))):
         return None
     norm = os.path.normpath(d)
@@ -57,6 +61,34 @@ def check_load_target(args) -> str | None:
     args.load = None
     return (f"warning: --load {d}: no checkpoint there yet ({why}); starting from randomly initialised weights, "
             "as Megatron-LM does (--exit-on-missing-checkpoint stops instead)")
+
+
+def _refuse_megatron_lm(d: str, step: int | None) -> None:
+    """A Megatron-LM checkpoint root has the same tracker file as ours: name it and its conversion
+    instead of reading it as an incomplete checkpoint of ours."""
+    try:
+        with open(os.path.join(d, LATEST)) as f:
+            text = f.read(64).strip()
+    except OSError:
+        return
+    if step is not None:
+        sub = os.path.basename(iter_dir(d, step))
+    elif text == "release":                     # Megatron-LM's iteration 0
+        sub = "release"
+    elif text.isdigit():
+        sub = os.path.basename(iter_dir(d, int(text)))
+    else:
+        return
+    it = os.path.join(d, sub)
+    if not os.path.isdir(it) or os.path.isfile(os.path.join(it, MANIFEST)):
+        return
+    names = os.listdir(it)
+    fmt = "torch_dist" if "metadata.json" in names else "torch" if any(n.startswith("mp_rank_") for n in names) \
+        else None
+    if fmt is not None:
+        raise UserError(f"--load {d}: a Megatron-LM checkpoint ({fmt} format, {sub}), not a zo_megatron one; convert "
+                        f"it once: python tools/convert_checkpoint.py from-megatron --input {d} --output CKPT "
+                        "--tensor-parallel N, then launch with --load CKPT --finetune and the model flags it prints")
 
 
 def _hf_model_type(d: str) -> str | None:
