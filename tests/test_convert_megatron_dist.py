@@ -13,8 +13,9 @@ gives every tensor of from-megatron of the torch files bit for bit, and the same
   - a Mixtral at TP2 x EP2: layers and experts stacked ([L, E, ...]);
   - the same Mixtral with singleton_local_shards: one key per layer and expert, SwiGLU's halves apart;
   - a Qwen2-MoE at TP1 x EP2 (layer 1 dense: one key per layer; a gated shared expert, QKV biases).
-Bad input, one line each, exit 2, nothing written: another sharded backend, a missing .distcp file,
-no common.pt, args whose layer count is not the checkpoint's.
+Bad input, one line each, exit 2, nothing written: a pickled payload planted in .metadata or common.pt
+(never run), another sharded backend, a missing .distcp file, no common.pt, args whose layer count is
+not the checkpoint's.
 
 to-megatron --ckpt-format torch_dist, the other way: megatron-core's own loader
 (`dist_checkpointing.load` of its model's `sharded_state_dict`, Megatron-LM's metadata and default
@@ -302,10 +303,31 @@ def test_bad_torch_dist_checkpoints_are_one_line_exit_2(saved, tmp_path, capsys)
         common["args"].num_layers = 3
         torch.save(common, path)
 
+    marker = tmp_path / "payload_ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    def planted_metadata(d):
+        import pickle
+
+        with open(os.path.join(d, ".metadata"), "wb") as f:
+            pickle.dump(Payload(), f)
+
+    def planted_common(d):
+        path = os.path.join(d, "common.pt")
+        common = megatron_lm.safe_load(path, model=False)
+        common["args"].exit_signal = Payload()
+        torch.save(common, path)
+
     cases = [
+        (variant("planted_metadata", planted_metadata), [".metadata cannot be read safely", "refusing to load"]),
+        (variant("planted_common", planted_common), ["common.pt: refusing to load", "system"]),
         (variant("backend", backend), ["sharded_backend 'zarr'", "--ckpt-format torch_dist"]),
         (variant("no_data", no_data), ["cannot be read", ".distcp"]),
         (variant("no_common", lambda d: os.remove(os.path.join(d, "common.pt"))), ["common.pt is missing"]),
         (variant("layers", layers), ["not 3 layers stacked", "the args are not the run's"]),
     ]
     assert_from_megatron_refuses(cases, tmp_path, capsys)
+    assert not marker.exists()                          # no pickled code ran

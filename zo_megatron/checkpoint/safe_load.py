@@ -24,7 +24,7 @@ _ALLOWED = {
     (_DCP_MD, "ChunkStorageMetadata"), (_DCP_MD, "MetadataIndex"), (_DCP_MD, "StorageMeta"),
     # Megatron-LM's torch_dist: its non-tensor items, and the save plans megatron-core keeps in the metadata
     (_DCP_MD, "BytesStorageMetadata"), (_DCP_PLAN, "SavePlan"), (_DCP_PLAN, "WriteItem"),
-    (_DCP_PLAN, "WriteItemType"), (_DCP_PLAN, "TensorWriteData"),
+    (_DCP_PLAN, "WriteItemType"), (_DCP_PLAN, "TensorWriteData"), (_DCP_PLAN, "BytesIOWriteData"),
     (_DCP_MD, "_MEM_FORMAT_ENCODING"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch.serialization", "_get_layout"), ("torch", "Size"), ("pathlib", "PosixPath"),
     ("pathlib", "WindowsPath"), ("collections", "OrderedDict"),
