@@ -9,7 +9,8 @@ as Megatron-LM's save_checkpoint does at --ckpt-format torch_dist: `dist_checkpo
 Megatron-LM's metadata (singleton_local_shards False; True in one case, the form megatron-core also
 writes), the default torch_dist save strategy, and the tracker file. from-megatron of that directory
 gives every tensor of from-megatron of the torch files bit for bit, and the same architecture:
-  - a tied Llama (4 layers) at TP2 x PP2: layers stacked on one axis, the tied copy not saved;
+  - a tied Llama (4 layers) at TP2 x PP2: layers stacked on one axis, the tied copy not saved; and at
+    TP1 x PP2 x virtual 2 (model0 / model1 per stage, chunks interleaved) saved in bf16;
   - a Mixtral at TP2 x EP2: layers and experts stacked ([L, E, ...]);
   - the same Mixtral with singleton_local_shards: one key per layer and expert, SwiGLU's halves apart;
   - a Qwen2-MoE at TP1 x EP2 (layer 1 dense: one key per layer; a gated shared expert, QKV biases).
@@ -38,12 +39,13 @@ from tests.test_convert_llama import make_hf_model, quiet
 
 transformers = pytest.importorskip("transformers")
 
-# name: (model, TP, PP, EP, singleton_local_shards)
+# name: (model, TP, PP, virtual pipeline chunks, EP, singleton_local_shards, the saved model's dtype)
 JOBS = {
-    "llama_tp2_pp2": ("llama", 2, 2, 1, False),
-    "mixtral_tp2_ep2": ("mixtral", 2, 1, 2, False),
-    "mixtral_tp2_ep2_singleton": ("mixtral", 2, 1, 2, True),
-    "qwen2_moe_tp1_ep2": ("qwen2_moe", 1, 1, 2, False),
+    "llama_tp2_pp2": ("llama", 2, 2, None, 1, False, torch.float32),
+    "llama_tp1_pp2_vp2_bf16": ("llama", 1, 2, 2, 1, False, torch.bfloat16),
+    "mixtral_tp2_ep2": ("mixtral", 2, 1, None, 2, False, torch.float32),
+    "mixtral_tp2_ep2_singleton": ("mixtral", 2, 1, None, 2, True, torch.float32),
+    "qwen2_moe_tp1_ep2": ("qwen2_moe", 1, 1, None, 2, False, torch.float32),
 }
 ITERATION = 7
 # to-megatron --ckpt-format torch_dist: name: (model, TP and EP written, [(TP, PP, EP) megatron-core loads it at])
@@ -95,29 +97,31 @@ def _save_world(rank, jobs):
     start_megatron_core_world()
     try:
         for name, (src, out_dir) in jobs.items():
-            _, tp, pp, ep, singleton = JOBS[name]
+            _, tp, pp, vp, ep, singleton, dtype = JOBS[name]
             mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                          expert_model_parallel_size=ep)
+                                          virtual_pipeline_model_parallel_size=vp, expert_model_parallel_size=ep)
             t, p, e = (mpu.get_tensor_model_parallel_rank(), mpu.get_pipeline_model_parallel_rank(),
                        mpu.get_expert_model_parallel_rank())
             one = megatron_lm.safe_load(os.path.join(src, "release", megatron_lm.rank_dir(t, e, ep),
                                                      megatron_lm.FILE))
             if pp > 1:
-                args = _stage_args(one["args"], tp, pp, None, None)
-                (model,) = _stage_models(args, p, pp, None)
-                fill_stage(model, one["model"], args)
+                args = _stage_args(one["args"], tp, pp, vp, None)
+                chunks = _stage_models(args, p, pp, vp)
+                for chunk in chunks:
+                    fill_stage(chunk, one["model"], args)
             else:
                 args = copy.copy(one["args"])
-                model = _megatron_core_moe_gpt(args)
-                model.load_state_dict(one["model"], strict=True)
-            args.ckpt_format = "torch_dist"
+                chunks = [_megatron_core_moe_gpt(args)]
+                chunks[0].load_state_dict(one["model"], strict=True)
+            args.ckpt_format, args.bf16 = "torch_dist", dtype == torch.bfloat16
             metadata = {"singleton_local_shards": singleton, "chained_optim_avoid_prefix": True,
                         "dp_cp_group": mpu.get_data_parallel_group(with_context_parallel=True)}
             rng = ShardedObject("rng_state", [{"random_rng_state": torch.get_rng_state()}], (pp, tp), (p, t),
                                 replica_id=mpu.get_data_parallel_rank(with_context_parallel=True))
-            state = {"args": args, "checkpoint_version": 3.0, "iteration": ITERATION,
-                     "model": model.sharded_state_dict(metadata=metadata), "rng_state": rng,
+            state = {"args": args, "checkpoint_version": 3.0, "iteration": ITERATION, "rng_state": rng,
                      "num_floating_point_operations_so_far": 0}
+            for v, chunk in enumerate(chunks):       # Megatron-LM's generate_state_dict: model, or model0, model1, ...
+                state["model" if len(chunks) == 1 else f"model{v}"] = chunk.to(dtype).sharded_state_dict(metadata=metadata)
             d = os.path.join(out_dir, f"iter_{ITERATION:07d}")
             if rank == 0:
                 os.makedirs(d)
@@ -147,7 +151,7 @@ def _build(d):
     sources = {m: make_hf_model(d / m, configs[m], seed + i, tokenizer=False)
                for i, m in enumerate(sorted({job[0] for job in JOBS.values()}))}
     jobs = {}
-    for name, (model, tp, _, ep, _) in JOBS.items():
+    for name, (model, tp, _, _, ep, _, _) in JOBS.items():
         ck, torch_dir = str(d / f"{name}_ck"), str(d / f"{name}_torch")
         if not os.path.isdir(torch_dir):
             convert.from_hf(sources[model], ck, tensor_parallel=tp, log=quiet)
@@ -255,11 +259,13 @@ def test_torch_dist_checkpoints_read_back_bit_for_bit_as_the_torch_format(saved,
     from zo_megatron.checkpoint.safe_load import read_dcp_metadata
 
     for name, (torch_dir, dist_dir) in saved["saved"].items():
-        _, tp, pp, ep, singleton = JOBS[name]
-        keys = set(read_dcp_metadata(os.path.join(dist_dir, f"iter_{ITERATION:07d}")).state_dict_metadata)
+        _, tp, pp, vp, ep, singleton, dtype = JOBS[name]
+        md = read_dcp_metadata(os.path.join(dist_dir, f"iter_{ITERATION:07d}")).state_dict_metadata
+        keys = set(md)
         # the forms the reader must take apart are what megatron-core wrote
         stacked = any(k.startswith("decoder.layers.self_attention.") for k in keys)
-        assert stacked == (name in ("llama_tp2_pp2", "mixtral_tp2_ep2")), (name, sorted(keys)[:8])
+        assert stacked == (not singleton and name.startswith(("llama", "mixtral"))), (name, sorted(keys)[:8])
+        assert md["decoder.final_layernorm.weight"].properties.dtype == dtype, name
         assert any(k.endswith("linear_fc1.weight_w") for k in keys) == singleton, name
         assert "rng_state" in {k.split("/")[0] for k in keys}, name
         a, b = str(tmp_path / f"{name}_torch"), str(tmp_path / f"{name}_dist")
@@ -268,8 +274,8 @@ def test_torch_dist_checkpoints_read_back_bit_for_bit_as_the_torch_format(saved,
         convert.from_megatron(dist_dir, b, tensor_parallel=tp, log=lines.append)
         wa, wb = CheckpointReader(a).read_weights(), CheckpointReader(b).read_weights()
         assert set(wa) == set(wb), (name, set(wa) ^ set(wb))
-        for k in wa:
-            assert wa[k].dtype == wb[k].dtype and torch.equal(wa[k], wb[k]), (name, k)
+        for k in wa:        # a bf16 save holds the fp32 weights rounded to bf16, read back as they are
+            assert wa[k].dtype == wb[k].dtype and torch.equal(wa[k].to(dtype).to(wa[k].dtype), wb[k]), (name, k)
         assert CheckpointReader(a).model_meta == CheckpointReader(b).model_meta, name
         (read_line,) = [ln for ln in lines if ln.startswith("read ")]
         assert f"iteration {ITERATION}" in read_line and "torch_dist" in read_line, read_line
