@@ -35,7 +35,7 @@ import torch
 
 from tests.harness import run_world
 from tests.seeds import fresh_seed
-from tests.test_convert_llama import make_hf_model, quiet
+from tests.test_convert_llama import _cli, make_hf_model, quiet
 
 transformers = pytest.importorskip("transformers")
 
@@ -279,6 +279,35 @@ def test_torch_dist_checkpoints_read_back_bit_for_bit_as_the_torch_format(saved,
         assert CheckpointReader(a).model_meta == CheckpointReader(b).model_meta, name
         (read_line,) = [ln for ln in lines if ln.startswith("read ")]
         assert f"iteration {ITERATION}" in read_line and "torch_dist" in read_line, read_line
+
+
+def test_iteration_picks_an_older_checkpoint_of_the_root(saved, tmp_path, capsys):
+    """--iteration N (Megatron-LM's --ckpt-step): a root holding the Qwen2-MoE as iteration 3 and the
+    Mixtral as iteration 7 (the tracker's) gives each; an iteration it does not hold is one line."""
+    from zo_megatron.checkpoint import convert
+    from zo_megatron.checkpoint.reader import CheckpointReader
+
+    root = tmp_path / "root"
+    shutil.copytree(saved["saved"]["mixtral_tp2_ep2"][1], root)
+    shutil.copytree(os.path.join(saved["saved"]["qwen2_moe_tp1_ep2"][1], f"iter_{ITERATION:07d}"),
+                    root / "iter_0000003")
+    metas = {}
+    for it, name in ((None, "mixtral"), (3, "qwen2_moe"), (7, "mixtral")):
+        out = tmp_path / f"out_{it}"
+        lines = []
+        convert.from_megatron(str(root), str(out), tensor_parallel=1, iteration=it, log=lines.append)
+        (read_line,) = [ln for ln in lines if ln.startswith("read ")]
+        assert f"iteration {it or ITERATION}," in read_line, read_line
+        metas.setdefault(name, []).append(CheckpointReader(str(out)).model_meta)
+    assert metas["mixtral"][0] == metas["mixtral"][1] != metas["qwen2_moe"][0]
+    assert metas["qwen2_moe"][0]["moe_shared_expert_intermediate_size"] and \
+        not metas["mixtral"][0]["moe_shared_expert_intermediate_size"]
+    capsys.readouterr()
+    assert _cli().main(["from-megatron", "--input", str(root), "--output", str(tmp_path / "o5"),
+                        "--tensor-parallel", "1", "--ckpt-step", "5"]) == 2
+    (line,) = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip() and "%" not in ln]
+    assert line.startswith("error: --iteration 5: ") and "(it holds 3, 7)" in line, line
+    assert not os.path.exists(tmp_path / "o5")
 
 
 def test_bad_torch_dist_checkpoints_are_one_line_exit_2(saved, tmp_path, capsys):

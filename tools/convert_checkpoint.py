@@ -9,7 +9,7 @@
                                                    [--expert-tensor-parallel-size K] [--moe-grouped-gemm]
                                                    [--ckpt-format torch|torch_dist]
     python tools/convert_checkpoint.py from-megatron --input DIR --output CKPT --tensor-parallel N
-                                                     [--vocab-size N] [--tokenizer-model DIR]
+                                                     [--iteration N] [--vocab-size N] [--tokenizer-model DIR]
     python tools/convert_checkpoint.py to-fp32 --load CKPT --output PATH [--max-shard-size 5GB]
     python tools/convert_checkpoint.py reshard --load CKPT --output CKPT2 --target-tensor-parallel-size N
                                                [--target-data-parallel-size M]
@@ -95,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
                                             "(--ckpt-format torch_dist, its default, or torch)")
     common(p, "input")
     p.add_argument("--tensor-parallel", "--tensor-model-parallel-size", dest="tensor_parallel", type=int, required=True)
+    p.add_argument("--iteration", "--ckpt-step", dest="iteration", type=int, default=None,
+                   help="the iteration to convert (default: the one latest_checkpointed_iteration.txt names)")
     p.add_argument("--vocab-size", type=int, default=None,
                    help="the model's real vocabulary, when the run's args have none (it was run without --vocab-size)")
     p.add_argument("--tokenizer-model", default=None,
@@ -126,7 +128,8 @@ def run(argv: list[str] | None = None) -> int:
                             expert_parallel=a.expert_parallel, expert_tensor_parallel=a.expert_tensor_parallel,
                             grouped_gemm=a.grouped_gemm, ckpt_format=a.ckpt_format, force=a.force)
     elif a.command == "from-megatron":
-        convert.from_megatron(a.input, a.output, tensor_parallel=a.tensor_parallel, vocab_size=a.vocab_size,
+        convert.from_megatron(a.input, a.output, tensor_parallel=a.tensor_parallel, iteration=a.iteration,
+                              vocab_size=a.vocab_size,
                               tokenizer_model=a.tokenizer_model, force=a.force)
     elif a.command == "to-fp32":
         convert.to_fp32(a.load, a.output, iteration=a.iteration, max_shard_size=a.max_shard_size, force=a.force)

@@ -386,18 +386,19 @@ def to_megatron(load: str, output: str, *, iteration: int | None = None, tensor_
         + (f"; its tokenizer: --tokenizer-model {saved_tok}" if has_tokenizer else ""))
 
 
-def from_megatron(input_dir: str, output: str, *, tensor_parallel: int, vocab_size: int | None = None,
-                  tokenizer_model: str | None = None, force: bool = False, log: Log = print) -> None:
+def from_megatron(input_dir: str, output: str, *, tensor_parallel: int, iteration: int | None = None,
+                  vocab_size: int | None = None, tokenizer_model: str | None = None, force: bool = False,
+                  log: Log = print) -> None:
     """vocab_size / tokenizer_model: the run's vocabulary / Hugging Face tokenizer when its args lack
-    them (Megatron-LM saves no vocab_size without --vocab-size)."""
+    them (Megatron-LM saves no vocab_size without --vocab-size); iteration: default the tracker's."""
     if not os.path.isdir(input_dir):
         raise UserError(f"--input {input_dir}: no such directory; point it at a Megatron-LM checkpoint directory")
     if vocab_size is not None and vocab_size < 1:
         raise UserError(f"--vocab-size {vocab_size}: must be >= 1")
-    dist = megatron_dist.is_torch_dist(megatron_lm.find_iteration_dir(input_dir)[0])
+    dist = megatron_dist.is_torch_dist(megatron_lm.find_iteration_dir(input_dir, iteration)[0])
     read = megatron_dist.read if dist else megatron_lm.read
-    weights, ns, it, vocab = read(input_dir, progress=Progress("reading the torch_dist checkpoint" if dist else
-                                                               "reading rank files"),
+    weights, ns, it, vocab = read(input_dir, iteration=iteration,
+                                  progress=Progress("reading the torch_dist checkpoint" if dist else "reading rank files"),
                                   vocab_size=vocab_size, tokenizer_model=tokenizer_model)
     meta = megatron_lm.meta_from_args(ns, vocab, os.path.join(input_dir, megatron_lm.TRACKER))
     expected = param_shapes(meta)

@@ -164,11 +164,11 @@ def _glu_halves(model: dict[str, torch.Tensor], where: str) -> dict[str, torch.T
     return out
 
 
-def read(in_dir: str, *, progress=None, vocab_size: int | None = None,
+def read(in_dir: str, *, iteration: int | None = None, progress=None, vocab_size: int | None = None,
          tokenizer_model: str | None = None) -> tuple[dict[str, torch.Tensor], object, int, int]:
     """megatron_lm.read's result for a torch_dist checkpoint: (full unpadded weights by our names,
     experts by global index, in the saved dtype; args; iteration; vocab size)."""
-    d, it = megatron_lm.find_iteration_dir(in_dir)
+    d, it = megatron_lm.find_iteration_dir(in_dir, iteration)
     _backend(d)
     where = os.path.join(d, COMMON)
     if not os.path.isfile(where):

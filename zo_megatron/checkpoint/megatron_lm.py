@@ -424,7 +424,18 @@ def safe_load(path: str, *, model: bool = True) -> dict:
     return sd
 
 
-def find_iteration_dir(in_dir: str) -> tuple[str, int]:
+def find_iteration_dir(in_dir: str, iteration: int | None = None) -> tuple[str, int]:
+    """(iteration directory, iteration) of a Megatron-LM checkpoint root: `iteration`'s (Megatron-LM's
+    --ckpt-step), default the one its tracker names."""
+    if iteration is not None:
+        names = [n for n in (os.listdir(in_dir) if os.path.isdir(in_dir) else [])
+                 if n == "release" or re.fullmatch(r"iter_\d{7}", n)]
+        want = [n for n in names if (0 if n == "release" else int(n[5:])) == iteration]
+        if not want:
+            have = sorted(0 if n == "release" else int(n[5:]) for n in names)
+            raise UserError(f"--iteration {iteration}: {in_dir} holds no such iteration (it holds "
+                            f"{', '.join(map(str, have)) or 'none'})")
+        return os.path.join(in_dir, want[0]), iteration
     tracker = os.path.join(in_dir, TRACKER)
     if not os.path.isfile(tracker):
         raise UserError(f"{in_dir}: no {TRACKER}; point --input at a Megatron-LM checkpoint directory (--save of a run)")
@@ -595,12 +606,13 @@ def _merge_shards(d: str, ranks: list[str], shards: list[dict], swiglu: bool) ->
     return full
 
 
-def read(in_dir: str, *, progress=None, vocab_size: int | None = None,
+def read(in_dir: str, *, iteration: int | None = None, progress=None, vocab_size: int | None = None,
          tokenizer_model: str | None = None) -> tuple[dict[str, torch.Tensor], argparse.Namespace, int, int]:
     """(full unpadded weights by our names, experts by global index, in the files' dtype, args,
     iteration, vocab size) of a Megatron-LM checkpoint at any TP x EP x expert TP; vocab_size /
-    tokenizer_model give the vocabulary when the args do not (_vocab_size)."""
-    d, it = find_iteration_dir(in_dir)
+    tokenizer_model give the vocabulary when the args do not (_vocab_size); iteration: default the
+    tracker's."""
+    d, it = find_iteration_dir(in_dir, iteration)
     names = sorted(n for n in os.listdir(d) if _MP_DIR.match(n))
     if not names:
         raise UserError(f"{d}: no mp_rank_XX directories (the 'torch' format) and no metadata.json (the "
