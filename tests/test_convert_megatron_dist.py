@@ -281,6 +281,22 @@ def test_torch_dist_checkpoints_read_back_bit_for_bit_as_the_torch_format(saved,
         assert f"iteration {ITERATION}" in read_line and "torch_dist" in read_line, read_line
 
 
+def test_tensors_read_in_batches_are_the_tensors_read_at_once_and_progress_moves(saved):
+    """_load reads about 1 GiB per DCP read so a large model shows progress; batches of one tensor
+    give every tensor of the one-read result, and progress counts up to every tensor."""
+    from zo_megatron.checkpoint import megatron_dist
+    from zo_megatron.checkpoint.safe_load import read_dcp_metadata
+
+    d = os.path.join(saved["saved"]["mixtral_tp2_ep2"][1], f"iter_{ITERATION:07d}")
+    keys = megatron_dist._model_keys(read_dcp_metadata(d), d)
+    seen = []
+    whole, one_by_one = megatron_dist._load(d, keys), megatron_dist._load(d, keys, lambda *a: seen.append(a),
+                                                                          batch_bytes=1)
+    assert set(whole) == set(one_by_one) == set(keys) and len(keys) > 3
+    assert all(torch.equal(whole[k], one_by_one[k]) for k in keys)
+    assert seen == [(i, len(keys)) for i in range(1, len(keys) + 1)], seen
+
+
 def test_iteration_picks_an_older_checkpoint_of_the_root(saved, tmp_path, capsys):
     """--iteration N (Megatron-LM's --ckpt-step): a root holding the Qwen2-MoE as iteration 3 and the
     Mixtral as iteration 7 (the tracker's) gives each; an iteration it does not hold is one line."""

@@ -398,7 +398,7 @@ def from_megatron(input_dir: str, output: str, *, tensor_parallel: int, iteratio
     dist = megatron_dist.is_torch_dist(megatron_lm.find_iteration_dir(input_dir, iteration)[0])
     read = megatron_dist.read if dist else megatron_lm.read
     weights, ns, it, vocab = read(input_dir, iteration=iteration,
-                                  progress=Progress("reading the torch_dist checkpoint" if dist else "reading rank files"),
+                                  progress=Progress("reading the torch_dist tensors" if dist else "reading rank files"),
                                   vocab_size=vocab_size, tokenizer_model=tokenizer_model)
     meta = megatron_lm.meta_from_args(ns, vocab, os.path.join(input_dir, megatron_lm.TRACKER))
     expected = param_shapes(meta)

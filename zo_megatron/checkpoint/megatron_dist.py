@@ -90,19 +90,34 @@ def _model_keys(md, d: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     return keys
 
 
-def _load(d: str, keys: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, torch.Tensor]:
-    """The global tensors of `keys`, read by torch.distributed.checkpoint in this process alone."""
+def _load(d: str, keys: dict[str, tuple[tuple[int, ...], torch.dtype]], progress=None,
+          batch_bytes: int = 1 << 30) -> dict[str, torch.Tensor]:
+    """The global tensors of `keys`, read by torch.distributed.checkpoint in this process alone, about
+    `batch_bytes` per read so that `progress(tensors read, tensors)` moves on a large model."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
     state = {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in keys.items()}
-    try:
-        with warnings.catch_warnings():     # "torch.distributed is ... uninitialized": one process is the intent
-            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
-            dcp.load(state, storage_reader=SafeFileSystemReader(d), no_dist=True)
-    except (CheckpointException, OSError, RuntimeError, ValueError) as exc:
-        raise UserError(f"{d}: the checkpoint's tensors cannot be read ({type(exc).__name__}: {first_line(exc)}); "
-                        "a .distcp file is missing or damaged: copy the whole iteration directory") from None
+    batches, batch, size = [], [], 0
+    for k, t in state.items():
+        batch.append(k)
+        size += t.numel() * t.element_size()
+        if size >= batch_bytes:
+            batches.append(batch)
+            batch, size = [], 0
+    batches += [batch] if batch else []
+    done = 0
+    for batch in batches:
+        try:
+            with warnings.catch_warnings():     # "torch.distributed is ... uninitialized": one process is the intent
+                warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
+                dcp.load({k: state[k] for k in batch}, storage_reader=SafeFileSystemReader(d), no_dist=True)
+        except (CheckpointException, OSError, RuntimeError, ValueError) as exc:
+            raise UserError(f"{d}: the checkpoint's tensors cannot be read ({type(exc).__name__}: {first_line(exc)}); "
+                            "a .distcp file is missing or damaged: copy the whole iteration directory") from None
+        done += len(batch)
+        if progress is not None:
+            progress(done, len(state))
     return state
 
 
@@ -177,9 +192,7 @@ def read(in_dir: str, *, iteration: int | None = None, progress=None, vocab_size
     if args is None or not hasattr(args, "num_layers"):
         raise UserError(f"{where}: no 'args' (argparse.Namespace): the model's shape is unknown")
     keys = _model_keys(read_dcp_metadata(d), d)
-    tensors = _load(d, keys)
-    if progress is not None:
-        progress(1, 1)
+    tensors = _load(d, keys, progress)
     model = _glu_halves(_per_layer(tensors, args, where), where)
     model = {megatron_lm.local_name(k): t for k, t in model.items()}
     full, args, vocab = megatron_lm.finish_read(model, args, where, vocab_size, tokenizer_model)
