@@ -13,7 +13,8 @@ gives every tensor of from-megatron of the torch files bit for bit, and the same
     TP1 x PP2 x virtual 2 (model0 / model1 per stage, chunks interleaved) saved in bf16;
   - a Mixtral at TP2 x EP2: layers and experts stacked ([L, E, ...]);
   - the same Mixtral with singleton_local_shards: one key per layer and expert, SwiGLU's halves apart;
-  - a Qwen2-MoE at TP1 x EP2 (layer 1 dense: one key per layer; a gated shared expert, QKV biases).
+  - a Qwen2-MoE at TP1 x EP2 (layer 1 dense: one key per layer; a gated shared expert, QKV biases);
+  - a GPT-2 at TP2 (learned positions, LayerNorm weights and biases, biased GELU MLP, tied embeddings).
 Bad input, one line each, exit 2, nothing written: a pickled payload planted in .metadata or common.pt
 (never run), another sharded backend, a missing .distcp file, no common.pt, args whose layer count is
 not the checkpoint's.
@@ -22,7 +23,8 @@ to-megatron --ckpt-format torch_dist, the other way: megatron-core's own loader
 (`dist_checkpointing.load` of its model's `sharded_state_dict`, Megatron-LM's metadata and default
 strictness) reads the written directory into models at other layouts than the one written -- the
 Mixtral written at TP2 x EP2 into TP2 x EP2 and TP1 x EP1, the Qwen2-MoE written at TP1 x EP2 into
-TP2 x EP2 and TP1 x EP2, the tied Llama written at TP2 into TP2 x PP2 stages and TP1 -- and every
+TP2 x EP2 and TP1 x EP2, the tied Llama written at TP2 into TP2 x PP2 stages and TP1, the GPT-2 written
+at TP2 into TP1 and TP2 -- and every
 tensor equals the strict load of to-megatron's torch files at that layout (tested against
 transformers' logits elsewhere); from-megatron reads the written directory back bit for bit.
 """
@@ -46,6 +48,7 @@ JOBS = {
     "mixtral_tp2_ep2": ("mixtral", 2, 1, None, 2, False, torch.float32),
     "mixtral_tp2_ep2_singleton": ("mixtral", 2, 1, None, 2, True, torch.float32),
     "qwen2_moe_tp1_ep2": ("qwen2_moe", 1, 1, None, 2, False, torch.float32),
+    "gpt2_tp2": ("gpt2", 2, 1, None, 1, False, torch.float32),
 }
 ITERATION = 7
 # to-megatron --ckpt-format torch_dist: name: (model, TP and EP written, [(TP, PP, EP) megatron-core loads it at])
@@ -53,6 +56,7 @@ WRITES = {
     "mixtral_w": ("mixtral", 2, 2, [(2, 1, 2), (1, 1, 1)]),
     "qwen2_moe_w": ("qwen2_moe", 1, 2, [(2, 1, 2), (1, 1, 2)]),
     "llama_w": ("llama", 2, 1, [(2, 2, 1), (1, 1, 1)]),
+    "gpt2_w": ("gpt2", 2, 1, [(1, 1, 1), (2, 1, 1)]),
 }
 
 
@@ -147,7 +151,9 @@ def _build(d):
     seed = fresh_seed("convert megatron torch_dist")
     configs = {**moe_configs(), "llama": transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)}
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True),
+        "gpt2": transformers.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4, n_inner=64,
+                                        activation_function="gelu_new")}
     sources = {m: make_hf_model(d / m, configs[m], seed + i, tokenizer=False)
                for i, m in enumerate(sorted({job[0] for job in JOBS.values()}))}
     jobs = {}
@@ -264,7 +270,8 @@ def test_torch_dist_checkpoints_read_back_bit_for_bit_as_the_torch_format(saved,
         keys = set(md)
         # the forms the reader must take apart are what megatron-core wrote
         stacked = any(k.startswith("decoder.layers.self_attention.") for k in keys)
-        assert stacked == (not singleton and name.startswith(("llama", "mixtral"))), (name, sorted(keys)[:8])
+        # stacked unless singleton_local_shards or Qwen2-MoE's moe_layer_freq (dense layer 1) make one key per layer
+        assert stacked == (not singleton and not name.startswith("qwen2_moe")), (name, sorted(keys)[:8])
         assert md["decoder.final_layernorm.weight"].properties.dtype == dtype, name
         assert any(k.endswith("linear_fc1.weight_w") for k in keys) == singleton, name
         assert "rng_state" in {k.split("/")[0] for k in keys}, name
