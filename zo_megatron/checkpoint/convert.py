@@ -355,7 +355,7 @@ def to_megatron(load: str, output: str, *, iteration: int | None = None, tensor_
                                    ckpt_format=ckpt_format)
     with atomic_output(output, force=force) as tmp:
         if ckpt_format == "torch_dist":
-            megatron_dist.write(tmp, weights, ns)
+            megatron_dist.write(tmp, weights, ns, log=log)
         else:
             megatron_lm.write(tmp, weights, ns,
                               progress=Progress("writing TP ranks" if ep == 1 else "writing TP x EP ranks"))

@@ -272,10 +272,11 @@ def _extra_states(tensors: dict[str, torch.Tensor], axes: dict[str, tuple]) -> d
     return out
 
 
-def write(out_dir: str, weights: dict[str, torch.Tensor], args) -> None:
+def write(out_dir: str, weights: dict[str, torch.Tensor], args, log=None) -> None:
     """Megatron-LM's torch_dist checkpoint of the model from full unpadded weights (our names,
     experts by global index; consumed): what its save_checkpoint writes at --ckpt-format torch_dist
-    with singleton_local_shards false, less the optimizer and RNG state. out_dir: a new directory."""
+    with singleton_local_shards false, less the optimizer and RNG state. out_dir: a new directory;
+    log: told what is being written before the (one) DCP write starts."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
@@ -284,11 +285,16 @@ def write(out_dir: str, weights: dict[str, torch.Tensor], args) -> None:
     os.makedirs(d)
     tensors, axes = global_tensors(weights, args)
     state = {**tensors, **_extra_states(tensors, axes)}
+    threads = max(1, min(4, os.cpu_count() or 1))      # one file per thread: megatron-core reads any number
+    if log is not None:
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        log(f"  writing {len(tensors)} global tensors ({size / 2**30:.2f} GiB) and {len(state) - len(tensors)} "
+            f"_extra_state objects with torch.distributed.checkpoint, {threads} writer threads")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
         # not flattened: each object stays one item (torch.save([None])), as megatron-core stores it
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(d), planner=DefaultSavePlanner(flatten_state_dict=False),
-                 no_dist=True)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(d, thread_count=threads),
+                 planner=DefaultSavePlanner(flatten_state_dict=False), no_dist=True)
     torch.save({"args": args, "checkpoint_version": megatron_lm.CHECKPOINT_VERSION, "iteration": it,
                 "content_metadata": {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}},
                os.path.join(d, COMMON))
