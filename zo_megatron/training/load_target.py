@@ -67,9 +67,9 @@ def _refuse_megatron_lm(d: str, step: int | None) -> None:
     """A Megatron-LM checkpoint root has the same tracker file as ours: name it and its conversion
     instead of reading it as an incomplete checkpoint of ours."""
     try:
-        with open(os.path.join(d, LATEST)) as f:
+        with open(os.path.join(d, LATEST), encoding="utf-8") as f:
             text = f.read(64).strip()
-    except OSError:
+    except (OSError, UnicodeDecodeError):     # unreadable: checkpoint/verify.py's own one line says so
         return
     if step is not None:
         sub = os.path.basename(iter_dir(d, step))
