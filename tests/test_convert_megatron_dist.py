@@ -333,6 +333,20 @@ def test_iteration_picks_an_older_checkpoint_of_the_root(saved, tmp_path, capsys
     assert not os.path.exists(tmp_path / "o5")
 
 
+@pytest.mark.parametrize("tracker", ["\u00b2".encode(), b"\x80\xff", b"7 8"], ids=["superscript-two", "not-utf8", "two-words"])
+def test_a_tracker_that_is_not_an_iteration_is_one_line(saved, tmp_path, capsys, tracker):
+    """Megatron-LM's latest_checkpointed_iteration.txt holding no iteration: one line naming it (a
+    Unicode digit such as '\u00b2' passes str.isdigit but not int(); bytes that are not UTF-8 raised
+    UnicodeDecodeError)."""
+    from tests.test_convert_megatron_pipeline import assert_from_megatron_refuses
+    from zo_megatron.checkpoint import megatron_lm
+
+    root = tmp_path / "root"
+    shutil.copytree(saved["saved"]["gpt2_tp2"][1], root)
+    (root / megatron_lm.TRACKER).write_bytes(tracker)
+    assert_from_megatron_refuses([(str(root), ["expected an iteration number or 'release'"])], tmp_path, capsys)
+
+
 def test_bad_torch_dist_checkpoints_are_one_line_exit_2(saved, tmp_path, capsys):
     import json
 

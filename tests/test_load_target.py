@@ -79,6 +79,19 @@ def test_a_megatron_lm_checkpoint_is_answered_with_the_conversion(tmp_path, fmt)
     assert "--finetune" in msg and "incomplete" not in msg, msg
 
 
+@pytest.mark.parametrize("tracker", ["\u00b2".encode(), b"\x80\xff"], ids=["superscript-two", "not-utf8"])
+def test_a_tracker_that_is_not_an_iteration_is_left_to_the_load_s_one_line(tmp_path, tracker):
+    """The Megatron-LM check reads the tracker first: a Unicode digit ('\u00b2'.isdigit() is true, int()
+    refuses it) or bytes that are not UTF-8 must not raise there; the load's own check names the file."""
+    from zo_megatron.checkpoint.verify import find_latest
+
+    (tmp_path / "iter_0000002" / "mp_rank_00").mkdir(parents=True)
+    (tmp_path / "latest_checkpointed_iteration.txt").write_bytes(tracker)
+    assert check_load_target(_args(str(tmp_path))) is None
+    with pytest.raises(UserError, match="expected an iteration number"):
+        find_latest(str(tmp_path))
+
+
 def test_save_x_load_x_trains_on_the_first_launch_and_resumes_on_the_second(sotu_prefix, tmp_path):
     ck, log = tmp_path / "ck", tmp_path / "log.jsonl"
     common = ["--zero-offload", "--fp32", "--data-path", sotu_prefix, "--save", str(ck), "--load", str(ck),

@@ -439,10 +439,11 @@ def find_iteration_dir(in_dir: str, iteration: int | None = None) -> tuple[str, 
     tracker = os.path.join(in_dir, TRACKER)
     if not os.path.isfile(tracker):
         raise UserError(f"{in_dir}: no {TRACKER}; point --input at a Megatron-LM checkpoint directory (--save of a run)")
-    text = open(tracker).read(64).strip()
+    with open(tracker, "rb") as f:
+        text = f.read(64).decode("ascii", errors="replace").strip()
     if text == "release":
         d, it = os.path.join(in_dir, "release"), 0
-    elif text.isdigit():
+    elif re.fullmatch(r"[0-9]+", text):
         d, it = os.path.join(in_dir, f"iter_{int(text):07d}"), int(text)
     else:
         raise UserError(f"{tracker}: expected an iteration number or 'release', found {text[:40]!r}")

@@ -75,14 +75,17 @@ def _refuse_megatron_lm(d: str, step: int | None) -> None:
         sub = os.path.basename(iter_dir(d, step))
     elif text == "release":                     # Megatron-LM's iteration 0
         sub = "release"
-    elif text.isdigit():
+    elif re.fullmatch(r"[0-9]+", text):
         sub = os.path.basename(iter_dir(d, int(text)))
     else:
         return
     it = os.path.join(d, sub)
     if not os.path.isdir(it) or os.path.isfile(os.path.join(it, MANIFEST)):
         return
-    names = os.listdir(it)
+    try:
+        names = os.listdir(it)
+    except OSError:                           # unreadable: the load's own one line says so
+        return
     fmt = "torch_dist" if "metadata.json" in names else "torch" if any(n.startswith("mp_rank_") for n in names) \
         else None
     if fmt is not None:
