@@ -15,18 +15,19 @@ gives every tensor of from-megatron of the torch files bit for bit, and the same
   - the same Mixtral with singleton_local_shards: one key per layer and expert, SwiGLU's halves apart;
   - a Qwen2-MoE at TP1 x EP2 (layer 1 dense: one key per layer; a gated shared expert, QKV biases);
   - a GPT-2 at TP2 (learned positions, LayerNorm weights and biases, biased GELU MLP, tied embeddings).
+Reading in batches of one tensor gives the one-read result; --iteration N picks an older iteration.
 Bad input, one line each, exit 2, nothing written: a pickled payload planted in .metadata or common.pt
 (never run), another sharded backend, a missing .distcp file, no common.pt, args whose layer count is
-not the checkpoint's.
+not the checkpoint's, a tracker that holds no iteration, an iteration the root does not hold.
 
 to-megatron --ckpt-format torch_dist, the other way: megatron-core's own loader
 (`dist_checkpointing.load` of its model's `sharded_state_dict`, Megatron-LM's metadata and default
-strictness) reads the written directory into models at other layouts than the one written -- the
+strictness) reads the written directory into models at the written layout and at others -- the
 Mixtral written at TP2 x EP2 into TP2 x EP2 and TP1 x EP1, the Qwen2-MoE written at TP1 x EP2 into
 TP2 x EP2 and TP1 x EP2, the tied Llama written at TP2 into TP2 x PP2 stages and TP1, the GPT-2 written
-at TP2 into TP1 and TP2 -- and every
-tensor equals the strict load of to-megatron's torch files at that layout (tested against
-transformers' logits elsewhere); from-megatron reads the written directory back bit for bit.
+at TP2 into TP1 and TP2 -- and every tensor equals the strict load of to-megatron's torch files at that
+layout (tested against transformers' logits elsewhere); from-megatron reads the written directory back
+bit for bit.
 """
 import copy
 import os
