@@ -199,17 +199,6 @@ def read(in_dir: str, *, iteration: int | None = None, progress=None, vocab_size
     return full, args, it, vocab
 
 
-def _sharded_name(key: str) -> str:
-    """A local-spec parameter's name as its sharded_state_dict saves it (the norms under Transformer
-    Engine's names: megatron-core's local layer spec maps them so)."""
-    for local, te in (("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
-                      ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_")):
-        m = re.match(rf"^(decoder\.layers\.\d+\.){re.escape(local)}(.+)$", key)
-        if m:
-            return f"{m[1]}{te}{m[2]}"
-    return key
-
-
 def _homogeneous(args) -> bool:
     """megatron-core's TransformerBlock.sharded_state_dict stacks the layers unless moe_layer_freq
     mixes dense and MoE layers (a list, or an int above 1)."""
@@ -227,7 +216,7 @@ def global_tensors(weights: dict[str, torch.Tensor], args) -> tuple[dict[str, to
     flat: dict[str, torch.Tensor] = {}
     for name in list(weights):
         t = weights.pop(name)
-        key = _sharded_name(megatron_lm.ours_to_megatron(name))
+        key = megatron_lm.te_name(megatron_lm.ours_to_megatron(name))
         if key.endswith((WORD_EMBEDDING, OUTPUT_LAYER)) and t.shape[0] < args.padded_vocab_size:
             t = torch.cat([t, t.new_zeros(args.padded_vocab_size - t.shape[0], *t.shape[1:])])
         flat[key] = t
@@ -281,7 +270,7 @@ def write(out_dir: str, weights: dict[str, torch.Tensor], args, log=None) -> Non
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     it = args.iteration
-    d = os.path.join(out_dir, "release" if it == 0 else f"iter_{it:07d}")
+    d = os.path.join(out_dir, megatron_lm.iteration_subdir(it))
     os.makedirs(d)
     tensors, axes = global_tensors(weights, args)
     state = {**tensors, **_extra_states(tensors, axes)}
@@ -301,5 +290,4 @@ def write(out_dir: str, weights: dict[str, torch.Tensor], args, log=None) -> Non
     with open(os.path.join(d, CONFIG), "w") as f:
         json.dump({"sharded_backend": BACKEND, "sharded_backend_version": 1, "common_backend": "torch",
                    "common_backend_version": 1}, f)
-    with open(os.path.join(out_dir, megatron_lm.TRACKER), "w") as f:
-        f.write("release" if it == 0 else str(it))
+    megatron_lm.write_tracker(out_dir, it)

@@ -253,6 +253,25 @@ def local_name(key: str) -> str:
     return key
 
 
+def te_name(key: str) -> str:
+    """local_name's inverse: the local spec's norm names -> the fused-LayerNorm names megatron-core's
+    local spec saves them by in its sharded_state_dict (torch_dist)."""
+    for te, local in _TE_NAMES.items():
+        if key.endswith("." + local):
+            return key[: -len(local)] + te
+    return key
+
+
+def iteration_subdir(iteration: int) -> str:
+    """Megatron-LM's directory of an iteration: 'release' for 0 (its tracker parser refuses "0")."""
+    return "release" if iteration == 0 else f"iter_{iteration:07d}"
+
+
+def write_tracker(out_dir: str, iteration: int) -> None:
+    with open(os.path.join(out_dir, TRACKER), "w") as f:
+        f.write("release" if iteration == 0 else str(iteration))
+
+
 def ours_to_megatron(name: str) -> str:
     return name.removeprefix(_OURS)
 
@@ -333,7 +352,7 @@ def write(out_dir: str, weights: dict[str, torch.Tensor], args: argparse.Namespa
     moe = bool(getattr(args, "num_experts", None))
     etp = int(getattr(args, "expert_tensor_parallel_size", None) or tp) if moe else tp
     per_rank = args.num_experts // ep if moe else 0
-    sub = "release" if it == 0 else f"iter_{it:07d}"
+    sub = iteration_subdir(it)
     specs = legacy_rank_files(tp, etp, ep)
     files = []
     for t, e, k in specs:
@@ -355,8 +374,7 @@ def write(out_dir: str, weights: dict[str, torch.Tensor], args: argparse.Namespa
         files.append(path)
         if progress is not None:
             progress(len(files), len(specs))
-    with open(os.path.join(out_dir, TRACKER), "w") as f:
-        f.write("release" if it == 0 else str(it))
+    write_tracker(out_dir, it)
     return files
 
 

@@ -66,32 +66,22 @@ def check_load_target(args) -> str | None:
 def _refuse_megatron_lm(d: str, step: int | None) -> None:
     """A Megatron-LM checkpoint root has the same tracker file as ours: name it and its conversion
     instead of reading it as an incomplete checkpoint of ours."""
+    from zo_megatron.checkpoint import megatron_dist, megatron_lm
+
     try:
-        with open(os.path.join(d, LATEST), encoding="utf-8") as f:
-            text = f.read(64).strip()
-    except (OSError, UnicodeDecodeError):     # unreadable: checkpoint/verify.py's own one line says so
-        return
-    if step is not None:
-        sub = os.path.basename(iter_dir(d, step))
-    elif text == "release":                     # Megatron-LM's iteration 0
-        sub = "release"
-    elif re.fullmatch(r"[0-9]+", text):
-        sub = os.path.basename(iter_dir(d, int(text)))
-    else:
-        return
-    it = os.path.join(d, sub)
-    if not os.path.isdir(it) or os.path.isfile(os.path.join(it, MANIFEST)):
-        return
-    try:
+        it, _ = megatron_lm.find_iteration_dir(d, step)
         names = os.listdir(it)
-    except OSError:                           # unreadable: the load's own one line says so
+    except (UserError, OSError):              # no such iteration, or unreadable: the load's own line says so
         return
-    fmt = "torch_dist" if "metadata.json" in names else "torch" if any(n.startswith("mp_rank_") for n in names) \
-        else None
+    if MANIFEST in names:                     # ours
+        return
+    fmt = "torch_dist" if megatron_dist.is_torch_dist(it) else \
+        "torch" if any(n.startswith("mp_rank_") for n in names) else None
     if fmt is not None:
-        raise UserError(f"--load {d}: a Megatron-LM checkpoint ({fmt} format, {sub}), not a zo_megatron one; convert "
-                        f"it once: python tools/convert_checkpoint.py from-megatron --input {d} --output CKPT "
-                        "--tensor-parallel N, then launch with --load CKPT --finetune and the model flags it prints")
+        raise UserError(f"--load {d}: a Megatron-LM checkpoint ({fmt} format, {os.path.basename(it)}), not a "
+                        f"zo_megatron one; convert it once: python tools/convert_checkpoint.py from-megatron --input "
+                        f"{d} --output CKPT --tensor-parallel N, then launch with --load CKPT --finetune and the "
+                        "model flags it prints")
 
 
 def _hf_model_type(d: str) -> str | None:
