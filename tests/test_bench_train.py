@@ -11,7 +11,8 @@ batch after the steps, all variants starting from the same weights) agrees with 
 counted once over the ranks) to 1e-3 -- zo_megatron's engines against HF GPT-2 under torch DDP and
 DeepSpeed are the independent references for each other. Timings are not asserted. The learning rate is 2e-3 (the
 tool's default since its loss check compares loss changes) so that a variant that skips part of the update (e.g. the biases and
-LayerNorms, a 1e-4 move each) misses the 1e-4 check by far.
+LayerNorms, a 1e-4 move each) misses the 1e-4 check by far, and the steps must lower the held-out
+loss by over 1% (the tool's Zipf-distributed tokens are learnable; uniform ones were not).
 
 DeepSpeed joins when it imports and its CPU Adam op is already built (building it takes
 minutes: `docs/performance.md`); without deepspeed its row must say skipped and why.
@@ -89,10 +90,13 @@ def test_bench_train_json_and_loss_agreement(tmp_path, regime):
             for b in mine:
                 rel = abs(a["loss_after"] - b["loss_after"]) / abs(b["loss_after"])
                 assert rel <= 1e-4, (regime, world, a["variant"], a["loss_after"], b["variant"], b["loss_after"])
-        # all started from the same weights, and the steps moved them
+        # all started from the same weights, and the steps moved them: down, by far more than the
+        # check's visibility floor (10x the spread of loss_before, >= 1e-6 of the loss), so the
+        # verdict cannot hinge on the seed -- on uniform tokens the held-out loss moved by noise of
+        # either sign (-5.8e-5 at seed 1838021242: INCONCLUSIVE, a chance CI failure)
         for r in mine:
             assert abs(r["loss_before"] - mine[0]["loss_before"]) <= 1e-5 * abs(mine[0]["loss_before"]), r["variant"]
-            assert r["loss_after"] != r["loss_before"], r["variant"]
+            assert r["loss_change"] > 1e-2 * r["loss_before"], (regime, world, r["variant"], r["loss_change"])
         # the parameters' change, counted once per parameter over TP and DP: HF GPT-2 under DDP holds
         # the whole model on every rank, ours splits it, and the norms of the update agree pairwise
         for g in ("matrices", "vectors"):

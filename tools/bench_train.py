@@ -39,8 +39,8 @@ command). `--timeline FILE` writes each variant's phases as `--timeline` JSON li
 (FILE.<variant>) and draws them with tools/plot_timeline.py (FILE.<variant>.png).
 
 Fairness: every variant starts from the same weights (zo_megatron's layout-independent init,
-mapped to HF names with zo_megatron/checkpoint/hf/gpt2.py), sees the same batches (random tokens,
-one stream per DP rank), clips the global gradient norm at --clip-grad (1.0) and uses the same AdamW
+mapped to HF names with zo_megatron/checkpoint/hf/gpt2.py), sees the same batches (Zipf-distributed
+tokens, which the model learns in its first steps, one stream per DP rank), clips the global gradient norm at --clip-grad (1.0) and uses the same AdamW
 (betas 0.9/0.95, eps 1e-8, weight decay 0.1 on matrices only, the same lr). After the steps each
 variant's loss on a fixed held-out batch is reported (`loss_after`), and its change since before
 the steps is checked against the group's median change (check_losses, tools/bench_loss_check.py):
