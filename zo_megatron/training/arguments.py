@@ -10,7 +10,7 @@ import sys
 
 from zo_megatron.errors import ConfigError
 from zo_megatron.training.checkpoint_args import apply_checkpoint_args, given_dests
-from zo_megatron.training.load_target import check_load_target
+from zo_megatron.training.load_target import check_load_target, resumed_precision
 from zo_megatron.training.megatron_compat import add_megatron_compat_flags, check_megatron_compat
 from zo_megatron.training.megatron_flags import add_remaining_megatron_flags
 from zo_megatron.training.model_flags import (add_architecture_flags, add_attention_flags, add_expert_parallel_flags,
@@ -431,7 +431,7 @@ def finalize(args: argparse.Namespace) -> None:
     if args.precision is None:
         from zo_megatron.training.cpu_precision import default_precision
 
-        args.precision, args.precision_reason, args.precision_measured = default_precision()
+        args.precision, args.precision_reason, args.precision_measured = default_precision(resumed_precision(args))
     else:
         args.precision_reason, args.precision_measured = "chosen by flag", False
     if args.max_position_embeddings is None:

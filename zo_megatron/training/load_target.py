@@ -100,3 +100,20 @@ def _hf_model_type(d: str) -> str | None:
     if isinstance(arch, list) and arch and isinstance(arch[0], str):
         return arch[0]
     return cfg["model_type"] if isinstance(cfg.get("model_type"), str) else None
+
+
+def resumed_precision(args) -> str | None:
+    """The precision the checkpoint --load resumes from was trained in (its saved args), or None:
+    no checkpoint, a --finetune (a new run), a checkpoint that does not record it (a conversion),
+    or one that cannot be read here (the load itself then says what is wrong)."""
+    if not args.load or getattr(args, "finetune", False):
+        return None
+    from zo_megatron.checkpoint.verify import read_manifest
+
+    try:
+        _, manifest = read_manifest(args.load, getattr(args, "ckpt_step", None))
+    except (UserError, OSError, ValueError):
+        return None
+    saved = manifest.get("args") if isinstance(manifest, dict) else None
+    precision = saved.get("precision") if isinstance(saved, dict) else None
+    return precision if isinstance(precision, str) else None
