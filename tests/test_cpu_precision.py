@@ -47,10 +47,17 @@ def test_native_flags_and_a_slower_bf16_choose_fp32_and_the_cache_is_used(cache,
     assert arguments.parse_args([]).precision == "bf16"
     open(os.path.join(cache, "cpu_precision.json"), "w").write("{not json")    # damaged: measured again
     assert arguments.parse_args([]).precision == "bf16" and len(calls) == 3 * len(INTERLEAVED)
+    # a verdict the single-window timing wrote (no "rounds": maybe a burst's) is measured again
+    key = cpu_precision.machine_key(["avx512_bf16"])
+    json.dump({key: {"bf16_gflops": 85.0, "fp32_gflops": 148.0, "measured": "2026-12-01T00:00:00+00:00"}},
+              open(os.path.join(cache, "cpu_precision.json"), "w"))
+    args = arguments.parse_args([])
+    assert args.precision == "bf16" and "measured on this CPU" in args.precision_reason
+    assert len(calls) == 4 * len(INTERLEAVED)
     assert arguments.parse_args(["--fp32"]).precision_reason == "chosen by flag"
     monkeypatch.setattr(cpu_precision, "cpu_flags", lambda: {"avx2"})                # no native bf16: no measuring
     args = arguments.parse_args([])
-    assert args.precision == "fp32" and not args.precision_measured and len(calls) == 3 * len(INTERLEAVED)
+    assert args.precision == "fp32" and not args.precision_measured and len(calls) == 4 * len(INTERLEAVED)
 
 
 def test_a_burst_of_load_in_one_window_does_not_decide(cache):
