@@ -56,7 +56,7 @@ def test_cpu_default_precision_follows_native_bf16(monkeypatch, tmp_path):
     from zo_megatron.training import arguments, cpu_precision
 
     monkeypatch.setenv("ZO_MEGATRON_CACHE", str(tmp_path))
-    monkeypatch.setattr(cpu_precision, "timed_window", lambda d: {"bf16": 200.0, "fp32": 100.0}[d])
+    monkeypatch.setattr(cpu_precision, "matmul_gflops", lambda d: {"bf16": 200.0, "fp32": 100.0}[d])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(cpu_precision, "cpu_flags", lambda: {"avx2", "fma"})
     assert arguments.parse_args([]).precision == "fp32"

@@ -31,7 +31,7 @@ def test_native_flags_and_a_slower_bf16_choose_fp32_and_the_cache_is_used(cache,
     monkeypatch.setattr(cpu_precision, "cpu_flags", lambda: {"avx2", "avx512_bf16"})
     calls = []
     speeds = {"bf16": 85.0, "fp32": 148.0}
-    monkeypatch.setattr(cpu_precision, "timed_window", lambda d: calls.append(d) or speeds[d])
+    monkeypatch.setattr(cpu_precision, "matmul_gflops", lambda d: calls.append(d) or speeds[d])
     args = arguments.parse_args([])
     assert args.precision == "fp32" and args.precision_measured
     assert "measured on this CPU (avx512_bf16): bf16 matmul 85 vs fp32 148 GFLOP/s" in args.precision_reason
@@ -107,7 +107,7 @@ def test_a_resume_keeps_its_checkpoints_precision_instead_of_measuring(cache, mo
         calls = []
         speeds = {trained: 100.0, other: 300.0}              # the measurement would pick the other one
         monkeypatch.setattr(cpu_precision, "cpu_flags", lambda: {"avx2", "avx512_bf16"})
-        monkeypatch.setattr(cpu_precision, "timed_window", lambda dt: calls.append(dt) or speeds[dt])
+        monkeypatch.setattr(cpu_precision, "matmul_gflops", lambda dt: calls.append(dt) or speeds[dt])
         monkeypatch.setenv("ZO_MEGATRON_CACHE", str(tmp_path / f"cache_{trained}"))
         args = arguments.parse_args([*run, "--train-iters", "2", "--load", ck])
         assert (args.precision, args.precision_measured, calls) == (trained, False, []), args.precision_reason

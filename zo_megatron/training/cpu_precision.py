@@ -29,8 +29,8 @@ import os
 import time
 
 SHAPE = (1024, 1024, 1024)          # m, k, n: one MLP-sized matmul
-MIN_SECONDS = 0.15                  # matmul_gflops' default window, after one warm-up call
-ROUNDS, ROUND_SECONDS = 3, 0.05     # the verdict's timing: 3 interleaved windows per dtype, best counts
+ROUNDS, ROUND_SECONDS = 3, 0.05     # the verdict's timing: 3 interleaved windows per dtype (each after
+                                    # one warm-up call), the best counting
 
 
 def cpu_flags() -> set[str]:
@@ -66,7 +66,7 @@ def default_precision(checkpoint_precision: str | None = None) -> tuple[str, str
     return "fp32", "CPU without native bf16 (no AVX512_BF16/AMX): bf16 would be emulated; --bf16 to force", False
 
 
-def matmul_gflops(dtype_name: str, shape=SHAPE, min_seconds: float = MIN_SECONDS) -> float:
+def matmul_gflops(dtype_name: str, shape=SHAPE, min_seconds: float = ROUND_SECONDS) -> float:
     """GFLOP/s of torch.matmul at `shape` in `dtype_name` ("bf16" / "fp32") on this CPU."""
     import torch
 
@@ -107,16 +107,11 @@ def best_of_rounds(measure, rounds: int = ROUNDS) -> dict[str, float]:
     return best
 
 
-def timed_window(dtype_name: str) -> float:
-    """One timing window of `choose`'s measurement (tests replace it)."""
-    return matmul_gflops(dtype_name, min_seconds=ROUND_SECONDS)
-
-
 def choose(native: list[str], cache_dir: str, measure=None) -> tuple[str, str]:
     """(precision, why) for a CPU whose flags name `native` bf16 support: the cached verdict for this
-    machine, else a measurement (best_of_rounds over `measure`, default one ROUND_SECONDS window of
-    matmul_gflops; written to the cache)."""
-    measure = measure or timed_window
+    machine, else a measurement (best_of_rounds over `measure`, default matmul_gflops: one window;
+    written to the cache)."""
+    measure = measure or matmul_gflops
     key = machine_key(native)
     path = os.path.join(cache_dir, "cpu_precision.json")
     os.makedirs(cache_dir, exist_ok=True)
