@@ -10,15 +10,23 @@ the next one's time (a GPU is lent for about 15 minutes, start-up included):
   preflight  seconds: python, torch (+ CUDA unless --dry-run), megatron-core, pybind11,
              setuptools, pytest, the CPU Adam kernel, NVML. Anything missing is named with the fix
              (docs/gpu.md has the `pip download` line that fills wheels/) before any GPU work.
-  suite      `pytest tests/gpu` (junit XML parsed: every test id and its outcome).
+  suite      `pytest tests/gpu` (junit XML parsed: every test id and its outcome), in the order of
+             docs/gpu.md's record (tests/gpu/record.py): what failed on a GPU last time, then what
+             never ran there, then what passed, so a budget cut spares the unproven; each outcome
+             is reported beside the record's (`first_gpu_pass`), with the figures the memory test
+             and the stream probe wrote (kept when their assertions fail).
   sweep      pretrain_gpt.py on a Llama shape (RMSNorm, SwiGLU, RoPE, GQA, untied output layer,
-             SDPA) at ~1B parameters, the CPU-step schedules of the ZeRO-Offload engine:
-             synchronous (--no-overlap-cpu-step), overlapped as the CUDA default (--overlap-cpu-step
-             auto) and in full (--overlap-cpu-step), delayed (--dpu --dpu-warmup-steps 2) and
-             delayed with --dpu-weight-prediction (whose extrapolation is host-side torch work). Per run: median step time, tokens/s, TFLOP/s, MFU
-             (against the GPU's dense bf16 peak), median phases from --timeline, the device memory
-             NVML saw (the whole GPU, so CUDA context and NCCL included) against the planner's
-             device line, and the host peak RSS against its host line.
+             SDPA) at ~1B parameters, the CPU-step schedules of the ZeRO-Offload engine, in this
+             order: synchronous (--no-overlap-cpu-step), overlapped as the CUDA default
+             (--overlap-cpu-step auto), delayed with --dpu-weight-prediction (README's DPU
+             recommendation; its extrapolation is host-side torch work), delayed (--dpu
+             --dpu-warmup-steps 2), and the opt-in full speculation (--overlap-cpu-step). Per run:
+             median step time, tokens/s, TFLOP/s, MFU (against the GPU's dense bf16 peak), median
+             phases from --timeline, the device memory NVML saw (the whole GPU, so CUDA context and
+             NCCL included, less its settled baseline) against the planner's device line, split
+             into what lies outside torch's allocator, its cached blocks and its allocated peak
+             against the plan's framework_overhead, allocator_fragmentation and other lines, and
+             the host peak RSS against its host line.
   largest    the largest model of the same family (layers grown at the sweep's hidden size) that
              the planner says this machine's host and device memory hold, trained for 3 iterations
              with the job's defaults.
@@ -52,12 +60,14 @@ GiB = 1 << 30
 # (the job's bundled corpus), so params are a little under the Llama-3 namesakes.
 SWEEP_SHAPES = {"gpu": [("llama-1.2B", 16, 2048, 16, 8, 8192)],
                 "dry": [("llama-tiny", 2, 128, 4, 2, 256)]}
+# In the order a budget cut should spare them (the sweep skips what its budget cannot finish): the
+# baseline, the CUDA default, DPU as README recommends it (with weight prediction, whose extrapolation
+# is host-side torch work: issue 34, 2.4), plain DPU, then the opt-in full speculation.
 SCHEDULES = [("synchronous", ["--no-overlap-cpu-step"]),
              ("overlapped-auto", ["--overlap-cpu-step", "auto"]),     # the CUDA default
-             ("overlapped-full", ["--overlap-cpu-step"]),
+             ("delayed-predicted", ["--dpu", "--dpu-warmup-steps", "2", "--dpu-weight-prediction"]),
              ("delayed", ["--dpu", "--dpu-warmup-steps", "2"]),
-             # the host's torch passes (issue 34, 2.4: they ran on one core under torchrun on CUDA)
-             ("delayed-predicted", ["--dpu", "--dpu-warmup-steps", "2", "--dpu-weight-prediction"])]
+             ("overlapped-full", ["--overlap-cpu-step"])]
 
 
 class ProofFailed(Exception):
@@ -158,7 +168,7 @@ class NvmlPeak:
     """Samples the GPU's used memory (NVML: every process, the CUDA context and NCCL included, which
     torch's max_memory_allocated does not see) every `period` seconds; peak and baseline."""
 
-    def __init__(self, period: float = 0.1):
+    def __init__(self, period: float = 0.1, settle_s: float = 15.0):
         self.period, self.peak, self.baseline = period, 0, None
         self._stop = threading.Event()
         try:
@@ -166,9 +176,22 @@ class NvmlPeak:
             pynvml.nvmlInit()
             self._h = pynvml.nvmlDeviceGetHandleByIndex(0)
             self._read = lambda: pynvml.nvmlDeviceGetMemoryInfo(self._h).used
-            self.baseline = self._read()
+            self.baseline = self._settled(settle_s)
         except Exception:  # noqa: BLE001 - a dry run or no NVML: peak stays None
             self._read = None
+
+    def _settled(self, settle_s: float) -> int:
+        """The GPU's used memory once it stops falling: a run that has just ended may still be
+        releasing its memory (on 2026-11-27 one run's baseline read 1.60 GB, the next one's 0.51),
+        and a baseline read during that release is subtracted from the next run's peak."""
+        deadline, last = time.monotonic() + settle_s, self._read()
+        while time.monotonic() < deadline:
+            time.sleep(0.5)
+            now = self._read()
+            if now > last - 32 * (1 << 20):
+                return min(now, last)
+            last = now
+        return last
 
     def __enter__(self):
         if self._read is not None:
@@ -229,10 +252,40 @@ def run_suite(out: str, dry_run: bool, budget_s: float, workers: int) -> dict:
         found = _parse_junit(xml)
         tests += found if found else _parse_verbose(log)   # a budget's kill loses the junit report
     print(tail, flush=True)
+    _against_the_record(tests, on_gpu=not dry_run)
     counts = {k: sum(1 for t in tests if t["outcome"] == k) for k in ("passed", "failed", "error", "skipped")}
     rc = next((r for r in rcs if r != 0), 0)
     return {"returncode": rc, "seconds": round(time.monotonic() - t0, 1), "counts": counts, "tests": tests,
-            "output_tail": tail[-3000:]}
+            "measurements": _suite_measurements(out), "output_tail": tail[-3000:]}
+
+
+def _against_the_record(tests: list[dict], on_gpu: bool) -> None:
+    """Each test's outcome before this run as docs/gpu.md records it (tests/gpu/record.py: "passed",
+    "failed", "never"), and `first_gpu_pass` where a GPU just passed a test it had not passed before:
+    what docs/gpu.md's lists must gain after the run."""
+    try:
+        from tests.gpu.record import gpu_record
+        record = dict(gpu_record())
+    except (ImportError, OSError, ValueError) as e:         # the run's own evidence stands without it
+        print(f"[gpu-proof] docs/gpu.md's record of the GPU tests is unreadable ({e})", flush=True)
+        record = {}
+    for t in tests:
+        t["before"] = record.get(t["id"], "never")
+        t["first_gpu_pass"] = on_gpu and t["outcome"] == "passed" and t["before"] != "passed"
+
+
+def _suite_measurements(out: str) -> dict:
+    """What the suite's GPU tests wrote to ZO_GPU_MEASURE_DIR (= OUT): the stream probe's timings and
+    the device-memory test's split of the GPU's memory, kept even where an assertion failed."""
+    found = {}
+    for name in sorted(os.listdir(out)):
+        if name == "stream_connections.json" or (name.startswith("device_memory_") and name.endswith(".json")):
+            try:
+                with open(os.path.join(out, name)) as f:
+                    found[name[:-5]] = json.load(f)
+            except (OSError, ValueError) as e:
+                found[name[:-5]] = {"error": f"{type(e).__name__}: {e}"}
+    return found
 
 
 def _parse_verbose(text: str) -> list[dict]:
@@ -292,7 +345,8 @@ def plan_for(flags: list[str], dry_run: bool) -> dict:
     args, env, vocab = _job_args(flags)
     p = job_plan(args, env, 1, vocab)
     return {"fits": p.fits, "params_total": p.params_total, "device_bytes_per_gpu": p.device_bytes_per_gpu,
-            "host_bytes_per_node": p.host_bytes_per_node, "reasons": p.reasons}
+            "host_bytes_per_node": p.host_bytes_per_node, "reasons": p.reasons,
+            "device_items": dict(p.device_items)}
 
 
 def _job_args(flags: list[str]):
@@ -357,6 +411,7 @@ def _read_jsonl(path: str) -> dict:
            "tokens_per_s": med("tokens_per_s"), "tflops_per_rank": med("tflops_per_rank"),
            "losses": [r["loss"] for r in train_rows],
            "device_peak_allocated_bytes": max((r.get("device_peak_bytes") or 0) for r in train_rows) or None,
+           "device_peak_reserved_bytes": max((r.get("device_reserved_peak_bytes") or 0) for r in train_rows) or None,
            "host_rss_peak_bytes": max(r["host_rss_bytes"] for r in train_rows),
            "host_model_state_bytes": train_rows[-1]["host_model_state_bytes"],
            "device_model_state_bytes": train_rows[-1]["device_model_state_bytes"]}
@@ -427,6 +482,30 @@ def _add_ratios(row: dict, peak_tflops: float | None) -> None:
         row["nvml_peak_vs_plan"] = row["nvml_peak_bytes"] / plan["device_bytes_per_gpu"]
     if row.get("host_rss_peak_bytes") and plan.get("host_bytes_per_node"):
         row["host_rss_vs_plan"] = row["host_rss_peak_bytes"] / plan["host_bytes_per_node"]
+    split = device_memory_split(row)
+    if split:
+        row["device_memory_split"] = split
+
+
+def device_memory_split(row: dict) -> dict | None:
+    """Where the run's device memory went, against the plan's lines (issue 34, 2.7: the planner's flat
+    1 GiB overhead was never measured): NVML's peak for the job (the whole GPU less its settled
+    baseline) = memory outside torch's allocator (CUDA context, NCCL, library handles: the plan's
+    framework_overhead) + the allocator's reserved peak, which is its allocated peak (the plan's model
+    states and activations) + its cached blocks (the plan's allocator_fragmentation). The allocator
+    rarely returns memory, so the NVML and reserved peaks coincide up to what it released; None where
+    a figure is missing (a CPU run has no allocator or NVML)."""
+    job, reserved, allocated = (row.get(k) for k in ("nvml_job_peak_bytes", "device_peak_reserved_bytes",
+                                                     "device_peak_allocated_bytes"))
+    if not (job and reserved and allocated):
+        return None
+    items = (row.get("plan") or {}).get("device_items") or {}
+    return {"nvml_job_peak_bytes": job, "reserved_peak_bytes": reserved, "allocated_peak_bytes": allocated,
+            "outside_allocator_bytes": job - reserved, "allocator_cache_bytes": reserved - allocated,
+            "plan_framework_overhead_bytes": items.get("framework_overhead"),
+            "plan_allocator_fragmentation_bytes": items.get("allocator_fragmentation"),
+            "plan_rest_bytes": sum(v for k, v in items.items()
+                                   if k not in ("framework_overhead", "allocator_fragmentation")) or None}
 
 
 def largest(out: str, dry_run: bool, budget_s: float, peak_tflops: float | None) -> dict:
@@ -486,9 +565,12 @@ def markdown(r: dict) -> str:
     if s:
         c = s["counts"]
         lines += [f"Suite: {c['passed']} passed, {c['failed']} failed, {c['error']} errors, {c['skipped']} skipped "
-                  f"in {s['seconds']} s (rc {s['returncode']}).", "", "| test | outcome | s |", "|---|---|---|"]
-        lines += [f"| `{t['id']}` | {t['outcome']} | {t['seconds']:.1f} |" for t in s["tests"]]
+                  f"in {s['seconds']} s (rc {s['returncode']}).", "",
+                  "| test | outcome | s | before (docs/gpu.md) |", "|---|---|---|---|"]
+        lines += [f"| `{t['id']}` | {t['outcome']}{' (first pass on a GPU)' if t.get('first_gpu_pass') else ''} | "
+                  f"{t['seconds']:.1f} | {t.get('before', '-')} |" for t in s["tests"]]
         lines.append("")
+        lines += _memory_test_table(s.get("measurements") or {})
     rows = [x for x in r.get("sweep", []) if "median_step_s" in x] + ([r["largest"]] if r.get("largest", {}).get(
         "median_step_s") else [])
     if rows:
@@ -502,10 +584,38 @@ def markdown(r: dict) -> str:
                          f"{_pct(x.get('mfu'))} | {ph} | {_gib(x.get('nvml_peak_bytes'))} | "
                          f"{_gib(plan.get('device_bytes_per_gpu'))} | {_gib(x.get('host_rss_peak_bytes'))} | "
                          f"{_gib(plan.get('host_bytes_per_node'))} |")
+    split_rows = [x for x in rows if x.get("device_memory_split")]
+    if split_rows:
+        lines += ["", "Where the device memory went (GiB; NVML's job peak = outside the allocator + reserved; reserved = "
+                  "allocated + cached; `tools/gpu_proof.py` device_memory_split):", "",
+                  "| run | NVML job peak | outside the allocator | plan framework_overhead | reserved peak | allocator "
+                  "cache | plan allocator_fragmentation | allocated peak | plan's other lines |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for x in split_rows:
+            d = x["device_memory_split"]
+            lines.append(f"| {x['name']} | {_gib(d['nvml_job_peak_bytes'])} | {_gib(d['outside_allocator_bytes'])} | "
+                         f"{_gib(d['plan_framework_overhead_bytes'])} | {_gib(d['reserved_peak_bytes'])} | "
+                         f"{_gib(d['allocator_cache_bytes'])} | {_gib(d['plan_allocator_fragmentation_bytes'])} | "
+                         f"{_gib(d['allocated_peak_bytes'])} | {_gib(d['plan_rest_bytes'])} |")
     failed = [x for x in r.get("sweep", []) + [r.get("largest") or {}] if x.get("returncode") not in (0, None)]
     for x in failed:
         lines += ["", f"{x['name']} failed (rc {x['returncode']}):", "```", (x.get("output_tail") or "")[-1500:], "```"]
     return "\n".join(lines) + "\n"
+
+
+def _memory_test_table(measurements: dict) -> list[str]:
+    """test_device_memory_stays_within_the_plan's figures (MB), one row per case, failed or not."""
+    rows = [(k, v) for k, v in sorted(measurements.items()) if k.startswith("device_memory_") and "error" not in v]
+    if not rows:
+        return []
+    mb = lambda b: "-" if b is None else f"{b / 1e6:,.1f}"       # noqa: E731
+    out = ["The device-memory test (MB; NVML: this process on the GPU, context included):", "",
+           "| case | NVML process | reserved peak | allocated peak | plan total | plan framework_overhead |",
+           "|---|---|---|---|---|---|"]
+    for k, v in rows:
+        out.append(f"| {k[len('device_memory_'):]} | {mb(v.get('nvml'))} | {mb(v.get('reserved'))} | {mb(v.get('peak'))} | "
+                   f"{mb(v.get('planned_total'))} | {mb((v.get('items') or {}).get('framework_overhead'))} |")
+    return out + [""]
 
 
 def plot(out: str, result: dict) -> None:
@@ -541,9 +651,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="folder for gpu_proof.json, .md, .png and the runs' logs")
     ap.add_argument("--dry-run", action="store_true", help="on a CPU: tiny sizes, the same code path")
     ap.add_argument("--phases", default="suite,sweep,largest", help="comma-separated subset of suite,sweep,largest")
-    ap.add_argument("--suite-budget-s", type=float, default=230)
-    ap.add_argument("--sweep-budget-s", type=float, default=180)
-    ap.add_argument("--largest-budget-s", type=float, default=90)
+    # the defaults (370 s) plus the set-up (86 s on 2026-11-27) and the tool's own ~15 s: ~7.9 min,
+    # under issue 34's 8. The suite alone took ~420 s on 4 workers then, so its budget cuts it: it runs
+    # what has not passed on a GPU first (tests/gpu/record.py); the sweep fits 3-4 runs of ~45 s
+    ap.add_argument("--suite-budget-s", type=float, default=130)
+    ap.add_argument("--sweep-budget-s", type=float, default=170)
+    ap.add_argument("--largest-budget-s", type=float, default=70)
     ap.add_argument("--suite-workers", type=int, default=0, help="pytest-xdist workers (0: none)")
     ap.add_argument("--schedules", default=",".join(name for name, _ in SCHEDULES),
                     help="comma-separated subset of the sweep's schedules")

@@ -2,6 +2,9 @@
 
 ZO_GPU_SUITE_ON_CPU=1 runs the tests that make sense without a GPU on the CPU instead, to check
 the suite itself on a machine without one; it proves nothing about CUDA.
+
+Where the suite runs (CUDA, or that CPU check), it runs in the order of docs/gpu.md's record
+(record.py): what failed on a GPU last time first, then what never ran on one, then what passed.
 """
 import os
 
@@ -14,12 +17,28 @@ HAVE_CUDA = torch.cuda.is_available()
 
 def pytest_collection_modifyitems(config, items):
     if HAVE_CUDA or DRY_RUN:
+        _unproven_first(items)
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU: `make test-gpu` on a GPU machine runs this suite")
     here = os.path.dirname(os.path.abspath(__file__))
     for item in items:
         if str(item.fspath).startswith(here):
             item.add_marker(skip)
+
+
+def _unproven_first(items) -> None:
+    """Sort the GPU tests in place by their record (stable: file order within a group); pytest-xdist
+    hands tests out in this order, so a budget that stops the suite cuts the proven tests."""
+    from tests.gpu.record import gpu_record, run_rank
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    record = dict(gpu_record())
+    rel = lambda item: item.nodeid.split("tests/gpu/", 1)[-1]          # noqa: E731
+    gpu = [i for i in items if str(i.fspath).startswith(here)]
+    if gpu:
+        first = items.index(gpu[0])
+        rest = [i for i in items if i not in gpu]
+        items[:] = rest[:first] + sorted(gpu, key=lambda i: run_rank(rel(i), record)) + rest[first:]
 
 
 def dp2_backend(cuda_devices: int | None = None) -> str:

@@ -112,6 +112,10 @@ def test_device_memory_stays_within_the_plan(precision, attention_backend):
     out = run_world(_memory_world, 1, fresh_seed(f"memory {precision} {attention_backend}"), precision,
                     attention_backend)[0]
     print(json.dumps({k: v for k, v in out.items() if k != "items"}), out["items"])
+    where = os.environ.get("ZO_GPU_MEASURE_DIR")        # tools/gpu_proof.py reads it, pass or fail
+    if where:
+        with open(os.path.join(where, f"device_memory_{precision}-{attention_backend}.json"), "w") as f:
+            json.dump(out, f, indent=1)
     assert out["before_engine"] == 0, "the fp32 model must be built on the host"
     # model states: the planner's bytes, exactly up to the allocator's 512-byte rounding
     assert out["after_build"] <= out["planned_states"] * 1.01, out
