@@ -44,6 +44,11 @@ def test_the_dry_run_runs_every_phase_and_says_it_is_not_a_gpu_result(tmp_path, 
             assert x["loss_max_rel_diff_vs_synchronous"] == 0.0, x["name"]
     md = (out / "gpu_proof.md").read_text()
     assert "measured on cpu (dry run: proves the tool, not the GPU)" in md
+    # where each run's start-up went: the set-up phases' end times, in order, within the launch's wall time
+    for x in runs:
+        ends = [x["setup_phases"][k]["elapsed_s"] for k in ("data", "model", "optimizer")]
+        assert ends == sorted(ends) and ends[-1] < x["wall_s"], (x["name"], ends, x["wall_s"])
+        assert f"| {x['name']} | {x['wall_s']} | " + " | ".join(map(str, ends)) + " |" in md, x["name"]
     assert (out / "gpu_proof.png").stat().st_size > 0
 
 

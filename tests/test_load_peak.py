@@ -24,13 +24,21 @@ MiB = 1024 ** 2
 
 
 def _job(argv, jsonl, tmp_path):
+    import time
+
+    t0 = time.monotonic()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
            os.path.join(ROOT, "pretrain", "pretrain_gpt.py"), *argv, "--log-jsonl", str(jsonl), "--no-progress-bar"]
     env = dict(os.environ, PYTHONPATH=ROOT, ZO_MEGATRON_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="2")
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert res.returncode == 0, (res.stdout[-2000:], res.stderr[-3000:])
+    wall = time.monotonic() - t0
     with open(jsonl) as f:
-        return [json.loads(x) for x in f if x.strip()]
+        recs = [json.loads(x) for x in f if x.strip()]
+    # each set-up phase says when it ended: in order, within the launch's wall time
+    ends = [ph["elapsed_s"] for ph in next(r for r in recs if r["kind"] == "setup_memory")["phases"].values()]
+    assert ends == sorted(ends) and 0 <= ends[0] and ends[-1] < wall, (ends, wall)
+    return recs
 
 
 @pytest.mark.parametrize("precision", ["fp32"])

@@ -584,6 +584,15 @@ def markdown(r: dict) -> str:
                          f"{_pct(x.get('mfu'))} | {ph} | {_gib(x.get('nvml_peak_bytes'))} | "
                          f"{_gib(plan.get('device_bytes_per_gpu'))} | {_gib(x.get('host_rss_peak_bytes'))} | "
                          f"{_gib(plan.get('host_bytes_per_node'))} |")
+    started = [x for x in rows if any("elapsed_s" in v for v in (x.get("setup_phases") or {}).values())]
+    if started:
+        lines += ["", "Start-up (s: when each set-up phase ended, from the trainer's start; the launch's wall time "
+                  "includes imports, the process group and every iteration):", "",
+                  "| run | launch wall | data | model | optimizer |", "|---|---|---|---|---|"]
+        for x in started:
+            ph = x["setup_phases"]
+            lines.append(f"| {x['name']} | {x.get('wall_s', '-')} | " + " | ".join(
+                str((ph.get(k) or {}).get("elapsed_s", "-")) for k in ("data", "model", "optimizer")) + " |")
     split_rows = [x for x in rows if x.get("device_memory_split")]
     if split_rows:
         lines += ["", "Where the device memory went (GiB; NVML's job peak = outside the allocator + reserved; reserved = "

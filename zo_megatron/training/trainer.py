@@ -95,18 +95,20 @@ class Trainer:
         from zo_megatron.model import build_gpt_model
 
         args, ps, st = self.args, self.ps, self.state
-        memory = {"start": proc_memory_bytes()}
+        # each phase's memory and when it ended (seconds since run() began): where a slow start-up goes
+        mark = lambda: {**proc_memory_bytes(), "elapsed_s": round(_now() - self.t_start, 3)}   # noqa: E731
+        memory = {"start": mark()}
         self.checkpointer = Checkpointer(args, ps, self.metrics, self.inject, self.stack)
         self.cfg = components.model_config(args)
         train_ds, valid_ds = components.build_datasets(args, self.tokenizer, self.data_path)
-        memory["data"] = proc_memory_bytes()
+        memory["data"] = mark()
         # Built on the host in fp32: the offload engine moves it to the device as its flat 16-bit
         # buffer (the device never holds the fp32 copy); the baseline moves it whole.
         self.model = build_gpt_model(self.cfg, ps.tp_rank, ps.tp_size, args.seed)
-        memory["model"] = proc_memory_bytes()
+        memory["model"] = mark()
         self.optimizer = components.build_optimizer(args, self.model, ps)
         self.stack.callback(self.optimizer.close)
-        memory["optimizer"] = proc_memory_bytes()
+        memory["optimizer"] = mark()
         self.timeline = components.build_timeline(args, ps)
         if self.timeline is not None:
             self.stack.callback(self.timeline.close)
@@ -117,7 +119,7 @@ class Trainer:
         self.checkpointer.attach(self.model, self.optimizer, self.cfg.vocab_size, self.cfg.arch_meta(), self.tokenizer)
         if args.load:
             st.iteration, st.consumed_samples, st.consumed_valid_samples = self.checkpointer.resume()
-            memory["load"] = proc_memory_bytes()      # its hwm: what reading the checkpoint peaked at
+            memory["load"] = mark()                   # its hwm: what reading the checkpoint peaked at
         self.start_iter = st.iteration
         acc = getattr(self.optimizer, "accounting", None)
         self.metrics.log_setup_memory(memory, acc.as_dict() if acc is not None else None)
