@@ -117,23 +117,29 @@ def test_batches_go_to_a_cuda_device_pinned_and_non_blocking():
 
 
 # The modules the training loop runs through (training/loop.py before the trainer was split out of it)
-LOOP_MODULES = ("trainer.py", "evaluation.py", "step_log.py", "checkpointing.py", "loop.py")
+# (the MoE job's aux-loss log, moe_losses.py, is read at every log row after NCCL all-reduces: its
+# untimed .item() and .cpu() were found by review on 2026-12-07)
+LOOP_MODULES = ("trainer.py", "evaluation.py", "step_log.py", "checkpointing.py", "loop.py", "moe_losses.py")
 
 
 def test_the_training_loop_reads_device_values_only_through_host_value():
-    """Every .item() in the training loop's modules reads a host tensor: host_value(...) or a tensor
-    built on the host (the all-reduced stats); the old loop called step_loss.item() on the device tensor."""
-    host_names = {"stats", "flag"}           # CPU tensors: gloo all-reduces of host values
+    """Every host read (.item(), .cpu(), .tolist()) in the training loop's modules reads a host tensor:
+    host_value(...) or a tensor built on the host (the all-reduced stats, the routing counts brought
+    home); the old loop called step_loss.item() on the device tensor."""
+    host_names = {"stats", "flag", "counts", "sums", "gathered"}   # CPU tensors: host_value's, gloo reductions
     bad, src = [], ""
     for name in LOOP_MODULES:
         text = open(os.path.join(ROOT, "zo_megatron", "training", name)).read()
         src += text
         for node in ast.walk(ast.parse(text)):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "item":
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                    node.func.attr in ("item", "cpu", "tolist"):
                 recv = node.func.value
                 ok = (isinstance(recv, ast.Call) and getattr(recv.func, "id", None) == "host_value") or (
                     isinstance(recv, ast.Subscript) and getattr(recv.value, "id", None) in host_names) or (
-                    isinstance(recv, ast.Name) and recv.id in host_names)
+                    isinstance(recv, ast.Name) and recv.id in host_names) or (
+                    isinstance(recv, ast.Call) and isinstance(recv.func, ast.Attribute)     # counts.max().item()
+                    and getattr(recv.func.value, "id", None) in host_names)
                 if not ok:
                     bad.append((name, node.lineno, ast.unparse(node)))
     assert not bad, bad
@@ -160,3 +166,16 @@ def test_on_cuda_the_hosts_torch_passes_get_the_cpu_adams_cores(schedule):
     finally:
         torch.set_num_threads(old_torch)
         cpu_adam.set_num_threads(old_adam)
+
+
+def test_the_engines_bring_device_values_home_only_through_host_value():
+    """The engines' per-step copies of device values to the host (.cpu()) go through host_value's timed
+    wait: the partial-offload tail's gradient statistics were an untimed .cpu() (found by review on
+    2026-12-07; reachable by the expert engine since partial offload with EP is allowed)."""
+    bad = []
+    for name in ("engine.py", "grad_buckets.py", "expert_parallel.py", "device_optimizer.py", "schedules.py"):
+        text = open(os.path.join(ROOT, "zo_megatron", "offload", name)).read()
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "cpu":
+                bad.append((name, node.lineno, ast.unparse(node)))
+    assert not bad, bad

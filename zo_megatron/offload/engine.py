@@ -54,7 +54,7 @@ import torch
 from zo_megatron.errors import ConfigError
 from zo_megatron.offload import cpu_adam
 from zo_megatron.offload.accounting import Accounting
-from zo_megatron.offload.device import DeviceLayer
+from zo_megatron.offload.device import DeviceLayer, host_value
 from zo_megatron.offload.device_optimizer import DeviceOptimizerTail
 from zo_megatron.offload.engine_state import EngineState
 from zo_megatron.offload.flat_buffer import ALIGN, FlatLayout
@@ -415,7 +415,7 @@ class ZeroOffloadEngine(GradientBuckets, EngineState):
             if self._norm_segments else (0.0, True)
         stats = torch.tensor([sumsq, 0.0 if finite else 1.0], dtype=torch.float64)
         if self._tail is not None:                       # one device->host copy for both numbers
-            stats += self._tail.grad_sumsq_and_nonfinite().cpu()
+            stats += host_value(self._tail.grad_sumsq_and_nonfinite())   # timed, as every host read on CUDA
         return stats
 
     def _global_grad_norm(self, scale: float) -> tuple[bool, float]:

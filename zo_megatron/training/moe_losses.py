@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from zo_megatron.offload.device import host_value
 from zo_megatron.parallel import collectives
 
 
@@ -90,17 +91,22 @@ class MoELosses:
         from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
 
         tracker = get_moe_layer_wise_logging_tracker()
-        out = {}
+        out, totals = {}, []
         for name in self.names:
             entry = tracker.get(name)
             values = entry["values"].detach().double().clone() if entry is not None else \
                 torch.zeros(self.num_layers, dtype=torch.float64, device=self.ps.device)
-            values = _reduced(values, entry or {}, self.ps)
-            per_iteration = values.sum().item() / self.micro_batches / max(iterations, 1)
-            out[name] = per_iteration / max(self.moe_layers, 1)
+            totals.append(_reduced(values, entry or {}, self.ps).sum())
+        if totals:
+            # one host read for every name, timed (on CUDA the sums sit behind NCCL all-reduces: a plain
+            # .item() would wait for a dead peer until NCCL's watchdog aborts; issue 34, 2.2)
+            sums = host_value(torch.stack(totals))
+            for i, name in enumerate(self.names):
+                per_iteration = sums[i].item() / self.micro_batches / max(iterations, 1)
+                out[name] = per_iteration / max(self.moe_layers, 1)
         clear_aux_losses_tracker()
         if self.routed:
-            counts = collectives.all_reduce(torch.stack(self.routed).cpu())    # [routers, E], over the world
+            counts = collectives.all_reduce(host_value(torch.stack(self.routed)))   # [routers, E], over the world
             counts /= max(iterations, 1)
             out.update(tokens_per_expert_min=counts.min().item(), tokens_per_expert_mean=counts.mean().item(),
                        tokens_per_expert_max=counts.max().item())

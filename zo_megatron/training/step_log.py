@@ -111,7 +111,8 @@ def rank_peaks(host_peak: int, device_peak: int | None) -> dict:
     """Every rank's peak host memory (its own VmHWM) and device memory (CUDA's peak allocated; None
     on a CPU), gathered over the world: per-rank lists in rank order, their maximum and its rank."""
     mine = torch.tensor([host_peak, -1 if device_peak is None else device_peak], dtype=torch.int64)
-    rows = torch.stack(collectives.all_gather_list(mine, None)).tolist()
+    gathered = torch.stack(collectives.all_gather_list(mine, None))       # host tensors over gloo
+    rows = gathered.tolist()
     host = [r[0] for r in rows]
     out = {"host_peak_bytes_per_rank": host, "host_peak_bytes_max": max(host),
            "host_peak_rank": host.index(max(host))}
