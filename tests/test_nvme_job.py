@@ -203,3 +203,42 @@ def test_disk_full_mid_step_is_one_line_and_the_last_checkpoint_resumes(tmp_path
     assert [(x["iteration"], x["loss"], x["grad_norm"]) for x in again] == \
         [(x["iteration"], x["loss"], x["grad_norm"]) for x in rows if x["iteration"] == 3]
     assert os.listdir(nvme) == []                                 # the resumed run reclaimed and removed them
+
+
+# (--clip-grad, the rank's writes allowed, in steps' writes): a clip that never clips commits every
+# speculated step, and the disk fills in iteration 2's speculated pass (initial states, iteration 1,
+# a tenth of iteration 2); one that always clips rolls iteration 1 back, and the disk fills in its redo
+# (initial states, iteration 1's speculated pass, half the redo)
+@pytest.mark.parametrize("clip,quota", [("1000", 2.1), ("0.001", 2.5)], ids=["speculated-pass", "redo"])
+def test_disk_full_in_an_overlapped_step_is_one_line_on_every_rank(tmp_path, clip, quota):
+    """The same fault under --overlap-cpu-step (found by review on 2026-12-07): the speculated pass
+    writes the chunks it updates during backward, on the worker, and a step that rolls back redoes the
+    update; neither was inside the ranks' agreement, so rank 1's full disk left rank 0 at the norm's
+    all-reduce or the all-gather until it lost contact. Every rank ends with rank 1's one line."""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    common = ["--zero-offload", "--mock-data", *TINY, "--eval-interval", "100", "--overlap-cpu-step",
+              "--clip-grad", clip, "--lr-warmup-iters", "0", "--lr-decay-style", "constant",
+              "--optimizer-nvme-path", nvme, "--optimizer-nvme-buffer-size", "4096",
+              "--optimizer-nvme-buffer-count", "2"]
+    ref = _world(tmp_path, [*common, "--train-iters", "2", "--log-interval", "1", "--log-jsonl", tmp_path / "ref.jsonl"])
+    assert ref.rcs == [0, 0], ref.stderr[-3000:]
+    rows = _rows(tmp_path / "ref.jsonl", "train")
+    step = rows[1]["nvme_written_bytes_per_step"]     # a step's writes (iteration 2: committed, or held back)
+    assert rows[0]["speculated_buckets"] and bool(rows[0]["rolled_back_buckets"]) == (clip != "1000"), rows
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(FILLING_DISK)
+    env = _clean_env(tmp_path)
+    env.update(PYTHONPATH=f"{site}{os.pathsep}{ROOT}", ZO_TEST_DISK_QUOTA=f"1:{int(quota * step)}")
+    t0 = time.monotonic()
+    r = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node=2", SCRIPT, *map(str, common), "--train-iters", "3",
+                        "--log-interval", "1"], capture_output=True, text=True, timeout=240, env=env)
+    print(f"{time.monotonic() - t0:.0f} s, exit {r.returncode}", r.stdout[-2000:], r.stderr[-4000:])
+    assert r.returncode != 0 and time.monotonic() - t0 < 200, r.stderr[-3000:]
+    assert "lost contact" not in r.stdout + r.stderr, r.stderr[-3000:]
+    errors = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1, r.stderr[-3000:]
+    assert errors[0].startswith(f"error: rank 1: {nvme}/zo_optimizer.tp0.dp1."), errors[0]
+    assert "no space left on the device while writing optimizer states" in errors[0], errors[0]
+    assert "speculated" in r.stdout or "--overlap-cpu-step" in r.stdout, r.stdout[-2000:]   # the overlap was on

@@ -88,3 +88,30 @@ def test_a_damaged_checkpoint_file_of_rank_1_is_one_line_naming_it(tmp_path):
     assert not any(ln.strip().startswith(tuple(f'File "{p}' for p in ours)) for ln in r.stderr.splitlines()), \
         r.stderr[-3000:]
     assert "resumed" not in r.stdout
+
+
+def _timeout_world(rank):
+    import time
+
+    from zo_megatron.parallel import collectives, init_parallel
+
+    init_parallel(1, seed=1)
+    if rank == 1:                       # a peer that stopped answering: it never reaches the agreement
+        time.sleep(8)
+        return None
+    t0 = time.monotonic()
+    try:
+        with collectives.all_ranks_agree():
+            raise collectives.CollectiveTimeout("rank 1 did not answer")
+    except collectives.CollectiveTimeout as exc:
+        return str(exc), time.monotonic() - t0
+    return "no error", time.monotonic() - t0
+
+
+def test_a_timed_out_peer_is_not_waited_for_again_by_the_agreement():
+    """A CollectiveTimeout inside the block (a timed host wait on a peer that stopped answering: the
+    overlapped schedule's join waits for the peers' reduce-scatters) leaves at once with its own type,
+    instead of the agreement's collective waiting for the same silent peer a second time (it would
+    here for the 8 s rank 1 sleeps; on a real job for the process group's timeout)."""
+    out = run_world(_timeout_world, 2)[0]
+    assert out[0] == "rank 1 did not answer" and out[1] < 4, out

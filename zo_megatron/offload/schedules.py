@@ -379,6 +379,16 @@ class SpeculativeSchedule(SynchronousSchedule):
         them here, and their segments are updated after the validation, unspeculated. Cancelled
         from the last one back, so the taken ones are a suffix of the queue (the worker takes
         tasks in order) and the speculated segments stay a prefix."""
+        with cpu_step_agreed(engine):       # a speculated pass's disk error: every rank raises it
+            self._join(engine)              # (every rank comes here, speculating or not)
+        for name, lo, view, snap in self._race:
+            if not _same_bits(view, snap):
+                at = (_bits(view) != _bits(snap)).nonzero()[0].item() + lo
+                raise RuntimeError(f"overlap race: the {name} of a speculated segment changed between its "
+                                   f"CPU Adam and the end of backward (first at partition index {at})")
+        self._race = []
+
+    def _join(self, engine) -> None:
         if not self.futures:
             return
         t0 = time.monotonic()
@@ -396,12 +406,6 @@ class SpeculativeSchedule(SynchronousSchedule):
                 self._accumulate(engine, *args)
         finally:
             engine._phases.append(("cpu_step_wait", t0, time.monotonic()))
-        for name, lo, view, snap in self._race:
-            if not _same_bits(view, snap):
-                at = (_bits(view) != _bits(snap)).nonzero()[0].item() + lo
-                raise RuntimeError(f"overlap race: the {name} of a speculated segment changed between its "
-                                   f"CPU Adam and the end of backward (first at partition index {at})")
-        self._race = []
 
     def step(self, engine, found_inf: bool, grad_norm: float, scale: float, rates: tuple[float, float]) -> StepResult:
         self.before_norm(engine)            # (already joined by the engine; kept for direct callers)
@@ -433,12 +437,13 @@ class SpeculativeSchedule(SynchronousSchedule):
         # A redo updates every segment from the restored state; a commit the segments after the
         # speculated units (done is a prefix: buckets land in order). Both in place.
         end = self.units[done[-1]][1] if done else 0
-        if not rollback and done and engine._nvme is not None:
-            engine._nvme.commit_shadow()            # the speculated chunks' new places become theirs
         rest = None if rollback else _clip(engine._host_segments, end, engine._cut)
-        if rest is None or rest:
-            engine._cpu_update(k, engine._update_grad(), engine.step_count, lr, clip_coef / scale, segments=rest,
-                               decoupled_lr=decoupled_lr)
+        with cpu_step_agreed(engine):       # the commit's or the redo's disk error: every rank raises it
+            if not rollback and done and engine._nvme is not None:
+                engine._nvme.commit_shadow()        # the speculated chunks' new places become theirs
+            if rest is None or rest:
+                engine._cpu_update(k, engine._update_grad(), engine.step_count, lr, clip_coef / scale,
+                                   segments=rest, decoupled_lr=decoupled_lr)
         prefix = None if rollback or self.params is None or not done else self.params[:end]
         engine._params_to_device(k, prefix=prefix)
         return StepResult(False, grad_norm, clip_coef, scale, speculated_buckets=speculated,

@@ -325,11 +325,13 @@ def all_ranks_agree(group=None):
     If any rank failed, every rank raises the same `UserError("rank R: message")` (R the lowest
     failing rank), printed once as `error: ...` by rank 0 of `group` before the ranks leave (the
     exception carries `reported = True` so the CLI does not print it again). An unexpected exception keeps its traceback on
-    the rank it happened on. The block must not issue collectives itself: a rank that failed early
-    would never reach them."""
+    the rank it happened on, and a CollectiveTimeout (a peer that stopped answering) leaves at once.
+    The block must not issue collectives itself: a rank that failed early would never reach them."""
     message, original = None, None
     try:
         yield
+    except CollectiveTimeout:
+        raise                   # a peer stopped answering: agreeing would wait for it once more
     except UserError as exc:
         message, original = str(exc), exc
     except Exception as exc:  # noqa: BLE001 - a bug on one rank must not leave the others hanging
