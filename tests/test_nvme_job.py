@@ -149,6 +149,22 @@ if _rank and os.environ.get("RANK") == _rank:
 """
 
 
+def _run_filling_disk(tmp_path, argv, quota: int):
+    """The job under torchrun on 2 ranks, rank 1's state files allowed `quota` bytes of writes
+    (FILLING_DISK); it must fail, every rank ending well inside the launch's timeout (none waits)."""
+    site = tmp_path / "site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(FILLING_DISK)
+    env = _clean_env(tmp_path)
+    env.update(PYTHONPATH=f"{site}{os.pathsep}{ROOT}", ZO_TEST_DISK_QUOTA=f"1:{quota}")
+    t0 = time.monotonic()
+    r = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node=2", SCRIPT, *map(str, argv)],
+                       capture_output=True, text=True, timeout=240, env=env)
+    print(f"{time.monotonic() - t0:.0f} s, exit {r.returncode}", r.stdout[-2000:], r.stderr[-4000:])
+    assert r.returncode != 0 and time.monotonic() - t0 < 200, r.stderr[-3000:]
+    return r
+
+
 def _world(tmp_path, argv):
     import types
 
@@ -178,16 +194,7 @@ def test_disk_full_mid_step_is_one_line_and_the_last_checkpoint_resumes(tmp_path
     assert step > 0 and rows[0]["nvme_written_bytes_per_step"] == 2 * step   # + the initial states
     save = tmp_path / "ckpt"
     quota = 3 * step + step // 2            # the initial states, iterations 1 and 2, half of iteration 3
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(FILLING_DISK)
-    env = _clean_env(tmp_path)
-    env.update(PYTHONPATH=f"{site}{os.pathsep}{ROOT}", ZO_TEST_DISK_QUOTA=f"1:{quota}")
-    t0 = time.monotonic()
-    r = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node=2", SCRIPT, *map(str, common), "--save", str(save)],
-                       capture_output=True, text=True, timeout=240, env=env)
-    print(f"{time.monotonic() - t0:.0f} s, exit {r.returncode}", r.stdout[-2000:], r.stderr[-4000:])
-    assert r.returncode != 0 and time.monotonic() - t0 < 200          # every rank ended, none waits
+    r = _run_filling_disk(tmp_path, [*common, "--save", save], quota)
     errors = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.startswith("error:")]
     assert len(errors) == 1, r.stderr[-3000:]
     disk = "no space left on the device while writing optimizer states"
@@ -226,16 +233,7 @@ def test_disk_full_in_an_overlapped_step_is_one_line_on_every_rank(tmp_path, cli
     rows = _rows(tmp_path / "ref.jsonl", "train")
     step = rows[1]["nvme_written_bytes_per_step"]     # a step's writes (iteration 2: committed, or held back)
     assert rows[0]["speculated_buckets"] and bool(rows[0]["rolled_back_buckets"]) == (clip != "1000"), rows
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(FILLING_DISK)
-    env = _clean_env(tmp_path)
-    env.update(PYTHONPATH=f"{site}{os.pathsep}{ROOT}", ZO_TEST_DISK_QUOTA=f"1:{int(quota * step)}")
-    t0 = time.monotonic()
-    r = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node=2", SCRIPT, *map(str, common), "--train-iters", "3",
-                        "--log-interval", "1"], capture_output=True, text=True, timeout=240, env=env)
-    print(f"{time.monotonic() - t0:.0f} s, exit {r.returncode}", r.stdout[-2000:], r.stderr[-4000:])
-    assert r.returncode != 0 and time.monotonic() - t0 < 200, r.stderr[-3000:]
+    r = _run_filling_disk(tmp_path, [*common, "--train-iters", "3", "--log-interval", "1"], int(quota * step))
     assert "lost contact" not in r.stdout + r.stderr, r.stderr[-3000:]
     errors = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.startswith("error:")]
     assert len(errors) == 1, r.stderr[-3000:]
