@@ -152,11 +152,17 @@ if _rank and os.environ.get("RANK") == _rank:
 def _run_filling_disk(tmp_path, argv, quota: int):
     """The job under torchrun on 2 ranks, rank 1's state files allowed `quota` bytes of writes
     (FILLING_DISK); it must fail, every rank ending well inside the launch's timeout (none waits)."""
+    return _run_with_fault(tmp_path, argv, FILLING_DISK, ZO_TEST_DISK_QUOTA=f"1:{quota}")
+
+
+def _run_with_fault(tmp_path, argv, site_code: str, **env_extra):
+    """The job under torchrun on 2 ranks with `site_code` loaded by each interpreter (a fault that
+    env_extra aims at a rank); it must fail, every rank ending well inside the launch's timeout."""
     site = tmp_path / "site"
     site.mkdir(exist_ok=True)
-    (site / "sitecustomize.py").write_text(FILLING_DISK)
+    (site / "sitecustomize.py").write_text(site_code)
     env = _clean_env(tmp_path)
-    env.update(PYTHONPATH=f"{site}{os.pathsep}{ROOT}", ZO_TEST_DISK_QUOTA=f"1:{quota}")
+    env.update(PYTHONPATH=f"{site}{os.pathsep}{ROOT}", **env_extra)
     t0 = time.monotonic()
     r = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node=2", SCRIPT, *map(str, argv)],
                        capture_output=True, text=True, timeout=240, env=env)
@@ -240,3 +246,52 @@ def test_disk_full_in_an_overlapped_step_is_one_line_on_every_rank(tmp_path, cli
     assert errors[0].startswith(f"error: rank 1: {nvme}/zo_optimizer.tp0.dp1."), errors[0]
     assert "no space left on the device while writing optimizer states" in errors[0], errors[0]
     assert "speculated" in r.stdout or "--overlap-cpu-step" in r.stdout, r.stdout[-2000:]   # the overlap was on
+
+
+# Loaded by every interpreter of the launch: in the rank named by ZO_TEST_BAD_MASTER the master read back
+# from disk fails its checksum, as a state file changed on disk does (nvme_io.StateFileError)
+BAD_MASTER = """
+import os
+if os.environ.get("RANK") == os.environ.get("ZO_TEST_BAD_MASTER"):
+    from zo_megatron.offload import nvme_io, nvme_store
+    def _bad(self, out):
+        raise nvme_io.StateFileError(f"{self.config.path}/master: bytes 0..4096 changed on disk since they were "
+                                     "written (test)")
+    nvme_store.NvmeStateStore.copy_master_to = _bad
+"""
+
+
+def _assert_bad_master_line(r, nvme):
+    assert "lost contact" not in r.stdout + r.stderr, r.stderr[-3000:]
+    errors = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.startswith("error:")]
+    assert errors == [f"error: rank 1: {nvme}/master: bytes 0..4096 changed on disk since they were written (test)"], \
+        r.stderr[-3000:]
+
+
+NVME_MASTER = ["--zero-offload", "--mock-data", *TINY, "--optimizer-nvme-master", "--optimizer-nvme-buffer-size", "4096",
+               "--optimizer-nvme-buffer-count", "2"]
+
+
+def test_a_bad_master_read_at_a_dpu_flush_is_one_line_on_every_rank(tmp_path):
+    """DPU with weight prediction and the master on disk: before an evaluation the exact master is read
+    back from disk (DelayedSchedule.flush); that read failing on rank 1 alone (found by review on
+    2026-12-07) left rank 0 at the parameters' all-gather until it lost contact. Every rank ends with
+    rank 1's one line."""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    r = _run_with_fault(tmp_path, [*NVME_MASTER, "--optimizer-nvme-path", nvme, "--train-iters", "3", "--eval-interval",
+                                   "2", "--eval-iters", "1", "--dpu", "--dpu-warmup-steps", "1", "--dpu-weight-prediction"],
+                        BAD_MASTER, ZO_TEST_BAD_MASTER="1")
+    _assert_bad_master_line(r, nvme)
+
+
+def test_a_bad_master_read_at_a_resume_is_one_line_on_every_rank(tmp_path):
+    """The same read when a resume re-derives the 16-bit parameters from the master on disk
+    (reload_params_from_master, after the checkpoint's states were written into the state files)."""
+    nvme, save = tmp_path / "nvme", tmp_path / "ckpt"
+    nvme.mkdir()
+    argv = [*NVME_MASTER, "--optimizer-nvme-path", nvme, "--eval-interval", "100", "--save", save]
+    ok = _world(tmp_path, [*argv, "--train-iters", "3", "--exit-interval", "2"])
+    assert ok.rcs == [0, 0], ok.stderr[-3000:]
+    r = _run_with_fault(tmp_path, [*argv, "--train-iters", "3", "--load", save], BAD_MASTER, ZO_TEST_BAD_MASTER="1")
+    _assert_bad_master_line(r, nvme)

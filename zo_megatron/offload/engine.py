@@ -61,7 +61,7 @@ from zo_megatron.offload.flat_buffer import ALIGN, FlatLayout
 from zo_megatron.offload.grad_buckets import GradientBuckets
 from zo_megatron.offload.loss_scaler import ConstantLossScaler, DynamicLossScaler
 from zo_megatron.offload.nvme_store import NvmeConfig, NvmeStateStore
-from zo_megatron.offload.schedules import DelayedSchedule, SpeculativeSchedule, SynchronousSchedule
+from zo_megatron.offload.schedules import DelayedSchedule, SpeculativeSchedule, SynchronousSchedule, cpu_step_agreed
 from zo_megatron.offload.sequence_parallel_grads import SequenceParallelGrads
 from zo_megatron.optimizer_api import AdamConfig, StepResult
 from zo_megatron.parallel import collectives
@@ -534,12 +534,14 @@ class ZeroOffloadEngine(GradientBuckets, EngineState):
         """Re-derive the 16-bit parameters from the fp32 master (after loading a checkpoint)."""
         self.flush()
         self.dev.wait_device_reads()     # an async host->device copy may still read host_param
-        if self._nvme is not None:       # what a checkpoint load wrote into the mapped files: checksummed
-            self._nvme.resync()
-        if self.master is not None:
-            self.host_param.copy_(self.master.to(self.dtype))
-        else:                            # --optimizer-nvme-master: read from disk, chunk by chunk
-            self._nvme.copy_master_to(self.host_param)
+        # the disk's reads may fail on one rank alone: every rank raises that rank's line
+        with cpu_step_agreed(self):
+            if self._nvme is not None:   # what a checkpoint load wrote into the mapped files: checksummed
+                self._nvme.resync()
+            if self.master is not None:
+                self.host_param.copy_(self.master.to(self.dtype))
+            else:                        # --optimizer-nvme-master: read from disk, chunk by chunk
+                self._nvme.copy_master_to(self.host_param)
         if self._tail is not None:
             self._tail.write_params()
         self._params_to_device()

@@ -188,8 +188,9 @@ class DelayedSchedule(SynchronousSchedule):
         if self.weight_prediction and not predicted:       # the exact master, not the predicted copy
             if engine.master is not None:
                 engine._params[k].copy_(engine.master)
-            else:                                        # --optimizer-nvme-master: read from disk
-                engine._nvme.copy_master_to(engine._params[k])
+            else:                                        # --optimizer-nvme-master: read from disk, and a
+                with cpu_step_agreed(engine):            # read failing on one rank is every rank's line
+                    engine._nvme.copy_master_to(engine._params[k])
         engine._params_to_device(k)
         if engine._params[0] is engine._params[-1] and len(engine._params) > 1:
             # One 16-bit output buffer shared by both sets: the next update may overwrite it only
