@@ -248,6 +248,32 @@ def test_disk_full_in_an_overlapped_step_is_one_line_on_every_rank(tmp_path, cli
     assert "speculated" in r.stdout or "--overlap-cpu-step" in r.stdout, r.stdout[-2000:]   # the overlap was on
 
 
+@pytest.mark.parametrize("save", [False, True], ids=["next-step", "save"])
+def test_a_failed_write_still_in_flight_after_a_step_is_one_line_on_every_rank(tmp_path, save):
+    """A CPU step's last chunks are still being written when its agreed block ends (the disk works
+    while the device does). Their failure used to surface outside any agreement -- in the next step's
+    read-ahead when backward starts, or in the save's wait for the writes -- so rank 1 left while the
+    other ranks went on to the reduce-scatters or the save (found by review on 2026-12-07). Now a
+    read-ahead leaves a failed write for the next blocking wait (the next agreed CPU step), and
+    evaluation, a save and the end of training flush the writes inside an agreement. The disk fills
+    on the very last byte of iteration 2's writes."""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    common = ["--zero-offload", "--mock-data", *TINY, "--eval-interval", "100", "--optimizer-nvme-path", nvme,
+              "--optimizer-nvme-buffer-size", "4096", "--optimizer-nvme-buffer-count", "2", "--log-interval", "1"]
+    ref = _world(tmp_path, [*common, "--train-iters", "2", "--log-jsonl", tmp_path / "ref.jsonl"])
+    assert ref.rcs == [0, 0], ref.stderr[-3000:]
+    step = _rows(tmp_path / "ref.jsonl", "train")[1]["nvme_written_bytes_per_step"]
+    extra = ["--save", tmp_path / "ckpt", "--save-interval", "2"] if save else []
+    r = _run_filling_disk(tmp_path, [*common, "--train-iters", "3", *extra], 3 * step - 1)  # initial + 2 steps
+    assert "lost contact" not in r.stdout + r.stderr, r.stderr[-3000:]
+    errors = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: rank 1: {nvme}/zo_optimizer.tp0.dp1."), errors
+    assert "no space left on the device while writing optimizer states" in errors[0], errors[0]
+    if save:
+        assert not (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").exists()
+
+
 # Loaded by every interpreter of the launch: in the rank named by ZO_TEST_BAD_MASTER the master read back
 # from disk fails its checksum, as a state file changed on disk does (nvme_io.StateFileError)
 BAD_MASTER = """

@@ -34,6 +34,22 @@ def _agree_world(rank):
             out[name] = f"UserError:{exc}"
         except RuntimeError as exc:
             out[name] = f"RuntimeError:{exc}"
+    # an agreement inside another (the job's agreed flush holds DPU's agreed join): the inner outcome
+    # passes through the outer one unchanged, once, on every rank
+    import contextlib
+    import io
+
+    printed = io.StringIO()              # what this rank prints (rank 0 prints an agreed error once)
+    for name, fail in (("nested", UserError("inner")), ("nested_bug", RuntimeError("inner bug"))):
+        try:
+            with contextlib.redirect_stderr(printed), collectives.all_ranks_agree():
+                with collectives.all_ranks_agree():
+                    if rank == 1:
+                        raise fail
+            out[name] = "ok"
+        except (UserError, RuntimeError) as exc:
+            out[name] = f"{type(exc).__name__}:{exc}"
+    out["printed"] = printed.getvalue().splitlines()
     out["after"] = collectives.all_reduce(__import__("torch").ones(1)).item()    # the world still works
     return out
 
@@ -49,6 +65,11 @@ def test_every_rank_learns_the_first_failing_rank_and_its_message():
         else:
             assert out["bug_on_1"] == "UserError:rank 1: RuntimeError: boom (traceback on that rank)"
         assert out["long"].startswith("UserError:rank 0: ééé") and len(out["long"].encode()) < 2100
+        assert out["nested"] == "UserError:rank 1: inner"          # not "rank 0: rank 1: inner"
+        assert out["printed"] == ([] if rank else ["error: rank 1: inner",
+                                                   "error: rank 1: RuntimeError: inner bug (traceback on that rank)"])
+        assert out["nested_bug"] == ("RuntimeError:inner bug" if rank == 1 else
+                                     "UserError:rank 1: RuntimeError: inner bug (traceback on that rank)")
         assert out["after"] == 3.0
 
 

@@ -438,8 +438,13 @@ class ZeroOffloadEngine(GradientBuckets, EngineState):
 
     def flush(self) -> StepResult | None:
         """Apply the update in flight, if any (DPU: join the worker, its exception is raised here,
-        and return its parameters to the device). Returns that update's StepResult, or None."""
-        return self.schedule.flush(self)
+        and return its parameters to the device), and with the NVMe tier wait for the state files'
+        writes in flight (their errors are raised here: the job flushes inside the ranks' agreement
+        before evaluating, saving and finishing). Returns that update's StepResult, or None."""
+        result = self.schedule.flush(self)
+        if self._nvme is not None:
+            self._nvme.drain()
+        return result
 
     def _check_no_race(self) -> None:
         if self._race_ref is not None:

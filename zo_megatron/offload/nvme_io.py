@@ -195,6 +195,10 @@ class Request:
     def done(self) -> bool:
         return all(f.done() for f in self.futures)
 
+    def failed(self) -> bool:
+        """Some block has ended in an error (the others may still run)."""
+        return any(f.done() and not f.cancelled() and f.exception() is not None for f in self.futures)
+
     def wait(self) -> None:
         first = None
         for f in self.futures:            # every block is joined, even after an error

@@ -246,7 +246,9 @@ class NvmeStateStore:
         req = self._slot_write[slot]
         if req is None:
             return True
-        if not block and not req.done():
+        # a write that failed is left for a blocking wait: the non-blocking ones (read-ahead, run on
+        # one rank between the ranks' agreements) must not raise a disk error the other ranks miss
+        if not block and (not req.done() or req.failed()):
             return False
         self._slot_write[slot] = None
         try:
@@ -365,7 +367,7 @@ class NvmeStateStore:
         if not self._free(slot, block):
             return None
         if i in self._chunk_write:                     # this chunk's last write is from another slot
-            if not block and not self._chunk_write[i].done():
+            if not block and (not self._chunk_write[i].done() or self._chunk_write[i].failed()):
                 return None
             self._wait(self._chunk_write.pop(i))
         self.read_bytes += sum(self._nbytes(i, k) for k in kinds)

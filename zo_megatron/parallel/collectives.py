@@ -326,24 +326,29 @@ def all_ranks_agree(group=None):
     failing rank), printed once as `error: ...` by rank 0 of `group` before the ranks leave (the
     exception carries `reported = True` so the CLI does not print it again). An unexpected exception keeps its traceback on
     the rank it happened on, and a CollectiveTimeout (a peer that stopped answering) leaves at once.
-    The block must not issue collectives itself: a rank that failed early would never reach them."""
+    The block must not issue collectives itself: a rank that failed early would never reach them --
+    except another agreement over the same group, entered by every rank (the job's flush before a
+    save holds DPU's agreed join): its outcome, which every rank raises, passes through unchanged."""
     message, original = None, None
     try:
         yield
     except CollectiveTimeout:
         raise                   # a peer stopped answering: agreeing would wait for it once more
-    except UserError as exc:
-        message, original = str(exc), exc
     except Exception as exc:  # noqa: BLE001 - a bug on one rank must not leave the others hanging
-        message, original = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} " \
-                            "(traceback on that rank)", exc
+        if getattr(exc, "_agreed_over", _NOT_AGREED) is group:
+            raise               # an inner agreement's outcome: every rank of the group raises it now
+        message = str(exc) if isinstance(exc, UserError) else \
+            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} (traceback on that rank)"
+        original = exc
     failed = first_error(message, group)
     if failed is None:
         return
     rank, text = failed
     if group_size(group) == 1:
+        original._agreed_over = group
         raise original
     err = UserError(f"rank {rank}: {text}")
+    err._agreed_over = group
     if group_rank(group) == 0:
         # Printed here, before the barrier: once a rank exits, launchers (torchrun, srun) kill the
         # others, and rank 0 might otherwise die before its line is out. The CLI does not repeat it.
@@ -353,5 +358,9 @@ def all_ranks_agree(group=None):
     err.reported = True
     barrier(group)
     if original is not None and not isinstance(original, UserError):
+        original._agreed_over = group
         raise original
     raise err from None
+
+
+_NOT_AGREED = object()      # (no group is this object: an exception no agreement has handled)

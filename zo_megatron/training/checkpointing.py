@@ -57,7 +57,8 @@ class Checkpointer:
         from zo_megatron.checkpoint import save_checkpoint
 
         args = self.args
-        self.optimizer.flush()              # a checkpoint holds no pending update: resume is exact
+        with collectives.all_ranks_agree():   # (a disk error of one rank's optimizer states: every rank's)
+            self.optimizer.flush()          # a checkpoint holds no pending update: resume is exact
         t_save = time.monotonic()
         mem_before_save = proc_memory_bytes()
         try:

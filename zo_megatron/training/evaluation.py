@@ -40,7 +40,8 @@ def cycle(make, consumed: int = 0):
 
 def evaluate(model, optimizer, batches, eval_iters: int, ps, device) -> tuple[float, int]:
     """Mean loss over `eval_iters` micro-batches per rank, and the samples that covered (all DP ranks)."""
-    optimizer.flush()                       # evaluate the parameters with every update applied
+    with collectives.all_ranks_agree():     # (a disk error of one rank's optimizer states: every rank's)
+        optimizer.flush()                   # evaluate the parameters with every update applied
     model.eval()
     total, count = torch.zeros((), dtype=torch.float64, device=device), 0
     with torch.no_grad(), optimizer.forward_context():

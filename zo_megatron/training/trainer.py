@@ -265,7 +265,8 @@ class Trainer:
                 return 1
             self.metrics.print(f" stopped by {stop_reason} after iteration {st.iteration}{where}")
             return 0
-        self.optimizer.flush()              # the last delayed update belongs to the trained model
+        with collectives.all_ranks_agree():   # (a disk error of one rank's optimizer states: every rank's)
+            self.optimizer.flush()          # the last delayed update belongs to the trained model
         if self.timeline is not None:
             self.timeline.record_all(st.iteration, self.optimizer.drain_phases())
         last_val = self.evaluator.last_loss if self.evaluator is not None else None
