@@ -111,3 +111,55 @@ def test_the_log_line_names_time_consumed_samples_mfu_and_the_peak_rank(capsys):
     assert line.startswith(" [2026-11-27 12:00:05 UTC] iter      3/10 | loss 5.0000")
     assert "consumed 1,536 samples" in line and "MFU 12.4%" in line
     assert "host peak 5.0 GiB (rank 3)" in line and "device peak 60.0 GiB (rank 2)" in line
+
+
+class _FullDisk:
+    """A file or writer whose writes fail as on a full disk."""
+
+    def __init__(self, *args, **kwargs):
+        self.calls = 0
+
+    def _fail(self, *args, **kwargs):
+        import errno
+
+        self.calls += 1
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    write = add_scalar = add_text = _fail
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("sink", ["jsonl", "tensorboard"])
+def test_a_log_that_cannot_be_written_stops_that_log_not_the_run(tmp_path, capsys, monkeypatch, sink):
+    """Only rank 0 writes the logs: a full disk under --log-jsonl or --tensorboard-dir raised there and
+    left the other ranks in their next collective until they lost contact (found by review on
+    2026-12-07). The failed log stops with one warning; the other log and the console go on."""
+    from zo_megatron.training.metrics import Metrics
+
+    jsonl = tmp_path / "log.jsonl"
+    m = Metrics(enabled=True, total_iters=4, progress_bar=False, jsonl_path=str(jsonl),
+                tensorboard_dir=str(tmp_path / "tb"))
+    row = lambda it: {"iteration": it, "loss": 5.0 - it, "lr": 1e-4, "grad_norm": 1.0, "loss_scale": 1.0,  # noqa: E731
+                      "skipped": 0, "nan_iterations": 0, "tokens_per_s": 100.0, "step_time_s": 0.5,
+                      "tflops_per_rank": 1.0, "device_model_state_bytes": 1, "host_model_state_bytes": 1,
+                      "host_rss_bytes": 1}
+    m.log_train(row(1))
+    broken = _FullDisk()
+    if sink == "jsonl":
+        m._jsonl = broken
+    else:
+        m._tb = broken
+    for it in (2, 3):
+        m.log_train(row(it))                    # no exception
+    m.close()
+    out = capsys.readouterr()
+    warnings = [ln for ln in out.err.splitlines() if ln.startswith("warning:")]
+    flag = "--log-jsonl" if sink == "jsonl" else "--tensorboard-dir"
+    assert len(warnings) == 1 and warnings[0].startswith(f"warning: {flag} ") and "No space left" in warnings[0], \
+        out.err
+    assert broken.calls == 1                    # given up after its first failure
+    assert [ln.split("|")[0].split()[-1] for ln in out.out.splitlines() if "iter " in ln] == ["1/4", "2/4", "3/4"]
+    kept = [json.loads(x)["iteration"] for x in jsonl.read_text().splitlines() if json.loads(x)["kind"] == "train"]
+    assert kept == ([1] if sink == "jsonl" else [1, 2, 3])

@@ -1,6 +1,7 @@
 """What a run reports: readable log lines, a progress bar on a terminal, JSONL, TensorBoard."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -174,16 +175,43 @@ class Metrics:
             row["eval_samples"] = eval_samples
         self._write(row, "eval")
 
+    def _sink_failed(self, flag: str, where: str, exc: BaseException) -> None:
+        """A log file that cannot be written (a full disk, a gone NFS mount) stops that log, not the
+        run: only rank 0 writes logs, and a rank 0 raising here would leave the other ranks in their
+        next collective until they lost contact. The checkpoints are what a resume needs, and their
+        own failure ends the run on every rank with one line."""
+        print(f"warning: {flag} {where}: writing failed ({type(exc).__name__}: {exc}); that log stops here, "
+              "training goes on", file=sys.stderr, flush=True)
+        if flag == "--log-jsonl":
+            self._jsonl_path = None
+            with contextlib.suppress(OSError):
+                if self._jsonl is not None:
+                    self._jsonl.close()
+            self._jsonl = None
+        else:
+            self._tb_dir = None
+            with contextlib.suppress(Exception):
+                if self._tb is not None:
+                    self._tb.close()
+            self._tb = None
+
     def _open(self) -> None:
         if self._jsonl_path and self._jsonl is None:
-            os.makedirs(os.path.dirname(os.path.abspath(self._jsonl_path)), exist_ok=True)
-            self._jsonl = open(self._jsonl_path, "a", buffering=1)
-            if self._header is not None:
-                self._jsonl.write(json.dumps(self._header) + "\n")
+            try:
+                os.makedirs(os.path.dirname(os.path.abspath(self._jsonl_path)), exist_ok=True)
+                self._jsonl = open(self._jsonl_path, "a", buffering=1)
+                if self._header is not None:
+                    self._jsonl.write(json.dumps(self._header) + "\n")
+            except OSError as exc:
+                self._sink_failed("--log-jsonl", self._jsonl_path, exc)
         if self._tb_dir and self._tb is None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(self._tb_dir)
+            try:
+                self._tb = SummaryWriter(self._tb_dir)
+            except OSError as exc:
+                self._sink_failed("--tensorboard-dir", self._tb_dir, exc)
+                return
             if self._header is not None:
                 self._tb.add_text("run/header", "```\n" + json.dumps(self._header, indent=1) + "\n```", 0)
                 flat = {k: v for k, v in self._header.get("args", {}).items() if isinstance(v, (int, float, str, bool))}
@@ -219,15 +247,21 @@ class Metrics:
     def _write_jsonl(self, record: dict) -> None:
         self._open()
         if self._jsonl is not None:
-            self._jsonl.write(json.dumps(record) + "\n")
+            try:
+                self._jsonl.write(json.dumps(record) + "\n")
+            except OSError as exc:
+                self._sink_failed("--log-jsonl", self._jsonl_path, exc)
 
     def _write(self, row: dict, kind: str) -> None:
         self._write_jsonl({"kind": kind, **row})
         if self._tb is not None:
             it = row["iteration"]
-            for k, v in row.items():
-                if k != "iteration" and isinstance(v, (int, float)) and not isinstance(v, bool):
-                    self._tb.add_scalar(f"{kind}/{k}", v, it)
+            try:                        # (TensorBoard writes on a thread: its error surfaces at a later call)
+                for k, v in row.items():
+                    if k != "iteration" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                        self._tb.add_scalar(f"{kind}/{k}", v, it)
+            except OSError as exc:
+                self._sink_failed("--tensorboard-dir", self._tb_dir, exc)
         if self._wandb is not None:
             self._wandb.log({f"{kind}/{k}": v for k, v in row.items() if k != "iteration"
                              and isinstance(v, (int, float)) and not isinstance(v, bool)}, step=row["iteration"])
