@@ -243,3 +243,31 @@ def test_the_banner_names_the_megatron_flags_it_accepted_as_no_ops():
     assert sorted(flags.split(" ")) == sorted(["--use-mcore-models", "--no-persist-layer-norm", "--log-throughput",
                                                "--use-distributed-optimizer"])
     assert noop_lines(_job_args(["--zero-offload"])) == []
+
+
+# every interpreter of the launch: a wandb whose init fails as it does without an API key on a non-tty
+NO_WANDB_LOGIN = """
+import sys, types
+wandb = types.ModuleType("wandb")
+def _init(**kwargs):
+    raise RuntimeError("api_key not configured (no-tty). call wandb.login(key=[your_api_key])")
+wandb.init = _init
+sys.modules["wandb"] = wandb
+"""
+
+
+def test_a_wandb_that_cannot_start_is_one_line_on_every_rank(tmp_path):
+    """Rank 0 alone starts W&B; its wandb.init failing (no API key under a launcher, no network) was
+    a traceback on rank 0 while the other ranks went on to their first collective and lost contact
+    (found by review on 2026-12-07). Now: one line naming the fix, from rank 0, exit 2, no traceback."""
+    from tests.test_nvme_job import _run_with_fault
+    from tests.test_pretrain import TINY
+
+    r = _run_with_fault(tmp_path, ["--zero-offload", "--mock-data", *TINY, "--train-iters", "2", "--wandb-project", "p"],
+                        NO_WANDB_LOGIN)
+    assert "lost contact" not in r.stdout + r.stderr, r.stderr[-3000:]
+    errors = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1, r.stderr[-3000:]
+    assert errors[0].startswith("error: rank 0: --wandb-project p: starting Weights & Biases failed (RuntimeError: "
+                                "api_key not configured (no-tty)"), errors[0]
+    assert "WANDB_MODE=offline" in errors[0] and "/zo_megatron/training" not in r.stderr       # no traceback

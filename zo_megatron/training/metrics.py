@@ -324,10 +324,18 @@ def _start_wandb(*, project: str, name: str | None, dir: str | None, config: dic
 
         raise UserError("--wandb-project needs the wandb package: pip install wandb "
                         "(WANDB_MODE=offline logs without an account)") from None
-    if dir:
-        os.makedirs(dir, exist_ok=True)
+    from zo_megatron.errors import UserError
+
     plain = {k: v for k, v in config.items() if isinstance(v, (int, float, str, bool, type(None)))}
-    return wandb.init(project=project, name=name, dir=dir, config=plain)
+    try:
+        if dir:
+            os.makedirs(dir, exist_ok=True)
+        return wandb.init(project=project, name=name, dir=dir, config=plain)
+    except Exception as exc:  # noqa: BLE001 - wandb's own errors (no API key, no network, a bad dir): one line
+        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+        raise UserError(f"--wandb-project {project}: starting Weights & Biases failed ({type(exc).__name__}: "
+                        f"{first}); log in (`wandb login` or WANDB_API_KEY), or set WANDB_MODE=offline to log "
+                        "without a network") from None
 
 
 def proc_memory_bytes(pid: int | str = "self") -> dict[str, int]:

@@ -69,7 +69,8 @@ class Trainer:
         args, ps = self.args, self.ps
         self.t_start = _now()
         components.set_threads(args, ps, self.adam_threads)
-        self.metrics = components.build_metrics(args, ps)
+        with collectives.all_ranks_agree():     # rank 0's log set-up (W&B's login) fails every rank
+            self.metrics = components.build_metrics(args, ps)
         self.stop = faults.StopSignal(enabled=args.exit_signal_handler or bool(args.save))
         self.stack.callback(self.stop.restore)
         self.inject = faults.FaultInjection.from_env(ps.rank)
