@@ -262,6 +262,15 @@ def _refusals_world(rank, root):
     finally:
         if other is not None:
             other.close()
+    # rank 1's lock file cannot be opened (here: a directory in its place; a file of another user is
+    # an EACCES): an OSError, not only the store's own refusals, is every rank's line
+    locked = os.path.join(root, "locked")
+    os.makedirs(os.path.join(locked, "zo_optimizer.tp0.dp1.lock") if rank == 1 else locked, exist_ok=True)
+    try:
+        ZeroOffloadEngine(model, precision="fp32", nvme=NvmeConfig(locked))
+        messages.append(None)
+    except UserError as e:
+        messages.append(str(e))
     return messages, left, accounts
 
 
@@ -271,11 +280,14 @@ def test_nvme_refusals_are_one_line_and_every_rank_refuses_together(tmp_path):
                "is not a directory", "state_dict() of optimizer states on disk would copy them all"]
     for rank, (messages, left, accounts) in enumerate(results):
         _planner_equals_the_engine(accounts)
-        last = "is in use by another job" if rank == 1 else "another rank refused its --optimizer-nvme-path set-up"
-        for m, needle in zip(messages, [*needles, last]):
+        # (every rank: rank 1's line, which rank 0 prints; before, rank 0's said "another rank refused")
+        lock = f"rank 1: --optimizer-nvme-path {tmp_path}/locked: setting up this rank's state files failed (IsADirectoryError"
+        shared = f"rank 1: --optimizer-nvme-path {tmp_path} is in use by another job"
+        for m, needle in zip(messages, [*needles, shared, lock], strict=True):
             assert m is not None and needle in m and "\n" not in m, (rank, needle, m)
         assert left == []                              # a refused engine leaves no file behind
-    assert sorted(os.listdir(tmp_path)) == ["rank0", "rank1"]
+    assert sorted(os.listdir(tmp_path)) == ["locked", "rank0", "rank1"]
+    assert os.listdir(tmp_path / "locked") == ["zo_optimizer.tp0.dp1.lock"]     # rank 0 removed all its files
 
 
 def _planner_equals_the_engine(accounts):

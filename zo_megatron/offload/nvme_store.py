@@ -169,18 +169,21 @@ class NvmeStateStore:
     @classmethod
     def open_on_every_rank(cls, *args) -> "NvmeStateStore":
         """The store of this rank, opened by every rank of the world together: when one rank is refused
-        (its directory is in use, too small, ...) every rank raises, none waits at a collective for it."""
-        error, store = None, None
+        (its directory is in use, too small, not writable, ...) every rank raises that rank's line
+        (printed once, by rank 0), none waits at a collective for it."""
+        store = None
         try:
-            store = cls(*args)
-        except UserError as e:
-            error = e
-        failed = collectives.all_reduce(torch.tensor([0.0 if error is None else 1.0]))    # over every rank
-        if error is not None:
-            raise error
-        if failed.item():
-            store.close()
-            raise ConfigError("another rank refused its --optimizer-nvme-path set-up (its error line says why)")
+            with collectives.all_ranks_agree():
+                try:
+                    store = cls(*args)
+                except OSError as e:        # the lock, a stale file of another user, the ring's memory
+                    raise UserError(f"--optimizer-nvme-path {args[0].path}: setting up this rank's state files "
+                                    f"failed ({type(e).__name__}: {e}): check the directory's permissions, files "
+                                    "another user left there, and its free space") from None
+        except BaseException:
+            if store is not None:
+                store.close()
+            raise
         return store
 
     def _lock(self, tag: str) -> list[str]:
