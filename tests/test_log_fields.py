@@ -163,3 +163,39 @@ def test_a_log_that_cannot_be_written_stops_that_log_not_the_run(tmp_path, capsy
     assert [ln.split("|")[0].split()[-1] for ln in out.out.splitlines() if "iter " in ln] == ["1/4", "2/4", "3/4"]
     kept = [json.loads(x)["iteration"] for x in jsonl.read_text().splitlines() if json.loads(x)["kind"] == "train"]
     assert kept == ([1] if sink == "jsonl" else [1, 2, 3])
+
+
+def test_a_timeline_or_trace_that_cannot_be_written_stops_with_a_warning(tmp_path, capsys):
+    """--timeline (every rank writes its own) and --profile (the profiled ranks write a trace): a full disk
+    or an unusable path there raised on that rank alone, leaving the others in their next collective
+    (found by review on 2026-12-07). Each stops with one warning; the run goes on."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from zo_megatron.training.profiling import StepProfiler
+    from zo_megatron.training.timeline import Timeline
+
+    (tmp_path / "afile").write_text("x")
+    bad = Timeline(str(tmp_path / "afile" / "tl.jsonl"), 1, 2, torch.device("cpu"))      # its directory is a file
+    bad.record_all(1, [("forward", 0.0, 1.0)])
+    bad.close()
+    tl = Timeline(str(tmp_path / "tl.jsonl"), 0, 1, torch.device("cpu"))
+    tl.record_all(1, [("forward", 0.0, 1.0)])
+    broken = _FullDisk()
+    tl._f = broken
+    for it in (2, 3):
+        tl.record_all(it, [("forward", it, it + 1.0), ("backward", it + 1.0, it + 2.0)])
+    tl.close()
+    assert broken.calls == 1 and json.loads((tmp_path / "tl.jsonl").read_text())["iteration"] == 1
+    prof = StepProfiler(SimpleNamespace(profile_step_start=0, profile_step_end=1, tensorboard_dir=str(tmp_path / "afile"),
+                                        save=None), 0, "cpu")
+    prof.begin_if_due(0)
+    torch.ones(4).sum()
+    prof.end_if_due(1)                          # writing under a file: no trace, no exception
+    assert not list(tmp_path.glob("afile*/*"))
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("warning:")]
+    assert len(err) == 3, err
+    assert err[0].startswith(f"warning: --timeline {tmp_path}/afile/tl.jsonl.rank1 (rank 1): writing failed")
+    assert err[1].startswith(f"warning: --timeline {tmp_path}/tl.jsonl (rank 0): writing failed (OSError")
+    assert err[2].startswith("warning: --profile rank 0: writing ") and "no trace, training goes on" in err[2]

@@ -17,6 +17,7 @@ a Chrome trace (chrome://tracing, Perfetto, or TensorBoard's profiler plugin, wh
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -81,10 +82,17 @@ class StepProfiler:
     def _finish(self, completed: int | None) -> None:
         prof, self._prof, self._done = self._prof, None, True
         prof.stop()
-        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         tmp = f"{self.path}.partial"
-        prof.export_chrome_trace(tmp)
-        os.replace(tmp, self.path)               # a reader never sees half a trace
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+            prof.export_chrome_trace(tmp)
+            os.replace(tmp, self.path)           # a reader never sees half a trace
+        except OSError as exc:                   # (a full disk: traces with stacks are large) not the run's end:
+            with contextlib.suppress(OSError):   # only the profiled ranks write, the others would wait for them
+                os.remove(tmp)
+            print(f"warning: --profile rank {self.rank}: writing {self.path} failed ({type(exc).__name__}: {exc}); "
+                  "no trace, training goes on", file=sys.stderr, flush=True)
+            return
         cut = "" if completed is None or completed >= self.end else f" (the run stopped after iteration {completed})"
         print(f" profile: rank {self.rank}, iterations {self.start + 1}-{self.end}{cut} -> {self.path}",
               file=sys.stdout, flush=True)

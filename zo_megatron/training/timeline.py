@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 import time
 
 import torch
@@ -29,9 +30,13 @@ def timeline_path(path: str, rank: int, world_size: int) -> str:
 class Timeline:
     def __init__(self, path: str, rank: int, world_size: int, device: torch.device):
         self.path = timeline_path(path, rank, world_size)
-        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-        self._f = open(self.path, "w")
         self.rank = rank
+        self._f = None
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+            self._f = open(self.path, "w")
+        except OSError as exc:
+            self._failed(exc)
         self._sync = device.type == "cuda"
         self._device = device
 
@@ -48,12 +53,33 @@ class Timeline:
                "end": round(end, 6)}
         if micro is not None:
             row["micro"] = micro
-        self._f.write(json.dumps(row) + "\n")
+        if self._f is not None:
+            try:
+                self._f.write(json.dumps(row) + "\n")
+            except OSError as exc:
+                self._failed(exc)
 
     def record_all(self, iteration: int, phases) -> None:
         for name, start, end in phases:
             self.record(name, iteration, start, end)
-        self._f.flush()
+        if self._f is not None:
+            try:
+                self._f.flush()
+            except OSError as exc:
+                self._failed(exc)
+
+    def _failed(self, exc: OSError) -> None:
+        """A timeline that cannot be written (a full disk) stops with one warning, not the run: each
+        rank writes its own, and one rank raising would leave the others in their next collective."""
+        print(f"warning: --timeline {self.path} (rank {self.rank}): writing failed ({type(exc).__name__}: {exc}); "
+              "the timeline stops here, training goes on", file=sys.stderr, flush=True)
+        f, self._f = self._f, None
+        if f is not None:
+            with contextlib.suppress(OSError):
+                f.close()
 
     def close(self) -> None:
-        self._f.close()
+        if self._f is not None:
+            with contextlib.suppress(OSError):
+                self._f.close()
+            self._f = None
