@@ -182,3 +182,38 @@ def test_a_save_killed_at_any_point_leaves_the_previous_checkpoint_loadable(tmp_
     assert sorted(os.listdir(save)) == ["iter_0000004", "latest_checkpointed_iteration.txt"]
     first, last = _losses(tmp_path / "0.jsonl"), _losses(tmp_path / "last.jsonl")
     assert last == {3: first[3], 4: first[4]}
+
+
+# every interpreter of the launch: on RANK == ZO_TEST_FULL_RANK, writing a file whose name ends in
+# ZO_TEST_FULL_FILE fails as on a full disk (the save's own files: the manifest, the RNG state)
+SAVE_DISK_FULL = """
+import errno, os
+if os.environ.get("RANK") == os.environ.get("ZO_TEST_FULL_RANK"):
+    from zo_megatron.checkpoint import save
+    _real = save.write_durable
+    def _full(path, *args, **kwargs):
+        if os.path.basename(path).endswith(os.environ["ZO_TEST_FULL_FILE"]):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        return _real(path, *args, **kwargs)
+    save.write_durable = _full
+"""
+
+
+@pytest.mark.parametrize("rank,name", [("0", "checkpoint.json"), ("1", ".json")], ids=["manifest-rank0", "rng-rank1"])
+def test_a_save_file_failing_on_one_rank_is_one_line_on_every_rank(tmp_path, rank, name):
+    """After DCP's shards (whose failure DCP reports to every rank) the save writes per-rank files (the
+    RNG state, the checksums) and rank 0 the manifest and `latest`, separated by plain barriers: a full
+    disk there on one rank left the others at the next barrier until they lost contact (found by review
+    on 2026-12-07). Now the save fails on every rank with that rank's error: one line, the previous
+    checkpoint (none here) stays latest."""
+    from tests.test_pretrain import TINY as JOB, _run_with_fault
+
+    save = tmp_path / "ckpt"
+    r = _run_with_fault(tmp_path, ["--zero-offload", "--mock-data", *JOB, "--train-iters", "2", "--save", save],
+                        SAVE_DISK_FULL, ZO_TEST_FULL_RANK=rank, ZO_TEST_FULL_FILE=name)
+    assert "lost contact" not in r.stdout + r.stderr, r.stderr[-3000:]
+    errors = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1, r.stderr[-3000:]
+    assert errors[0].startswith(f"error: saving the checkpoint of iteration 2 to {save} failed (saving ") and \
+        f"failed: rank {rank}: OSError: [Errno 28] No space left on device" in errors[0], errors[0]
+    assert not (save / "latest_checkpointed_iteration.txt").exists()

@@ -260,8 +260,7 @@ def test_a_wandb_that_cannot_start_is_one_line_on_every_rank(tmp_path):
     """Rank 0 alone starts W&B; its wandb.init failing (no API key under a launcher, no network) was
     a traceback on rank 0 while the other ranks went on to their first collective and lost contact
     (found by review on 2026-12-07). Now: one line naming the fix, from rank 0, exit 2, no traceback."""
-    from tests.test_nvme_job import _run_with_fault
-    from tests.test_pretrain import TINY
+    from tests.test_pretrain import TINY, _run_with_fault
 
     r = _run_with_fault(tmp_path, ["--zero-offload", "--mock-data", *TINY, "--train-iters", "2", "--wandb-project", "p"],
                         NO_WANDB_LOGIN)

@@ -5,12 +5,10 @@ and warns when DIR is RAM-backed, DIR is empty after a clean exit; the flags' co
 exit 2; the disk filling up mid-step on one rank of two stops the job with one line, no rank
 hanging, and the last checkpoint resumes to the uninterrupted run's losses."""
 import os
-import subprocess
-import time
 
 import pytest
 
-from tests.test_pretrain import ROOT, SCRIPT, TINY, TORCHRUN, _clean_env, _rank_job, _rows, _single
+from tests.test_pretrain import TINY, _rank_job, _rows, _run_with_fault, _single
 
 
 def test_job_with_states_on_disk_equals_the_in_memory_job(tmp_path):
@@ -153,22 +151,6 @@ def _run_filling_disk(tmp_path, argv, quota: int):
     """The job under torchrun on 2 ranks, rank 1's state files allowed `quota` bytes of writes
     (FILLING_DISK); it must fail, every rank ending well inside the launch's timeout (none waits)."""
     return _run_with_fault(tmp_path, argv, FILLING_DISK, ZO_TEST_DISK_QUOTA=f"1:{quota}")
-
-
-def _run_with_fault(tmp_path, argv, site_code: str, **env_extra):
-    """The job under torchrun on 2 ranks with `site_code` loaded by each interpreter (a fault that
-    env_extra aims at a rank); it must fail, every rank ending well inside the launch's timeout."""
-    site = tmp_path / "site"
-    site.mkdir(exist_ok=True)
-    (site / "sitecustomize.py").write_text(site_code)
-    env = _clean_env(tmp_path)
-    env.update(PYTHONPATH=f"{site}{os.pathsep}{ROOT}", **env_extra)
-    t0 = time.monotonic()
-    r = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node=2", SCRIPT, *map(str, argv)],
-                       capture_output=True, text=True, timeout=240, env=env)
-    print(f"{time.monotonic() - t0:.0f} s, exit {r.returncode}", r.stdout[-2000:], r.stderr[-4000:])
-    assert r.returncode != 0 and time.monotonic() - t0 < 200, r.stderr[-3000:]
-    return r
 
 
 def _world(tmp_path, argv):

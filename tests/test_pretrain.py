@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import types
 
 import pytest
@@ -218,3 +219,19 @@ def test_activation_recompute_does_not_change_the_math(sotu_prefix, tmp_path):
         losses[name] = [row["loss"] for row in _rows(log, "train")]
     assert losses["full"] == losses["none"]
     assert losses["selective"] == losses["none"]
+
+
+def _run_with_fault(tmp_path, argv, site_code: str, **env_extra):
+    """The job under torchrun on 2 ranks with `site_code` loaded by each interpreter (a fault that
+    env_extra aims at a rank); it must fail, every rank ending well inside the launch's timeout."""
+    site = tmp_path / "site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(site_code)
+    env = _clean_env(tmp_path)
+    env.update(PYTHONPATH=f"{site}{os.pathsep}{ROOT}", **env_extra)
+    t0 = time.monotonic()
+    r = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node=2", SCRIPT, *map(str, argv)],
+                       capture_output=True, text=True, timeout=240, env=env)
+    print(f"{time.monotonic() - t0:.0f} s, exit {r.returncode}", r.stdout[-2000:], r.stderr[-4000:])
+    assert r.returncode != 0 and time.monotonic() - t0 < 200, r.stderr[-3000:]
+    return r

@@ -14,6 +14,7 @@ before_latest) kills the process at one of those moments; unset in normal runs, 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -87,12 +88,12 @@ def save_checkpoint(root: str, iteration: int, *, ps, model, optimizer, vocab_si
     final = iter_dir(root, iteration)
     partial = final + PARTIAL
     kill = _kill_point(iteration)
-    if ps.rank == 0:
-        os.makedirs(root, exist_ok=True)
-        for d in stale_dirs(root):
-            shutil.rmtree(d, ignore_errors=True)
-        os.makedirs(partial)
-    collectives.barrier()
+    with _every_rank_or_none(partial):
+        if ps.rank == 0:
+            os.makedirs(root, exist_ok=True)
+            for d in stale_dirs(root):
+                shutil.rmtree(d, ignore_errors=True)
+            os.makedirs(partial)
     planner = BoxSavePlanner(content.pieces(model, optimizer, ps, vocab_size, saving=True),
                              crash_after_items=1 if kill == "shards" else None)
     writer = dcp.FileSystemWriter(partial, single_file_per_rank=True, sync_files=True, thread_count=1)
@@ -104,49 +105,73 @@ def save_checkpoint(root: str, iteration: int, *, ps, model, optimizer, vocab_si
         first = first[0] if isinstance(first, tuple) else first      # DCP wraps (exception, traceback)
         raise RuntimeError(f"saving {partial} failed: {type(first).__name__}: {first}") from None
     rng_name = rng_file(ps.tp_rank, ps.dp_rank)
-    write_durable(os.path.join(partial, rng_name), json.dumps(capture_rng_state()))
-    # Each rank checksums what it wrote (read back from the page cache), so no rank reads it all.
-    mine = [n for n in os.listdir(partial) if n.startswith(f"__{ps.rank}_") or n == rng_name]
-    write_durable(os.path.join(partial, f"{_CRC_PREFIX}{ps.rank}.json"),
-                  json.dumps({n: crc32_file(os.path.join(partial, n)) for n in mine}))
-    collectives.barrier()
-    if ps.rank == 0:
-        tokenizer_files = copy_tokenizer_files(tokenizer, os.path.join(partial, CHECKPOINT_TOKENIZER_DIR))
-        checksums = _collect_checksums(partial)
-        files = {n: os.path.getsize(os.path.join(partial, n)) for n in sorted(os.listdir(partial))
-                 if os.path.isfile(os.path.join(partial, n))}
-        checksums[".metadata"] = crc32_file(os.path.join(partial, ".metadata"))
-        manifest = {
-            "format": FORMAT, "format_version": FORMAT_VERSION, "iteration": iteration, **train_state,
-            "layout": {"tensor_parallel": ps.tp_size, "data_parallel": ps.dp_size,
-                       **({"expert_parallel": ps.ep_size} if getattr(ps, "ep_size", 1) > 1 else {}),
-                       **({"expert_tensor_parallel": ps.etp_size} if getattr(ps, "experts_apart", False)
-                          and ps.etp_size != ps.tp_size else {})},
-            "optimizer": {"kind": content.optimizer_kind(optimizer), "step": int(optimizer.step_count),
-                          "loss_scaler": optimizer.loss_scaler.state_dict()},
-            "model": model_meta, "params": content.full_shapes(model, ps.tp_rank, ps.tp_size, vocab_size),
-            "args": json_safe(args), "files": files, "checksums": checksums,
-            "tokenizer_type": getattr(tokenizer, "tokenizer_type", None),
-            "tokenizer_fingerprint": getattr(tokenizer, "fingerprint", None),
-            **(getattr(model, "checkpoint_carried", None) or {}),     # from the checkpoint it loaded (load.py)
-        }
-        if tokenizer_files:
-            manifest["tokenizer_files"] = [f"{CHECKPOINT_TOKENIZER_DIR}/{n}" for n in tokenizer_files]
-        write_durable(os.path.join(partial, MANIFEST), json.dumps(manifest, indent=1, sort_keys=True))
-        fsync_dir(partial)
-        if kill == "before_rename":
-            _die()
-        if os.path.exists(final):               # an uncommitted leftover (latest never reached it)
-            os.replace(final, final + ".old")
-        os.replace(partial, final)
-        fsync_dir(root)
-        if kill == "before_latest":
-            _die()
-        write_durable(os.path.join(root, LATEST), f"{iteration}\n")
-        shutil.rmtree(final + ".old", ignore_errors=True)
-        if keep_last:
-            # the K newest up to this one; newer directories belong to an abandoned run: left alone
-            for old in [i for i in committed_iterations(root) if i <= iteration][:-keep_last]:
-                shutil.rmtree(iter_dir(root, old), ignore_errors=True)
-    collectives.barrier()
+    with _every_rank_or_none(partial):
+        write_durable(os.path.join(partial, rng_name), json.dumps(capture_rng_state()))
+        # Each rank checksums what it wrote (read back from the page cache), so no rank reads it all.
+        mine = [n for n in os.listdir(partial) if n.startswith(f"__{ps.rank}_") or n == rng_name]
+        write_durable(os.path.join(partial, f"{_CRC_PREFIX}{ps.rank}.json"),
+                      json.dumps({n: crc32_file(os.path.join(partial, n)) for n in mine}))
+    with _every_rank_or_none(partial):
+        if ps.rank == 0:
+            _commit(partial, final, root, iteration, ps, optimizer, model, vocab_size, train_state, model_meta,
+                    args, keep_last, tokenizer, kill)
     return final
+
+
+@contextlib.contextmanager
+def _every_rank_or_none(partial: str):
+    """A barrier that carries a file error: the section's file work (rank 0's directories and commit,
+    each rank's RNG and checksum files) failing on one rank -- a full disk -- fails the save on every
+    rank with that rank's error, as DCP's own write does, instead of the others waiting at the next
+    collective until they lose contact."""
+    message = None
+    try:
+        yield
+    except OSError as exc:
+        message = f"{type(exc).__name__}: {exc}"
+    failed = collectives.first_error(message)
+    if failed is not None:
+        rank, text = failed
+        raise RuntimeError(f"saving {partial} failed: rank {rank}: {text}") from None
+
+
+def _commit(partial, final, root, iteration, ps, optimizer, model, vocab_size, train_state, model_meta, args,
+            keep_last, tokenizer, kill) -> None:
+    """Rank 0: the manifest (sizes, checksums, tokenizer files), then the rename and `latest`."""
+    tokenizer_files = copy_tokenizer_files(tokenizer, os.path.join(partial, CHECKPOINT_TOKENIZER_DIR))
+    checksums = _collect_checksums(partial)
+    files = {n: os.path.getsize(os.path.join(partial, n)) for n in sorted(os.listdir(partial))
+             if os.path.isfile(os.path.join(partial, n))}
+    checksums[".metadata"] = crc32_file(os.path.join(partial, ".metadata"))
+    manifest = {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "iteration": iteration, **train_state,
+        "layout": {"tensor_parallel": ps.tp_size, "data_parallel": ps.dp_size,
+                   **({"expert_parallel": ps.ep_size} if getattr(ps, "ep_size", 1) > 1 else {}),
+                   **({"expert_tensor_parallel": ps.etp_size} if getattr(ps, "experts_apart", False)
+                      and ps.etp_size != ps.tp_size else {})},
+        "optimizer": {"kind": content.optimizer_kind(optimizer), "step": int(optimizer.step_count),
+                      "loss_scaler": optimizer.loss_scaler.state_dict()},
+        "model": model_meta, "params": content.full_shapes(model, ps.tp_rank, ps.tp_size, vocab_size),
+        "args": json_safe(args), "files": files, "checksums": checksums,
+        "tokenizer_type": getattr(tokenizer, "tokenizer_type", None),
+        "tokenizer_fingerprint": getattr(tokenizer, "fingerprint", None),
+        **(getattr(model, "checkpoint_carried", None) or {}),     # from the checkpoint it loaded (load.py)
+    }
+    if tokenizer_files:
+        manifest["tokenizer_files"] = [f"{CHECKPOINT_TOKENIZER_DIR}/{n}" for n in tokenizer_files]
+    write_durable(os.path.join(partial, MANIFEST), json.dumps(manifest, indent=1, sort_keys=True))
+    fsync_dir(partial)
+    if kill == "before_rename":
+        _die()
+    if os.path.exists(final):               # an uncommitted leftover (latest never reached it)
+        os.replace(final, final + ".old")
+    os.replace(partial, final)
+    fsync_dir(root)
+    if kill == "before_latest":
+        _die()
+    write_durable(os.path.join(root, LATEST), f"{iteration}\n")
+    shutil.rmtree(final + ".old", ignore_errors=True)
+    if keep_last:
+        # the K newest up to this one; newer directories belong to an abandoned run: left alone
+        for old in [i for i in committed_iterations(root) if i <= iteration][:-keep_last]:
+            shutil.rmtree(iter_dir(root, old), ignore_errors=True)
