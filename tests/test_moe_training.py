@@ -103,13 +103,21 @@ def test_engine_trains_a_mixtral_as_torch_adamw_on_transformers(tmp_path, tp, ep
 
 def assert_trains_as_torch_adamw(out, directory, tmp_path, seed):
     """`out` (losses, norms, every rank's final weights) against torch AdamW on transformers' model:
-    losses and norms within 1e-5 of float64, every weight within the fp32 bounds."""
+    losses and norms within 1e-5 of float64, or within twice what torch's own fp32 run is off float64
+    where that is more, every weight within the fp32 bounds.
+
+    (The fp32 floor: a token whose router scores nearly tie goes to another expert in fp32 than in
+    float64, and the update of that step moves by far more than rounding. At seed 31869376 torch's
+    fp32 run is 8.6e-5 off float64 in the second loss and 7.5e-4 in its gradient norm, and this
+    engine agrees with torch's fp32 run to 5e-8: a fixed 1e-5 failed it by chance.)"""
     losses, norms, ref = _torch_adamw(directory, tmp_path, seed, torch.float64)
+    losses32, norms32, ref32 = _torch_adamw(directory, tmp_path, seed, torch.float32)
     assert min(norms) > CLIP                               # the clip is exercised
     for step in range(STEPS):
-        assert abs(out["losses"][step] - losses[step]) <= 1e-5 * abs(losses[step]), (step, out["losses"], losses)
-        assert abs(out["norms"][step] - norms[step]) <= 1e-5 * norms[step], (step, out["norms"], norms)
+        tol_loss = max(1e-5 * abs(losses[step]), 2 * abs(losses32[step] - losses[step]))
+        tol_norm = max(1e-5 * norms[step], 2 * abs(norms32[step] - norms[step]))
+        assert abs(out["losses"][step] - losses[step]) <= tol_loss, (step, out["losses"], losses, losses32)
+        assert abs(out["norms"][step] - norms[step]) <= tol_norm, (step, out["norms"], norms, norms32)
     assert set(out["final"]) == set(ref)
     # no biases here (the near-cancelling elements fp32_spread is for): torch's own fp32 run is the noise
-    assert_fp32_weights_match(out["final"], ref, _torch_adamw(directory, tmp_path, seed, torch.float32)[2],
-                              max_rtol=1e-5)
+    assert_fp32_weights_match(out["final"], ref, ref32, max_rtol=1e-5)
