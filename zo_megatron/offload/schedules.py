@@ -409,7 +409,8 @@ class SpeculativeSchedule(SynchronousSchedule):
             engine._phases.append(("cpu_step_wait", t0, time.monotonic()))
 
     def step(self, engine, found_inf: bool, grad_norm: float, scale: float, rates: tuple[float, float]) -> StepResult:
-        self.before_norm(engine)            # (already joined by the engine; kept for direct callers)
+        if self.futures:                    # the engine joined them before the norm (prepare_step), on every
+            self.before_norm(engine)        # rank: no second agreement per step; kept for direct callers
         self.next_lr, self.last_lr = None, rates
         if not self.active:                 # no speculating backward: the plain synchronous step
             self._reset()
