@@ -69,7 +69,7 @@ def _reference_world(rank, argv, cache):
     tok = build_tokenizer(tokenizer_type="NullTokenizer", vocab_size=args.vocab_size)
     args.model_vocab_size = model_vocab_size(args, tok)
     model = build_gpt_model(components.model_config(args), 0, 1, args.seed)
-    train_ds, _ = components.build_datasets(args, tok, None)
+    train_ds, _ = components.build_datasets(args, tok, None, 2)
     dp, accum = 2, args.global_batch_size // (2 * args.micro_batch_size)
     ranks = [iter(DPBatches(train_ds, args.micro_batch_size, r, dp)) for r in range(dp)]
     params = [p for p in model.parameters() if p.requires_grad]

@@ -186,6 +186,12 @@ def _add_training_flags(g) -> None:
     g.add_argument("--global-batch-size", type=int, default=None,
                    help="samples per step = micro x DP x accumulation (default: micro x DP)")
     g.add_argument("--train-iters", type=int, default=None, help="optimizer steps (or --train-samples)")
+    g.add_argument("--rampup-batch-size", type=int, nargs=3, default=None, metavar=("START", "INCREMENT", "SAMPLES"),
+                   help="Megatron-LM's batch-size ramp-up: the global batch starts at START and grows by INCREMENT "
+                        "in equal shares of SAMPLES samples up to --global-batch-size (needs --train-samples)")
+    g.add_argument("--decrease-batch-size-if-needed", action="store_true",
+                   help="round a global batch (or a ramp's batch) that is no multiple of micro x DP down to one "
+                        "(Megatron-LM's), instead of refusing it")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--skip-memory-check", action="store_true",
                    help="launch even when the memory planner predicts the run does not fit")
@@ -209,6 +215,9 @@ def _add_learning_rate_flags(g) -> None:
                    help="with --train-samples: warmup in samples (Megatron-LM's; a multiple of the global batch)")
     g.add_argument("--lr-decay-samples", type=int, default=None,
                    help="with --train-samples: decay in samples (Megatron-LM's; a multiple of the global batch)")
+    g.add_argument("--lr-wsd-decay-samples", type=int, default=None,
+                   help="with --train-samples and --lr-decay-style WSD: the final anneal in samples (Megatron-LM's; "
+                        "a multiple of the global batch)")
     g.add_argument("--context-parallel-size", type=int, default=1,
                    help="Megatron-LM's context parallelism: only 1 (none) is supported; long sequences: "
                         "--recompute-granularity, --use-flash-attn, --sequence-parallel")
@@ -247,7 +256,8 @@ def _add_mixed_precision_flags(g) -> None:
     m = g.add_mutually_exclusive_group()
     m.add_argument("--bf16", dest="precision", action="store_const", const="bf16",
                    help="bf16 (default on GPUs, and on CPUs with native bf16 (AVX512_BF16 or AMX) where a cached "
-                        "start-up measurement finds it faster than fp32)")
+                        "start-up measurement, best of three interleaved windows per dtype, finds it faster than "
+                        "fp32; a resume keeps its checkpoint's precision)")
     m.add_argument("--fp16", dest="precision", action="store_const", const="fp16",
                    help="fp16 with dynamic loss scaling")
     m.add_argument("--fp32", dest="precision", action="store_const", const="fp32",
@@ -290,7 +300,9 @@ def _add_checkpointing_flags(g) -> None:
     g.add_argument("--load", default=None,
                    help="directory to resume from (its latest checkpoint); with no checkpoint there yet the "
                         "job warns and starts from random weights, as Megatron-LM (`--save X --load X` works "
-                        "from the first launch)")
+                        "from the first launch); a Megatron-LM checkpoint (`torch_dist` or `torch`) or a Hugging "
+                        "Face model there is refused in one line with its `tools/convert_checkpoint.py "
+                        "from-megatron` / `from-hf` command")
     g.add_argument("--ckpt-step", type=int, default=None, metavar="N",
                    help="with --load: resume from iteration N's checkpoint instead of the latest (Megatron-LM's "
                         "flag; the directory must hold iter_N)")
@@ -441,13 +453,13 @@ def finalize(args: argparse.Namespace) -> None:
                           f"{args.max_position_embeddings}")
     if args.recompute_activations and args.recompute_granularity is None:
         args.recompute_granularity = "selective"
-    for unit in ("warmup", "decay"):        # Megatron's sample-based schedule: --train-samples only
-        samples = getattr(args, f"lr_{unit}_samples")
+    for unit in ("warmup", "decay", "wsd_decay"):     # Megatron's sample-based schedule: --train-samples only
+        samples, flag = getattr(args, f"lr_{unit}_samples"), f"--lr-{unit.replace('_', '-')}"
         if samples is not None and args.train_samples is None:
-            raise ConfigError(f"--lr-{unit}-samples is for sample-based runs (--train-samples); with "
-                              f"--train-iters use --lr-{unit}-iters")
+            raise ConfigError(f"{flag}-samples is for sample-based runs (--train-samples); with "
+                              f"--train-iters use {flag}-iters")
         if samples is not None and f"lr_{unit}_iters" in getattr(args, "given", ()):
-            raise ConfigError(f"--lr-{unit}-samples and --lr-{unit}-iters both set the {unit}: give one")
+            raise ConfigError(f"{flag}-samples and {flag}-iters both set the {unit.replace('_', ' ')}: give one")
     if args.lr_decay_iters is None and args.train_samples is None:
         args.lr_decay_iters = args.train_iters
     # every refused flag and every value out of range in ONE line (issue 35, item 9)
@@ -526,7 +538,7 @@ _RANGES = [
     ("lr", lambda v: v > 0, "> 0"), ("min_lr", lambda v: v >= 0, ">= 0"),
     ("lr_warmup_iters", lambda v: v >= 0, ">= 0"), ("lr_decay_iters", lambda v: v >= 1, ">= 1"),
     ("lr_warmup_fraction", lambda v: 0 <= v < 1, "in [0, 1)"), ("lr_warmup_init", lambda v: v >= 0, ">= 0"),
-    ("lr_wsd_decay_iters", lambda v: v >= 1, ">= 1"),
+    ("lr_wsd_decay_iters", lambda v: v >= 1, ">= 1"), ("lr_wsd_decay_samples", lambda v: v >= 1, ">= 1"),
     ("decoupled_lr", lambda v: v > 0, "> 0"), ("decoupled_min_lr", lambda v: v >= 0, ">= 0"),
     ("weight_decay", lambda v: v >= 0, ">= 0"), ("adam_beta1", lambda v: 0 <= v < 1, "in [0, 1)"),
     ("adam_beta2", lambda v: 0 <= v < 1, "in [0, 1)"), ("adam_eps", lambda v: v > 0, "> 0"),
@@ -604,24 +616,47 @@ def range_problems(args: argparse.Namespace) -> list[str]:
 
 
 def check_batch_sizes(args: argparse.Namespace, dp_size: int) -> None:
-    """global = micro x DP x accumulation; sets args.grad_accum_steps."""
-    per_step = args.micro_batch_size * dp_size
+    """global = micro x DP x accumulation (or Megatron-LM's ramp-up of it: training/batch_schedule.py);
+    sets args.grad_accum_steps (at the full batch), the run's iterations from --train-samples and the
+    sample-based schedule's iterations."""
+    from zo_megatron.training.batch_schedule import BatchSchedule
+
     if args.global_batch_size is None:
-        args.global_batch_size = per_step
-    if args.global_batch_size % per_step != 0:
-        raise ConfigError(
-            f"--global-batch-size {args.global_batch_size} is not a multiple of --micro-batch-size "
-            f"{args.micro_batch_size} x DP {dp_size} = {per_step}: use a multiple of {per_step}")
-    args.grad_accum_steps = args.global_batch_size // per_step
-    for unit in ("warmup", "decay"):   # the sample-based schedule in iterations: the same rates per step
+        args.global_batch_size = args.micro_batch_size * dp_size
+    ramp = getattr(args, "rampup_batch_size", None)
+    if ramp is not None:
+        _check_rampup_is_sample_based(args)
+    batches = BatchSchedule.from_args(args, dp_size)
+    full, args.grad_accum_steps = batches.at(10 ** 18)      # past any ramp: the full (running) batch
+    if ramp is not None:        # the schedule counts samples itself (schedule.py); iterations are for reports
+        from zo_megatron.training.schedule import LRScheduler
+
+        args.lr_warmup_iters = batches.iterations_to(LRScheduler.from_args(args).lr_warmup_steps)
+    for unit in ("warmup", "decay", "wsd_decay"):   # the sample-based schedule in iterations: the same rates per step
         samples = getattr(args, f"lr_{unit}_samples", None)
-        if samples is not None:
+        if samples is not None and ramp is None:
             if samples % args.global_batch_size:
-                raise ConfigError(f"--lr-{unit}-samples {samples} is not a multiple of the global batch "
-                                  f"{args.global_batch_size}: use a multiple (the schedule steps once per batch)")
+                raise ConfigError(f"--lr-{unit.replace('_', '-')}-samples {samples} is not a multiple of the global "
+                                  f"batch {args.global_batch_size}: use a multiple (the schedule steps once per batch)")
             setattr(args, f"lr_{unit}_iters", samples // args.global_batch_size)
     if args.train_samples is not None:                # Megatron: iterations = samples // global batch
-        args.train_iters = args.train_samples // args.global_batch_size
+        args.train_iters = batches.iterations(args.train_samples)
         if args.train_iters < 1:
             raise ConfigError(f"--train-samples {args.train_samples} is less than one global batch "
                               f"({args.global_batch_size}): raise it")
+
+
+def _check_rampup_is_sample_based(args: argparse.Namespace) -> None:
+    """Megatron-LM's rule: a ramp's iterations have different sizes, so the run and its schedule
+    are counted in samples (it asserts 'expected no batch-size rampup for iteration-based training')."""
+    given = getattr(args, "given", ())
+    iteration_flags = [f"--{k.replace('_', '-')}" for k in ("lr_decay_iters", "lr_wsd_decay_iters")
+                       if getattr(args, k, None) is not None]
+    if args.lr_warmup_iters and "lr_warmup_iters" in given:
+        iteration_flags.insert(0, "--lr-warmup-iters")
+    if args.train_samples is None:
+        raise ConfigError("--rampup-batch-size needs sample-based training, as in Megatron-LM: use --train-samples "
+                          "(with --lr-decay-samples / --lr-warmup-samples) instead of --train-iters")
+    if iteration_flags:
+        swaps = ", ".join(f"{f.replace('-iters', '-samples')} instead of {f}" for f in iteration_flags)
+        raise ConfigError(f"--rampup-batch-size counts the schedule in samples, as in Megatron-LM: use {swaps}")

@@ -127,6 +127,8 @@ def apply_checkpoint_args(parser: argparse.ArgumentParser, args: argparse.Namesp
 RUN_CHANGES = (("precision", "--bf16/--fp16/--fp32", "the 16-bit weights are re-derived from the fp32 master"),
                ("global_batch_size", "--global-batch-size", "samples per step change: consumed samples and the "
                 "schedule keep counting, tokens per step do not match the earlier steps"),
+               ("rampup_batch_size", "--rampup-batch-size", "the remaining iterations take the new ramp's batches "
+                "(the consumed samples keep counting)"),
                ("seq_length", "--seq-length", "tokens per sample change"))
 
 

@@ -60,20 +60,22 @@ def model_config(args):
                      attention_backend=args.core_attention, sequence_parallel=args.sequence_parallel)
 
 
-def build_datasets(args, tokenizer, data_path):
+def build_datasets(args, tokenizer, data_path, dp_size: int):
     """(train, validation) datasets sized for the whole run (a collective: megatron's index-cache barrier)."""
     from zo_megatron.data import build_gpt_datasets, build_mock_gpt_datasets
+    from zo_megatron.training.batch_schedule import BatchSchedule
 
     gb = args.global_batch_size
     n_evals = args.train_iters // args.eval_interval + 1
+    train_samples = BatchSchedule.from_args(args, dp_size).consumed_after(args.train_iters)
     if data_path is None:                       # --mock-data
         train_ds, valid_ds, _ = build_mock_gpt_datasets(
-            args.split, args.seq_length, args.seed, tokenizer, train_samples=args.train_iters * gb,
+            args.split, args.seq_length, args.seed, tokenizer, train_samples=train_samples,
             valid_samples=n_evals * args.eval_iters * gb, cache_dir=args.data_cache_path)
         return train_ds, valid_ds
     train_ds, valid_ds, _ = build_gpt_datasets(
         data_path, args.split, args.seq_length, args.seed, tokenizer,
-        train_samples=args.train_iters * gb, valid_samples=n_evals * args.eval_iters * gb,
+        train_samples=train_samples, valid_samples=n_evals * args.eval_iters * gb,
         test_samples=0, cache_dir=args.data_cache_path,
         other_tokenizer="accept" if args.allow_other_tokenizer_data else "error")   # checked before launch
     return train_ds, valid_ds
@@ -123,7 +125,7 @@ def build_moe_losses(args, cfg, ps, model):
     (training/moe_losses.py); None for a dense model."""
     from zo_megatron.training.moe_losses import MoELosses
 
-    return MoELosses(cfg, ps, args.grad_accum_steps, model) if cfg.num_experts is not None else None
+    return MoELosses(cfg, ps, model) if cfg.num_experts is not None else None
 
 
 def build_timeline(args, ps):

@@ -147,7 +147,6 @@ REFUSED_WHY = {
     "--train-data-path": "use --data-path with --split", "--valid-data-path": "use --data-path with --split",
     "--test-data-path": "use --data-path with --split", "--data-args-path": "use --data-path",
     "--per-split-data-args-path": "use --data-path with --split",
-    "--lr-wsd-decay-samples": "use --lr-wsd-decay-iters",
     "--no-save-optim": "checkpoints always hold the optimizer and RNG states (resume is exact); load with "
                        "--no-load-optim instead",
     "--no-save-rng": "checkpoints always hold the RNG states; load with --no-load-rng instead",
@@ -223,8 +222,6 @@ PATTERNS = [
      "checkpoint conversion happens offline here: tools/convert_checkpoint.py (docs/checkpoints.md)"),
     (r"^--rl-|^--grpo|^--inference|^--langrl|^--perform-rl|^--refit|^--rl$", "refused",
      "reinforcement learning/inference is not part of this job (pretraining only)"),
-    (r"^--rampup-batch-size|^--decrease-batch-size", "refused",
-     "batch-size ramp-up is not supported: the global batch is fixed (--global-batch-size)"),
 ]
 
 # Whole Megatron argument groups that are about features this job does not have.

@@ -148,6 +148,7 @@ class Metrics:
                 + (f"speculated {row['speculated_buckets']} rolled back {row['rolled_back_buckets']} | "
                    if row.get("overlap_cpu_step") else "")
                 + (f"consumed {row['consumed_samples']:,} samples | " if "consumed_samples" in row else "")
+                + (f"global batch size {row['global_batch_size']:,} | " if "global_batch_size" in row else "")
                 + f"{row['tokens_per_s']:,.0f} tok/s | "
                 f"{row['tflops_per_rank']:.3f} TFLOP/s/rank | "
                 + (f"MFU {row['mfu']:.1%} | " if row.get("mfu") is not None else "")

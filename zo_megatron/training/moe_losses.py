@@ -46,10 +46,14 @@ class MoELosses:
     """The job's aux-loss component: `set_scale` before each iteration's backward, `window(iterations)`
     when a log row is written (a collective over the world: every rank calls it)."""
 
-    def __init__(self, cfg, ps, micro_batches: int, model=None):
+    def __init__(self, cfg, ps, model=None):
         self.names = tracked_names(cfg)
         self.num_layers, self.moe_layers = cfg.num_layers, sum(cfg.moe_layers())
-        self.ps, self.micro_batches = ps, micro_batches
+        self.ps = ps
+        # each tracked loss summed over the window's iterations, each iteration's micro-batches averaged
+        # (end_iteration): a --rampup-batch-size window mixes iterations of different micro-batch counts
+        self.window_sums = {name: torch.zeros(self.num_layers, dtype=torch.float64, device=ps.device)
+                            for name in self.names}
         self.routed: list[torch.Tensor] = []                # per router: (token, expert) pairs per expert
         # the gradient scale lives in one device scalar refilled when it changes: a tensor built from a
         # Python float every iteration is a blocking pageable host-to-device copy on CUDA (issue 34, 2.6)
@@ -70,12 +74,12 @@ class MoELosses:
             h.remove()
         self.hooks = []
 
-    def set_scale(self, loss_scale: float) -> None:
-        """The aux losses' gradient: the loss scale / micro-batches, as the LM loss's (set every
-        iteration: a dynamic fp16 scale moves)."""
+    def set_scale(self, loss_scale: float, micro_batches: int) -> None:
+        """The aux losses' gradient: the loss scale / the iteration's micro-batches, as the LM loss's
+        (set every iteration: a dynamic fp16 scale moves, a batch ramp adds micro-batches)."""
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-        value = loss_scale / self.micro_batches
+        value = loss_scale / micro_batches
         if self._scale is None:
             self._scale = torch.full((), value, dtype=torch.float32, device=self.ps.device)
         elif value != self._scale_value:            # rounded to fp32 by fill_ as torch.full rounds it
@@ -86,6 +90,18 @@ class MoELosses:
             MoEAuxLossAutoScaler.main_loss_backward_scale = None       # another run's, on another device
         MoEAuxLossAutoScaler.set_loss_scale(self._scale)
 
+    def end_iteration(self, micro_batches: int) -> None:
+        """Move this iteration's tracker sums into the window as their mean over its micro-batches
+        (device adds, no host read; the tracker's reduce groups stay for `window`)."""
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+        tracker = get_moe_layer_wise_logging_tracker()
+        for name in self.names:
+            entry = tracker.get(name)
+            if entry is not None:
+                self.window_sums[name] += entry["values"].detach().double() / micro_batches
+                entry["values"].zero_()
+
     def window(self, iterations: int) -> dict[str, float]:
         """The mean per iteration of each tracked loss since the last call; the tracker starts over."""
         from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
@@ -94,15 +110,15 @@ class MoELosses:
         out, totals = {}, []
         for name in self.names:
             entry = tracker.get(name)
-            values = entry["values"].detach().double().clone() if entry is not None else \
-                torch.zeros(self.num_layers, dtype=torch.float64, device=self.ps.device)
+            values = self.window_sums[name].clone()
+            self.window_sums[name].zero_()
             totals.append(_reduced(values, entry or {}, self.ps).sum())
         if totals:
             # one host read for every name, timed (on CUDA the sums sit behind NCCL all-reduces: a plain
             # .item() would wait for a dead peer until NCCL's watchdog aborts; issue 34, 2.2)
             sums = host_value(torch.stack(totals))
             for i, name in enumerate(self.names):
-                per_iteration = sums[i].item() / self.micro_batches / max(iterations, 1)
+                per_iteration = sums[i].item() / max(iterations, 1)
                 out[name] = per_iteration / max(self.moe_layers, 1)
         clear_aux_losses_tracker()
         if self.routed:

@@ -3,7 +3,8 @@
 Same names, units and timing as Megatron, so a curve from a Megatron run lines up with ours:
 - steps are counted in SAMPLES (Megatron's `increment` is the global batch size), so
   `--lr-warmup-iters`, `--lr-decay-iters` and `--lr-wsd-decay-iters` become x global batch, and
-  `--train-samples` runs count samples directly;
+  `--train-samples` runs count samples directly (with `--rampup-batch-size`, whose iterations
+  differ in size, only samples: `--lr-warmup-samples`, `--lr-decay-samples`, `--lr-wsd-decay-samples`);
 - an update uses the rate of the steps taken BEFORE it: the first warmup update is at
   `--lr-warmup-init` (0), the last decay update one step above `--min-lr`;
 - `step()` is called only after a successful update (an fp16 step skipped for overflow does not
@@ -77,6 +78,11 @@ class LRScheduler:
     def from_args(cls, args) -> "LRScheduler":
         """Megatron's `get_optimizer_param_scheduler`: iterations x global batch, or samples as given."""
         gbs = args.global_batch_size
+        if getattr(args, "rampup_batch_size", None) is not None:     # iterations differ in size: samples only
+            decay = args.lr_decay_samples or args.train_samples
+            fraction = getattr(args, "lr_warmup_fraction", None)
+            warmup = int(fraction * decay) if fraction is not None else (args.lr_warmup_samples or 0)
+            return cls._from(args, warmup, decay, getattr(args, "lr_wsd_decay_samples", None))
         if args.lr_decay_iters is not None:
             decay = args.lr_decay_iters * gbs
         elif getattr(args, "train_samples", None) is not None:
@@ -88,6 +94,10 @@ class LRScheduler:
         else:
             warmup = args.lr_warmup_iters * gbs
         wsd = args.lr_wsd_decay_iters * gbs if getattr(args, "lr_wsd_decay_iters", None) is not None else None
+        return cls._from(args, warmup, decay, wsd)
+
+    @classmethod
+    def _from(cls, args, warmup: int, decay: int, wsd: int | None) -> "LRScheduler":
         return cls(max_lr=args.lr, min_lr=args.min_lr, warmup_steps=warmup, decay_steps=decay,
                    decay_style=args.lr_decay_style, init_lr=getattr(args, "lr_warmup_init", 0.0),
                    wsd_decay_steps=wsd, wsd_decay_style=getattr(args, "lr_wsd_decay_style", "exponential"),

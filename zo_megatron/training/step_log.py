@@ -24,18 +24,22 @@ class StepLog:
         self.metrics, self.args, self.ps, self.optimizer, self.moe = metrics, args, ps, optimizer, moe
         self.flops_per_token, self.start_iter, self.clock = flops_per_token, start_iter, clock
         self.grad_norm, self.delayed = 0.0, False
+        self.batch = args.global_batch_size                 # the last iteration's (a ramp's grows)
         self.peak_tflops = device_peak_tflops(ps.device)    # None where unknown (every CPU): no MFU
         self.nvme_last: dict = {}                           # --optimizer-nvme-path's counters at the last row
         self.nvme_rows = 0                                  # rows with the tier's fields (the first has the set-up's writes)
         self._reset()
 
     def _reset(self) -> None:
-        self.loss, self.n, self.skipped, self.nan = 0.0, 0, 0, 0
+        self.loss, self.n, self.skipped, self.nan, self.samples = 0.0, 0, 0, 0, 0
         self.speculated, self.rolled_back = 0, 0
         self.t = self.clock()
 
-    def record(self, loss: float, res, delayed: bool) -> None:
-        """One iteration: its loss (a host float; NaN/inf counted apart) and the optimizer's StepResult."""
+    def record(self, loss: float, res, delayed: bool, samples: int) -> None:
+        """One iteration of `samples` samples (its global batch): its loss (a host float; NaN/inf counted
+        apart) and the optimizer's StepResult."""
+        self.samples += samples
+        self.batch = samples
         if math.isfinite(loss):
             self.loss += loss
         else:
@@ -69,7 +73,7 @@ class StepLog:
         reserved_peak = torch.cuda.max_memory_reserved(ps.device) if ps.device.type == "cuda" else None
         peaks = rank_peaks(host_peak, device_peak)
         dt = self.clock() - self.t
-        tokens = self.n * args.global_batch_size * args.seq_length
+        tokens = self.samples * args.seq_length            # a --rampup-batch-size window's batches differ
         tflops = self.flops_per_token * tokens / dt / ps.world_size / 1e12
         acc = self.optimizer.accounting
         nvme = nvme_step_fields(self.optimizer, self.nvme_last, self.n)
@@ -80,7 +84,7 @@ class StepLog:
                 self.metrics.print(line)
         self.metrics.log_train({
             "iteration": iteration, "time": wall_clock(), "consumed_samples": consumed_samples,
-            "consumed_tokens": consumed_samples * args.seq_length,
+            "consumed_tokens": consumed_samples * args.seq_length, "global_batch_size": self.batch,
             "loss": stats[0].item() / max(stats[1].item(), 1.0), "lr": lr,
             **({} if decoupled_lr is None else {"decoupled_lr": decoupled_lr}),
             "grad_norm": self.grad_norm, "loss_scale": res.loss_scale, "skipped": self.skipped,

@@ -27,6 +27,7 @@ from zo_megatron.errors import report_error
 from zo_megatron.offload.device import host_value
 from zo_megatron.parallel import collectives
 from zo_megatron.training import components, faults
+from zo_megatron.training.batch_schedule import BatchSchedule
 from zo_megatron.training.checkpointing import Checkpointer
 from zo_megatron.training.evaluation import Evaluator, loss_inputs
 from zo_megatron.training.metrics import proc_memory_bytes
@@ -101,7 +102,7 @@ class Trainer:
         memory = {"start": mark()}
         self.checkpointer = Checkpointer(args, ps, self.metrics, self.inject, self.stack)
         self.cfg = components.model_config(args)
-        train_ds, valid_ds = components.build_datasets(args, self.tokenizer, self.data_path)
+        train_ds, valid_ds = components.build_datasets(args, self.tokenizer, self.data_path, ps.dp_size)
         memory["data"] = mark()
         # Built on the host in fp32: the offload engine moves it to the device as its flat 16-bit
         # buffer (the device never holds the fp32 copy); the baseline moves it whole.
@@ -135,6 +136,7 @@ class Trainer:
             self.stack.callback(self.moe.close)
         self.log = StepLog(self.metrics, args, ps, self.optimizer, components.flops_per_token(args, self.cfg, ps),
                            self.start_iter, clock=_now, moe=self.moe)
+        self.batches = BatchSchedule.from_args(args, ps.dp_size)   # samples per iteration (a ramp's grow)
         self.scheduler = LRScheduler.from_args(args)   # after --load: it may take the checkpoint's schedule
         self.scheduler.step(st.consumed_samples)       # exact on resume unless fp16 skipped steps before the save
 
@@ -147,10 +149,11 @@ class Trainer:
                 self.profiler.begin_if_due(st.iteration)
             self.inject.at_iteration_start(st.iteration + 1)
             lr, decoupled_lr = self.scheduler.get_lr(), self.scheduler.get_decoupled_lr()   # None: no --decoupled-lr
-            loss = self.forward_backward(lr, decoupled_lr)   # every micro-batch of one global batch
+            samples, micro_batches = self.batches.at(st.consumed_samples)   # this iteration's global batch
+            loss = self.forward_backward(lr, decoupled_lr, micro_batches)
             res = self.optimizer.step(lr, decoupled_lr)
-            self.advance(res)
-            self.log.record(host_value(loss).item(), res, delayed=self._delayed(res))   # a timed wait first
+            self.advance(res, samples)
+            self.log.record(host_value(loss).item(), res, delayed=self._delayed(res), samples=samples)   # a timed wait first
             if st.iteration % args.log_interval == 0 or st.iteration == args.train_iters:
                 self.log.write(st.iteration, lr, res, st.consumed_samples, decoupled_lr)
             if self.evaluator is not None and self.evaluator.due(st.iteration):
@@ -166,14 +169,16 @@ class Trainer:
         return self.finish(stop_reason)
 
     # ---- one iteration's parts ------------------------------------------------------------------
-    def forward_backward(self, lr: float, decoupled_lr: float | None = None) -> torch.Tensor:
-        """Forward and backward over --grad-accum-steps micro-batches; the mean loss (on the device)."""
-        it, n = self.state.iteration + 1, self.args.grad_accum_steps
+    def forward_backward(self, lr: float, decoupled_lr: float | None, n: int) -> torch.Tensor:
+        """Forward and backward over this iteration's `n` micro-batches per rank (its global batch /
+        micro x DP: --grad-accum-steps, fewer during a --rampup-batch-size ramp); the mean loss (on
+        the device)."""
+        it = self.state.iteration + 1
         if hasattr(self.optimizer, "expect_lr"):    # a speculated CPU step (--overlap-cpu-step) uses it
             self.optimizer.expect_lr(lr, decoupled_lr)
         phase = self.timeline.phase if self.timeline is not None else _no_phase
         if self.moe is not None:                    # the aux losses' gradient: loss scale / micro-batches
-            self.moe.set_scale(self.optimizer.loss_scaler.scale)
+            self.moe.set_scale(self.optimizer.loss_scaler.scale, n)
         step_loss = torch.zeros((), device=self.ps.device)
         for m in range(n):
             inputs = loss_inputs(next(self.train_batches), self.ps.device)
@@ -182,10 +187,13 @@ class Trainer:
             with phase("backward", it, m):
                 self.optimizer.backward(loss / n, last_micro_batch=m == n - 1)
             step_loss += loss.detach().float() / n
+        if self.moe is not None:                    # the tracker's sums of this iteration, as means
+            self.moe.end_iteration(n)
         return step_loss
 
-    def advance(self, res) -> None:
-        """After the optimizer step: the timeline, the LR schedule, the counters, the DPU notice."""
+    def advance(self, res, samples: int) -> None:
+        """After the optimizer step of `samples` samples: the timeline, the LR schedule, the counters,
+        the DPU notice."""
         from zo_megatron.offload.loss_scaler import DynamicLossScaler
 
         args, st, opt = self.args, self.state, self.optimizer
@@ -194,7 +202,7 @@ class Trainer:
         else:
             opt.drain_phases()
         if not res.skipped:                 # as Megatron: a skipped (fp16 overflow) update does not advance it
-            self.scheduler.step(args.global_batch_size)
+            self.scheduler.step(samples)
         if self._delayed(res) and opt.step_count == args.dpu_warmup_steps:
             self.metrics.print(f" delayed parameter update starts at iteration {st.iteration + 1}: from now on the "
                                f"CPU Adam of each step overlaps the next step's forward/backward "
@@ -202,7 +210,7 @@ class Trainer:
         st.iteration += 1
         if self.profiler is not None:                   # --profile: its window's last edge
             self.profiler.end_if_due(st.iteration)
-        st.consumed_samples += args.global_batch_size
+        st.consumed_samples += samples
         self.metrics.advance()
         scaler = opt.loss_scaler                # fp16: skips while the scale searches do not count
         at_floor = not isinstance(scaler, DynamicLossScaler) or res.loss_scale <= scaler.min_scale

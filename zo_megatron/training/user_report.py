@@ -33,6 +33,18 @@ def auto_fraction_reason(inp, f) -> str:
             f"{max(0.0, f - 0.05):.0%} would need device {format_bytes(less.device_bytes_per_gpu)}/rank")
 
 
+def batch_ramp_words(args, ps) -> str:
+    """The banner's words for --rampup-batch-size / --decrease-batch-size-if-needed ('' for neither)."""
+    from zo_megatron.training.batch_schedule import BatchSchedule
+
+    batches = BatchSchedule.from_args(args, ps.dp_size)
+    if batches.ramped:
+        return f", after a ramp: {batches.describe()}"
+    running = batches.at(0)[0]
+    return (f" (rounded down from {args.global_batch_size} to {running}: --decrease-batch-size-if-needed)"
+            if running != args.global_batch_size else "")
+
+
 def decoupled_words(args) -> str:
     """The banner's words for --decoupled-lr (Megatron's decoupled param group), or for a
     --decoupled-min-lr that has no effect without it (as in Megatron-LM)."""
@@ -53,7 +65,8 @@ def extend_hint(args):
     def hint(saved: dict, current: dict, iteration: int) -> str | None:
         differing = [k for k in ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style")
                      if saved.get(k) != current[k]]
-        if differing != ["lr_decay_steps"] or "lr_decay_iters" in getattr(args, "given", ()):
+        if differing != ["lr_decay_steps"] or "lr_decay_iters" in getattr(args, "given", ()) or \
+                getattr(args, "rampup_batch_size", None) is not None:      # a ramp's schedule is in samples
             return None
         old, new = saved["lr_decay_steps"], current["lr_decay_steps"]
 
@@ -219,7 +232,7 @@ def banner(metrics, args, ps, cfg, optimizer, data_path, setup_s) -> None:
         f" attention: {attention_line(cfg, ps)}",
         *moe_lines(args, cfg, ps),
         f" batch: global {args.global_batch_size} = micro {args.micro_batch_size} x DP {ps.dp_size} x accumulation "
-        f"{args.grad_accum_steps}; {args.train_iters} iterations, lr {args.lr:g} {args.lr_decay_style} "
+        f"{args.grad_accum_steps}{batch_ramp_words(args, ps)}; {args.train_iters} iterations, lr {args.lr:g} {args.lr_decay_style} "
         f"(warmup {args.lr_warmup_iters}, min {args.min_lr:g})" + decoupled_words(args)
         + value_sources(args, ("micro_batch_size", "train_iters", "lr", "lr_decay_style", "lr_warmup_iters",
                                "min_lr")),
