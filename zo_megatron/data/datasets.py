@@ -15,7 +15,7 @@ Index cache and torch.distributed: megatron-core caches the document/sample/shuf
 files under `cache_dir` (default ``$ZO_MEGATRON_CACHE/gpt_indices``). With torch.distributed
 initialised, build_gpt_datasets is collective: global rank 0 builds the indices, every rank then
 loads them (megatron's barrier), so in multi-node jobs `cache_dir` must be on a file system all
-ranks see. Without torch.distributed, a blend of several prefixes needs a process group inside
+ranks see (the job checks that first: training/components.py, one line naming the ranks that do not). Without torch.distributed, a blend of several prefixes needs a process group inside
 megatron's BlendedDataset (it calls torch.distributed.get_rank() when caching), so this module
 initialises a private 1-rank gloo group for the duration of the build and destroys it afterwards;
 single-prefix builds need none; independent processes (no torch.distributed) sharing a cache
@@ -280,7 +280,7 @@ def _megatron():
     return BlendedMegatronDatasetBuilder, GPTDataset, GPTDatasetConfig
 
 
-def _index_cache(cache_dir: str | None) -> str:
+def index_cache_dir(cache_dir: str | None) -> str:
     """Where megatron-core keeps the datasets' document/sample/shuffle indices (created)."""
     from zo_megatron.data.corpus import default_cache_dir
 
@@ -361,7 +361,7 @@ def build_gpt_datasets(data_path: Sequence[str] | str, split: str, seq_length: i
         weights = [float(info.tokens) for info in infos]
 
     Builder, GPTDataset, GPTDatasetConfig = _megatron()
-    cache = _index_cache(cache_dir)
+    cache = index_cache_dir(cache_dir)
     adapter = _MegatronTokenizer(tokenizer, {p: _idx_fingerprint(p) for p in prefixes})
     config = GPTDatasetConfig(
         random_seed=int(seed), sequence_length=int(seq_length), blend=(prefixes, weights),
@@ -410,7 +410,7 @@ def build_mock_gpt_datasets(split: str, seq_length: int, seed: int, tokenizer, t
     Builder, _, GPTDatasetConfig = _megatron()
     from megatron.core.datasets.gpt_dataset import MockGPTDataset
 
-    cache = _index_cache(cache_dir)         # the index of ~200M mock tokens takes seconds: kept, as Megatron's
+    cache = index_cache_dir(cache_dir)         # the index of ~200M mock tokens takes seconds: kept, as Megatron's
     config = GPTDatasetConfig(
         random_seed=int(seed), sequence_length=int(seq_length), blend=None, split=str(split).strip(),
         path_to_cache=cache, tokenizer=_MegatronTokenizer(tokenizer, {"mock": "MockGPTDataset"}),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from zo_megatron.parallel import collectives
 from zo_megatron.training.model_flags import architecture_kwargs, moe_kwargs
 from zo_megatron.training.metrics import Metrics
 
@@ -65,6 +66,7 @@ def build_datasets(args, tokenizer, data_path, dp_size: int):
     from zo_megatron.data import build_gpt_datasets, build_mock_gpt_datasets
     from zo_megatron.training.batch_schedule import BatchSchedule
 
+    check_index_cache_is_shared(args.data_cache_path)
     gb = args.global_batch_size
     n_evals = args.train_iters // args.eval_interval + 1
     train_samples = BatchSchedule.from_args(args, dp_size).consumed_after(args.train_iters)
@@ -79,6 +81,42 @@ def build_datasets(args, tokenizer, data_path, dp_size: int):
         test_samples=0, cache_dir=args.data_cache_path,
         other_tokenizer="accept" if args.allow_other_tokenizer_data else "error")   # checked before launch
     return train_ds, valid_ds
+
+
+def check_index_cache_is_shared(cache_dir: str | None) -> None:
+    """megatron-core builds the datasets' indices on global rank 0 into the index cache and every other
+    rank reads them from there after its barrier. A directory that is not the same for every rank (a
+    node-local path in a multi-node job) made the ranks that miss the files fail inside megatron-core
+    ("MockGPTDataset failed to build", a traceback) and the others lose them. Rank 0 writes a probe
+    file there, every rank looks for it: the ranks that do not see it are named in one line."""
+    import os
+    import secrets
+
+    from zo_megatron.data.datasets import index_cache_dir
+    from zo_megatron.data.errors import DataError
+
+    if collectives.group_size() == 1:
+        return
+    rank, token = collectives.group_rank(), torch.zeros(1, dtype=torch.int64)
+    with collectives.all_ranks_agree():             # an unwritable directory fails on its rank: every rank's
+        cache = index_cache_dir(cache_dir)
+        if rank == 0:
+            token[0] = secrets.randbits(62) + 1
+            open(os.path.join(cache, f".shared-probe-{int(token[0])}"), "w").close()
+    collectives.all_reduce(token)                   # rank 0's token, once its probe is written
+    probe = os.path.join(cache, f".shared-probe-{int(token[0])}")
+    seen = collectives.all_gather_list(torch.tensor([os.path.exists(probe)], dtype=torch.uint8), None)
+    if rank == 0:                                   # every rank has looked
+        os.remove(probe)
+    missing = [r for r, s in enumerate(seen) if not s.item()]
+    if missing:
+        where = f"--data-cache-path {cache}" if cache_dir else \
+            f"the index cache {cache} (default: $ZO_MEGATRON_CACHE/gpt_indices; --data-cache-path sets it)"
+        ranks = ", ".join(map(str, missing[:8])) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise DataError(f"{where} is not one directory for every rank: rank{'s' if len(missing) > 1 else ''} "
+                        f"{ranks} do{'es' if len(missing) == 1 else ''} not see the file rank 0 wrote there (a "
+                        f"node-local disk?). megatron-core builds the dataset indices on rank 0 and every rank reads "
+                        f"them there, as in Megatron-LM: use a directory on a file system every node mounts")
 
 
 def build_optimizer(args, model, ps):
