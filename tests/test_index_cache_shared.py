@@ -29,3 +29,33 @@ def test_an_index_cache_not_shared_by_every_rank_is_one_line(tmp_path):
     assert "use a directory on a file system every node mounts" in errors[0]
     assert not [ln for ln in err1.splitlines() if ln.startswith("error")], err1[-2000:]   # rank 0 reports it
     assert not [n for n in os.listdir(tmp_path / "node0") if n.startswith(".shared-probe")]   # the probe is gone
+
+
+def _rank_in(rank, base, dirs, read_only_probe=False):
+    """The job with --data-cache-path dirs[rank]; read_only_probe: rank 0 cannot create files there
+    (a read-only mount of a built cache; as root a chmod would not stop it, so open() refuses)."""
+    if read_only_probe and rank == 0:
+        import zo_megatron.training.components as components
+
+        def refuse(path, *a, **k):
+            if ".shared-probe-" in str(path):
+                raise PermissionError(13, "Read-only file system", str(path))
+            return open(path, *a, **k)
+        components.open = refuse
+    return _rank_job(rank, [*ARGV, "--eval-iters", "0", "--data-cache-path", os.path.join(base, dirs[rank])],
+                     {"ZO_MEGATRON_CACHE": os.path.join(base, "zo")})
+
+
+def test_a_cache_copied_to_every_node_or_read_only_is_used_as_it_is(tmp_path):
+    """megatron-core reads a cache hit from any directory: a built cache copied to each node's own disk
+    trains (megatron-core finds its files on every rank), and so does a shared cache rank 0 cannot
+    write to (the probe is skipped: it cannot tell, megatron-core reads its files)."""
+    import shutil
+
+    built = run_world(_rank_in, 2, str(tmp_path), ["node0", "node0"], timeout=120)
+    assert [rc for rc, _, _ in built] == [0, 0], built[0][2][-2000:]
+    shutil.copytree(tmp_path / "node0", tmp_path / "node1")
+    for dirs, read_only in ((["node0", "node1"], False), (["node0", "node0"], True)):
+        out = run_world(_rank_in, 2, str(tmp_path), dirs, read_only, timeout=120)
+        assert [rc for rc, _, _ in out] == [0, 0], (dirs, out[0][2][-2000:], out[1][2][-2000:])
+        assert "iter      2/2" in out[0][1], out[0][1][-2000:]

@@ -23,6 +23,7 @@ from tests.harness import run_world
 from tests.megatron_reference import megatron_get_lr
 from tests.seeds import fresh_seed
 from tests.test_moe_job import MOE, _run
+from tests.test_pretrain import _job
 from zo_megatron.errors import ConfigError
 from zo_megatron.training.arguments import check_batch_sizes, parse_args
 
@@ -101,6 +102,36 @@ def test_a_constant_batch_rounds_down_only_when_asked():
     with pytest.raises(ConfigError, match="--global-batch-size 10 is not a multiple of --micro-batch-size 2 x DP 2 "
                                           "= 4: use a multiple of 4, or add --decrease-batch-size-if-needed"):
         _args("--micro-batch-size", "2", "--global-batch-size", "10", "--train-samples", "100")
+
+
+def test_the_memory_plan_takes_the_rounded_batch():
+    """The job's plan (prelaunch and tools/estimate_memory.py share plan_input_from_flags) accumulates
+    the running batch's micro-batches; before, a batch the job rounds down was a ValueError there."""
+    from zo_megatron.planner.inputs import plan_input_from_flags
+
+    args = _args("--micro-batch-size", "2", "--global-batch-size", "10", "--train-samples", "100",
+                 "--decrease-batch-size-if-needed")
+    assert plan_input_from_flags(args, data_parallel=2, vocab_size=1000).grad_accum_steps == 2
+    ramp = _args("--micro-batch-size", "2", "--global-batch-size", "14", "--train-samples", "100",
+                 "--rampup-batch-size", "6", "4", "20", "--decrease-batch-size-if-needed")
+    assert plan_input_from_flags(ramp, data_parallel=2, vocab_size=1000).grad_accum_steps == 3   # 14 -> 12
+
+
+def test_a_ramp_counts_its_schedule_in_samples_also_in_the_demo_and_with_wsd():
+    from zo_megatron.training.schedule import LRScheduler
+
+    demo = parse_args(["--train-samples", "4000", "--rampup-batch-size", "8", "8", "800", "--global-batch-size", "16",
+                       "--micro-batch-size", "8"])
+    check_batch_sizes(demo, 1)
+    assert demo.demo and LRScheduler.from_args(demo).lr_warmup_steps == 30 * 16   # the demo's 30 iterations
+    with pytest.raises(ConfigError, match="--lr-decay-style WSD with --rampup-batch-size needs the final anneal in "
+                                          "samples: add --lr-wsd-decay-samples N"):
+        _args("--micro-batch-size", "2", "--global-batch-size", "12", "--rampup-batch-size", "4", "4", "16",
+              "--train-samples", "96", "--lr-decay-style", "WSD")
+    wsd = _args("--micro-batch-size", "2", "--global-batch-size", "12", "--rampup-batch-size", "4", "4", "16",
+                "--train-samples", "96", "--lr-decay-style", "WSD", "--lr-wsd-decay-samples", "30")
+    s = LRScheduler.from_args(wsd)
+    assert (s.wsd_decay_steps, s.lr_decay_steps) == (30, 96)
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -218,3 +249,12 @@ def test_a_ramped_moe_job_trains_as_torch_and_resumes_inside_the_ramp(tmp_path):
     assert sorted(resumed) == [3, 4, 5, 6], r2.stdout[-3000:]
     keys = ("loss", "grad_norm", "lr", "global_batch_size", "consumed_samples", "load_balancing_loss", "z_loss")
     assert {i: [resumed[i][k] for k in keys] for i in resumed} == {i: [straight[i][k] for k in keys] for i in resumed}
+    # the checkpoint's schedule is in samples (Megatron's): another --lr-decay-samples is refused naming them,
+    # and --use-checkpoint-opt_param-scheduler takes the checkpoint's back (the same run again)
+    other = [*argv[:argv.index("--lr-decay-samples") + 1], "40", *argv[argv.index("--lr-decay-samples") + 2:]]
+    refused = _job([*other, "--load", str(ck), "--ckpt-step", "2"], tmp_path)
+    assert refused.returncode == 2 and "lr_decay_steps 48 in the checkpoint, 40 here" in refused.stderr, \
+        refused.stderr[-2000:]
+    taken, _ = _run(tmp_path, "taken", [*other, "--load", str(ck), "--ckpt-step", "2",
+                                        "--use-checkpoint-opt_param-scheduler"])
+    assert {i: [taken[i][k] for k in keys] for i in taken} == {i: [straight[i][k] for k in keys] for i in taken}

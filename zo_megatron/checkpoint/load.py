@@ -32,8 +32,10 @@ from zo_megatron.parallel.rng_state import restore_rng_state
 # absent from checkpoints written before --decoupled-lr: None, no decoupled group).
 SCHEDULER_KEYS = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style",
                   "decoupled_lr", "decoupled_min_lr")
-_SCHEDULER_FLAGS = {"max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": "--lr-warmup-iters",
-                    "lr_decay_steps": "--lr-decay-iters (default: --train-iters)",
+_SCHEDULER_FLAGS = {"max_lr": "--lr", "min_lr": "--min-lr",
+                    "lr_warmup_steps": "--lr-warmup-iters; in samples with --rampup-batch-size: --lr-warmup-samples",
+                    "lr_decay_steps": "--lr-decay-iters (default: --train-iters); in samples with --rampup-batch-size: "
+                                      "--lr-decay-samples (default: --train-samples)",
                     "lr_decay_style": "--lr-decay-style", "decoupled_lr": "--decoupled-lr",
                     "decoupled_min_lr": "--decoupled-min-lr"}
 

@@ -113,8 +113,9 @@ def save_checkpoint(root: str, iteration: int, *, ps, model, optimizer, vocab_si
                       json.dumps({n: crc32_file(os.path.join(partial, n)) for n in mine}))
     with _every_rank_or_none(partial):
         if ps.rank == 0:
-            _commit(partial, final, root, iteration, ps, optimizer, model, vocab_size, train_state, model_meta,
-                    args, keep_last, tokenizer, kill)
+            manifest = _manifest(partial, iteration, ps=ps, model=model, optimizer=optimizer, vocab_size=vocab_size,
+                                 train_state=train_state, model_meta=model_meta, args=args, tokenizer=tokenizer)
+            _commit(partial, final, root, iteration, manifest, keep_last, kill)
     return final
 
 
@@ -135,9 +136,10 @@ def _every_rank_or_none(partial: str):
         raise RuntimeError(f"saving {partial} failed: rank {rank}: {text}") from None
 
 
-def _commit(partial, final, root, iteration, ps, optimizer, model, vocab_size, train_state, model_meta, args,
-            keep_last, tokenizer, kill) -> None:
-    """Rank 0: the manifest (sizes, checksums, tokenizer files), then the rename and `latest`."""
+def _manifest(partial: str, iteration: int, *, ps, model, optimizer, vocab_size: int, train_state: dict,
+              model_meta: dict, args: dict, tokenizer) -> dict:
+    """Rank 0: what checkpoint.json says of the written directory (layout, optimizer, model, the files'
+    sizes and checksums); copies the tokenizer's own files into it first."""
     tokenizer_files = copy_tokenizer_files(tokenizer, os.path.join(partial, CHECKPOINT_TOKENIZER_DIR))
     checksums = _collect_checksums(partial)
     files = {n: os.path.getsize(os.path.join(partial, n)) for n in sorted(os.listdir(partial))
@@ -159,6 +161,13 @@ def _commit(partial, final, root, iteration, ps, optimizer, model, vocab_size, t
     }
     if tokenizer_files:
         manifest["tokenizer_files"] = [f"{CHECKPOINT_TOKENIZER_DIR}/{n}" for n in tokenizer_files]
+    return manifest
+
+
+def _commit(partial: str, final: str, root: str, iteration: int, manifest: dict, keep_last: int | None,
+            kill: str | None) -> None:
+    """Rank 0: the manifest, then the rename and `latest` (each durable before the next), then the
+    checkpoints past --keep-last go."""
     write_durable(os.path.join(partial, MANIFEST), json.dumps(manifest, indent=1, sort_keys=True))
     fsync_dir(partial)
     if kill == "before_rename":

@@ -373,6 +373,8 @@ def plan_input_from_flags(flags: Any, *, data_parallel: int, vocab_size: int, **
     precision = flags.precision or "bf16"
     mb = flags.micro_batch_size
     gbs = flags.global_batch_size
+    if gbs is not None and getattr(flags, "decrease_batch_size_if_needed", False):
+        gbs -= gbs % (mb * data_parallel)       # Megatron-LM's running batch (training/batch_schedule.py)
     if gbs is None:
         accum = 1
     elif gbs < 1 or gbs % (mb * data_parallel):

@@ -660,3 +660,9 @@ def _check_rampup_is_sample_based(args: argparse.Namespace) -> None:
     if iteration_flags:
         swaps = ", ".join(f"{f.replace('-iters', '-samples')} instead of {f}" for f in iteration_flags)
         raise ConfigError(f"--rampup-batch-size counts the schedule in samples, as in Megatron-LM: use {swaps}")
+    if args.lr_decay_style == "WSD" and getattr(args, "lr_wsd_decay_samples", None) is None:
+        raise ConfigError("--lr-decay-style WSD with --rampup-batch-size needs the final anneal in samples: add "
+                          "--lr-wsd-decay-samples N (Megatron-LM's flag)")
+    if "lr_warmup_iters" in getattr(args, "demo_filled", ()) and args.lr_warmup_samples is None and \
+            args.lr_warmup_fraction is None:        # the demo's warmup, in the samples a ramp counts
+        args.lr_warmup_samples = args.lr_warmup_iters * args.global_batch_size

@@ -56,12 +56,14 @@ class BatchSchedule:
 
     def _check(self) -> None:
         """Every batch the run will take is a whole number of micro-batches over DP: one line if not."""
-        fix = (f"use a multiple of {self.per_micro}, or add --decrease-batch-size-if-needed (Megatron-LM's: rounds "
-               "each batch down to one)")
+        fix = f"use a multiple of {self.per_micro}" + (
+            f" of at least {self.per_micro}" if self.decrease_if_needed else
+            ", or add --decrease-batch-size-if-needed (Megatron-LM's: rounds each batch down to one)")
         if self.rampup is None:
             if self._running(self.global_batch) < self.per_micro or self.global_batch % self.per_micro and \
                     not self.decrease_if_needed:
-                raise ConfigError(f"--global-batch-size {self.global_batch} is not a multiple of --micro-batch-size "
+                what = "is below" if self.decrease_if_needed else "is not a multiple of"
+                raise ConfigError(f"--global-batch-size {self.global_batch} {what} --micro-batch-size "
                                   f"{self.micro_batch} x DP {self.dp_size} = {self.per_micro}: {fix}")
             return
         if len(self.rampup) != 3:
@@ -82,7 +84,8 @@ class BatchSchedule:
         for batch in [*range(start, self.global_batch, inc), self.global_batch]:
             if self._running(batch) < self.per_micro or batch % self.per_micro and not self.decrease_if_needed:
                 where = "--global-batch-size" if batch == self.global_batch else "the ramp's batch"
-                raise ConfigError(f"{flag}: {where} {batch} is not a multiple of --micro-batch-size "
+                what = "is below" if self.decrease_if_needed else "is not a multiple of"
+                raise ConfigError(f"{flag}: {where} {batch} {what} --micro-batch-size "
                                   f"{self.micro_batch} x DP {self.dp_size} = {self.per_micro}: {fix}")
 
     def _calculator(self):
@@ -111,9 +114,13 @@ class BatchSchedule:
         if self.rampup is None:
             return int(train_samples) // self.global_batch
         iterations = consumed = 0
-        while consumed <= self.rampup[2] and consumed <= train_samples:
-            consumed += self.nominal_at(consumed)
-            iterations += 1
+        limit = min(self.rampup[2], int(train_samples))
+        while consumed <= limit:                    # Megatron's loop steps by the ramp's (nominal) batch
+            batch = self.nominal_at(consumed)
+            cap = (limit - consumed) // batch + 1
+            steps = self._run(consumed, batch, self.nominal_at, cap)
+            consumed += steps * batch
+            iterations += steps
         if train_samples > consumed:
             iterations += (int(train_samples) - consumed) // self.global_batch
         return iterations
@@ -121,19 +128,42 @@ class BatchSchedule:
     def consumed_after(self, iterations: int, start: int = 0) -> int:
         """Samples consumed after `iterations` more iterations from `start` consumed samples."""
         consumed, left = int(start), int(iterations)
-        while left > 0 and self.rampup is not None and consumed <= self.rampup[2]:    # the ramp, batch by batch
-            consumed += self.at(consumed)[0]
-            left -= 1
-        return consumed + max(left, 0) * self.at(consumed)[0]             # then the full batch
+        while left > 0:
+            taken = self.at(consumed)[0]
+            if self.nominal_at(consumed) == self.global_batch:      # the ramp is over: the batch stays
+                return consumed + left * taken
+            steps = self._run(consumed, taken, lambda c: self.at(c)[0], left)
+            consumed += steps * taken
+            left -= steps
+        return consumed
 
     def iterations_to(self, samples: int) -> int:
         """The first iteration count whose consumed samples reach `samples`."""
         iterations = consumed = 0
-        while consumed < samples and self.rampup is not None and consumed <= self.rampup[2]:
-            consumed += self.at(consumed)[0]
-            iterations += 1
-        full = self.at(consumed)[0]
-        return iterations + max(0, -(-(int(samples) - consumed) // full))
+        while consumed < samples:
+            taken = self.at(consumed)[0]
+            need = -(-(int(samples) - consumed) // taken)
+            steps = need if self.nominal_at(consumed) == self.global_batch else \
+                self._run(consumed, taken, lambda c: self.at(c)[0], need)
+            consumed += steps * taken
+            iterations += steps
+        return iterations
+
+    def _run(self, consumed: int, step: int, batch_at, cap: int) -> int:
+        """How many iterations of `step` samples from `consumed`, at most `cap` (>= 1), take the batch
+        they start with: the batch only grows with the samples consumed, so the last such iteration
+        is found by doubling then bisecting on megatron-core's own answer -- a ramp over 10^9 samples
+        costs a few calls per batch size, not one per iteration."""
+        batch = batch_at(consumed)
+        good, bad = 0, 1                            # iteration `good` (0-based) takes `batch`; `bad` does not
+        while bad < cap and batch_at(consumed + bad * step) == batch:
+            good, bad = bad, min(bad * 2, cap)
+        if bad >= cap and batch_at(consumed + (cap - 1) * step) == batch:
+            return cap
+        while bad - good > 1:
+            mid = (good + bad) // 2
+            good, bad = (mid, bad) if batch_at(consumed + mid * step) == batch else (good, mid)
+        return good + 1
 
     def describe(self) -> str:
         """The banner's words for the ramp ('' without one)."""

@@ -19,9 +19,15 @@ from zo_megatron.training.user_report import extend_hint
 def schedule_state(args, iteration: int) -> dict:
     """The LR schedule as Megatron's OptimizerParamScheduler saves it (checked on resume), with the
     decoupled group's peak and floor (None without --decoupled-lr, which --decoupled-min-lr needs)."""
+    from zo_megatron.training.schedule import LRScheduler
+
     decoupled = getattr(args, "decoupled_lr", None)
-    return {"max_lr": args.lr, "min_lr": args.min_lr, "lr_warmup_steps": args.lr_warmup_iters,
-            "lr_decay_steps": args.lr_decay_iters, "lr_decay_style": args.lr_decay_style,
+    warmup, decay = args.lr_warmup_iters, args.lr_decay_iters
+    if getattr(args, "rampup_batch_size", None) is not None:    # a ramp's iterations differ: in samples, as
+        s = LRScheduler.from_args(args)                          # Megatron-LM's scheduler counts them
+        warmup, decay = s.lr_warmup_steps, s.lr_decay_steps
+    return {"max_lr": args.lr, "min_lr": args.min_lr, "lr_warmup_steps": warmup,
+            "lr_decay_steps": decay, "lr_decay_style": args.lr_decay_style,
             "decoupled_lr": decoupled,
             "decoupled_min_lr": None if decoupled is None else getattr(args, "decoupled_min_lr", None),
             "num_steps": iteration}
@@ -108,8 +114,12 @@ class Checkpointer:
         self.model.check_window(args.seq_length)  # a loaded sliding window that binds: refused before training
         if res.opt_param_scheduler is not None:             # --use-checkpoint-opt_param-scheduler
             s = res.opt_param_scheduler
-            args.lr, args.min_lr, args.lr_warmup_iters = s["max_lr"], s["min_lr"], s["lr_warmup_steps"]
-            args.lr_decay_iters, args.lr_decay_style = s["lr_decay_steps"], s["lr_decay_style"]
+            args.lr, args.min_lr, args.lr_decay_style = s["max_lr"], s["min_lr"], s["lr_decay_style"]
+            if getattr(args, "rampup_batch_size", None) is not None:       # saved in samples (schedule_state)
+                args.lr_warmup_samples, args.lr_decay_samples = s["lr_warmup_steps"], s["lr_decay_steps"]
+                args.lr_warmup_fraction = None
+            else:
+                args.lr_warmup_iters, args.lr_decay_iters = s["lr_warmup_steps"], s["lr_decay_steps"]
             args.decoupled_lr, args.decoupled_min_lr = s.get("decoupled_lr"), s.get("decoupled_min_lr")
         if res.resharded_from is not None:
             metrics.print(f" resharded from TP{res.resharded_from[0]} x DP{res.resharded_from[1]} to "

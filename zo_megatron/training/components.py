@@ -6,6 +6,8 @@ not as a branch in the trainer's loop.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from zo_megatron.parallel import collectives
@@ -69,7 +71,10 @@ def build_datasets(args, tokenizer, data_path, dp_size: int):
     check_index_cache_is_shared(args.data_cache_path)
     gb = args.global_batch_size
     n_evals = args.train_iters // args.eval_interval + 1
-    train_samples = BatchSchedule.from_args(args, dp_size).consumed_after(args.train_iters)
+    # Megatron-LM's count (--train-samples, else iterations x global batch: megatron-core's GPTDataset draws
+    # its epochs and shuffle from it), or more where a ramp's last iteration runs past it
+    train_samples = max(args.train_samples or args.train_iters * gb,
+                        BatchSchedule.from_args(args, dp_size).consumed_after(args.train_iters))
     if data_path is None:                       # --mock-data
         train_ds, valid_ds, _ = build_mock_gpt_datasets(
             args.split, args.seq_length, args.seed, tokenizer, train_samples=train_samples,
@@ -88,7 +93,10 @@ def check_index_cache_is_shared(cache_dir: str | None) -> None:
     rank reads them from there after its barrier. A directory that is not the same for every rank (a
     node-local path in a multi-node job) made the ranks that miss the files fail inside megatron-core
     ("MockGPTDataset failed to build", a traceback) and the others lose them. Rank 0 writes a probe
-    file there, every rank looks for it: the ranks that do not see it are named in one line."""
+    file there, every rank looks for it: the ranks that neither see it nor hold index files of their
+    own (a copy made beforehand, which megatron-core reads as a cache hit) are named in one line. A
+    cache rank 0 cannot write to (a read-only mount of a built cache) is not probed."""
+    import glob
     import os
     import secrets
 
@@ -98,17 +106,28 @@ def check_index_cache_is_shared(cache_dir: str | None) -> None:
     if collectives.group_size() == 1:
         return
     rank, token = collectives.group_rank(), torch.zeros(1, dtype=torch.int64)
-    with collectives.all_ranks_agree():             # an unwritable directory fails on its rank: every rank's
-        cache = index_cache_dir(cache_dir)
-        if rank == 0:
-            token[0] = secrets.randbits(62) + 1
-            open(os.path.join(cache, f".shared-probe-{int(token[0])}"), "w").close()
+    with collectives.all_ranks_agree():             # a directory that cannot be made fails on its rank: every rank's
+        try:
+            cache = index_cache_dir(cache_dir)
+        except OSError as exc:
+            raise DataError(f"the dataset index cache {cache_dir or '($ZO_MEGATRON_CACHE/gpt_indices)'} cannot be "
+                            f"created ({exc.strerror or exc}): use a writable --data-cache-path") from None
+    if rank == 0:
+        with contextlib.suppress(OSError):          # read-only: token 0, nothing to look for
+            name = secrets.randbits(62) + 1
+            open(os.path.join(cache, f".shared-probe-{name}"), "w").close()
+            token[0] = name
     collectives.all_reduce(token)                   # rank 0's token, once its probe is written
+    if not token.item():
+        return
     probe = os.path.join(cache, f".shared-probe-{int(token[0])}")
-    seen = collectives.all_gather_list(torch.tensor([os.path.exists(probe)], dtype=torch.uint8), None)
+    own_copy = glob.glob(os.path.join(cache, "*Dataset-*-document_index.npy"))
+    status = 1 if os.path.exists(probe) else 2 if own_copy else 0
+    seen = collectives.all_gather_list(torch.tensor([status], dtype=torch.uint8), None)
     if rank == 0:                                   # every rank has looked
-        os.remove(probe)
-    missing = [r for r, s in enumerate(seen) if not s.item()]
+        with contextlib.suppress(OSError):
+            os.remove(probe)
+    missing = [r for r, s in enumerate(seen) if s.item() == 0]
     if missing:
         where = f"--data-cache-path {cache}" if cache_dir else \
             f"the index cache {cache} (default: $ZO_MEGATRON_CACHE/gpt_indices; --data-cache-path sets it)"
@@ -116,7 +135,8 @@ def check_index_cache_is_shared(cache_dir: str | None) -> None:
         raise DataError(f"{where} is not one directory for every rank: rank{'s' if len(missing) > 1 else ''} "
                         f"{ranks} do{'es' if len(missing) == 1 else ''} not see the file rank 0 wrote there (a "
                         f"node-local disk?). megatron-core builds the dataset indices on rank 0 and every rank reads "
-                        f"them there, as in Megatron-LM: use a directory on a file system every node mounts")
+                        f"them there, as in Megatron-LM: use a directory on a file system every node mounts (or copy "
+                        f"a built cache to every node first)")
 
 
 def build_optimizer(args, model, ps):
