@@ -67,8 +67,25 @@ def test_norm_stats_stay_on_the_gradients_device(counted):
     from zo_megatron.training.plain_optimizer import local_norm_stats
 
     grads = [torch.empty(n, device="meta") for n in (3, 5, 7)]
-    stats = local_norm_stats(grads, list(counted))
-    assert stats.device.type == "meta" and stats.shape == (2,) and stats.dtype == torch.float64
+    for count_zeros in (False, True):
+        stats = local_norm_stats(grads, list(counted), count_zeros)
+        assert stats.device.type == "meta" and stats.shape == (3,) and stats.dtype == torch.float64
+
+
+def test_norm_stats_count_the_counted_gradients_exact_zeros():
+    """--log-num-zeros-in-grad's count: exact zeros of the counted gradients only (an uncounted TP copy's
+    zeros are its counted twin's), 0 when not asked."""
+    from zo_megatron.training.plain_optimizer import local_norm_stats
+
+    seed = fresh_seed("zeros in grad")
+    gen = torch.Generator().manual_seed(seed)
+    grads = [torch.randn(n, generator=gen) for n in (64, 33, 80)]
+    for g in grads:
+        g[torch.rand(g.numel(), generator=gen) < 0.3] = 0.0
+    counted = [True, False, True]
+    want = sum(int((g == 0).sum()) for g, c in zip(grads, counted) if c)
+    assert want > 0 and local_norm_stats(grads, counted, True)[2].item() == want
+    assert local_norm_stats(grads, counted)[2].item() == 0.0
 
 
 @pytest.mark.parametrize("poison", [None, "counted", "uncounted"])

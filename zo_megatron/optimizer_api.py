@@ -32,6 +32,9 @@ class StepResult:
     loss_scale: float
     speculated_buckets: int = 0    # --overlap-cpu-step: buckets whose CPU Adam ran during backward
     rolled_back_buckets: int = 0   # ... and were undone and redone (clipped, overflow, other lr)
+    # --log-num-zeros-in-grad: exact zeros in the step's gradient, each element once over the world
+    # (Megatron-LM's count_zeros); None unless the optimizer's count_zeros_in_grad was set, or skipped
+    num_zeros_in_grad: float | None = None
 
 
 @runtime_checkable
@@ -52,6 +55,7 @@ class TrainingOptimizer(Protocol):
     holds_master_weights: bool
     step_count: int                 # updates applied (Adam's bias-correction step); checkpoints restore it
     loss_scaler: object             # offload.loss_scaler: state_dict()/load_state_dict(), scale
+    count_zeros_in_grad: bool       # set before step(): its StepResult counts the gradient's zeros
 
     def forward_context(self) -> ContextManager: ...
 

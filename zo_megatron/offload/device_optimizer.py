@@ -35,6 +35,7 @@ class DeviceOptimizerTail:
         # the tail): (start, end, decay, counted, decoupled).
         self.pieces = [(max(s.start, cut) - cut, s.end - cut, s.decay, s.counted, s.decoupled)
                        for s in layout.segments if s.end > cut]
+        self.zero_runs: list[tuple[int, int]] = []     # the counted parameters' runs (the engine sets them)
         # Where each piece of the tail lives in the flat parameter buffer.
         self.flat_runs = []
         for b in layout.buckets:
@@ -60,8 +61,9 @@ class DeviceOptimizerTail:
     def nbytes(self) -> int:
         return 4 * 4 * self.master.numel()
 
-    def grad_sumsq_and_nonfinite(self) -> torch.Tensor:
-        """[sum of squares over the counted pieces, 1 if any element is inf/nan] (fp64, on the device).
+    def grad_sumsq_and_nonfinite(self, count_zeros: bool = False) -> torch.Tensor:
+        """[sum of squares over the counted pieces, 1 if any element is inf/nan, exact zeros in the
+        counted pieces (0 unless `count_zeros`)] (fp64, on the device).
 
         One multi-tensor pass and no copy of the gradient (as the baseline and Megatron's
         multi_tensor_l2norm): an fp32 norm per piece, their squares summed in float64. A NaN/inf
@@ -70,7 +72,13 @@ class DeviceOptimizerTail:
         norms = torch.stack(torch._foreach_norm([self.grad[a:e] for a, e, *_ in self.pieces])).double()
         sumsq = norms.index_select(0, self._counted_idx).square().sum()
         bad = (~torch.isfinite(norms.sum())).double()
-        return torch.stack([sumsq, bad])
+        zeros = torch.zeros((), dtype=torch.float64, device=sumsq.device)
+        if count_zeros:                 # numel - count_nonzero per run: no boolean copy of the gradient
+            counted = [self.grad[a:e] for a, e in self.zero_runs]   # the counted parameters' runs (no padding)
+            if counted:
+                nonzero = torch.stack([torch.count_nonzero(g) for g in counted]).double().sum()
+                zeros = float(sum(g.numel() for g in counted)) - nonzero
+        return torch.stack([sumsq, bad, zeros])
 
     @torch.no_grad()
     def step(self, step: int, lr: float, grad_scale: float, decoupled_lr: float | None = None) -> None:

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import math
 import time
 
@@ -129,6 +130,8 @@ class ZeroOffloadEngine(GradientBuckets, EngineState):
         # grad_divisor replaces the group size in the average; extra_grad_stats, another engine's share;
         # cpu_worker, another engine's schedule worker to share; nvme_tag, this engine's state files' name
         self._owns, self.extra_grad_stats = params or (lambda _n, _p: True), None
+        self.count_zeros_in_grad = False         # --log-num-zeros-in-grad: set by the job before a logged step
+        self._zeros_in_grad: float | None = None
         self._cpu_worker, self._nvme_tag = cpu_worker, nvme_tag
         if precision not in _DTYPES:
             raise ConfigError(f"precision must be bf16, fp16 or fp32 (got {precision!r})")
@@ -193,6 +196,18 @@ class ZeroOffloadEngine(GradientBuckets, EngineState):
         self._host_segments = [(s.start, min(s.end, self._cut), s.decay, s.counted, s.decoupled)
                                for s in self.layout.segments if s.start < self._cut]
         self._norm_segments = [(a, e, c) for a, e, _, c, _ in self._host_segments]
+        # --log-num-zeros-in-grad counts parameters' elements only: the segments above also hold the buckets'
+        # padding (always zero). The counted elements' runs of the partition, merged, cut at the tail.
+        runs: list[list[int]] = []
+        for slot, host, _, n in sorted(self.layout.host_fragments(), key=lambda f: f[1]):
+            if not slot.tp_replicated:
+                if runs and runs[-1][1] == host:
+                    runs[-1][1] = host + n
+                else:
+                    runs.append([host, host + n])
+        self._zero_runs = [(a, min(e, self._cut)) for a, e in runs if a < self._cut]
+        if self._tail is not None:
+            self._tail.zero_runs = [(max(a, self._cut) - self._cut, e - self._cut) for a, e in runs if e > self._cut]
         self.step_count = 0
         if dpu_warmup_steps:
             self.schedule = DelayedSchedule(dpu_warmup_steps, self.dpu_weight_prediction, self.device,
@@ -395,7 +410,10 @@ class ZeroOffloadEngine(GradientBuckets, EngineState):
         scale = self.loss_scaler.scale
         found_inf, grad_norm = self._global_grad_norm(scale)
         self.loss_scaler.update(found_inf)
-        return self.schedule.step(self, found_inf, grad_norm, scale, self._rates(lr, decoupled_lr))
+        result = self.schedule.step(self, found_inf, grad_norm, scale, self._rates(lr, decoupled_lr))
+        if self.count_zeros_in_grad and not result.skipped:     # Megatron-LM: no count for a skipped step
+            result = dataclasses.replace(result, num_zeros_in_grad=self._zeros_in_grad)
+        return result
 
     def _rates(self, lr: float | None, decoupled_lr: float | None) -> tuple[float, float]:
         """(rate of every parameter, rate of the decoupled ones): what the schedules pass on."""
@@ -409,13 +427,18 @@ class ZeroOffloadEngine(GradientBuckets, EngineState):
             self.schedule.next_lr = self._rates(lr, decoupled_lr)
 
     def local_grad_stats(self) -> torch.Tensor:
-        """[sum of squares, non-finite] of this rank's share of the gradient, before any reduction."""
+        """[sum of squares, non-finite, exact zeros] of this rank's share of the gradient, before any
+        reduction; the zeros (of the counted elements: each once over TP and DP, as the norm) only
+        with count_zeros_in_grad, else 0 -- a pass over the partition that costs a step's read."""
         grad = self._update_grad()
         sumsq, finite = cpu_adam.grad_sumsq_and_finite_segments(grad, self._norm_segments) \
             if self._norm_segments else (0.0, True)
-        stats = torch.tensor([sumsq, 0.0 if finite else 1.0], dtype=torch.float64)
-        if self._tail is not None:                       # one device->host copy for both numbers
-            stats += host_value(self._tail.grad_sumsq_and_nonfinite())   # timed, as every host read on CUDA
+        zeros = 0
+        if self.count_zeros_in_grad:        # count_nonzero: no boolean copy of a partition the size of the model
+            zeros = sum(e - a - int(torch.count_nonzero(grad[a:e])) for a, e in self._zero_runs)
+        stats = torch.tensor([sumsq, 0.0 if finite else 1.0, float(zeros)], dtype=torch.float64)
+        if self._tail is not None:                       # one device->host copy for all three numbers
+            stats += host_value(self._tail.grad_sumsq_and_nonfinite(self.count_zeros_in_grad))   # timed (CUDA)
         return stats
 
     def _global_grad_norm(self, scale: float) -> tuple[bool, float]:
@@ -424,6 +447,7 @@ class ZeroOffloadEngine(GradientBuckets, EngineState):
         if self.extra_grad_stats is not None:
             stats, self.extra_grad_stats = stats + self.extra_grad_stats, None
         collectives.all_reduce(stats)                    # over every TP and DP rank
+        self._zeros_in_grad = stats[2].item() if self.count_zeros_in_grad else None
         found_inf = bool(stats[1].item() > 0) or not math.isfinite(stats[0].item())
         return found_inf, (math.sqrt(stats[0].item()) / scale if not found_inf else float("nan"))
 

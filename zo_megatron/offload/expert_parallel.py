@@ -127,6 +127,15 @@ class ExpertParallelEngine:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    @property
+    def count_zeros_in_grad(self) -> bool:
+        return self.dense.count_zeros_in_grad
+
+    @count_zeros_in_grad.setter
+    def count_zeros_in_grad(self, on: bool) -> None:
+        # both engines count their share; each one's norm all-reduce adds the other's (extra_grad_stats)
+        self.dense.count_zeros_in_grad = self.experts.count_zeros_in_grad = on
+
     def backward(self, loss, *, last_micro_batch: bool = True) -> None:
         self.experts.loss_scaler.scale = self.dense.loss_scaler.scale     # the scale this backward uses
         self.experts.begin_backward(last_micro_batch)

@@ -337,6 +337,12 @@ def _add_logging_flags(g) -> None:
     g.add_argument("--log-jsonl", default=None, help="write one JSON object per logged iteration/evaluation")
     g.add_argument("--tensorboard-dir", default=None, help="write TensorBoard events (needs tensorboard)")
     g.add_argument("--no-progress-bar", action="store_true")
+    g.add_argument("--log-params-norm", action="store_true",
+                   help="log the L2 norm of the model's parameters (Megatron-LM's; `params_norm`, each element "
+                        "once over the world; a collective at each log line)")
+    g.add_argument("--log-num-zeros-in-grad", action="store_true",
+                   help="log how many of the gradient's elements are exactly zero (Megatron-LM's; "
+                        "`num_zeros_in_grad`, each element once; counted on the logged steps only)")
 
 
 def build_parser() -> argparse.ArgumentParser:

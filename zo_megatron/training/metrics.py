@@ -143,7 +143,10 @@ class Metrics:
                    if "tokens_per_expert_min" in row else "")
                 + f"lr {row['lr']:.3e} | "
                 + (f"decoupled lr {row['decoupled_lr']:.3e} | " if row.get("decoupled_lr") is not None else "")
-                + f"grad norm {gn:.3f} | loss scale {row['loss_scale']:.0f} | "
+                + f"grad norm {gn:.3f} | "
+                + (f"num zeros {row['num_zeros_in_grad']:.1f} | " if row.get("num_zeros_in_grad") is not None else "")
+                + (f"params norm {row['params_norm']:.3f} | " if "params_norm" in row else "")
+                + f"loss scale {row['loss_scale']:.0f} | "
                 f"skipped {row['skipped']} nan {row['nan_iterations']} | "
                 + (f"speculated {row['speculated_buckets']} rolled back {row['rolled_back_buckets']} | "
                    if row.get("overlap_cpu_step") else "")

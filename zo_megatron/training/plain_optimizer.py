@@ -22,9 +22,10 @@ from zo_megatron.parallel import collectives
 _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def local_norm_stats(grads: list[torch.Tensor], counted: list[bool]) -> torch.Tensor:
+def local_norm_stats(grads: list[torch.Tensor], counted: list[bool], count_zeros: bool = False) -> torch.Tensor:
     """[sum of squared per-tensor norms of the counted gradients, 1.0 if any gradient is
-    non-finite else 0.0] in float64, on the gradients' device.
+    non-finite else 0.0, exact zeros in the counted gradients (0 unless `count_zeros`)] in
+    float64, on the gradients' device.
 
     Per-tensor fp32 norms in one multi-tensor call (as Megatron's multi_tensor_l2norm), their
     squares summed in float64; a NaN/inf in any gradient makes its norm, and so the sum,
@@ -37,7 +38,11 @@ def local_norm_stats(grads: list[torch.Tensor], counted: list[bool]) -> torch.Te
     sumsq = torch.stack(torch._foreach_norm(counted_grads)).double().square().sum() if counted_grads else zero
     uncounted = [g for g, c in zip(grads, counted) if not c]    # TP copies: only their finiteness
     bad = torch.stack(torch._foreach_norm(uncounted)).double().sum() if uncounted else zero
-    return torch.stack([sumsq, (~torch.isfinite(bad)).double()])
+    zeros = zero
+    if count_zeros and counted_grads:
+        zeros = float(sum(g.numel() for g in counted_grads)) - \
+            torch.stack([torch.count_nonzero(g) for g in counted_grads]).double().sum()
+    return torch.stack([sumsq, (~torch.isfinite(bad)).double(), zeros])
 
 
 class PlainDDPOptimizer:
@@ -49,6 +54,7 @@ class PlainDDPOptimizer:
         self.model, self.precision = model, precision
         self.adam = adam or AdamConfig()
         self.clip_grad = clip_grad
+        self.count_zeros_in_grad = False        # --log-num-zeros-in-grad: set by the job before a logged step
         self.dp_group = dp_group
         self.dp_size = collectives.group_size(dp_group)
         self.loss_scaler = loss_scaler or (DynamicLossScaler() if precision == "fp16" else ConstantLossScaler())
@@ -124,9 +130,10 @@ class PlainDDPOptimizer:
         scale = self.loss_scaler.scale
         # One device->host transfer, one small all-reduce.
         grads = [p.grad for p in self.params]
-        stats = local_norm_stats(grads, self._counted).cpu()
+        stats = local_norm_stats(grads, self._counted, self.count_zeros_in_grad).cpu()
         collectives.all_reduce(stats)   # over the world: every DP replica adds the same sum
         stats[0] /= self.dp_size           # after the all-reduce, so each is counted once
+        stats[2] /= self.dp_size
         found_inf = stats[1].item() > 0 or not math.isfinite(stats[0].item())
         self.loss_scaler.update(found_inf)
         if found_inf:
@@ -142,7 +149,8 @@ class PlainDDPOptimizer:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.step_count += 1
-        return StepResult(False, norm, clip, scale)
+        return StepResult(False, norm, clip, scale,
+                          num_zeros_in_grad=stats[2].item() if self.count_zeros_in_grad else None)
 
     def flush(self) -> StepResult | None:
         return None

@@ -15,6 +15,7 @@ import torch
 from zo_megatron.parallel import collectives
 from zo_megatron.training.metrics import device_peak_tflops, host_rss_bytes
 from zo_megatron.training.nvme_flags import nvme_endurance_line, nvme_step_fields
+from zo_megatron.training.params_norm import params_l2_norm
 
 
 class StepLog:
@@ -24,6 +25,7 @@ class StepLog:
         self.metrics, self.args, self.ps, self.optimizer, self.moe = metrics, args, ps, optimizer, moe
         self.flops_per_token, self.start_iter, self.clock = flops_per_token, start_iter, clock
         self.grad_norm, self.delayed = 0.0, False
+        self.num_zeros_in_grad: float | None = None
         self.batch = args.global_batch_size                 # the last iteration's (a ramp's grows)
         self.peak_tflops = device_peak_tflops(ps.device)    # None where unknown (every CPU): no MFU
         self.nvme_last: dict = {}                           # --optimizer-nvme-path's counters at the last row
@@ -40,6 +42,7 @@ class StepLog:
         apart) and the optimizer's StepResult."""
         self.samples += samples
         self.batch = samples
+        self.num_zeros_in_grad = res.num_zeros_in_grad
         if math.isfinite(loss):
             self.loss += loss
         else:
@@ -88,6 +91,9 @@ class StepLog:
             "loss": stats[0].item() / max(stats[1].item(), 1.0), "lr": lr,
             **({} if decoupled_lr is None else {"decoupled_lr": decoupled_lr}),
             "grad_norm": self.grad_norm, "loss_scale": res.loss_scale, "skipped": self.skipped,
+            # Megatron-LM's --log-num-zeros-in-grad (the last step's; None when it was skipped), --log-params-norm
+            **({"num_zeros_in_grad": self.num_zeros_in_grad} if args.log_num_zeros_in_grad else {}),
+            **({"params_norm": params_l2_norm(self.optimizer.model, ps)} if args.log_params_norm else {}),
             "nan_iterations": self.nan, "tokens_per_s": tokens / dt, "step_time_s": dt / max(self.n, 1),
             "tflops_per_rank": tflops, "mfu": tflops / self.peak_tflops if self.peak_tflops else None,
             "device_model_state_bytes": acc.device_model_state_bytes, "host_model_state_bytes": acc.host_bytes,

@@ -151,10 +151,12 @@ class Trainer:
             lr, decoupled_lr = self.scheduler.get_lr(), self.scheduler.get_decoupled_lr()   # None: no --decoupled-lr
             samples, micro_batches = self.batches.at(st.consumed_samples)   # this iteration's global batch
             loss = self.forward_backward(lr, decoupled_lr, micro_batches)
+            logs = (st.iteration + 1) % args.log_interval == 0 or st.iteration + 1 == args.train_iters
+            self.optimizer.count_zeros_in_grad = args.log_num_zeros_in_grad and logs   # a pass: logged steps only
             res = self.optimizer.step(lr, decoupled_lr)
             self.advance(res, samples)
             self.log.record(host_value(loss).item(), res, delayed=self._delayed(res), samples=samples)   # a timed wait first
-            if st.iteration % args.log_interval == 0 or st.iteration == args.train_iters:
+            if logs:
                 self.log.write(st.iteration, lr, res, st.consumed_samples, decoupled_lr)
             if self.evaluator is not None and self.evaluator.due(st.iteration):
                 self.evaluate()
