@@ -333,7 +333,7 @@ def _split_that_fits(which: int, documents: int) -> str | None:
 
 def build_gpt_datasets(data_path: Sequence[str] | str, split: str, seq_length: int, seed: int,
                        tokenizer, train_samples: int, valid_samples: int, test_samples: int,
-                       cache_dir: str | None = None, other_tokenizer: str = "error"):
+                       cache_dir: str | None = None, other_tokenizer: str = "error", eod_mask_loss: bool = False):
     """(train, valid, test) megatron-core datasets; an entry is None when its split is empty.
 
     data_path: ["prefix"], ["w1", "p1", "w2", "p2", ...] (weights, normalised) or
@@ -341,7 +341,8 @@ def build_gpt_datasets(data_path: Sequence[str] | str, split: str, seq_length: i
     Each split holds at least the requested number of samples (megatron rounds blends up and
     repeats epochs as needed). Items are dicts of torch tensors: tokens, labels (tokens shifted by
     one), loss_mask, position_ids, each [seq_length] (plus an int dataset_id from a blend); the
-    attention mask is the model's business. Validates every prefix first (DataError on bad data).
+    attention mask is the model's business. eod_mask_loss (Megatron-LM's --eod-mask-loss): the loss
+    mask is 0 where the input token is the end-of-document id (megatron-core's rule). Validates every prefix first (DataError on bad data).
     Collective when torch.distributed is initialised (call it on every rank).
     """
     prefixes, weights = parse_data_path(data_path)
@@ -367,7 +368,7 @@ def build_gpt_datasets(data_path: Sequence[str] | str, split: str, seq_length: i
         random_seed=int(seed), sequence_length=int(seq_length), blend=(prefixes, weights),
         split=str(split).strip(), path_to_cache=cache,
         mmap_bin_files=True, tokenizer=adapter, reset_position_ids=False,
-        reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False,
+        reset_attention_mask=False, eod_mask_loss=bool(eod_mask_loss), create_attention_mask=False,
         num_dataset_builder_threads=1)
 
     # megatron loops forever on a split range without documents when samples are requested
@@ -397,7 +398,8 @@ def build_gpt_datasets(data_path: Sequence[str] | str, split: str, seq_length: i
 
 
 def build_mock_gpt_datasets(split: str, seq_length: int, seed: int, tokenizer, train_samples: int,
-                            valid_samples: int, test_samples: int = 0, cache_dir: str | None = None):
+                            valid_samples: int, test_samples: int = 0, cache_dir: str | None = None,
+                            eod_mask_loss: bool = False):
     """(train, valid, test) of Megatron-LM's --mock-data: megatron-core's MockGPTDataset, built as
     Megatron-LM's pretrain_gpt.py builds it (no blend: config.mock). Its documents are megatron-core's
     own (100,000 of random length, each 1, 2, 3, ... modulo the vocabulary, then the end-of-document
@@ -414,7 +416,8 @@ def build_mock_gpt_datasets(split: str, seq_length: int, seed: int, tokenizer, t
     config = GPTDatasetConfig(
         random_seed=int(seed), sequence_length=int(seq_length), blend=None, split=str(split).strip(),
         path_to_cache=cache, tokenizer=_MegatronTokenizer(tokenizer, {"mock": "MockGPTDataset"}),
-        reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False,
+        reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=bool(eod_mask_loss),
+        create_attention_mask=False,
         num_dataset_builder_threads=1)
     for i, bookends in enumerate(config.split_matrix):      # a split asked for nothing is not built
         if bookends is not None and sizes[i] == 0:

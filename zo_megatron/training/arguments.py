@@ -189,6 +189,11 @@ def _add_training_flags(g) -> None:
     g.add_argument("--rampup-batch-size", type=int, nargs=3, default=None, metavar=("START", "INCREMENT", "SAMPLES"),
                    help="Megatron-LM's batch-size ramp-up: the global batch starts at START and grows by INCREMENT "
                         "in equal shares of SAMPLES samples up to --global-batch-size (needs --train-samples)")
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="the loss of a global batch is its masked tokens' mean (Megatron-LM's): each micro-batch's "
+                        "loss sum over the batch's unmasked tokens (all DP ranks), instead of the mean of the "
+                        "micro-batches' means; they differ where masks differ (--eod-mask-loss, an epoch's padded "
+                        "last sample)")
     g.add_argument("--decrease-batch-size-if-needed", action="store_true",
                    help="round a global batch (or a ramp's batch) that is no multiple of micro x DP down to one "
                         "(Megatron-LM's), instead of refusing it")
@@ -273,6 +278,9 @@ def _add_data_flags(g) -> None:
     g.add_argument("--data-path", nargs="*", default=None,
                    help="PREFIX, or WEIGHT PREFIX WEIGHT PREFIX ... (default: the embedded SOTU corpus)")
     g.add_argument("--split", default="969, 30, 1", help="train, valid, test proportions")
+    g.add_argument("--eod-mask-loss", action="store_true",
+                   help="leave the prediction after each end-of-document token out of the loss (Megatron-LM's: "
+                        "the loss mask is 0 where the input token is the EOD id)")
     g.add_argument("--tokenizer-type", default="GPT2BPETokenizer",
                    choices=["GPT2BPETokenizer", "HuggingFaceTokenizer", "Llama2Tokenizer", "NullTokenizer"],
                    help="GPT2BPETokenizer: GPT-2's BPE (bundled files); HuggingFaceTokenizer: AutoTokenizer from "

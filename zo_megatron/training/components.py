@@ -78,13 +78,15 @@ def build_datasets(args, tokenizer, data_path, dp_size: int):
     if data_path is None:                       # --mock-data
         train_ds, valid_ds, _ = build_mock_gpt_datasets(
             args.split, args.seq_length, args.seed, tokenizer, train_samples=train_samples,
-            valid_samples=n_evals * args.eval_iters * gb, cache_dir=args.data_cache_path)
+            valid_samples=n_evals * args.eval_iters * gb, cache_dir=args.data_cache_path,
+            eod_mask_loss=args.eod_mask_loss)
         return train_ds, valid_ds
     train_ds, valid_ds, _ = build_gpt_datasets(
         data_path, args.split, args.seq_length, args.seed, tokenizer,
         train_samples=train_samples, valid_samples=n_evals * args.eval_iters * gb,
         test_samples=0, cache_dir=args.data_cache_path,
-        other_tokenizer="accept" if args.allow_other_tokenizer_data else "error")   # checked before launch
+        other_tokenizer="accept" if args.allow_other_tokenizer_data else "error",   # checked before launch
+        eod_mask_loss=args.eod_mask_loss)
     return train_ds, valid_ds
 
 

@@ -38,22 +38,27 @@ def cycle(make, consumed: int = 0):
                             "lower --micro-batch-size or give the split more documents")
 
 
-def evaluate(model, optimizer, batches, eval_iters: int, ps, device) -> tuple[float, int]:
-    """Mean loss over `eval_iters` micro-batches per rank, and the samples that covered (all DP ranks)."""
+def evaluate(model, optimizer, batches, eval_iters: int, ps, device, per_token: bool = False) -> tuple[float, int]:
+    """Mean loss over `eval_iters` micro-batches per rank (with `per_token`, --calculate-per-token-loss:
+    over their unmasked tokens, as Megatron-LM's), and the samples that covered (all DP ranks)."""
     with collectives.all_ranks_agree():     # (a disk error of one rank's optimizer states: every rank's)
         optimizer.flush()                   # evaluate the parameters with every update applied
     model.eval()
-    total, count = torch.zeros((), dtype=torch.float64, device=device), 0
+    total, count, tokens = torch.zeros((), dtype=torch.float64, device=device), 0, 0.0
     with torch.no_grad(), optimizer.forward_context():
         for _ in range(eval_iters):
             b = next(batches)
             loss = model.loss(*loss_inputs(b, device))
-            total += loss.detach().double()
+            weight = float(b["loss_mask"].sum()) if per_token else 1.0     # the mean's tokens, from the host
+            total += loss.detach().double() * weight
+            tokens += weight
             count += 1
             samples = b["tokens"].shape[0]
     model.train()
-    collectives.all_reduce(total, group=ps.dp_group)
-    return host_value(total).item() / (count * ps.dp_size), count * samples * ps.dp_size
+    sums = collectives.all_reduce(torch.stack([total, torch.tensor(tokens, dtype=torch.float64, device=device)]),
+                                  group=ps.dp_group)
+    total, tokens = host_value(sums).tolist()
+    return total / max(tokens, 1.0), count * samples * ps.dp_size
 
 
 class Evaluator:
@@ -75,7 +80,7 @@ class Evaluator:
     def run(self, model, optimizer) -> tuple[float, int]:
         """(mean loss, samples it covered); --eval-iters counts global batches, as Megatron's."""
         loss, n = evaluate(model, optimizer, self.batches, self.args.eval_iters * self.args.grad_accum_steps,
-                           self.ps, self.ps.device)
+                           self.ps, self.ps.device, self.args.calculate_per_token_loss)
         self.consumed_valid += n
         self.last_loss = loss
         return loss, n

@@ -49,9 +49,6 @@ NO_OP = {
     "--use-mcore-models": "the model is megatron-core's GPTModel (mcore), always",
     "--use-pytorch-profiler": "--profile always records with torch.profiler here (Megatron's other recorder is "
                               "an external nsys)",
-    "--calculate-per-token-loss": "the same loss here: every micro-batch holds micro-batch x sequence tokens and "
-                                  "none is masked (no --eod-mask-loss), so the token mean of the global batch is "
-                                  "the mean of the micro-batch means",
     "--tiktoken-pattern": "read only by Megatron's TikTokenizer, which is not offered (--tokenizer-type)",
     "--tiktoken-num-special-tokens": "read only by Megatron's TikTokenizer, which is not offered (--tokenizer-type)",
     "--tiktoken-special-tokens": "read only by Megatron's TikTokenizer, which is not offered (--tokenizer-type)",
@@ -141,7 +138,6 @@ REFUSED_WHY = {
     "--fp32-residual-connection": "residuals stay in the model's precision, as GPT-2",
     "--squared-relu": "the MLP activation is GELU or SwiGLU (--swiglu)",
     "--quick-geglu": "the MLP activation is GELU or SwiGLU (--swiglu)",
-    "--eod-mask-loss": "documents are packed with EOD tokens and the loss covers every token, as Megatron's default",
     "--reset-attention-mask": "documents are packed with EOD tokens and attend across them, as Megatron's default",
     "--reset-position-ids": "positions run over the whole sample, as Megatron's default",
     "--train-data-path": "use --data-path with --split", "--valid-data-path": "use --data-path with --split",

@@ -74,7 +74,7 @@ class MoELosses:
             h.remove()
         self.hooks = []
 
-    def set_scale(self, loss_scale: float, micro_batches: int) -> None:
+    def set_scale(self, loss_scale: float, micro_batches: float) -> None:
         """The aux losses' gradient: the loss scale / the iteration's micro-batches, as the LM loss's
         (set every iteration: a dynamic fp16 scale moves, a batch ramp adds micro-batches)."""
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler

@@ -179,16 +179,18 @@ class Trainer:
         if hasattr(self.optimizer, "expect_lr"):    # a speculated CPU step (--overlap-cpu-step) uses it
             self.optimizer.expect_lr(lr, decoupled_lr)
         phase = self.timeline.phase if self.timeline is not None else _no_phase
-        if self.moe is not None:                    # the aux losses' gradient: loss scale / micro-batches
-            self.moe.set_scale(self.optimizer.loss_scaler.scale, n)
+        batches = [next(self.train_batches) for _ in range(n)]     # host tensors: their masks weigh them
+        weights, per_micro_batch = loss_weights(batches, self.args.calculate_per_token_loss, self.ps)
+        if self.moe is not None:                    # the aux losses' gradient: the LM loss's scale
+            self.moe.set_scale(self.optimizer.loss_scaler.scale, per_micro_batch)
         step_loss = torch.zeros((), device=self.ps.device)
-        for m in range(n):
-            inputs = loss_inputs(next(self.train_batches), self.ps.device)
+        for m, (batch, weight) in enumerate(zip(batches, weights)):
+            inputs = loss_inputs(batch, self.ps.device)
             with phase("forward", it, m), self.optimizer.forward_context():
                 loss = self.inject.loss(it, self.model.loss(*inputs))
             with phase("backward", it, m):
-                self.optimizer.backward(loss / n, last_micro_batch=m == n - 1)
-            step_loss += loss.detach().float() / n
+                self.optimizer.backward(loss * weight, last_micro_batch=m == n - 1)
+            step_loss += loss.detach().float() * weight
         if self.moe is not None:                    # the tracker's sums of this iteration, as means
             self.moe.end_iteration(n)
         return step_loss
@@ -318,6 +320,25 @@ class Trainer:
                                f"{opt.step_count} done) and the run ends at --train-iters {args.train_iters}: "
                                f"every update of this run is exact; use --dpu-warmup-steps at most "
                                f"{args.train_iters - self.start_iter + opt.step_count} to delay any")
+
+
+def loss_weights(batches: list[dict], per_token: bool, ps) -> tuple[list[float], float]:
+    """What each micro-batch's loss (its masked tokens' mean) is multiplied by before backward, and the
+    micro-batch count the aux losses divide by.
+
+    Megatron-LM's default: 1 / micro-batches -- the global batch's loss is the mean of the micro-batch
+    means. --calculate-per-token-loss: the global batch's loss is its unmasked tokens' mean, over every
+    DP rank: micro-batch m (t_m tokens) weighs dp x t_m / T, T the tokens of the global batch (one
+    all-reduce of a count over DP); the dp because the engines average gradients over DP where
+    Megatron-LM sums them and divides by T. The aux losses then divide by T / dp, as Megatron-LM scales
+    every gradient by 1 / T."""
+    n = len(batches)
+    if not per_token:
+        return [1.0 / n] * n, float(n)
+    tokens = [float(b["loss_mask"].sum()) for b in batches]          # host tensors: no device read
+    total = collectives.all_reduce(torch.tensor([sum(tokens)], dtype=torch.float64), group=ps.dp_group).item()
+    total = max(total, 1.0)                                          # every token masked: a zero loss, not NaN
+    return [ps.dp_size * t / total for t in tokens], total / ps.dp_size
 
 
 @contextlib.contextmanager

@@ -1,0 +1,134 @@
+"""Megatron-LM's --eod-mask-loss and --calculate-per-token-loss (refused, and accepted as a no-op,
+before), on 2 forked gloo ranks (ZeRO-Offload, fp32, 2 micro-batches per rank) over a corpus of short
+documents, so that every sample holds end-of-document tokens.
+
+The reference is single-process torch over the very samples Megatron-LM's sampler gives each
+iteration, its loss mask computed here from the tokens (0 where the input token is the EOD id):
+- --eod-mask-loss alone: the global batch's loss is the mean of the 4 micro-batches' masked means;
+- with --calculate-per-token-loss: the masked tokens' mean over the whole global batch (all ranks);
+then clip_grad_norm_ and AdamW at Megatron-LM's rate. Every logged training loss and the validation
+loss (per token in the second run) equal the reference's; the two runs differ, so the weighting shows.
+"""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from tests.harness import run_world
+from tests.megatron_reference import megatron_get_lr
+from tests.seeds import fresh_seed
+from tests.test_pretrain import _job, _rows
+
+ITERS, RTOL = 4, 5e-6     # fp32 job vs fp32 torch: <= 7e-7 apart seen (reduction order)
+ARGV = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+        "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "3e-2", "--min-lr", "3e-3",
+        "--lr-warmup-iters", "1", "--lr-decay-style", "cosine", "--train-iters", str(ITERS), "--log-interval", "1",
+        "--eval-interval", str(ITERS), "--eval-iters", "1", "--split", "90,10,0", "--zero-offload", "--fp32",
+        "--hidden-dropout", "0", "--attention-dropout", "0", "--weight-decay", "0", "--clip-grad", "0.5",
+        "--no-progress-bar", "--eod-mask-loss"]
+
+
+@pytest.fixture(scope="module")
+def short_docs(tmp_path_factory):
+    """300 documents, alternately of 1-2 and of 8-16 words (GPT-2 BPE): samples with many EOD tokens
+    next to samples with few, so the two weightings part."""
+    from zo_megatron.data.preprocess import preprocess
+
+    d = tmp_path_factory.mktemp("short_docs")
+    rng = random.Random(7)
+    words = "the a of state union nation people year work law freedom peace we our new".split()
+    with open(d / "docs.jsonl", "w") as f:
+        for i in range(300):
+            n = rng.randint(1, 2) if i % 2 else rng.randint(8, 16)
+            f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(n))}) + "\n")
+    preprocess([str(d / "docs.jsonl")], str(d / "docs"), progress=False)
+    return str(d / "docs_text_document")
+
+
+def _reference_world(rank, argv, cache, per_token):
+    import os
+
+    os.environ["ZO_MEGATRON_CACHE"] = cache
+    from zo_megatron.data import build_tokenizer
+    from zo_megatron.data.datasets import _collate
+    from zo_megatron.model import build_gpt_model
+    from zo_megatron.parallel import init_parallel
+    from zo_megatron.training import components
+    from zo_megatron.training.arguments import check_batch_sizes, parse_args
+    from zo_megatron.training.prelaunch import model_vocab_size
+
+    args = parse_args(argv)
+    check_batch_sizes(args, 2)
+    init_parallel(1, seed=args.seed)
+    tok = build_tokenizer()
+    args.model_vocab_size = model_vocab_size(args, tok)
+    model = build_gpt_model(components.model_config(args), 0, 1, args.seed)
+    train_ds, valid_ds = components.build_datasets(args, tok, args.data_path, 2)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, weight_decay=0.0)
+
+    def micro_batches(ds, start):
+        """(masked loss sum, unmasked tokens) of the 4 micro-batches (2 per rank, Megatron-LM's order) of
+        the global batch starting at sample `start`, the mask computed here."""
+        out = []
+        for m in range(2):
+            for r in range(2):
+                first = start + 4 * m + 2 * r
+                batch = _collate([ds[i] for i in (first, first + 1)])
+                mask = (batch["tokens"] != tok.eod).float()
+                assert torch.equal(batch["loss_mask"], mask)          # megatron-core's --eod-mask-loss rule
+                out.append(((_token_losses(model, batch) * mask).sum(), mask.sum()))
+        return out
+
+    def loss_of(parts):
+        if per_token:
+            return sum(s for s, _ in parts) / sum(t for _, t in parts)
+        return sum(s / t for s, t in parts) / len(parts)
+
+    losses = []
+    for it in range(ITERS):
+        loss = loss_of(micro_batches(train_ds, 8 * it))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, args.clip_grad)
+        for g in opt.param_groups:
+            g["lr"] = megatron_get_lr(8 * it, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=8,
+                                      lr_decay_steps=8 * ITERS, lr_decay_style="cosine")
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    with torch.no_grad():
+        val = loss_of(micro_batches(valid_ds, 0)).item()
+    return losses, val
+
+
+def _token_losses(model, batch):
+    """Per-token cross-entropy of the model (one TP rank: the vocab-parallel one is the plain one)."""
+    from megatron.core import tensor_parallel
+
+    logits = model.forward(batch["tokens"], batch["position_ids"])
+    return tensor_parallel.vocab_parallel_cross_entropy(logits.float(), batch["labels"])
+
+
+def test_eod_mask_and_per_token_loss_are_megatron_s(tmp_path, short_docs):
+    seed = fresh_seed("eod mask, per-token loss")
+    out = {}
+    for name, extra in (("mean_of_means", []), ("per_token", ["--calculate-per-token-loss"])):
+        argv = [*ARGV, "--seed", str(seed), "--data-path", short_docs, *extra]
+        log = tmp_path / f"{name}.jsonl"
+        r = _job([*argv, "--log-jsonl", str(log)], tmp_path)
+        assert r.returncode == 0, r.stderr[-3000:]
+        rows = {row["iteration"]: row["loss"] for row in _rows(log, "train")}
+        val = [row["val_loss"] for row in _rows(log, "eval")]
+        ref, ref_val = run_world(_reference_world, 1, argv, str(tmp_path / "cache"), name == "per_token",
+                                 timeout=120)[0]
+        got = [rows[i] for i in range(1, ITERS + 1)]
+        assert all(abs(g - w) <= RTOL * abs(w) for g, w in zip(got, ref)), (seed, name, got, ref)
+        assert len(val) == 1 and abs(val[0] - ref_val) <= RTOL * abs(ref_val), (seed, name, val, ref_val)
+        out[name] = got
+    # the weighting shows: the two runs part by 20x the tolerance or more (4.5e-4 to 2e-3 seen), so a
+    # wrong weighting cannot pass for the right one
+    apart = max(abs(a - b) / abs(a) for a, b in zip(out["per_token"], out["mean_of_means"]))
+    assert apart > 20 * RTOL, (apart, out)
