@@ -115,6 +115,9 @@ class GPTConfig:
     label_smoothing: float = 0.0
     attention_backend: str = "local"            # "local": megatron's DotProductAttention | "sdpa": torch SDPA
     sequence_parallel: bool = False             # megatron's sequence parallelism (no effect at TP = 1)
+    # --moe-router-dtype: the router's logits and scores in fp32/fp64 (None: the model's dtype); numerics only,
+    # not the architecture (a checkpoint does not record it)
+    moe_router_dtype: str | None = None
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:

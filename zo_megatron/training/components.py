@@ -60,7 +60,8 @@ def model_config(args):
                      init_method_std=args.init_method_std, recompute=args.recompute_granularity,
                      recompute_method=args.recompute_method or "uniform",
                      recompute_num_layers=args.recompute_num_layers or 1,
-                     attention_backend=args.core_attention, sequence_parallel=args.sequence_parallel)
+                     attention_backend=args.core_attention, sequence_parallel=args.sequence_parallel,
+                     moe_router_dtype=getattr(args, "moe_router_dtype", None))
 
 
 def build_datasets(args, tokenizer, data_path, dp_size: int):

@@ -124,6 +124,9 @@ def add_moe_flags(g) -> None:
                         "then a softmax over them")
     g.add_argument("--moe-router-score-function", default="softmax",
                    help=f"the router's score: {', '.join(MOE_SCORE_FUNCTIONS)}")
+    g.add_argument("--moe-router-dtype", choices=("fp32", "fp64"), default=None,
+                   help="compute the router's logits and scores in fp32 or fp64 (Megatron-LM's; default: the model's "
+                        "dtype): the routing of a bf16 model in full precision")
     g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None,
                    help="multiplies the chosen experts' weights")
     g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
