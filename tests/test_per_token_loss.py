@@ -3,11 +3,16 @@ before), on 2 forked gloo ranks (ZeRO-Offload, fp32, 2 micro-batches per rank) o
 documents, so that every sample holds end-of-document tokens.
 
 The reference is single-process torch over the very samples Megatron-LM's sampler gives each
-iteration, its loss mask computed here from the tokens (0 where the input token is the EOD id):
-- --eod-mask-loss alone: the global batch's loss is the mean of the 4 micro-batches' masked means;
+iteration, its loss mask computed here from the tokens (0 where the input token is the EOD id). Its
+objective:
+- --eod-mask-loss alone: the mean of the 4 micro-batches' masked means;
 - with --calculate-per-token-loss: the masked tokens' mean over the whole global batch (all ranks);
-then clip_grad_norm_ and AdamW at Megatron-LM's rate. Every logged training loss and the validation
-loss (per token in the second run) equal the reference's; the two runs differ, so the weighting shows.
+then clip_grad_norm_ and AdamW at Megatron-LM's rate. The logged training and validation losses are
+the masked tokens' mean in both modes (Megatron-LM's loss_func reports [loss sum, tokens] and its
+train_step / evaluate divide the sums); every one equals the reference's, and the two runs part, so
+the weighting shows. A mixture of experts in per-token mode: megatron-core's router multiplies its aux
+losses by its tokens and Megatron-LM divides every gradient by the batch's tokens -- the reference
+applies that rule itself (its model built without the flag).
 """
 from __future__ import annotations
 
@@ -83,24 +88,25 @@ def _reference_world(rank, argv, cache, per_token):
                 out.append(((_token_losses(model, batch) * mask).sum(), mask.sum()))
         return out
 
-    def loss_of(parts):
-        if per_token:
-            return sum(s for s, _ in parts) / sum(t for _, t in parts)
-        return sum(s / t for s, t in parts) / len(parts)
+    def token_mean(parts):
+        return sum(s for s, _ in parts) / sum(t for _, t in parts)
+
+    def objective(parts):           # Megatron-LM's: per token, or the mean of the micro-batches' means
+        return token_mean(parts) if per_token else sum(s / t for s, t in parts) / len(parts)
 
     losses = []
     for it in range(ITERS):
-        loss = loss_of(micro_batches(train_ds, 8 * it))
-        loss.backward()
+        parts = micro_batches(train_ds, 8 * it)
+        objective(parts).backward()
         torch.nn.utils.clip_grad_norm_(params, args.clip_grad)
         for g in opt.param_groups:
             g["lr"] = megatron_get_lr(8 * it, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=8,
                                       lr_decay_steps=8 * ITERS, lr_decay_style="cosine")
         opt.step()
         opt.zero_grad()
-        losses.append(loss.item())
+        losses.append(token_mean(parts).item())        # the logged loss: the tokens' mean in both modes
     with torch.no_grad():
-        val = loss_of(micro_batches(valid_ds, 0)).item()
+        val = token_mean(micro_batches(valid_ds, 0)).item()
     return losses, val
 
 
@@ -128,7 +134,70 @@ def test_eod_mask_and_per_token_loss_are_megatron_s(tmp_path, short_docs):
         assert all(abs(g - w) <= RTOL * abs(w) for g, w in zip(got, ref)), (seed, name, got, ref)
         assert len(val) == 1 and abs(val[0] - ref_val) <= RTOL * abs(ref_val), (seed, name, val, ref_val)
         out[name] = got
-    # the weighting shows: the two runs part by 20x the tolerance or more (4.5e-4 to 2e-3 seen), so a
-    # wrong weighting cannot pass for the right one
+    # the weighting shows: the two runs part by 20x the tolerance or more from the 2nd iteration on (the 1st
+    # logs the same tokens' mean of the same weights), so a wrong weighting cannot pass for the right one
+    assert out["per_token"][0] == pytest.approx(out["mean_of_means"][0], rel=RTOL)
     apart = max(abs(a - b) / abs(a) for a, b in zip(out["per_token"], out["mean_of_means"]))
     assert apart > 20 * RTOL, (apart, out)
+
+
+def _moe_reference(rank, argv, cache):
+    """The MoE job's losses in per-token mode, single process (see the module docstring)."""
+    import dataclasses
+    import os
+
+    os.environ["ZO_MEGATRON_CACHE"] = cache
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    from zo_megatron.data import build_tokenizer
+    from zo_megatron.data.datasets import _collate
+    from zo_megatron.model import build_gpt_model
+    from zo_megatron.parallel import init_parallel
+    from zo_megatron.training import components
+    from zo_megatron.training.arguments import check_batch_sizes, parse_args
+    from zo_megatron.training.prelaunch import model_vocab_size
+
+    args = parse_args(argv)
+    check_batch_sizes(args, 2)
+    init_parallel(1, seed=args.seed)
+    tok = build_tokenizer(tokenizer_type="NullTokenizer", vocab_size=args.vocab_size)
+    args.model_vocab_size = model_vocab_size(args, tok)
+    cfg = dataclasses.replace(components.model_config(args), calculate_per_token_loss=False)
+    model = build_gpt_model(cfg, 0, 1, args.seed)
+    train_ds, _ = components.build_datasets(args, tok, None, 2)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, weight_decay=0.0)
+    gb, micro, losses = args.global_batch_size, args.micro_batch_size, []
+    for it in range(ITERS):
+        batches = [_collate([train_ds[i] for i in range(gb * it + k * micro, gb * it + (k + 1) * micro)])
+                   for k in range(gb // micro)]
+        total = sum(float(b["loss_mask"].sum()) for b in batches)
+        # the router's aux losses x its tokens (micro x sequence), then every gradient / the batch's tokens
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(micro * args.seq_length / total))
+        logged = 0.0
+        for b in batches:
+            loss_sum = _token_losses(model, b).mul(b["loss_mask"]).sum()
+            (loss_sum / total).backward()
+            logged += loss_sum.item() / total
+        torch.nn.utils.clip_grad_norm_(params, args.clip_grad)
+        for g in opt.param_groups:
+            g["lr"] = megatron_get_lr(gb * it, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=0,
+                                      lr_decay_steps=gb * ITERS, lr_decay_style="cosine")
+        opt.step()
+        opt.zero_grad()
+        losses.append(logged)
+    return losses
+
+
+def test_a_mixture_of_experts_in_per_token_mode_is_megatron_s(tmp_path):
+    """--calculate-per-token-loss at EP 1 on 2 ranks (the dense engine), the load-balancing and z losses on."""
+    from tests.test_moe_job import MOE
+
+    seed = fresh_seed("MoE per-token loss")
+    argv = [*MOE, "--seed", str(seed), "--train-iters", str(ITERS), "--calculate-per-token-loss", "--eod-mask-loss"]
+    log = tmp_path / "moe.jsonl"
+    r = _job([*argv, "--log-jsonl", str(log)], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = [row["loss"] for row in _rows(log, "train")]
+    ref = run_world(_moe_reference, 1, argv, str(tmp_path / "cache"), timeout=120)[0]
+    assert len(got) == ITERS and all(abs(g - w) <= 2e-5 * abs(w) for g, w in zip(got, ref)), (seed, got, ref)

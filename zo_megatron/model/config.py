@@ -118,6 +118,9 @@ class GPTConfig:
     # --moe-router-dtype: the router's logits and scores in fp32/fp64 (None: the model's dtype); numerics only,
     # not the architecture (a checkpoint does not record it)
     moe_router_dtype: str | None = None
+    # --calculate-per-token-loss: megatron-core's router then multiplies its aux losses by its local tokens
+    # (training/trainer.py loss_weights gives them the matching scale); a run setting, not the architecture
+    calculate_per_token_loss: bool = False
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:

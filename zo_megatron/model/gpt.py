@@ -227,6 +227,7 @@ def transformer_config(cfg: GPTConfig, tensor_parallel: int):
         persist_layer_norm=False,
         # megatron-LM turns sequence parallelism off at TP = 1 (there is no sequence to split)
         sequence_parallel=cfg.sequence_parallel and tensor_parallel > 1,
+        calculate_per_token_loss=cfg.calculate_per_token_loss,
         **recompute,
         **moe_config_kwargs(cfg, tensor_parallel),
     )

@@ -130,6 +130,7 @@ class ZeroOffloadEngine(GradientBuckets, EngineState):
         # grad_divisor replaces the group size in the average; extra_grad_stats, another engine's share;
         # cpu_worker, another engine's schedule worker to share; nvme_tag, this engine's state files' name
         self._owns, self.extra_grad_stats = params or (lambda _n, _p: True), None
+        self.own_grad_stats = None               # this engine's local_grad_stats(), when its caller took them already
         self.count_zeros_in_grad = False         # --log-num-zeros-in-grad: set by the job before a logged step
         self._zeros_in_grad: float | None = None
         self._cpu_worker, self._nvme_tag = cpu_worker, nvme_tag
@@ -443,7 +444,8 @@ class ZeroOffloadEngine(GradientBuckets, EngineState):
 
     def _global_grad_norm(self, scale: float) -> tuple[bool, float]:
         """(found inf/nan, grad norm before clipping) over every TP and DP rank, extra_grad_stats included."""
-        stats = self.local_grad_stats()
+        stats = self.own_grad_stats if self.own_grad_stats is not None else self.local_grad_stats()
+        self.own_grad_stats = None
         if self.extra_grad_stats is not None:
             stats, self.extra_grad_stats = stats + self.extra_grad_stats, None
         collectives.all_reduce(stats)                    # over every TP and DP rank

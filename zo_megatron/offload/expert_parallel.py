@@ -148,9 +148,11 @@ class ExpertParallelEngine:
         dense engine's, with both engines' speculated and rolled-back buckets."""
         self.experts.prepare_step()
         self.dense.prepare_step()
-        # each engine's norm adds the other's share, taken now: a step rewrites its host gradient
-        self.dense.extra_grad_stats, self.experts.extra_grad_stats = \
-            self.experts.local_grad_stats(), self.dense.local_grad_stats()
+        # each engine's norm adds the other's share, taken now (a step rewrites its host gradient); each pass
+        # over a partition once: its own norm reuses it
+        dense, experts = self.dense.local_grad_stats(), self.experts.local_grad_stats()
+        self.dense.own_grad_stats, self.dense.extra_grad_stats = dense, experts
+        self.experts.own_grad_stats, self.experts.extra_grad_stats = experts, dense
         self.experts.loss_scaler.scale = self.dense.loss_scaler.scale     # the scale the backward used
         result = self.dense.finish_step(lr, decoupled_lr)
         other = self.experts.finish_step(lr, decoupled_lr)

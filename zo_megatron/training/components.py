@@ -61,7 +61,8 @@ def model_config(args):
                      recompute_method=args.recompute_method or "uniform",
                      recompute_num_layers=args.recompute_num_layers or 1,
                      attention_backend=args.core_attention, sequence_parallel=args.sequence_parallel,
-                     moe_router_dtype=getattr(args, "moe_router_dtype", None))
+                     moe_router_dtype=getattr(args, "moe_router_dtype", None),
+                     calculate_per_token_loss=bool(getattr(args, "calculate_per_token_loss", False)))
 
 
 def build_datasets(args, tokenizer, data_path, dp_size: int):

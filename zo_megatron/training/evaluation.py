@@ -38,26 +38,24 @@ def cycle(make, consumed: int = 0):
                             "lower --micro-batch-size or give the split more documents")
 
 
-def evaluate(model, optimizer, batches, eval_iters: int, ps, device, per_token: bool = False) -> tuple[float, int]:
-    """Mean loss over `eval_iters` micro-batches per rank (with `per_token`, --calculate-per-token-loss:
-    over their unmasked tokens, as Megatron-LM's), and the samples that covered (all DP ranks)."""
+def evaluate(model, optimizer, batches, eval_iters: int, ps, device) -> tuple[float, int]:
+    """The loss over `eval_iters` micro-batches per rank -- the mean over their unmasked tokens, all DP
+    ranks, as Megatron-LM's evaluate sums its loss_func's [loss sum, tokens] -- and the samples that
+    covered (all DP ranks)."""
     with collectives.all_ranks_agree():     # (a disk error of one rank's optimizer states: every rank's)
         optimizer.flush()                   # evaluate the parameters with every update applied
     model.eval()
-    total, count, tokens = torch.zeros((), dtype=torch.float64, device=device), 0, 0.0
+    sums, count = torch.zeros(2, dtype=torch.float64, device=device), 0      # [loss sum, unmasked tokens]
     with torch.no_grad(), optimizer.forward_context():
         for _ in range(eval_iters):
             b = next(batches)
-            loss = model.loss(*loss_inputs(b, device))
-            weight = float(b["loss_mask"].sum()) if per_token else 1.0     # the mean's tokens, from the host
-            total += loss.detach().double() * weight
-            tokens += weight
+            inputs = loss_inputs(b, device)
+            tokens = inputs[2].sum().double()            # the mask on the device: no host copy to wait for
+            sums += torch.stack([model.loss(*inputs).detach().double() * tokens, tokens])
             count += 1
             samples = b["tokens"].shape[0]
     model.train()
-    sums = collectives.all_reduce(torch.stack([total, torch.tensor(tokens, dtype=torch.float64, device=device)]),
-                                  group=ps.dp_group)
-    total, tokens = host_value(sums).tolist()
+    total, tokens = host_value(collectives.all_reduce(sums, group=ps.dp_group)).tolist()
     return total / max(tokens, 1.0), count * samples * ps.dp_size
 
 
@@ -80,7 +78,7 @@ class Evaluator:
     def run(self, model, optimizer) -> tuple[float, int]:
         """(mean loss, samples it covered); --eval-iters counts global batches, as Megatron's."""
         loss, n = evaluate(model, optimizer, self.batches, self.args.eval_iters * self.args.grad_accum_steps,
-                           self.ps, self.ps.device, self.args.calculate_per_token_loss)
+                           self.ps, self.ps.device)
         self.consumed_valid += n
         self.last_loss = loss
         return loss, n

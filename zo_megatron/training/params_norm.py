@@ -10,12 +10,13 @@ What is measured: the model's weights as the forward uses them, on the device. I
 fp32 master; under --bf16 / --fp16 the 16-bit copy of it (Megatron-LM reads its fp32 main params:
 the two differ by the 16-bit rounding, relative ~1e-3 / sqrt(elements) at worst per element, far below
 the log's 3 digits); with --dpu the weights the forward used last (one update behind the master,
-as the model being trained is).
+as the model being trained is; with --dpu-corrector weight-prediction the predicted weights).
 """
 from __future__ import annotations
 
 import torch
 
+from zo_megatron.offload.device import host_value
 from zo_megatron.param_names import is_routed_expert
 from zo_megatron.parallel import collectives
 
@@ -32,6 +33,8 @@ def params_l2_norm(model: torch.nn.Module, ps) -> float:
     total = torch.zeros((), dtype=torch.float64, device=device)
     for params, copies in ((dense, ps.dp_size), (experts, ps.edp_size)):
         if params:
-            norms = torch.stack(torch._foreach_norm([p.float() for p in params])).double()
+            # fp32 norms of the 16-bit tensors without an fp32 copy of them (a model's worth of device memory)
+            norms = torch.stack(torch._foreach_norm(params, 2, dtype=torch.float32)).double()
             total += norms.square().sum() / copies
-    return collectives.all_reduce(total.reshape(1)).item() ** 0.5
+    # timed: on CUDA the sum sits behind an NCCL all-reduce (issue 34, 2.2)
+    return host_value(collectives.all_reduce(total.reshape(1))).item() ** 0.5

@@ -180,17 +180,17 @@ class Trainer:
             self.optimizer.expect_lr(lr, decoupled_lr)
         phase = self.timeline.phase if self.timeline is not None else _no_phase
         batches = [next(self.train_batches) for _ in range(n)]     # host tensors: their masks weigh them
-        weights, per_micro_batch = loss_weights(batches, self.args.calculate_per_token_loss, self.ps)
+        weights, logged, per_micro_batch = loss_weights(batches, self.args.calculate_per_token_loss, self.ps)
         if self.moe is not None:                    # the aux losses' gradient: the LM loss's scale
             self.moe.set_scale(self.optimizer.loss_scaler.scale, per_micro_batch)
         step_loss = torch.zeros((), device=self.ps.device)
-        for m, (batch, weight) in enumerate(zip(batches, weights)):
+        for m, (batch, weight, log_weight) in enumerate(zip(batches, weights, logged)):
             inputs = loss_inputs(batch, self.ps.device)
             with phase("forward", it, m), self.optimizer.forward_context():
                 loss = self.inject.loss(it, self.model.loss(*inputs))
             with phase("backward", it, m):
                 self.optimizer.backward(loss * weight, last_micro_batch=m == n - 1)
-            step_loss += loss.detach().float() * weight
+            step_loss += loss.detach().float() * log_weight
         if self.moe is not None:                    # the tracker's sums of this iteration, as means
             self.moe.end_iteration(n)
         return step_loss
@@ -322,23 +322,26 @@ class Trainer:
                                f"{args.train_iters - self.start_iter + opt.step_count} to delay any")
 
 
-def loss_weights(batches: list[dict], per_token: bool, ps) -> tuple[list[float], float]:
-    """What each micro-batch's loss (its masked tokens' mean) is multiplied by before backward, and the
-    micro-batch count the aux losses divide by.
+def loss_weights(batches: list[dict], per_token: bool, ps) -> tuple[list[float], list[float], float]:
+    """(what each micro-batch's loss -- its unmasked tokens' mean -- is multiplied by before backward,
+    ... for the logged loss, the micro-batch count the aux losses divide by).
 
-    Megatron-LM's default: 1 / micro-batches -- the global batch's loss is the mean of the micro-batch
-    means. --calculate-per-token-loss: the global batch's loss is its unmasked tokens' mean, over every
-    DP rank: micro-batch m (t_m tokens) weighs dp x t_m / T, T the tokens of the global batch (one
-    all-reduce of a count over DP); the dp because the engines average gradients over DP where
-    Megatron-LM sums them and divides by T. The aux losses then divide by T / dp, as Megatron-LM scales
-    every gradient by 1 / T."""
+    The gradient, Megatron-LM's default: 1 / micro-batches -- the objective is the mean of the micro-batch
+    means. --calculate-per-token-loss: the global batch's unmasked tokens' mean over every DP rank:
+    micro-batch m (t_m tokens) weighs dp x t_m / T, T the tokens of the global batch (one all-reduce of a
+    count over DP); the dp because the engines average gradients over DP where Megatron-LM sums them and
+    divides by T. The aux losses then divide by T / dp, as Megatron-LM scales every gradient by 1 / T (its
+    router multiplies them by its tokens first: model/config.py calculate_per_token_loss).
+    The logged loss is the tokens' mean in both modes (dp x t_m / T; StepLog averages the ranks), as
+    Megatron-LM's loss_func reports [loss sum, tokens] and its train_step divides the sums."""
     n = len(batches)
-    if not per_token:
-        return [1.0 / n] * n, float(n)
     tokens = [float(b["loss_mask"].sum()) for b in batches]          # host tensors: no device read
     total = collectives.all_reduce(torch.tensor([sum(tokens)], dtype=torch.float64), group=ps.dp_group).item()
     total = max(total, 1.0)                                          # every token masked: a zero loss, not NaN
-    return [ps.dp_size * t / total for t in tokens], total / ps.dp_size
+    token_mean = [ps.dp_size * t / total for t in tokens]
+    if per_token:
+        return token_mean, token_mean, total / ps.dp_size
+    return [1.0 / n] * n, token_mean, float(n)
 
 
 @contextlib.contextmanager
