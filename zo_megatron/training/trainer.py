@@ -336,8 +336,9 @@ def loss_weights(batches: list[dict], per_token: bool, ps) -> tuple[list[float],
     Megatron-LM's loss_func reports [loss sum, tokens] and its train_step divides the sums."""
     n = len(batches)
     tokens = [float(b["loss_mask"].sum()) for b in batches]          # host tensors: no device read
-    total = collectives.all_reduce(torch.tensor([sum(tokens)], dtype=torch.float64), group=ps.dp_group).item()
-    total = max(total, 1.0)                                          # every token masked: a zero loss, not NaN
+    counts = torch.tensor([sum(tokens)], dtype=torch.float64)        # a host tensor, reduced over gloo
+    collectives.all_reduce(counts, group=ps.dp_group)
+    total = max(counts.item(), 1.0)                                  # every token masked: a zero loss, not NaN
     token_mean = [ps.dp_size * t / total for t in tokens]
     if per_token:
         return token_mean, token_mean, total / ps.dp_size
