@@ -38,25 +38,11 @@ LAYOUTS = {"TP2": ["--zero-offload", "--tensor-model-parallel-size", "2"],
 
 def _reference_zeros(rank, argv, cache):
     """Exact zeros of the full gradient of iteration 1 (loss = mean over its 2 x 2 samples) in one process."""
-    import os
-
-    os.environ["ZO_MEGATRON_CACHE"] = cache
-    from zo_megatron.data import build_tokenizer
+    from tests.job_reference import job_model_and_data
     from zo_megatron.data.datasets import _collate
-    from zo_megatron.model import build_gpt_model
-    from zo_megatron.parallel import init_parallel
-    from zo_megatron.training import components
-    from zo_megatron.training.arguments import check_batch_sizes, parse_args
     from zo_megatron.training.evaluation import loss_inputs
-    from zo_megatron.training.prelaunch import model_vocab_size
 
-    args = parse_args(argv)
-    check_batch_sizes(args, 2)
-    init_parallel(1, seed=args.seed)
-    tok = build_tokenizer(tokenizer_type="NullTokenizer", vocab_size=args.vocab_size)
-    args.model_vocab_size = model_vocab_size(args, tok)
-    model = build_gpt_model(components.model_config(args), 0, 1, args.seed)
-    train_ds, _ = components.build_datasets(args, tok, None, 2)
+    _, _, model, train_ds, _ = job_model_and_data(argv, cache, 2)
     for first in (0, 2):                               # the two micro-batches of 2 of the global batch of 4
         batch = _collate([train_ds[i] for i in (first, first + 1)])
         (model.loss(*loss_inputs(batch, torch.device("cpu"))) / 2).backward()

@@ -54,24 +54,10 @@ def short_docs(tmp_path_factory):
 
 
 def _reference_world(rank, argv, cache, per_token):
-    import os
-
-    os.environ["ZO_MEGATRON_CACHE"] = cache
-    from zo_megatron.data import build_tokenizer
+    from tests.job_reference import job_model_and_data
     from zo_megatron.data.datasets import _collate
-    from zo_megatron.model import build_gpt_model
-    from zo_megatron.parallel import init_parallel
-    from zo_megatron.training import components
-    from zo_megatron.training.arguments import check_batch_sizes, parse_args
-    from zo_megatron.training.prelaunch import model_vocab_size
 
-    args = parse_args(argv)
-    check_batch_sizes(args, 2)
-    init_parallel(1, seed=args.seed)
-    tok = build_tokenizer()
-    args.model_vocab_size = model_vocab_size(args, tok)
-    model = build_gpt_model(components.model_config(args), 0, 1, args.seed)
-    train_ds, valid_ds = components.build_datasets(args, tok, args.data_path, 2)
+    args, tok, model, train_ds, valid_ds = job_model_and_data(argv, cache, 2)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, weight_decay=0.0)
 
@@ -143,28 +129,13 @@ def test_eod_mask_and_per_token_loss_are_megatron_s(tmp_path, short_docs):
 
 def _moe_reference(rank, argv, cache):
     """The MoE job's losses in per-token mode, single process (see the module docstring)."""
-    import dataclasses
-    import os
-
-    os.environ["ZO_MEGATRON_CACHE"] = cache
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-    from zo_megatron.data import build_tokenizer
+    from tests.job_reference import job_model_and_data
     from zo_megatron.data.datasets import _collate
-    from zo_megatron.model import build_gpt_model
-    from zo_megatron.parallel import init_parallel
-    from zo_megatron.training import components
-    from zo_megatron.training.arguments import check_batch_sizes, parse_args
-    from zo_megatron.training.prelaunch import model_vocab_size
 
-    args = parse_args(argv)
-    check_batch_sizes(args, 2)
-    init_parallel(1, seed=args.seed)
-    tok = build_tokenizer(tokenizer_type="NullTokenizer", vocab_size=args.vocab_size)
-    args.model_vocab_size = model_vocab_size(args, tok)
-    cfg = dataclasses.replace(components.model_config(args), calculate_per_token_loss=False)
-    model = build_gpt_model(cfg, 0, 1, args.seed)
-    train_ds, _ = components.build_datasets(args, tok, None, 2)
+    # the router without the flag: the reference multiplies its aux losses by its tokens itself
+    args, _, model, train_ds, _ = job_model_and_data(argv, cache, 2, calculate_per_token_loss=False)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, weight_decay=0.0)
     gb, micro, losses = args.global_batch_size, args.micro_batch_size, []

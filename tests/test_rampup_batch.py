@@ -175,28 +175,15 @@ def _reference_world(rank, argv, cache):
     the pair c_t + 4m + 2r, +1); each micro-batch's loss / (2 n_t) backward with the aux-loss gradient
     scale 1 / (2 n_t); clip; AdamW at megatron_get_lr(c_t). Returns per iteration the loss and the
     load-balancing loss as Megatron-LM logs it (mean per micro-batch and MoE layer)."""
-    import os
-
-    os.environ["ZO_MEGATRON_CACHE"] = cache
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, clear_aux_losses_tracker, \
         get_moe_layer_wise_logging_tracker
 
-    from zo_megatron.data import build_tokenizer
+    from tests.job_reference import job_model_and_data
     from zo_megatron.data.datasets import _collate
-    from zo_megatron.model import build_gpt_model
-    from zo_megatron.parallel import init_parallel
-    from zo_megatron.training import components
     from zo_megatron.training.evaluation import loss_inputs
-    from zo_megatron.training.prelaunch import model_vocab_size
 
-    args = parse_args(argv)
-    check_batch_sizes(args, 2)
+    args, _, model, train_ds, _ = job_model_and_data(argv, cache, 2)
     assert args.train_iters == len(BATCHES)
-    init_parallel(1, seed=args.seed)
-    tok = build_tokenizer(tokenizer_type="NullTokenizer", vocab_size=args.vocab_size)
-    args.model_vocab_size = model_vocab_size(args, tok)
-    model = build_gpt_model(components.model_config(args), 0, 1, args.seed)
-    train_ds, _ = components.build_datasets(args, tok, None, 2)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, weight_decay=0.0)
     consumed, losses, aux = 0, [], []
