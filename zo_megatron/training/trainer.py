@@ -155,7 +155,8 @@ class Trainer:
             self.optimizer.count_zeros_in_grad = args.log_num_zeros_in_grad and logs   # a pass: logged steps only
             res = self.optimizer.step(lr, decoupled_lr)
             self.advance(res, samples)
-            self.log.record(host_value(loss).item(), res, delayed=self._delayed(res), samples=samples)   # a timed wait first
+            self.log.record(host_value(loss).item(), res, delayed=self._delayed(res),   # a timed wait first
+                            samples=samples)
             if logs:
                 self.log.write(st.iteration, lr, res, st.consumed_samples, decoupled_lr)
             if self.evaluator is not None and self.evaluator.due(st.iteration):
