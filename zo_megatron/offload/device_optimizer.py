@@ -35,7 +35,8 @@ class DeviceOptimizerTail:
         # the tail): (start, end, decay, counted, decoupled).
         self.pieces = [(max(s.start, cut) - cut, s.end - cut, s.decay, s.counted, s.decoupled)
                        for s in layout.segments if s.end > cut]
-        self.zero_runs: list[tuple[int, int]] = []     # the counted parameters' runs (the engine sets them)
+        # the counted parameters' runs of the tail (no padding): what --log-num-zeros-in-grad counts
+        self.zero_runs = [(max(a, cut) - cut, e - cut) for a, e in layout.counted_param_runs() if e > cut]
         # Where each piece of the tail lives in the flat parameter buffer.
         self.flat_runs = []
         for b in layout.buckets:

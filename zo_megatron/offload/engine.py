@@ -197,18 +197,9 @@ class ZeroOffloadEngine(GradientBuckets, EngineState):
         self._host_segments = [(s.start, min(s.end, self._cut), s.decay, s.counted, s.decoupled)
                                for s in self.layout.segments if s.start < self._cut]
         self._norm_segments = [(a, e, c) for a, e, _, c, _ in self._host_segments]
-        # --log-num-zeros-in-grad counts parameters' elements only: the segments above also hold the buckets'
-        # padding (always zero). The counted elements' runs of the partition, merged, cut at the tail.
-        runs: list[list[int]] = []
-        for slot, host, _, n in sorted(self.layout.host_fragments(), key=lambda f: f[1]):
-            if not slot.tp_replicated:
-                if runs and runs[-1][1] == host:
-                    runs[-1][1] = host + n
-                else:
-                    runs.append([host, host + n])
-        self._zero_runs = [(a, min(e, self._cut)) for a, e in runs if a < self._cut]
-        if self._tail is not None:
-            self._tail.zero_runs = [(max(a, self._cut) - self._cut, e - self._cut) for a, e in runs if e > self._cut]
+        # --log-num-zeros-in-grad counts parameters' elements only (the segments above also hold the
+        # buckets' padding, always zero): the host's counted runs, cut where the device tail begins
+        self._zero_runs = [(a, min(e, self._cut)) for a, e in self.layout.counted_param_runs() if a < self._cut]
         self.step_count = 0
         if dpu_warmup_steps:
             self.schedule = DelayedSchedule(dpu_warmup_steps, self.dpu_weight_prediction, self.device,

@@ -166,6 +166,20 @@ class FlatLayout:
             end = max(end, s.start + s.numel)
         return gaps + ([(end, self.numel)] if end < self.numel else [])
 
+    def counted_param_runs(self) -> list[tuple[int, int]]:
+        """(start, end) runs of this rank's host partition holding parameter elements the global norm
+        counts here (no TP copy, no bucket padding), merged where they touch: what
+        --log-num-zeros-in-grad counts."""
+        runs: list[list[int]] = []
+        for slot, host, _, n in sorted(self.host_fragments(), key=lambda f: f[1]):
+            if slot.tp_replicated:
+                continue
+            if runs and runs[-1][1] == host:
+                runs[-1][1] = host + n
+            else:
+                runs.append([host, host + n])
+        return [(a, e) for a, e in runs]
+
     def host_fragments(self):
         """(slot, host_start, param_start, length): which piece of each param this rank holds."""
         for b in self.buckets:

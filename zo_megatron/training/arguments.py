@@ -641,7 +641,7 @@ def check_batch_sizes(args: argparse.Namespace, dp_size: int) -> None:
     if ramp is not None:
         _check_rampup_is_sample_based(args)
     batches = BatchSchedule.from_args(args, dp_size)
-    full, args.grad_accum_steps = batches.at(10 ** 18)      # past any ramp: the full (running) batch
+    args.grad_accum_steps = batches.full()[1]
     if ramp is not None:        # the schedule counts samples itself (schedule.py); iterations are for reports
         from zo_megatron.training.schedule import LRScheduler
 

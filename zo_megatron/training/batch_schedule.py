@@ -102,6 +102,10 @@ class BatchSchedule:
         self._calc.update(int(consumed_samples), consistency_check=not self.decrease_if_needed)
         return self._calc.get_current_running_global_batch_size(), self._calc.get()
 
+    def full(self) -> tuple[int, int]:
+        """`at` past any ramp: the full (running) batch and its micro-batches per rank."""
+        return self.at(max(self.global_batch, self.rampup[2] + 1 if self.rampup else 0))
+
     def nominal_at(self, consumed_samples: int) -> int:
         """The ramp's batch before any rounding down (Megatron-LM counts iterations with it)."""
         self._calc.update(int(consumed_samples), consistency_check=False)
