@@ -54,10 +54,25 @@ CASES = [
     ("bf16-llama-sdpa", "bf16", False, 1000, 200_000),     # SDPA with grouped k/v (enable_gqa) and RoPE
     # attention dropout 0.1 (hidden dropout 0): torch's CPU SDPA takes its math path (fp32 s x s tensors)
     ("bf16-smallvocab-sdpa-attndrop", "bf16", False, 1000, 40_000_000),
+    # selective recompute of megatron-core's --recompute-modules (a tuple: the modules; one bucket, as the
+    # full-recompute Llama case): the Llama shape
+    # (RMSNorm's fp32 internals, SwiGLU) with every dense module, and GPT-2's LayerNorm under sequence
+    # parallelism (model/norms.py's Norm) with the norms alone
+    ("bf16-llama-rcmodules", "bf16", ("core_attn", "layernorm", "mlp"), 1000, 40_000_000),
+    ("fp32-llama-rcmlp", "fp32", ("mlp",), 1024, 40_000_000),
+    ("bf16-smallvocab-rclayernorm-sp", "bf16", ("layernorm",), 1000, 40_000_000),
 ]
 # Llama-shaped cases (issue 24): rope, RMSNorm, SwiGLU (ffn 320), GQA 2 groups, untied output layer, no biases
 LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, num_query_groups=2,
              untie_embeddings_and_output_weights=True, add_bias_linear=False)
+
+
+def _recompute(recompute) -> dict:
+    """A case's recompute as GPTConfig's / PlanInput's fields: False, True (full) or the tuple of
+    --recompute-modules that selective recompute runs."""
+    if isinstance(recompute, tuple):
+        return dict(recompute="selective", recompute_modules=recompute)
+    return dict(recompute=recompute)
 
 
 def _arch(name):
@@ -99,15 +114,40 @@ class _Saved:
         self.param_storage = param_storage
         self.region: str | None = None
         self.by_region: dict[str, int] = {}
-        self.live: dict[tuple, int] = {}   # (region, data_ptr) -> references
+        self.live: dict[tuple, int] = {}   # (region, data_ptr, n) -> references
+        self.storages: dict[tuple, torch.UntypedStorage] = {}
+        self.current: dict[tuple, tuple] = {}   # (region, data_ptr) -> the key of the storage there now
+        self.count = 0
+
+    def kept_by_region(self) -> dict[str, int]:
+        """Bytes of the storages each region holds now, at their current size: after forward, what
+        the layers keep through backward (a storage freed and resized to 0 in forward, as
+        megatron-core's CheckpointWithoutOutput does with a recomputed norm's output, counts 0). A
+        storage that more than one layer keeps (the model's cached causal mask) is no layer's own:
+        it goes to "shared by layers", once."""
+        layers: dict[int, set] = {}
+        for region, ptr, _ in self.live:
+            if region.startswith("layer"):
+                layers.setdefault(ptr, set()).add(region)
+        out: dict[str, int] = {}
+        for key in self.live:
+            region = "shared by layers" if len(layers.get(key[1], ())) > 1 else key[0]
+            if region != "shared by layers" or region not in out:
+                out[region] = out.get(region, 0) + self.storages[key].nbytes()
+        return out
 
     def pack(self, t: torch.Tensor):
         st = t.untyped_storage()
         if st.data_ptr() in (0, self.param_storage):
             return t
-        key = (self.region or "outside layers", st.data_ptr())
-        if key not in self.live:
+        where = (self.region or "outside layers", st.data_ptr())
+        key = self.current.get(where)
+        if key is None or self.storages[key].data_ptr() != where[1]:
+            # new here, or the storage seen here was freed in place (resized to 0) and the address reused
+            self.count += 1
+            key = self.current[where] = (*where, self.count)
             self.live[key] = 0
+            self.storages[key] = st
             self.by_region[key[0]] = self.by_region.get(key[0], 0) + st.nbytes()
         self.live[key] += 1
         return self._Box(t, key, self)
@@ -116,6 +156,9 @@ class _Saved:
         self.live[key] -= 1
         if self.live[key] == 0:
             del self.live[key]
+            del self.storages[key]
+            if self.current.get(key[:2]) == key:
+                del self.current[key[:2]]
 
     @staticmethod
     def unpack(x):
@@ -197,7 +240,7 @@ def _measure_world(rank, tp, cases):
     out = []
     for name, precision, recompute, vocab, bucket_size in cases:
         cfg = GPTConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, vocab_size=vocab,
-                        max_position_embeddings=SEQ, precision=precision, recompute=recompute, **_arch(name),
+                        max_position_embeddings=SEQ, precision=precision, **_recompute(recompute), **_arch(name),
                         attention_dropout=0.1 if name.endswith("-attndrop") else 0.0)
         model = build_gpt_model(cfg, ps.tp_rank, ps.tp_size, SEED)
         engine = ZeroOffloadEngine(model, precision=precision, bucket_size=bucket_size, dp_group=ps.dp_group,
@@ -218,6 +261,7 @@ def _measure_world(rank, tp, cases):
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
                 loss = model.loss(tokens, labels)
+                kept = saved.kept_by_region()
                 engine.backward(loss)   # recompute (inside backward) saves under the hooks too
             # The reduce-scatters run on gloo's threads: let them finish before the profiler stops
             # (a profiler torn down under a thread still allocating can crash the process).
@@ -225,7 +269,7 @@ def _measure_world(rank, tp, cases):
         for h in hooks:
             h.remove()
         engine.step()
-        out.append(dict(name=name, accounting=engine.accounting.as_dict(), saved=saved.by_region,
+        out.append(dict(name=name, accounting=engine.accounting.as_dict(), saved=saved.by_region, kept=kept,
                         peak=_allocator_peak(prof.profiler.kineto_results.events())))
         engine.close()
     return out
@@ -237,7 +281,7 @@ def _measure_world(rank, tp, cases):
 def _plan(tp, dp, name, precision, recompute, vocab, bucket_size):
     return plan(PlanInput(**_arch(name), num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, vocab_size=vocab,
                           seq_length=SEQ, max_position_embeddings=SEQ, tensor_parallel=tp, data_parallel=dp,
-                          micro_batch_size=MICRO, precision=precision, recompute=recompute,
+                          micro_batch_size=MICRO, precision=precision, **_recompute(recompute),
                           bucket_size=bucket_size, dropout=False, fused_softmax=False, device_is_host=True,
                           attention_dropout=name.endswith("-attndrop"),
                           device_overhead_bytes=0))
@@ -249,7 +293,7 @@ def _activation_estimate(p) -> int:
 
 def _per_layer_estimate(p, recompute) -> int:
     items = p.device_items
-    return items["activations_recompute_working_set"] if recompute else items["activations_layers"] // LAYERS
+    return items["activations_recompute_working_set"] if recompute is True else items["activations_layers"] // LAYERS
 
 
 @pytest.mark.parametrize("tp,dp", [pytest.param(t, d, id=f"tp{t}xdp{d}",
@@ -277,8 +321,10 @@ def test_planner_matches_engine_and_torch(tp, dp):
                              acc["device_bucket_bytes"], 0.05),
                        check(f"{name} rank {r} host master + m + v + staging", p.host_bytes_per_gpu,
                              acc["host_bytes"], 0.05)]
-        # per layer: the last one (with recompute: what it saves when it is recomputed in backward)
-        per_layer = max(res[c]["saved"].get(f"layer{LAYERS - 1}", 0) for res in ranks)
+        # per layer: the last one (with full recompute: what it saves when it is recomputed in backward;
+        # with selective recompute: what it keeps at the end of forward)
+        measure = "kept" if isinstance(recompute, tuple) else "saved"
+        per_layer = max(res[c][measure].get(f"layer{LAYERS - 1}", 0) for res in ranks)
         planned_layer = _per_layer_estimate(p, recompute)
         check(f"{name} activations of one layer", planned_layer, per_layer, 0.05)
         peak = max(res[c]["peak"] for res in ranks)

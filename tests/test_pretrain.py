@@ -206,19 +206,23 @@ def test_offload_and_ddp_baseline_agree_in_fp32_and_baseline_runs_bf16(sotu_pref
 
 
 def test_activation_recompute_does_not_change_the_math(sotu_prefix, tmp_path):
-    """Full and selective recompute (megatron-core's, through the model config) redo the forward in
-    backward: the fp32 losses must be identical to the run that stores activations."""
+    """Full and selective recompute (megatron-core's, through the model config; --recompute-modules
+    too) redo the forward in backward: the fp32 losses must be identical to the run that stores
+    activations."""
     common = ["--tensor-parallel", "2", "--zero-offload", "--fp32", "--data-path", sotu_prefix,
               "--train-iters", "3", *TINY, "--eval-interval", "100"]
     losses = {}
     for name, extra in (("none", []), ("full", ["--recompute-granularity", "full"]),
-                        ("selective", ["--recompute-activations"])):
+                        ("selective", ["--recompute-activations"]),
+                        ("modules", ["--recompute-granularity", "selective", "--recompute-modules", "core_attn",
+                                     "layernorm"])):
         log = tmp_path / f"{name}.jsonl"
         r = _job([*common, *extra, "--log-jsonl", str(log)], tmp_path)
         assert r.returncode == 0, name + r.stderr[-3000:]
         losses[name] = [row["loss"] for row in _rows(log, "train")]
     assert losses["full"] == losses["none"]
     assert losses["selective"] == losses["none"]
+    assert losses["modules"] == losses["none"]
 
 
 def _run_with_fault(tmp_path, argv, site_code: str, **env_extra):

@@ -187,7 +187,7 @@ def transformer_config(cfg: GPTConfig, tensor_parallel: int):
         recompute = dict(recompute_granularity="full", recompute_method=cfg.recompute_method,
                          recompute_num_layers=cfg.recompute_num_layers)
     elif cfg.recompute == "selective":
-        recompute = dict(recompute_granularity="selective")
+        recompute = dict(recompute_granularity="selective", recompute_modules=list(cfg.recompute_modules))
     cfg.check_tensor_parallel(tensor_parallel)
     config = TransformerConfig(
         num_layers=cfg.num_layers,

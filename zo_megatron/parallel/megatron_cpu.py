@@ -74,6 +74,7 @@ def apply() -> None:
     """Install the shims (idempotent). Call before building any megatron-core module."""
     global _APPLIED
     _define_moe_names_without_transformer_engine()     # CPU or GPU: wherever Transformer Engine is absent
+    _checkpoint_without_output_without_transformer_engine()
     if _APPLIED or torch.cuda.is_available():
         return
     from megatron.core.tensor_parallel import random as mpu_random
@@ -108,6 +109,26 @@ def _define_moe_names_without_transformer_engine() -> None:
         for name in _TE_MOE_NAMES:
             if not hasattr(moe_utils, name):
                 setattr(moe_utils, name, None)
+
+
+def _checkpoint_without_output_without_transformer_engine() -> None:
+    """Also for any host without Transformer Engine: megatron-core 0.16.1's CheckpointWithoutOutput (what
+    --recompute-modules layernorm runs) sets `self.fp8 = fp8 is not None`, so its default fp8=False reads
+    as FP8 on, and its forward then calls Transformer Engine's FP8GlobalStateManager (a NameError). FP8
+    needs Transformer Engine, so without it the recompute is the plain one, as its fp8=False means."""
+    from megatron.core.tensor_parallel import random as mpu_random
+
+    cls = mpu_random.CheckpointWithoutOutput
+    if getattr(mpu_random, "HAVE_TE", False) or getattr(cls, "zo_fp8_off", False):
+        return
+    original = cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.fp8 = False
+
+    cls.__init__ = __init__
+    cls.zo_fp8_off = True
 
 
 class _HostStream:

@@ -5,7 +5,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from zo_megatron.planner.params import Architecture, MoEShape, default_ffn_size, moe_layer_pattern
+from zo_megatron.planner.params import (RECOMPUTE_MODULES, Architecture, MoEShape, default_ffn_size,
+                                        moe_layer_pattern)
 from zo_megatron.planner.units import GiB, MiB
 
 PRECISIONS = ("bf16", "fp16", "fp32")
@@ -80,6 +81,8 @@ class PlanInput:
     recompute: bool | str | None = False  # False/None, True/"full", "selective"
     recompute_method: str = "uniform"  # full only: "uniform" (checkpoints of N layers) | "block" (first N layers)
     recompute_num_layers: int = 1  # full only: N
+    # selective only: megatron-core's --recompute-modules (None: the attention core; model/config.py's list)
+    recompute_modules: tuple | None = None
     bucket_size: int = 50_000_000  # elements per gradient bucket (two are allocated)
     bf16_optimizer_states: bool = False  # exp_avg/exp_avg_sq stored as bf16 on the host
     gpu_memory_bytes: int = 32510 * MiB  # V100-SXM3-32GB as torch reports it
@@ -193,6 +196,12 @@ class PlanInput:
             return r
         raise ValueError(f"recompute must be False, True, 'full' or 'selective', got {r!r}")
 
+    def selective_modules(self) -> frozenset:
+        """What selective recompute recomputes (--recompute-modules; default: the attention core)."""
+        if self.normalized_recompute() != "selective":
+            return frozenset()
+        return frozenset(("core_attn",) if self.recompute_modules is None else self.recompute_modules)
+
     def reduces_in_fp32(self) -> bool:
         """Bucket buffers and the reduce-scatter in fp32 (the engine's default rule)."""
         if self.precision == "fp32":
@@ -225,6 +234,9 @@ class PlanInput:
         if self.recompute_method not in ("uniform", "block"):
             raise ValueError(f"recompute_method must be 'uniform' or 'block', got {self.recompute_method!r}")
         pos("recompute_num_layers")
+        unknown = set(self.recompute_modules or ()) - set(RECOMPUTE_MODULES)
+        if unknown:
+            raise ValueError(f"recompute_modules {sorted(unknown)}: choose from {', '.join(RECOMPUTE_MODULES)}")
         if self.normalized_recompute() == "full" and self.recompute_method == "uniform" and \
                 self.num_layers % self.recompute_num_layers:
             raise ValueError(f"recompute_num_layers {self.recompute_num_layers} does not divide num_layers "
@@ -382,6 +394,8 @@ def plan_input_from_flags(flags: Any, *, data_parallel: int, vocab_size: int, **
     else:
         accum = gbs // (mb * data_parallel)
     recompute = flags.recompute_granularity or ("selective" if flags.recompute_activations else None)
+    if getattr(flags, "moe_layer_recompute", False) and recompute != "full":   # full: the job refuses the pair
+        recompute = "selective"
     window = getattr(flags, "window_size", None)
     if window not in (None, -1, (-1, -1), [-1, -1]):
         raise ValueError(f"--window-size {window}: sliding-window attention is not modelled by the planner "
@@ -400,6 +414,7 @@ def plan_input_from_flags(flags: Any, *, data_parallel: int, vocab_size: int, **
         dpu_weight_prediction=bool(getattr(flags, "dpu_weight_prediction", False)), recompute=recompute,
         recompute_method=getattr(flags, "recompute_method", None) or "uniform",
         recompute_num_layers=getattr(flags, "recompute_num_layers", None) or 1,
+        recompute_modules=_recompute_modules(flags, recompute),
         bucket_size=flags.bucket_size, make_vocab_size_divisible_by=flags.make_vocab_size_divisible_by,
         # the model's attention is torch's softmax in fp32 (not a fused kernel) on every device
         dropout=flags.hidden_dropout > 0 or flags.attention_dropout > 0, fused_softmax=False,
@@ -431,6 +446,14 @@ def _moe_fields(flags: Any) -> dict[str, Any]:
                 moe_routing_imbalance=getattr(flags, "moe_routing_imbalance", 1.0),
                 expert_parallel=getattr(flags, "expert_parallel", 1) or 1)
 
+
+
+def _recompute_modules(flags: Any, recompute: str | None) -> tuple | None:
+    """--recompute-modules as the job resolves it (--moe-layer-recompute adds moe and selective)."""
+    modules = getattr(flags, "recompute_modules", None)
+    if getattr(flags, "moe_layer_recompute", False):
+        modules = [*(modules if modules is not None else ["core_attn"]), "moe"]
+    return None if recompute != "selective" or modules is None else tuple(dict.fromkeys(modules))
 
 
 def _core_attention(flags: Any) -> str:

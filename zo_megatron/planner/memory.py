@@ -8,7 +8,7 @@ import math
 
 from zo_megatron.planner.inputs import Plan, PlanInput
 from zo_megatron.planner.buckets import _bucket_layout
-from zo_megatron.planner.moe import moe_backward_grads, moe_dispatcher, moe_mlp_saved
+from zo_megatron.planner.moe import moe_backward_grads, moe_dispatcher, moe_mlp_saved, shared_expert_saved
 from zo_megatron.planner.params import count_params, pad_vocab_size
 from zo_megatron.planner.units import format_bytes
 
@@ -43,9 +43,13 @@ def _sdpa_math_path(inp: PlanInput) -> bool:
     return inp.attention_backend == "sdpa" and inp.device_is_host and inp.attention_dropout_on()
 
 
-def _attention_saved(inp: PlanInput) -> int:
+def _attention_saved(inp: PlanInput, checkpointed: bool | None = None) -> int:
     """Bytes the attention block of one layer keeps per token on one TP rank (besides the scores and
     its input, counted by the caller): what the core attention's matmuls save, with aliasing.
+    `checkpointed` (default: --recompute-modules core_attn is on): the core attention runs under
+    megatron-core's checkpoint, which keeps its inputs as given (q at the full head count, k and v at
+    the rank's groups; new tensors only after RoPE or q/k norms, v always a view of the fused tensor)
+    and nothing the core computes from them (measured: tests/test_planner_validation.py).
 
     q, k, v come out of linear_qkv as views of one fused tensor of (heads + 2G)·head_dim per token
     (per query group: its q heads, its k, its v). The core attention saves q, k and v at full head
@@ -61,7 +65,12 @@ def _attention_saved(inp: PlanInput) -> int:
     a, g, d = inp.num_attention_heads // t, inp.query_groups() // t, inp.head_dim()
     rope, qk_norm = inp.position_embedding_type in ("rope", "yarn"), inp.qk_layernorm
     q_is_view = g == a or g == 1                  # q's reshape to heads needs no copy
-    if inp.attention_backend == "sdpa":
+    if checkpointed is None:
+        checkpointed = "core_attn" in inp.selective_modules()
+    if checkpointed:
+        q_new, k_new = rope or qk_norm or not q_is_view, rope or qk_norm
+        v_new, kv_heads = False, g
+    elif inp.attention_backend == "sdpa":
         # SDPA reads q, k, v as strided views (no flatten). k/v stay grouped (enable_gqa) in the CPU
         # kernel and CUDA's flash (16-bit); CUDA's memory-efficient kernel (fp32) gets them repeated.
         grouped = inp.device_is_host or w == 2
@@ -79,7 +88,7 @@ def _attention_saved(inp: PlanInput) -> int:
     # the core attention's new inputs
     saved_bytes = w * d * sum(n for new, n in ((q_new, a), (k_new, kv_heads), (v_new, kv_heads)) if new)
     fused_kept = not (q_new and k_new and v_new)
-    if _sdpa_math_path(inp):
+    if _sdpa_math_path(inp) and not checkpointed:
         # the math path saves fp32 copies of q, k, v (counted with its scores, `_scores_saved`), not
         # the tensors it was given: neither they nor the fused tensor they are views of stay alive
         saved_bytes, fused_kept = 0, False
@@ -125,6 +134,46 @@ def _layer_saved(inp: PlanInput, moe_layer: bool = False) -> tuple[int, int, int
     if inp.position_embedding_type in ("rope", "yarn"):    # cos and sin tables for q and for k, per layer
         replicated += 4 * w * s * int(inp.head_dim() * inp.rotary_percent)
     return replicated, split, _scores_saved(inp)
+
+
+def _selective_layer(inp: PlanInput, moe_layer: bool) -> tuple[int, int]:
+    """(bytes one layer keeps for backward, the most one of its recomputed modules holds again in
+    backward) under selective recompute of `inp.selective_modules()` (megatron-core's, as the local
+    spec runs it; measured in tests/test_planner_validation.py and tests/test_planner_moe.py):
+
+      core_attn       the attention core's scores (`_scores_saved`) are recomputed;
+      layernorm       each norm keeps only its input (16-bit): what it saved itself (`_norm_saved`) is
+                      gone and its output, the qkv / fc1 (router) input, is freed after forward and
+                      recomputed into the same storage when backward reaches it;
+      mlp             a dense layer's MLP keeps only its input (the pre-MLP norm's output, kept anyway);
+      moe             an MoE layer's whole MLP side (`moe.moe_mlp_saved`) likewise;
+      shared_experts  only the shared expert's part of it (`moe.shared_expert_saved`)."""
+    replicated, split, scores = _layer_saved(inp, moe_layer)
+    mods = inp.selective_modules()
+    s, b, t = inp.seq_length, inp.micro_batch_size, inp.tensor_parallel
+    w, sbh = _bytes16(inp.precision), inp.seq_length * inp.micro_batch_size * inp.hidden_size
+    kept, recomputed = replicated + split + scores, [0]
+
+    def recompute(dropped: int, again: int | None = None) -> None:
+        nonlocal kept
+        kept -= dropped
+        recomputed.append(dropped if again is None else again)
+
+    if "core_attn" in mods:
+        # kept: the core's inputs (`_attention_saved`, checkpointed); again in backward: the scores and
+        # what the core keeps of q, k and v beyond its inputs (GQA's repeated k/v, flattened copies)
+        extra = max(0, _attention_saved(inp, checkpointed=False) - _attention_saved(inp, checkpointed=True))
+        recompute(scores, scores + s * b * extra)
+    if "layernorm" in mods:
+        norm, seq_split = _norm_saved(inp, sbh, s * b)[0], t if inp.sp() else 1
+        recompute(2 * norm // seq_split, (norm + w * sbh) // seq_split)   # again: one norm's internals + output
+    if moe_layer and "moe" in mods:
+        recompute(moe_mlp_saved(inp))
+    elif moe_layer and "shared_experts" in mods:
+        recompute(shared_expert_saved(inp))
+    if not moe_layer and "mlp" in mods:
+        recompute(w * s * b * (5 if inp.swiglu else 2) * inp.ffn() // t)
+    return kept, max(recomputed)
 
 
 def _scores_saved(inp: PlanInput) -> int:
@@ -184,8 +233,6 @@ def _activation_items(inp: PlanInput, vocab_padded: int) -> dict[str, int]:
     kinds = list(moe.layers) if moe is not None else [False] * L
     saved = {kind: _layer_saved(inp, kind) for kind in set(kinds)}
     full = {kind: sum(v) for kind, v in saved.items()}          # a layer's activations, all of them
-    no_scores = {kind: r + sp for kind, (r, sp, _) in saved.items()}
-    scores = max(v[2] for v in saved.values())
 
     items: dict[str, int] = {}
     # a layer's input (what full recompute checkpoints): [s/t, b, h] with sequence parallelism
@@ -195,8 +242,10 @@ def _activation_items(inp: PlanInput, vocab_padded: int) -> dict[str, int]:
     if rc is None:
         items["activations_layers"] = sum(full[k] for k in kinds)
     elif rc == "selective":
-        items["activations_layers"] = sum(no_scores[k] for k in kinds)
-        working_set = items["activations_recompute_working_set"] = scores  # one layer's attention core
+        # what each layer keeps; in backward one recomputed module at a time holds its activations again
+        selective = {kind: _selective_layer(inp, kind) for kind in set(kinds)}
+        items["activations_layers"] = sum(selective[k][0] for k in kinds)
+        working_set = items["activations_recompute_working_set"] = max(v[1] for v in selective.values())
     elif inp.recompute_method == "uniform":
         # full, uniform N: keep the input of each group of N layers; backward recomputes one group
         # at a time, so a whole group's activations are live at once

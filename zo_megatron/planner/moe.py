@@ -91,12 +91,23 @@ def moe_mlp_saved(inp: PlanInput) -> int:
     routed = routed_slots(inp) * (w * h + w * (mlp + 1) * f_e // et + w + PERMUTE_INDEX_BYTES)
     router = T_loc * (4 * e + ROUTER_BYTES_PER_SLOT * k)
     routing_map = (w + 1) * e * (T if inp.moe_token_dispatcher_type == "allgather" else T_loc)
-    shared = 0
-    if inp.moe_shared_expert_intermediate_size:       # dense: over TP, on the TP group's s·b tokens
-        shared = w * mlp * inp.moe_shared_expert_intermediate_size // t * inp.seq_length * inp.micro_batch_size
-        if inp.moe_shared_expert_gate:
-            shared += w * T_loc * (h + 1)
-    return routed + router + routing_map + shared
+    return routed + router + routing_map + shared_expert_saved(inp)
+
+
+def shared_expert_saved(inp: PlanInput) -> int:
+    """The shared expert's part of `moe_mlp_saved`: a dense MLP of its size (F·f_s/t per token) and,
+    gated, its output (h) and the sigmoid (1) per local token (what --recompute-modules
+    shared_experts recomputes instead)."""
+    if not inp.moe_shared_expert_intermediate_size:
+        return 0
+    w, mlp = _w(inp), 5 if inp.swiglu else 2
+    _, T_loc = _tokens(inp)
+    # dense: over TP, on the TP group's s·b tokens
+    shared = w * mlp * inp.moe_shared_expert_intermediate_size // inp.tensor_parallel * inp.seq_length * \
+        inp.micro_batch_size
+    if inp.moe_shared_expert_gate:
+        shared += w * T_loc * (inp.hidden_size + 1)
+    return shared
 
 
 def moe_backward_grads(inp: PlanInput) -> int:

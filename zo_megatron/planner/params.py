@@ -18,6 +18,11 @@ from dataclasses import dataclass
 
 from zo_megatron.param_names import is_routed_expert
 
+# megatron-core's selective recompute modules that the local spec has (--recompute-modules): the
+# attention core, the two layer norms (their outputs dropped and recomputed), a dense layer's MLP, a
+# whole MoE layer (router, dispatch and experts), the shared expert
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe", "shared_experts")
+
 
 @dataclass(frozen=True)
 class Architecture:

@@ -94,9 +94,16 @@ def _add_model_flags(g) -> None:
     g.add_argument("--attention-dropout", type=float, default=0.0)
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
-                   help="activation recompute: full layers, or only the attention core")
+                   help="activation recompute: full layers, or the --recompute-modules of each layer")
     g.add_argument("--recompute-activations", action="store_true",
                    help="Megatron's shorthand for --recompute-granularity selective")
+    g.add_argument("--recompute-modules", nargs="*", default=None, metavar="MODULE",
+                   help="with --recompute-granularity selective: what each layer recomputes in backward instead of "
+                        "keeping (megatron-core's): core_attn (the attention core; the default), layernorm (the two "
+                        "norms' outputs), mlp (a dense layer's MLP), moe (a whole MoE layer), shared_experts")
+    g.add_argument("--moe-layer-recompute", action="store_true",
+                   help="Megatron's older spelling of --recompute-granularity selective with moe added to "
+                        "--recompute-modules")
 
 
 def _add_parallelism_flags(g) -> None:
@@ -410,6 +417,18 @@ def origin(args: argparse.Namespace, dest: str) -> str:
     return ""
 
 
+def _moe_layer_recompute(args: argparse.Namespace) -> None:
+    """--moe-layer-recompute: megatron-core's older flag, what it turns into there (selective, moe added)."""
+    if not args.moe_layer_recompute:
+        return
+    if args.recompute_granularity == "full":
+        raise ConfigError("--moe-layer-recompute with --recompute-granularity full: full recompute covers the MoE "
+                          "layers already; drop one of them (megatron-core's rule)")
+    args.recompute_granularity = "selective"
+    modules = ["core_attn"] if args.recompute_modules is None else list(args.recompute_modules)
+    args.recompute_modules = modules + ["moe"] * ("moe" not in modules)
+
+
 def _megatron_position_aliases(args: argparse.Namespace) -> None:
     """Megatron-LM's older rope flags: --use-rotary-position-embeddings is rope; --no-position-embedding
     drops the learned table, which only rope can do without (positions must come from somewhere)."""
@@ -467,6 +486,7 @@ def finalize(args: argparse.Namespace) -> None:
                           f"{args.max_position_embeddings}")
     if args.recompute_activations and args.recompute_granularity is None:
         args.recompute_granularity = "selective"
+    _moe_layer_recompute(args)
     for unit in ("warmup", "decay", "wsd_decay"):     # Megatron's sample-based schedule: --train-samples only
         samples, flag = getattr(args, f"lr_{unit}_samples"), f"--lr-{unit.replace('_', '-')}"
         if samples is not None and args.train_samples is None:

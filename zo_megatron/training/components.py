@@ -58,6 +58,7 @@ def model_config(args):
                      precision=args.precision,
                      hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
                      init_method_std=args.init_method_std, recompute=args.recompute_granularity,
+                     recompute_modules=getattr(args, "recompute_modules", None),
                      recompute_method=args.recompute_method or "uniform",
                      recompute_num_layers=args.recompute_num_layers or 1,
                      attention_backend=args.core_attention, sequence_parallel=args.sequence_parallel,

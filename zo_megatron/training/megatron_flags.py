@@ -167,7 +167,6 @@ REFUSED_WHY = {
     "--end-weight-decay": "weight decay is constant (--weight-decay)",
     "--weight-decay-incr-style": "weight decay is constant (--weight-decay)",
     "--data-parallel-random-init": "DP replicas start from the same weights (the ZeRO partitions need it)",
-    "--recompute-modules": "use --recompute-granularity selective (the attention core) or full",
     "--cpu-offloading-num-layers": "activation offloading is not supported; use --recompute-granularity",
     "--fine-grained-activation-offloading": "activation offloading is not supported; use --recompute-granularity",
     "--offload-modules": "activation offloading is not supported; use --recompute-granularity",

@@ -203,6 +203,9 @@ def check_inputs(args, env, dp):
             from zo_megatron.checkpoint.lock import check_save_lock
 
             args.save_lock_note = check_save_lock(args.save, args.force_save_lock)
+    from zo_megatron.training.components import model_config
+
+    model_config(args)          # the model's own rules (model/config.py), one line each, before the plan reads them
     memory_check(args, env, dp, args.model_vocab_size)
     check_nvme_space(args)
     if args.save:
