@@ -196,3 +196,21 @@ def test_the_planner_keeps_less_with_each_module_and_the_job_plans_the_flags():
     none = plan(PlanInput(**shape)).device_items["activations_layers"]
     assert kept[None] == kept[("core_attn",)] < none
     assert kept[("core_attn", "mlp", "layernorm")] < kept[("core_attn", "mlp")] < kept[("core_attn",)]
+
+
+def test_the_planner_suggests_the_modules_the_job_accepts_when_activations_do_not_fit():
+    """An 8B Llama at 4k tokens on a 32 GiB device: the plan suggests selective recompute of every
+    module this model can recompute (not mlp with GPT-2's biases, which the job refuses), re-planned."""
+    from zo_megatron.planner import PlanInput, plan
+
+    llama = dict(num_layers=32, hidden_size=4096, num_attention_heads=32, vocab_size=128256, seq_length=4096,
+                 max_position_embeddings=4096, normalization="RMSNorm", swiglu=True, add_bias_linear=False,
+                 position_embedding_type="rope", recompute="selective")
+    p = plan(PlanInput(**llama))
+    tip = next(s for s in p.suggestions if "--recompute-modules" in s)
+    assert "`--recompute-granularity selective --recompute-modules core_attn layernorm mlp`" in tip
+    want = plan(PlanInput(**llama, recompute_modules=("core_attn", "layernorm", "mlp")))
+    assert f"device {want.device_bytes_per_gpu / 2**30:.2f} GiB/GPU" in tip, tip
+    gpt2 = plan(PlanInput(**{**llama, "add_bias_linear": True}))
+    tip = next(s for s in gpt2.suggestions if "--recompute-modules" in s)
+    assert "--recompute-modules core_attn layernorm`" in tip, tip

@@ -56,6 +56,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from zo_megatron import planner as P
 from zo_megatron.errors import UserError  # noqa: E402
+from zo_megatron.planner.params import RECOMPUTE_MODULES  # noqa: E402
 from zo_megatron.training.arguments import build_parser as job_parser  # noqa: E402
 from zo_megatron.training.arguments import check_batch_sizes, finalize  # noqa: E402
 from zo_megatron.training.checkpoint_args import apply_checkpoint_args, given_dests  # noqa: E402
@@ -413,6 +414,8 @@ def print_plan(p: P.Plan, title: str = "zo_megatron memory plan", overlap_reason
     rc = i.normalized_recompute() or "off"
     if rc == "full" and (i.recompute_method, i.recompute_num_layers) != ("uniform", 1):
         rc = f"full ({i.recompute_method} {i.recompute_num_layers})"
+    elif rc == "selective":
+        rc = f"selective ({' '.join(m for m in RECOMPUTE_MODULES if m in i.selective_modules()) or 'nothing'})"
     print(title)
     print(f"  model      GPT {i.num_layers} layers x {i.hidden_size} hidden x "
           f"{i.num_attention_heads} heads (head dim {i.head_dim()}), ffn {i.ffn()}, seq {i.seq_length}, "

@@ -18,6 +18,18 @@ def _describe(p: Plan) -> str:
 BF16_STATES_FLAGS = "--exp-avg-dtype bf16 --exp-avg-sq-dtype bf16"
 
 
+_MODULE_WORDS = {"core_attn": "the attention core", "layernorm": "the norms", "mlp": "the MLPs", "moe": "the MoE layers"}
+
+
+def _selective_modules_worth_trying(inp: PlanInput) -> tuple:
+    """Every --recompute-modules entry the job accepts for this model: the attention core, the norms,
+    the dense MLPs (not with linear biases: the job refuses that) and the MoE layers."""
+    moe = inp.moe()
+    dense = moe is None or not all(moe.layers)
+    return ("core_attn", "layernorm", *(("mlp",) if dense and not inp.add_bias_linear else ()),
+            *(("moe",) if moe is not None else ()))
+
+
 def _suggest(base: Plan) -> list[str]:
     """Changes that help, each re-planned. Every flag is written as pretrain_gpt.py takes it, inside
     backticks, so it can be pasted (tests/test_planner_compat.py parses each one)."""
@@ -35,6 +47,12 @@ def _suggest(base: Plan) -> list[str]:
         add("enable ZeRO-Offload (`--zero-offload`)", inp.replace(zero_offload=True))
     if not base.fits_device:
         if inp.normalized_recompute() != "full":
+            modules = _selective_modules_worth_trying(inp)
+            if modules and set(modules) != inp.selective_modules():
+                what = ", ".join(_MODULE_WORDS[m] for m in modules)
+                add(f"recompute {what} instead of keeping them, not whole layers (`--recompute-granularity "
+                    f"selective --recompute-modules {' '.join(modules)}`)",
+                    inp.replace(recompute="selective", recompute_modules=modules))
             add("enable full activation recompute (`--recompute-granularity full`)",
                 inp.replace(recompute="full"))
         if inp.attention_backend != "sdpa":
