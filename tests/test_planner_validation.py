@@ -58,6 +58,7 @@ CASES = [
     # full-recompute Llama case): the Llama shape
     # (RMSNorm's fp32 internals, SwiGLU) with every dense module, and GPT-2's LayerNorm under sequence
     # parallelism (model/norms.py's Norm) with the norms alone
+    ("bf16-smallvocab-rccore", "bf16", ("core_attn",), 1000, 40_000_000),   # --recompute-activations, GPT-2
     ("bf16-llama-rcmodules", "bf16", ("core_attn", "layernorm", "mlp"), 1000, 40_000_000),
     ("fp32-llama-rcmlp", "fp32", ("mlp",), 1024, 40_000_000),
     ("bf16-smallvocab-rclayernorm-sp", "bf16", ("layernorm",), 1000, 40_000_000),

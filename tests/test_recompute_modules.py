@@ -129,20 +129,22 @@ def test_moe_and_shared_expert_recompute_change_nothing_at_ep2_aux_and_z_losses_
     sel = dict(recompute="selective")
     variants = [("none", {}), ("moe", dict(sel, recompute_modules=("moe",))),
                 ("shared", dict(sel, recompute_modules=("shared_experts",))),
-                ("moe_layer_recompute", dict(sel, recompute_modules=("core_attn", "moe")))]
+                ("moe_layer_recompute", dict(sel, recompute_modules=("core_attn", "moe"))),
+                # the norms' outputs freed and restored into what the MoE checkpoint saved
+                ("norms_moe", dict(sel, recompute_modules=("layernorm", "moe")))]
     out = run_world(_variants_world, 2, seed, base, variants, 1, 2, timeout=240)
     for o in out:
         assert set(o["none"]["tracked"]) == {"load_balancing_loss", "z_loss"}
         assert all(v.abs().sum() > 0 for v in o["none"]["tracked"].values())
         # a whole MoE layer recomputed runs its router and shared expert again
         _check(o, {"moe": {"router", "shared_experts"}, "shared": {"shared_experts"},
-                   "moe_layer_recompute": {"core_attn", "router", "shared_experts"}}, summed_again=("shared",))
+                   "moe_layer_recompute": {"core_attn", "router", "shared_experts"},
+                   "norms_moe": {"input_layernorm", "pre_mlp_layernorm", "router", "shared_experts"}},
+               summed_again=("shared", "norms_moe"))
 
 
 @pytest.mark.parametrize("argv,says", [
     (["--recompute-modules", "mlp"], "--recompute-modules applies to --recompute-granularity selective"),
-    (["--recompute-granularity", "full", "--recompute-modules", "mlp"],
-     "--recompute-modules applies to --recompute-granularity selective"),
     (["--recompute-granularity", "selective", "--recompute-modules", "moe"], "the model has none"),
     (["--recompute-granularity", "selective", "--recompute-modules", "moe_act"], "use moe (the whole MoE layer)"),
     (["--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj"],
@@ -167,13 +169,53 @@ def test_bad_recompute_modules_are_one_line_exit_2(argv, says, tmp_path):
 def test_moe_layer_recompute_is_selective_with_moe_added():
     from zo_megatron.training.arguments import build_parser, finalize
 
-    for extra, want in (([], ["core_attn", "moe"]), (["--recompute-modules", "layernorm"], ["layernorm", "moe"]),
-                        (["--recompute-modules", "moe"], ["moe"])):
+    moe = ["--num-experts", "4", "--disable-bias-linear"]
+    for extra, want in ((moe, ["core_attn", "moe"]), ([*moe, "--recompute-modules", "layernorm"], ["layernorm", "moe"]),
+                        ([*moe, "--recompute-modules", "moe"], ["moe"]),
+                        # a dense model: megatron-core's added moe does nothing there; here it is not added
+                        ([], ["core_attn"]),
+                        # Megatron-LM: --recompute-activations wins over --recompute-granularity full
+                        (["--recompute-activations", "--recompute-granularity", "full"], None)):
         args = build_parser().parse_args(
             ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "16", "--lr", "1e-3",
-             "--train-iters", "1", "--num-experts", "4", "--disable-bias-linear", "--moe-layer-recompute", *extra])
+             "--train-iters", "1", *(["--moe-layer-recompute"] if want else []), *extra])
         finalize(args)
         assert args.recompute_granularity == "selective" and args.recompute_modules == want, (extra, args)
+
+
+def test_an_empty_module_list_and_modules_under_full_recompute(tmp_path):
+    """`--recompute-modules` with no module is an argparse error (Megatron-LM's nargs="+"); under full
+    recompute the list is moot, as in Megatron-LM (the job runs, recomputing whole layers)."""
+    from tests.test_pretrain import TINY, _single
+
+    r = _single(["--mock-data", "--train-iters", "3", *TINY, "--recompute-granularity", "selective",
+                 "--recompute-modules"], tmp_path)
+    assert r.returncode == 2 and "--recompute-modules: expected at least one argument" in r.stderr, r.stderr[-2000:]
+    r = _single(["--mock-data", "--train-iters", "2", *TINY, "--recompute-granularity", "full", "--recompute-modules",
+                 "mlp"], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_the_plain_baseline_recomputes_under_its_bf16_autocast(tmp_path):
+    """The plain DDP baseline (no --zero-offload) runs bf16 under autocast; megatron-core's checkpoints
+    recomputed without it: full recompute stopped with "expected scalar type Float but found BFloat16"
+    (found here, 2026-12-07). Now full and selective recompute (dropout on: the masks redrawn) give the
+    losses of the run that keeps its activations, bit for bit."""
+    import json
+
+    from tests.test_pretrain import TINY, _single
+
+    losses = {}
+    for name, extra in (("none", []), ("full", ["--recompute-granularity", "full"]),
+                        ("modules", ["--recompute-granularity", "selective", "--recompute-modules", "core_attn",
+                                     "layernorm"])):
+        log = tmp_path / f"{name}.jsonl"
+        r = _single(["--mock-data", "--train-iters", "3", *TINY, "--bf16", "--hidden-dropout", "0.1",
+                     "--attention-dropout", "0.1", "--eval-interval", "100", "--log-jsonl", str(log), *extra], tmp_path)
+        assert r.returncode == 0, name + r.stderr[-3000:]
+        losses[name] = [row["loss"] for row in map(json.loads, log.read_text().splitlines()) if row["kind"] == "train"]
+    assert len(losses["none"]) == 3
+    assert losses["full"] == losses["none"] and losses["modules"] == losses["none"], losses
 
 
 def test_the_planner_keeps_less_with_each_module_and_the_job_plans_the_flags():
@@ -184,11 +226,21 @@ def test_the_planner_keeps_less_with_each_module_and_the_job_plans_the_flags():
     from zo_megatron.planner import PlanInput, plan
     from zo_megatron.planner.inputs import _recompute_modules
 
-    flags = SimpleNamespace(recompute_modules=None, moe_layer_recompute=True)
+    flags = SimpleNamespace(recompute_modules=None, moe_layer_recompute=True, num_experts=8)
     assert _recompute_modules(flags, "selective") == ("core_attn", "moe")
+    assert _recompute_modules(SimpleNamespace(recompute_modules=None, moe_layer_recompute=True, num_experts=None),
+                              "selective") == ("core_attn",)
+    # the job's rules, in the planner too: no plan for a run the job refuses
+    with pytest.raises(ValueError, match="add --disable-bias-linear"):
+        plan(PlanInput(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=1000, seq_length=64,
+                       recompute="selective", recompute_modules=("mlp",)))
+    with pytest.raises(ValueError, match="applies to --recompute-granularity selective"):
+        plan(PlanInput(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=1000, seq_length=64,
+                       recompute_modules=("core_attn",)))
     assert _recompute_modules(SimpleNamespace(recompute_modules=["mlp", "mlp"]), "selective") == ("mlp",)
     shape = dict(num_layers=4, hidden_size=256, num_attention_heads=8, vocab_size=1000, seq_length=256,
-                 max_position_embeddings=256, micro_batch_size=2, normalization="RMSNorm", swiglu=True)
+                 max_position_embeddings=256, micro_batch_size=2, normalization="RMSNorm", swiglu=True,
+                 add_bias_linear=False)
     kept = {}
     for mods in (None, ("core_attn",), ("core_attn", "mlp"), ("core_attn", "mlp", "layernorm")):
         p = plan(PlanInput(**shape, recompute="selective", recompute_modules=mods))
@@ -214,3 +266,78 @@ def test_the_planner_suggests_the_modules_the_job_accepts_when_activations_do_no
     gpt2 = plan(PlanInput(**{**llama, "add_bias_linear": True}))
     tip = next(s for s in gpt2.suggestions if "--recompute-modules" in s)
     assert "--recompute-modules core_attn layernorm`" in tip, tip
+
+
+def _kept_world(rank, cfg, variants):
+    """Per variant: what MoE layer 0 and dense layer 1 keep at the end of forward (each storage at its
+    size then: a norm output freed in forward counts 0; parameters and the cached s x s mask left out)."""
+    from tests.test_planner_moe import SEQ, VOCAB, _batch
+    from zo_megatron.model import GPTConfig, build_gpt_model
+    from zo_megatron.parallel import init_parallel
+
+    ps = init_parallel(1)
+    out = {}
+    for name, modules in variants:
+        conf = GPTConfig(**cfg, vocab_size=VOCAB, max_position_embeddings=SEQ, precision="bf16",
+                         recompute="selective", recompute_modules=modules)
+        model = build_gpt_model(conf, ps.tp_rank, ps.tp_size, seed=1)
+        model.to(torch.bfloat16)
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        kept: list[dict] = [{}, {}]
+        region = [None]
+
+        def pack(t):
+            st = t.untyped_storage()
+            if region[0] is not None and st.data_ptr() not in params and not (t.dtype == torch.bool and t.dim() == 4):
+                kept[region[0]][st.data_ptr()] = st
+            return t
+
+        for i in (0, 1):
+            layer = model.gpt.decoder.layers[i]
+            layer.register_forward_pre_hook(lambda m, a, i=i: region.__setitem__(0, i))
+            layer.register_forward_hook(lambda m, a, o: region.__setitem__(0, None))
+        tokens, _ = _batch(rank, "moe kept")
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model.loss(tokens, tokens)
+        out[name] = [sum(st.nbytes() for st in k.values()) for k in kept]
+        loss.backward()
+    return out
+
+
+def test_what_moe_layers_keep_under_selective_recompute_is_planned():
+    """The planner's `_selective_layer` for an MoE layer (router, routed experts, a gated shared expert)
+    and a dense one, measured: the whole MoE side, the shared expert alone, and either with the norms
+    (their outputs, the router's and the shared expert's input, freed in forward)."""
+    from tests.test_planner_moe import SWIGLU, _plan_input
+    from zo_megatron.planner.memory import _selective_layer
+
+    variants = [("moe", ("moe",)), ("shared", ("shared_experts",)), ("norms_moe", ("layernorm", "moe")),
+                ("attn_norms_shared", ("core_attn", "layernorm", "shared_experts"))]
+    got = run_world(_kept_world, 1, SWIGLU, variants, timeout=240)[0]
+    for name, modules in variants:
+        inp = _plan_input(SWIGLU, 1, 1, "allgather", precision="bf16", recompute="selective",
+                          recompute_modules=modules)
+        for layer, moe in ((0, True), (1, False)):
+            want = _selective_layer(inp, moe)[0]
+            print(f"{name} layer {layer}: planned {want} measured {got[name][layer]}")
+            assert abs(want - got[name][layer]) <= 0.02 * got[name][layer], (name, layer, want, got[name][layer])
+
+
+def test_tflops_count_each_recomputed_module_once_more():
+    """TFLOP/s count one more forward of what is recomputed: a hand count of the modules' GEMMs."""
+    from zo_megatron.training.metrics import flops_per_token
+
+    L, h, s, V, f, heads = 2, 64, 32, 128, 96, 4
+    moe = dict(moe_layers=[True, False], moe_ffn_hidden_size=40, moe_router_topk=2,
+               moe_shared_expert_intermediate_size=48)
+    base = flops_per_token(L, h, s, V, None, f, num_attention_heads=heads, swiglu=True, **moe)
+    core = 2 * h * s                                # QK^T and (QK^T)V, causal: 2·q·s per layer, q = h
+    mlp, shared, moe_side = 2 * h * f * 3, 2 * h * 48 * 3, 2 * h * (2 * 40 + 48) * 3   # SwiGLU: three GEMMs
+    for mods, extra in ((("core_attn",), L * core), (("mlp",), mlp), (("moe",), moe_side),
+                        (("shared_experts",), shared), (("core_attn", "layernorm", "mlp", "moe"), L * core + mlp + moe_side),
+                        (("layernorm",), 0)):
+        got = flops_per_token(L, h, s, V, "selective", f, num_attention_heads=heads, swiglu=True, recompute_modules=mods,
+                              **moe)
+        assert got - base == extra, (mods, got - base, extra)
+    # the default modules (None): the attention core
+    assert flops_per_token(L, h, s, V, "selective", f, num_attention_heads=heads, swiglu=True, **moe) == base + L * core

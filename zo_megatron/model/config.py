@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from zo_megatron.errors import ConfigError
-from zo_megatron.planner.params import RECOMPUTE_MODULES
+from zo_megatron.planner.params import selective_recompute_modules
 
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -161,38 +161,16 @@ class GPTConfig:
                               "cross-entropy applies it to one TP shard only): drop --label-smoothing")
 
     def _check_recompute_modules(self) -> None:
-        """--recompute-modules: megatron-core's selective recompute, the modules this model has."""
-        if self.recompute != "selective":
-            if self.recompute_modules is not None:
-                raise ConfigError("--recompute-modules applies to --recompute-granularity selective: add it (or drop "
-                                  "--recompute-modules)")
-            return
-        modules = ("core_attn",) if self.recompute_modules is None else tuple(dict.fromkeys(self.recompute_modules))
-        for m in modules:
-            if m == "moe_act":
-                raise ConfigError("--recompute-modules moe_act: megatron-core recomputes the activation of its grouped "
-                                  "experts only, and the experts here run as its SequentialMLP (--moe-grouped-gemm is "
-                                  "performance only); use moe (the whole MoE layer) instead")
-            if m == "mla_up_proj":
-                raise ConfigError("--recompute-modules mla_up_proj: multi-latent attention is not supported; drop it")
-            if m not in RECOMPUTE_MODULES:
-                raise ConfigError(f"--recompute-modules {m}: choose from {', '.join(RECOMPUTE_MODULES)}")
-        if self.num_experts is None and {"moe", "shared_experts"} & set(modules):
-            raise ConfigError("--recompute-modules moe / shared_experts recompute mixture-of-experts layers: the model "
-                              "has none (add --num-experts, or drop them)")
-        if "shared_experts" in modules and self.moe_shared_expert_intermediate_size is None:
-            raise ConfigError("--recompute-modules shared_experts: the model has no shared expert (add "
-                              "--moe-shared-expert-intermediate-size, or drop it)")
-        if "mlp" in modules and self.add_bias_linear:
-            # the MLP hands its fc2 bias (a parameter) out of megatron-core's checkpoint for the bias-dropout-add;
-            # each recompute's backward then reaches the checkpoints of earlier iterations through it, without end
-            raise ConfigError("--recompute-modules mlp with linear biases: megatron-core's MLP checkpoint returns the "
-                              "fc2 bias itself and its backward never ends; add --disable-bias-linear, or use "
-                              "--recompute-granularity full")
-        if "mlp" in modules and self.num_experts is not None and all(self.moe_layers()):
-            raise ConfigError("--recompute-modules mlp recomputes dense MLPs: every layer here is a mixture of "
-                              "experts; use moe")
-        self.recompute_modules = modules
+        """--recompute-modules: megatron-core's selective recompute, of the modules this model has
+        (planner/params.py's rules, which the planner applies too)."""
+        try:
+            modules = selective_recompute_modules(
+                self.recompute, self.recompute_modules, experts=self.num_experts is not None,
+                dense_layers=not all(self.moe_layers()), shared_expert=self.moe_shared_expert_intermediate_size is not None,
+                linear_biases=self.add_bias_linear)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        self.recompute_modules = modules if self.recompute == "selective" else None
 
     def _check_architecture(self) -> None:
         if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:

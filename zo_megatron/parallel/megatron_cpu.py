@@ -75,6 +75,7 @@ def apply() -> None:
     global _APPLIED
     _define_moe_names_without_transformer_engine()     # CPU or GPU: wherever Transformer Engine is absent
     _checkpoint_without_output_without_transformer_engine()
+    _recompute_under_the_forwards_autocast()          # any device: the plain baseline runs under autocast
     if _APPLIED or torch.cuda.is_available():
         return
     from megatron.core.tensor_parallel import random as mpu_random
@@ -129,6 +130,52 @@ def _checkpoint_without_output_without_transformer_engine() -> None:
 
     cls.__init__ = __init__
     cls.zo_fp8_off = True
+
+
+def _autocast_state() -> tuple:
+    return tuple((dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)) for dev in ("cpu", "cuda"))
+
+
+def _under_autocast(fn, state):
+    """`fn` run under the autocast `state` (`_autocast_state`) of the forward it recomputes."""
+    def run(*args, **kwargs):
+        with contextlib.ExitStack() as stack:
+            for dev, enabled, dtype in state:
+                if enabled or torch.is_autocast_enabled(dev):
+                    stack.enter_context(torch.autocast(dev, enabled=enabled, dtype=dtype))
+            return fn(*args, **kwargs)
+    return run
+
+
+def _recompute_under_the_forwards_autocast() -> None:
+    """Not a CPU shim: megatron-core 0.16.1's activation checkpoints (CheckpointFunction: full recompute and
+    --recompute-modules core_attn, mlp, moe, shared_experts; CheckpointWithoutOutput: layernorm) recompute
+    the forward in backward without the autocast the forward ran under (torch.utils.checkpoint restores
+    it; megatron-core expects 16-bit parameters instead). The plain DDP baseline runs bf16/fp16 under
+    autocast, so its recompute met an fp32 weight with a bf16 activation ("expected scalar type Float but
+    found BFloat16") or, where it ran, recomputed in another precision than the forward. Each recompute
+    now runs under the forward's autocast state; without autocast (the offload engine) nothing changes."""
+    from megatron.core.tensor_parallel import random as mpu_random
+
+    fn = mpu_random.CheckpointFunction
+    if getattr(fn, "zo_autocast", False):
+        return
+    fwd = fn.forward
+
+    def forward(ctx, run_function, distribute_saved_activations, *args):
+        out = fwd(ctx, run_function, distribute_saved_activations, *args)
+        ctx.run_function = _under_autocast(run_function, _autocast_state())    # what backward recomputes
+        return out
+
+    fn.forward = staticmethod(forward)
+    fn.zo_autocast = True
+    without = mpu_random.CheckpointWithoutOutput
+    checkpoint = without.checkpoint
+
+    def checkpoint_under_autocast(self, run_function, *args):
+        return checkpoint(self, _under_autocast(run_function, _autocast_state()), *args)
+
+    without.checkpoint = checkpoint_under_autocast
 
 
 class _HostStream:

@@ -5,8 +5,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from zo_megatron.planner.params import (RECOMPUTE_MODULES, Architecture, MoEShape, default_ffn_size,
-                                        moe_layer_pattern)
+from zo_megatron.planner.params import (Architecture, MoEShape, default_ffn_size, moe_layer_pattern,
+                                        selective_recompute_modules)
 from zo_megatron.planner.units import GiB, MiB
 
 PRECISIONS = ("bf16", "fp16", "fp32")
@@ -234,9 +234,11 @@ class PlanInput:
         if self.recompute_method not in ("uniform", "block"):
             raise ValueError(f"recompute_method must be 'uniform' or 'block', got {self.recompute_method!r}")
         pos("recompute_num_layers")
-        unknown = set(self.recompute_modules or ()) - set(RECOMPUTE_MODULES)
-        if unknown:
-            raise ValueError(f"recompute_modules {sorted(unknown)}: choose from {', '.join(RECOMPUTE_MODULES)}")
+        moe = self.moe()
+        selective_recompute_modules(self.normalized_recompute(), self.recompute_modules,
+                                    experts=moe is not None, dense_layers=moe is None or not all(moe.layers),
+                                    shared_expert=bool(self.moe_shared_expert_intermediate_size),
+                                    linear_biases=self.add_bias_linear)
         if self.normalized_recompute() == "full" and self.recompute_method == "uniform" and \
                 self.num_layers % self.recompute_num_layers:
             raise ValueError(f"recompute_num_layers {self.recompute_num_layers} does not divide num_layers "
@@ -393,7 +395,8 @@ def plan_input_from_flags(flags: Any, *, data_parallel: int, vocab_size: int, **
         raise ValueError(f"--global-batch-size {gbs} is not a multiple of --micro-batch-size {mb} x DP {data_parallel}")
     else:
         accum = gbs // (mb * data_parallel)
-    recompute = flags.recompute_granularity or ("selective" if flags.recompute_activations else None)
+    # Megatron-LM: --recompute-activations wins over --recompute-granularity
+    recompute = "selective" if getattr(flags, "recompute_activations", False) else flags.recompute_granularity
     if getattr(flags, "moe_layer_recompute", False) and recompute != "full":   # full: the job refuses the pair
         recompute = "selective"
     window = getattr(flags, "window_size", None)
@@ -449,11 +452,13 @@ def _moe_fields(flags: Any) -> dict[str, Any]:
 
 
 def _recompute_modules(flags: Any, recompute: str | None) -> tuple | None:
-    """--recompute-modules as the job resolves it (--moe-layer-recompute adds moe and selective)."""
+    """--recompute-modules as the job resolves it (--moe-layer-recompute: selective, and moe added when
+    the model has experts); PlanInput.validate applies the job's rules to it."""
     modules = getattr(flags, "recompute_modules", None)
-    if getattr(flags, "moe_layer_recompute", False):
-        modules = [*(modules if modules is not None else ["core_attn"]), "moe"]
-    return None if recompute != "selective" or modules is None else tuple(dict.fromkeys(modules))
+    if getattr(flags, "moe_layer_recompute", False) and recompute == "selective":
+        modules = list(modules if modules is not None else ["core_attn"])
+        modules += ["moe"] * (getattr(flags, "num_experts", None) is not None and "moe" not in modules)
+    return None if modules is None else tuple(dict.fromkeys(modules))
 
 
 def _core_attention(flags: Any) -> str:

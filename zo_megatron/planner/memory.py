@@ -152,7 +152,7 @@ def _selective_layer(inp: PlanInput, moe_layer: bool) -> tuple[int, int]:
     mods = inp.selective_modules()
     s, b, t = inp.seq_length, inp.micro_batch_size, inp.tensor_parallel
     w, sbh = _bytes16(inp.precision), inp.seq_length * inp.micro_batch_size * inp.hidden_size
-    kept, recomputed = replicated + split + scores, [0]
+    kept, recomputed, norm_again = replicated + split + scores, [0], 0
 
     def recompute(dropped: int, again: int | None = None) -> None:
         nonlocal kept
@@ -165,15 +165,18 @@ def _selective_layer(inp: PlanInput, moe_layer: bool) -> tuple[int, int]:
         extra = max(0, _attention_saved(inp, checkpointed=False) - _attention_saved(inp, checkpointed=True))
         recompute(scores, scores + s * b * extra)
     if "layernorm" in mods:
+        # again: one norm's internals and output, restored by a hook on its block's output before that
+        # block's backward and held until the norm's own: beside the block's recomputed activations
         norm, seq_split = _norm_saved(inp, sbh, s * b)[0], t if inp.sp() else 1
-        recompute(2 * norm // seq_split, (norm + w * sbh) // seq_split)   # again: one norm's internals + output
+        kept -= 2 * norm // seq_split
+        norm_again = (norm + w * sbh) // seq_split
     if moe_layer and "moe" in mods:
         recompute(moe_mlp_saved(inp))
     elif moe_layer and "shared_experts" in mods:
         recompute(shared_expert_saved(inp))
     if not moe_layer and "mlp" in mods:
         recompute(w * s * b * (5 if inp.swiglu else 2) * inp.ffn() // t)
-    return kept, max(recomputed)
+    return kept, max(recomputed) + norm_again
 
 
 def _scores_saved(inp: PlanInput) -> int:

@@ -24,6 +24,46 @@ from zo_megatron.param_names import is_routed_expert
 RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe", "shared_experts")
 
 
+def selective_recompute_modules(recompute: str | None, modules, *, experts: bool, dense_layers: bool,
+                                shared_expert: bool, linear_biases: bool) -> tuple | None:
+    """The modules selective recompute runs (None when it is off), or a ValueError naming the flag
+    and its fix: the job's rules (model/config.py) and the planner's (inputs.py), so the two never
+    plan a run the other refuses. As Megatron-LM, the list defaults to the attention core and is
+    moot under full recompute; without any recompute it is refused (Megatron-LM ignores it, which
+    would leave a run believed to recompute keeping everything)."""
+    if recompute != "selective":
+        if modules is not None and recompute is None:
+            raise ValueError("--recompute-modules applies to --recompute-granularity selective: add it (or drop "
+                             "--recompute-modules)")
+        return None
+    modules = ("core_attn",) if modules is None else tuple(dict.fromkeys(modules))
+    for m in modules:
+        if m == "moe_act":
+            raise ValueError("--recompute-modules moe_act: megatron-core recomputes the activation of its grouped "
+                             "experts only, and the experts here run as its SequentialMLP (--moe-grouped-gemm is "
+                             "performance only); use moe (the whole MoE layer) instead")
+        if m == "mla_up_proj":
+            raise ValueError("--recompute-modules mla_up_proj: multi-latent attention is not supported; drop it")
+        if m not in RECOMPUTE_MODULES:
+            raise ValueError(f"--recompute-modules {m}: choose from {', '.join(RECOMPUTE_MODULES)}")
+    if not experts and {"moe", "shared_experts"} & set(modules):
+        raise ValueError("--recompute-modules moe / shared_experts recompute mixture-of-experts layers: the model "
+                         "has none (add --num-experts, or drop them)")
+    if "shared_experts" in modules and not shared_expert:
+        raise ValueError("--recompute-modules shared_experts: the model has no shared expert (add "
+                         "--moe-shared-expert-intermediate-size, or drop it)")
+    if "mlp" in modules and linear_biases:
+        # the MLP hands its fc2 bias (a parameter) out of megatron-core's checkpoint for the bias-dropout-add;
+        # each recompute's backward then reached the checkpoints of earlier iterations through it, without end
+        raise ValueError("--recompute-modules mlp with linear biases: megatron-core's MLP checkpoint returns the "
+                         "fc2 bias itself and its backward never ends; add --disable-bias-linear, or use "
+                         "--recompute-granularity full")
+    if "mlp" in modules and not dense_layers:
+        raise ValueError("--recompute-modules mlp recomputes dense MLPs: every layer here is a mixture of "
+                         "experts; use moe")
+    return modules
+
+
 @dataclass(frozen=True)
 class Architecture:
     """The shape-defining choices beyond layers/hidden/heads, named as GPTConfig's fields."""

@@ -97,7 +97,7 @@ def _add_model_flags(g) -> None:
                    help="activation recompute: full layers, or the --recompute-modules of each layer")
     g.add_argument("--recompute-activations", action="store_true",
                    help="Megatron's shorthand for --recompute-granularity selective")
-    g.add_argument("--recompute-modules", nargs="*", default=None, metavar="MODULE",
+    g.add_argument("--recompute-modules", nargs="+", default=None, metavar="MODULE",
                    help="with --recompute-granularity selective: what each layer recomputes in backward instead of "
                         "keeping (megatron-core's): core_attn (the attention core; the default), layernorm (the two "
                         "norms' outputs), mlp (a dense layer's MLP), moe (a whole MoE layer), shared_experts")
@@ -418,7 +418,8 @@ def origin(args: argparse.Namespace, dest: str) -> str:
 
 
 def _moe_layer_recompute(args: argparse.Namespace) -> None:
-    """--moe-layer-recompute: megatron-core's older flag, what it turns into there (selective, moe added)."""
+    """--moe-layer-recompute: megatron-core's older flag, what it turns into there (selective, moe added:
+    on a dense model that adds nothing, as there)."""
     if not args.moe_layer_recompute:
         return
     if args.recompute_granularity == "full":
@@ -426,7 +427,7 @@ def _moe_layer_recompute(args: argparse.Namespace) -> None:
                           "layers already; drop one of them (megatron-core's rule)")
     args.recompute_granularity = "selective"
     modules = ["core_attn"] if args.recompute_modules is None else list(args.recompute_modules)
-    args.recompute_modules = modules + ["moe"] * ("moe" not in modules)
+    args.recompute_modules = modules + ["moe"] * ("moe" not in modules and args.num_experts is not None)
 
 
 def _megatron_position_aliases(args: argparse.Namespace) -> None:
@@ -484,7 +485,7 @@ def finalize(args: argparse.Namespace) -> None:
     if args.seq_length > args.max_position_embeddings:
         raise ConfigError(f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
                           f"{args.max_position_embeddings}")
-    if args.recompute_activations and args.recompute_granularity is None:
+    if args.recompute_activations:              # Megatron-LM's rule: it wins over --recompute-granularity
         args.recompute_granularity = "selective"
     _moe_layer_recompute(args)
     for unit in ("warmup", "decay", "wsd_decay"):     # Megatron's sample-based schedule: --train-samples only

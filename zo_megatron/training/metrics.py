@@ -31,7 +31,8 @@ def flops_per_token(num_layers: int, hidden: int, seq: int, vocab: int, recomput
                     num_attention_heads: int | None = None, num_query_groups: int | None = None,
                     kv_channels: int | None = None, swiglu: bool = False, moe_layers: list[bool] | None = None,
                     moe_ffn_hidden_size: int | None = None, moe_router_topk: int = 2,
-                    moe_shared_expert_intermediate_size: int | None = None) -> int:
+                    moe_shared_expert_intermediate_size: int | None = None,
+                    recompute_modules: frozenset | tuple = ()) -> int:
     """Model FLOPs per trained token (forward + backward): Megatron-LM's count
     (`num_floating_point_operations`, megatron/training/training.py at core_v0.16.1, GPT with or
     without experts), divided by batch x seq. Per layer forward, with q = kv_channels x heads (= h by
@@ -43,7 +44,10 @@ def flops_per_token(num_layers: int, hidden: int, seq: int, vocab: int, recomput
     the dense FFN size) and the shared expert, each 4h·f_e (6h·f_e with SwiGLU); the router's
     h x E product is not counted (Megatron's formula leaves it out). Backward is twice the forward;
     full recompute adds one more forward of the layers it recomputes (`recomputed_layers`, default
-    all; --recompute-method block N: the first N) -- Megatron's own count leaves recompute out."""
+    all; --recompute-method block N: the first N), selective recompute one more forward of its
+    `recompute_modules` (core_attn: the scores and values, 2qs; mlp: a dense layer's MLP; moe: an
+    MoE layer's experts a token uses and its shared expert; shared_experts: the shared expert; the
+    norms are not counted, as nowhere here) -- Megatron's own count leaves recompute out."""
     h = hidden
     f = (int(4 * h * 2 / 3 / 64) * 64 if swiglu else 4 * h) if ffn_hidden_size is None else ffn_hidden_size
     if num_attention_heads is None:
@@ -64,7 +68,18 @@ def flops_per_token(num_layers: int, hidden: int, seq: int, vocab: int, recomput
     per_layer = [moe_layer if kind else dense_layer for kind in kinds]
     head_fwd = 2 * vocab * h
     again = 0 if recompute != "full" else (num_layers if recomputed_layers is None else recomputed_layers)
-    return 3 * sum(per_layer) + sum(per_layer[:again]) + 3 * head_fwd
+    selective = 0
+    if recompute == "selective":
+        mods = set(recompute_modules or ("core_attn",))
+        for kind in kinds:
+            selective += 2 * q * seq if "core_attn" in mods else 0
+            if kind and "moe" in mods:
+                selective += 2 * h * moe_ffn * gemms
+            elif kind and "shared_experts" in mods:
+                selective += 2 * h * (moe_shared_expert_intermediate_size or 0) * gemms
+            elif not kind and "mlp" in mods:
+                selective += 2 * h * f * gemms
+    return 3 * sum(per_layer) + sum(per_layer[:again]) + selective + 3 * head_fwd
 
 
 def model_flops_per_token(cfg, seq_length: int, padded_vocab_size: int, recompute: str | None,
@@ -79,7 +94,7 @@ def model_flops_per_token(cfg, seq_length: int, padded_vocab_size: int, recomput
                            moe_ffn_hidden_size=cfg.moe_ffn_size if experts else None,
                            moe_router_topk=cfg.moe_router_topk if experts else 2,
                            moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size
-                           if experts else None)
+                           if experts else None, recompute_modules=getattr(cfg, "recompute_modules", None) or ())
 
 
 class Metrics:
