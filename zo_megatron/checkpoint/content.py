@@ -1,6 +1,9 @@
 """What a checkpoint holds, as DCP keys over FULL (TP-merged, vocab-unpadded) tensors.
 
     model/<param>             fp32 weights: the offload engine's fp32 master, the baseline's params
+    buffers/<name>            the model's persistent buffers that are not parameters (megatron-core's
+                              router expert bias, --moe-router-enable-expert-bias): the same on every
+                              rank, written by global rank 0, read whole by every rank
     optim/exp_avg/<param>     Adam's first moment (its own dtype: fp32 or bf16)
     optim/exp_avg_sq/<param>  Adam's second moment
 
@@ -24,6 +27,7 @@ from zo_megatron.checkpoint.planner import Piece
 from zo_megatron.model.sharding import model_shard_infos
 
 MODEL = "model/"
+BUFFERS = "buffers/"
 EXP_AVG = "optim/exp_avg/"
 EXP_AVG_SQ = "optim/exp_avg_sq/"
 STATE_KEYS = {"master": MODEL, "exp_avg": EXP_AVG, "exp_avg_sq": EXP_AVG_SQ}
@@ -114,9 +118,25 @@ def baseline_pieces(optimizer, ps, vocab_size: int, *, saving: bool, with_optimi
     return out
 
 
+def persistent_buffers(model) -> dict[str, torch.Tensor]:
+    """The model's state_dict entries that are neither parameters nor megatron-core's `_extra_state`."""
+    params = {n for n, _ in model.named_parameters()}
+    return {n: t for n, t in model.state_dict(keep_vars=True).items()
+            if n not in params and not n.endswith("_extra_state") and isinstance(t, torch.Tensor)}
+
+
+def buffer_pieces(model, ps, *, saving: bool) -> list[Piece]:
+    if saving and ps.rank != 0:
+        return []
+    full_name = _full_name(model)
+    return [Piece(BUFFERS + full_name(n), tuple(t.shape), Box((0,) * t.dim(), tuple(t.shape), 0), t.data)
+            for n, t in persistent_buffers(model).items()]
+
+
 def pieces(model, optimizer, ps, vocab_size: int, *, saving: bool, with_optimizer: bool = True) -> list[Piece]:
     fn = offload_pieces if optimizer.holds_master_weights else baseline_pieces
-    return fn(optimizer, ps, vocab_size, saving=saving, with_optimizer=with_optimizer)
+    return fn(optimizer, ps, vocab_size, saving=saving, with_optimizer=with_optimizer) + \
+        buffer_pieces(model, ps, saving=saving)
 
 
 def set_baseline_step(optimizer, step: int) -> None:

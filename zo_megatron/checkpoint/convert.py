@@ -32,7 +32,7 @@ from zo_megatron.checkpoint import hf, megatron_dist, megatron_lm
 from zo_megatron.checkpoint.arch import (check_tensor_parallel, full_meta, job_flags, param_shapes, query_groups,
                                          unit_centred_gamma)
 from zo_megatron.checkpoint.boxes import Box
-from zo_megatron.checkpoint.content import EXP_AVG, EXP_AVG_SQ, MODEL
+from zo_megatron.checkpoint.content import BUFFERS, EXP_AVG, EXP_AVG_SQ, MODEL
 from zo_megatron.checkpoint.layout import rng_file
 from zo_megatron.checkpoint.reader import CheckpointReader
 from zo_megatron.checkpoint.tp_layout import padded_vocab_size, tp_axis, tp_shard_boxes
@@ -434,7 +434,8 @@ def from_megatron(input_dir: str, output: str, *, tensor_parallel: int, iteratio
 def to_fp32(load: str, output: str, *, iteration: int | None = None, max_shard_size: str = "5GB",
             force: bool = False, log: Log = print) -> None:
     """The fp32 master weights under the model's parameter names as safetensors: OUTPUT.safetensors
-    as one file, or a directory with model.safetensors or shards + model.safetensors.index.json."""
+    as one file, or a directory with model.safetensors or shards + model.safetensors.index.json; the
+    model's persistent buffers (the router expert bias) too, under their names, in the first file."""
     from safetensors.torch import save_file
 
     reader = CheckpointReader(load, iteration)
@@ -452,20 +453,26 @@ def to_fp32(load: str, output: str, *, iteration: int | None = None, max_shard_s
         groups[-1].append(n)
         size += b
     meta = {"format": "pt", "source": os.path.abspath(reader.dir), "iteration": str(reader.iteration)}
+    # the model's persistent buffers (the router expert bias) go with the first file, under their names
+    buffer_keys = [k for k in reader.metadata.state_dict_metadata if k.startswith(BUFFERS)]
+    buffers = {k.removeprefix(BUFFERS): t.float() for k, t in reader.read_full(buffer_keys).items()} \
+        if buffer_keys else {}
     progress = Progress("writing shards")
     with atomic_output(output, force=force, is_dir=not one_file) as tmp:
         if one_file:
-            save_file(reader.read_weights(names), tmp, metadata=meta)
+            save_file({**reader.read_weights(names), **buffers}, tmp, metadata=meta)
         elif len(groups) == 1:
-            save_file(reader.read_weights(names), os.path.join(tmp, "model.safetensors"), metadata=meta)
+            save_file({**reader.read_weights(names), **buffers}, os.path.join(tmp, "model.safetensors"), metadata=meta)
         else:
             weight_map = {}
             for i, group in enumerate(groups, 1):
                 fname = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
-                save_file(reader.read_weights(group), os.path.join(tmp, fname), metadata=meta)
-                weight_map.update({n: fname for n in group})
+                extra = buffers if i == 1 else {}
+                save_file({**reader.read_weights(group), **extra}, os.path.join(tmp, fname), metadata=meta)
+                weight_map.update({n: fname for n in [*group, *extra]})
                 progress(i, len(groups))
-            index = {"metadata": {"total_size": sum(4 * math.prod(reader.shapes[n]) for n in names)},
+            index = {"metadata": {"total_size": sum(4 * math.prod(reader.shapes[n]) for n in names) +
+                                  sum(4 * t.numel() for t in buffers.values())},
                      "weight_map": weight_map}
             with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
                 json.dump(index, f, indent=2)
@@ -490,6 +497,11 @@ def reshard(load: str, output: str, *, target_tp: int, target_dp: int | None = N
     dtypes = {p: reader.dtype(p + next(iter(reader.shapes))) for p in prefixes}
     specs = _tp_specs(reader.shapes, prefixes, dtypes, target_tp,
                       padded_vocab_size(meta["vocab_size"], _divisible_by(args), target_tp), meta["swiglu"])
+    # the model's persistent buffers (content.py `buffers/`: whole tensors, the same at any layout)
+    for key, entry in reader.metadata.state_dict_metadata.items():
+        if key.startswith(BUFFERS):
+            shape = tuple(entry.size)
+            specs.append(TensorSpec(key, shape, entry.properties.dtype, (Box((0,) * len(shape), shape, 0),)))
     cache: dict[str, torch.Tensor] = {}
 
     def fetch(key: str, box: Box) -> torch.Tensor:

@@ -29,7 +29,7 @@ MOE_FIELDS = {"num_experts": None, "moe_router_topk": 2, "moe_ffn_hidden_size": 
               "moe_router_topk_scaling_factor": None, "moe_shared_expert_intermediate_size": None,
               "moe_shared_expert_gate": False, "moe_layer_freq": 1, "moe_token_dispatcher_type": "allgather",
               "moe_expert_capacity_factor": None, "moe_pad_expert_input_to_capacity": False,
-              "moe_token_drop_policy": "probs"}
+              "moe_token_drop_policy": "probs", "moe_router_enable_expert_bias": False}
 MOE_LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "none")
 MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
 MOE_DISPATCHERS = ("allgather", "alltoall")
@@ -110,6 +110,10 @@ class GPTConfig:
     moe_expert_capacity_factor: float | None = None
     moe_pad_expert_input_to_capacity: bool = False  # every expert gets exactly its capacity (zero-weight padding)
     moe_token_drop_policy: str = "probs"        # drop the lowest-probability ("probs") or latest ("position")
+    # aux-loss-free load balancing (DeepSeek-V3): a per-expert bias added to the scores that pick the top-k,
+    # moved by `moe_router_bias_update_rate` toward balance after every iteration (training/expert_bias.py)
+    moe_router_enable_expert_bias: bool = False
+    moe_router_bias_update_rate: float = 1e-3   # a run setting, not the architecture
     recompute: str | None = None                # None | "full" (whole layers) | "selective" (recompute_modules)
     # selective only: megatron-core's recompute_modules (RECOMPUTE_MODULES; None: the attention core)
     recompute_modules: tuple | None = None
@@ -257,6 +261,11 @@ class GPTConfig:
             raise ConfigError("--moe-shared-expert-gate gates the shared expert: add "
                               "--moe-shared-expert-intermediate-size")
         self._check_capacity()
+        if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
+            raise ConfigError("--moe-router-enable-expert-bias biases the sigmoid router's scores (megatron-core's "
+                              "rule): add --moe-router-score-function sigmoid")
+        if not self.moe_router_bias_update_rate >= 0:
+            raise ConfigError(f"--moe-router-bias-update-rate {self.moe_router_bias_update_rate}: must be >= 0")
         self.moe_layers()
 
     def _check_capacity(self) -> None:

@@ -63,7 +63,8 @@ def model_config(args):
                      recompute_num_layers=args.recompute_num_layers or 1,
                      attention_backend=args.core_attention, sequence_parallel=args.sequence_parallel,
                      moe_router_dtype=getattr(args, "moe_router_dtype", None),
-                     calculate_per_token_loss=bool(getattr(args, "calculate_per_token_loss", False)))
+                     calculate_per_token_loss=bool(getattr(args, "calculate_per_token_loss", False)),
+                     moe_router_bias_update_rate=getattr(args, "moe_router_bias_update_rate", 1e-3))
 
 
 def build_datasets(args, tokenizer, data_path, dp_size: int):
@@ -189,6 +190,13 @@ def build_moe_losses(args, cfg, ps, model):
     from zo_megatron.training.moe_losses import MoELosses
 
     return MoELosses(cfg, ps, model) if cfg.num_experts is not None else None
+
+
+def build_expert_bias(cfg, model):
+    """--moe-router-enable-expert-bias's per-iteration bias update (training/expert_bias.py), or None."""
+    from zo_megatron.training.expert_bias import ExpertBias
+
+    return ExpertBias(model, cfg.moe_router_bias_update_rate) if cfg.moe_router_enable_expert_bias else None
 
 
 def build_timeline(args, ps):

@@ -129,6 +129,12 @@ def add_moe_flags(g) -> None:
                         "dtype): the routing of a bf16 model in full precision")
     g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None,
                    help="multiplies the chosen experts' weights")
+    g.add_argument("--moe-router-enable-expert-bias", action="store_true",
+                   help="aux-loss-free load balancing (DeepSeek-V3, megatron-core's): a per-expert bias added to the "
+                        "sigmoid scores that choose the top-k (not to the weights), moved after every iteration by "
+                        "--moe-router-bias-update-rate toward the experts that got fewer tokens than the mean")
+    g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3,
+                   help="with --moe-router-enable-expert-bias: how far each expert's bias moves per iteration")
     g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
                    help="FFN size of a shared expert every token goes through (Qwen2-MoE)")
     g.add_argument("--moe-shared-expert-gate", action="store_true",

@@ -132,6 +132,7 @@ class Trainer:
                                             consumed_samples=st.consumed_samples))
         self.evaluator = Evaluator(args, ps, valid_ds, st.consumed_valid_samples) if valid_ds is not None else None
         self.moe = components.build_moe_losses(args, self.cfg, ps, self.model)     # None for a dense model
+        self.expert_bias = components.build_expert_bias(self.cfg, self.model)     # None without the flag
         if self.moe is not None:
             self.stack.callback(self.moe.close)
         self.log = StepLog(self.metrics, args, ps, self.optimizer, components.flops_per_token(args, self.cfg, ps),
@@ -194,6 +195,8 @@ class Trainer:
             step_loss += loss.detach().float() * log_weight
         if self.moe is not None:                    # the tracker's sums of this iteration, as means
             self.moe.end_iteration(n)
+        if self.expert_bias is not None:            # Megatron-LM: after the backward, before the step
+            self.expert_bias.update()
         return step_loss
 
     def advance(self, res, samples: int) -> None:
