@@ -140,15 +140,17 @@ def _activation_peak(model, engine, rank) -> tuple[int, int]:
 
 
 def _saved_bytes(model, rank) -> list[int]:
-    """What layers 0 and 1 save for backward (each storage once; no parameter, no cached s x s mask)."""
+    """What layers 0 and 1 save for backward (each storage once, at its size when forward ends: a norm
+    output that --recompute-modules layernorm frees in forward counts 0; no parameter, no cached s x s
+    mask)."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: list[dict[int, int]] = [{}, {}]
+    seen: list[dict[int, torch.UntypedStorage]] = [{}, {}]
     region = [None]
 
     def pack(t):
         st = t.untyped_storage()
         if region[0] is not None and st.data_ptr() not in params and not (t.dtype == torch.bool and t.dim() == 4):
-            seen[region[0]][st.data_ptr()] = st.nbytes()
+            seen[region[0]][st.data_ptr()] = st
         return t
 
     for i in (0, 1):
@@ -157,8 +159,10 @@ def _saved_bytes(model, rank) -> list[int]:
         layer.register_forward_hook(lambda m, a, o: region.__setitem__(0, None))
     tokens, _ = _batch(rank, "moe saved")
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model.loss(tokens, tokens)
-    return [sum(s.values()) for s in seen]
+        loss = model.loss(tokens, tokens)
+    kept = [sum(st.nbytes() for st in s.values()) for s in seen]
+    del loss
+    return kept
 
 
 @pytest.fixture(scope="module")

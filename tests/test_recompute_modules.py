@@ -269,9 +269,9 @@ def test_the_planner_suggests_the_modules_the_job_accepts_when_activations_do_no
 
 
 def _kept_world(rank, cfg, variants):
-    """Per variant: what MoE layer 0 and dense layer 1 keep at the end of forward (each storage at its
-    size then: a norm output freed in forward counts 0; parameters and the cached s x s mask left out)."""
-    from tests.test_planner_moe import SEQ, VOCAB, _batch
+    """Per variant: what MoE layer 0 and dense layer 1 keep at the end of forward (tests/test_planner_moe.py's
+    measure: each storage at its size then, parameters and the cached s x s mask left out)."""
+    from tests.test_planner_moe import SEQ, VOCAB, _saved_bytes
     from zo_megatron.model import GPTConfig, build_gpt_model
     from zo_megatron.parallel import init_parallel
 
@@ -282,25 +282,7 @@ def _kept_world(rank, cfg, variants):
                          recompute="selective", recompute_modules=modules)
         model = build_gpt_model(conf, ps.tp_rank, ps.tp_size, seed=1)
         model.to(torch.bfloat16)
-        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        kept: list[dict] = [{}, {}]
-        region = [None]
-
-        def pack(t):
-            st = t.untyped_storage()
-            if region[0] is not None and st.data_ptr() not in params and not (t.dtype == torch.bool and t.dim() == 4):
-                kept[region[0]][st.data_ptr()] = st
-            return t
-
-        for i in (0, 1):
-            layer = model.gpt.decoder.layers[i]
-            layer.register_forward_pre_hook(lambda m, a, i=i: region.__setitem__(0, i))
-            layer.register_forward_hook(lambda m, a, o: region.__setitem__(0, None))
-        tokens, _ = _batch(rank, "moe kept")
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = model.loss(tokens, tokens)
-        out[name] = [sum(st.nbytes() for st in k.values()) for k in kept]
-        loss.backward()
+        out[name] = _saved_bytes(model, rank)
     return out
 
 
