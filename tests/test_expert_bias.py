@@ -11,13 +11,14 @@ EP and an offline reshard carry it; what the conversions cannot write is refused
 from __future__ import annotations
 
 import json
+from unittest import mock
 
 import pytest
 import torch
 
 from tests.harness import run_world
 from tests.seeds import fresh_seed
-from tests.test_moe_job import EP2, ITERS, MOE, RTOL, _run
+from tests.test_moe_job import EP2, ITERS, LAYOUTS, MOE, RTOL, _run
 
 RATE = 0.05
 BIAS = ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate",
@@ -145,15 +146,18 @@ def _saved_bias(ck, iteration) -> list[torch.Tensor]:
     return [got[k] for k in keys]
 
 
-def test_the_job_at_ep2_balances_as_the_torch_reference(tmp_path):
-    """At EP 2 (alltoall, two engines) on 2 ranks: every iteration's loss equals the reference's, and
-    the checkpoint's bias is the reference's (each element a multiple of the rate: a near-tie may route
-    a token elsewhere in fp32 and move one element by 2 x rate, as tests/test_moe_job.py allows the
-    token counts 2 tokens)."""
-    seed = fresh_seed("expert bias job")
+@pytest.mark.parametrize("layout", ["EP2", "TP2"])
+def test_the_job_balances_as_the_torch_reference(tmp_path, layout):
+    """At EP 2 (alltoall, two engines, DP 2) and at TP 2 with sequence parallelism (each TP rank routes
+    its half of the sequence; the counts summed over TP x DP) on 2 ranks: every iteration's loss equals
+    the reference's, and the checkpoint's bias is the reference's (a near-tie may route a token
+    elsewhere in fp32 and move one element by 2 x rate, as tests/test_moe_job.py allows the token counts
+    2 tokens)."""
+    seed = fresh_seed(f"expert bias job {layout}")
     ck = tmp_path / "ck"
     iters = ODD_ITERS
-    rows, r = _run(tmp_path, "ep2", [*_argv(seed, iters), *EP2, "--save", str(ck), "--save-interval", str(iters)])
+    rows, r = _run(tmp_path, layout, [*_argv(seed, iters), *LAYOUTS[layout][0], "--save", str(ck),
+                                      "--save-interval", str(iters)])
     ref_losses, ref_bias = run_world(_reference_world, 1, _argv(seed, iters), str(tmp_path / "cache"), timeout=180)[0]
     got = [rows[i]["loss"] for i in range(1, iters + 1)]
     assert all(abs(g - w) <= RTOL * abs(w) for g, w in zip(got, ref_losses)), (seed, got, ref_losses)
@@ -190,6 +194,12 @@ def test_a_run_with_expert_bias_resumes_bit_for_bit_and_at_another_ep(tmp_path):
     out = tmp_path / "tp2"
     reshard(str(ck), str(out), target_tp=2, iteration=2, log=lambda *_: None)
     assert all(torch.equal(a, b) for a, b in zip(_saved_bias(ck, 2), _saved_bias(out, 2)))
+    # a resume with another rate (a run setting, not the architecture) goes on and says so
+    argv = [*_argv(seed), *EP2, "--load", str(ck), "--ckpt-step", "2"]
+    argv[argv.index("--moe-router-bias-update-rate") + 1] = "0.01"
+    _, r = _run(tmp_path, "rate", argv)
+    assert f"this resume changes --moe-router-bias-update-rate: {RATE} in the checkpoint, 0.01 now" in r.stdout, \
+        r.stdout[-2000:]
 
 
 @pytest.mark.parametrize("argv,says", [
@@ -217,9 +227,10 @@ def test_the_conversions_that_cannot_carry_the_bias_refuse_it(tmp_path):
     ck = tmp_path / "ck"
     r = _single([*_argv(fresh_seed("expert bias convert"), 1), "--save", str(ck)], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
-    with pytest.raises(UserError):
+    with pytest.raises(UserError, match="a softmax router"):        # the bias needs sigmoid: no HF MoE family has it
         to_hf(str(ck), str(tmp_path / "hf"), log=lambda *_: None)
-    with pytest.raises(UserError, match="expert bias"):
+    read = mock.patch.object(CheckpointReader, "read_weights", side_effect=AssertionError("read before refusing"))
+    with pytest.raises(UserError, match="expert bias"), read:
         to_megatron(str(ck), str(tmp_path / "mlm"), log=lambda *_: None)
     assert not (tmp_path / "hf").exists() and not (tmp_path / "mlm").exists()
     assert "--moe-router-enable-expert-bias" in job_flags(CheckpointReader(str(ck)).model_meta).split()

@@ -338,6 +338,7 @@ def to_megatron(load: str, output: str, *, iteration: int | None = None, tensor_
     elif expert_tensor_parallel not in (None, tp):
         raise UserError(f"--expert-tensor-parallel-size {expert_tensor_parallel}: the model is dense (no experts); "
                         "drop it")
+    megatron_lm.refuse_what_megatron_files_cannot_hold(meta)      # before reading every weight
     weights = reader.read_weights()
     saved_tok = os.path.join(reader.dir, TOKENIZER_DIR)
     has_tokenizer = os.path.isdir(saved_tok)

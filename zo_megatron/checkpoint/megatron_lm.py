@@ -116,6 +116,14 @@ def megatron_args(meta: dict, *, tp: int, iteration: int, divisible_by: int, seq
         **_moe_args(meta, tp, expert_parallel, expert_tensor_parallel, grouped_gemm, ckpt_format))
 
 
+def refuse_what_megatron_files_cannot_hold(meta: dict) -> None:
+    """What to-megatron does not write yet, refused in one line before anything is read."""
+    if meta.get("moe_router_enable_expert_bias"):
+        raise UserError("the model's routers have an expert bias (--moe-router-enable-expert-bias), which this "
+                        "conversion does not write into Megatron-LM's files yet; the weights alone would route "
+                        "differently, so nothing is written")
+
+
 def _moe_args(meta: dict, tp: int, ep: int, etp: int | None, grouped_gemm: bool, ckpt_format: str) -> dict:
     """The MoE args under Megatron-LM's names (its validate_args' forms: one load-balancing type and
     one aux-loss coefficient as plain values, expert TP (default TP), moe_ffn_hidden_size resolved);
@@ -139,10 +147,7 @@ def _moe_args(meta: dict, tp: int, ep: int, etp: int | None, grouped_gemm: bool,
         raise UserError(f"--expert-tensor-parallel-size {etp} does not divide the experts' FFN size "
                         f"{meta['moe_ffn_hidden_size']}: each expert splits over expert TP as the MLP over TP; "
                         "choose one that divides it")
-    if meta["moe_router_enable_expert_bias"]:
-        raise UserError("the model's routers have an expert bias (--moe-router-enable-expert-bias), which this "
-                        "conversion does not write into Megatron-LM's files yet; the weights alone would route "
-                        "differently, so nothing is written")
+    refuse_what_megatron_files_cannot_hold(meta)
     if ckpt_format == "torch":
         legacy_rank_files(tp, etp, ep)          # (refuses a layout Megatron-LM's torch format cannot hold)
     return {**{k: meta[k] for k in MOE_FIELDS}, "expert_model_parallel_size": ep, "expert_tensor_parallel_size": etp,

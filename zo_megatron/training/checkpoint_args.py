@@ -129,7 +129,9 @@ RUN_CHANGES = (("precision", "--bf16/--fp16/--fp32", "the 16-bit weights are re-
                 "schedule keep counting, tokens per step do not match the earlier steps"),
                ("rampup_batch_size", "--rampup-batch-size", "the remaining iterations take the new ramp's batches "
                 "(the consumed samples keep counting)"),
-               ("seq_length", "--seq-length", "tokens per sample change"))
+               ("seq_length", "--seq-length", "tokens per sample change"),
+               ("moe_router_bias_update_rate", "--moe-router-bias-update-rate", "the router expert bias moves by "
+                "the new rate from now on (what it holds is kept)"))
 
 
 def run_changes(saved: dict, args) -> list[str]:

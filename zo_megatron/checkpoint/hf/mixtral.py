@@ -138,8 +138,7 @@ class MixtralFamily(HFFamily):
                  ("moe_router_topk_scaling_factor", None, "no top-k scaling factor"),
                  ("moe_shared_expert_intermediate_size", None, "no shared expert"), ("moe_layer_freq", 1, "experts in "
                                                                                        "every layer"),
-                 ("moe_expert_capacity_factor", None, "no expert capacity (it drops no tokens)"),
-                 ("moe_router_enable_expert_bias", False, "no router expert bias"))
+                 ("moe_expert_capacity_factor", None, "no expert capacity (it drops no tokens)"))
         if meta["num_experts"] is None:
             return "MixtralForCausalLM has experts (num_experts=None)"
         for key, want, what in needs:

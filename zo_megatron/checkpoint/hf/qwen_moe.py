@@ -148,8 +148,7 @@ class QwenMoeFamily(HFFamily):
         needs = (("moe_router_score_function", "softmax", "a softmax router"),
                  ("moe_router_topk_scaling_factor", None, "no top-k scaling factor"),
                  ("moe_shared_expert_gate", shared, "a gated shared expert" if shared else "no shared expert"),
-                 ("moe_expert_capacity_factor", None, "no expert capacity (it drops no tokens)"),
-                 ("moe_router_enable_expert_bias", False, "no router expert bias"))
+                 ("moe_expert_capacity_factor", None, "no expert capacity (it drops no tokens)"))
         for key, want, what in needs:
             if meta.get(key) != want:
                 return f"{self.architecture} has {what} ({key}={meta.get(key)!r})"
