@@ -126,6 +126,8 @@ NO_OP.update({
     "--moe-grouped-gemm": _GROUPED_GEMM,
     "--moe-use-legacy-grouped-gemm": _GROUPED_GEMM,
     "--openai-gelu": "GPT-2's GELU is the tanh approximation (Megatron's openai_gelu) already",
+    "--moe-shared-expert-overlap": "performance only: megatron-core runs the shared expert on a side CUDA stream "
+                                   "beside the token dispatch, the same sum; here it runs in order",
     "--local-rank": "the local rank is read from the launcher's environment (LOCAL_RANK, OMPI_*, SLURM_*)",
 })
 
