@@ -177,7 +177,8 @@ def test_moe_layer_recompute_is_selective_with_moe_added():
                         # Megatron-LM: --recompute-activations wins over --recompute-granularity full
                         (["--recompute-activations", "--recompute-granularity", "full"], None)):
         args = build_parser().parse_args(
-            ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "16", "--lr", "1e-3",
+            ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "16",
+             "--lr", "1e-3",
              "--train-iters", "1", *(["--moe-layer-recompute"] if want else []), *extra])
         finalize(args)
         assert args.recompute_granularity == "selective" and args.recompute_modules == want, (extra, args)
@@ -316,10 +317,11 @@ def test_tflops_count_each_recomputed_module_once_more():
     core = 2 * h * s                                # QK^T and (QK^T)V, causal: 2·q·s per layer, q = h
     mlp, shared, moe_side = 2 * h * f * 3, 2 * h * 48 * 3, 2 * h * (2 * 40 + 48) * 3   # SwiGLU: three GEMMs
     for mods, extra in ((("core_attn",), L * core), (("mlp",), mlp), (("moe",), moe_side),
-                        (("shared_experts",), shared), (("core_attn", "layernorm", "mlp", "moe"), L * core + mlp + moe_side),
+                        (("shared_experts",), shared),
+                        (("core_attn", "layernorm", "mlp", "moe"), L * core + mlp + moe_side),
                         (("layernorm",), 0)):
-        got = flops_per_token(L, h, s, V, "selective", f, num_attention_heads=heads, swiglu=True, recompute_modules=mods,
-                              **moe)
+        got = flops_per_token(L, h, s, V, "selective", f, num_attention_heads=heads, swiglu=True,
+                              recompute_modules=mods, **moe)
         assert got - base == extra, (mods, got - base, extra)
     # the default modules (None): the attention core
     assert flops_per_token(L, h, s, V, "selective", f, num_attention_heads=heads, swiglu=True, **moe) == base + L * core

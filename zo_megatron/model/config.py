@@ -170,7 +170,8 @@ class GPTConfig:
         try:
             modules = selective_recompute_modules(
                 self.recompute, self.recompute_modules, experts=self.num_experts is not None,
-                dense_layers=not all(self.moe_layers()), shared_expert=self.moe_shared_expert_intermediate_size is not None,
+                dense_layers=not all(self.moe_layers()),
+                shared_expert=self.moe_shared_expert_intermediate_size is not None,
                 linear_biases=self.add_bias_linear)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None

@@ -18,7 +18,8 @@ def _describe(p: Plan) -> str:
 BF16_STATES_FLAGS = "--exp-avg-dtype bf16 --exp-avg-sq-dtype bf16"
 
 
-_MODULE_WORDS = {"core_attn": "the attention core", "layernorm": "the norms", "mlp": "the MLPs", "moe": "the MoE layers"}
+_MODULE_WORDS = {"core_attn": "the attention core", "layernorm": "the norms", "mlp": "the MLPs",
+                 "moe": "the MoE layers"}
 
 
 def _selective_modules_worth_trying(inp: PlanInput) -> tuple:
