@@ -104,7 +104,7 @@ def test_gqa_must_divide_tp_and_heads():
 
 def test_architecture_changes_the_activations_as_modelled():
     """Each architecture choice moves the per-layer bytes by exactly what it keeps."""
-    from zo_megatron.planner.memory import _layer_saved
+    from zo_megatron.planner.layer_activations import _layer_saved
 
     s, b, h, a, f = 128, 2, 256, 8, 512
     base = PlanInput(num_layers=2, hidden_size=h, num_attention_heads=a, seq_length=s, micro_batch_size=b,
@@ -206,7 +206,7 @@ def test_layer_saved_bytes_match_megatron_core():
     """What one megatron-core layer (local spec, unfused CPU paths) saves for backward equals the
     planner's per-layer item within 2% (the s x s bool mask, cached once, is left out of both; the
     planner ignores the per-token statistics of the two main LayerNorms, as Korthikanti's count does)."""
-    from zo_megatron.planner.memory import _layer_saved
+    from zo_megatron.planner.layer_activations import _layer_saved
 
     rng = random.Random(fresh_seed("layer saved"))
     cases = _random_cases(rng, 8)

@@ -248,7 +248,7 @@ def _ranks_and_input(measured, key, **kw):
 
 @pytest.mark.parametrize("key", WITH_TP2)
 def test_what_a_moe_layer_saves_is_planned(measured, key):
-    from zo_megatron.planner.memory import _layer_saved
+    from zo_megatron.planner.layer_activations import _layer_saved
 
     ranks, inp = _ranks_and_input(measured, key, precision="bf16")
     for layer, moe in ((0, True), (1, False)):
@@ -264,7 +264,7 @@ def test_unbalanced_routing_is_planned_by_the_imbalance(measured):
     share of slots (the most an EP rank can get at top 2 of 2 local experts), rank 1's none. What rank 0's
     MoE layer saves is the plan at moe_routing_imbalance 2 (its bound) within 2%; the balanced plan
     misses it by far more, and an imbalance above the bound plans no more than the bound."""
-    from zo_megatron.planner.memory import _layer_saved
+    from zo_megatron.planner.layer_activations import _layer_saved
 
     ranks, inp = _ranks_and_input(measured, (2, "alltoall", "swiglu_skewed"), precision="bf16")
     got = max(r["saved"][0] for r in ranks)

@@ -292,7 +292,7 @@ def test_what_moe_layers_keep_under_selective_recompute_is_planned():
     and a dense one, measured: the whole MoE side, the shared expert alone, and either with the norms
     (their outputs, the router's and the shared expert's input, freed in forward)."""
     from tests.test_planner_moe import SWIGLU, _plan_input
-    from zo_megatron.planner.memory import _selective_layer
+    from zo_megatron.planner.layer_activations import _selective_layer
 
     variants = [("moe", ("moe",)), ("shared", ("shared_experts",)), ("norms_moe", ("layernorm", "moe")),
                 ("attn_norms_shared", ("core_attn", "layernorm", "shared_experts"))]

@@ -55,6 +55,7 @@ Layers (each module imports only those above it):
   inputs   PlanInput (the question), Plan (the answer), plan_input_from_flags
   buckets  the engine's bucket layout (one engine, or at EP > 1 the dense and the experts' engines)
   moe      what a mixture-of-experts layer adds to the activations, the token dispatcher's buffers
+  layer_activations  what one transformer layer keeps for backward, by part (and under selective recompute)
   memory   the memory model, one function per component (_compute assembles them)
   search   plan() with suggestions, max_model()
   presets  hardware and model-shape presets

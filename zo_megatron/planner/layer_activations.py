@@ -1,0 +1,200 @@
+"""What one transformer layer keeps for backward on one TP rank, by part (Korthikanti et al. 2022,
+built from the parts so precision, architecture and options change it consistently; measured with
+saved-tensor hooks in tests/test_planner_validation.py and tests/test_planner_moe.py): the norms, the
+attention block and its scores, the MLP (or an MoE layer's side, planner/moe.py), and what selective
+recompute (--recompute-modules) keeps and holds again. memory.py composes these into the plan."""
+from __future__ import annotations
+
+from zo_megatron.planner.inputs import PlanInput
+from zo_megatron.planner.moe import moe_mlp_saved, shared_expert_saved
+
+
+def _bytes16(precision: str) -> int:
+    return 4 if precision == "fp32" else 2
+
+
+def _norm_saved(inp: PlanInput, elements: int, rows: int) -> tuple[int, bool]:
+    """(bytes one norm keeps for backward, its input included when it keeps it; whether the tensor
+    it keeps is its input itself, which may be a view of something larger).
+
+    LayerNorm (one native op) keeps its input and per-row statistics (ignored, as in Korthikanti's
+    count). RMSNorm is torch.nn.RMSNorm (megatron-core's WrappedTorchNorm), a composite computing in
+    fp32: it keeps the fp32 input (the input itself in fp32 mode, an fp32 copy in 16-bit modes),
+    the fp32 normalized tensor and the fp32 1/rms per row."""
+    w = _bytes16(inp.precision)
+    if inp.normalization == "LayerNorm":
+        return w * elements, True
+    return 8 * elements + 4 * rows, w == 4
+
+
+def _qk_norm_saved(inp: PlanInput, elements: int, rows: int) -> tuple[int, bool]:
+    """`_norm_saved` of a q/k norm (one row per head): with LayerNorm also its mean and 1/std per row
+    (2 x 16 bits), not negligible next to a row of head_dim elements."""
+    b, keeps = _norm_saved(inp, elements, rows)
+    return b + (2 * _bytes16(inp.precision) * rows if inp.normalization == "LayerNorm" else 0), keeps
+
+
+def _sdpa_math_path(inp: PlanInput) -> bool:
+    """torch SDPA on the CPU with attention dropout: its CPU kernel has no dropout, the math path runs."""
+    return inp.attention_backend == "sdpa" and inp.device_is_host and inp.attention_dropout_on()
+
+
+def _attention_saved(inp: PlanInput, checkpointed: bool | None = None) -> int:
+    """Bytes the attention block of one layer keeps per token on one TP rank (besides the scores and
+    its input, counted by the caller): what the core attention's matmuls save, with aliasing.
+    `checkpointed` (default: --recompute-modules core_attn is on): the core attention runs under
+    megatron-core's checkpoint, which keeps its inputs as given (q at the full head count, k and v at
+    the rank's groups; new tensors only after RoPE or q/k norms, v always a view of the fused tensor)
+    and nothing the core computes from them (measured: tests/test_planner_validation.py).
+
+    q, k, v come out of linear_qkv as views of one fused tensor of (heads + 2G)·head_dim per token
+    (per query group: its q heads, its k, its v). The core attention saves q, k and v at full head
+    count (GQA's k/v are repeat_interleaved to every head: new tensors); RoPE (the unfused path,
+    rope_utils._apply_rotary_pos_emb_bshd) returns new rotated q and k and keeps only its cos/sin
+    tables (counted per layer by the caller); q is reshaped to heads (a view with MHA or one group)
+    and flattened by the core attention (a view with MHA, or one group at micro-batch 1). The fused
+    tensor stays alive as long as any saved tensor is a view of it (GPT-2: all three; MHA + RoPE:
+    v). qk_layernorm normalizes q and k per head first (its inputs: q's reshape, k's view of the
+    fused tensor). Heads and groups are this TP rank's (G/t groups: one group per rank at G = t)."""
+    w = _bytes16(inp.precision)
+    t = inp.tensor_parallel
+    a, g, d = inp.num_attention_heads // t, inp.query_groups() // t, inp.head_dim()
+    rope, qk_norm = inp.position_embedding_type in ("rope", "yarn"), inp.qk_layernorm
+    q_is_view = g == a or g == 1                  # q's reshape to heads needs no copy
+    if checkpointed is None:
+        checkpointed = "core_attn" in inp.selective_modules()
+    if checkpointed:
+        q_new, k_new = rope or qk_norm or not q_is_view, rope or qk_norm
+        v_new, kv_heads = False, g
+    elif inp.attention_backend == "sdpa":
+        # SDPA reads q, k, v as strided views (no flatten). k/v stay grouped (enable_gqa) in the CPU
+        # kernel and CUDA's flash (16-bit); CUDA's memory-efficient kernel (fp32) gets them repeated.
+        grouped = inp.device_is_host or w == 2
+        q_new = rope or qk_norm or not q_is_view
+        k_new = rope or qk_norm or (g < a and not grouped)
+        v_new = g < a and not grouped
+        kv_heads = g if grouped else a
+    else:
+        # the core attention flattens q to [s, b·heads, d]: a view of the fused tensor with MHA, or
+        # with one group at micro-batch 1 (merging a size-1 dimension needs no copy)
+        q_new = rope or qk_norm or not (g == a or (g == 1 and inp.micro_batch_size == 1))
+        k_new = rope or qk_norm or g < a
+        v_new = g < a
+        kv_heads = a
+    # the core attention's new inputs
+    saved_bytes = w * d * sum(n for new, n in ((q_new, a), (k_new, kv_heads), (v_new, kv_heads)) if new)
+    fused_kept = not (q_new and k_new and v_new)
+    if _sdpa_math_path(inp) and not checkpointed:
+        # the math path saves fp32 copies of q, k, v (counted with its scores, `_scores_saved`), not
+        # the tensors it was given: neither they nor the fused tensor they are views of stay alive
+        saved_bytes, fused_kept = 0, False
+    if qk_norm:                                   # per token: a·d and g·d elements, a and g rows
+        q_bytes, keeps_input = _qk_norm_saved(inp, a * d, a)
+        k_bytes, _ = _qk_norm_saved(inp, g * d, g)
+        if keeps_input:                           # k's input, a view of the fused tensor, keeps it alive
+            fused_kept = True                     # (and q's too when q is a view)
+            k_bytes -= w * g * d
+            q_bytes -= w * a * d if q_is_view else 0
+        saved_bytes += q_bytes + k_bytes
+    if fused_kept:
+        saved_bytes += w * (a + 2 * g) * d
+    return saved_bytes
+
+
+def _layer_saved(inp: PlanInput, moe_layer: bool = False) -> tuple[int, int, int]:
+    """(replicated, split, scores) bytes one transformer layer keeps for backward on one TP rank.
+
+    Korthikanti et al. 2022 for GPT-2 (16-bit, dropout, no SP): s·b·h·(10 + 24/t + 5·a·s/(h·t));
+    here built from its parts so precision, options and the architecture change it consistently.
+    moe_layer: a mixture-of-experts layer, whose MLP keeps `moe.moe_mlp_saved` (in `split`)."""
+    s, b, h = inp.seq_length, inp.micro_batch_size, inp.hidden_size
+    a, t, f = inp.num_attention_heads, inp.tensor_parallel, inp.ffn()
+    w = _bytes16(inp.precision)
+    sb, sbh = s * b, s * b * h
+    mask = 1 if inp.dropout else 0
+    # replicated over TP (split along the sequence with SP): what the two norms keep (LayerNorm: its
+    # 16-bit input; RMSNorm: fp32 input, fp32 normalized, 1/rms), the inputs of qkv and of fc1 (b16
+    # each) + 2 dropout masks
+    replicated = 2 * _norm_saved(inp, sbh, sb)[0] + (2 * w + 2 * mask) * sbh
+    # split over TP: q, k, v (+ the fused qkv output they may be views of), proj input, the MLP:
+    # GELU keeps fc1's output and fc2's input (2f); SwiGLU keeps fc1's [gate; up] output (2f), silu(gate),
+    # up + 0 (megatron's glu_linear_offset makes it a new tensor) and their product, fc2's input (5f)
+    mlp = 0 if moe_layer else (5 if inp.swiglu else 2) * f // t
+    split = sb * (_attention_saved(inp) + w * (inp.num_attention_heads * inp.head_dim() // t + mlp))
+    if moe_layer:
+        split += moe_mlp_saved(inp)
+    if inp.sp():
+        # sequence parallel: norms, dropouts and the qkv / fc1 inputs (each linear saves its local
+        # [s/t, b, h] input and re-gathers it in backward) hold 1/t of the sequence
+        replicated //= t
+    if inp.position_embedding_type in ("rope", "yarn"):    # cos and sin tables for q and for k, per layer
+        replicated += 4 * w * s * int(inp.head_dim() * inp.rotary_percent)
+    return replicated, split, _scores_saved(inp)
+
+
+def _selective_layer(inp: PlanInput, moe_layer: bool) -> tuple[int, int]:
+    """(bytes one layer keeps for backward, the most one of its recomputed modules holds again in
+    backward) under selective recompute of `inp.selective_modules()` (megatron-core's, as the local
+    spec runs it; measured in tests/test_planner_validation.py and tests/test_planner_moe.py):
+
+      core_attn       the attention core's scores (`_scores_saved`) are recomputed;
+      layernorm       each norm keeps only its input (16-bit): what it saved itself (`_norm_saved`) is
+                      gone and its output, the qkv / fc1 (router) input, is freed after forward and
+                      recomputed into the same storage when backward reaches it;
+      mlp             a dense layer's MLP keeps only its input (the pre-MLP norm's output, kept anyway);
+      moe             an MoE layer's whole MLP side (`moe.moe_mlp_saved`) likewise;
+      shared_experts  only the shared expert's part of it (`moe.shared_expert_saved`)."""
+    replicated, split, scores = _layer_saved(inp, moe_layer)
+    mods = inp.selective_modules()
+    s, b, t = inp.seq_length, inp.micro_batch_size, inp.tensor_parallel
+    w, sbh = _bytes16(inp.precision), inp.seq_length * inp.micro_batch_size * inp.hidden_size
+    kept, recomputed, norm_again = replicated + split + scores, [0], 0
+
+    def recompute(dropped: int, again: int | None = None) -> None:
+        nonlocal kept
+        kept -= dropped
+        recomputed.append(dropped if again is None else again)
+
+    if "core_attn" in mods:
+        # kept: the core's inputs (`_attention_saved`, checkpointed); again in backward: the scores and
+        # what the core keeps of q, k and v beyond its inputs (GQA's repeated k/v, flattened copies)
+        extra = max(0, _attention_saved(inp, checkpointed=False) - _attention_saved(inp, checkpointed=True))
+        recompute(scores, scores + s * b * extra)
+    if "layernorm" in mods:
+        # again: one norm's internals and output, restored by a hook on its block's output before that
+        # block's backward and held until the norm's own: beside the block's recomputed activations
+        norm, seq_split = _norm_saved(inp, sbh, s * b)[0], t if inp.sp() else 1
+        kept -= 2 * norm // seq_split
+        norm_again = (norm + w * sbh) // seq_split
+    if moe_layer and "moe" in mods:
+        recompute(moe_mlp_saved(inp))
+    elif moe_layer and "shared_experts" in mods:
+        recompute(shared_expert_saved(inp))
+    if not moe_layer and "mlp" in mods:
+        recompute(w * s * b * (5 if inp.swiglu else 2) * inp.ffn() // t)
+    return kept, max(recomputed) + norm_again
+
+
+def _scores_saved(inp: PlanInput) -> int:
+    """Bytes the core attention keeps per layer on one TP rank beyond q, k, v and its output.
+
+    local (megatron's DotProductAttention), a·s·s·b/t elements: the probabilities saved by the
+    softmax (+ fp32 probabilities and a 16-bit copy if unfused), with dropout its mask and output.
+    sdpa (torch SDPA, causal): only the fp32 row logsumexp [b, a/t, s] -- no s² term (CUDA's flash
+    and memory-efficient kernels, torch's fused CPU kernel). With attention dropout the CPU kernel
+    falls back to the math path: three fp32 [b, a/t, s, s] tensors (softmax output, dropout mask
+    and output) and fp32 q·scale, k·scale and v at the full head count, instead of the q, k, v it
+    was given (measured with saved-tensor hooks, torch 2.13 CPU; tests/test_planner_validation.py's
+    `-sdpa-attndrop` case in bf16; in fp32 v may stay a view of the fused qkv tensor instead)."""
+    s, b, a, t = inp.seq_length, inp.micro_batch_size, inp.num_attention_heads, inp.tensor_parallel
+    w = _bytes16(inp.precision)
+    if inp.attention_backend == "sdpa":
+        if _sdpa_math_path(inp):
+            # fp32: scores, probabilities, dropout output [b, a/t, s, s]; scaled q, scaled k, v [b, a/t, s, d]
+            return 3 * 4 * a * s * s * b // t + 3 * 4 * a * s * b * inp.head_dim() // t
+        return 4 * a * s * b // t
+    mask = 1 if inp.dropout else 0
+    # attention scores a·s·s·b: probs saved by softmax (+ fp32 probs and a 16-bit copy if unfused)
+    probs = w if (inp.fused_softmax or w == 4) else 4 + w
+    scores_per_elem = probs + (mask + w if inp.dropout else 0)  # dropout mask + dropout output
+    return scores_per_elem * a * s * s * b // t
