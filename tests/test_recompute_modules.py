@@ -220,17 +220,21 @@ def test_the_plain_baseline_recomputes_under_its_bf16_autocast(tmp_path):
 
 
 def test_the_planner_keeps_less_with_each_module_and_the_job_plans_the_flags():
-    """The plan from the job's own flags (planner/inputs.py) has the modules, and each module lowers
-    what a layer keeps (the measured amounts: tests/test_planner_validation.py)."""
-    from types import SimpleNamespace
-
+    """The flags resolve as the job resolves them (one rule, planner/params.py, for the job's arguments
+    and plan_input_from_flags), and each module lowers what a layer keeps (the measured amounts:
+    tests/test_planner_validation.py)."""
     from zo_megatron.planner import PlanInput, plan
-    from zo_megatron.planner.inputs import _recompute_modules
+    from zo_megatron.planner.params import resolve_recompute
 
-    flags = SimpleNamespace(recompute_modules=None, moe_layer_recompute=True, num_experts=8)
-    assert _recompute_modules(flags, "selective") == ("core_attn", "moe")
-    assert _recompute_modules(SimpleNamespace(recompute_modules=None, moe_layer_recompute=True, num_experts=None),
-                              "selective") == ("core_attn",)
+    def resolve(granularity, modules, activations=False, moe_layer=False, experts=False):
+        return resolve_recompute(granularity, modules, recompute_activations=activations,
+                                 moe_layer_recompute=moe_layer, experts=experts)
+
+    assert resolve(None, None, moe_layer=True, experts=True) == ("selective", ["core_attn", "moe"])
+    assert resolve(None, None, moe_layer=True) == ("selective", ["core_attn"])
+    assert resolve("full", None, activations=True) == ("selective", None)
+    with pytest.raises(ValueError, match="full recompute covers the MoE layers"):
+        resolve("full", None, moe_layer=True, experts=True)
     # the job's rules, in the planner too: no plan for a run the job refuses
     with pytest.raises(ValueError, match="add --disable-bias-linear"):
         plan(PlanInput(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=1000, seq_length=64,
@@ -238,7 +242,7 @@ def test_the_planner_keeps_less_with_each_module_and_the_job_plans_the_flags():
     with pytest.raises(ValueError, match="applies to --recompute-granularity selective"):
         plan(PlanInput(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=1000, seq_length=64,
                        recompute_modules=("core_attn",)))
-    assert _recompute_modules(SimpleNamespace(recompute_modules=["mlp", "mlp"]), "selective") == ("mlp",)
+    assert resolve("selective", ["mlp", "mlp"]) == ("selective", ["mlp"])
     shape = dict(num_layers=4, hidden_size=256, num_attention_heads=8, vocab_size=1000, seq_length=256,
                  max_position_embeddings=256, micro_batch_size=2, normalization="RMSNorm", swiglu=True,
                  add_bias_linear=False)

@@ -338,8 +338,6 @@ def to_megatron(load: str, output: str, *, iteration: int | None = None, tensor_
     elif expert_tensor_parallel not in (None, tp):
         raise UserError(f"--expert-tensor-parallel-size {expert_tensor_parallel}: the model is dense (no experts); "
                         "drop it")
-    megatron_lm.refuse_what_megatron_files_cannot_hold(meta)      # before reading every weight
-    weights = reader.read_weights()
     saved_tok = os.path.join(reader.dir, TOKENIZER_DIR)
     has_tokenizer = os.path.isdir(saved_tok)
     tokenizer_type = (reader.manifest.get("tokenizer_type") or args.get("tokenizer_type")
@@ -354,6 +352,7 @@ def to_megatron(load: str, output: str, *, iteration: int | None = None, tensor_
                                    consumed_valid_samples=int(reader.manifest.get("consumed_valid_samples", 0)),
                                    expert_parallel=ep, expert_tensor_parallel=etp, grouped_gemm=grouped_gemm,
                                    ckpt_format=ckpt_format)
+    weights = reader.read_weights()             # after megatron_args: what it refuses is refused before any read
     with atomic_output(output, force=force) as tmp:
         if ckpt_format == "torch_dist":
             megatron_dist.write(tmp, weights, ns, log=log)

@@ -116,14 +116,6 @@ def megatron_args(meta: dict, *, tp: int, iteration: int, divisible_by: int, seq
         **_moe_args(meta, tp, expert_parallel, expert_tensor_parallel, grouped_gemm, ckpt_format))
 
 
-def refuse_what_megatron_files_cannot_hold(meta: dict) -> None:
-    """What to-megatron does not write yet, refused in one line before anything is read."""
-    if meta.get("moe_router_enable_expert_bias"):
-        raise UserError("the model's routers have an expert bias (--moe-router-enable-expert-bias), which this "
-                        "conversion does not write into Megatron-LM's files yet; the weights alone would route "
-                        "differently, so nothing is written")
-
-
 def _moe_args(meta: dict, tp: int, ep: int, etp: int | None, grouped_gemm: bool, ckpt_format: str) -> dict:
     """The MoE args under Megatron-LM's names (its validate_args' forms: one load-balancing type and
     one aux-loss coefficient as plain values, expert TP (default TP), moe_ffn_hidden_size resolved);
@@ -147,12 +139,13 @@ def _moe_args(meta: dict, tp: int, ep: int, etp: int | None, grouped_gemm: bool,
         raise UserError(f"--expert-tensor-parallel-size {etp} does not divide the experts' FFN size "
                         f"{meta['moe_ffn_hidden_size']}: each expert splits over expert TP as the MLP over TP; "
                         "choose one that divides it")
-    refuse_what_megatron_files_cannot_hold(meta)
+    if meta["moe_router_enable_expert_bias"]:
+        raise UserError("the routers' expert bias (--moe-router-enable-expert-bias) is not written into Megatron-LM's "
+                        "files yet, and the weights alone would route differently: nothing is written")
     if ckpt_format == "torch":
         legacy_rank_files(tp, etp, ep)          # (refuses a layout Megatron-LM's torch format cannot hold)
     return {**{k: meta[k] for k in MOE_FIELDS}, "expert_model_parallel_size": ep, "expert_tensor_parallel_size": etp,
             "moe_grouped_gemm": grouped_gemm, "moe_use_legacy_grouped_gemm": False,
-            "moe_router_enable_expert_bias": False,
             # Megatron-LM needs sequence parallelism for MoE with TP (the math is the same)
             "sequence_parallel": tp > 1}
 

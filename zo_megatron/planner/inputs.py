@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from zo_megatron.planner.params import (Architecture, MoEShape, default_ffn_size, moe_layer_pattern,
-                                        selective_recompute_modules)
+                                        resolve_recompute, selective_recompute_modules)
 from zo_megatron.planner.units import GiB, MiB
 
 PRECISIONS = ("bf16", "fp16", "fp32")
@@ -395,10 +395,11 @@ def plan_input_from_flags(flags: Any, *, data_parallel: int, vocab_size: int, **
         raise ValueError(f"--global-batch-size {gbs} is not a multiple of --micro-batch-size {mb} x DP {data_parallel}")
     else:
         accum = gbs // (mb * data_parallel)
-    # Megatron-LM: --recompute-activations wins over --recompute-granularity
-    recompute = "selective" if getattr(flags, "recompute_activations", False) else flags.recompute_granularity
-    if getattr(flags, "moe_layer_recompute", False) and recompute != "full":   # full: the job refuses the pair
-        recompute = "selective"
+    recompute, modules = resolve_recompute(
+        flags.recompute_granularity, getattr(flags, "recompute_modules", None),
+        recompute_activations=bool(getattr(flags, "recompute_activations", False)),
+        moe_layer_recompute=bool(getattr(flags, "moe_layer_recompute", False)),
+        experts=getattr(flags, "num_experts", None) is not None)
     window = getattr(flags, "window_size", None)
     if window not in (None, -1, (-1, -1), [-1, -1]):
         raise ValueError(f"--window-size {window}: sliding-window attention is not modelled by the planner "
@@ -417,7 +418,7 @@ def plan_input_from_flags(flags: Any, *, data_parallel: int, vocab_size: int, **
         dpu_weight_prediction=bool(getattr(flags, "dpu_weight_prediction", False)), recompute=recompute,
         recompute_method=getattr(flags, "recompute_method", None) or "uniform",
         recompute_num_layers=getattr(flags, "recompute_num_layers", None) or 1,
-        recompute_modules=_recompute_modules(flags, recompute),
+        recompute_modules=None if modules is None else tuple(modules),
         bucket_size=flags.bucket_size, make_vocab_size_divisible_by=flags.make_vocab_size_divisible_by,
         # the model's attention is torch's softmax in fp32 (not a fused kernel) on every device
         dropout=flags.hidden_dropout > 0 or flags.attention_dropout > 0, fused_softmax=False,
@@ -449,16 +450,6 @@ def _moe_fields(flags: Any) -> dict[str, Any]:
                 moe_routing_imbalance=getattr(flags, "moe_routing_imbalance", 1.0),
                 expert_parallel=getattr(flags, "expert_parallel", 1) or 1)
 
-
-
-def _recompute_modules(flags: Any, recompute: str | None) -> tuple | None:
-    """--recompute-modules as the job resolves it (--moe-layer-recompute: selective, and moe added when
-    the model has experts); PlanInput.validate applies the job's rules to it."""
-    modules = getattr(flags, "recompute_modules", None)
-    if getattr(flags, "moe_layer_recompute", False) and recompute == "selective":
-        modules = list(modules if modules is not None else ["core_attn"])
-        modules += ["moe"] * (getattr(flags, "num_experts", None) is not None and "moe" not in modules)
-    return None if modules is None else tuple(dict.fromkeys(modules))
 
 
 def _core_attention(flags: Any) -> str:

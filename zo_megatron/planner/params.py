@@ -24,6 +24,24 @@ from zo_megatron.param_names import is_routed_expert
 RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe", "shared_experts")
 
 
+def resolve_recompute(granularity: str | None, modules, *, recompute_activations: bool, moe_layer_recompute: bool,
+                      experts: bool) -> tuple[str | None, list | None]:
+    """(granularity, modules) of Megatron-LM's recompute flags as it resolves them, for the job's
+    arguments and the planner alike: --recompute-activations is selective and wins over
+    --recompute-granularity; --moe-layer-recompute (megatron-core's older flag) is selective with moe
+    added to the modules (on a dense model nothing), and refused (ValueError) with full."""
+    if recompute_activations:
+        granularity = "selective"
+    if moe_layer_recompute:
+        if granularity == "full":
+            raise ValueError("--moe-layer-recompute with --recompute-granularity full: full recompute covers the MoE "
+                             "layers already; drop one of them (megatron-core's rule)")
+        granularity = "selective"
+        modules = ["core_attn"] if modules is None else list(modules)
+        modules += ["moe"] * (experts and "moe" not in modules)
+    return granularity, None if modules is None else list(dict.fromkeys(modules))
+
+
 def selective_recompute_modules(recompute: str | None, modules, *, experts: bool, dense_layers: bool,
                                 shared_expert: bool, linear_biases: bool) -> tuple | None:
     """The modules selective recompute runs (None when it is off), or a ValueError naming the flag

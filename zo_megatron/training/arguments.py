@@ -9,6 +9,7 @@ import argparse
 import sys
 
 from zo_megatron.errors import ConfigError
+from zo_megatron.planner.params import resolve_recompute
 from zo_megatron.training.checkpoint_args import apply_checkpoint_args, given_dests
 from zo_megatron.training.load_target import check_load_target, resumed_precision
 from zo_megatron.training.megatron_compat import add_megatron_compat_flags, check_megatron_compat
@@ -417,19 +418,6 @@ def origin(args: argparse.Namespace, dest: str) -> str:
     return ""
 
 
-def _moe_layer_recompute(args: argparse.Namespace) -> None:
-    """--moe-layer-recompute: megatron-core's older flag, what it turns into there (selective, moe added:
-    on a dense model that adds nothing, as there)."""
-    if not args.moe_layer_recompute:
-        return
-    if args.recompute_granularity == "full":
-        raise ConfigError("--moe-layer-recompute with --recompute-granularity full: full recompute covers the MoE "
-                          "layers already; drop one of them (megatron-core's rule)")
-    args.recompute_granularity = "selective"
-    modules = ["core_attn"] if args.recompute_modules is None else list(args.recompute_modules)
-    args.recompute_modules = modules + ["moe"] * ("moe" not in modules and args.num_experts is not None)
-
-
 def _megatron_position_aliases(args: argparse.Namespace) -> None:
     """Megatron-LM's older rope flags: --use-rotary-position-embeddings is rope; --no-position-embedding
     drops the learned table, which only rope can do without (positions must come from somewhere)."""
@@ -485,9 +473,12 @@ def finalize(args: argparse.Namespace) -> None:
     if args.seq_length > args.max_position_embeddings:
         raise ConfigError(f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
                           f"{args.max_position_embeddings}")
-    if args.recompute_activations:              # Megatron-LM's rule: it wins over --recompute-granularity
-        args.recompute_granularity = "selective"
-    _moe_layer_recompute(args)
+    try:
+        args.recompute_granularity, args.recompute_modules = resolve_recompute(
+            args.recompute_granularity, args.recompute_modules, recompute_activations=args.recompute_activations,
+            moe_layer_recompute=args.moe_layer_recompute, experts=args.num_experts is not None)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     for unit in ("warmup", "decay", "wsd_decay"):     # Megatron's sample-based schedule: --train-samples only
         samples, flag = getattr(args, f"lr_{unit}_samples"), f"--lr-{unit.replace('_', '-')}"
         if samples is not None and args.train_samples is None:
