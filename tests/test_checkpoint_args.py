@@ -89,3 +89,41 @@ def test_values_the_user_did_not_give_say_they_are_demo_defaults():
         args, ("lr", "train_iters"))
     with pytest.raises(ConfigError, match="--use-checkpoint-args reads the model from the checkpoint given by --load"):
         parse_args(["--use-checkpoint-args"])
+
+
+def test_the_launch_line_repeated_with_use_checkpoint_args_agrees_with_its_own_vocab_size(tmp_path):
+    """NullTokenizer's --vocab-size N builds a model of N + 1 rows (its ids and the EOD id): the same
+    flag repeated with --use-checkpoint-args agrees with the checkpoint (it was compared with the rows,
+    N + 1, and refused), and another N is one line naming both flag values."""
+    ck = str(tmp_path / "ck")
+    line = [*SHAPE, *RUN, "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "95", "--save", ck]
+    rc, out, err = run_world(_main, 1, [*line, "--train-iters", "2"], timeout=300)[0]
+    assert rc == 0, err
+    rc, out, err = run_world(_main, 1, [*line, "--train-iters", "4", "--use-checkpoint-args", "--load", ck],
+                             timeout=300)[0]
+    assert rc == 0 and "resumed from" in out, err
+    other = [a if a != "95" else "94" for a in line]
+    rc, out, err = run_world(_main, 1, [*other, "--train-iters", "6", "--use-checkpoint-args", "--load", ck],
+                             timeout=300)[0]
+    lines = [ln for ln in err.splitlines() if "error:" in ln]
+    assert rc == 2 and len(lines) == 1, err
+    assert "--vocab-size: 95 in the checkpoint, 94 here" in lines[0], lines[0]
+
+
+def test_a_zero_centred_gamma_model_resumes_with_use_checkpoint_args_alone(tmp_path):
+    """The checkpoint records --apply-layernorm-1p as GPTConfig's layernorm_zero_centered_gamma: with
+    --use-checkpoint-args it comes back as the flag (it used to be set under the field's name, which no
+    flag reads, and the resume was refused), and a resume without it names the flag, not the field."""
+    ck = str(tmp_path / "ck")
+    data = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "95", "--save", ck]
+    rc, out, err = run_world(_main, 1, [*SHAPE, *RUN, *data, "--apply-layernorm-1p", "--train-iters", "2"],
+                             timeout=300)[0]
+    assert rc == 0, err
+    # no model flag, the tokenizer and vocabulary from the checkpoint too
+    rc, out, err = run_world(_main, 1, ["--use-checkpoint-args", "--load", ck, *RUN, "--mock-data", "--save", ck,
+                                        "--train-iters", "4"], timeout=300)[0]
+    assert rc == 0 and "resumed from" in out, err
+    rc, out, err = run_world(_main, 1, ["--load", ck, *SHAPE, *RUN, *data, "--train-iters", "6"], timeout=300)[0]
+    lines = [ln for ln in err.splitlines() if "error:" in ln]
+    assert rc == 2 and len(lines) == 1, err
+    assert "--apply-layernorm-1p: True in the checkpoint, False here" in lines[0], lines[0]

@@ -42,7 +42,12 @@ def given_dests(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
     return {by_option[t.split("=", 1)[0]] for t in argv if t.startswith("--") and t.split("=", 1)[0] in by_option}
 
 
+# GPTConfig fields whose flag has a dest of another name (Megatron-LM's flag name kept)
+DEST_OF_FIELD = {"layernorm_zero_centered_gamma": "apply_layernorm_1p"}
+
+
 def _action(parser: argparse.ArgumentParser, field: str):
+    field = DEST_OF_FIELD.get(field, field)
     long_first = sorted((a for a in parser._actions if a.dest == field and a.option_strings),
                         key=lambda a: isinstance(a, argparse._StoreFalseAction))   # prefer a positive flag
     return long_first[0] if long_first else None
@@ -81,11 +86,15 @@ def apply_checkpoint_args(parser: argparse.ArgumentParser, args: argparse.Namesp
     for field, value in model.items():
         if field in NOT_FLAGS:
             continue
-        if field in given and getattr(args, field, None) != value:
-            clashes.append(describe_diff(parser, field, value, getattr(args, field, None)))
+        dest = DEST_OF_FIELD.get(field, field)
+        if dest in given:                       # typed: it must agree, and stays as typed
+            # --vocab-size as the checkpoint's run typed it (NullTokenizer's N is a model of N + 1 rows)
+            flag_value = saved["vocab_size"] if field == "vocab_size" and saved.get("vocab_size") else value
+            if getattr(args, dest, None) != flag_value:
+                clashes.append(describe_diff(parser, field, flag_value, getattr(args, dest, None)))
             continue
-        setattr(args, field, value)
-        taken.append(field)
+        setattr(args, dest, value)
+        taken.append(dest)
     if "num_query_groups" in model and hasattr(args, "group_query_attention") and "group_query_attention" not in given:
         # Megatron's pair: --group-query-attention --num-query-groups G; G = heads is plain attention
         args.group_query_attention = model["num_query_groups"] not in (None, model.get("num_attention_heads"))
