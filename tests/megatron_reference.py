@@ -103,12 +103,24 @@ def megatron_preprocess_document(sp, text, append_eod=True):
     return ids + [sp.eos_id()] if append_eod else ids
 
 
+def megatron_bias_gelu_fusion(args) -> bool:
+    """TransformerConfig.bias_activation_fusion for a GELU MLP as Megatron-LM sets it (core_v0.16.1
+    arguments.py): core_transformer_config_from_args takes args.bias_gelu_fusion (--no-bias-gelu-fusion
+    turns it off; on by default), which validate_args has turned off where add_bias_linear is off.
+    megatron-core's MLP then computes its fused bias-GELU (fused_bias_gelu.py's tanh approximation).
+    SwiGLU: off here (its fusion is the same function as the unfused silu(gate) * up)."""
+    if args.swiglu:
+        return False
+    return bool(getattr(args, "bias_gelu_fusion", True)) and bool(args.add_bias_linear)
+
+
 def megatron_core_config(args, *, initialise=False, **layout):
     """megatron-core's TransformerConfig from Megatron-LM's saved args alone (independent of
     zo_megatron.model), as Megatron-LM's loader would build it: the args' model, its MoE fields where
     the args have experts; `layout` overrides the parallel sizes (pipeline stages, for instance).
     `initialise`: megatron-core's own random initialisation (on the host); else the weights are
-    left to a load. Dropout off, no fusions: the CPU eval forward of a test reference. The args'
+    left to a load. Dropout off, no fusions but Megatron-LM's bias-GELU (megatron_bias_gelu_fusion: it
+    decides which GELU the MLP computes): the CPU eval forward of a test reference. The args'
     sequence parallelism is a training layout (megatron-core's MoELayer asks for it only when
     training; its torch norms refuse it without Apex): off here, the same math."""
     import torch
@@ -131,12 +143,14 @@ def megatron_core_config(args, *, initialise=False, **layout):
     fields = dict(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
         num_query_groups=args.num_query_groups, kv_channels=args.kv_channels, ffn_hidden_size=args.ffn_hidden_size,
-        gated_linear_unit=args.swiglu, activation_func=F.silu, normalization=args.normalization,
+        gated_linear_unit=args.swiglu, activation_func=F.silu if args.swiglu else F.gelu,
+        normalization=args.normalization,
         layernorm_epsilon=args.norm_epsilon, add_bias_linear=args.add_bias_linear, add_qkv_bias=args.add_qkv_bias,
         qk_layernorm=getattr(args, "qk_layernorm", False), hidden_dropout=0.0, attention_dropout=0.0,
         apply_query_key_layer_scaling=False, attention_softmax_in_fp32=True,
         tensor_model_parallel_size=args.tensor_model_parallel_size, sequence_parallel=False, **moe,
         params_dtype=torch.float32, use_cpu_initialization=True, perform_initialization=initialise,
-        gradient_accumulation_fusion=False, masked_softmax_fusion=False, bias_activation_fusion=False,
+        gradient_accumulation_fusion=False, masked_softmax_fusion=False,
+        bias_activation_fusion=megatron_bias_gelu_fusion(args),
         bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False)
     return TransformerConfig(**{**fields, **layout})

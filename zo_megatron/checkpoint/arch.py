@@ -152,6 +152,10 @@ def job_flags(meta: dict, hf_tokenizer: bool = False) -> str:
         flags.append(f"--norm-epsilon {m['layernorm_epsilon']:g}")
     if m["swiglu"]:
         flags.append("--swiglu")
+    elif m["gelu_approximate"] == "none" and m["add_bias_linear"]:
+        flags.append("--no-bias-gelu-fusion")      # the erf GELU; without biases it is the default
+    elif m["gelu_approximate"] == "tanh" and not m["add_bias_linear"]:
+        flags.append("--use-checkpoint-args")      # no flag gives a bias-free tanh GELU (Megatron-LM's rule)
     if m["num_query_groups"] != m["num_attention_heads"]:
         flags += ["--group-query-attention", f"--num-query-groups {m['num_query_groups']}"]
     if m["kv_channels"] != m["hidden_size"] // m["num_attention_heads"]:

@@ -28,7 +28,8 @@ READ = frozenset({
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_channels", "group_query_attention",
     "num_query_groups", "max_position_embeddings", "make_vocab_size_divisible_by", "position_embedding_type",
     "use_rotary_position_embeddings", "rotary_base", "rotary_percent", "use_rope_scaling", "rope_scaling_factor",
-    "normalization", "norm_epsilon", "layernorm_epsilon", "swiglu", "openai_gelu", "add_bias_linear", "add_qkv_bias",
+    "normalization", "norm_epsilon", "layernorm_epsilon", "swiglu", "openai_gelu", "bias_gelu_fusion",
+    "use_te_activation_func", "add_bias_linear", "add_qkv_bias",
     "qk_layernorm", "apply_layernorm_1p", "layernorm_zero_centered_gamma", "untie_embeddings_and_output_weights",
     "tensor_model_parallel_size",
     "pipeline_model_parallel_size", "vocab_size", "padded_vocab_size", "tokenizer_type", "tokenizer_model",
@@ -84,9 +85,9 @@ NEUTRAL: dict[str, tuple[tuple, str]] = {
 _ANY_MODEL_GROUP = frozenset({
     # precision, kernels, fusions, implementations of the same math
     "bf16", "fp16", "fp32_residual_connection", "attention_backend", "transformer_impl", "apply_query_key_layer_scaling",
-    "attention_softmax_in_fp32", "masked_softmax_fusion", "bias_gelu_fusion", "bias_swiglu_fusion",
+    "attention_softmax_in_fp32", "masked_softmax_fusion", "bias_swiglu_fusion",
     "bias_dropout_fusion", "apply_rope_fusion", "gradient_accumulation_fusion", "cross_entropy_loss_fusion",
-    "cross_entropy_fusion_impl", "use_te_activation_func", "use_fused_weighted_squared_relu", "use_kitchen_attention",
+    "cross_entropy_fusion_impl", "use_fused_weighted_squared_relu", "use_kitchen_attention",
     "kitchen_attention_backend", "batch_invariant_mode", "deterministic_mode", "disable_bf16_reduced_precision_matmul",
     "first_last_layers_bf16", "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16", "flash_decode",
     "persist_layer_norm", "no_persist_layer_norm", "use_flash_attn",

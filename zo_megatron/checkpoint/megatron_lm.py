@@ -110,10 +110,24 @@ def megatron_args(meta: dict, *, tp: int, iteration: int, divisible_by: int, seq
         qk_layernorm=meta["qk_layernorm"],
         # Megatron-LM keeps add_qkv_bias True whenever add_bias_linear is
         add_bias_linear=meta["add_bias_linear"], add_qkv_bias=meta["add_bias_linear"] or meta["add_qkv_bias"],
-        swiglu=meta["swiglu"], squared_relu=False, openai_gelu=not meta["swiglu"], transformer_impl="local",
+        swiglu=meta["swiglu"], squared_relu=False, openai_gelu=False, bias_gelu_fusion=_bias_gelu_fusion(meta),
+        transformer_impl="local",
         ckpt_format=ckpt_format, bf16=precision == "bf16", fp16=precision == "fp16", iteration=iteration,
         consumed_train_samples=consumed_samples, consumed_valid_samples=consumed_valid_samples,
         **_moe_args(meta, tp, expert_parallel, expert_tensor_parallel, grouped_gemm, ckpt_format))
+
+
+def _bias_gelu_fusion(meta: dict) -> bool:
+    """Megatron-LM's bias_gelu_fusion for the model's GELU: its fused bias-GELU is the tanh approximation,
+    its unfused path the erf GELU, and it fuses only with linear biases (validate_args): a bias-free tanh
+    GELU is a model megatron-core's GPT does not compute."""
+    if meta["swiglu"]:
+        return meta["add_bias_linear"]          # as Megatron-LM's validate_args leaves it; SwiGLU does not read it
+    if meta["gelu_approximate"] == "tanh" and not meta["add_bias_linear"]:
+        raise UserError("the MLP's GELU is the tanh approximation without linear biases: megatron-core's GPT "
+                        "computes the erf GELU there (its tanh GELU is the fused bias-GELU), so the weights would "
+                        "compute another function in Megatron-LM: nothing is written")
+    return meta["gelu_approximate"] == "tanh"
 
 
 def _moe_args(meta: dict, tp: int, ep: int, etp: int | None, grouped_gemm: bool, ckpt_format: str) -> dict:
@@ -166,6 +180,14 @@ def _yarn_meta(args: argparse.Namespace, pos: str) -> dict:
             for k, default in YARN_FIELDS.items()}
 
 
+def _gelu_approximate(args: argparse.Namespace, bias: bool) -> str:
+    """The GELU megatron-core's MLP computed (core_v0.16.1 mlp.py): the fused bias-GELU, the tanh
+    approximation, where bias_gelu_fusion is on and the linears have biases (validate_args turns the
+    fusion off without them); torch's erf F.gelu otherwise. args.openai_gelu is read by Megatron-LM's
+    legacy models only (refused: use_legacy_models)."""
+    return "tanh" if bias and bool(getattr(args, "bias_gelu_fusion", True)) else "none"
+
+
 def meta_from_args(args: argparse.Namespace, vocab: int, where: str) -> dict:
     """The model's architecture (GPTConfig fields) from Megatron-LM's saved args; one line for
     what zo_megatron does not build."""
@@ -179,9 +201,10 @@ def meta_from_args(args: argparse.Namespace, vocab: int, where: str) -> dict:
                         f"compute another function; only checkpoints trained without {them} convert "
                         "(zo_megatron/checkpoint/megatron_allow.py lists what converts)")
     swiglu = bool(getattr(args, "swiglu", False))
-    if not swiglu and not getattr(args, "openai_gelu", False):
-        refuse("args.openai_gelu=False with a GELU MLP (the erf GELU; zo_megatron's GPT-2 MLP is the tanh GELU, "
-               "Megatron-LM's --openai-gelu)")
+    bias = bool(getattr(args, "add_bias_linear", True))
+    if not swiglu and getattr(args, "use_te_activation_func", False):
+        refuse("args.use_te_activation_func=True with a GELU MLP (Transformer Engine's activation op, whose GELU "
+               "depends on the layer spec)")
     pos = "rope" if getattr(args, "use_rotary_position_embeddings", False) else \
         getattr(args, "position_embedding_type", "learned_absolute")
     if pos not in ("learned_absolute", "rope", "yarn"):
@@ -191,7 +214,6 @@ def meta_from_args(args: argparse.Namespace, vocab: int, where: str) -> dict:
         refuse(f"args.normalization={norm!r}")
     h, heads = args.hidden_size, args.num_attention_heads
     eps = getattr(args, "norm_epsilon", None) or getattr(args, "layernorm_epsilon", None) or 1e-5
-    bias = bool(getattr(args, "add_bias_linear", True))
     ffn = getattr(args, "ffn_hidden_size", None) or (int(4 * h * 2 / 3 / 64) * 64 if swiglu else 4 * h)
     return full_meta(dict(
         num_layers=args.num_layers, hidden_size=h, num_attention_heads=heads, ffn_hidden_size=ffn, vocab_size=vocab,
@@ -201,7 +223,7 @@ def meta_from_args(args: argparse.Namespace, vocab: int, where: str) -> dict:
         rotary_percent=float(getattr(args, "rotary_percent", 1.0)),
         use_rope_scaling=bool(getattr(args, "use_rope_scaling", False)),
         rope_scaling_factor=float(getattr(args, "rope_scaling_factor", 8.0)), normalization=norm,
-        layernorm_epsilon=float(eps), swiglu=swiglu,
+        layernorm_epsilon=float(eps), swiglu=swiglu, gelu_approximate=_gelu_approximate(args, bias),
         num_query_groups=args.num_query_groups if getattr(args, "group_query_attention", False) else None,
         kv_channels=getattr(args, "kv_channels", None),
         untie_embeddings_and_output_weights=bool(getattr(args, "untie_embeddings_and_output_weights", False)),

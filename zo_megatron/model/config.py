@@ -22,6 +22,10 @@ POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "yarn")
 YARN_FIELDS = {"rotary_scaling_factor": 1.0, "yarn_original_max_position_embeddings": 4096, "yarn_beta_fast": 32.0,
                "yarn_beta_slow": 1.0, "yarn_correction_range_round_to_int": True, "mscale": 1.0, "mscale_all_dim": 0.0}
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+# The GELU of a non-gated MLP, as torch's F.gelu(approximate=...) names it: "tanh" (GPT-2's, OpenAI's
+# approximation) or "none" (the erf GELU). Megatron-LM's megatron-core GPT computes the tanh one in its
+# bias-GELU fusion (linear biases and --bias-gelu-fusion, its default), the erf one otherwise.
+GELU_APPROXIMATIONS = ("tanh", "none")
 # Mixture of experts (megatron-core's MoE layer, local spec; docs/moe.md): field -> Megatron-LM's default.
 MOE_FIELDS = {"num_experts": None, "moe_router_topk": 2, "moe_ffn_hidden_size": None,
               "moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 0.0, "moe_z_loss_coeff": None,
@@ -39,7 +43,7 @@ MOE_DROP_POLICIES = ("probs", "position")
 ARCH_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
                "max_position_embeddings", "make_vocab_size_divisible_by", "position_embedding_type",
                "rotary_base", "rotary_percent", "use_rope_scaling", "rope_scaling_factor", "normalization",
-               "layernorm_epsilon", "swiglu", "num_query_groups", "kv_channels",
+               "layernorm_epsilon", "swiglu", "gelu_approximate", "num_query_groups", "kv_channels",
                "untie_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
                "layernorm_zero_centered_gamma", *YARN_FIELDS, *MOE_FIELDS)
 
@@ -84,6 +88,8 @@ class GPTConfig:
     mscale_all_dim: float = 0.0                 #   get_mscale(factor, mscale_all_dim)
     normalization: str = "LayerNorm"            # "LayerNorm" | "RMSNorm"
     swiglu: bool = False                        # gated SiLU MLP: linear_fc1 is [gate; up]
+    # without swiglu: F.gelu(approximate=...) of the MLP, GELU_APPROXIMATIONS ("none" with swiglu: no GELU)
+    gelu_approximate: str = "tanh"
     num_query_groups: int | None = None         # grouped-query attention: G key/value heads (None: one per head)
     kv_channels: int | None = None              # head dim (None: hidden_size // num_attention_heads)
     untie_embeddings_and_output_weights: bool = False
@@ -178,6 +184,11 @@ class GPTConfig:
         self.recompute_modules = modules if self.recompute == "selective" else None
 
     def _check_architecture(self) -> None:
+        if self.gelu_approximate not in GELU_APPROXIMATIONS:
+            raise ConfigError(f"gelu_approximate must be one of {', '.join(GELU_APPROXIMATIONS)} "
+                              f"(got {self.gelu_approximate!r})")
+        if self.swiglu:                  # one recorded value for every SwiGLU model: a resume compares it
+            self.gelu_approximate = "none"
         if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
             raise ConfigError(f"--position-embedding-type {self.position_embedding_type}: choose one of "
                               f"{', '.join(POSITION_EMBEDDING_TYPES)}")
@@ -391,6 +402,7 @@ class GPTConfig:
                  if self.position_embedding_type != "learned_absolute" else "",
                  "RMSNorm" if self.normalization == "RMSNorm" else "",
                  "SwiGLU" if self.swiglu else "",
+                 "erf-GELU" if not self.swiglu and self.gelu_approximate == "none" else "",
                  f"GQA({self.query_groups} groups)" if self.query_groups != self.num_attention_heads else "",
                  "untied" if self.untie_embeddings_and_output_weights else "",
                  "no-bias" if not self.add_bias_linear else "",
@@ -455,6 +467,8 @@ def complete_arch_meta(meta: dict, args: dict | None = None) -> dict:
         out.setdefault("num_query_groups", out["num_attention_heads"])
         out.setdefault("kv_channels", out["hidden_size"] // out["num_attention_heads"])
     out.setdefault("make_vocab_size_divisible_by", int((args or {}).get("make_vocab_size_divisible_by") or 128))
+    # before the field: every GELU MLP was the tanh GELU (a SwiGLU model records "none")
+    out.setdefault("gelu_approximate", "none" if out.get("swiglu") else "tanh")
     defaults = {f.name: f.default for f in fields(GPTConfig)}
     for name in ARCH_FIELDS:
         if name not in _RECORDED_FROM_THE_START:

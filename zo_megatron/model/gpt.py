@@ -205,8 +205,10 @@ def transformer_config(cfg: GPTConfig, tensor_parallel: int):
         qk_layernorm=cfg.qk_layernorm,
         layernorm_zero_centered_gamma=cfg.layernorm_zero_centered_gamma,
         init_method_std=cfg.init_method_std,
-        # SwiGLU: silu(gate) * up with linear_fc1 = [gate; up]; otherwise GPT-2's tanh GELU
-        activation_func=F.silu if cfg.swiglu else functools.partial(F.gelu, approximate="tanh"),
+        # SwiGLU: silu(gate) * up with linear_fc1 = [gate; up]; otherwise GELU, GPT-2's tanh approximation
+        # or the erf GELU (cfg.gelu_approximate: Megatron-LM's fused or unfused bias-GELU)
+        activation_func=F.silu if cfg.swiglu else
+        F.gelu if cfg.gelu_approximate == "none" else functools.partial(F.gelu, approximate="tanh"),
         gated_linear_unit=cfg.swiglu,
         add_bias_linear=cfg.add_bias_linear,
         add_qkv_bias=cfg.add_qkv_bias,

@@ -20,6 +20,7 @@ import os
 
 from zo_megatron.data.tokenizer import CHECKPOINT_TOKENIZER_DIR
 from zo_megatron.errors import ConfigError
+from zo_megatron.model.config import complete_arch_meta
 
 # Taken from the checkpoint's saved arguments when the command line does not give them
 # (Megatron's non-forced _set_arg: tokenizer, sequence length, vocabulary padding).
@@ -66,6 +67,12 @@ def show(parser: argparse.ArgumentParser, field: str, value) -> tuple[str, objec
 
 def describe_diff(parser: argparse.ArgumentParser, field: str, in_checkpoint, here, origin: str = "") -> str:
     """'--num-layers: 2 in the checkpoint, 4 here' (origin: ' (demo default)' and the like)."""
+    if field == "gelu_approximate":             # no flag of its own: the flags that choose it
+        gelu = {"tanh": "the tanh GELU", "none": "the erf GELU"}
+        return (f"the MLP's GELU: {gelu.get(in_checkpoint, in_checkpoint)} in the checkpoint, "
+                f"{gelu.get(here, here)} here (Megatron-LM's rule: tanh with linear biases and the bias-GELU "
+                "fusion, erf with --no-bias-gelu-fusion or --disable-bias-linear; --use-checkpoint-args takes "
+                "the checkpoint's)")
     flag, ck = show(parser, field, in_checkpoint)
     _, now = show(parser, field, here)
     return f"{flag}: {ck} in the checkpoint, {now} here{origin}"
@@ -78,10 +85,12 @@ def apply_checkpoint_args(parser: argparse.ArgumentParser, args: argparse.Namesp
     if not args.load:
         raise ConfigError("--use-checkpoint-args reads the model from the checkpoint given by --load: add --load DIR")
     d, manifest = read_manifest(args.load, getattr(args, "ckpt_step", None))
-    model = manifest.get("model") or {}
+    model = dict(manifest.get("model") or {})
     saved = manifest.get("args") or {}
     if not model:
         raise ConfigError(f"--use-checkpoint-args: {d} records no model arguments: give the model flags instead")
+    # a field with no flag of its own (model_flags.gelu_approximate reads it); older checkpoints: their GELU
+    model.setdefault("gelu_approximate", complete_arch_meta(model, saved)["gelu_approximate"])
     taken, clashes = [], []
     for field, value in model.items():
         if field in NOT_FLAGS:

@@ -125,9 +125,9 @@ _GROUPED_GEMM = ("performance only: the local experts run one after another (meg
 NO_OP.update({
     "--moe-grouped-gemm": _GROUPED_GEMM,
     "--moe-use-legacy-grouped-gemm": _GROUPED_GEMM,
-    "--openai-gelu": "the MLP's GELU is always GPT-2's tanh approximation (Megatron's openai_gelu); NOTE: "
-                     "Megatron-LM without this flag uses the erf GELU, which this job does not offer yet "
-                     "(docs/megatron_compat.md, known differences)",
+    "--openai-gelu": "megatron-core's GPT does not read it (only Megatron-LM's legacy models do); the GELU follows "
+                     "Megatron-LM's rule here too: the tanh approximation with linear biases and the bias-GELU "
+                     "fusion, the erf GELU with --no-bias-gelu-fusion or --disable-bias-linear",
     "--moe-shared-expert-overlap": "performance only: megatron-core runs the shared expert on a side CUDA stream "
                                    "beside the token dispatch, the same sum; here it runs in order",
     "--local-rank": "the local rank is read from the launcher's environment (LOCAL_RANK, OMPI_*, SLURM_*)",

@@ -63,6 +63,10 @@ def add_architecture_flags(g) -> None:
                    help="epsilon of LayerNorm / RMSNorm")
     g.add_argument("--swiglu", action="store_true",
                    help="gated SiLU MLP (linear_fc1 = [gate; up]) instead of GELU")
+    g.add_argument("--no-bias-gelu-fusion", dest="bias_gelu_fusion", action="store_false",
+                   help="the MLP's GELU is the erf GELU (torch's F.gelu), as in Megatron-LM, whose fused bias-GELU "
+                        "computes the tanh approximation instead: without this flag the GELU is the tanh one where "
+                        "the linears have biases and the erf one with --disable-bias-linear (Megatron-LM's rule)")
     g.add_argument("--group-query-attention", action="store_true",
                    help="grouped-query attention with --num-query-groups key/value heads")
     g.add_argument("--num-query-groups", type=int, default=1,
@@ -222,7 +226,18 @@ def architecture_kwargs(args: argparse.Namespace) -> dict:
         kv_channels=args.kv_channels, **{name: getattr(args, name) for name in YARN_FIELDS},
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
         add_bias_linear=args.add_bias_linear, add_qkv_bias=args.add_qkv_bias, qk_layernorm=args.qk_layernorm,
-        layernorm_zero_centered_gamma=args.apply_layernorm_1p)
+        layernorm_zero_centered_gamma=args.apply_layernorm_1p, gelu_approximate=gelu_approximate(args))
+
+
+def gelu_approximate(args: argparse.Namespace) -> str:
+    """The GELU of a non-gated MLP, as Megatron-LM's megatron-core GPT computes it: its bias-GELU fusion
+    (linear biases and --bias-gelu-fusion, the default; validate_args turns the fusion off without
+    biases) is the tanh approximation, the unfused path torch's erf GELU. --openai-gelu does not enter:
+    only Megatron-LM's legacy models read it. A checkpoint's own value (--use-checkpoint-args) wins."""
+    recorded = getattr(args, "gelu_approximate", None)
+    if recorded is not None:
+        return recorded
+    return "tanh" if args.add_bias_linear and getattr(args, "bias_gelu_fusion", True) else "none"
 
 
 def check_architecture_flags(args: argparse.Namespace) -> None:

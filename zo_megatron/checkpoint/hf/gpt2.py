@@ -91,7 +91,9 @@ def from_hf(hf_sd: dict[str, torch.Tensor], num_layers: int, num_heads: int) -> 
 
 # ---- the model's shape, both ways (transformers' GPT2Config)
 
-_TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")     # the same function: GPT-2's tanh approximation
+# transformers' activation names -> gelu_approximate: GPT-2's tanh approximation (two names of one
+# function), and "gelu", torch's erf GELU (Megatron-LM's unfused GELU)
+_GELUS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
 
 
 def hf_config(meta: dict, *, dtype: str = "float32", hidden_dropout: float = 0.0, attention_dropout: float = 0.0,
@@ -103,7 +105,7 @@ def hf_config(meta: dict, *, dtype: str = "float32", hidden_dropout: float = 0.0
     return GPT2Config(
         vocab_size=meta["vocab_size"], n_positions=meta["max_position_embeddings"], n_embd=meta["hidden_size"],
         n_layer=meta["num_layers"], n_head=meta["num_attention_heads"],
-        n_inner=None if ffn == 4 * meta["hidden_size"] else ffn, activation_function="gelu_new",
+        n_inner=None if ffn == 4 * meta["hidden_size"] else ffn, activation_function="gelu_new" if meta.get("gelu_approximate", "tanh") == "tanh" else "gelu",
         resid_pdrop=hidden_dropout, embd_pdrop=hidden_dropout, attn_pdrop=attention_dropout,
         layer_norm_epsilon=meta.get("layernorm_epsilon", 1e-5), tie_word_embeddings=True,
         architectures=["GPT2LMHeadModel"],
@@ -121,8 +123,9 @@ def meta_from_hf_config(cfg, where: str) -> dict:
     if getattr(cfg, "model_type", None) != "gpt2":
         refuse("model_type", getattr(cfg, "model_type", None), "not a GPT-2 model (learned positions, LayerNorm, "
                "tanh GELU, tied embeddings)")
-    if cfg.activation_function not in _TANH_GELU:
-        refuse("activation_function", cfg.activation_function, "GPT-2 uses the tanh GELU ('gelu_new')")
+    if cfg.activation_function not in _GELUS:
+        refuse("activation_function", cfg.activation_function, "the MLP is GPT-2's tanh GELU ('gelu_new') or the erf "
+               "GELU ('gelu')")
     if not getattr(cfg, "tie_word_embeddings", True):
         refuse("tie_word_embeddings", False, "untied input and output embeddings")
     for field, want in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
@@ -133,12 +136,13 @@ def meta_from_hf_config(cfg, where: str) -> dict:
         refuse("n_embd", cfg.n_embd, f"not divisible by n_head={cfg.n_head}")
     return dict(num_layers=cfg.n_layer, hidden_size=cfg.n_embd, num_attention_heads=cfg.n_head,
                 ffn_hidden_size=cfg.n_inner or 4 * cfg.n_embd, max_position_embeddings=cfg.n_positions,
-                vocab_size=cfg.vocab_size, layernorm_epsilon=float(cfg.layer_norm_epsilon))
+                vocab_size=cfg.vocab_size, layernorm_epsilon=float(cfg.layer_norm_epsilon),
+                gelu_approximate=_GELUS[cfg.activation_function])
 
 
 # architecture fields a GPT2Config holds, or that do not apply to it (any value)
 _SHAPE = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size", "max_position_embeddings")
-_FREE = ("layernorm_epsilon", "make_vocab_size_divisible_by", "rotary_base", "rope_scaling_factor", *YARN_FIELDS)
+_FREE = ("layernorm_epsilon", "gelu_approximate", "make_vocab_size_divisible_by", "rotary_base", "rope_scaling_factor", *YARN_FIELDS)
 
 
 class GPT2Family(HFFamily):
