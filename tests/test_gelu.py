@@ -214,7 +214,7 @@ def test_from_megatron_reads_the_gelu_megatron_core_computed():
     """A Megatron-LM GPT-3 checkpoint's args (openai_gelu False, the defaults) convert: the tanh GELU
     with biases and the fusion, the erf GELU with the fusion off or without biases; to-megatron
     refuses a bias-free tanh GELU (megatron-core would compute the erf one) and writes nothing."""
-    from zo_megatron.checkpoint.megatron_lm import megatron_args, meta_from_args
+    from zo_megatron.checkpoint.megatron_args import megatron_args, meta_from_args
     from zo_megatron.errors import UserError
 
     base = dict(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=FFN,

@@ -182,13 +182,13 @@ def megatron_checkpoint(directory, seed, vocab=VOCAB, **arg_changes) -> str:
 
     from megatron.core.transformer.enums import AttnBackend
 
-    from zo_megatron.checkpoint import megatron_lm
+    from zo_megatron.checkpoint import megatron_args, megatron_lm
     from zo_megatron.checkpoint.arch import full_meta, param_shapes
 
     meta = full_meta({**MEGATRON_META, "vocab_size": vocab})
     g = torch.Generator().manual_seed(seed)
     weights = {k: torch.randn(shape, generator=g) * 0.1 for k, shape in param_shapes(meta).items()}
-    ns = megatron_lm.megatron_args(meta, tp=2, iteration=7, divisible_by=128, seq_length=POS, precision="bf16")
+    ns = megatron_args.megatron_args(meta, tp=2, iteration=7, divisible_by=128, seq_length=POS, precision="bf16")
     # what a real run's args hold besides the model: training, data, parallel layout, kernels, bookkeeping
     vars(ns).update(
         lr=3e-4, min_lr=3e-5, micro_batch_size=1, global_batch_size=8, train_iters=100, data_path=["/data/x_text"],

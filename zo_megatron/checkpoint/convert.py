@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from zo_megatron.checkpoint import hf, megatron_dist, megatron_lm
+from zo_megatron.checkpoint import hf, megatron_args, megatron_dist, megatron_lm
 from zo_megatron.checkpoint.arch import (check_tensor_parallel, full_meta, job_flags, param_shapes, query_groups,
                                          unit_centred_gamma)
 from zo_megatron.checkpoint.boxes import Box
@@ -344,7 +344,7 @@ def to_megatron(load: str, output: str, *, iteration: int | None = None, tensor_
                       or ("HuggingFaceTokenizer" if has_tokenizer else "GPT2BPETokenizer"))
     if has_tokenizer and tokenizer_type == "Llama2Tokenizer":         # Megatron-LM's: the model file itself
         saved_tok = os.path.join(reader.dir, reader.manifest["tokenizer_files"][0])
-    ns = megatron_lm.megatron_args(meta, tp=tp, iteration=reader.iteration, divisible_by=_divisible_by(args),
+    ns = megatron_args.megatron_args(meta, tp=tp, iteration=reader.iteration, divisible_by=_divisible_by(args),
                                    seq_length=args.get("seq_length"), precision=args.get("precision"),
                                    tokenizer_type=tokenizer_type,
                                    tokenizer_model=os.path.abspath(saved_tok) if has_tokenizer else None,
@@ -400,7 +400,7 @@ def from_megatron(input_dir: str, output: str, *, tensor_parallel: int, iteratio
     weights, ns, it, vocab = read(input_dir, iteration=iteration,
                                   progress=Progress("reading the torch_dist tensors" if dist else "reading rank files"),
                                   vocab_size=vocab_size, tokenizer_model=tokenizer_model)
-    meta = megatron_lm.meta_from_args(ns, vocab, os.path.join(input_dir, megatron_lm.TRACKER))
+    meta = megatron_args.meta_from_args(ns, vocab, os.path.join(input_dir, megatron_lm.TRACKER))
     expected = param_shapes(meta)
     got = {k: tuple(v.shape) for k, v in weights.items()}
     if got != expected:

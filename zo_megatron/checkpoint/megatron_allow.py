@@ -2,7 +2,7 @@
 
 A Megatron-LM checkpoint carries its run's whole argparse.Namespace. Every arg is one of:
 
-    READ      the model's architecture: megatron_lm.meta_from_args reads it (and refuses what
+    READ      the model's architecture: megatron_args.meta_from_args reads it (and refuses what
               zo_megatron's GPT does not build, e.g. a non-GELU, non-SwiGLU MLP)
     NEUTRAL   changes what the weights compute: only the listed values convert (the model is then
               the one zo_megatron builds); e.g. qk_l2_norm False, softmax_type 'vanilla'
@@ -23,7 +23,7 @@ import enum
 
 from zo_megatron.training.megatron_flag_list import FLAGS, MEGATRON_LM_VERSION
 
-# megatron_lm.meta_from_args and megatron_lm.read read these (the architecture, the layout, the vocabulary)
+# megatron_args.meta_from_args and megatron_lm.read read these (the architecture, the layout, the vocabulary)
 READ = frozenset({
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_channels", "group_query_attention",
     "num_query_groups", "max_position_embeddings", "make_vocab_size_divisible_by", "position_embedding_type",

@@ -9,6 +9,7 @@
         (a virtual pipeline: "model0", "model1", ... one per model chunk of the stage)
 
 Pipeline stages are read back into one model (megatron_stages.py); to-megatron writes one stage.
+The args <-> the architecture: megatron_args.py.
 
 A mixture of experts (megatron-core's local spec, SequentialMLP): the router
 (`mlp.router.weight`, replicated), the shared expert (`mlp.shared_experts.*`, split over TP as the
@@ -49,12 +50,8 @@ import re
 
 import torch
 
-from zo_megatron.checkpoint.arch import full_meta, head_dim, query_groups
-from zo_megatron.checkpoint.megatron_allow import non_neutral
 from zo_megatron.checkpoint.megatron_stages import merge_stages, one_stage_model, pipeline_layout
-from zo_megatron.checkpoint.tp_layout import (OUTPUT_LAYER, WORD_EMBEDDING, local_rows,
-                                              padded_vocab_size, partition_stride, tp_axis)
-from zo_megatron.model.config import MOE_DISPATCHERS, MOE_FIELDS, YARN_FIELDS
+from zo_megatron.checkpoint.tp_layout import OUTPUT_LAYER, WORD_EMBEDDING, local_rows, partition_stride, tp_axis
 from zo_megatron.model.sharding import split_pieces
 from zo_megatron.errors import UserError
 
@@ -77,199 +74,6 @@ _EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
 # the legacy GroupedMLP's two concatenated weights (--moe-use-legacy-grouped-gemm)
 _TE_GROUPED = re.compile(r"^(.*\.mlp\.experts\.)(linear_fc[12])\.(weight|bias)(\d+)$")
 _LEGACY_GROUPED = re.compile(r"^(.*\.mlp\.experts\.)weight([12])$")
-
-
-def megatron_args(meta: dict, *, tp: int, iteration: int, divisible_by: int, seq_length: int | None,
-                  precision: str | None, tokenizer_type: str = "GPT2BPETokenizer", tokenizer_model: str | None = None,
-                  consumed_samples: int = 0, consumed_valid_samples: int = 0,
-                  expert_parallel: int = 1, expert_tensor_parallel: int | None = None,
-                  grouped_gemm: bool = False, ckpt_format: str = "torch") -> argparse.Namespace:
-    """The args Megatron-LM reads from a checkpoint (its argument names), for the model `meta`;
-    grouped_gemm: the experts as a --moe-grouped-gemm run of the local spec holds them (write());
-    ckpt_format: the files' format (torch_dist holds any expert layout: its tensors are global)."""
-    meta = full_meta(meta)
-    h, heads, groups = meta["hidden_size"], meta["num_attention_heads"], query_groups(meta)
-    rope = meta["position_embedding_type"] == "rope"
-    return argparse.Namespace(
-        num_layers=meta["num_layers"], hidden_size=h, ffn_hidden_size=meta["ffn_hidden_size"],
-        num_attention_heads=heads, kv_channels=head_dim(meta), group_query_attention=groups != heads,
-        num_query_groups=groups, max_position_embeddings=meta["max_position_embeddings"],
-        seq_length=seq_length or meta["max_position_embeddings"],
-        position_embedding_type=meta["position_embedding_type"], add_position_embedding=True,
-        use_rotary_position_embeddings=rope, rotary_base=meta["rotary_base"], rotary_percent=meta["rotary_percent"],
-        rotary_interleaved=False, rotary_seq_len_interpolation_factor=None, use_rope_scaling=meta["use_rope_scaling"],
-        rope_scaling_factor=meta["rope_scaling_factor"], **_yarn_args(meta),
-        make_vocab_size_divisible_by=divisible_by, vocab_size=meta["vocab_size"],
-        padded_vocab_size=padded_vocab_size(meta["vocab_size"], divisible_by, tp), tokenizer_type=tokenizer_type,
-        tokenizer_model=tokenizer_model,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
-        untie_embeddings_and_output_weights=meta["untie_embeddings_and_output_weights"],
-        # Megatron-LM before 2026-01 names the epsilon norm_epsilon, later layernorm_epsilon (TransformerConfig's)
-        normalization=meta["normalization"], norm_epsilon=meta["layernorm_epsilon"],
-        layernorm_epsilon=meta["layernorm_epsilon"], apply_layernorm_1p=meta["layernorm_zero_centered_gamma"],
-        qk_layernorm=meta["qk_layernorm"],
-        # Megatron-LM keeps add_qkv_bias True whenever add_bias_linear is
-        add_bias_linear=meta["add_bias_linear"], add_qkv_bias=meta["add_bias_linear"] or meta["add_qkv_bias"],
-        swiglu=meta["swiglu"], squared_relu=False, openai_gelu=False, bias_gelu_fusion=_bias_gelu_fusion(meta),
-        transformer_impl="local",
-        ckpt_format=ckpt_format, bf16=precision == "bf16", fp16=precision == "fp16", iteration=iteration,
-        consumed_train_samples=consumed_samples, consumed_valid_samples=consumed_valid_samples,
-        **_moe_args(meta, tp, expert_parallel, expert_tensor_parallel, grouped_gemm, ckpt_format))
-
-
-def _bias_gelu_fusion(meta: dict) -> bool:
-    """Megatron-LM's bias_gelu_fusion for the model's GELU: its fused bias-GELU is the tanh approximation,
-    its unfused path the erf GELU, and it fuses only with linear biases (validate_args): a bias-free tanh
-    GELU is a model megatron-core's GPT does not compute."""
-    if meta["swiglu"]:
-        return meta["add_bias_linear"]          # as Megatron-LM's validate_args leaves it; SwiGLU does not read it
-    if meta["gelu_approximate"] == "tanh" and not meta["add_bias_linear"]:
-        raise UserError("the MLP's GELU is the tanh approximation without linear biases: megatron-core's GPT "
-                        "computes the erf GELU there (its tanh GELU is the fused bias-GELU), so the weights would "
-                        "compute another function in Megatron-LM: nothing is written")
-    return meta["gelu_approximate"] == "tanh"
-
-
-def _moe_args(meta: dict, tp: int, ep: int, etp: int | None, grouped_gemm: bool, ckpt_format: str) -> dict:
-    """The MoE args under Megatron-LM's names (its validate_args' forms: one load-balancing type and
-    one aux-loss coefficient as plain values, expert TP (default TP), moe_ffn_hidden_size resolved);
-    none for a dense model (then the args are what they were before MoE)."""
-    if meta["num_experts"] is None:
-        if ep != 1:
-            raise UserError(f"--expert-model-parallel-size {ep}: the model is dense (no experts); use 1")
-        if grouped_gemm:
-            raise UserError("--moe-grouped-gemm: the model is dense (no experts); drop it")
-        return {}
-    if grouped_gemm and meta["add_bias_linear"]:
-        # megatron-core 0.16.1's GroupedMLP asserts add_bias_linear is False
-        raise UserError("--moe-grouped-gemm: the experts have biases (add_bias_linear), which megatron-core's "
-                        "GroupedMLP does not hold; drop --moe-grouped-gemm (SequentialMLP's files)")
-    e = meta["num_experts"]
-    if ep < 1 or e % ep:
-        raise UserError(f"--expert-model-parallel-size {ep} does not divide the model's {e} experts: each EP rank "
-                        f"holds E/EP whole experts; choose one that divides {e}")
-    etp = etp or tp
-    if meta["moe_ffn_hidden_size"] % etp:
-        raise UserError(f"--expert-tensor-parallel-size {etp} does not divide the experts' FFN size "
-                        f"{meta['moe_ffn_hidden_size']}: each expert splits over expert TP as the MLP over TP; "
-                        "choose one that divides it")
-    if meta["moe_router_enable_expert_bias"]:
-        raise UserError("the routers' expert bias (--moe-router-enable-expert-bias) is not written into Megatron-LM's "
-                        "files yet, and the weights alone would route differently: nothing is written")
-    if ckpt_format == "torch":
-        legacy_rank_files(tp, etp, ep)          # (refuses a layout Megatron-LM's torch format cannot hold)
-    return {**{k: meta[k] for k in MOE_FIELDS}, "expert_model_parallel_size": ep, "expert_tensor_parallel_size": etp,
-            "moe_grouped_gemm": grouped_gemm, "moe_use_legacy_grouped_gemm": False,
-            # Megatron-LM needs sequence parallelism for MoE with TP (the math is the same)
-            "sequence_parallel": tp > 1}
-
-
-def _yarn_args(meta: dict) -> dict:
-    """YaRN's args under Megatron-LM's names (core_v0.19 on: --position-embedding-type yarn, its
-    --yarn-* flags, the MLA group's --rotary-scaling-factor, --mscale, --mscale-all-dim); none for
-    another position embedding (the args then are what they were before YaRN)."""
-    return {k: meta[k] for k in YARN_FIELDS} if meta["position_embedding_type"] == "yarn" else {}
-
-
-def _yarn_meta(args: argparse.Namespace, pos: str) -> dict:
-    """YaRN's fields from Megatron-LM's args, unset ones at the values Megatron-LM gives them
-    (core_v0.19's _apply_yarn_config_from_args: megatron-core's YarnRotaryEmbedding defaults)."""
-    if pos != "yarn":
-        return {}
-    return {k: type(default)(default if getattr(args, k, None) is None else getattr(args, k))
-            for k, default in YARN_FIELDS.items()}
-
-
-def _gelu_approximate(args: argparse.Namespace, bias: bool) -> str:
-    """The GELU megatron-core's MLP computed (core_v0.16.1 mlp.py): the fused bias-GELU, the tanh
-    approximation, where bias_gelu_fusion is on and the linears have biases (validate_args turns the
-    fusion off without them); torch's erf F.gelu otherwise. args.openai_gelu is read by Megatron-LM's
-    legacy models only (refused: use_legacy_models)."""
-    return "tanh" if bias and bool(getattr(args, "bias_gelu_fusion", True)) else "none"
-
-
-def meta_from_args(args: argparse.Namespace, vocab: int, where: str) -> dict:
-    """The model's architecture (GPTConfig fields) from Megatron-LM's saved args; one line for
-    what zo_megatron does not build."""
-    def refuse(what):
-        raise UserError(f"{where}: {what}: zo_megatron's GPT does not build it")
-
-    bad = non_neutral(args)                     # an allow-list: every arg is read, inert or at its neutral value
-    if bad:
-        them = "it" if len(bad) == 1 else "them"
-        raise UserError(f"{where}: {'; '.join(bad)}: zo_megatron's GPT does not build {them}, so the weights would "
-                        f"compute another function; only checkpoints trained without {them} convert "
-                        "(zo_megatron/checkpoint/megatron_allow.py lists what converts)")
-    swiglu = bool(getattr(args, "swiglu", False))
-    bias = bool(getattr(args, "add_bias_linear", True))
-    if not swiglu and getattr(args, "use_te_activation_func", False):
-        refuse("args.use_te_activation_func=True with a GELU MLP (Transformer Engine's activation op, whose GELU "
-               "depends on the layer spec)")
-    pos = "rope" if getattr(args, "use_rotary_position_embeddings", False) else \
-        getattr(args, "position_embedding_type", "learned_absolute")
-    if pos not in ("learned_absolute", "rope", "yarn"):
-        refuse(f"args.position_embedding_type={pos!r}")
-    norm = getattr(args, "normalization", "LayerNorm")
-    if norm not in ("LayerNorm", "RMSNorm"):
-        refuse(f"args.normalization={norm!r}")
-    h, heads = args.hidden_size, args.num_attention_heads
-    eps = getattr(args, "norm_epsilon", None) or getattr(args, "layernorm_epsilon", None) or 1e-5
-    ffn = getattr(args, "ffn_hidden_size", None) or (int(4 * h * 2 / 3 / 64) * 64 if swiglu else 4 * h)
-    return full_meta(dict(
-        num_layers=args.num_layers, hidden_size=h, num_attention_heads=heads, ffn_hidden_size=ffn, vocab_size=vocab,
-        max_position_embeddings=args.max_position_embeddings,
-        make_vocab_size_divisible_by=int(getattr(args, "make_vocab_size_divisible_by", None) or 128),
-        position_embedding_type=pos, rotary_base=int(getattr(args, "rotary_base", 10000)), **_yarn_meta(args, pos),
-        rotary_percent=float(getattr(args, "rotary_percent", 1.0)),
-        use_rope_scaling=bool(getattr(args, "use_rope_scaling", False)),
-        rope_scaling_factor=float(getattr(args, "rope_scaling_factor", 8.0)), normalization=norm,
-        layernorm_epsilon=float(eps), swiglu=swiglu, gelu_approximate=_gelu_approximate(args, bias),
-        num_query_groups=args.num_query_groups if getattr(args, "group_query_attention", False) else None,
-        kv_channels=getattr(args, "kv_channels", None),
-        untie_embeddings_and_output_weights=bool(getattr(args, "untie_embeddings_and_output_weights", False)),
-        add_bias_linear=bias, add_qkv_bias=not bias and bool(getattr(args, "add_qkv_bias", False)),
-        qk_layernorm=bool(getattr(args, "qk_layernorm", False)),
-        # Megatron-LM's --apply-layernorm-1p (its TransformerConfig field in newer saves): the same raw weights
-        layernorm_zero_centered_gamma=bool(getattr(args, "apply_layernorm_1p", False)
-                                           or getattr(args, "layernorm_zero_centered_gamma", False)),
-        **_moe_meta(args, refuse)))
-
-
-def _one(args: argparse.Namespace, name: str, default, refuse):
-    """An arg Megatron-LM takes with nargs='+' (its validate_args keeps a list of one as the value)."""
-    value = getattr(args, name, None)
-    if value is None:
-        return default
-    if isinstance(value, (list, tuple)):
-        if len(value) != 1:
-            refuse(f"args.{name}={value!r} (one value per layer group)")
-        value = value[0]
-    return value
-
-
-def _moe_meta(args: argparse.Namespace, refuse) -> dict:
-    """The MoE fields (GPTConfig's, Megatron-LM's names) from the args; none for a dense model. What
-    the job does not build is refused through `refuse` (or GPTConfig's one line)."""
-    experts = getattr(args, "num_experts", None)
-    if not experts:
-        return {}
-    out = {k: getattr(args, k, None) if getattr(args, k, None) is not None else default
-           for k, default in MOE_FIELDS.items()}
-    out.update(num_experts=int(experts), moe_router_pre_softmax=bool(out["moe_router_pre_softmax"]),
-               moe_shared_expert_gate=bool(out["moe_shared_expert_gate"]),
-               moe_router_load_balancing_type=_one(args, "moe_router_load_balancing_type", "aux_loss", refuse),
-               moe_aux_loss_coeff=float(_one(args, "moe_aux_loss_coeff", 0.0, refuse)),
-               moe_pad_expert_input_to_capacity=bool(out["moe_pad_expert_input_to_capacity"]))
-    factor = out["moe_expert_capacity_factor"]
-    out["moe_expert_capacity_factor"] = None if factor is None or factor < 0 else float(factor)  # < 0: none
-    if out["moe_router_enable_expert_bias"]:
-        refuse("args.moe_router_enable_expert_bias=True (the routers' expert bias, whose values from-megatron does "
-               "not read yet: the weights alone would route differently)")
-    if out["moe_token_dispatcher_type"] not in MOE_DISPATCHERS:     # 'flex' (DeepEP): the same math as alltoall
-        out["moe_token_dispatcher_type"] = "alltoall"
-    freq = out["moe_layer_freq"]
-    out["moe_layer_freq"] = list(freq) if isinstance(freq, (list, tuple)) else int(freq)
-    return out
 
 
 def local_name(key: str) -> str:

@@ -25,7 +25,6 @@ is the TP layout's business (checkpoint/tp_layout.py), not this file's.
 from __future__ import annotations
 
 import itertools
-import json
 from dataclasses import dataclass, field
 
 import torch
