@@ -204,6 +204,8 @@ def _moe_meta(args: argparse.Namespace, refuse) -> dict:
     if out["moe_router_enable_expert_bias"]:
         refuse("args.moe_router_enable_expert_bias=True (the routers' expert bias, whose values from-megatron does "
                "not read yet: the weights alone would route differently)")
+    if out["moe_router_group_topk"] is None:     # megatron-core routes without groups then
+        out["moe_router_num_groups"] = None
     if out["moe_token_dispatcher_type"] not in MOE_DISPATCHERS:     # 'flex' (DeepEP): the same math as alltoall
         out["moe_token_dispatcher_type"] = "alltoall"
     freq = out["moe_layer_freq"]

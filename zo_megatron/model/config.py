@@ -33,7 +33,8 @@ MOE_FIELDS = {"num_experts": None, "moe_router_topk": 2, "moe_ffn_hidden_size": 
               "moe_router_topk_scaling_factor": None, "moe_shared_expert_intermediate_size": None,
               "moe_shared_expert_gate": False, "moe_layer_freq": 1, "moe_token_dispatcher_type": "allgather",
               "moe_expert_capacity_factor": None, "moe_pad_expert_input_to_capacity": False,
-              "moe_token_drop_policy": "probs", "moe_router_enable_expert_bias": False}
+              "moe_token_drop_policy": "probs", "moe_router_enable_expert_bias": False,
+              "moe_router_num_groups": None, "moe_router_group_topk": None}
 MOE_LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "none")
 MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
 MOE_DISPATCHERS = ("allgather", "alltoall")
@@ -120,6 +121,11 @@ class GPTConfig:
     # moved by `moe_router_bias_update_rate` toward balance after every iteration (training/expert_bias.py)
     moe_router_enable_expert_bias: bool = False
     moe_router_bias_update_rate: float = 1e-3   # a run setting, not the architecture
+    # group-limited routing (DeepSeek-V2/V3's device- and node-limited routing): the experts form
+    # `moe_router_num_groups` equal groups; each token picks `moe_router_group_topk` groups by the sum of
+    # their top topk // group_topk scores, then its top-k experts among those groups only
+    moe_router_num_groups: int | None = None
+    moe_router_group_topk: int | None = None
     recompute: str | None = None                # None | "full" (whole layers) | "selective" (recompute_modules)
     # selective only: megatron-core's recompute_modules (RECOMPUTE_MODULES; None: the attention core)
     recompute_modules: tuple | None = None
@@ -278,7 +284,34 @@ class GPTConfig:
                               "rule): add --moe-router-score-function sigmoid")
         if not self.moe_router_bias_update_rate >= 0:
             raise ConfigError(f"--moe-router-bias-update-rate {self.moe_router_bias_update_rate}: must be >= 0")
+        self._check_group_limited_routing()
         self.moe_layers()
+
+    def _check_group_limited_routing(self) -> None:
+        """--moe-router-num-groups / --moe-router-group-topk (megatron-core's group_limited_topk), with
+        what its router would run silently refused: a group count alone (it routes without groups),
+        groups that leave a token fewer than top-k experts (it would pick masked ones), and a top-k
+        below the groups picked (a group's score would sum none of its scores)."""
+        groups, picked, k, e = self.moe_router_num_groups, self.moe_router_group_topk, self.moe_router_topk, \
+            self.num_experts
+        if groups is None and picked is None:
+            return
+        if picked is None:
+            raise ConfigError(f"--moe-router-num-groups {groups} without --moe-router-group-topk: megatron-core routes "
+                              "without groups then; add --moe-router-group-topk (the groups each token may use)")
+        if groups is None:
+            raise ConfigError(f"--moe-router-group-topk {picked}: add --moe-router-num-groups (megatron-core's rule)")
+        if groups < 1 or e % groups:
+            raise ConfigError(f"--moe-router-num-groups {groups} does not divide --num-experts {e}: the groups are "
+                              "equal; use a divisor (the EP size: device-limited routing)")
+        if not 1 <= picked <= groups:
+            raise ConfigError(f"--moe-router-group-topk {picked}: choose 1 to --moe-router-num-groups {groups}")
+        if k < picked:
+            raise ConfigError(f"--moe-router-topk {k} < --moe-router-group-topk {picked}: a group's score sums its "
+                              f"top topk // group-topk = 0 scores; use a group top-k <= {k}")
+        if k > picked * (e // groups):
+            raise ConfigError(f"--moe-router-topk {k} exceeds the {picked * (e // groups)} experts in "
+                              f"--moe-router-group-topk {picked} groups of {e // groups}: pick more groups")
 
     def _check_capacity(self) -> None:
         """Capacity and token dropping (megatron-core's rules, and what its dispatchers can run)."""

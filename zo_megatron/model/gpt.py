@@ -147,6 +147,7 @@ def moe_config_kwargs(cfg: GPTConfig, tensor_parallel: int) -> dict:
                 moe_token_drop_policy=cfg.moe_token_drop_policy, moe_router_dtype=cfg.moe_router_dtype,
                 moe_router_enable_expert_bias=cfg.moe_router_enable_expert_bias,
                 moe_router_bias_update_rate=cfg.moe_router_bias_update_rate,
+                moe_router_num_groups=cfg.moe_router_num_groups, moe_router_group_topk=cfg.moe_router_group_topk,
                 moe_grouped_gemm=False,
                 moe_permute_fusion=False, moe_router_fusion=False,
                 expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)

@@ -139,6 +139,13 @@ def add_moe_flags(g) -> None:
                         "--moe-router-bias-update-rate toward the experts that got fewer tokens than the mean")
     g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3,
                    help="with --moe-router-enable-expert-bias: how far each expert's bias moves per iteration")
+    g.add_argument("--moe-router-num-groups", type=int, default=None,
+                   help="group-limited routing (DeepSeek-V2/V3, megatron-core's): the experts form N equal groups "
+                        "(the EP size: device-limited routing; the nodes of the EP group: node-limited), of which "
+                        "each token may use --moe-router-group-topk")
+    g.add_argument("--moe-router-group-topk", type=int, default=None,
+                   help="with --moe-router-num-groups: the groups each token picks, by the sum of each group's top "
+                        "topk / group-topk scores; its top-k experts come from those groups only")
     g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
                    help="FFN size of a shared expert every token goes through (Qwen2-MoE)")
     g.add_argument("--moe-shared-expert-gate", action="store_true",

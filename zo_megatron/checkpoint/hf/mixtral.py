@@ -136,6 +136,7 @@ class MixtralFamily(HFFamily):
                  ("moe_router_score_function", "softmax", "a softmax router"),
                  ("moe_router_pre_softmax", False, "top-k probabilities renormalised (no --moe-router-pre-softmax)"),
                  ("moe_router_topk_scaling_factor", None, "no top-k scaling factor"),
+                 ("moe_router_group_topk", None, "no group-limited routing"),
                  ("moe_shared_expert_intermediate_size", None, "no shared expert"), ("moe_layer_freq", 1, "experts in "
                                                                                        "every layer"),
                  ("moe_expert_capacity_factor", None, "no expert capacity (it drops no tokens)"))

@@ -147,6 +147,7 @@ class QwenMoeFamily(HFFamily):
         shared = self.variant.shared_expert
         needs = (("moe_router_score_function", "softmax", "a softmax router"),
                  ("moe_router_topk_scaling_factor", None, "no top-k scaling factor"),
+                 ("moe_router_group_topk", None, "no group-limited routing"),
                  ("moe_shared_expert_gate", shared, "a gated shared expert" if shared else "no shared expert"),
                  ("moe_expert_capacity_factor", None, "no expert capacity (it drops no tokens)"))
         for key, want, what in needs:
