@@ -139,7 +139,13 @@ def megatron_core_config(args, *, initialise=False, **layout):
             moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
             moe_shared_expert_gate=args.moe_shared_expert_gate, moe_layer_freq=args.moe_layer_freq,
             moe_token_dispatcher_type=args.moe_token_dispatcher_type, moe_grouped_gemm=args.moe_grouped_gemm,
-            moe_use_legacy_grouped_gemm=getattr(args, "moe_use_legacy_grouped_gemm", False))
+            moe_use_legacy_grouped_gemm=getattr(args, "moe_use_legacy_grouped_gemm", False),
+            # the router's semantics, as Megatron-LM passes every TransformerConfig field its args hold
+            moe_router_score_function=getattr(args, "moe_router_score_function", "softmax"),
+            moe_router_topk_scaling_factor=getattr(args, "moe_router_topk_scaling_factor", None),
+            moe_router_enable_expert_bias=bool(getattr(args, "moe_router_enable_expert_bias", False)),
+            moe_router_num_groups=getattr(args, "moe_router_num_groups", None),
+            moe_router_group_topk=getattr(args, "moe_router_group_topk", None))
     fields = dict(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
         num_query_groups=args.num_query_groups, kv_channels=args.kv_channels, ffn_hidden_size=args.ffn_hidden_size,

@@ -10,8 +10,6 @@ EP and an offline reshard carry it; what the conversions cannot write is refused
 """
 from __future__ import annotations
 
-import json
-from unittest import mock
 
 import pytest
 import torch
@@ -215,26 +213,78 @@ def test_bad_expert_bias_flags_are_one_line(argv, says, tmp_path):
     assert r.returncode == 2 and len(lines) == 1 and says in lines[0], r.stderr[-2000:]
 
 
-def test_the_conversions_that_cannot_carry_the_bias_refuse_it(tmp_path):
-    """to-hf (its MoE families have no expert bias) and to-megatron (the bias is not written into
-    Megatron-LM's files yet): one line each, nothing written; the job flags a checkpoint prints name it."""
+def _megatron_core_loads(rank, torch_dir, dist_dir):
+    """megatron-core's GPTModel from the torch files' saved args (Megatron-LM's config, the bias on),
+    loaded strictly from the torch file, and loaded by its own dist_checkpointing from the torch_dist
+    directory: each model's router expert biases."""
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as mpu
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    from tests.test_convert_megatron_moe import _megatron_core_moe_gpt
+    from tests.test_convert_megatron_pipeline import start_megatron_core_world
+    from zo_megatron.checkpoint import megatron_lm
+
+    start_megatron_core_world()
+    try:
+        mpu.initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=1)
+        one = megatron_lm.safe_load(str(torch_dir / "iter_0000001" / "mp_rank_00" / megatron_lm.FILE))
+        strict = _megatron_core_moe_gpt(one["args"])
+        strict.load_state_dict(one["model"], strict=True)
+        dist = _megatron_core_moe_gpt(one["args"])
+        metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True,
+                    "dp_cp_group": mpu.get_data_parallel_group(with_context_parallel=True)}
+        loaded = dist_checkpointing.load({"model": dist.sharded_state_dict(metadata=metadata)},
+                                         str(dist_dir / "iter_0000001"), strict=StrictHandling.ASSUME_OK_UNEXPECTED)
+        dist.load_state_dict(loaded["model"], strict=True)
+        bias = {name: {k: v.clone() for k, v in m.state_dict().items() if k.endswith("router.expert_bias")}
+                for name, m in (("torch", strict), ("torch_dist", dist))}
+        mpu.destroy_model_parallel()
+    finally:
+        torch.distributed.destroy_process_group()
+    return bias
+
+
+def test_the_megatron_lm_conversions_carry_the_bias_and_to_hf_refuses_it(tmp_path):
+    """to-megatron writes the routers' expert bias under megatron-core's name (router.expert_bias, a
+    persistent buffer): megatron-core's GPTModel built from the written args loads the torch file
+    strictly and the torch_dist directory through its own dist_checkpointing, and holds the job's
+    bias; from-megatron of the torch files at EP 2 and of the torch_dist directory gives the bias and
+    every weight back bit for bit. to-hf refuses (its MoE families route by softmax, without a bias),
+    one line, nothing written."""
     from tests.test_pretrain import _single
     from zo_megatron.checkpoint.arch import job_flags
-    from zo_megatron.checkpoint.convert import to_hf, to_megatron
+    from zo_megatron.checkpoint.convert import from_megatron, to_hf, to_megatron
     from zo_megatron.checkpoint.reader import CheckpointReader
     from zo_megatron.errors import UserError
 
     ck = tmp_path / "ck"
     r = _single([*_argv(fresh_seed("expert bias convert"), 1), "--save", str(ck)], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
+    bias = _saved_bias(ck, 1)
+    assert any(bool((b != 0).any()) for b in bias)           # one update: +-rate (0 at exactly the mean)
     with pytest.raises(UserError, match="a softmax router"):        # the bias needs sigmoid: no HF MoE family has it
         to_hf(str(ck), str(tmp_path / "hf"), log=lambda *_: None)
-    read = mock.patch.object(CheckpointReader, "read_weights", side_effect=AssertionError("read before refusing"))
-    with pytest.raises(UserError, match="expert bias"), read:
-        to_megatron(str(ck), str(tmp_path / "mlm"), log=lambda *_: None)
-    assert not (tmp_path / "hf").exists() and not (tmp_path / "mlm").exists()
+    assert not (tmp_path / "hf").exists()
     assert "--moe-router-enable-expert-bias" in job_flags(CheckpointReader(str(ck)).model_meta).split()
-    assert json.loads((ck / "iter_0000001" / "checkpoint.json").read_text())["model"]["moe_router_enable_expert_bias"]
+    quiet = lambda *_: None                                             # noqa: E731
+    out = {}
+    for name, kw in (("torch", {}), ("ep2", {"expert_parallel": 2}), ("torch_dist", {"ckpt_format": "torch_dist"})):
+        to_megatron(str(ck), str(tmp_path / name), log=quiet, **kw)
+        from_megatron(str(tmp_path / name), str(tmp_path / f"{name}_back"), tensor_parallel=1, log=quiet)
+        out[name] = tmp_path / f"{name}_back"
+    reader = CheckpointReader(str(ck))
+    weights = reader.read_weights()
+    for name, back_dir in out.items():
+        back = CheckpointReader(str(back_dir))
+        assert back.model_meta == reader.model_meta, name
+        assert all(torch.equal(a, b) for a, b in zip(_saved_bias(back_dir, 0), bias)), name
+        got = back.read_weights()
+        assert set(got) == set(weights) and all(torch.equal(got[k], weights[k]) for k in weights), name
+    loaded = run_world(_megatron_core_loads, 1, tmp_path / "torch", tmp_path / "torch_dist", timeout=180)[0]
+    for fmt, by_name in loaded.items():
+        assert len(by_name) == len(bias) == 2, (fmt, sorted(by_name))
+        assert all(torch.equal(by_name[k], b) for k, b in zip(sorted(by_name), bias)), fmt
 
 
 def test_to_fp32_writes_the_bias_beside_the_weights(tmp_path):

@@ -83,6 +83,17 @@ def param_shapes(meta: dict) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def buffer_shapes(meta: dict) -> dict[str, tuple[int, ...]]:
+    """The persistent buffers of that GPTModel that are not parameters (content.py `buffers/`): each
+    MoE layer's router expert bias (--moe-router-enable-expert-bias, fp32 [E]); none otherwise."""
+    meta = full_meta(meta)
+    if not meta["moe_router_enable_expert_bias"]:
+        return {}
+    moe = GPTConfig(**{k: meta[k] for k in ARCH_FIELDS}, precision="fp32").moe_layers()
+    return {f"{_PREFIX}decoder.layers.{i}.mlp.router.expert_bias": (meta["num_experts"],)
+            for i in range(meta["num_layers"]) if moe[i]}
+
+
 def _mlp_shapes(meta: dict, m: str, moe: bool) -> dict[str, tuple[int, ...]]:
     """The MLP's parameters under `m` (".../mlp."): the dense MLP, or the router, every expert (by
     global index) and the shared expert with its gate (model/gpt.py's docstring)."""

@@ -29,8 +29,8 @@ from typing import Callable
 import torch
 
 from zo_megatron.checkpoint import hf, megatron_args, megatron_dist, megatron_lm
-from zo_megatron.checkpoint.arch import (check_tensor_parallel, full_meta, job_flags, param_shapes, query_groups,
-                                         unit_centred_gamma)
+from zo_megatron.checkpoint.arch import (buffer_shapes, check_tensor_parallel, full_meta, job_flags, param_shapes,
+                                         query_groups, unit_centred_gamma)
 from zo_megatron.checkpoint.boxes import Box
 from zo_megatron.checkpoint.content import BUFFERS, EXP_AVG, EXP_AVG_SQ, MODEL
 from zo_megatron.checkpoint.layout import rng_file
@@ -101,9 +101,11 @@ def _slice(t: torch.Tensor, box: Box) -> torch.Tensor:
 
 def _write_weights_checkpoint(output: str, weights: dict[str, torch.Tensor], meta: dict, *, tp: int,
                               converted_from: str, args: dict, force: bool, log: Log, extra: dict | None = None,
-                              tokenizer_from: str | None = None) -> None:
+                              tokenizer_from: str | None = None,
+                              buffers: dict[str, torch.Tensor] | None = None) -> None:
     """A weights-only zo_megatron checkpoint (iteration 0) for `pretrain_gpt.py --load`; the
-    Hugging Face tokenizer files found in `tokenizer_from` go to its iter_0000000/tokenizer/."""
+    Hugging Face tokenizer files found in `tokenizer_from` go to its iter_0000000/tokenizer/; the
+    model's persistent buffers (arch.buffer_shapes: the router expert bias) under `buffers/`."""
     check_tensor_parallel(meta, tp)
     shapes = {n: tuple(t.shape) for n, t in weights.items()}
     expected = param_shapes(meta)
@@ -112,6 +114,11 @@ def _write_weights_checkpoint(output: str, weights: dict[str, torch.Tensor], met
         raise RuntimeError(f"converted weights do not match the architecture (first: {bad[0]})")
     specs = _tp_specs(shapes, [MODEL], {MODEL: torch.float32}, tp,
                       padded_vocab_size(meta["vocab_size"], _divisible_by(args), tp), meta["swiglu"])
+    buffers = buffers or {}
+    if {n: tuple(t.shape) for n, t in buffers.items()} != buffer_shapes(meta):   # a mapping bug, as above
+        raise RuntimeError(f"converted buffers {sorted(buffers)} do not match the architecture's")
+    specs += [TensorSpec(BUFFERS + n, tuple(t.shape), torch.float32, (Box((0,) * t.dim(), tuple(t.shape), 0),))
+              for n, t in buffers.items()]
     has_tokenizer = tokenizer_from is not None and any(
         os.path.isfile(os.path.join(tokenizer_from, n)) for n in HF_TOKENIZER_FILES)
     manifest = {"weights_only": True, "converted_from": converted_from, "model": meta, "params": shapes,
@@ -121,7 +128,8 @@ def _write_weights_checkpoint(output: str, weights: dict[str, torch.Tensor], met
                 **({"tokenizer_type": "HuggingFaceTokenizer"} if has_tokenizer else {})}
     with atomic_output(output, force=force) as tmp:
         d = write_checkpoint(tmp, iteration=0, specs=specs, manifest=manifest,
-                             fetch=lambda key, box: _slice(weights[key.removeprefix(MODEL)], box).float(),
+                             fetch=lambda key, box: _slice(weights[key.removeprefix(MODEL)] if key.startswith(MODEL)
+                                                           else buffers[key.removeprefix(BUFFERS)], box).float(),
                              progress=Progress("writing tensors"), tokenizer_from=tokenizer_from)
         tok_dir = os.path.join(output, os.path.relpath(d, tmp), TOKENIZER_DIR)
     _wrote(log, output)
@@ -353,6 +361,9 @@ def to_megatron(load: str, output: str, *, iteration: int | None = None, tensor_
                                    expert_parallel=ep, expert_tensor_parallel=etp, grouped_gemm=grouped_gemm,
                                    ckpt_format=ckpt_format)
     weights = reader.read_weights()             # after megatron_args: what it refuses is refused before any read
+    # the router expert bias: a persistent buffer of megatron-core's router, in Megatron-LM's files under its name
+    weights.update({k.removeprefix(BUFFERS): t.float() for k, t in
+                    reader.read_full([BUFFERS + n for n in buffer_shapes(meta)]).items()})
     with atomic_output(output, force=force) as tmp:
         if ckpt_format == "torch_dist":
             megatron_dist.write(tmp, weights, ns, log=log)
@@ -401,6 +412,11 @@ def from_megatron(input_dir: str, output: str, *, tensor_parallel: int, iteratio
                                   progress=Progress("reading the torch_dist tensors" if dist else "reading rank files"),
                                   vocab_size=vocab_size, tokenizer_model=tokenizer_model)
     meta = megatron_args.meta_from_args(ns, vocab, os.path.join(input_dir, megatron_lm.TRACKER))
+    buffers = {n: weights.pop(n).float() for n in buffer_shapes(meta) if n in weights}
+    missing = sorted(set(buffer_shapes(meta)) - set(buffers))
+    if missing:
+        raise UserError(f"{input_dir}: args.moe_router_enable_expert_bias is set but the files hold no "
+                        f"{megatron_lm.ours_to_megatron(missing[0])}: not the run the args describe")
     expected = param_shapes(meta)
     got = {k: tuple(v.shape) for k, v in weights.items()}
     if got != expected:
@@ -426,7 +442,7 @@ def from_megatron(input_dir: str, output: str, *, tensor_parallel: int, iteratio
         and os.path.isdir(tok) else None
     _write_weights_checkpoint(output, weights, meta, tp=tensor_parallel, args=args, force=force, log=log,
                               converted_from=f"Megatron-LM {os.path.abspath(input_dir)} iteration {it}",
-                              tokenizer_from=tok)
+                              tokenizer_from=tok, buffers=buffers)
 
 
 # ---------------------------------------------------------------- consolidated fp32

@@ -39,7 +39,7 @@ READ = frozenset({
     "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split", "pipeline_model_parallel_layout",
     # mixture of experts (num_experts set; grouped-GEMM experts read as SequentialMLP's): inert without experts
     "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_router_load_balancing_type", "moe_aux_loss_coeff",
-    "moe_router_num_groups", "moe_router_group_topk",
+    "moe_router_num_groups", "moe_router_group_topk", "moe_router_enable_expert_bias",
     "moe_z_loss_coeff", "moe_router_pre_softmax", "moe_router_score_function", "moe_router_topk_scaling_factor",
     "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_layer_freq", "moe_token_dispatcher_type",
     "moe_grouped_gemm", "expert_model_parallel_size", "expert_tensor_parallel_size",

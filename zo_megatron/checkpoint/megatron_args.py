@@ -92,9 +92,6 @@ def _moe_args(meta: dict, tp: int, ep: int, etp: int | None, grouped_gemm: bool,
         raise UserError(f"--expert-tensor-parallel-size {etp} does not divide the experts' FFN size "
                         f"{meta['moe_ffn_hidden_size']}: each expert splits over expert TP as the MLP over TP; "
                         "choose one that divides it")
-    if meta["moe_router_enable_expert_bias"]:
-        raise UserError("the routers' expert bias (--moe-router-enable-expert-bias) is not written into Megatron-LM's "
-                        "files yet, and the weights alone would route differently: nothing is written")
     if ckpt_format == "torch":
         legacy_rank_files(tp, etp, ep)          # (refuses a layout Megatron-LM's torch format cannot hold)
     return {**{k: meta[k] for k in MOE_FIELDS}, "expert_model_parallel_size": ep, "expert_tensor_parallel_size": etp,
@@ -201,9 +198,6 @@ def _moe_meta(args: argparse.Namespace, refuse) -> dict:
                moe_pad_expert_input_to_capacity=bool(out["moe_pad_expert_input_to_capacity"]))
     factor = out["moe_expert_capacity_factor"]
     out["moe_expert_capacity_factor"] = None if factor is None or factor < 0 else float(factor)  # < 0: none
-    if out["moe_router_enable_expert_bias"]:
-        refuse("args.moe_router_enable_expert_bias=True (the routers' expert bias, whose values from-megatron does "
-               "not read yet: the weights alone would route differently)")
     if out["moe_router_group_topk"] is None:     # megatron-core routes without groups then
         out["moe_router_num_groups"] = None
     if out["moe_token_dispatcher_type"] not in MOE_DISPATCHERS:     # 'flex' (DeepEP): the same math as alltoall
