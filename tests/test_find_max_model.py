@@ -453,3 +453,30 @@ def test_tool_trains_the_largest_with_states_on_disk(tmp_path):
     m, pl = ours["comparison"]["measured"], ours["comparison"]["planned"]
     assert abs(m["engine_model_states"] / (pl["device_model_states"] + pl["host_model_states"]) - 1) < 0.05
     assert list(nvme.iterdir()) == []
+
+
+def test_recompute_modules_reach_the_job_and_the_plan():
+    """--recompute-modules goes to the job's flags and into the plan: recomputing the attention core, the
+    norms and the MLP keeps less per layer than the attention core alone, so at least as large a model fits
+    (a long sequence, where activations weigh)."""
+    rng = random.Random(fresh_seed("find_max_model recompute modules"))
+    heads = rng.choice([4, 8])
+    base = ["--family", "llama", "--grow", "layers", "--num-attention-heads", str(heads), "--bf16",
+            "--hidden-size", str(heads * 32), "--seq-length", "2048", "--micro-batch-size", "4",
+            "--recompute-granularity", "selective", "--vocab-size", "60000"]
+    host = rng.randrange(6000, 12000) * MiB
+    ks, acts = {}, {}
+    for modules in (["core_attn"], ["core_attn", "layernorm", "mlp"]):
+        rule = fmm.Rule(_tool_args([*base, "--recompute-modules", *modules]))
+        flags = rule.job_flags(2)
+        i = flags.index("--recompute-modules")
+        assert flags[i + 1:i + 1 + len(modules)] == modules, flags
+        planner = fmm.JobPlanner(rule, host, 1)
+        ks[len(modules)] = planner.largest(10_000)
+        acts[len(modules)] = planner.plan(2).input.recompute_modules, planner.plan(2)
+    print(f"host {host // MiB} MiB: {ks}")
+    assert tuple(acts[1][0]) == ("core_attn",) and tuple(acts[3][0]) == ("core_attn", "layernorm", "mlp")
+    one, three = acts[1][1], acts[3][1]
+    # a CPU plan: the "device" is the host, and what the layers keep is part of its peak
+    assert three.device_bytes_per_gpu < one.device_bytes_per_gpu, (three.device_bytes_per_gpu, one.device_bytes_per_gpu)
+    assert ks[3] >= ks[1] >= 1

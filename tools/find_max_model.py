@@ -116,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--accumulate-grads-on-host", action="store_true")
     g.add_argument("--recompute-activations", action="store_true", help="selective recompute (Megatron)")
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
+    g.add_argument("--recompute-modules", nargs="+", default=None, metavar="MODULE",
+                   help="with selective recompute: megatron-core's modules to recompute (core_attn, layernorm, mlp; "
+                        "docs/memory_planner.md); the plan counts what each keeps")
     g.add_argument("--seq-length", type=int, default=32)
     g.add_argument("--micro-batch-size", type=int, default=1)
     g.add_argument("--train-iters", type=int, default=3)
@@ -201,6 +204,8 @@ class Rule:
             flags.append("--recompute-activations")
         if a.recompute_granularity:
             flags += ["--recompute-granularity", a.recompute_granularity]
+        if a.recompute_modules:
+            flags += ["--recompute-modules", *a.recompute_modules]
         flags += nvme_flags(a)
         if self.family == "llama":
             h = s["hidden_size"]
