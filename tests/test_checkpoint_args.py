@@ -102,8 +102,19 @@ def test_the_launch_line_repeated_with_use_checkpoint_args_agrees_with_its_own_v
     rc, out, err = run_world(_main, 1, [*line, "--train-iters", "4", "--use-checkpoint-args", "--load", ck],
                              timeout=300)[0]
     assert rc == 0 and "resumed from" in out, err
+    # a converted checkpoint (from-megatron, from-hf) records no --vocab-size or tokenizer among its args:
+    # the typed NullTokenizer's N still names the model's N + 1 rows
+    from zo_megatron.checkpoint.verify import MANIFEST, read_manifest
+
+    it_dir, manifest = read_manifest(ck)
+    manifest["args"] = {k: v for k, v in manifest["args"].items() if k not in ("vocab_size", "tokenizer_type")}
+    with open(os.path.join(it_dir, MANIFEST), "w") as f:
+        json.dump(manifest, f)
+    rc, out, err = run_world(_main, 1, [*line, "--train-iters", "5", "--use-checkpoint-args", "--load", ck],
+                             timeout=300)[0]
+    assert rc == 0 and "resumed from" in out, err
     other = [a if a != "95" else "94" for a in line]
-    rc, out, err = run_world(_main, 1, [*other, "--train-iters", "6", "--use-checkpoint-args", "--load", ck],
+    rc, out, err = run_world(_main, 1, [*other, "--train-iters", "7", "--use-checkpoint-args", "--load", ck],
                              timeout=300)[0]
     lines = [ln for ln in err.splitlines() if "error:" in ln]
     assert rc == 2 and len(lines) == 1, err

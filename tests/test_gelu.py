@@ -208,6 +208,9 @@ def test_gpt2_s_two_gelus_convert_both_ways_with_transformers_and_megatron_core_
     assert _relative(g["world"]["gelu"]["ours"], g["hf"]["gelu_new"]) > 2e-5
     flags = [line for line in g["log"] if "model flags:" in line]
     assert len(flags) == 4 and sum("--no-bias-gelu-fusion" in line for line in flags) == 2, flags
+    # Megatron-LM's --use-checkpoint-args does not read bias_gelu_fusion: to-megatron says what to launch with
+    notes = [line for line in g["log"] if "note: launch Megatron-LM with --no-bias-gelu-fusion" in line]
+    assert len(notes) == 1, g["log"]
 
 
 def test_from_megatron_reads_the_gelu_megatron_core_computed():
@@ -267,6 +270,32 @@ def test_a_bias_free_gelu_checkpoint_from_before_the_field_is_the_tanh_gelu(tmp_
     assert rc == 2 and len(lines) == 1, err
     assert "the MLP's GELU: the tanh GELU in the checkpoint, the erf GELU here" in lines[0], lines[0]
     assert "--use-checkpoint-args" in lines[0], lines[0]
+    # with --use-checkpoint-args a typed flag that asks for another GELU is a clash, not overridden
+    rc, out, err = run_world(_job, 1, [*again, "--use-checkpoint-args", "--no-bias-gelu-fusion"], timeout=300)[0]
+    lines = [ln for ln in err.splitlines() if "error:" in ln]
+    assert rc == 2 and len(lines) == 1, err
+    assert "disagrees with the checkpoint" in lines[0] and "the tanh GELU in the checkpoint, the erf GELU here" \
+        in lines[0], lines[0]
     rc, out, err = run_world(_job, 1, [*again, "--use-checkpoint-args"], timeout=300)[0]
     assert rc == 0 and "resumed from" in out, err
+    model_line = next(ln for ln in out.splitlines() if ln.startswith(" model:"))
+    assert "gelu_approximate" not in model_line, model_line          # no flag of that name to show
     assert read_manifest(ck)[1]["model"]["gelu_approximate"] == "tanh"     # the save at 4 keeps its GELU
+
+
+def test_a_swiglu_mismatch_names_swiglu_not_a_gelu_the_checkpoint_never_had():
+    """A SwiGLU model records gelu_approximate "none" (it has no GELU): a resume of a SwiGLU checkpoint
+    with a GELU model's flags names --swiglu, not a GELU difference."""
+    from zo_megatron.checkpoint.load import _check_model
+    from zo_megatron.errors import UserError
+    from zo_megatron.model import GPTConfig
+
+    shape = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, vocab_size=VOCAB,
+                 precision="fp32")
+    llama = GPTConfig(**shape, swiglu=True, add_bias_linear=False).arch_meta()
+    gpt = GPTConfig(**shape).arch_meta()
+    assert llama["gelu_approximate"] == "none" and gpt["gelu_approximate"] == "tanh"
+    for saved, here in ((llama, gpt), (gpt, llama)):
+        with pytest.raises(UserError) as e:
+            _check_model({"model": saved}, here, "ck")
+        assert "swiglu" in str(e.value) and "gelu" not in str(e.value).lower(), str(e.value)

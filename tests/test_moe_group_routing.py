@@ -108,6 +108,10 @@ def test_the_job_at_ep2_with_device_limited_routing_trains_as_the_torch_referenc
     assert back == meta, {k: (back[k], meta[k]) for k in meta if back.get(k) != meta[k]}
     args.moe_router_group_topk = None           # Megatron-LM routes without groups then: so is the model read
     assert meta_from_args(args, meta["vocab_size"], "x")["moe_router_num_groups"] is None
+    log = []
+    convert.to_megatron(str(ck), str(tmp_path / "mlm"), expert_parallel=2, log=log.append)
+    assert any("note: launch Megatron-LM with --moe-router-num-groups 2 --moe-router-group-topk 1" in line
+               for line in log), log
     with pytest.raises(UserError, match="group-limited routing"):
         convert.to_hf(str(ck), str(tmp_path / "hf"), log=lambda _: None)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from zo_megatron.errors import UserError
-from zo_megatron.model.config import ARCH_FIELDS, MOE_FIELDS, YARN_FIELDS, GPTConfig
+from zo_megatron.model.config import ARCH_FIELDS, MOE_FIELDS, YARN_FIELDS, GPTConfig, megatron_bias_gelu_fusion
 
 # GPTConfig's defaults (GPT-2) for the fields an old checkpoint does not record
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(GPTConfig)
@@ -163,10 +163,12 @@ def job_flags(meta: dict, hf_tokenizer: bool = False) -> str:
         flags.append(f"--norm-epsilon {m['layernorm_epsilon']:g}")
     if m["swiglu"]:
         flags.append("--swiglu")
-    elif m["gelu_approximate"] == "none" and m["add_bias_linear"]:
-        flags.append("--no-bias-gelu-fusion")      # the erf GELU; without biases it is the default
-    elif m["gelu_approximate"] == "tanh" and not m["add_bias_linear"]:
-        flags.append("--use-checkpoint-args")      # no flag gives a bias-free tanh GELU (Megatron-LM's rule)
+    else:
+        fusion = megatron_bias_gelu_fusion(m["gelu_approximate"], m["add_bias_linear"])
+        if fusion is None:
+            flags.append("--use-checkpoint-args")      # no flag gives a bias-free tanh GELU (Megatron-LM's rule)
+        elif not fusion and m["add_bias_linear"]:
+            flags.append("--no-bias-gelu-fusion")      # the erf GELU with biases; without them it is the default
     if m["num_query_groups"] != m["num_attention_heads"]:
         flags += ["--group-query-attention", f"--num-query-groups {m['num_query_groups']}"]
     if m["kv_channels"] != m["hidden_size"] // m["num_attention_heads"]:

@@ -378,6 +378,15 @@ def to_megatron(load: str, output: str, *, iteration: int | None = None, tensor_
     if meta["position_embedding_type"] == "yarn":
         log("  note: YaRN's args have Megatron-LM core_v0.19's names (position_embedding_type 'yarn', yarn_*, "
             "rotary_scaling_factor, mscale, mscale_all_dim): core_v0.16.1's pretrain_gpt.py cannot build a YaRN GPT")
+    # what Megatron-LM's --use-checkpoint-args does not take from the args (core_v0.16.1 load_args_from_checkpoint):
+    # its launch line must say it, or its model computes another function
+    needs = (["--no-bias-gelu-fusion"] if not meta["swiglu"] and meta["add_bias_linear"]
+             and meta["gelu_approximate"] == "none" else []) + \
+        ([f"--moe-router-num-groups {meta['moe_router_num_groups']}",
+          f"--moe-router-group-topk {meta['moe_router_group_topk']}"] if meta["moe_router_group_topk"] else [])
+    if needs:
+        log(f"  note: launch Megatron-LM with {' '.join(needs)}: its --use-checkpoint-args does not take them from "
+            "the args, and without them its model computes another function (the tanh GELU, ungrouped routing)")
     if meta["use_rope_scaling"] and meta["rope_scaling_factor"] != 8.0:
         # Megatron-LM's GPTModel builders pass rope_scaling but not rope_scaling_factor (core_v0.16.1 to
         # its main branch), so megatron-core's default factor 8 applies there whatever the args say

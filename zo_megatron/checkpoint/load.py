@@ -93,8 +93,11 @@ def _check_model(manifest: dict, model_meta: dict, where: str, tokenizer_vocab: 
     # not on this one); a learned table's size must match
     rope = saved.get("position_embedding_type") in ("rope", "yarn") and \
         saved.get("position_embedding_type") == model_meta.get("position_embedding_type")
+    # a SwiGLU model has no GELU: its recorded one says nothing when the other side is SwiGLU (swiglu differs)
+    swiglu = saved.get("swiglu") or model_meta.get("swiglu")
     diffs = [describe_diff(k, saved.get(k), v) for k, v in model_meta.items()
-             if k != "vocab_size" and saved.get(k) != v and not (rope and k == "max_position_embeddings")]
+             if k != "vocab_size" and saved.get(k) != v and not (rope and k == "max_position_embeddings")
+             and not (swiglu and k == "gelu_approximate")]
     if diffs:
         raise UserError(f"{where}: this run's model differs from the checkpoint's ({'; '.join(diffs)}): {fix}")
 

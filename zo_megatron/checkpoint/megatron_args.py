@@ -15,7 +15,8 @@ from zo_megatron.checkpoint.megatron_allow import non_neutral
 from zo_megatron.checkpoint.megatron_lm import legacy_rank_files
 from zo_megatron.checkpoint.tp_layout import padded_vocab_size
 from zo_megatron.errors import UserError
-from zo_megatron.model.config import MOE_DISPATCHERS, MOE_FIELDS, YARN_FIELDS
+from zo_megatron.model.config import (MOE_DISPATCHERS, MOE_FIELDS, YARN_FIELDS, megatron_bias_gelu_fusion,
+                                      megatron_gelu)
 
 
 def megatron_args(meta: dict, *, tp: int, iteration: int, divisible_by: int, seq_length: int | None,
@@ -57,16 +58,16 @@ def megatron_args(meta: dict, *, tp: int, iteration: int, divisible_by: int, seq
 
 
 def _bias_gelu_fusion(meta: dict) -> bool:
-    """Megatron-LM's bias_gelu_fusion for the model's GELU: its fused bias-GELU is the tanh approximation,
-    its unfused path the erf GELU, and it fuses only with linear biases (validate_args): a bias-free tanh
-    GELU is a model megatron-core's GPT does not compute."""
+    """Megatron-LM's bias_gelu_fusion for the model's GELU (model/config.py megatron_bias_gelu_fusion)."""
     if meta["swiglu"]:
         return meta["add_bias_linear"]          # as Megatron-LM's validate_args leaves it; SwiGLU does not read it
-    if meta["gelu_approximate"] == "tanh" and not meta["add_bias_linear"]:
+    fusion = megatron_bias_gelu_fusion(meta["gelu_approximate"], meta["add_bias_linear"])
+    if fusion is None:
         raise UserError("the MLP's GELU is the tanh approximation without linear biases: megatron-core's GPT "
                         "computes the erf GELU there (its tanh GELU is the fused bias-GELU), so the weights would "
-                        "compute another function in Megatron-LM: nothing is written")
-    return meta["gelu_approximate"] == "tanh"
+                        "compute another function in Megatron-LM: nothing is written (no Megatron-LM flag computes "
+                        "this model; train it on with zo_megatron, --use-checkpoint-args)")
+    return fusion
 
 
 def _moe_args(meta: dict, tp: int, ep: int, etp: int | None, grouped_gemm: bool, ckpt_format: str) -> dict:
@@ -116,14 +117,6 @@ def _yarn_meta(args: argparse.Namespace, pos: str) -> dict:
             for k, default in YARN_FIELDS.items()}
 
 
-def _gelu_approximate(args: argparse.Namespace, bias: bool) -> str:
-    """The GELU megatron-core's MLP computed (core_v0.16.1 mlp.py): the fused bias-GELU, the tanh
-    approximation, where bias_gelu_fusion is on and the linears have biases (validate_args turns the
-    fusion off without them); torch's erf F.gelu otherwise. args.openai_gelu is read by Megatron-LM's
-    legacy models only (refused: use_legacy_models)."""
-    return "tanh" if bias and bool(getattr(args, "bias_gelu_fusion", True)) else "none"
-
-
 def meta_from_args(args: argparse.Namespace, vocab: int, where: str) -> dict:
     """The model's architecture (GPTConfig fields) from Megatron-LM's saved args; one line for
     what zo_megatron does not build."""
@@ -159,7 +152,8 @@ def meta_from_args(args: argparse.Namespace, vocab: int, where: str) -> dict:
         rotary_percent=float(getattr(args, "rotary_percent", 1.0)),
         use_rope_scaling=bool(getattr(args, "use_rope_scaling", False)),
         rope_scaling_factor=float(getattr(args, "rope_scaling_factor", 8.0)), normalization=norm,
-        layernorm_epsilon=float(eps), swiglu=swiglu, gelu_approximate=_gelu_approximate(args, bias),
+        layernorm_epsilon=float(eps), swiglu=swiglu,
+        gelu_approximate=megatron_gelu(bias, bool(getattr(args, "bias_gelu_fusion", True))),
         num_query_groups=args.num_query_groups if getattr(args, "group_query_attention", False) else None,
         kv_channels=getattr(args, "kv_channels", None),
         untie_embeddings_and_output_weights=bool(getattr(args, "untie_embeddings_and_output_weights", False)),

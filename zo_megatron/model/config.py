@@ -26,6 +26,22 @@ NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 # approximation) or "none" (the erf GELU). Megatron-LM's megatron-core GPT computes the tanh one in its
 # bias-GELU fusion (linear biases and --bias-gelu-fusion, its default), the erf one otherwise.
 GELU_APPROXIMATIONS = ("tanh", "none")
+
+
+def megatron_gelu(add_bias_linear: bool, bias_gelu_fusion: bool) -> str:
+    """The GELU Megatron-LM's megatron-core GPT computes (core_v0.16.1 mlp.py): its fused bias-GELU, the
+    tanh approximation, where the linears have biases and --bias-gelu-fusion is on (validate_args turns
+    the fusion off without biases); torch's erf F.gelu otherwise. --openai-gelu is read by its legacy
+    models only."""
+    return "tanh" if add_bias_linear and bias_gelu_fusion else "none"
+
+
+def megatron_bias_gelu_fusion(gelu: str, add_bias_linear: bool) -> bool | None:
+    """The inverse: Megatron-LM's bias_gelu_fusion that computes `gelu` with these biases; None where
+    none does (the tanh GELU without biases)."""
+    if gelu == "tanh":
+        return True if add_bias_linear else None
+    return False
 # Mixture of experts (megatron-core's MoE layer, local spec; docs/moe.md): field -> Megatron-LM's default.
 MOE_FIELDS = {"num_experts": None, "moe_router_topk": 2, "moe_ffn_hidden_size": None,
               "moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 0.0, "moe_z_loss_coeff": None,

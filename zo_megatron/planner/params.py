@@ -156,7 +156,6 @@ def layer_parameters(hidden_size: int, ffn_size: int, num_attention_heads: int,
     d = arch.kv_channels or h // a
     g = arch.num_query_groups or a
     qkv_out = (a + 2 * g) * d
-    fc1_out = 2 * f if arch.swiglu else f
     norm_bias = arch.normalization == "LayerNorm"
     bias = arch.add_bias_linear
 

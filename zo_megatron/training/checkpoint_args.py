@@ -20,7 +20,7 @@ import os
 
 from zo_megatron.data.tokenizer import CHECKPOINT_TOKENIZER_DIR
 from zo_megatron.errors import ConfigError
-from zo_megatron.model.config import complete_arch_meta
+from zo_megatron.model.config import complete_arch_meta, megatron_gelu
 
 # Taken from the checkpoint's saved arguments when the command line does not give them
 # (Megatron's non-forced _set_arg: tokenizer, sequence length, vocabulary padding).
@@ -78,6 +78,13 @@ def describe_diff(parser: argparse.ArgumentParser, field: str, in_checkpoint, he
     return f"{flag}: {ck} in the checkpoint, {now} here{origin}"
 
 
+def _vocab_flag(rows: int, args: argparse.Namespace, given: set[str], saved: dict) -> int:
+    """The --vocab-size that builds a model of `rows` rows: NullTokenizer's N has N + 1 (its ids and the
+    EOD id), every other tokenizer's N has N. The tokenizer is the typed one, else the checkpoint's run's."""
+    tokenizer = args.tokenizer_type if "tokenizer_type" in given else saved.get("tokenizer_type", args.tokenizer_type)
+    return rows - 1 if tokenizer == "NullTokenizer" else rows
+
+
 def apply_checkpoint_args(parser: argparse.ArgumentParser, args: argparse.Namespace, given: set[str]) -> None:
     """Set args from --load's latest checkpoint (before finalize); refuse given flags that disagree."""
     from zo_megatron.checkpoint.verify import read_manifest
@@ -89,21 +96,26 @@ def apply_checkpoint_args(parser: argparse.ArgumentParser, args: argparse.Namesp
     saved = manifest.get("args") or {}
     if not model:
         raise ConfigError(f"--use-checkpoint-args: {d} records no model arguments: give the model flags instead")
-    # a field with no flag of its own (model_flags.gelu_approximate reads it); older checkpoints: their GELU
-    model.setdefault("gelu_approximate", complete_arch_meta(model, saved)["gelu_approximate"])
+    # the GELU has no flag of its own (model_flags.gelu_approximate reads it): the checkpoint's (older: tanh)
+    gelu = complete_arch_meta(model, saved)["gelu_approximate"]
+    model.pop("gelu_approximate", None)
     taken, clashes = [], []
     for field, value in model.items():
         if field in NOT_FLAGS:
             continue
         dest = DEST_OF_FIELD.get(field, field)
         if dest in given:                       # typed: it must agree, and stays as typed
-            # --vocab-size as the checkpoint's run typed it (NullTokenizer's N is a model of N + 1 rows)
-            flag_value = saved["vocab_size"] if field == "vocab_size" and saved.get("vocab_size") else value
+            flag_value = _vocab_flag(value, args, given, saved) if field == "vocab_size" else value
             if getattr(args, dest, None) != flag_value:
                 clashes.append(describe_diff(parser, field, flag_value, getattr(args, dest, None)))
             continue
         setattr(args, dest, value)
         taken.append(dest)
+    if "bias_gelu_fusion" in given and not args.swiglu and megatron_gelu(args.add_bias_linear, args.bias_gelu_fusion) \
+            != gelu:                            # a typed --no-bias-gelu-fusion that asks for another GELU
+        clashes.append(describe_diff(parser, "gelu_approximate", gelu,
+                                     megatron_gelu(args.add_bias_linear, args.bias_gelu_fusion)))
+    args.gelu_approximate = gelu
     if "num_query_groups" in model and hasattr(args, "group_query_attention") and "group_query_attention" not in given:
         # Megatron's pair: --group-query-attention --num-query-groups G; G = heads is plain attention
         args.group_query_attention = model["num_query_groups"] not in (None, model.get("num_attention_heads"))

@@ -10,7 +10,7 @@ import sys
 
 from zo_megatron.errors import ConfigError
 from zo_megatron.model.config import (MOE_DISPATCHERS, MOE_DROP_POLICIES, MOE_FIELDS, MOE_LOAD_BALANCING,
-                                      MOE_SCORE_FUNCTIONS, YARN_FIELDS)
+                                      MOE_SCORE_FUNCTIONS, YARN_FIELDS, megatron_gelu)
 
 # --attention-backend (megatron-core's AttnBackend names) -> the model's core attention.
 ATTENTION_BACKENDS = {"flash": "sdpa", "fused": "sdpa", "auto": "sdpa", "local": "local", "unfused": "local"}
@@ -237,14 +237,12 @@ def architecture_kwargs(args: argparse.Namespace) -> dict:
 
 
 def gelu_approximate(args: argparse.Namespace) -> str:
-    """The GELU of a non-gated MLP, as Megatron-LM's megatron-core GPT computes it: its bias-GELU fusion
-    (linear biases and --bias-gelu-fusion, the default; validate_args turns the fusion off without
-    biases) is the tanh approximation, the unfused path torch's erf GELU. --openai-gelu does not enter:
-    only Megatron-LM's legacy models read it. A checkpoint's own value (--use-checkpoint-args) wins."""
+    """The GELU of a non-gated MLP, by Megatron-LM's rule (model/config.py megatron_gelu) from the flags;
+    a checkpoint's own value (--use-checkpoint-args sets it) wins."""
     recorded = getattr(args, "gelu_approximate", None)
     if recorded is not None:
         return recorded
-    return "tanh" if args.add_bias_linear and getattr(args, "bias_gelu_fusion", True) else "none"
+    return megatron_gelu(args.add_bias_linear, getattr(args, "bias_gelu_fusion", True))
 
 
 def check_architecture_flags(args: argparse.Namespace) -> None:

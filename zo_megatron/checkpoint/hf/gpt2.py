@@ -105,7 +105,8 @@ def hf_config(meta: dict, *, dtype: str = "float32", hidden_dropout: float = 0.0
     return GPT2Config(
         vocab_size=meta["vocab_size"], n_positions=meta["max_position_embeddings"], n_embd=meta["hidden_size"],
         n_layer=meta["num_layers"], n_head=meta["num_attention_heads"],
-        n_inner=None if ffn == 4 * meta["hidden_size"] else ffn, activation_function="gelu_new" if meta.get("gelu_approximate", "tanh") == "tanh" else "gelu",
+        n_inner=None if ffn == 4 * meta["hidden_size"] else ffn,
+        activation_function="gelu_new" if meta.get("gelu_approximate", "tanh") == "tanh" else "gelu",
         resid_pdrop=hidden_dropout, embd_pdrop=hidden_dropout, attn_pdrop=attention_dropout,
         layer_norm_epsilon=meta.get("layernorm_epsilon", 1e-5), tie_word_embeddings=True,
         architectures=["GPT2LMHeadModel"],
@@ -142,7 +143,8 @@ def meta_from_hf_config(cfg, where: str) -> dict:
 
 # architecture fields a GPT2Config holds, or that do not apply to it (any value)
 _SHAPE = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size", "max_position_embeddings")
-_FREE = ("layernorm_epsilon", "gelu_approximate", "make_vocab_size_divisible_by", "rotary_base", "rope_scaling_factor", *YARN_FIELDS)
+_FREE = ("layernorm_epsilon", "gelu_approximate", "make_vocab_size_divisible_by", "rotary_base", "rope_scaling_factor",
+         *YARN_FIELDS)
 
 
 class GPT2Family(HFFamily):
