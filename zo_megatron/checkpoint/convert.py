@@ -425,7 +425,8 @@ def from_megatron(input_dir: str, output: str, *, tensor_parallel: int, iteratio
     missing = sorted(set(buffer_shapes(meta)) - set(buffers))
     if missing:
         raise UserError(f"{input_dir}: args.moe_router_enable_expert_bias is set but the files hold no "
-                        f"{megatron_lm.ours_to_megatron(missing[0])}: not the run the args describe")
+                        f"{megatron_lm.ours_to_megatron(missing[0])}: not the run the args describe (point --input at "
+                        "the run's own checkpoint directory)")
     expected = param_shapes(meta)
     got = {k: tuple(v.shape) for k, v in weights.items()}
     if got != expected:
