@@ -160,15 +160,19 @@ def _moe_reference(rank, argv, cache):
     return losses
 
 
-def test_a_mixture_of_experts_in_per_token_mode_is_megatron_s(tmp_path):
-    """--calculate-per-token-loss at EP 1 on 2 ranks (the dense engine), the load-balancing and z losses on."""
-    from tests.test_moe_job import MOE
+@pytest.mark.parametrize("layout", ["EP1", "EP2"])
+def test_a_mixture_of_experts_in_per_token_mode_is_megatron_s(tmp_path, layout):
+    """--calculate-per-token-loss on 2 ranks, the load-balancing and z losses on: at EP 1 (the dense
+    engine, experts replicated over DP 2) and at EP 2 (the two engines, the alltoall dispatcher; each
+    rank routes its own tokens, whose count scales its router's aux losses)."""
+    from tests.test_moe_job import EP2, LAYOUTS, MOE
 
-    seed = fresh_seed("MoE per-token loss")
+    seed = fresh_seed(f"MoE per-token loss {layout}")
     argv = [*MOE, "--seed", str(seed), "--train-iters", str(ITERS), "--calculate-per-token-loss", "--eod-mask-loss"]
     log = tmp_path / "moe.jsonl"
-    r = _job([*argv, "--log-jsonl", str(log)], tmp_path)
+    r = _job([*argv, *(EP2 if layout == "EP2" else []), "--log-jsonl", str(log)], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert LAYOUTS[layout][1] in r.stdout, r.stdout[:3000]           # the layout the banner names
     got = [row["loss"] for row in _rows(log, "train")]
     ref = run_world(_moe_reference, 1, argv, str(tmp_path / "cache"), timeout=120)[0]
     assert len(got) == ITERS and all(abs(g - w) <= 2e-5 * abs(w) for g, w in zip(got, ref)), (seed, got, ref)
