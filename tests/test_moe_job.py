@@ -328,3 +328,20 @@ def test_fp16_loss_scaling_at_ep2_is_the_plain_engines(tmp_path):
     for i in one:
         a, b = one[i]["grad_norm"], two[i]["grad_norm"]
         assert (a != a and b != b) or abs(a - b) <= 1e-3 * abs(a), (i, a, b)
+
+
+def test_per_layer_logging_names_each_layer_as_megatron_core(tmp_path):
+    """--moe-per-layer-logging: every row also holds each layer's load-balancing and z loss under
+    megatron-core's names (moe/<loss>_layer_<i>); with --moe-layer-freq 2 layer 1 is dense (0), and the
+    logged total is the MoE layers' sum over their count, as without the flag."""
+    seed = fresh_seed("moe per-layer logging")
+    argv = [*_argv(seed, 2), "--moe-layer-freq", "2"]
+    rows, _ = _run(tmp_path, "per_layer", [*argv, "--moe-per-layer-logging"])
+    plain, _ = _run(tmp_path, "plain", argv)
+    for i, row in rows.items():
+        for name in ("load_balancing_loss", "z_loss"):
+            layer0, layer1 = row[f"moe/{name}_layer_0"], row[f"moe/{name}_layer_1"]
+            assert layer0 > 0 and layer1 == 0, (i, row)
+            assert abs(row[name] - layer0) <= 1e-12 * abs(layer0), (i, row)        # one MoE layer
+            assert row[name] == plain[i][name], (i, row[name], plain[i][name])     # the flag changes no value
+        assert not any(k.startswith("moe/") for k in plain[i]), plain[i]

@@ -189,7 +189,8 @@ def build_moe_losses(args, cfg, ps, model):
     (training/moe_losses.py); None for a dense model."""
     from zo_megatron.training.moe_losses import MoELosses
 
-    return MoELosses(cfg, ps, model) if cfg.num_experts is not None else None
+    return MoELosses(cfg, ps, model, per_layer=getattr(args, "moe_per_layer_logging", False)) \
+        if cfg.num_experts is not None else None
 
 
 def build_expert_bias(cfg, model):

@@ -139,6 +139,9 @@ def add_moe_flags(g) -> None:
                         "--moe-router-bias-update-rate toward the experts that got fewer tokens than the mean")
     g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3,
                    help="with --moe-router-enable-expert-bias: how far each expert's bias moves per iteration")
+    g.add_argument("--moe-per-layer-logging", action="store_true",
+                   help="each layer's load-balancing / z loss too, under megatron-core's names "
+                        "(moe/<loss>_layer_<i>, a dense layer 0) in the JSONL rows, TensorBoard and W&B")
     g.add_argument("--moe-router-num-groups", type=int, default=None,
                    help="group-limited routing (DeepSeek-V2/V3, megatron-core's): the experts form N equal groups "
                         "(the EP size: device-limited routing; the nodes of the EP group: node-limited), of which "

@@ -46,8 +46,9 @@ class MoELosses:
     """The job's aux-loss component: `set_scale` before each iteration's backward, `window(iterations)`
     when a log row is written (a collective over the world: every rank calls it)."""
 
-    def __init__(self, cfg, ps, model=None):
+    def __init__(self, cfg, ps, model=None, per_layer: bool = False):
         self.names = tracked_names(cfg)
+        self.per_layer = per_layer                  # --moe-per-layer-logging: each layer's value too
         self.num_layers, self.moe_layers = cfg.num_layers, sum(cfg.moe_layers())
         self.ps = ps
         # each tracked loss summed over the window's iterations, each iteration's micro-batches averaged
@@ -107,19 +108,20 @@ class MoELosses:
         from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
 
         tracker = get_moe_layer_wise_logging_tracker()
-        out, totals = {}, []
+        out, layers = {}, []
         for name in self.names:
             entry = tracker.get(name)
             values = self.window_sums[name].clone()
             self.window_sums[name].zero_()
-            totals.append(_reduced(values, entry or {}, self.ps).sum())
-        if totals:
+            layers.append(_reduced(values, entry or {}, self.ps))
+        if layers:
             # one host read for every name, timed (on CUDA the sums sit behind NCCL all-reduces: a plain
             # .item() would wait for a dead peer until NCCL's watchdog aborts; issue 34, 2.2)
-            sums = host_value(torch.stack(totals))
+            per_layer = host_value(torch.stack(layers)) / max(iterations, 1)      # [names, layers], per iteration
             for i, name in enumerate(self.names):
-                per_iteration = sums[i].item() / max(iterations, 1)
-                out[name] = per_iteration / max(self.moe_layers, 1)
+                out[name] = per_layer[i].sum().item() / max(self.moe_layers, 1)
+                if self.per_layer:              # megatron-core's track_moe_metrics names (dense layers: 0)
+                    out.update({f"moe/{name}_layer_{j}": v for j, v in enumerate(per_layer[i].tolist())})
         clear_aux_losses_tracker()
         if self.routed:
             counts = collectives.all_reduce(host_value(torch.stack(self.routed)))   # [routers, E], over the world
