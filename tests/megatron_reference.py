@@ -125,6 +125,7 @@ def megatron_core_config(args, *, initialise=False, **layout):
     training; its torch norms refuse it without Apex): off here, the same math."""
     import torch
     import torch.nn.functional as F
+    from megatron.core.activations import squared_relu
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     moe = {}
@@ -149,7 +150,8 @@ def megatron_core_config(args, *, initialise=False, **layout):
     fields = dict(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
         num_query_groups=args.num_query_groups, kv_channels=args.kv_channels, ffn_hidden_size=args.ffn_hidden_size,
-        gated_linear_unit=args.swiglu, activation_func=F.silu if args.swiglu else F.gelu,
+        gated_linear_unit=args.swiglu,
+        activation_func=F.silu if args.swiglu else squared_relu if getattr(args, "squared_relu", False) else F.gelu,
         normalization=args.normalization,
         layernorm_epsilon=args.norm_epsilon, add_bias_linear=args.add_bias_linear, add_qkv_bias=args.add_qkv_bias,
         qk_layernorm=getattr(args, "qk_layernorm", False), hidden_dropout=0.0, attention_dropout=0.0,

@@ -163,6 +163,8 @@ def job_flags(meta: dict, hf_tokenizer: bool = False) -> str:
         flags.append(f"--norm-epsilon {m['layernorm_epsilon']:g}")
     if m["swiglu"]:
         flags.append("--swiglu")
+    elif m["squared_relu"]:
+        flags.append("--squared-relu")
     else:
         fusion = megatron_bias_gelu_fusion(m["gelu_approximate"], m["add_bias_linear"])
         if fusion is None:

@@ -381,7 +381,7 @@ def to_megatron(load: str, output: str, *, iteration: int | None = None, tensor_
     # what Megatron-LM's --use-checkpoint-args does not take from the args (core_v0.16.1 load_args_from_checkpoint):
     # its launch line must say it, or its model computes another function
     needs = (["--no-bias-gelu-fusion"] if not meta["swiglu"] and meta["add_bias_linear"]
-             and meta["gelu_approximate"] == "none" else []) + \
+             and (meta["gelu_approximate"] == "none" or meta["squared_relu"]) else []) + \
         ([f"--moe-router-num-groups {meta['moe_router_num_groups']}",
           f"--moe-router-group-topk {meta['moe_router_group_topk']}"] if meta["moe_router_group_topk"] else [])
     if needs:

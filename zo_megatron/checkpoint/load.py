@@ -93,11 +93,12 @@ def _check_model(manifest: dict, model_meta: dict, where: str, tokenizer_vocab: 
     # not on this one); a learned table's size must match
     rope = saved.get("position_embedding_type") in ("rope", "yarn") and \
         saved.get("position_embedding_type") == model_meta.get("position_embedding_type")
-    # a SwiGLU model has no GELU: its recorded one says nothing when the other side is SwiGLU (swiglu differs)
-    swiglu = saved.get("swiglu") or model_meta.get("swiglu")
+    # a SwiGLU or squared-ReLU model has no GELU: its recorded one says nothing when a side has none (the
+    # activation's own field differs)
+    no_gelu = any(m.get(k) for m in (saved, model_meta) for k in ("swiglu", "squared_relu"))
     diffs = [describe_diff(k, saved.get(k), v) for k, v in model_meta.items()
              if k != "vocab_size" and saved.get(k) != v and not (rope and k == "max_position_embeddings")
-             and not (swiglu and k == "gelu_approximate")]
+             and not (no_gelu and k == "gelu_approximate")]
     if diffs:
         raise UserError(f"{where}: this run's model differs from the checkpoint's ({'; '.join(diffs)}): {fix}")
 

@@ -50,7 +50,8 @@ def megatron_args(meta: dict, *, tp: int, iteration: int, divisible_by: int, seq
         qk_layernorm=meta["qk_layernorm"],
         # Megatron-LM keeps add_qkv_bias True whenever add_bias_linear is
         add_bias_linear=meta["add_bias_linear"], add_qkv_bias=meta["add_bias_linear"] or meta["add_qkv_bias"],
-        swiglu=meta["swiglu"], squared_relu=False, openai_gelu=False, bias_gelu_fusion=_bias_gelu_fusion(meta),
+        swiglu=meta["swiglu"], squared_relu=meta["squared_relu"], openai_gelu=False,
+        bias_gelu_fusion=_bias_gelu_fusion(meta),
         transformer_impl="local",
         ckpt_format=ckpt_format, bf16=precision == "bf16", fp16=precision == "fp16", iteration=iteration,
         consumed_train_samples=consumed_samples, consumed_valid_samples=consumed_valid_samples,
@@ -61,6 +62,8 @@ def _bias_gelu_fusion(meta: dict) -> bool:
     """Megatron-LM's bias_gelu_fusion for the model's GELU (model/config.py megatron_bias_gelu_fusion)."""
     if meta["swiglu"]:
         return meta["add_bias_linear"]          # as Megatron-LM's validate_args leaves it; SwiGLU does not read it
+    if meta["squared_relu"]:
+        return False                            # megatron-core fuses only GELU and SwiGLU with a bias (it refuses this)
     fusion = megatron_bias_gelu_fusion(meta["gelu_approximate"], meta["add_bias_linear"])
     if fusion is None:
         raise UserError("the MLP's GELU is the tanh approximation without linear biases: megatron-core's GPT "
@@ -131,7 +134,8 @@ def meta_from_args(args: argparse.Namespace, vocab: int, where: str) -> dict:
                         "(zo_megatron/checkpoint/megatron_allow.py lists what converts)")
     swiglu = bool(getattr(args, "swiglu", False))
     bias = bool(getattr(args, "add_bias_linear", True))
-    if not swiglu and getattr(args, "use_te_activation_func", False):
+    squared_relu = bool(getattr(args, "squared_relu", False))
+    if not swiglu and not squared_relu and getattr(args, "use_te_activation_func", False):
         refuse("args.use_te_activation_func=True with a GELU MLP (Transformer Engine's activation op, whose GELU "
                "depends on the layer spec)")
     pos = "rope" if getattr(args, "use_rotary_position_embeddings", False) else \
@@ -152,7 +156,7 @@ def meta_from_args(args: argparse.Namespace, vocab: int, where: str) -> dict:
         rotary_percent=float(getattr(args, "rotary_percent", 1.0)),
         use_rope_scaling=bool(getattr(args, "use_rope_scaling", False)),
         rope_scaling_factor=float(getattr(args, "rope_scaling_factor", 8.0)), normalization=norm,
-        layernorm_epsilon=float(eps), swiglu=swiglu,
+        layernorm_epsilon=float(eps), swiglu=swiglu, squared_relu=squared_relu,
         gelu_approximate=megatron_gelu(bias, bool(getattr(args, "bias_gelu_fusion", True))),
         num_query_groups=args.num_query_groups if getattr(args, "group_query_attention", False) else None,
         kv_channels=getattr(args, "kv_channels", None),

@@ -60,7 +60,7 @@ MOE_DROP_POLICIES = ("probs", "position")
 ARCH_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
                "max_position_embeddings", "make_vocab_size_divisible_by", "position_embedding_type",
                "rotary_base", "rotary_percent", "use_rope_scaling", "rope_scaling_factor", "normalization",
-               "layernorm_epsilon", "swiglu", "gelu_approximate", "num_query_groups", "kv_channels",
+               "layernorm_epsilon", "swiglu", "squared_relu", "gelu_approximate", "num_query_groups", "kv_channels",
                "untie_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
                "layernorm_zero_centered_gamma", *YARN_FIELDS, *MOE_FIELDS)
 
@@ -105,7 +105,8 @@ class GPTConfig:
     mscale_all_dim: float = 0.0                 #   get_mscale(factor, mscale_all_dim)
     normalization: str = "LayerNorm"            # "LayerNorm" | "RMSNorm"
     swiglu: bool = False                        # gated SiLU MLP: linear_fc1 is [gate; up]
-    # without swiglu: F.gelu(approximate=...) of the MLP, GELU_APPROXIMATIONS ("none" with swiglu: no GELU)
+    squared_relu: bool = False                  # the MLP's activation relu(x)^2 (Nemotron-4; megatron-core's)
+    # a GELU MLP (neither): F.gelu(approximate=...), GELU_APPROXIMATIONS ("none" with no GELU)
     gelu_approximate: str = "tanh"
     num_query_groups: int | None = None         # grouped-query attention: G key/value heads (None: one per head)
     kv_channels: int | None = None              # head dim (None: hidden_size // num_attention_heads)
@@ -209,7 +210,9 @@ class GPTConfig:
         if self.gelu_approximate not in GELU_APPROXIMATIONS:
             raise ConfigError(f"gelu_approximate must be one of {', '.join(GELU_APPROXIMATIONS)} "
                               f"(got {self.gelu_approximate!r})")
-        if self.swiglu:                  # one recorded value for every SwiGLU model: a resume compares it
+        if self.swiglu and self.squared_relu:
+            raise ConfigError("--squared-relu and --swiglu are two MLP activations: choose one (Megatron-LM's rule)")
+        if not self.gelu_mlp:            # one recorded value for every model without a GELU: a resume compares it
             self.gelu_approximate = "none"
         if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
             raise ConfigError(f"--position-embedding-type {self.position_embedding_type}: choose one of "
@@ -434,6 +437,11 @@ class GPTConfig:
         return swiglu_ffn_size(self.hidden_size) if self.swiglu else 4 * self.hidden_size
 
     @property
+    def gelu_mlp(self) -> bool:
+        """The MLP's activation is a GELU (gelu_approximate says which): neither SwiGLU nor squared ReLU."""
+        return not (self.swiglu or self.squared_relu)
+
+    @property
     def query_groups(self) -> int:
         """G: key/value heads (= num_attention_heads without grouped-query attention)."""
         return self.num_query_groups or self.num_attention_heads
@@ -451,7 +459,8 @@ class GPTConfig:
                  if self.position_embedding_type != "learned_absolute" else "",
                  "RMSNorm" if self.normalization == "RMSNorm" else "",
                  "SwiGLU" if self.swiglu else "",
-                 "erf-GELU" if not self.swiglu and self.gelu_approximate == "none" else "",
+                 "ReLU^2" if self.squared_relu else "",
+                 "erf-GELU" if self.gelu_mlp and self.gelu_approximate == "none" else "",
                  f"GQA({self.query_groups} groups)" if self.query_groups != self.num_attention_heads else "",
                  "untied" if self.untie_embeddings_and_output_weights else "",
                  "no-bias" if not self.add_bias_linear else "",
@@ -517,7 +526,7 @@ def complete_arch_meta(meta: dict, args: dict | None = None) -> dict:
         out.setdefault("kv_channels", out["hidden_size"] // out["num_attention_heads"])
     out.setdefault("make_vocab_size_divisible_by", int((args or {}).get("make_vocab_size_divisible_by") or 128))
     # before the field: every GELU MLP was the tanh GELU (a SwiGLU model records "none")
-    out.setdefault("gelu_approximate", "none" if out.get("swiglu") else "tanh")
+    out.setdefault("gelu_approximate", "none" if out.get("swiglu") or out.get("squared_relu") else "tanh")
     defaults = {f.name: f.default for f in fields(GPTConfig)}
     for name in ARCH_FIELDS:
         if name not in _RECORDED_FROM_THE_START:

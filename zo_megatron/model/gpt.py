@@ -57,6 +57,11 @@ from zo_megatron.model.norms import scale_of
 from zo_megatron.model.sharding import shard_info, shard_of
 
 
+def squared_relu(x: torch.Tensor) -> torch.Tensor:
+    """megatron-core's squared_relu (megatron/core/activations.py), without its torch.compile decorator,
+    which on a CPU compiles in every process for ~15 s: relu(x)^2."""
+    return torch.square(F.relu(x))
+
 def causal_attention_mask(seq_length: int, device) -> torch.Tensor:
     """Bool [1, 1, s, s], True = masked. Always explicit: with None megatron builds it on 'cuda'."""
     return torch.triu(torch.ones(seq_length, seq_length, dtype=torch.bool, device=device), diagonal=1)[None, None]
@@ -206,9 +211,9 @@ def transformer_config(cfg: GPTConfig, tensor_parallel: int):
         qk_layernorm=cfg.qk_layernorm,
         layernorm_zero_centered_gamma=cfg.layernorm_zero_centered_gamma,
         init_method_std=cfg.init_method_std,
-        # SwiGLU: silu(gate) * up with linear_fc1 = [gate; up]; otherwise GELU, GPT-2's tanh approximation
-        # or the erf GELU (cfg.gelu_approximate: Megatron-LM's fused or unfused bias-GELU)
-        activation_func=F.silu if cfg.swiglu else
+        # SwiGLU: silu(gate) * up with linear_fc1 = [gate; up]; squared ReLU; otherwise GELU, GPT-2's tanh
+        # approximation or the erf GELU (cfg.gelu_approximate: Megatron-LM's fused or unfused bias-GELU)
+        activation_func=F.silu if cfg.swiglu else squared_relu if cfg.squared_relu else
         F.gelu if cfg.gelu_approximate == "none" else functools.partial(F.gelu, approximate="tanh"),
         gated_linear_unit=cfg.swiglu,
         add_bias_linear=cfg.add_bias_linear,

@@ -111,10 +111,9 @@ def apply_checkpoint_args(parser: argparse.ArgumentParser, args: argparse.Namesp
             continue
         setattr(args, dest, value)
         taken.append(dest)
-    if "bias_gelu_fusion" in given and not args.swiglu and megatron_gelu(args.add_bias_linear, args.bias_gelu_fusion) \
-            != gelu:                            # a typed --no-bias-gelu-fusion that asks for another GELU
-        clashes.append(describe_diff(parser, "gelu_approximate", gelu,
-                                     megatron_gelu(args.add_bias_linear, args.bias_gelu_fusion)))
+    typed_gelu = megatron_gelu(args.add_bias_linear, args.bias_gelu_fusion)
+    if "bias_gelu_fusion" in given and not (args.swiglu or args.squared_relu) and typed_gelu != gelu:
+        clashes.append(describe_diff(parser, "gelu_approximate", gelu, typed_gelu))   # it asks for another GELU
     args.gelu_approximate = gelu
     if "num_query_groups" in model and hasattr(args, "group_query_attention") and "group_query_attention" not in given:
         # Megatron's pair: --group-query-attention --num-query-groups G; G = heads is plain attention

@@ -140,8 +140,7 @@ REFUSED_WHY = {
     "--apply-residual-connection-post-layernorm": "post-norm residuals are not implemented (pre-norm, as GPT-2 "
                                                   "and Llama)",
     "--fp32-residual-connection": "residuals stay in the model's precision, as GPT-2",
-    "--squared-relu": "the MLP activation is GELU or SwiGLU (--swiglu)",
-    "--quick-geglu": "the MLP activation is GELU or SwiGLU (--swiglu)",
+    "--quick-geglu": "the MLP activation is GELU, SwiGLU (--swiglu) or squared ReLU (--squared-relu)",
     "--reset-attention-mask": "documents are packed with EOD tokens and attend across them, as Megatron's default",
     "--reset-position-ids": "positions run over the whole sample, as Megatron's default",
     "--train-data-path": "use --data-path with --split", "--valid-data-path": "use --data-path with --split",

@@ -63,6 +63,9 @@ def add_architecture_flags(g) -> None:
                    help="epsilon of LayerNorm / RMSNorm")
     g.add_argument("--swiglu", action="store_true",
                    help="gated SiLU MLP (linear_fc1 = [gate; up]) instead of GELU")
+    g.add_argument("--squared-relu", action="store_true",
+                   help="the MLP's activation is relu(x)^2 (megatron-core's squared_relu; Nemotron-4), not GELU; "
+                        "not with --swiglu")
     g.add_argument("--no-bias-gelu-fusion", dest="bias_gelu_fusion", action="store_false",
                    help="the MLP's GELU is the erf GELU (torch's F.gelu), as in Megatron-LM, whose fused bias-GELU "
                         "computes the tanh approximation instead: without this flag the GELU is the tanh one where "
@@ -230,7 +233,7 @@ def architecture_kwargs(args: argparse.Namespace) -> dict:
         position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
         rotary_percent=args.rotary_percent, use_rope_scaling=args.use_rope_scaling,
         rope_scaling_factor=args.rope_scaling_factor, normalization=args.normalization,
-        layernorm_epsilon=args.layernorm_epsilon, swiglu=args.swiglu,
+        layernorm_epsilon=args.layernorm_epsilon, swiglu=args.swiglu, squared_relu=args.squared_relu,
         # Megatron-LM: --num-query-groups counts only with --group-query-attention
         num_query_groups=args.num_query_groups if args.group_query_attention else None,
         kv_channels=args.kv_channels, **{name: getattr(args, name) for name in YARN_FIELDS},

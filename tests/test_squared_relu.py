@@ -1,0 +1,96 @@
+"""--squared-relu (Megatron-LM's; Nemotron-4's MLP): relu(x)^2 as the non-gated MLP's activation.
+
+The reference is megatron-core's own GPTModel built from Megatron-LM's args as its
+core_transformer_config_from_args does (tests/megatron_reference.py: activation_func megatron-core's
+squared_relu), with the same random weights as ours from the job's flags: every logit equal (fp32);
+the GELU model on the same weights is told apart. The architecture is recorded, carried by the
+Megatron-LM conversions and printed as a job flag; --squared-relu with --swiglu is one line.
+"""
+import argparse
+
+import pytest
+import torch
+
+from tests.harness import run_world
+from tests.seeds import fresh_seed
+from tests.test_gelu import FFN, HEADS, HIDDEN, LAYERS, POS, SEQ, SHAPE, VOCAB, _logits, _relative
+
+LAUNCHES = {"bias-free (Nemotron-4)": ["--squared-relu", "--disable-bias-linear"],
+            "biases, unfused": ["--squared-relu", "--no-bias-gelu-fusion"]}
+
+
+def _megatron_lm_args(flags: list[str]) -> argparse.Namespace:
+    """Megatron-LM's args for the launch (its validate_args: the bias-GELU fusion off without biases;
+    with biases megatron-core refuses a fused squared ReLU, so the launch turns the fusion off)."""
+    bias = "--disable-bias-linear" not in flags
+    return argparse.Namespace(
+        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=HEADS, kv_channels=None,
+        ffn_hidden_size=FFN, swiglu=False, squared_relu=True, normalization="LayerNorm", norm_epsilon=1e-5,
+        add_bias_linear=bias, add_qkv_bias=bias, bias_gelu_fusion=False, tensor_model_parallel_size=1)
+
+
+def _launch_vs_megatron_core(rank, seed):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from tests.megatron_reference import megatron_core_config
+    from zo_megatron.model import GPTConfig, build_gpt_model
+    from zo_megatron.parallel import init_parallel
+    from zo_megatron.training.arguments import parse_args
+    from zo_megatron.training.model_flags import architecture_kwargs
+
+    init_parallel(1, seed=seed, num_attention_heads=HEADS, hidden_size=HIDDEN)
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(seed))
+    out = {}
+    for name, flags in LAUNCHES.items():
+        ref = GPTModel(config=megatron_core_config(_megatron_lm_args(flags), initialise=True), vocab_size=128,
+                       transformer_layer_spec=get_gpt_layer_local_spec(normalization="LayerNorm"),
+                       max_sequence_length=POS, position_embedding_type="learned_absolute",
+                       share_embeddings_and_output_weights=True, parallel_output=True).eval()
+        gen = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for p in ref.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.4)
+        arch = architecture_kwargs(parse_args(SHAPE + flags))
+        ours = {}
+        for relu2 in (True, False):
+            model = build_gpt_model(GPTConfig(**{**arch, "squared_relu": relu2}, vocab_size=VOCAB, precision="fp32"),
+                                    0, 1, seed).eval()
+            model.gpt.load_state_dict(ref.state_dict(), strict=True)
+            ours[relu2] = _logits(model, tokens, megatron_core=False)
+        out[name] = {"arch": arch, "megatron_core": _logits(ref, tokens, megatron_core=True), "ours": ours}
+    return out
+
+
+def test_the_job_s_squared_relu_is_megatron_core_s():
+    seed = fresh_seed("squared relu vs megatron-core")
+    out = run_world(_launch_vs_megatron_core, 1, seed, timeout=400)[0]
+    for name, o in out.items():
+        assert o["arch"]["squared_relu"], name
+        assert _relative(o["ours"][True], o["megatron_core"]) < 2e-6, (name, seed)
+        assert _relative(o["ours"][False], o["megatron_core"]) > 1e-2, (name, seed)     # a GELU is told apart
+
+
+def test_the_conversions_and_the_job_flags_carry_it():
+    from zo_megatron.checkpoint.arch import job_flags
+    from zo_megatron.checkpoint.megatron_args import megatron_args, meta_from_args
+    from zo_megatron.model import GPTConfig
+
+    for bias in (False, True):
+        meta = GPTConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=FFN,
+                         vocab_size=VOCAB, max_position_embeddings=POS, squared_relu=True, add_bias_linear=bias,
+                         precision="fp32").arch_meta()
+        assert meta["gelu_approximate"] == "none"                # no GELU: one recorded value
+        args = megatron_args(meta, tp=1, iteration=0, divisible_by=128, seq_length=SEQ, precision="fp32")
+        assert args.squared_relu and not args.swiglu and args.bias_gelu_fusion is False
+        assert meta_from_args(args, VOCAB, "x") == meta
+        flags = job_flags(meta).split()
+        assert "--squared-relu" in flags and "--no-bias-gelu-fusion" not in flags, flags
+
+
+def test_squared_relu_with_swiglu_is_one_line():
+    from zo_megatron.errors import ConfigError
+    from zo_megatron.training.arguments import parse_args
+
+    with pytest.raises(ConfigError, match="--squared-relu and --swiglu are two MLP activations: choose one"):
+        parse_args([*SHAPE, "--squared-relu", "--swiglu"])
