@@ -37,6 +37,16 @@ def unit_centred_gamma(weights: dict, meta: dict) -> tuple[dict, dict]:
     return out, {**meta, "layernorm_zero_centered_gamma": False}
 
 
+def zero_centred_gamma(weights: dict, meta: dict) -> tuple[dict, dict]:
+    """The inverse: a model with ordinary norms as the same model with zero-centred ones (every norm
+    weight minus 1, the flag on), for a Hugging Face class that scales by 1 + weight (Nemotron's
+    LayerNorm1P); a zero-centred model as it is."""
+    if meta.get("layernorm_zero_centered_gamma"):
+        return weights, meta
+    out = {k: (v - 1 if k.endswith("layernorm.weight") else v) for k, v in weights.items()}
+    return out, {**meta, "layernorm_zero_centered_gamma": True}
+
+
 def query_groups(meta: dict) -> int:
     return meta.get("num_query_groups") or meta["num_attention_heads"]
 

@@ -26,6 +26,7 @@ class HFFamily(abc.ABC):
 
     architecture: str = ""                     # config.json's `architectures[0]`
     model_type: str = ""                       # config.json's `model_type`
+    zero_centred_norms: bool = False           # its norms scale by 1 + weight (to_hf_state gets such weights)
 
     @abc.abstractmethod
     def read_config(self, cfg_json: dict, where: str):

@@ -1,0 +1,127 @@
+"""tools/convert_checkpoint.py for NemotronForCausalLM (Nemotron-4, Minitron: --squared-relu,
+--apply-layernorm-1p, --rotary-percent 0.5, GQA, untied), against transformers.
+
+A small random model transformers builds itself (every weight random: the LayerNorm1P gains and
+biases, the linear biases where on): from-hf gives our forward == transformers' (fp32, 1e-5, every
+element) at TP 1 and 2; HF -> ours -> HF is bit for bit (tensors and the config's fields); the
+checkpoint's printed job flags are Megatron-LM's for it; to-hf writes a plain-LayerNorm squared-ReLU
+model of ours (zero-centred on the way) that transformers computes as ours. Refused in one line: a
+Nemotron config whose MLP is not relu2, biases on the attention only.
+"""
+import json
+import os
+
+import pytest
+import torch
+
+from tests.harness import run_world
+from tests.hf_tokenizer import HF_VOCAB_SIZE
+from tests.seeds import fresh_seed
+from tests.test_convert_llama import close, hf_logits, make_hf_model, quiet
+
+transformers = pytest.importorskip("transformers")
+
+HIDDEN, HEADS, GROUPS, FFN, LAYERS, POS, SEQ = 96, 8, 4, 200, 2, 64, 11
+VOCAB = HF_VOCAB_SIZE + 37              # the config's vocabulary exceeds the tokenizer's
+FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+          "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "norm_eps",
+          "tie_word_embeddings", "rope_parameters", "attention_bias", "mlp_bias")
+
+
+def nemotron_config(bias: bool):
+    return transformers.NemotronConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, num_key_value_heads=GROUPS, max_position_embeddings=POS, norm_eps=1e-5,
+        tie_word_embeddings=False, attention_bias=bias, mlp_bias=bias, bos_token_id=0, eos_token_id=1,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+
+
+def _our_logits(rank, ck, tokens, tp):
+    from zo_megatron.checkpoint.reader import CheckpointReader
+    from zo_megatron.model import GPTConfig, build_gpt_model
+    from zo_megatron.model.sharding import load_full_params
+    from zo_megatron.parallel import collectives, init_parallel
+
+    ps = init_parallel(tp, num_attention_heads=HEADS, hidden_size=HIDDEN)
+    reader = CheckpointReader(ck)
+    model = build_gpt_model(GPTConfig(**reader.model_meta, precision="fp32"), ps.tp_rank, tp, 1).eval()
+    load_full_params(model, reader.read_weights(), ps.tp_rank, tp, VOCAB)
+    with torch.no_grad():
+        local = model(tokens).float()
+    full = torch.cat(collectives.all_gather_list(local.contiguous(), ps.tp_group), -1) if tp > 1 else local
+    return full[..., :VOCAB]
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "biases"])
+def test_nemotron_converts_both_ways_with_transformers_logits(tmp_path, bias):
+    from zo_megatron.checkpoint import convert
+    from zo_megatron.checkpoint.arch import job_flags
+    from zo_megatron.checkpoint.reader import CheckpointReader
+
+    seed = fresh_seed(f"nemotron {bias}")
+    src = make_hf_model(tmp_path / "hf", nemotron_config(bias), seed)
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(seed + 1))
+    ref = hf_logits(src, tokens)
+    for tp in (1, 2):
+        ck = str(tmp_path / f"ck_tp{tp}")
+        convert.from_hf(src, ck, tensor_parallel=tp, log=quiet)
+        close(run_world(_our_logits, tp, ck, tokens, tp, timeout=180)[0], ref)
+    meta = CheckpointReader(str(tmp_path / "ck_tp1")).model_meta
+    assert meta["squared_relu"] and meta["layernorm_zero_centered_gamma"] and meta["rotary_percent"] == 0.5
+    flags = job_flags(meta).split()
+    for flag in ("--squared-relu", "--apply-layernorm-1p", "--untie-embeddings-and-output-weights"):
+        assert flag in flags, flags
+    assert flags[flags.index("--rotary-percent") + 1] == "0.5" and ("--disable-bias-linear" in flags) != bias
+    back = str(tmp_path / "hf_back")
+    convert.to_hf(str(tmp_path / "ck_tp2"), back, tokenizer_model=src, log=quiet)
+    got = json.load(open(os.path.join(back, "config.json")))
+    want = json.load(open(os.path.join(src, "config.json")))
+    assert got["architectures"] == ["NemotronForCausalLM"]
+    assert {k: got.get(k) for k in FIELDS} == {k: want.get(k) for k in FIELDS}
+    from safetensors.torch import load_file
+
+    a, b = load_file(os.path.join(src, "model.safetensors")), load_file(os.path.join(back, "model.safetensors"))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a), sorted(set(a) ^ set(b))
+
+
+def test_a_plain_layernorm_squared_relu_model_writes_as_nemotron(tmp_path):
+    """Ours with ordinary LayerNorms (no --apply-layernorm-1p): to-hf subtracts 1 from every norm
+    weight for LayerNorm1P, and transformers computes our logits."""
+    from zo_megatron.checkpoint import convert
+    from zo_megatron.checkpoint.reader import CheckpointReader
+
+    seed = fresh_seed("nemotron plain layernorm")
+    src = make_hf_model(tmp_path / "hf", nemotron_config(False), seed)
+    ck = str(tmp_path / "ck")
+    convert.from_hf(src, ck, tensor_parallel=1, log=quiet)
+    # the same model with ordinary norms: unit-centred weights, written as a plain checkpoint
+    plain = str(tmp_path / "plain")
+    reader = CheckpointReader(ck)
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(seed + 1))
+    ours = run_world(_our_logits, 1, ck, tokens, 1, timeout=180)[0]
+    from zo_megatron.checkpoint.arch import unit_centred_gamma
+    from zo_megatron.checkpoint.convert import _write_weights_checkpoint
+
+    weights, meta = unit_centred_gamma(reader.read_weights(), reader.model_meta)
+    _write_weights_checkpoint(plain, weights, meta, tp=1, converted_from="test", args=reader.args, force=False,
+                              log=quiet, tokenizer_from=src)
+    assert not CheckpointReader(plain).model_meta["layernorm_zero_centered_gamma"]
+    close(run_world(_our_logits, 1, plain, tokens, 1, timeout=180)[0], ours)
+    out = str(tmp_path / "hf_out")
+    convert.to_hf(plain, out, architecture="NemotronForCausalLM", log=quiet)
+    close(hf_logits(out, tokens), ours)
+
+
+@pytest.mark.parametrize("change, words", [({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+                                           ({"attention_bias": True}, "attention_bias=True, mlp_bias=False")])
+def test_what_megatron_core_cannot_build_is_one_line(tmp_path, change, words):
+    from zo_megatron.checkpoint import convert
+    from zo_megatron.errors import UserError
+
+    cfg = nemotron_config(False)
+    for k, v in change.items():
+        setattr(cfg, k, v)
+    src = make_hf_model(tmp_path / "hf", cfg, fresh_seed("nemotron refusal"), tokenizer=False)
+    with pytest.raises(UserError, match=words):
+        convert.from_hf(src, str(tmp_path / "ck"), tensor_parallel=1, log=quiet)
+    assert not (tmp_path / "ck").exists()
