@@ -28,11 +28,11 @@ FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
           "tie_word_embeddings", "rope_parameters", "attention_bias", "mlp_bias")
 
 
-def nemotron_config(bias: bool):
+def nemotron_config(bias: bool, tied: bool = False):
     return transformers.NemotronConfig(
         vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
         num_attention_heads=HEADS, num_key_value_heads=GROUPS, max_position_embeddings=POS, norm_eps=1e-5,
-        tie_word_embeddings=False, attention_bias=bias, mlp_bias=bias, bos_token_id=0, eos_token_id=1,
+        tie_word_embeddings=tied, attention_bias=bias, mlp_bias=bias, bos_token_id=0, eos_token_id=1,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
 
 
@@ -52,14 +52,14 @@ def _our_logits(rank, ck, tokens, tp):
     return full[..., :VOCAB]
 
 
-@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "biases"])
-def test_nemotron_converts_both_ways_with_transformers_logits(tmp_path, bias):
+@pytest.mark.parametrize("bias, tied", [(False, False), (True, True)], ids=["no-bias-untied", "biases-tied"])
+def test_nemotron_converts_both_ways_with_transformers_logits(tmp_path, bias, tied):
     from zo_megatron.checkpoint import convert
     from zo_megatron.checkpoint.arch import job_flags
     from zo_megatron.checkpoint.reader import CheckpointReader
 
     seed = fresh_seed(f"nemotron {bias}")
-    src = make_hf_model(tmp_path / "hf", nemotron_config(bias), seed)
+    src = make_hf_model(tmp_path / "hf", nemotron_config(bias, tied), seed)
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(seed + 1))
     ref = hf_logits(src, tokens)
     for tp in (1, 2):
@@ -69,9 +69,20 @@ def test_nemotron_converts_both_ways_with_transformers_logits(tmp_path, bias):
     meta = CheckpointReader(str(tmp_path / "ck_tp1")).model_meta
     assert meta["squared_relu"] and meta["layernorm_zero_centered_gamma"] and meta["rotary_percent"] == 0.5
     flags = job_flags(meta).split()
-    for flag in ("--squared-relu", "--apply-layernorm-1p", "--untie-embeddings-and-output-weights"):
+    for flag in ("--squared-relu", "--apply-layernorm-1p"):
         assert flag in flags, flags
     assert flags[flags.index("--rotary-percent") + 1] == "0.5" and ("--disable-bias-linear" in flags) != bias
+    assert ("--untie-embeddings-and-output-weights" in flags) != tied
+    assert ("--no-bias-gelu-fusion" in flags) == bias              # Megatron-LM refuses a fused squared ReLU
+    # the printed flags build this very model (Megatron-LM's names, the job's parser)
+    from zo_megatron.model import GPTConfig
+    from zo_megatron.training.arguments import parse_args
+    from zo_megatron.training.model_flags import architecture_kwargs
+
+    args = parse_args([*flags, "--seq-length", str(SEQ), "--lr", "1e-3", "--train-iters", "1", "--vocab-size",
+                       str(VOCAB)])
+    rebuilt = GPTConfig(**architecture_kwargs(args), vocab_size=VOCAB, precision="fp32").arch_meta()
+    assert rebuilt == meta, {k: (rebuilt[k], meta[k]) for k in meta if rebuilt.get(k) != meta[k]}
     back = str(tmp_path / "hf_back")
     convert.to_hf(str(tmp_path / "ck_tp2"), back, tokenizer_model=src, log=quiet)
     got = json.load(open(os.path.join(back, "config.json")))
@@ -99,21 +110,24 @@ def test_a_plain_layernorm_squared_relu_model_writes_as_nemotron(tmp_path):
     reader = CheckpointReader(ck)
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(seed + 1))
     ours = run_world(_our_logits, 1, ck, tokens, 1, timeout=180)[0]
-    from zo_megatron.checkpoint.arch import unit_centred_gamma
+    from zo_megatron.checkpoint.arch import recentred_gamma
     from zo_megatron.checkpoint.convert import _write_weights_checkpoint
 
-    weights, meta = unit_centred_gamma(reader.read_weights(), reader.model_meta)
+    weights, meta = recentred_gamma(reader.read_weights(), reader.model_meta, zero_centred=False)
     _write_weights_checkpoint(plain, weights, meta, tp=1, converted_from="test", args=reader.args, force=False,
                               log=quiet, tokenizer_from=src)
     assert not CheckpointReader(plain).model_meta["layernorm_zero_centered_gamma"]
     close(run_world(_our_logits, 1, plain, tokens, 1, timeout=180)[0], ours)
     out = str(tmp_path / "hf_out")
-    convert.to_hf(plain, out, architecture="NemotronForCausalLM", log=quiet)
+    convert.to_hf(plain, out, log=quiet)            # no --architecture: the one family that expresses it
     close(hf_logits(out, tokens), ours)
 
 
-@pytest.mark.parametrize("change, words", [({"hidden_act": "gelu"}, "hidden_act='gelu'"),
-                                           ({"attention_bias": True}, "attention_bias=True, mlp_bias=False")])
+@pytest.mark.parametrize("change, words", [
+    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ({"attention_bias": True}, "attention_bias=True, mlp_bias=False"),
+    ({"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0, "partial_rotary_factor": 0.5}},
+     "rope_type='linear'")])
 def test_what_megatron_core_cannot_build_is_one_line(tmp_path, change, words):
     from zo_megatron.checkpoint import convert
     from zo_megatron.errors import UserError

@@ -27,24 +27,17 @@ def full_meta(meta: dict) -> dict:
     return GPTConfig(**known, precision="fp32").arch_meta()
 
 
-def unit_centred_gamma(weights: dict, meta: dict) -> tuple[dict, dict]:
-    """A zero-centred-gamma model (--apply-layernorm-1p: each norm scales by 1 + weight) as the same
-    model with ordinary norms (scale = weight): every norm weight plus 1, the flag off. Exact in the
-    fp32 of the master weights; what Hugging Face's LayerNorm/RMSNorm classes can express."""
-    if not meta.get("layernorm_zero_centered_gamma"):
+def recentred_gamma(weights: dict, meta: dict, *, zero_centred: bool) -> tuple[dict, dict]:
+    """The same model with its norms' gamma convention switched to `zero_centred`: a zero-centred
+    gamma (--apply-layernorm-1p: each norm scales by 1 + weight) as ordinary norms (scale = weight) by
+    adding 1 to every norm weight, what Hugging Face's LayerNorm/RMSNorm classes express; or the
+    other way, subtracting 1, for a class that scales by 1 + weight (Nemotron's LayerNorm1P). Exact
+    in the fp32 of the master weights where the model already has the convention asked (no change)."""
+    if bool(meta.get("layernorm_zero_centered_gamma")) == zero_centred:
         return weights, meta
-    out = {k: (v + 1 if k.endswith("layernorm.weight") else v) for k, v in weights.items()}
-    return out, {**meta, "layernorm_zero_centered_gamma": False}
-
-
-def zero_centred_gamma(weights: dict, meta: dict) -> tuple[dict, dict]:
-    """The inverse: a model with ordinary norms as the same model with zero-centred ones (every norm
-    weight minus 1, the flag on), for a Hugging Face class that scales by 1 + weight (Nemotron's
-    LayerNorm1P); a zero-centred model as it is."""
-    if meta.get("layernorm_zero_centered_gamma"):
-        return weights, meta
-    out = {k: (v - 1 if k.endswith("layernorm.weight") else v) for k, v in weights.items()}
-    return out, {**meta, "layernorm_zero_centered_gamma": True}
+    step = -1 if zero_centred else 1
+    out = {k: (v + step if k.endswith("layernorm.weight") else v) for k, v in weights.items()}
+    return out, {**meta, "layernorm_zero_centered_gamma": zero_centred}
 
 
 def query_groups(meta: dict) -> int:
@@ -175,6 +168,8 @@ def job_flags(meta: dict, hf_tokenizer: bool = False) -> str:
         flags.append("--swiglu")
     elif m["squared_relu"]:
         flags.append("--squared-relu")
+        if m["add_bias_linear"]:                   # megatron-core refuses to fuse a squared ReLU with a bias
+            flags.append("--no-bias-gelu-fusion")
     else:
         fusion = megatron_bias_gelu_fusion(m["gelu_approximate"], m["add_bias_linear"])
         if fusion is None:

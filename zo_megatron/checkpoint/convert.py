@@ -30,7 +30,7 @@ import torch
 
 from zo_megatron.checkpoint import hf, megatron_args, megatron_dist, megatron_lm
 from zo_megatron.checkpoint.arch import (buffer_shapes, check_tensor_parallel, full_meta, job_flags, param_shapes,
-                                         query_groups, unit_centred_gamma, zero_centred_gamma)
+                                         query_groups, recentred_gamma)
 from zo_megatron.checkpoint.boxes import Box
 from zo_megatron.checkpoint.content import BUFFERS, EXP_AVG, EXP_AVG_SQ, MODEL
 from zo_megatron.checkpoint.layout import rng_file
@@ -237,8 +237,7 @@ def to_hf(load: str, output: str, *, iteration: int | None = None, dtype: str = 
     if tokenizer_model is None:                 # the model's own ids (an eos list), not one tokenizer's
         special.update({k: v for k, v in source.items() if k in special})
     # HF's norms scale by the weight, or by 1 + weight in a family with zero-centred norms (Nemotron's)
-    centring = zero_centred_gamma if family.zero_centred_norms else unit_centred_gamma
-    weights, meta = centring(reader.read_weights(), meta)
+    weights, meta = recentred_gamma(reader.read_weights(), meta, zero_centred=family.zero_centred_norms)
     sd = family.to_hf_state(weights, meta)
     del weights
     sd = {k: v.to(_DTYPES[dtype]).contiguous() for k, v in sd.items()}

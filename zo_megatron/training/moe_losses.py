@@ -117,11 +117,12 @@ class MoELosses:
         if layers:
             # one host read for every name, timed (on CUDA the sums sit behind NCCL all-reduces: a plain
             # .item() would wait for a dead peer until NCCL's watchdog aborts; issue 34, 2.2)
-            per_layer = host_value(torch.stack(layers)) / max(iterations, 1)      # [names, layers], per iteration
-            for i, name in enumerate(self.names):
-                out[name] = per_layer[i].sum().item() / max(self.moe_layers, 1)
+            sums = host_value(torch.stack(layers)).tolist()            # [names][layers], over the window
+            for name, by_layer in zip(self.names, sums):
+                per_layer = [v / max(iterations, 1) for v in by_layer]
+                out[name] = sum(per_layer) / max(self.moe_layers, 1)
                 if self.per_layer:              # megatron-core's track_moe_metrics names (dense layers: 0)
-                    out.update({f"moe/{name}_layer_{j}": v for j, v in enumerate(per_layer[i].tolist())})
+                    out.update({f"moe/{name}_layer_{j}": v for j, v in enumerate(per_layer)})
         clear_aux_losses_tracker()
         if self.routed:
             counts = collectives.all_reduce(host_value(torch.stack(self.routed)))   # [routers, E], over the world

@@ -23,7 +23,7 @@ import torch
 
 from zo_megatron.checkpoint.arch import full_meta, head_dim, query_groups
 from zo_megatron.checkpoint.hf.family import HFFamily, read_checked_state_dict, read_hf_config
-from zo_megatron.checkpoint.hf.llama import _pack_qkv, _unpack_qkv
+from zo_megatron.checkpoint.hf.llama import _pack_qkv, _reads_rope_parameters, _rope_params, _unpack_qkv
 from zo_megatron.errors import UserError
 
 _OURS = "gpt."
@@ -94,17 +94,23 @@ def to_hf(weights: dict[str, torch.Tensor], meta: dict) -> dict[str, torch.Tenso
 
 
 def _rope(cfg, where: str) -> tuple[int, float]:
-    """(rotary base, rotary percent) from transformers 5's rope_parameters or 4.x's rope_theta /
-    rope_scaling / partial_rotary_factor; one line for what megatron-core's RoPE cannot express."""
-    params = dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
-    kind = params.get("rope_type", params.get("type", "default"))
+    """(rotary base, rotary percent) from either config schema (llama._rope_params); one line for what
+    megatron-core's RoPE cannot express here (scaling: this family's models are unscaled)."""
+    p = _rope_params(cfg)
+    kind = "per layer type" if "per_layer_type" in p else p["rope_type"]
     if kind != "default":
-        raise UserError(f"{where}: rope_type={kind!r}: this family's RoPE is unscaled here (rope_type 'default')")
-    theta = float(params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
-    partial = float(params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0)))
+        raise UserError(f"{where}: rope_type={kind!r}: megatron-core's RoPE cannot express it here (only 'default')")
+    theta = float(p.get("rope_theta", 10000.0))
     if theta != int(theta):
         raise UserError(f"{where}: rope_theta={theta}: --rotary-base is an integer, as in Megatron-LM")
-    return int(theta), partial
+    return int(theta), float(p.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None) or 1.0))
+
+
+def _rope_schemas(meta: dict) -> tuple[dict, dict]:
+    """The rope as transformers 5's `rope_parameters` and as 4.x's keys."""
+    theta, partial = float(meta["rotary_base"]), float(meta["rotary_percent"])
+    return ({"rope_parameters": {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": partial}},
+            {"rope_theta": theta, "partial_rotary_factor": partial})
 
 
 class NemotronFamily(HFFamily):
@@ -151,11 +157,12 @@ class NemotronFamily(HFFamily):
         needs = (("num_experts", None, "no experts"), ("position_embedding_type", "rope", "rotary positions"),
                  ("normalization", "LayerNorm", "LayerNorm (LayerNorm1P)"),
                  ("squared_relu", True, "a squared-ReLU MLP"),
-                 ("qk_layernorm", False, "no q/k norms"), ("add_qkv_bias", False, "no QKV-only bias"),
-                 ("use_rope_scaling", False, "no rope scaling"))
+                 ("qk_layernorm", False, "no q/k norms"), ("use_rope_scaling", False, "no rope scaling"))
         for key, want, what in needs:
             if meta.get(key) != want:
                 return f"{self.architecture} has {what} ({key}={meta.get(key)!r})"
+        if meta["add_qkv_bias"] and not meta["add_bias_linear"]:
+            return f"{self.architecture} has biases on every linear layer or none (add_qkv_bias=True alone)"
         if meta["num_attention_heads"] % query_groups(meta):
             return f"num_query_groups {query_groups(meta)} does not divide the heads"
         return None
@@ -164,9 +171,12 @@ class NemotronFamily(HFFamily):
         return to_hf(weights, meta)
 
     def config_json_extra(self, meta: dict) -> dict:
-        """transformers 4.x's keys beside 5's rope_parameters (a 4.x reader takes theta 10000 and the
-        whole head otherwise)."""
-        return {"rope_theta": float(meta["rotary_base"]), "partial_rotary_factor": float(meta["rotary_percent"])}
+        """The rope keys of the transformers schema the installed config class does not write (a 4.x
+        reader of 5's file would take theta 10000 and the whole head)."""
+        import transformers
+
+        v5, v4 = _rope_schemas(meta)
+        return v4 if _reads_rope_parameters(transformers.NemotronConfig) else v5
 
     def hf_config(self, meta: dict, *, dtype: str, args: dict, bos_token_id, eos_token_id, window: dict | None = None):
         import transformers
@@ -178,8 +188,7 @@ class NemotronFamily(HFFamily):
             head_dim=head_dim(meta), num_key_value_heads=query_groups(meta), hidden_act="relu2",
             max_position_embeddings=meta["max_position_embeddings"], norm_eps=meta["layernorm_epsilon"],
             tie_word_embeddings=not meta.get("untie_embeddings_and_output_weights", False),
-            rope_parameters={"rope_type": "default", "rope_theta": float(meta["rotary_base"]),
-                             "partial_rotary_factor": float(meta["rotary_percent"])},
+            **_rope_schemas(meta)[0 if _reads_rope_parameters(transformers.NemotronConfig) else 1],
             attention_bias=meta["add_bias_linear"], mlp_bias=meta["add_bias_linear"],
             attention_dropout=float(args.get("attention_dropout") or 0.0), bos_token_id=bos_token_id,
             eos_token_id=eos_token_id, architectures=[self.architecture], dtype=dtype)
