@@ -3,7 +3,8 @@
     gpt2.py    GPT2LMHeadModel
     llama.py   LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
                (their differences are data: llama.VARIANTS)
-    nemotron.py NemotronForCausalLM (Nemotron-4, Minitron: squared-ReLU MLP, LayerNorm1P, partial RoPE)
+    nongated.py NemotronForCausalLM (Nemotron-4, Minitron: squared-ReLU MLP, LayerNorm1P, partial RoPE),
+               Starcoder2ForCausalLM (tanh GELU, biases, LayerNorm): LayerNorm and a non-gated MLP
     mixtral.py MixtralForCausalLM (mixture of experts: Mistral's decoder, experts and router)
     qwen_moe.py Qwen2MoeForCausalLM, Qwen3MoeForCausalLM (experts, Qwen2-MoE's gated shared expert)
     (experts.py: the router and SwiGLU experts' tensors, as both MoE modules name and lay them out;
@@ -13,17 +14,17 @@ from-hf picks the family from config.json's `architectures` (or, when a config h
 `model_type`); to-hf from the architecture the checkpoint was converted from, a name given by
 the user, or else the first family that expresses the model exactly (GPT-2, then Llama, Mistral,
 Qwen2, Qwen3: a Llama-shaped model with QKV biases only is a Qwen2, one with q/k norms a Qwen3;
-Nemotron for a squared-ReLU MLP; then Mixtral, Qwen2-MoE, Qwen3-MoE for models with experts).
+Nemotron for a squared-ReLU MLP, StarCoder2 for a GELU one with RoPE; then Mixtral, Qwen2-MoE, Qwen3-MoE for models with experts).
 """
 from __future__ import annotations
 
 import os
 
-from zo_megatron.checkpoint.hf import gpt2, llama, mixtral, nemotron, qwen_moe
+from zo_megatron.checkpoint.hf import gpt2, llama, mixtral, nongated, qwen_moe
 from zo_megatron.checkpoint.hf.family import CONFIG, HFFamily, read_config_json, weight_files
 from zo_megatron.errors import UserError
 
-FAMILIES: dict[str, HFFamily] = {f.architecture: f for f in (gpt2.FAMILY, *llama.FAMILIES, nemotron.FAMILY,
+FAMILIES: dict[str, HFFamily] = {f.architecture: f for f in (gpt2.FAMILY, *llama.FAMILIES, *nongated.FAMILIES,
                                                                  mixtral.FAMILY, *qwen_moe.FAMILIES)}
 SUPPORTED = tuple(FAMILIES)
 __all__ = ["CONFIG", "FAMILIES", "SUPPORTED", "HFFamily", "family_for_config", "family_for_model", "read_config_json",

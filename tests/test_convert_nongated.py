@@ -1,5 +1,6 @@
-"""tools/convert_checkpoint.py for NemotronForCausalLM (Nemotron-4, Minitron: --squared-relu,
---apply-layernorm-1p, --rotary-percent 0.5, GQA, untied), against transformers.
+"""tools/convert_checkpoint.py for the LayerNorm decoders with a non-gated MLP (checkpoint/hf/nongated.py),
+against transformers: NemotronForCausalLM (Nemotron-4, Minitron: --squared-relu, --apply-layernorm-1p,
+--rotary-percent 0.5, GQA, untied) and Starcoder2ForCausalLM (the tanh GELU, biases, a sliding window).
 
 A small random model transformers builds itself (every weight random: the LayerNorm1P gains and
 biases, the linear biases where on): from-hf gives our forward == transformers' (fp32, 1e-5, every
@@ -139,3 +140,54 @@ def test_what_megatron_core_cannot_build_is_one_line(tmp_path, change, words):
     with pytest.raises(UserError, match=words):
         convert.from_hf(src, str(tmp_path / "ck"), tensor_parallel=1, log=quiet)
     assert not (tmp_path / "ck").exists()
+
+
+def starcoder2_config(window):
+    return transformers.Starcoder2Config(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, num_key_value_heads=GROUPS, max_position_embeddings=POS, norm_epsilon=1e-5,
+        tie_word_embeddings=True, use_bias=True, sliding_window=window, bos_token_id=0, eos_token_id=1,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
+
+
+@pytest.mark.parametrize("window", [None, 32], ids=["full", "window-32"])
+def test_starcoder2_converts_both_ways_with_transformers_logits(tmp_path, window):
+    """StarCoder2 is Megatron-LM's default GPT MLP (the tanh GELU with biases) on RoPE and GQA: our
+    forward == transformers' at TP 1 and 2 (a window of 32 tokens changes nothing at 11), the job flags
+    rebuild the model, HF -> ours -> HF is bit for bit with the window written back."""
+    from safetensors.torch import load_file
+
+    from zo_megatron.checkpoint import convert
+    from zo_megatron.checkpoint.arch import job_flags
+    from zo_megatron.checkpoint.reader import CheckpointReader
+    from zo_megatron.model import GPTConfig
+    from zo_megatron.training.arguments import parse_args
+    from zo_megatron.training.model_flags import architecture_kwargs
+
+    seed = fresh_seed(f"starcoder2 {window}")
+    src = make_hf_model(tmp_path / "hf", starcoder2_config(window), seed)
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(seed + 1))
+    ref = hf_logits(src, tokens)
+    for tp in (1, 2):
+        ck = str(tmp_path / f"ck_tp{tp}")
+        convert.from_hf(src, ck, tensor_parallel=tp, log=quiet)
+        close(run_world(_our_logits, tp, ck, tokens, tp, timeout=180)[0], ref)
+    reader = CheckpointReader(str(tmp_path / "ck_tp1"))
+    meta = reader.model_meta
+    assert meta["gelu_approximate"] == "tanh" and meta["add_bias_linear"] and not meta["squared_relu"]
+    assert (reader.manifest.get("attention_window") or {}).get("tokens") == window
+    flags = job_flags(meta).split()
+    args = parse_args([*flags, "--seq-length", str(SEQ), "--lr", "1e-3", "--train-iters", "1", "--vocab-size",
+                       str(VOCAB)])
+    assert GPTConfig(**architecture_kwargs(args), vocab_size=VOCAB, precision="fp32").arch_meta() == meta, flags
+    back = str(tmp_path / "hf_back")
+    convert.to_hf(str(tmp_path / "ck_tp2"), back, tokenizer_model=src, log=quiet)
+    got = json.load(open(os.path.join(back, "config.json")))
+    want = json.load(open(os.path.join(src, "config.json")))
+    fields = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "hidden_act", "max_position_embeddings", "norm_epsilon", "tie_word_embeddings",
+              "rope_parameters", "use_bias", "sliding_window")
+    assert got["architectures"] == ["Starcoder2ForCausalLM"]
+    assert {k: got.get(k) for k in fields} == {k: want.get(k) for k in fields}
+    a, b = load_file(os.path.join(src, "model.safetensors")), load_file(os.path.join(back, "model.safetensors"))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a), sorted(set(a) ^ set(b))
