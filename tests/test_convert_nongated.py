@@ -142,19 +142,26 @@ def test_what_megatron_core_cannot_build_is_one_line(tmp_path, change, words):
     assert not (tmp_path / "ck").exists()
 
 
-def starcoder2_config(window):
+def starcoder2_config(window, bias=True, tied=True, act="gelu_pytorch_tanh", dropout=0.0, **more):
     return transformers.Starcoder2Config(
         vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
         num_attention_heads=HEADS, num_key_value_heads=GROUPS, max_position_embeddings=POS, norm_epsilon=1e-5,
-        tie_word_embeddings=True, use_bias=True, sliding_window=window, bos_token_id=0, eos_token_id=1,
-        rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
+        tie_word_embeddings=tied, use_bias=bias, sliding_window=window, bos_token_id=0, eos_token_id=1,
+        hidden_act=act, residual_dropout=dropout, embedding_dropout=dropout,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0}, **more)
 
 
-@pytest.mark.parametrize("window", [None, 32], ids=["full", "window-32"])
-def test_starcoder2_converts_both_ways_with_transformers_logits(tmp_path, window):
-    """StarCoder2 is Megatron-LM's default GPT MLP (the tanh GELU with biases) on RoPE and GQA: our
-    forward == transformers' at TP 1 and 2 (a window of 32 tokens changes nothing at 11), the job flags
-    rebuild the model, HF -> ours -> HF is bit for bit with the window written back."""
+STARCODER2 = {"tanh-biases-tied": dict(window=None),
+              "erf-window-untied-headdim": dict(window=32, bias=False, tied=False, act="gelu", dropout=0.1,
+                                                head_dim=16)}
+
+
+@pytest.mark.parametrize("case", list(STARCODER2))
+def test_starcoder2_converts_both_ways_with_transformers_logits(tmp_path, case):
+    """StarCoder2 is Megatron-LM's default GPT MLP (the tanh GELU with biases) on RoPE and GQA; also
+    without biases, untied, with the erf GELU, a head_dim of its own and a window of 32 tokens (which
+    changes nothing at 11): our forward == transformers' at TP 1 and 2, the job flags rebuild the
+    model, HF -> ours -> HF is bit for bit with the window and the dropouts written back."""
     from safetensors.torch import load_file
 
     from zo_megatron.checkpoint import convert
@@ -164,8 +171,10 @@ def test_starcoder2_converts_both_ways_with_transformers_logits(tmp_path, window
     from zo_megatron.training.arguments import parse_args
     from zo_megatron.training.model_flags import architecture_kwargs
 
-    seed = fresh_seed(f"starcoder2 {window}")
-    src = make_hf_model(tmp_path / "hf", starcoder2_config(window), seed)
+    seed = fresh_seed(f"starcoder2 {case}")
+    kw = STARCODER2[case]
+    window = kw["window"]
+    src = make_hf_model(tmp_path / "hf", starcoder2_config(**kw), seed)
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(seed + 1))
     ref = hf_logits(src, tokens)
     for tp in (1, 2):
@@ -174,7 +183,9 @@ def test_starcoder2_converts_both_ways_with_transformers_logits(tmp_path, window
         close(run_world(_our_logits, tp, ck, tokens, tp, timeout=180)[0], ref)
     reader = CheckpointReader(str(tmp_path / "ck_tp1"))
     meta = reader.model_meta
-    assert meta["gelu_approximate"] == "tanh" and meta["add_bias_linear"] and not meta["squared_relu"]
+    assert meta["gelu_approximate"] == ("none" if kw.get("act") == "gelu" else "tanh") and not meta["squared_relu"]
+    assert meta["add_bias_linear"] == kw.get("bias", True)
+    assert meta["kv_channels"] == kw.get("head_dim", HIDDEN // HEADS)
     assert (reader.manifest.get("attention_window") or {}).get("tokens") == window
     flags = job_flags(meta).split()
     args = parse_args([*flags, "--seq-length", str(SEQ), "--lr", "1e-3", "--train-iters", "1", "--vocab-size",
@@ -186,8 +197,26 @@ def test_starcoder2_converts_both_ways_with_transformers_logits(tmp_path, window
     want = json.load(open(os.path.join(src, "config.json")))
     fields = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "hidden_act", "max_position_embeddings", "norm_epsilon", "tie_word_embeddings",
-              "rope_parameters", "use_bias", "sliding_window")
+              "rope_parameters", "use_bias", "sliding_window", "head_dim", "residual_dropout", "embedding_dropout")
     assert got["architectures"] == ["Starcoder2ForCausalLM"]
     assert {k: got.get(k) for k in fields} == {k: want.get(k) for k in fields}
     a, b = load_file(os.path.join(src, "model.safetensors")), load_file(os.path.join(back, "model.safetensors"))
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a), sorted(set(a) ^ set(b))
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"act": "relu"}, "hidden_act='relu'"),
+    ({"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}}, "rope_type='linear'"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 999999.4420358813}}, "rope_theta=999999.44")])
+def test_what_starcoder2_maps_to_nothing_is_one_line(tmp_path, change, words):
+    """StarCoder2-3B's rope_theta (999999.44...) is refused: --rotary-base is an integer, as in Megatron-LM."""
+    from zo_megatron.checkpoint import convert
+    from zo_megatron.errors import UserError
+
+    cfg = starcoder2_config(None, act=change.get("act", "gelu_pytorch_tanh"))
+    if "rope_parameters" in change:
+        cfg.rope_parameters = change["rope_parameters"]
+    src = make_hf_model(tmp_path / "hf", cfg, fresh_seed("starcoder2 refusal"), tokenizer=False)
+    with pytest.raises(UserError, match=words):
+        convert.from_hf(src, str(tmp_path / "ck"), tensor_parallel=1, log=quiet)
+    assert not (tmp_path / "ck").exists()

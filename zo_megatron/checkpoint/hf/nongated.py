@@ -49,7 +49,8 @@ class Variant:
     eps_field: str                          # the config's LayerNorm epsilon field
     bias_fields: tuple[str, ...]            # the config's bias fields (all True or all False)
     partial_rotary: bool                    # partial_rotary_factor (--rotary-percent < 1)
-    head_dim_field: bool                    # the config holds head_dim (else it is hidden / heads)
+    head_dim_field: bool                    # its config declares head_dim (else written when not hidden / heads)
+    dropout_fields: tuple[str, ...] = ()    # the config's residual/embedding dropouts: our hidden_dropout
     window: str | None = None               # llama.sliding_layers' kind: "every_layer" (StarCoder2)
 
 
@@ -59,7 +60,8 @@ VARIANTS = (
             head_dim_field=True),
     Variant("Starcoder2ForCausalLM", "starcoder2", "Starcoder2Config", ("c_fc", "c_proj"),
             ("gelu_pytorch_tanh", "gelu_new", "gelu"), zero_centred=False, eps_field="norm_epsilon",
-            bias_fields=("use_bias",), partial_rotary=False, head_dim_field=False, window="every_layer"),
+            bias_fields=("use_bias",), partial_rotary=False, head_dim_field=False,
+            dropout_fields=("residual_dropout", "embedding_dropout"), window="every_layer"),
 )
 
 
@@ -193,11 +195,11 @@ class NonGatedFamily(HFFamily):
                     normalization="LayerNorm", layernorm_epsilon=float(getattr(cfg, v.eps_field)),
                     layernorm_zero_centered_gamma=v.zero_centred, **_ACTIVATIONS[cfg.hidden_act],
                     num_query_groups=groups,
-                    kv_channels=(getattr(cfg, "head_dim", None) if v.head_dim_field else None)
-                    or cfg.hidden_size // heads,
+                    kv_channels=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,   # StarCoder2 reads one too
                     untie_embeddings_and_output_weights=not cfg.tie_word_embeddings,
                     add_bias_linear=next(iter(biases.values())))
-        args = {"hidden_dropout": float(getattr(cfg, "residual_dropout", 0.0) or 0.0),
+        # megatron-core's one hidden dropout is both the residual and the embedding dropout: the first field's
+        args = {"hidden_dropout": float(getattr(cfg, v.dropout_fields[0], 0.0) or 0.0) if v.dropout_fields else 0.0,
                 "attention_dropout": float(getattr(cfg, "attention_dropout", 0.0) or 0.0)}
         return full_meta(meta), args
 
@@ -229,8 +231,6 @@ class NonGatedFamily(HFFamily):
             return f"{self.architecture} has biases on every linear layer or none (add_qkv_bias=True alone)"
         if meta["rotary_percent"] != 1.0 and not v.partial_rotary:
             return f"{self.architecture} rotates the whole head (rotary_percent={meta['rotary_percent']})"
-        if not v.head_dim_field and head_dim(meta) != meta["hidden_size"] // meta["num_attention_heads"]:
-            return f"{self.architecture}'s head dim is hidden / heads (the model's is {head_dim(meta)})"
         if meta["num_attention_heads"] % query_groups(meta):
             return f"num_query_groups {query_groups(meta)} does not divide the heads"
         return None
@@ -246,7 +246,9 @@ class NonGatedFamily(HFFamily):
 
     def hf_config(self, meta: dict, *, dtype: str, args: dict, bos_token_id, eos_token_id, window: dict | None = None):
         v, cls = self.variant, self._config_class()
-        extra = {"head_dim": head_dim(meta)} if v.head_dim_field else {}
+        default_head_dim = head_dim(meta) == meta["hidden_size"] // meta["num_attention_heads"]
+        extra = {"head_dim": head_dim(meta)} if v.head_dim_field or not default_head_dim else {}
+        extra.update({f: float(args.get("hidden_dropout") or 0.0) for f in v.dropout_fields})
         if v.window is not None:
             extra["sliding_window"] = (window or {}).get("hf", {}).get("sliding_window")
         return cls(
