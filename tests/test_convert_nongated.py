@@ -142,16 +142,16 @@ def test_what_megatron_core_cannot_build_is_one_line(tmp_path, change, words):
     assert not (tmp_path / "ck").exists()
 
 
-def starcoder2_config(window, bias=True, tied=True, act="gelu_pytorch_tanh", dropout=0.0, **more):
+def starcoder2_config(window, bias=True, tied=True, act="gelu_pytorch_tanh", dropout=0.0, theta=100000.0, **more):
     return transformers.Starcoder2Config(
         vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
         num_attention_heads=HEADS, num_key_value_heads=GROUPS, max_position_embeddings=POS, norm_epsilon=1e-5,
         tie_word_embeddings=tied, use_bias=bias, sliding_window=window, bos_token_id=0, eos_token_id=1,
         hidden_act=act, residual_dropout=dropout, embedding_dropout=dropout,
-        rope_parameters={"rope_type": "default", "rope_theta": 100000.0}, **more)
+        rope_parameters={"rope_type": "default", "rope_theta": theta}, **more)
 
 
-STARCODER2 = {"tanh-biases-tied": dict(window=None),
+STARCODER2 = {"tanh-biases-tied-3b-base": dict(window=None, theta=999999.4420358813),   # StarCoder2-3B's rope_theta
               "erf-window-untied-headdim": dict(window=32, bias=False, tied=False, act="gelu", dropout=0.1,
                                                 head_dim=16)}
 
@@ -186,6 +186,12 @@ def test_starcoder2_converts_both_ways_with_transformers_logits(tmp_path, case):
     assert meta["gelu_approximate"] == ("none" if kw.get("act") == "gelu" else "tanh") and not meta["squared_relu"]
     assert meta["add_bias_linear"] == kw.get("bias", True)
     assert meta["kv_channels"] == kw.get("head_dim", HIDDEN // HEADS)
+    assert meta["rotary_base"] == kw.get("theta", 100000)
+    assert type(meta["rotary_base"]) is (float if "theta" in kw else int)      # an int where whole, as Megatron-LM
+    from zo_megatron.checkpoint.megatron_args import megatron_args, meta_from_args     # Megatron-LM's args carry it
+
+    assert meta_from_args(megatron_args(meta, tp=1, iteration=0, divisible_by=128, seq_length=SEQ, precision="fp32"),
+                          VOCAB, "x") == meta
     assert (reader.manifest.get("attention_window") or {}).get("tokens") == window
     flags = job_flags(meta).split()
     args = parse_args([*flags, "--seq-length", str(SEQ), "--lr", "1e-3", "--train-iters", "1", "--vocab-size",
@@ -206,10 +212,8 @@ def test_starcoder2_converts_both_ways_with_transformers_logits(tmp_path, case):
 
 @pytest.mark.parametrize("change, words", [
     ({"act": "relu"}, "hidden_act='relu'"),
-    ({"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}}, "rope_type='linear'"),
-    ({"rope_parameters": {"rope_type": "default", "rope_theta": 999999.4420358813}}, "rope_theta=999999.44")])
+    ({"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}}, "rope_type='linear'")])
 def test_what_starcoder2_maps_to_nothing_is_one_line(tmp_path, change, words):
-    """StarCoder2-3B's rope_theta (999999.44...) is refused: --rotary-base is an integer, as in Megatron-LM."""
     from zo_megatron.checkpoint import convert
     from zo_megatron.errors import UserError
 

@@ -16,7 +16,7 @@ from zo_megatron.checkpoint.megatron_lm import legacy_rank_files
 from zo_megatron.checkpoint.tp_layout import padded_vocab_size
 from zo_megatron.errors import UserError
 from zo_megatron.model.config import (MOE_DISPATCHERS, MOE_FIELDS, YARN_FIELDS, megatron_bias_gelu_fusion,
-                                      megatron_gelu)
+                                      megatron_gelu, rotary_base)
 
 
 def megatron_args(meta: dict, *, tp: int, iteration: int, divisible_by: int, seq_length: int | None,
@@ -152,7 +152,8 @@ def meta_from_args(args: argparse.Namespace, vocab: int, where: str) -> dict:
         num_layers=args.num_layers, hidden_size=h, num_attention_heads=heads, ffn_hidden_size=ffn, vocab_size=vocab,
         max_position_embeddings=args.max_position_embeddings,
         make_vocab_size_divisible_by=int(getattr(args, "make_vocab_size_divisible_by", None) or 128),
-        position_embedding_type=pos, rotary_base=int(getattr(args, "rotary_base", 10000)), **_yarn_meta(args, pos),
+        position_embedding_type=pos, rotary_base=rotary_base(getattr(args, "rotary_base", 10000)),
+        **_yarn_meta(args, pos),
         rotary_percent=float(getattr(args, "rotary_percent", 1.0)),
         use_rope_scaling=bool(getattr(args, "use_rope_scaling", False)),
         rope_scaling_factor=float(getattr(args, "rope_scaling_factor", 8.0)), normalization=norm,

@@ -28,6 +28,14 @@ NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 GELU_APPROXIMATIONS = ("tanh", "none")
 
 
+def rotary_base(value) -> int | float:
+    """A RoPE base as recorded: an int where it is whole (Megatron-LM's --rotary-base is an int), else the
+    float (a Hugging Face rope_theta such as StarCoder2-3B's 999999.4420358813; megatron-core's
+    RotaryEmbedding computes base ** (2i / d) in floating point either way)."""
+    value = float(value)
+    return int(value) if value.is_integer() else value
+
+
 def megatron_gelu(add_bias_linear: bool, bias_gelu_fusion: bool) -> str:
     """The GELU Megatron-LM's megatron-core GPT computes (core_v0.16.1 mlp.py): its fused bias-GELU, the
     tanh approximation, where the linears have biases and --bias-gelu-fusion is on (validate_args turns
@@ -91,7 +99,7 @@ class GPTConfig:
     init_method_std: float = 0.02
     layernorm_epsilon: float = 1e-5             # --norm-epsilon (also the RMSNorm epsilon)
     position_embedding_type: str = "learned_absolute"   # "learned_absolute" | "rope" | "yarn"
-    rotary_base: int = 10000
+    rotary_base: int | float = 10000            # a float only where not whole (StarCoder2-3B's 999999.44...)
     rotary_percent: float = 1.0
     use_rope_scaling: bool = False              # Llama-3.1 frequency scaling (megatron-core's fixed constants)
     rope_scaling_factor: float = 8.0
@@ -221,8 +229,9 @@ class GPTConfig:
             raise ConfigError(f"--normalization {self.normalization}: choose one of {', '.join(NORMALIZATIONS)}")
         if not 0.0 < self.rotary_percent <= 1.0:
             raise ConfigError(f"--rotary-percent {self.rotary_percent}: must be in (0, 1]")
-        if self.rotary_base <= 0:
+        if not self.rotary_base > 0:
             raise ConfigError(f"--rotary-base {self.rotary_base}: must be > 0")
+        self.rotary_base = rotary_base(self.rotary_base)
         if self.use_rope_scaling and self.rope_scaling_factor <= 0:
             raise ConfigError(f"--rope-scaling-factor {self.rope_scaling_factor}: must be > 0")
         if self.use_rope_scaling and self.position_embedding_type != "rope":

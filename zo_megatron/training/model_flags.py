@@ -10,7 +10,7 @@ import sys
 
 from zo_megatron.errors import ConfigError
 from zo_megatron.model.config import (MOE_DISPATCHERS, MOE_DROP_POLICIES, MOE_FIELDS, MOE_LOAD_BALANCING,
-                                      MOE_SCORE_FUNCTIONS, YARN_FIELDS, megatron_gelu)
+                                      MOE_SCORE_FUNCTIONS, YARN_FIELDS, megatron_gelu, rotary_base)
 
 # --attention-backend (megatron-core's AttnBackend names) -> the model's core attention.
 ATTENTION_BACKENDS = {"flash": "sdpa", "fused": "sdpa", "auto": "sdpa", "local": "local", "unfused": "local"}
@@ -37,6 +37,13 @@ def add_attention_flags(g) -> None:
                         "multiple of TP; turned off with a warning at TP = 1, as Megatron-LM does")
 
 
+def _rotary_base_flag(text: str) -> int | float:
+    try:
+        return rotary_base(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+
+
 def add_architecture_flags(g) -> None:
     """Megatron-LM's flags for Llama / Mistral / Qwen2-shaped models (same names, defaults and
     meaning; docs/models.md). Their dests are GPTConfig's field names, except the two Megatron
@@ -48,7 +55,9 @@ def add_architecture_flags(g) -> None:
                    help="Megatron-LM's older spelling of --position-embedding-type rope")
     g.add_argument("--no-position-embedding", action="store_true",
                    help="Megatron-LM: no learned position table; accepted with rope (which has none)")
-    g.add_argument("--rotary-base", type=int, default=10000, help="RoPE base (theta); Llama-3: 500000")
+    g.add_argument("--rotary-base", type=_rotary_base_flag, default=10000,
+                   help="RoPE base (theta); Llama-3: 500000; a non-integer base too (StarCoder2-3B's 999999.44...), "
+                        "which Megatron-LM's int flag does not take")
     g.add_argument("--rotary-percent", type=float, default=1.0,
                    help="share of each head's channels that RoPE rotates, in (0, 1]")
     g.add_argument("--use-rope-scaling", action="store_true",

@@ -33,6 +33,7 @@ from zo_megatron.checkpoint.arch import full_meta, head_dim, query_groups
 from zo_megatron.checkpoint.hf.family import HFFamily, read_checked_state_dict, read_hf_config
 from zo_megatron.checkpoint.hf.rope import ROPE_REFUSED, ROPE_TYPES, yarn_meta, yarn_parameters
 from zo_megatron.errors import UserError
+from zo_megatron.model.config import rotary_base
 
 _OURS = "gpt."
 _LINEARS = ("qkv", "proj", "fc1", "fc2")
@@ -142,10 +143,8 @@ def _rope_meta(cfg, where: str) -> dict:
     partial = p.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None))
     if partial not in (None, 1, 1.0):
         refuse(f"partial_rotary_factor={partial}", "this family rotates the whole head")
-    theta = float(p.get("rope_theta", 10000.0))
-    if theta != int(theta):
-        refuse(f"rope_theta={theta}", "--rotary-base is an integer, as in Megatron-LM")
-    out = dict(position_embedding_type="rope", rotary_base=int(theta), rotary_percent=1.0,
+    out = dict(position_embedding_type="rope", rotary_base=rotary_base(p.get("rope_theta", 10000.0)),
+               rotary_percent=1.0,
                use_rope_scaling=False, rope_scaling_factor=8.0)
     kind = p["rope_type"]
     if kind == "llama3":

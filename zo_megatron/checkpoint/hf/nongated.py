@@ -30,6 +30,7 @@ from zo_megatron.checkpoint.arch import full_meta, head_dim, query_groups
 from zo_megatron.checkpoint.hf.family import HFFamily, read_checked_state_dict, read_hf_config
 from zo_megatron.checkpoint.hf.llama import _pack_qkv, _reads_rope_parameters, _rope_params, _unpack_qkv, sliding_layers
 from zo_megatron.errors import UserError
+from zo_megatron.model.config import rotary_base
 
 _OURS = "gpt."
 _NORMS = (("input_layernorm", "input_layernorm"), ("pre_mlp_layernorm", "post_attention_layernorm"))
@@ -136,17 +137,15 @@ def to_hf(v: Variant, weights: dict[str, torch.Tensor], meta: dict) -> dict[str,
     return {k: t.clone(memory_format=torch.contiguous_format) for k, t in out.items()}
 
 
-def _rope(cfg, where: str) -> tuple[int, float]:
+def _rope(cfg, where: str) -> tuple[int | float, float]:
     """(rotary base, rotary percent) from either config schema (llama._rope_params); one line for what
     megatron-core's RoPE cannot express here (scaling: these families' models are unscaled)."""
     p = _rope_params(cfg)
     kind = "per layer type" if "per_layer_type" in p else p["rope_type"]
     if kind != "default":
         raise UserError(f"{where}: rope_type={kind!r}: megatron-core's RoPE cannot express it here (only 'default')")
-    theta = float(p.get("rope_theta", 10000.0))
-    if theta != int(theta):
-        raise UserError(f"{where}: rope_theta={theta}: --rotary-base is an integer, as in Megatron-LM")
-    return int(theta), float(p.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None) or 1.0))
+    partial = p.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None) or 1.0)
+    return rotary_base(p.get("rope_theta", 10000.0)), float(partial)
 
 
 def _rope_schemas(v: Variant, meta: dict) -> tuple[dict, dict]:
