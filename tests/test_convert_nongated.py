@@ -53,6 +53,17 @@ def _our_logits(rank, ck, tokens, tp):
     return full[..., :VOCAB]
 
 
+def _from_hf_at_tp1_and_tp2(src: str, tmp_path, tokens) -> None:
+    """from-hf at TP 1 and 2 (tmp_path/ck_tp1, ck_tp2): our forward of each == transformers'."""
+    from zo_megatron.checkpoint import convert
+
+    ref = hf_logits(src, tokens)
+    for tp in (1, 2):
+        ck = str(tmp_path / f"ck_tp{tp}")
+        convert.from_hf(src, ck, tensor_parallel=tp, log=quiet)
+        close(run_world(_our_logits, tp, ck, tokens, tp, timeout=180)[0], ref)
+
+
 @pytest.mark.parametrize("bias, tied", [(False, False), (True, True)], ids=["no-bias-untied", "biases-tied"])
 def test_nemotron_converts_both_ways_with_transformers_logits(tmp_path, bias, tied):
     from zo_megatron.checkpoint import convert
@@ -62,11 +73,7 @@ def test_nemotron_converts_both_ways_with_transformers_logits(tmp_path, bias, ti
     seed = fresh_seed(f"nemotron {bias}")
     src = make_hf_model(tmp_path / "hf", nemotron_config(bias, tied), seed)
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(seed + 1))
-    ref = hf_logits(src, tokens)
-    for tp in (1, 2):
-        ck = str(tmp_path / f"ck_tp{tp}")
-        convert.from_hf(src, ck, tensor_parallel=tp, log=quiet)
-        close(run_world(_our_logits, tp, ck, tokens, tp, timeout=180)[0], ref)
+    _from_hf_at_tp1_and_tp2(src, tmp_path, tokens)
     meta = CheckpointReader(str(tmp_path / "ck_tp1")).model_meta
     assert meta["squared_relu"] and meta["layernorm_zero_centered_gamma"] and meta["rotary_percent"] == 0.5
     flags = job_flags(meta).split()
@@ -176,11 +183,7 @@ def test_starcoder2_converts_both_ways_with_transformers_logits(tmp_path, case):
     window = kw["window"]
     src = make_hf_model(tmp_path / "hf", starcoder2_config(**kw), seed)
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(seed + 1))
-    ref = hf_logits(src, tokens)
-    for tp in (1, 2):
-        ck = str(tmp_path / f"ck_tp{tp}")
-        convert.from_hf(src, ck, tensor_parallel=tp, log=quiet)
-        close(run_world(_our_logits, tp, ck, tokens, tp, timeout=180)[0], ref)
+    _from_hf_at_tp1_and_tp2(src, tmp_path, tokens)
     reader = CheckpointReader(str(tmp_path / "ck_tp1"))
     meta = reader.model_meta
     assert meta["gelu_approximate"] == ("none" if kw.get("act") == "gelu" else "tanh") and not meta["squared_relu"]

@@ -59,10 +59,12 @@ def _logits(model, tokens, megatron_core: bool, vocab: int = VOCAB):
         return model(tokens)[..., :vocab].float()
 
 
-def _launch_vs_megatron_core(rank, seed):
-    """For each launch: megatron-core's GPTModel from Megatron-LM's args (its own init, then every
-    weight redrawn wide enough that the GELU's inputs reach where tanh and erf differ), our model from
-    the job's flags with the same weights; both logits, and ours with the other GELU."""
+def megatron_core_and_ours(seed: int, launches: dict, field: str, values: tuple) -> dict:
+    """For each launch (name -> (Megatron-LM's args, the job's flags)): megatron-core's GPTModel from the
+    args (its own init, then every weight redrawn wide enough that the MLP's inputs reach where its
+    activations differ) and our model from the job's flags with the same weights, once per value of the
+    architecture `field`: {"arch": the flags' fields, "megatron_core": logits, "ours": {value: logits}}.
+    Runs in a rank (a process group)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -75,8 +77,7 @@ def _launch_vs_megatron_core(rank, seed):
     init_parallel(1, seed=seed, num_attention_heads=HEADS, hidden_size=HIDDEN)
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(seed))
     out = {}
-    for name, (flags, _) in LAUNCHES.items():
-        margs = megatron_lm_args(flags)
+    for name, (margs, flags) in launches.items():
         ref = GPTModel(config=megatron_core_config(margs, initialise=True), vocab_size=128,
                        transformer_layer_spec=get_gpt_layer_local_spec(normalization="LayerNorm"),
                        max_sequence_length=POS, position_embedding_type="learned_absolute",
@@ -87,14 +88,19 @@ def _launch_vs_megatron_core(rank, seed):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.4)
         arch = architecture_kwargs(parse_args(SHAPE + flags))
         ours = {}
-        for gelu in ("tanh", "none"):
-            model = build_gpt_model(GPTConfig(**{**arch, "gelu_approximate": gelu}, vocab_size=VOCAB,
-                                              precision="fp32"), 0, 1, seed).eval()
+        for value in values:
+            model = build_gpt_model(GPTConfig(**{**arch, field: value}, vocab_size=VOCAB, precision="fp32"),
+                                    0, 1, seed).eval()
             model.gpt.load_state_dict(ref.state_dict(), strict=True)
-            ours[gelu] = _logits(model, tokens, megatron_core=False)
-        out[name] = {"job": arch["gelu_approximate"], "megatron_core": _logits(ref, tokens, megatron_core=True),
-                     "ours": ours}
+            ours[value] = _logits(model, tokens, megatron_core=False)
+        out[name] = {"arch": arch, "megatron_core": _logits(ref, tokens, megatron_core=True), "ours": ours}
     return out
+
+
+def _launch_vs_megatron_core(rank, seed):
+    """Each launch's megatron-core logits, ours with the tanh and with the erf GELU."""
+    launches = {name: (megatron_lm_args(flags), flags) for name, (flags, _) in LAUNCHES.items()}
+    return megatron_core_and_ours(seed, launches, "gelu_approximate", ("tanh", "none"))
 
 
 def _relative(a, b) -> float:
@@ -106,7 +112,7 @@ def test_the_job_s_flags_compute_the_gelu_megatron_lm_computes_for_them():
     out = run_world(_launch_vs_megatron_core, 1, seed, timeout=400)[0]
     for name, (_, want) in LAUNCHES.items():
         o = out[name]
-        assert o["job"] == want, (name, o["job"])
+        assert o["arch"]["gelu_approximate"] == want, (name, o["arch"]["gelu_approximate"])
         other = "none" if want == "tanh" else "tanh"
         assert _relative(o["ours"][want], o["megatron_core"]) < 2e-6, (name, seed)
         # the check tells the two GELUs apart: the other one misses by 10x the tolerance and more

@@ -9,11 +9,10 @@ Megatron-LM conversions and printed as a job flag; --squared-relu with --swiglu 
 import argparse
 
 import pytest
-import torch
 
 from tests.harness import run_world
 from tests.seeds import fresh_seed
-from tests.test_gelu import FFN, HEADS, HIDDEN, LAYERS, POS, SEQ, SHAPE, VOCAB, _logits, _relative
+from tests.test_gelu import FFN, HEADS, HIDDEN, LAYERS, POS, SEQ, SHAPE, VOCAB, _relative, megatron_core_and_ours
 
 LAUNCHES = {"bias-free (Nemotron-4)": ["--squared-relu", "--disable-bias-linear"],
             "biases, unfused": ["--squared-relu", "--no-bias-gelu-fusion"]}
@@ -30,36 +29,9 @@ def _megatron_lm_args(flags: list[str]) -> argparse.Namespace:
 
 
 def _launch_vs_megatron_core(rank, seed):
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-    from tests.megatron_reference import megatron_core_config
-    from zo_megatron.model import GPTConfig, build_gpt_model
-    from zo_megatron.parallel import init_parallel
-    from zo_megatron.training.arguments import parse_args
-    from zo_megatron.training.model_flags import architecture_kwargs
-
-    init_parallel(1, seed=seed, num_attention_heads=HEADS, hidden_size=HIDDEN)
-    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(seed))
-    out = {}
-    for name, flags in LAUNCHES.items():
-        ref = GPTModel(config=megatron_core_config(_megatron_lm_args(flags), initialise=True), vocab_size=128,
-                       transformer_layer_spec=get_gpt_layer_local_spec(normalization="LayerNorm"),
-                       max_sequence_length=POS, position_embedding_type="learned_absolute",
-                       share_embeddings_and_output_weights=True, parallel_output=True).eval()
-        gen = torch.Generator().manual_seed(seed + 1)
-        with torch.no_grad():
-            for p in ref.parameters():
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.4)
-        arch = architecture_kwargs(parse_args(SHAPE + flags))
-        ours = {}
-        for relu2 in (True, False):
-            model = build_gpt_model(GPTConfig(**{**arch, "squared_relu": relu2}, vocab_size=VOCAB, precision="fp32"),
-                                    0, 1, seed).eval()
-            model.gpt.load_state_dict(ref.state_dict(), strict=True)
-            ours[relu2] = _logits(model, tokens, megatron_core=False)
-        out[name] = {"arch": arch, "megatron_core": _logits(ref, tokens, megatron_core=True), "ours": ours}
-    return out
+    """Each launch's megatron-core logits, ours with and without the squared ReLU (the GELU)."""
+    launches = {name: (_megatron_lm_args(flags), flags) for name, flags in LAUNCHES.items()}
+    return megatron_core_and_ours(seed, launches, "squared_relu", (True, False))
 
 
 def test_the_job_s_squared_relu_is_megatron_core_s():

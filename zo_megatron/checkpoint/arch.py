@@ -143,6 +143,14 @@ def _moe_flags(m: dict) -> list[str]:
     return flags
 
 
+def needs_no_bias_gelu_fusion(meta: dict) -> bool:
+    """Megatron-LM needs --no-bias-gelu-fusion for the model: a biased non-gated MLP whose activation is
+    not the fused tanh GELU (the erf GELU, or the squared ReLU, which megatron-core refuses to fuse);
+    without biases its validate_args turns the fusion off itself."""
+    return not meta["swiglu"] and meta["add_bias_linear"] and \
+        (meta["squared_relu"] or meta["gelu_approximate"] == "none")
+
+
 def job_flags(meta: dict, hf_tokenizer: bool = False) -> str:
     """pretrain_gpt.py's flags (Megatron-LM's names) for the architecture `meta`: what a run that
     loads the checkpoint must be given (a resume with other values is refused). hf_tokenizer: the
@@ -168,14 +176,10 @@ def job_flags(meta: dict, hf_tokenizer: bool = False) -> str:
         flags.append("--swiglu")
     elif m["squared_relu"]:
         flags.append("--squared-relu")
-        if m["add_bias_linear"]:                   # megatron-core refuses to fuse a squared ReLU with a bias
-            flags.append("--no-bias-gelu-fusion")
-    else:
-        fusion = megatron_bias_gelu_fusion(m["gelu_approximate"], m["add_bias_linear"])
-        if fusion is None:
-            flags.append("--use-checkpoint-args")      # no flag gives a bias-free tanh GELU (Megatron-LM's rule)
-        elif not fusion and m["add_bias_linear"]:
-            flags.append("--no-bias-gelu-fusion")      # the erf GELU with biases; without them it is the default
+    elif megatron_bias_gelu_fusion(m["gelu_approximate"], m["add_bias_linear"]) is None:
+        flags.append("--use-checkpoint-args")          # no flag gives a bias-free tanh GELU (Megatron-LM's rule)
+    if needs_no_bias_gelu_fusion(m):
+        flags.append("--no-bias-gelu-fusion")
     if m["num_query_groups"] != m["num_attention_heads"]:
         flags += ["--group-query-attention", f"--num-query-groups {m['num_query_groups']}"]
     if m["kv_channels"] != m["hidden_size"] // m["num_attention_heads"]:

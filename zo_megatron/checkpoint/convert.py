@@ -29,8 +29,8 @@ from typing import Callable
 import torch
 
 from zo_megatron.checkpoint import hf, megatron_args, megatron_dist, megatron_lm
-from zo_megatron.checkpoint.arch import (buffer_shapes, check_tensor_parallel, full_meta, job_flags, param_shapes,
-                                         query_groups, recentred_gamma)
+from zo_megatron.checkpoint.arch import (buffer_shapes, check_tensor_parallel, full_meta, job_flags,
+                                         needs_no_bias_gelu_fusion, param_shapes, query_groups, recentred_gamma)
 from zo_megatron.checkpoint.boxes import Box
 from zo_megatron.checkpoint.content import BUFFERS, EXP_AVG, EXP_AVG_SQ, MODEL
 from zo_megatron.checkpoint.layout import rng_file
@@ -381,8 +381,7 @@ def to_megatron(load: str, output: str, *, iteration: int | None = None, tensor_
             "rotary_scaling_factor, mscale, mscale_all_dim): core_v0.16.1's pretrain_gpt.py cannot build a YaRN GPT")
     # what Megatron-LM's --use-checkpoint-args does not take from the args (core_v0.16.1 load_args_from_checkpoint):
     # its launch line must say it, or its model computes another function
-    needs = (["--no-bias-gelu-fusion"] if not meta["swiglu"] and meta["add_bias_linear"]
-             and (meta["gelu_approximate"] == "none" or meta["squared_relu"]) else []) + \
+    needs = (["--no-bias-gelu-fusion"] if needs_no_bias_gelu_fusion(meta) else []) + \
         ([f"--moe-router-num-groups {meta['moe_router_num_groups']}",
           f"--moe-router-group-topk {meta['moe_router_group_topk']}"] if meta["moe_router_group_topk"] else [])
     if needs:
