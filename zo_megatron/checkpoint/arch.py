@@ -66,16 +66,20 @@ def param_shapes(meta: dict) -> dict[str, tuple[int, ...]]:
     for i in range(meta["num_layers"]):
         m = f"{_PREFIX}decoder.layers.{i}."
         out.update(norm(m + "input_layernorm"))
-        out[m + "self_attention.linear_qkv.weight"] = (q + 2 * kv, h)
-        if qkv_bias:
+        if meta["multi_latent_attention"]:
+            out.update(_mla_shapes(meta, m + "self_attention."))
+        else:
+            out[m + "self_attention.linear_qkv.weight"] = (q + 2 * kv, h)
+        if qkv_bias and not meta["multi_latent_attention"]:
             out[m + "self_attention.linear_qkv.bias"] = (q + 2 * kv,)
-        if meta["qk_layernorm"]:
+        if meta["qk_layernorm"] and not meta["multi_latent_attention"]:
             out.update({m + "self_attention.q_layernorm.weight": (head_dim(meta),),
                         m + "self_attention.k_layernorm.weight": (head_dim(meta),)})
             if layer_norm:
                 out.update({m + "self_attention.q_layernorm.bias": (head_dim(meta),),
                             m + "self_attention.k_layernorm.bias": (head_dim(meta),)})
-        out[m + "self_attention.linear_proj.weight"] = (h, q)
+        out[m + "self_attention.linear_proj.weight"] = (h, meta["num_attention_heads"] * meta["v_head_dim"]) \
+            if meta["multi_latent_attention"] else (h, q)
         out.update(norm(m + "pre_mlp_layernorm"))
         if bias:
             out[m + "self_attention.linear_proj.bias"] = (h,)
@@ -83,6 +87,27 @@ def param_shapes(meta: dict) -> dict[str, tuple[int, ...]]:
     out.update(norm(_PREFIX + "decoder.final_layernorm"))
     if meta["untie_embeddings_and_output_weights"]:
         out[_PREFIX + "output_layer.weight"] = (v, h)
+    return out
+
+
+def _mla_shapes(meta: dict, a: str) -> dict[str, tuple[int, ...]]:
+    """Multi-latent attention's projections and latent norms under `a` (".../self_attention."; model/mla.py):
+    the query latent's down/up projections (or one query projection), the key/value latent's down projection
+    (with the shared rotated key) and up projection [keys without position; values] per head."""
+    h, n, r_q, r_kv = meta["hidden_size"], meta["num_attention_heads"], meta["q_lora_rank"], meta["kv_lora_rank"]
+    q_head = meta["qk_head_dim"] + meta["qk_pos_emb_head_dim"]
+    if r_q is None:
+        out = {a + "linear_q_proj.weight": (n * q_head, h)}
+    else:
+        out = {a + "linear_q_down_proj.weight": (r_q, h), a + "linear_q_up_proj.weight": (n * q_head, r_q)}
+    out.update({a + "linear_kv_down_proj.weight": (r_kv + meta["qk_pos_emb_head_dim"], h),
+                a + "linear_kv_up_proj.weight": (n * (meta["qk_head_dim"] + meta["v_head_dim"]), r_kv)})
+    if meta["qk_layernorm"]:
+        for name, size in (("q_layernorm", r_q), ("kv_layernorm", r_kv)):
+            if size is not None:
+                out[f"{a}{name}.weight"] = (size,)
+                if meta["normalization"] == "LayerNorm":
+                    out[f"{a}{name}.bias"] = (size,)
     return out
 
 
@@ -182,6 +207,7 @@ def job_flags(meta: dict, hf_tokenizer: bool = False) -> str:
         flags.append("--no-bias-gelu-fusion")
     if m["num_query_groups"] != m["num_attention_heads"]:
         flags += ["--group-query-attention", f"--num-query-groups {m['num_query_groups']}"]
+    flags += _mla_flags(m)
     if m["kv_channels"] != m["hidden_size"] // m["num_attention_heads"]:
         flags.append(f"--kv-channels {m['kv_channels']}")
     if m["untie_embeddings_and_output_weights"]:
@@ -200,6 +226,25 @@ def job_flags(meta: dict, hf_tokenizer: bool = False) -> str:
     if hf_tokenizer:
         flags.append(f"--vocab-size {m['vocab_size']}")
     return " ".join(flags)
+
+
+def _mla_flags(m: dict) -> list[str]:
+    """Multi-latent attention's flags (Megatron-LM's names): all of them, as Megatron-LM's MLA lines give
+    them, and YaRN's settings, which MLA reads whatever its rope type (model/config.py _check_yarn)."""
+    if not m["multi_latent_attention"]:
+        return []
+    flags = ["--multi-latent-attention", *([f"--q-lora-rank {m['q_lora_rank']}"] if m["q_lora_rank"] else []),
+             f"--kv-lora-rank {m['kv_lora_rank']}", f"--qk-head-dim {m['qk_head_dim']}",
+             f"--qk-pos-emb-head-dim {m['qk_pos_emb_head_dim']}", f"--v-head-dim {m['v_head_dim']}",
+             f"--rope-type {m['rope_type']}"]
+    if m["position_embedding_type"] == "learned_absolute":     # MLA rotates with these whatever the positions
+        flags += [f"--rotary-base {m['rotary_base']}"] * (m["rotary_base"] != DEFAULTS["rotary_base"]) + \
+            [f"--rotary-percent {m['rotary_percent']:g}"] * (m["rotary_percent"] != 1.0)
+    if m["position_embedding_type"] != "yarn":     # YaRN's flags are written with the position type otherwise
+        flags += [f"--{name.replace('_', '-')} {_num(m[name])}" for name in
+                  ("rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow",
+                   "mscale", "mscale_all_dim") if m[name] != YARN_FIELDS[name]]
+    return flags
 
 
 def _num(x: float) -> str:
@@ -226,8 +271,11 @@ def check_tensor_parallel(meta: dict, tp: int, flag: str = "--tensor-parallel") 
     """TP splits whole query groups (so whole heads) and whole MLP columns."""
     if tp < 1:
         raise UserError(f"{flag} {tp}: must be >= 1")
+    mla = (("q_lora_rank", meta.get("q_lora_rank") or 0),
+           ("kv_lora_rank + qk_pos_emb_head_dim", meta["kv_lora_rank"] + meta["qk_pos_emb_head_dim"])) \
+        if meta.get("multi_latent_attention") else ()
     for what, n in (("num_attention_heads", meta["num_attention_heads"]), ("query groups", query_groups(meta)),
-                    ("ffn_hidden_size", meta["ffn_hidden_size"])):
+                    ("ffn_hidden_size", meta["ffn_hidden_size"]), *mla):
         if n % tp:
             raise UserError(f"{flag} {tp} does not divide the model's {what} {n}: TP splits whole query groups, "
                             f"heads and MLP columns; choose a TP size that divides {n}")

@@ -5,9 +5,11 @@ The job reads the split from the parameters themselves (megatron's `partition_di
 This table is the same rule written down, and tests check it against the built model:
 
     column-parallel (axis 0): word embeddings and the untied output layer (vocab rows), linear_qkv,
-                              linear_fc1 (weights, biases; the MLP's, every expert's, the shared expert's)
+                              linear_fc1 (weights, biases; the MLP's, every expert's, the shared expert's),
+                              MLA's linear_q_proj, linear_q_down_proj, linear_q_up_proj, linear_kv_up_proj
     row-parallel    (axis 1): linear_proj.weight, linear_fc2.weight (the same three)
-    replicated:               everything else (norms, q/k norms, position embeddings, row-parallel biases)
+    replicated:               everything else (norms, q/k norms, position embeddings, row-parallel biases,
+                              MLA's linear_kv_down_proj)
 
 With SwiGLU, linear_fc1 (weight and bias) is [gate; up] and has stride 2: TP rank r holds
 [gate_r; up_r], two boxes of the full tensor (`tp_shard_boxes`). The word embedding and output
@@ -26,7 +28,11 @@ __all__ = ["WORD_EMBEDDING", "OUTPUT_LAYER", "EXTRA_STATE_LAYERS", "tp_axis", "p
 
 # the MLP's, each expert's (mlp.experts.local_experts.{e}.) and the shared expert's (mlp.shared_experts.)
 _FC1 = (".linear_fc1.weight", ".linear_fc1.bias")
-_COLUMN = VOCAB_PADDED + ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias") + _FC1
+# multi-latent attention (model/mla.py): the query projections and the key/value up projection are
+# column-parallel; the key/value down projection is replicated
+_MLA_COLUMN = tuple(f"self_attention.{n}.weight" for n in ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj",
+                                                            "linear_kv_up_proj"))
+_COLUMN = VOCAB_PADDED + ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias") + _FC1 + _MLA_COLUMN
 _ROW = ("self_attention.linear_proj.weight", ".linear_fc2.weight")
 # megatron-core's local-spec linear layers carry an `_extra_state` entry (None) in state_dict
 EXTRA_STATE_LAYERS = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")

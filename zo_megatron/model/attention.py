@@ -99,7 +99,8 @@ class SDPAttention(_megatron_module_base()):
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
                  attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
-                 cp_comm_type: Optional[str] = None, pg_collection=None):
+                 cp_comm_type: Optional[str] = None, pg_collection=None, k_channels: Optional[int] = None,
+                 v_channels: Optional[int] = None):
         super().__init__(config=config)
         from megatron.core.process_groups_config import ProcessGroupCollection
         from megatron.core.transformer.enums import AttnMaskType
@@ -122,9 +123,10 @@ class SDPAttention(_megatron_module_base()):
         self.pg_collection = pg_collection
         self.tp_group = pg_collection.tp
         tp = pg_collection.tp.size()
-        projection_size = config.kv_channels * config.num_attention_heads
-        self.hidden_size_per_partition = divide(projection_size, tp)
-        self.hidden_size_per_attention_head = divide(projection_size, config.num_attention_heads)
+        # multi-latent attention (megatron-core's MLASelfAttention) passes its query/key head dim and its
+        # value head dim, which differ (DeepSeek-V3: 192 and 128); the output is heads x the value's
+        self.hidden_size_per_attention_head = k_channels or config.kv_channels
+        self.hidden_size_per_partition = divide((v_channels or config.kv_channels) * config.num_attention_heads, tp)
         self.num_attention_heads_per_partition = divide(config.num_attention_heads, tp)
         self.num_query_groups_per_partition = divide(config.num_query_groups, tp)
         # apply_query_key_layer_scaling only changes how the local module computes the same scale

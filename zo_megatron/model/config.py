@@ -64,13 +64,20 @@ MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
 MOE_DISPATCHERS = ("allgather", "alltoall")
 MOE_DROP_POLICIES = ("probs", "position")
 
+# Multi-latent attention (DeepSeek-V2/V3's MLA: megatron-core's MLASelfAttention; docs/models.md): field ->
+# Megatron-LM's default. rope_type is Megatron-LM's --rope-type: None means YaRN under MLA (megatron-core's
+# MLATransformerConfig default); a model records the resolved value ("yarn" or "rope"; None without MLA).
+MLA_FIELDS = {"multi_latent_attention": False, "q_lora_rank": None, "kv_lora_rank": 32, "qk_head_dim": 128,
+              "qk_pos_emb_head_dim": 64, "v_head_dim": 128, "rope_type": None}
+ROPE_TYPES = ("rope", "yarn")
+
 # The fields that define the architecture: recorded in checkpoints and compared on resume.
 ARCH_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
                "max_position_embeddings", "make_vocab_size_divisible_by", "position_embedding_type",
                "rotary_base", "rotary_percent", "use_rope_scaling", "rope_scaling_factor", "normalization",
                "layernorm_epsilon", "swiglu", "squared_relu", "gelu_approximate", "num_query_groups", "kv_channels",
                "untie_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
-               "layernorm_zero_centered_gamma", *YARN_FIELDS, *MOE_FIELDS)
+               "layernorm_zero_centered_gamma", *YARN_FIELDS, *MOE_FIELDS, *MLA_FIELDS)
 
 
 def swiglu_ffn_size(hidden_size: int) -> int:
@@ -123,6 +130,17 @@ class GPTConfig:
     add_qkv_bias: bool = False                  # qkv bias even without add_bias_linear (Qwen2)
     qk_layernorm: bool = False
     layernorm_zero_centered_gamma: bool = False  # --apply-layernorm-1p: every norm scales by (1 + weight), weight from 0
+    # multi-latent attention (MLA_FIELDS): queries from a rank-q_lora_rank latent (None: projected from the
+    # hidden state directly), keys and values from a shared rank-kv_lora_rank latent; each head's query/key is
+    # qk_head_dim channels without position plus qk_pos_emb_head_dim rotated ones (the key's rotated part is
+    # one for all heads), its value v_head_dim
+    multi_latent_attention: bool = False
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 32
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
+    rope_type: str | None = None                # MLA's rotary embedding: "yarn" (its default) or "rope"
     # mixture of experts (MOE_FIELDS; docs/moe.md): None = a dense model
     num_experts: int | None = None
     moe_router_topk: int = 2
@@ -195,6 +213,10 @@ class GPTConfig:
                               f"{self.num_layers} (megatron-core's uniform method checkpoints whole groups): use a divisor")
         if self.attention_backend not in ("local", "sdpa"):
             raise ConfigError(f"attention_backend must be 'local' or 'sdpa' (got {self.attention_backend!r})")
+        if self.multi_latent_attention and self.attention_backend == "local":
+            raise ConfigError("--attention-backend local with --multi-latent-attention: megatron-core 0.16's local "
+                              "attention cannot take MLA's separate key and value head dims; drop the flag (MLA runs "
+                              "on torch SDPA, as --use-flash-attn)")
         if self.label_smoothing != 0.0:
             # megatron-core's vocab_parallel_cross_entropy smooths over the local vocab shard only,
             # which is wrong at TP > 1; refuse rather than train on a silently wrong loss.
@@ -236,23 +258,77 @@ class GPTConfig:
             raise ConfigError(f"--rope-scaling-factor {self.rope_scaling_factor}: must be > 0")
         if self.use_rope_scaling and self.position_embedding_type != "rope":
             raise ConfigError("--use-rope-scaling scales rotary embeddings: add --position-embedding-type rope")
+        self._check_mla()
         self._check_yarn()
         if self.layernorm_epsilon <= 0:
             raise ConfigError(f"--norm-epsilon {self.layernorm_epsilon}: must be > 0")
         if self.kv_channels is not None and self.kv_channels < 1:
             raise ConfigError(f"--kv-channels {self.kv_channels}: must be >= 1")
-        if self.position_embedding_type != "learned_absolute" and self.head_dim * self.rotary_percent < 2:
+        rotated = self.qk_pos_emb_head_dim if self.multi_latent_attention else self.head_dim
+        if self.position_embedding_type != "learned_absolute" and rotated * self.rotary_percent < 2:
             raise ConfigError(f"--rotary-percent {self.rotary_percent} of head dim {self.head_dim} rotates "
                               "no channel pair: raise it")
         g = self.query_groups
         if g < 1 or self.num_attention_heads % g:
             raise ConfigError(f"--num-query-groups {g} must divide --num-attention-heads "
                               f"{self.num_attention_heads} (each key/value head serves a whole group of query heads)")
+        if self.multi_latent_attention and g != self.num_attention_heads:
+            raise ConfigError(f"--num-query-groups {g} with --multi-latent-attention: MLA's keys and values come from "
+                              "one latent per token, not from groups (Megatron-LM's rule); drop --group-query-attention")
         if self.ffn_size < 1:
             raise ConfigError(f"--swiglu with --hidden-size {self.hidden_size} gives an FFN size of 0 "
                               "(int(4h*2/3/64)*64): give --ffn-hidden-size")
 
+    def _check_mla(self) -> None:
+        """Multi-latent attention, with Megatron-LM's rules and what its MLA would ignore silently refused."""
+        if self.rope_type not in (None, *ROPE_TYPES):
+            raise ConfigError(f"--rope-type {self.rope_type}: choose one of {', '.join(ROPE_TYPES)}")
+        if not self.multi_latent_attention:
+            off = [f"--{k.replace('_', '-')}" for k, v in MLA_FIELDS.items()
+                   if k != "rope_type" and getattr(self, k) != v]
+            if off:
+                raise ConfigError(f"{', '.join(off)} configure{'s' if len(off) == 1 else ''} multi-latent attention: "
+                                  "add --multi-latent-attention (or drop it)")
+            if self.rope_type == "yarn":
+                raise ConfigError("--rope-type yarn: Megatron-LM's attention without MLA takes rope only; use "
+                                  "--position-embedding-type yarn for YaRN")
+            self.rope_type = None               # --rope-type rope without MLA changes nothing: one recorded value
+            return
+        self.rope_type = self.rope_type or "yarn"
+        for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be >= 1")
+        if self.q_lora_rank is not None and self.q_lora_rank < 1:
+            raise ConfigError(f"--q-lora-rank {self.q_lora_rank}: must be >= 1 (or drop it: queries then come "
+                              "from the hidden state directly)")
+        if self.qk_pos_emb_head_dim % 2:
+            raise ConfigError(f"--qk-pos-emb-head-dim {self.qk_pos_emb_head_dim}: rotary channels come in pairs; "
+                              "use an even number")
+        refused = (("position_embedding_type", self.position_embedding_type == "yarn",
+                    "--position-embedding-type yarn with --multi-latent-attention: MLA applies its own rotary "
+                    "embedding (--rope-type, default yarn), and megatron-core's MLA refuses one from the model; use "
+                    "--position-embedding-type rope"),
+                   ("use_rope_scaling", self.use_rope_scaling,
+                    "--use-rope-scaling with --multi-latent-attention: megatron-core's MLA builds its rotary "
+                    "embedding without Llama-3.1 scaling (it would be ignored); drop it"),
+                   ("add_qkv_bias", self.add_qkv_bias,
+                    "--add-qkv-bias with --multi-latent-attention: MLA's projections have no biases (it would be "
+                    "ignored); drop it"),
+                   ("rotary_percent", self.rope_type == "yarn" and self.rotary_percent != 1.0,
+                    f"--rotary-percent {self.rotary_percent} with MLA's YaRN: megatron-core's YaRN rotates all "
+                    "--qk-pos-emb-head-dim channels; drop --rotary-percent"),
+                   ("yarn_correction_range_round_to_int", not self.yarn_correction_range_round_to_int,
+                    "--no-yarn-correction-range-round-to-int with --multi-latent-attention: megatron-core 0.16's MLA "
+                    "builds its YaRN with the rounded range (it would be ignored); drop it"))
+        for _, bad, line in refused:
+            if bad:
+                raise ConfigError(line)
+
     def _check_yarn(self) -> None:
+        if self.multi_latent_attention:
+            # MLA's attention reads YaRN's settings whatever its rope type: its softmax scale is
+            # mscale(factor, mscale_all_dim)^2 / sqrt(q head dim) (megatron-core's MLASelfAttention)
+            return self._check_yarn_values()
         if self.position_embedding_type != "yarn":
             off = [f"--{k.replace('_', '-')}" for k, v in YARN_FIELDS.items() if getattr(self, k) != v]
             if off:
@@ -262,6 +338,9 @@ class GPTConfig:
         if self.rotary_percent != 1.0:
             raise ConfigError(f"--rotary-percent {self.rotary_percent} with --position-embedding-type yarn: "
                               "megatron-core's YaRN rotates the whole head; drop --rotary-percent")
+        self._check_yarn_values()
+
+    def _check_yarn_values(self) -> None:
         for name in ("rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast",
                      "yarn_beta_slow"):
             if getattr(self, name) <= 0:
@@ -430,7 +509,12 @@ class GPTConfig:
         moe = (("--moe-ffn-hidden-size", self.moe_ffn_size),
                ("--moe-shared-expert-intermediate-size", self.moe_shared_expert_intermediate_size or 0)) \
             if self.num_experts is not None else ()
-        for flag, n in (("--num-attention-heads", self.num_attention_heads), ("--ffn-hidden-size", self.ffn_size), *moe):
+        # MLA's down projections are megatron-core's column-parallel linears in the local spec: their latents split
+        mla = (("--q-lora-rank", self.q_lora_rank or 0),
+               ("--kv-lora-rank + --qk-pos-emb-head-dim", self.kv_lora_rank + self.qk_pos_emb_head_dim)) \
+            if self.multi_latent_attention else ()
+        for flag, n in (("--num-attention-heads", self.num_attention_heads), ("--ffn-hidden-size", self.ffn_size), *moe,
+                        *mla):
             if n % tensor_parallel:
                 raise ConfigError(f"--tensor-model-parallel-size {tensor_parallel} does not divide {flag} {n}: "
                                   f"use a TP size that divides {n}")
@@ -498,15 +582,26 @@ class GPTConfig:
         norm = 2 if self.normalization == "LayerNorm" else 1          # weight (+ bias)
         bias = 1 if self.add_bias_linear else 0
         qkv_out = (heads + 2 * g) * d
-        per_layer = (norm * h                                                   # input norm
-                     + qkv_out * h + (qkv_out if self.add_bias_linear or self.add_qkv_bias else 0)
+        attention = (qkv_out * h + (qkv_out if self.add_bias_linear or self.add_qkv_bias else 0)
                      + (2 * norm * d if self.qk_layernorm else 0)                # q/k norms
-                     + h * heads * d + bias * h                                  # linear_proj
-                     + norm * h)                                                 # pre-MLP norm
+                     + h * heads * d + bias * h)                                 # linear_proj
+        if self.multi_latent_attention:
+            attention = self.mla_parameters()
+        per_layer = norm * h + attention + norm * h                              # input and pre-MLP norms
         mlps = sum(self._moe_mlp_parameters() if moe else self._mlp_parameters(f) for moe in self.moe_layers())
         positions = self.max_position_embeddings * h if self.position_embedding_type == "learned_absolute" else 0
         output = V * h if self.untie_embeddings_and_output_weights else 0
         return V * h + positions + L * per_layer + mlps + norm * h + output
+
+    def mla_parameters(self) -> int:
+        """One layer's multi-latent attention: the projections (no biases but linear_proj's) and, with
+        --qk-layernorm, the q and kv latents' norms."""
+        h, heads, norm = self.hidden_size, self.num_attention_heads, 2 if self.normalization == "LayerNorm" else 1
+        q_dim, r_q, r_kv = self.qk_head_dim + self.qk_pos_emb_head_dim, self.q_lora_rank, self.kv_lora_rank
+        queries = h * heads * q_dim if r_q is None else h * r_q + r_q * heads * q_dim
+        keys_values = h * (r_kv + self.qk_pos_emb_head_dim) + r_kv * heads * (self.qk_head_dim + self.v_head_dim)
+        norms = norm * ((r_q or 0) + r_kv) if self.qk_layernorm else 0
+        return queries + keys_values + norms + heads * self.v_head_dim * h + (h if self.add_bias_linear else 0)
 
     def _mlp_parameters(self, f: int, bias: bool | None = None) -> int:
         h, bias = self.hidden_size, self.add_bias_linear if bias is None else bias

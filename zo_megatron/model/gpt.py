@@ -106,8 +106,22 @@ def layer_spec(cfg: GPTConfig, num_experts: int | None = None):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=cfg.qk_layernorm,
-                                    normalization=cfg.normalization)
-    if cfg.qk_layernorm:
+                                    normalization=cfg.normalization, multi_latent_attention=cfg.multi_latent_attention)
+    if cfg.multi_latent_attention:
+        from zo_megatron.model.mla import MLASelfAttentionTP      # its k/v down projection whole at any TP
+
+        spec.submodules.self_attention.module = MLASelfAttentionTP
+    if cfg.multi_latent_attention and cfg.qk_layernorm:
+        # MLA's core attention: megatron-core 0.16's local DotProductAttention takes no separate key and value
+        # head dims (GPTConfig refuses the local backend with MLA), ours does
+        # MLA's q/kv norms act on whole latents (every rank's, the same), on this rank's tokens under sequence
+        # parallelism: model/norms.py's Norm tags them for the sum over TP then (megatron-core's torch norm
+        # refuses SP), and has the zero-centred gamma
+        from zo_megatron.model.norms import Norm
+
+        attention = spec.submodules.self_attention.submodules
+        attention.q_layernorm = attention.kv_layernorm = Norm
+    elif cfg.qk_layernorm:
         attention = spec.submodules.self_attention.submodules
         attention.q_layernorm = attention.k_layernorm = TPQKNorm
     return spec
@@ -197,7 +211,19 @@ def transformer_config(cfg: GPTConfig, tensor_parallel: int):
     elif cfg.recompute == "selective":
         recompute = dict(recompute_granularity="selective", recompute_modules=list(cfg.recompute_modules))
     cfg.check_tensor_parallel(tensor_parallel)
-    config = TransformerConfig(
+    config_class, mla = TransformerConfig, {}
+    if cfg.multi_latent_attention:
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        config_class = MLATransformerConfig
+        mla = dict(q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank, qk_head_dim=cfg.qk_head_dim,
+                   qk_pos_emb_head_dim=cfg.qk_pos_emb_head_dim, v_head_dim=cfg.v_head_dim, rope_type=cfg.rope_type,
+                   rotary_base=cfg.rotary_base, rotary_percent=cfg.rotary_percent,
+                   rotary_scaling_factor=cfg.rotary_scaling_factor, mscale=cfg.mscale,
+                   mscale_all_dim=cfg.mscale_all_dim,
+                   original_max_position_embeddings=cfg.yarn_original_max_position_embeddings,
+                   beta_fast=cfg.yarn_beta_fast, beta_slow=cfg.yarn_beta_slow)
+    config = config_class(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
         num_attention_heads=cfg.num_attention_heads,
@@ -240,6 +266,7 @@ def transformer_config(cfg: GPTConfig, tensor_parallel: int):
         calculate_per_token_loss=cfg.calculate_per_token_loss,
         **recompute,
         **moe_config_kwargs(cfg, tensor_parallel),
+        **mla,
     )
     if cfg.position_embedding_type == "yarn":
         # megatron-core 0.16's GPTModel and attention read YaRN's settings as config attributes

@@ -75,6 +75,7 @@ def apply() -> None:
     global _APPLIED
     _define_moe_names_without_transformer_engine()     # CPU or GPU: wherever Transformer Engine is absent
     _checkpoint_without_output_without_transformer_engine()
+    _multi_latent_attention_without_transformer_engine()
     _recompute_under_the_forwards_autocast()          # any device: the plain baseline runs under autocast
     if _APPLIED or torch.cuda.is_available():
         return
@@ -130,6 +131,20 @@ def _checkpoint_without_output_without_transformer_engine() -> None:
 
     cls.__init__ = __init__
     cls.zo_fp8_off = True
+
+
+def _multi_latent_attention_without_transformer_engine() -> None:
+    """Also for any host without Transformer Engine: megatron-core 0.16.1's multi_latent_attention sets
+    HAVE_TE from an import of its own TE extension module, which succeeds without TE (it stands in mock
+    classes), so MLASelfAttention's constructor calls isinstance(linear_proj, <a mock>) and fails with a
+    TypeError. Its HAVE_TE guards only TE's FP8/FP4 paths: without TE it is False, as it means."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is not None:
+        return
+    from megatron.core.transformer import multi_latent_attention
+
+    multi_latent_attention.HAVE_TE = False
 
 
 def _autocast_state() -> tuple:

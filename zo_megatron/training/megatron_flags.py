@@ -177,8 +177,7 @@ REFUSED_WHY = {
     "--use-precision-aware-optimizer": "use --exp-avg-dtype/--exp-avg-sq-dtype bf16 (CPU Adam states) instead",
     "--yaml-cfg": "give flags on the command line", "--spec": "the layer spec is megatron-core's local GPT spec",
 }
-for _flag in ("--rotary-interleaved", "--rotary-seq-len-interpolation-factor", "--no-rope-freq", "--rope-type",
-              "--mrope-section"):
+for _flag in ("--rotary-interleaved", "--rotary-seq-len-interpolation-factor", "--no-rope-freq", "--mrope-section"):
     REFUSED_WHY[_flag] = ("positions are set by --position-embedding-type (learned_absolute or rope, with "
                           "--rotary-base, --rotary-percent, --use-rope-scaling); this variant is not supported")
 
@@ -230,7 +229,7 @@ GROUP_REASONS = {
     "vision": "vision models are not supported (the model is a GPT)",
     "biencoder": "BERT/biencoder models are not supported (the model is a GPT)",
     "moe": "this mixture-of-experts option is not offered (docs/moe.md lists the MoE flags the job takes)",
-    "mla": "multi-latent attention is not supported",
+    "mla": "MLA inference caching (Flash MLA) is not part of this job, which trains (--multi-latent-attention is)",
     "experimental_attention_variant": "experimental attention variants are not supported",
     "heterogeneous architecture": "heterogeneous layer configurations are not supported",
     "In-process restart": "in-process restart (nvidia-resiliency-ext) is not integrated: relaunch with --load "

@@ -10,7 +10,7 @@ import sys
 
 from zo_megatron.errors import ConfigError
 from zo_megatron.model.config import (MOE_DISPATCHERS, MOE_DROP_POLICIES, MOE_FIELDS, MOE_LOAD_BALANCING,
-                                      MOE_SCORE_FUNCTIONS, YARN_FIELDS, megatron_gelu, rotary_base)
+                                      MLA_FIELDS, MOE_SCORE_FUNCTIONS, YARN_FIELDS, megatron_gelu, rotary_base)
 
 # --attention-backend (megatron-core's AttnBackend names) -> the model's core attention.
 ATTENTION_BACKENDS = {"flash": "sdpa", "fused": "sdpa", "auto": "sdpa", "local": "local", "unfused": "local"}
@@ -97,9 +97,36 @@ def add_architecture_flags(g) -> None:
     g.add_argument("--apply-layernorm-1p", action="store_true",
                    help="zero-centred gamma: every norm (LayerNorm or RMSNorm) scales by 1 + weight, the weight "
                         "starting at 0 (Megatron-LM's LayerNorm-1p; exported to Hugging Face as 1 + weight)")
+    _add_mla_flags(g)
     g.add_argument("--window-size", default=None, metavar="LEFT,RIGHT",
                    help="sliding-window attention: not supported (megatron-core builds its mask on CUDA "
                         "only); only -1 (full attention) is accepted")
+
+
+def _add_mla_flags(g) -> None:
+    """Multi-latent attention (DeepSeek-V2/V3): Megatron-LM's names and defaults (its mla group, and
+    --rope-type); the dests are GPTConfig's MLA_FIELDS."""
+    g.add_argument("--multi-latent-attention", action="store_true",
+                   help="multi-latent attention (megatron-core's MLASelfAttention; DeepSeek-V2/V3, Kimi-K2): keys and "
+                        "values from one --kv-lora-rank latent per token, queries from a --q-lora-rank one; runs on "
+                        "torch SDPA; with --qk-layernorm the latents are normalised (docs/models.md)")
+    g.add_argument("--q-lora-rank", type=int, default=None,
+                   help="MLA: the query latent's rank (default: queries projected from the hidden state directly)")
+    g.add_argument("--kv-lora-rank", type=int, default=32, help="MLA: the key/value latent's rank")
+    g.add_argument("--qk-head-dim", type=int, default=128,
+                   help="MLA: each head's query/key channels without position (the rotated ones are "
+                        "--qk-pos-emb-head-dim more)")
+    g.add_argument("--qk-pos-emb-head-dim", type=int, default=64,
+                   help="MLA: each head's rotated query/key channels (the key's are one for all heads)")
+    g.add_argument("--v-head-dim", type=int, default=128, help="MLA: each head's value channels")
+    g.add_argument("--rope-type", choices=["rope", "yarn"], default=None,
+                   help="MLA's rotary embedding: yarn (its default; --rotary-scaling-factor, --mscale, "
+                        "--mscale-all-dim and the --yarn-* flags) or rope; without MLA only rope, which changes nothing")
+
+
+def mla_kwargs(args: argparse.Namespace) -> dict:
+    """GPTConfig's MLA fields from the parsed flags."""
+    return {name: getattr(args, name) for name in MLA_FIELDS}
 
 
 def _add_yarn_flags(g) -> None:
@@ -245,7 +272,7 @@ def architecture_kwargs(args: argparse.Namespace) -> dict:
         layernorm_epsilon=args.layernorm_epsilon, swiglu=args.swiglu, squared_relu=args.squared_relu,
         # Megatron-LM: --num-query-groups counts only with --group-query-attention
         num_query_groups=args.num_query_groups if args.group_query_attention else None,
-        kv_channels=args.kv_channels, **{name: getattr(args, name) for name in YARN_FIELDS},
+        kv_channels=args.kv_channels, **{name: getattr(args, name) for name in YARN_FIELDS}, **mla_kwargs(args),
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
         add_bias_linear=args.add_bias_linear, add_qkv_bias=args.add_qkv_bias, qk_layernorm=args.qk_layernorm,
         layernorm_zero_centered_gamma=args.apply_layernorm_1p, gelu_approximate=gelu_approximate(args))
@@ -265,7 +292,8 @@ def check_architecture_flags(args: argparse.Namespace) -> None:
     from zo_megatron.model.config import GPTConfig
 
     # The vocabulary comes from the tokenizer later; no architecture check depends on it.
-    cfg = GPTConfig(**architecture_kwargs(args), **moe_kwargs(args), vocab_size=1, precision=args.precision)
+    cfg = GPTConfig(**architecture_kwargs(args), **moe_kwargs(args), vocab_size=1, precision=args.precision,
+                    attention_backend=args.core_attention)
     cfg.check_query_groups_tp(args.tensor_parallel)    # heads and TP: validate_parallel_config
     cfg.check_expert_parallel(args.tensor_parallel, args.expert_parallel, args.expert_tensor_parallel,
                               args.sequence_parallel)
@@ -295,7 +323,9 @@ def check_attention_flags(args: argparse.Namespace) -> None:
     if args.use_flash_attn and args.attention_backend in ("local", "unfused"):
         raise ConfigError(f"--use-flash-attn and --attention-backend {args.attention_backend} contradict each other: "
                           "use one of them")
-    args.core_attention = "sdpa" if args.use_flash_attn else ATTENTION_BACKENDS[args.attention_backend or "local"]
+    # the default: megatron-core's local attention, except under MLA, which it cannot run (torch SDPA then)
+    default = "auto" if getattr(args, "multi_latent_attention", False) else "local"
+    args.core_attention = "sdpa" if args.use_flash_attn else ATTENTION_BACKENDS[args.attention_backend or default]
     if args.sequence_parallel and args.tensor_parallel == 1:
         if os.environ.get("RANK", "0") == "0":
             print("warning: Disabling sequence parallelism because tensor model parallelism is disabled",
