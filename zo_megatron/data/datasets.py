@@ -337,7 +337,8 @@ def build_gpt_datasets(data_path: Sequence[str] | str, split: str, seq_length: i
     """(train, valid, test) megatron-core datasets; an entry is None when its split is empty.
 
     data_path: ["prefix"], ["w1", "p1", "w2", "p2", ...] (weights, normalised) or
-    ["p1", "p2", ...] (weighted by token count). split: "969,30,1" style, train/valid/test.
+    ["p1", "p2", ...] (weighted by token count). split: "969,30,1" style, train/valid/test. Or a dict
+    {"train", "valid", "test": such a list or None}: each split's own data, used whole (split unused).
     Each split holds at least the requested number of samples (megatron rounds blends up and
     repeats epochs as needed). Items are dicts of torch tensors: tokens, labels (tokens shifted by
     one), loss_mask, position_ids, each [seq_length] (plus an int dataset_id from a blend); the
@@ -345,21 +346,16 @@ def build_gpt_datasets(data_path: Sequence[str] | str, split: str, seq_length: i
     mask is 0 where the input token is the end-of-document id (megatron-core's rule). Validates every prefix first (DataError on bad data).
     Collective when torch.distributed is initialised (call it on every rank).
     """
-    prefixes, weights = parse_data_path(data_path)
-    prefixes = [os.path.abspath(os.path.expanduser(p)) for p in prefixes]
-    _parse_split(split)
     if int(seq_length) < 1:
         raise DataError(f"--seq-length {seq_length}: must be >= 1")
     sizes = [int(train_samples), int(valid_samples), int(test_samples)]
     if any(s < 0 for s in sizes):
         raise DataError(f"sample counts must be >= 0, got train/valid/test {sizes}")
-    infos = [validate_data_prefix(p, tokenizer, other_tokenizer) for p in prefixes]
-    if len(prefixes) == 1:
-        weights = None  # one dataset: no blending layer
-    elif weights is None:
-        # megatron would weight by sample counts and cap the blend at one epoch of everything;
-        # weighting by token counts instead keeps the same proportions for any number of samples.
-        weights = [float(info.tokens) for info in infos]
+    if isinstance(data_path, dict):
+        return _build_per_split(data_path, seq_length, seed, tokenizer, sizes, cache_dir, other_tokenizer,
+                                eod_mask_loss)
+    _parse_split(split)
+    (prefixes, weights), infos = _blend(data_path, tokenizer, other_tokenizer)
 
     Builder, GPTDataset, GPTDatasetConfig = _megatron()
     cache = index_cache_dir(cache_dir)
@@ -395,6 +391,47 @@ def build_gpt_datasets(data_path: Sequence[str] | str, split: str, seq_length: i
     with _index_build_lock(cache), _process_group_if_needed(weights is not None):
         datasets = Builder(GPTDataset, sizes, lambda: True, config).build()
     return tuple(datasets)
+
+
+def _blend(data_path, tokenizer, other_tokenizer: str) -> tuple[tuple[list[str], list[float] | None], list]:
+    """((absolute prefixes, weights), their DatasetInfo) of one --data-path list, every prefix validated;
+    weights None for one prefix (no blending layer), the token counts where none are given."""
+    prefixes, weights = parse_data_path(data_path)
+    prefixes = [os.path.abspath(os.path.expanduser(p)) for p in prefixes]
+    infos = [validate_data_prefix(p, tokenizer, other_tokenizer) for p in prefixes]
+    if len(prefixes) == 1:
+        weights = None  # one dataset: no blending layer
+    elif weights is None:
+        # megatron would weight by sample counts and cap the blend at one epoch of everything;
+        # weighting by token counts instead keeps the same proportions for any number of samples.
+        weights = [float(info.tokens) for info in infos]
+    return (prefixes, weights), infos
+
+
+def _build_per_split(data_path: dict, seq_length: int, seed: int, tokenizer, sizes: list[int],
+                     cache_dir: str | None, other_tokenizer: str, eod_mask_loss: bool):
+    """(train, valid, test) from a blend per split ({"train", "valid", "test": --data-path list or None}),
+    each used whole: megatron-core's blend_per_split (Megatron-LM's --train-data-path ...). A split
+    without data is None; one asked for samples without data is refused."""
+    names = ("train", "valid", "test")
+    missing = [n for n, size in zip(names, sizes) if size and not data_path.get(n)]
+    if missing:
+        raise DataError(f"{sizes[names.index(missing[0])]} {missing[0]} samples were requested but no "
+                        f"--{missing[0]}-data-path is given")
+    blends = [_blend(data_path[n], tokenizer, other_tokenizer)[0] if data_path.get(n) and size else None
+              for n, size in zip(names, sizes)]
+    prefixes = [p for blend in blends if blend for p in blend[0]]
+    Builder, GPTDataset, GPTDatasetConfig = _megatron()
+    cache = index_cache_dir(cache_dir)
+    config = GPTDatasetConfig(
+        random_seed=int(seed), sequence_length=int(seq_length), blend_per_split=blends, split=None,
+        path_to_cache=cache, mmap_bin_files=True,
+        tokenizer=_MegatronTokenizer(tokenizer, {p: _idx_fingerprint(p) for p in prefixes}),
+        reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=bool(eod_mask_loss),
+        create_attention_mask=False, num_dataset_builder_threads=1)
+    blended = any(blend[1] is not None for blend in blends if blend)
+    with _index_build_lock(cache), _process_group_if_needed(blended):
+        return tuple(Builder(GPTDataset, sizes, lambda: True, config).build())
 
 
 def build_mock_gpt_datasets(split: str, seq_length: int, seed: int, tokenizer, train_samples: int,

@@ -16,6 +16,7 @@ from zo_megatron.training.megatron_compat import add_megatron_compat_flags, chec
 from zo_megatron.training.megatron_flags import add_remaining_megatron_flags
 from zo_megatron.training.model_flags import (add_architecture_flags, add_attention_flags, add_expert_parallel_flags,
                                                add_moe_flags, check_architecture_flags, check_attention_flags)
+from zo_megatron.training.data_flags import add_data_flags, check_data_flags
 from zo_megatron.training.nvme_flags import add_nvme_flags, check_nvme_flags
 from zo_megatron.training.schedule import DECAY_STYLES, WSD_DECAY_STYLES
 
@@ -283,9 +284,7 @@ def _add_mixed_precision_flags(g) -> None:
 
 
 def _add_data_flags(g) -> None:
-    g.add_argument("--data-path", nargs="*", default=None,
-                   help="PREFIX, or WEIGHT PREFIX WEIGHT PREFIX ... (default: the embedded SOTU corpus)")
-    g.add_argument("--split", default="969, 30, 1", help="train, valid, test proportions")
+    add_data_flags(g)
     g.add_argument("--eod-mask-loss", action="store_true",
                    help="leave the prediction after each end-of-document token out of the loss (Megatron-LM's: "
                         "the loss mask is 0 where the input token is the EOD id)")
@@ -490,6 +489,7 @@ def finalize(args: argparse.Namespace) -> None:
         args.lr_decay_iters = args.train_iters
     # every refused flag and every value out of range in ONE line (issue 35, item 9)
     check_megatron_compat(args, also=range_problems(args))
+    check_data_flags(args)
     from zo_megatron.data.errors import DataError
     from zo_megatron.data.tokenizer import check_tokenizer_flags
 

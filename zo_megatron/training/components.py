@@ -79,7 +79,7 @@ def build_datasets(args, tokenizer, data_path, dp_size: int):
     # its epochs and shuffle from it), or more where a ramp's last iteration runs past it
     train_samples = max(args.train_samples or args.train_iters * gb,
                         BatchSchedule.from_args(args, dp_size).consumed_after(args.train_iters))
-    if data_path is None:                       # --mock-data
+    if data_path is None:                       # --mock-data (args.split: Megatron-LM's default)
         train_ds, valid_ds, _ = build_mock_gpt_datasets(
             args.split, args.seq_length, args.seed, tokenizer, train_samples=train_samples,
             valid_samples=n_evals * args.eval_iters * gb, cache_dir=args.data_cache_path,
@@ -92,6 +92,21 @@ def build_datasets(args, tokenizer, data_path, dp_size: int):
         other_tokenizer="accept" if args.allow_other_tokenizer_data else "error",   # checked before launch
         eod_mask_loss=args.eod_mask_loss)
     return train_ds, valid_ds
+
+
+def build_test_dataset(args, tokenizer, data_path):
+    """The test data of a run given data per split (--test-data-path): --eval-iters global batches, which
+    the run evaluates once at its end (Megatron-LM's "on test set"); None otherwise (a --split blend's test
+    share is not evaluated). A collective, as build_datasets."""
+    from zo_megatron.data import build_gpt_datasets
+
+    if not isinstance(data_path, dict) or not data_path.get("test") or args.eval_iters < 1:
+        return None
+    return build_gpt_datasets(
+        {"train": None, "valid": None, "test": data_path["test"]}, None, args.seq_length, args.seed, tokenizer,
+        train_samples=0, valid_samples=0, test_samples=args.eval_iters * args.global_batch_size,
+        cache_dir=args.data_cache_path, other_tokenizer="accept" if args.allow_other_tokenizer_data else "error",
+        eod_mask_loss=args.eod_mask_loss)[2]
 
 
 def check_index_cache_is_shared(cache_dir: str | None) -> None:

@@ -112,11 +112,9 @@ def check_megatron_compat(args: argparse.Namespace, also: list[str] = ()) -> Non
             raise ConfigError(f"--{name.replace('_', '-')} {v} is out of range: it must be >= 1")
     if args.exit_duration_in_mins is not None and not args.exit_duration_in_mins > 0:
         raise ConfigError(f"--exit-duration-in-mins {args.exit_duration_in_mins} is out of range: it must be > 0")
-    sources = [f for f, on in (("--data-path", bool(args.data_path)), ("--mock-data", args.mock_data),
-                               ("--embedded-corpus", args.embedded_corpus)) if on]
-    if len(sources) > 1:
-        raise ConfigError(f"{' and '.join(sources)} contradict each other: give one")
-    if args.tokenizer_type == "NullTokenizer" and not (args.data_path or args.mock_data):
+    files = args.data_path or args.data_args_path or args.per_split_data_args_path or \
+        any(getattr(args, f"{s}_data_path") is not None for s in ("train", "valid", "test"))
+    if args.tokenizer_type == "NullTokenizer" and not (files or args.mock_data):
         raise ConfigError("--tokenizer-type NullTokenizer reads ids, not text, so it cannot tokenize the embedded "
                           "corpus: add --mock-data, or --data-path PREFIX of data that is ids already")
 

@@ -169,17 +169,16 @@ def check_free_space(path: str, need_bytes: int) -> None:
 def check_inputs(args, env, dp):
     """Every check that reads files or this node's memory; returns (tokenizer, data path)."""
     from zo_megatron.data import build_tokenizer, validate_data_prefix
+    from zo_megatron.training.data_flags import data_prefixes, data_source
 
     tokenizer = build_tokenizer(args.vocab_file, args.merge_file, allow_custom_vocab=args.allow_custom_vocab,
                                 tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
                                 vocab_size=args.vocab_size)
     args.model_vocab_size = model_vocab_size(args, tokenizer)
-    if args.data_path:
-        from zo_megatron.data import parse_data_path
-
-        for prefix in parse_data_path(args.data_path)[0]:
+    data_path = data_source(args)
+    if data_path:
+        for prefix in data_prefixes(data_path):
             validate_data_prefix(prefix, tokenizer, "warn" if args.allow_other_tokenizer_data else "error")
-        data_path = args.data_path
     elif args.mock_data:
         data_path = None                        # megatron-core's MockGPTDataset (components.build_datasets)
     else:

@@ -103,6 +103,7 @@ class Trainer:
         self.checkpointer = Checkpointer(args, ps, self.metrics, self.inject, self.stack)
         self.cfg = components.model_config(args)
         train_ds, valid_ds = components.build_datasets(args, self.tokenizer, self.data_path, ps.dp_size)
+        test_ds = components.build_test_dataset(args, self.tokenizer, self.data_path)    # --test-data-path only
         memory["data"] = mark()
         # Built on the host in fp32: the offload engine moves it to the device as its flat 16-bit
         # buffer (the device never holds the fp32 copy); the baseline moves it whole.
@@ -131,6 +132,7 @@ class Trainer:
         self.train_batches = iter(DPBatches(train_ds, args.micro_batch_size, ps.dp_rank, ps.dp_size,
                                             consumed_samples=st.consumed_samples))
         self.evaluator = Evaluator(args, ps, valid_ds, st.consumed_valid_samples) if valid_ds is not None else None
+        self.tester = Evaluator(args, ps, test_ds, 0) if test_ds is not None else None
         self.moe = components.build_moe_losses(args, self.cfg, ps, self.model)     # None for a dense model
         self.expert_bias = components.build_expert_bias(self.cfg, self.model)     # None without the flag
         if self.moe is not None:
@@ -286,6 +288,10 @@ class Trainer:
             self.optimizer.flush()          # the last delayed update belongs to the trained model
         if self.timeline is not None:
             self.timeline.record_all(st.iteration, self.optimizer.drain_phases())
+        if self.tester is not None:         # --test-data-path: once, at the end (Megatron-LM's "on test set")
+            with self.log.paused():
+                loss, n_samples = self.tester.run(self.model, self.optimizer)
+                self.metrics.log_eval(st.iteration, loss, split="test", eval_samples=n_samples)
         last_val = self.evaluator.last_loss if self.evaluator is not None else None
         if last_val is not None:
             import math

@@ -10,6 +10,7 @@ import time
 import torch
 
 from zo_megatron.parallel.megatron_notices import SUMMARY as NOTICES
+from zo_megatron.training.data_flags import describe
 from zo_megatron.training.metrics import human_bytes
 from zo_megatron.training.nvme_flags import nvme_banner_lines
 from zo_megatron.training.schedule import LRScheduler
@@ -197,13 +198,14 @@ def banner(metrics, args, ps, cfg, optimizer, data_path, setup_s) -> None:
     total = cfg.num_parameters()
     local = sum(p.numel() for p in optimizer.model.parameters())
     acc = optimizer.accounting
-    src = "embedded State of the Union corpus (233 addresses, public domain)" if not args.data_path else " ".join(data_path)
+    from_files = bool(args.data_path or getattr(args, "data_per_split", None))
+    src = describe(data_path) if from_files else "embedded State of the Union corpus (233 addresses, public domain)"
     if args.mock_data:
         src = ("mock data (--mock-data: megatron-core's MockGPTDataset, documents of counting ids; "
                "for speed and memory, nothing to learn)")
     elif args.embedded_corpus:
         src += " (--embedded-corpus)"
-    elif not args.data_path and not args.demo:   # a model shape was given but no data: say it loudly
+    elif not from_files and not args.demo:   # a model shape was given but no data: say it loudly
         src = ("!!! NO --data-path GIVEN: training on the bundled demo corpus (233 State of the Union "
                "addresses), not your data; pass --data-path PREFIX !!!")
     plan = getattr(args, "memory_plan", None)
