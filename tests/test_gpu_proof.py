@@ -166,5 +166,5 @@ def test_the_suite_report_says_what_each_outcome_adds_to_the_record(tmp_path):
     (tmp_path / "other.json").write_text("{}")
     found = gpu_proof._suite_measurements(str(tmp_path))
     assert found == {"device_memory_bf16-local": mem, "stream_connections": {"default": {"comm_ms": 1.0}}}
-    table = gpu_proof._memory_test_table(found)
+    table = sys.modules["gpu_proof_report"].memory_test_table(found)       # gpu_proof's report module
     assert "| bf16-local | 2,100.0 | 1,200.0 | 913.7 | 1,966.5 | 1,073.7 |" in table, table
