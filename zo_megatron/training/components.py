@@ -45,6 +45,7 @@ def build_metrics(args, ps) -> Metrics:
     metrics = Metrics(enabled=ps.rank == 0, total_iters=args.train_iters, jsonl_path=args.log_jsonl,
                       tensorboard_dir=args.tensorboard_dir, progress_bar=not args.no_progress_bar,
                       wandb=dict(project=args.wandb_project, name=args.wandb_exp_name, dir=args.wandb_save_dir,
+                                 entity=args.wandb_entity,
                                  config=vars(args)) if args.wandb_project else None)
     metrics.header(run_header(args, ps))
     return metrics

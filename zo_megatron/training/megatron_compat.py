@@ -62,6 +62,7 @@ def add_megatron_compat_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--wandb-project", default=None,
                    help="log to Weights & Biases (needs wandb; WANDB_MODE=offline is honoured)")
     g.add_argument("--wandb-exp-name", default=None, help="W&B run name")
+    g.add_argument("--wandb-entity", default=None, help="W&B team or user the run is logged under (default: wandb's)")
     g.add_argument("--wandb-save-dir", default=None, help="W&B local directory")
     for flag in REFUSED:
         g.add_argument(flag, action="store_true", help=S)

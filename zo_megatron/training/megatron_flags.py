@@ -57,6 +57,10 @@ NO_OP = {
     "--no-gradient-accumulation-fusion": "gradients accumulate through autograd (no fused wgrad kernel)",
     "--disable-jit-fuser": "no TorchScript/nvFuser fusions are used",
     "--use-dist-ckpt": "checkpoints are torch.distributed.checkpoint directories already",
+    "--async-save": "the save is synchronous (the same checkpoint, written atomically): a background save needs a "
+                    "second copy of the host-resident optimizer state while training goes on, and host memory is "
+                    "what bounds the model (docs/checkpoints.md)",
+    "--use-persistent-ckpt-worker": "the save is synchronous (see --async-save): there is no background writer",
     "--auto-detect-ckpt-format": "there is one checkpoint format (DCP, Megatron's torch_dist)",
     "--dist-ckpt-format": "there is one checkpoint format (DCP, Megatron's torch_dist)",
     "--ckpt-fully-parallel-save": "every rank writes its own shards already",
@@ -146,8 +150,6 @@ REFUSED_WHY = {
     "--no-save-optim": "checkpoints always hold the optimizer and RNG states (resume is exact); load with "
                        "--no-load-optim instead",
     "--no-save-rng": "checkpoints always hold the RNG states; load with --no-load-rng instead",
-    "--async-save": "not offered: DCP's background save would have to be made atomic again; a save is short "
-                    "(docs/checkpoints.md)",
     "--vocab-size": "the vocabulary comes from the tokenizer (padded by --make-vocab-size-divisible-by)",
     "--padded-vocab-size": "the padding follows --make-vocab-size-divisible-by x TP",
     "--checkpoint-activations": "Megatron's old name: use --recompute-granularity full",
@@ -155,7 +157,6 @@ REFUSED_WHY = {
     "--batch-size": "Megatron's old name: use --micro-batch-size",
     "--warmup": "Megatron's old name: use --lr-warmup-iters or --lr-warmup-fraction",
     "--model-parallel-size": "Megatron's old name: use --tensor-model-parallel-size",
-    "--wandb-entity": "set WANDB_ENTITY in the environment (wandb reads it)",
     "--exit-signal": "the handler catches SIGTERM and SIGINT (--exit-signal-handler)",
     "--skip-train": "evaluation runs during training (--eval-interval, --eval-iters)",
     "--test-mode": "evaluation runs during training (--eval-interval, --eval-iters)",
@@ -208,7 +209,7 @@ PATTERNS = [
     (r"^--(record-memory-history|memory-snapshot-path)", "refused",
      "CUDA memory snapshots are not wired in; the log and JSONL carry every rank's host and device peaks, "
      "--profile records a torch.profiler trace"),
-    (r"^--non-persistent|^--persistent-save|^--use-persistent-ckpt|^--replication|^--save-(retain|dgrads|wgrads)",
+    (r"^--non-persistent|^--persistent-save|^--replication|^--save-(retain|dgrads|wgrads)",
      "refused", "local/non-persistent checkpointing is not supported: checkpoints go to --save every "
                 "--save-interval, atomically (--keep-last K to bound them)"),
     (r"^--ckpt-convert|^--dist-ckpt|^--use-mp-args|^--pretrained-checkpoint|^--load-main-params|"

@@ -333,8 +333,8 @@ def peak_tflops_of(name: str) -> float | None:
     return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
 
 
-def _start_wandb(*, project: str, name: str | None, dir: str | None, config: dict):
-    """Megatron's --wandb-project/--wandb-exp-name/--wandb-save-dir. wandb itself honours
+def _start_wandb(*, project: str, name: str | None, dir: str | None, config: dict, entity: str | None = None):
+    """Megatron's --wandb-project/--wandb-exp-name/--wandb-save-dir/--wandb-entity. wandb itself honours
     WANDB_MODE=offline (and WANDB_API_KEY); nothing here needs a network."""
     try:
         import wandb
@@ -349,7 +349,7 @@ def _start_wandb(*, project: str, name: str | None, dir: str | None, config: dic
     try:
         if dir:
             os.makedirs(dir, exist_ok=True)
-        return wandb.init(project=project, name=name, dir=dir, config=plain)
+        return wandb.init(project=project, name=name, dir=dir, config=plain, entity=entity)
     except Exception as exc:  # noqa: BLE001 - wandb's own errors (no API key, no network, a bad dir): one line
         first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
         raise UserError(f"--wandb-project {project}: starting Weights & Biases failed ({type(exc).__name__}: "
