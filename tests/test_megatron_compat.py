@@ -219,13 +219,13 @@ def test_a_copy_pasted_megatron_script_gets_every_refusal_in_one_line_and_its_fu
                "--num-workers", "2", "--local-rank", "0", "--log-validation-ppl-to-tensorboard"]
     _job_args(fusions)
     with pytest.raises(ConfigError) as e:
-        _job_args([*fusions, "--moe-input-jitter-eps", "0.01", "--context-parallel-size", "2",
+        _job_args([*fusions, "--moe-enable-deepep", "--context-parallel-size", "2",
                    "--pipeline-model-parallel-size",
                    "2", "--fp8-format", "hybrid"])
     msg = str(e.value)
     assert "\n" not in msg and msg.endswith("(4 flags refused)"), msg
     # --context-parallel-size is a flag of its own now (1, Megatron's default, is accepted): it names its value
-    for f in ("--moe-input-jitter-eps: this mixture-of-experts option", "--context-parallel-size 2: context parallelism",
+    for f in ("--moe-enable-deepep: this mixture-of-experts option", "--context-parallel-size 2: context parallelism",
               "--pipeline-model-parallel-size 2: pipeline", "--fp8-format: FP8"):
         assert f in msg, (f, msg)
 

@@ -180,6 +180,10 @@ class GPTConfig:
     # --moe-router-dtype: the router's logits and scores in fp32/fp64 (None: the model's dtype); numerics only,
     # not the architecture (a checkpoint does not record it)
     moe_router_dtype: str | None = None
+    # run settings of the router, not the architecture: --moe-input-jitter-eps (the router's input times noise
+    # uniform in [1 - eps, 1 + eps], evaluation too) and --moe-router-force-load-balancing (random logits: benchmarks)
+    moe_input_jitter_eps: float | None = None
+    moe_router_force_load_balancing: bool = False
     # --calculate-per-token-loss: megatron-core's router then multiplies its aux losses by its local tokens
     # (training/trainer.py loss_weights gives them the matching scale); a run setting, not the architecture
     calculate_per_token_loss: bool = False
@@ -351,7 +355,8 @@ class GPTConfig:
         if self.moe_expert_capacity_factor is not None and self.moe_expert_capacity_factor < 0:
             self.moe_expert_capacity_factor = None      # megatron-core's meaning of a negative factor: no dropping
         if self.num_experts is None:
-            off = [f"--{k.replace('_', '-')}" for k, v in MOE_FIELDS.items() if getattr(self, k) != v]
+            run = {"moe_input_jitter_eps": None, "moe_router_force_load_balancing": False}
+            off = [f"--{k.replace('_', '-')}" for k, v in {**MOE_FIELDS, **run}.items() if getattr(self, k) != v]
             if off:
                 raise ConfigError(f"{', '.join(off)} configure{'s' if len(off) == 1 else ''} mixture-of-experts "
                                   "layers: add --num-experts (or drop it)")
@@ -392,6 +397,9 @@ class GPTConfig:
         if not self.moe_router_bias_update_rate >= 0:
             raise ConfigError(f"--moe-router-bias-update-rate {self.moe_router_bias_update_rate}: must be >= 0")
         self._check_group_limited_routing()
+        if self.moe_input_jitter_eps is not None and not 0 < self.moe_input_jitter_eps < 1:
+            raise ConfigError(f"--moe-input-jitter-eps {self.moe_input_jitter_eps}: the noise is uniform in "
+                              "[1 - eps, 1 + eps]; use 0 < eps < 1")
         self.moe_layers()
 
     def _check_group_limited_routing(self) -> None:

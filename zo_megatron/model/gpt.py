@@ -164,6 +164,8 @@ def moe_config_kwargs(cfg: GPTConfig, tensor_parallel: int) -> dict:
                 moe_expert_capacity_factor=cfg.moe_expert_capacity_factor,
                 moe_pad_expert_input_to_capacity=cfg.moe_pad_expert_input_to_capacity,
                 moe_token_drop_policy=cfg.moe_token_drop_policy, moe_router_dtype=cfg.moe_router_dtype,
+                moe_input_jitter_eps=cfg.moe_input_jitter_eps,
+                moe_router_force_load_balancing=cfg.moe_router_force_load_balancing,
                 moe_router_enable_expert_bias=cfg.moe_router_enable_expert_bias,
                 moe_router_bias_update_rate=cfg.moe_router_bias_update_rate,
                 moe_router_num_groups=cfg.moe_router_num_groups, moe_router_group_topk=cfg.moe_router_group_topk,

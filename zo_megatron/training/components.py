@@ -64,6 +64,8 @@ def model_config(args):
                      recompute_num_layers=args.recompute_num_layers or 1,
                      attention_backend=args.core_attention, sequence_parallel=args.sequence_parallel,
                      moe_router_dtype=getattr(args, "moe_router_dtype", None),
+                     moe_input_jitter_eps=getattr(args, "moe_input_jitter_eps", None),
+                     moe_router_force_load_balancing=bool(getattr(args, "moe_router_force_load_balancing", False)),
                      calculate_per_token_loss=bool(getattr(args, "calculate_per_token_loss", False)),
                      moe_router_bias_update_rate=getattr(args, "moe_router_bias_update_rate", 1e-3))
 

@@ -170,6 +170,12 @@ def add_moe_flags(g) -> None:
     g.add_argument("--moe-router-dtype", choices=("fp32", "fp64"), default=None,
                    help="compute the router's logits and scores in fp32 or fp64 (Megatron-LM's; default: the model's "
                         "dtype): the routing of a bf16 model in full precision")
+    g.add_argument("--moe-input-jitter-eps", type=float, default=None,
+                   help="the router's input is multiplied by noise uniform in [1 - eps, 1 + eps] (Switch "
+                        "Transformer's jitter; megatron-core applies it in evaluation too); a run setting, not the model's")
+    g.add_argument("--moe-router-force-load-balancing", action="store_true",
+                   help="benchmarking only: route by random logits (megatron-core's), so every expert gets an even "
+                        "share of the tokens whatever the weights; the model learns nothing useful")
     g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None,
                    help="multiplies the chosen experts' weights")
     g.add_argument("--moe-router-enable-expert-bias", action="store_true",
