@@ -7,6 +7,8 @@ tensors with the mapping below, written here independently of zo_megatron's conv
 one to one; megatron-core de-interleaves the rotary channels as HF's rope_interleave does). Each world
 loads them at TP 1, 2, and 2 with sequence parallelism, runs one forward/backward and sends back the
 gathered logits, loss and every gradient; the parent compares them with transformers' own, every element.
+On a CPU the value heads are padded to the query/key head dim for torch's flash kernel (it
+takes equal dims only; its math path would store the s x s probabilities): the test checks that kernel ran.
 Cases: a query latent (q_lora_rank) with YaRN (DeepSeek-V3's rope_scaling: factor, mscale, mscale_all_dim,
 which also scales the softmax), and queries projected directly (DeepSeek-V2-Lite's shape) with plain RoPE.
 """
@@ -100,6 +102,7 @@ def _world(rank, tp, sp, cases, batch_seed):
         shards = [torch.empty_like(logits) for _ in range(tp)]
         dist.all_gather(shards, logits.detach().contiguous(), group=ps.tp_group)
         results[case] = dict(
+            kernels={m.last_kernel for m in model.modules() if hasattr(m, "last_kernel")},
             logits=torch.cat(shards, dim=-1)[..., :VOCAB], loss=loss.item(),
             grads={n: gather_full(p.grad, infos[n], ps.tp_group, tp) for n, p in model.named_parameters()})
     return (results, tokens, labels) if rank == 0 else None
@@ -122,6 +125,8 @@ def test_mla_matches_transformers_deepseek_v3(tp, sp):
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
         loss.backward()
         ref_grads = hf_to_ours({n: p.grad for n, p in hf.named_parameters()})
+        # the value head dim (10) differs from the query/key's (20): padded, the CPU flash kernel runs it
+        assert out["kernels"] == {"flash"}, (case, out["kernels"])
         assert _rel_err(out["logits"], logits.detach()) <= 1e-5, case
         assert abs(out["loss"] - loss.item()) <= 1e-5 * abs(loss.item()), case
         assert set(out["grads"]) == set(ref_grads), (case, set(out["grads"]) ^ set(ref_grads))

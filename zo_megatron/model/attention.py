@@ -156,6 +156,14 @@ class SDPAttention(_megatron_module_base()):
         # [s, b, n, d] order, so the reshape below is free and linear_proj's saved input is the
         # very tensor SDPA saved (no second copy of the context).
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        v_dim = v.size(-1)
+        if q.device.type == "cpu" and v_dim != q.size(-1):
+            # multi-latent attention's value head dim differs from the query/key's, which torch's CPU flash
+            # kernel does not take (its math path would store the s x s probabilities): zero channels make the
+            # dims equal without changing a score (explicit scale) or an output channel, then are sliced off.
+            # (CUDA's memory-efficient kernel takes the two dims as they are.)
+            width = max(v_dim, q.size(-1))
+            q, k, v = (F.pad(t, (0, width - t.size(-1))) if t.size(-1) < width else t for t in (q, k, v))
         dropout_p = self.dropout_p if self.training else 0.0
         gqa = self.num_attention_heads_per_partition != self.num_query_groups_per_partition
         sig = (q.device.type, q.dtype, q.size(-1), dropout_p, gqa)
@@ -178,19 +186,22 @@ class SDPAttention(_megatron_module_base()):
                                                      scale=self.softmax_scale,
                                                      **(dict(enable_gqa=True) if enable_gqa else {}))
         # [b, n, s, d] -> [s, b, n*d]
-        return context.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
+        return context[..., :v_dim].permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         return {}
 
 
 def describe_kernel(num_heads: int, num_query_groups: int, head_dim: int, tp: int, dtype: torch.dtype,
-                    device: torch.device, dropout_p: float) -> str:
-    """The SDPA kernel a training forward will run with this shape, for the banner."""
+                    device: torch.device, dropout_p: float, v_head_dim: int | None = None) -> str:
+    """The SDPA kernel a training forward will run with this shape, for the banner (v_head_dim: MLA's
+    value head dim where it differs; on a CPU the forward pads it to head_dim, as here)."""
     h, g = num_heads // tp, max(1, num_query_groups // tp)
     q = torch.zeros(1, h, 16, head_dim, dtype=dtype, device=device)
     kv = torch.zeros(1, g, 16, head_dim, dtype=dtype, device=device)
-    kind, enable_gqa = sdpa_choice(q, kv, kv, dropout_p, h != g)
+    v = kv if device.type == "cpu" or v_head_dim is None else torch.zeros(1, g, 16, v_head_dim, dtype=dtype,
+                                                                          device=device)
+    kind, enable_gqa = sdpa_choice(q, kv, v, dropout_p, h != g)
     names = {"flash": "flash attention", "efficient": "memory-efficient attention", "math": "math"}
     text = f"torch SDPA, {names.get(kind, kind)} kernel ({device.type})"
     if device.type == "cpu" and kind == "math" and dropout_p > 0:

@@ -146,7 +146,11 @@ def attention_line(cfg, ps) -> str:
         heads = cfg.num_attention_heads
         groups = getattr(cfg, "query_groups", heads)
         head_dim = getattr(cfg, "head_dim", cfg.hidden_size // heads)
-        text = describe_kernel(heads, groups, head_dim, ps.tp_size, cfg.dtype, ps.device, cfg.attention_dropout)
+        v_dim = None
+        if getattr(cfg, "multi_latent_attention", False):     # MLA: its query/key and value head dims
+            head_dim, v_dim = cfg.qk_head_dim + cfg.qk_pos_emb_head_dim, cfg.v_head_dim
+        text = describe_kernel(heads, groups, head_dim, ps.tp_size, cfg.dtype, ps.device, cfg.attention_dropout,
+                               v_head_dim=v_dim)
     else:
         text = "megatron-core local DotProductAttention (s x s scores stored)"
     sp = cfg.sequence_parallel and ps.tp_size > 1
