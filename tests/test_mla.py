@@ -141,3 +141,34 @@ def test_num_parameters_matches_transformers():
     for i, case in enumerate(CASES):
         hf = _hf_model(case, i)
         assert GPTConfig(**_OURS, **CASES[case][1]).num_parameters() == sum(p.numel() for p in hf.parameters()), case
+
+
+def test_mla_rules_one_line_each():
+    """What megatron-core's MLA would run silently or not at all is refused in one line; without a backend
+    named, MLA gets torch SDPA (megatron-core 0.16's local attention cannot run it), anything else the local one."""
+    from zo_megatron.errors import ConfigError
+    from zo_megatron.model import GPTConfig
+
+    base = {k: v for k, v in _OURS.items() if k != "attention_backend"}
+    assert GPTConfig(**base).attention_backend == "sdpa"
+    assert GPTConfig(**{**base, "multi_latent_attention": False, "kv_lora_rank": 32, "qk_head_dim": 128,
+                        "qk_pos_emb_head_dim": 64, "v_head_dim": 128}).attention_backend == "local"
+    assert GPTConfig(**base).rope_type == "yarn"                      # MLATransformerConfig's default
+    refused = {"attention_backend": ("local", "--attention-backend local with --multi-latent-attention"),
+               "num_query_groups": (2, "--num-query-groups 2 with --multi-latent-attention"),
+               "position_embedding_type": ("yarn", "--position-embedding-type yarn with --multi-latent-attention"),
+               "add_qkv_bias": (True, "--add-qkv-bias with --multi-latent-attention"),
+               "use_rope_scaling": (True, "--use-rope-scaling with --multi-latent-attention"),
+               "qk_pos_emb_head_dim": (7, "--qk-pos-emb-head-dim 7: rotary channels come in pairs")}
+    for field, (value, words) in refused.items():
+        with pytest.raises(ConfigError, match=words) as e:
+            GPTConfig(**{**base, field: value})
+        assert "\n" not in str(e.value)
+    # YaRN's settings that MLA's plain RoPE never reads; its factor and mscale_all_dim scale the softmax
+    with pytest.raises(ConfigError, match="--yarn-beta-fast, --mscale with --rope-type rope"):
+        GPTConfig(**base, rope_type="rope", yarn_beta_fast=8.0, mscale=0.5)
+    assert GPTConfig(**base, rope_type="rope", rotary_scaling_factor=40.0, mscale_all_dim=1.0).rope_type == "rope"
+    with pytest.raises(ConfigError, match="add --multi-latent-attention"):
+        GPTConfig(**{**base, "multi_latent_attention": False})        # the MLA sizes without MLA
+    with pytest.raises(ConfigError, match="does not divide --q-lora-rank 18"):
+        GPTConfig(**base, q_lora_rank=18).check_tensor_parallel(4)

@@ -175,7 +175,9 @@ class GPTConfig:
     recompute_method: str = "uniform"           # full only: "uniform" (groups of N layers) | "block" (first N)
     recompute_num_layers: int = 1               # full only: N (megatron's --recompute-num-layers)
     label_smoothing: float = 0.0
-    attention_backend: str = "local"            # "local": megatron's DotProductAttention | "sdpa": torch SDPA
+    # "local": megatron's DotProductAttention | "sdpa": torch SDPA; None: local, or SDPA under MLA (which the
+    # local one cannot run)
+    attention_backend: str | None = None
     sequence_parallel: bool = False             # megatron's sequence parallelism (no effect at TP = 1)
     # --moe-router-dtype: the router's logits and scores in fp32/fp64 (None: the model's dtype); numerics only,
     # not the architecture (a checkpoint does not record it)
@@ -215,6 +217,8 @@ class GPTConfig:
         if self.recompute == "full" and self.recompute_method == "uniform" and self.num_layers % self.recompute_num_layers:
             raise ConfigError(f"--recompute-num-layers {self.recompute_num_layers} does not divide --num-layers "
                               f"{self.num_layers} (megatron-core's uniform method checkpoints whole groups): use a divisor")
+        if self.attention_backend is None:
+            self.attention_backend = "sdpa" if self.multi_latent_attention else "local"
         if self.attention_backend not in ("local", "sdpa"):
             raise ConfigError(f"attention_backend must be 'local' or 'sdpa' (got {self.attention_backend!r})")
         if self.multi_latent_attention and self.attention_backend == "local":
@@ -330,8 +334,16 @@ class GPTConfig:
 
     def _check_yarn(self) -> None:
         if self.multi_latent_attention:
-            # MLA's attention reads YaRN's settings whatever its rope type: its softmax scale is
-            # mscale(factor, mscale_all_dim)^2 / sqrt(q head dim) (megatron-core's MLASelfAttention)
+            # MLA's attention reads YaRN's factor and mscale_all_dim whatever its rope type: its softmax scale is
+            # mscale(factor, mscale_all_dim)^2 / sqrt(q head dim) (megatron-core's MLASelfAttention); the rest
+            # only with its YaRN
+            unused = [f"--{k.replace('_', '-')}" for k, v in YARN_FIELDS.items() if getattr(self, k) != v and
+                      k not in ("rotary_scaling_factor", "mscale_all_dim")] if self.rope_type == "rope" else []
+            if unused:
+                raise ConfigError(f"{', '.join(unused)} with --rope-type rope: MLA's plain RoPE does not read "
+                                  f"{'it' if len(unused) == 1 else 'them'} (megatron-core would ignore "
+                                  f"{'it' if len(unused) == 1 else 'them'}); drop {'it' if len(unused) == 1 else 'them'} "
+                                  "or use --rope-type yarn")
             return self._check_yarn_values()
         if self.position_embedding_type != "yarn":
             off = [f"--{k.replace('_', '-')}" for k, v in YARN_FIELDS.items() if getattr(self, k) != v]
@@ -552,12 +564,23 @@ class GPTConfig:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
 
     def architecture_name(self) -> str:
-        """"GPT-2", or the parts that differ from it, e.g. "RoPE+RMSNorm+SwiGLU+GQA(8 groups)+untied"."""
+        """"GPT-2", or the parts that differ from it, e.g. "RoPE+RMSNorm+SwiGLU+GQA(8 groups)+untied";
+        multi-latent attention names its latents, head dims and its own rotary embedding, e.g.
+        "MLA(q latent 1536, kv latent 512, qk 128+64, v 128, latent norms, YaRN x40 of 4096, base 10000)"."""
+        mla = self.multi_latent_attention
         yarn = (f", YaRN x{self.rotary_scaling_factor:g} of {self.yarn_original_max_position_embeddings}"
                 if self.position_embedding_type == "yarn" else "")
+        mla_rope = (f"YaRN x{self.rotary_scaling_factor:g} of {self.yarn_original_max_position_embeddings}, "
+                    if self.rope_type != "rope" else "RoPE ") + f"base {self.rotary_base}" \
+            + (f", {self.rotary_percent:g} of its channels" if self.rope_type == "rope" and self.rotary_percent != 1 else "")
+        mla_part = (f"MLA({'q latent ' + str(self.q_lora_rank) if self.q_lora_rank else 'queries direct'}, kv latent "
+                    f"{self.kv_lora_rank}, qk {self.qk_head_dim}+{self.qk_pos_emb_head_dim}, v {self.v_head_dim}"
+                    + (", latent norms" if self.qk_layernorm else "") + f", {mla_rope})") if mla else ""
+        # under MLA a model-level rope is not built (megatron-core's GPTModel): the attention rotates its own
         parts = [("RoPE" + (f"(base {self.rotary_base}" + (f", scaled x{self.rope_scaling_factor:g}" if
                                                            self.use_rope_scaling else "") + yarn + ")"))
-                 if self.position_embedding_type != "learned_absolute" else "",
+                 if self.position_embedding_type != "learned_absolute" and not mla else "",
+                 mla_part,
                  "RMSNorm" if self.normalization == "RMSNorm" else "",
                  "SwiGLU" if self.swiglu else "",
                  "ReLU^2" if self.squared_relu else "",
@@ -566,7 +589,7 @@ class GPTConfig:
                  "untied" if self.untie_embeddings_and_output_weights else "",
                  "no-bias" if not self.add_bias_linear else "",
                  "qkv-bias" if self.add_qkv_bias and not self.add_bias_linear else "",
-                 "qk-norm" if self.qk_layernorm else "",
+                 "qk-norm" if self.qk_layernorm and not mla else "",
                  "norm-1p" if self.layernorm_zero_centered_gamma else ""]
         parts = [p for p in parts if p]
         return "+".join(parts) if parts else "GPT-2"
