@@ -122,11 +122,15 @@ def megatron_core_config(args, *, initialise=False, **layout):
     left to a load. Dropout off, no fusions but Megatron-LM's bias-GELU (megatron_bias_gelu_fusion: it
     decides which GELU the MLP computes): the CPU eval forward of a test reference. The args'
     sequence parallelism is a training layout (megatron-core's MoELayer asks for it only when
-    training; its torch norms refuse it without Apex): off here, the same math."""
+    training; its torch norms refuse it without Apex): off here, the same math. Multi-latent attention
+    (args.multi_latent_attention): MLATransformerConfig with every field of its own the args hold (Megatron-LM's
+    core_transformer_config_from_args: rope_type None left to the class's default), the rest its defaults."""
+    import dataclasses
+
     import torch
     import torch.nn.functional as F
     from megatron.core.activations import squared_relu
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     moe = {}
     if getattr(args, "num_experts", None):
@@ -161,4 +165,40 @@ def megatron_core_config(args, *, initialise=False, **layout):
         gradient_accumulation_fusion=False, masked_softmax_fusion=False,
         bias_activation_fusion=megatron_bias_gelu_fusion(args),
         bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False)
-    return TransformerConfig(**{**fields, **layout})
+    config_class, mla = TransformerConfig, {}
+    if getattr(args, "multi_latent_attention", False):
+        config_class = MLATransformerConfig
+        own = {f.name for f in dataclasses.fields(MLATransformerConfig)} - {f.name for f in dataclasses.fields(
+            TransformerConfig)} | {"rotary_base", "rotary_percent"}
+        mla = {k: getattr(args, k) for k in sorted(own) if hasattr(args, k)}
+        if mla.get("rope_type", "") is None:
+            del mla["rope_type"]
+        mla["num_query_groups"] = None      # validate_args: MLA excludes grouped-query attention
+    return config_class(**{**fields, **mla, **layout})
+
+
+def mla_core_attention():
+    """A core attention for megatron-core's local MLA spec, whose own DotProductAttention (0.16.1) takes no
+    separate key and value head dims (MLASelfAttention passes k_channels, v_channels; Transformer Engine's
+    attention takes them): plain softmax attention over [s, b, n, d] as DotProductAttention computes it --
+    scores q.k x softmax_scale (MLA's, which folds in YaRN's mscale), masked where the mask is True, softmax
+    in fp32, times the values -- returning [s, b, n x v_head_dim]."""
+    import torch
+    from megatron.core.transformer.module import MegatronModule
+
+    class MLACoreAttention(MegatronModule):
+        def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                     softmax_scale=None, k_channels=None, v_channels=None, cp_comm_type=None, pg_collection=None):
+            super().__init__(config=config)
+            self.softmax_scale = softmax_scale
+
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None):
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))          # [b, n, s, d]
+            scores = torch.matmul(q, k.transpose(-1, -2)) * self.softmax_scale
+            scores = scores.masked_fill(attention_mask, float("-inf"))
+            probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+            ctx = torch.matmul(probs, v)                                           # [b, n, s, dv]
+            return ctx.permute(2, 0, 1, 3).reshape(ctx.shape[2], ctx.shape[0], -1)
+
+    return MLACoreAttention

@@ -14,7 +14,7 @@ model groups (transformer configuration, network size, ...; the flag list of cor
 training/megatron_flag_list.py), else None, False, 0 or empty. So a Megatron-LM release that adds
 a model option is refused, naming the arg, until someone classifies it here: nothing is dropped
 silently. Flags of Megatron's non-model groups (training, checkpointing, logging, data, ...) are
-ANY unless NEUTRAL lists them (rope_type of the 'training' group changes the model).
+ANY unless NEUTRAL or READ lists them (rope_type of the 'training' group changes the model: READ).
 """
 from __future__ import annotations
 
@@ -47,6 +47,11 @@ READ = frozenset({
     # YaRN (position_embedding_type "yarn"; Megatron-LM core_v0.19 on): read with it, inert without it
     "rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow",
     "yarn_correction_range_round_to_int", "mscale", "mscale_all_dim",
+    # multi-latent attention (megatron_args._mla_meta; the mla group's other flag, cache_mla_latents, is
+    # inference-only): the latents' ranks and head dims inert without it; rope_type MLA's rotary embedding
+    # ('rope' or 'yarn'), without MLA only 'rope' (Megatron-LM's rule, checked there)
+    "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+    "rope_type",
 })
 
 # arg -> (values under which the model is zo_megatron's GPT, what another value means)
@@ -60,9 +65,7 @@ NEUTRAL: dict[str, tuple[tuple, str]] = {
     "quick_geglu": ((False, None), "a quick-GeGLU MLP"),
     "rotary_interleaved": ((False, None), "interleaved rotary embeddings"),
     "rotary_seq_len_interpolation_factor": ((None, 1, 1.0), "RoPE position interpolation"),
-    "rope_type": ((None, "rope"), "a RoPE variant other than Megatron's plain/Llama-3.1 RoPE"),
     "mrope_section": ((None,), "multimodal RoPE"),
-    "multi_latent_attention": ((False, None), "multi-latent attention"),
     "attention_output_gate": ((False, None), "a gated attention output"),
     "experimental_attention_variant": ((None,), "an experimental attention variant"),
     "linear_attention_freq": ((None,), "linear-attention layers"),

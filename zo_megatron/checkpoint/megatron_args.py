@@ -15,8 +15,19 @@ from zo_megatron.checkpoint.megatron_allow import non_neutral
 from zo_megatron.checkpoint.megatron_lm import legacy_rank_files
 from zo_megatron.checkpoint.tp_layout import padded_vocab_size
 from zo_megatron.errors import UserError
-from zo_megatron.model.config import (MOE_DISPATCHERS, MOE_FIELDS, YARN_FIELDS, megatron_bias_gelu_fusion,
-                                      megatron_gelu, rotary_base)
+from zo_megatron.model.config import (MLA_FIELDS, MOE_DISPATCHERS, MOE_FIELDS, ROPE_TYPES, YARN_FIELDS,
+                                      megatron_bias_gelu_fusion, megatron_gelu, rotary_base)
+
+# megatron-core 0.16.1's MLATransformerConfig defaults (tests check them against the class): what Megatron-LM
+# builds an MLA model with for a field its args lack. Its core_transformer_config_from_args passes every field
+# the args have (MLA's YaRN original context and betas are no args in core_v0.16.1 nor core_v0.19: always these);
+# our YARN_FIELDS' names for them.
+MLA_CONFIG_DEFAULTS = {"q_lora_rank": 512, "kv_lora_rank": 512, "qk_head_dim": 128, "qk_pos_emb_head_dim": 64,
+                       "v_head_dim": 128, "rope_type": "yarn", "rotary_scaling_factor": 40.0, "mscale": 1.0,
+                       "mscale_all_dim": 0.0, "yarn_original_max_position_embeddings": 4096, "yarn_beta_fast": 32.0,
+                       "yarn_beta_slow": 1.0}
+# the YaRN settings Megatron-LM's args give MLA (its mla group's flags)
+MLA_YARN_ARGS = ("rotary_scaling_factor", "mscale", "mscale_all_dim")
 
 
 def megatron_args(meta: dict, *, tp: int, iteration: int, divisible_by: int, seq_length: int | None,
@@ -38,7 +49,7 @@ def megatron_args(meta: dict, *, tp: int, iteration: int, divisible_by: int, seq
         position_embedding_type=meta["position_embedding_type"], add_position_embedding=True,
         use_rotary_position_embeddings=rope, rotary_base=meta["rotary_base"], rotary_percent=meta["rotary_percent"],
         rotary_interleaved=False, rotary_seq_len_interpolation_factor=None, use_rope_scaling=meta["use_rope_scaling"],
-        rope_scaling_factor=meta["rope_scaling_factor"], **_yarn_args(meta),
+        rope_scaling_factor=meta["rope_scaling_factor"], **_yarn_args(meta), **_mla_args(meta),
         make_vocab_size_divisible_by=divisible_by, vocab_size=meta["vocab_size"],
         padded_vocab_size=padded_vocab_size(meta["vocab_size"], divisible_by, tp), tokenizer_type=tokenizer_type,
         tokenizer_model=tokenizer_model,
@@ -111,6 +122,74 @@ def _yarn_args(meta: dict) -> dict:
     return {k: meta[k] for k in YARN_FIELDS} if meta["position_embedding_type"] == "yarn" else {}
 
 
+def _mla_args(meta: dict) -> dict:
+    """Multi-latent attention's args under Megatron-LM's names (its mla group, --multi-latent-attention and
+    --rope-type, resolved); none without MLA (the args then are what they were before MLA). One line for a
+    model Megatron-LM's MLA cannot build: YaRN with another original context or betas than
+    MLATransformerConfig's, which no Megatron-LM arg sets."""
+    if not meta["multi_latent_attention"]:
+        return {}
+    fixed = ("yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow")
+    off = [f"{k}={meta[k]!r}" for k in fixed if meta[k] != MLA_CONFIG_DEFAULTS[k]]
+    if meta["rope_type"] == "yarn" and off:
+        raise UserError(f"multi-latent attention with YaRN's {', '.join(off)}: Megatron-LM's MLA takes no arg for "
+                        "them (core_v0.16.1 builds its YaRN with MLATransformerConfig's original context 4096, "
+                        "beta_fast 32 and beta_slow 1), so the weights would compute another function there: nothing "
+                        "is written (train it on with zo_megatron, --use-checkpoint-args)")
+    return {**{k: meta[k] for k in MLA_FIELDS}, **{k: meta[k] for k in MLA_YARN_ARGS}, "cache_mla_latents": False}
+
+
+def mla_launch_flags(meta: dict) -> list[str]:
+    """The flags a Megatron-LM launch that loads an MLA model must give: its --use-checkpoint-args
+    (core_v0.16.1 load_args_from_checkpoint) takes none of them from the args, and without the YaRN ones
+    its MLA computes another function (its own defaults)."""
+    if not meta["multi_latent_attention"]:
+        return []
+
+    def num(x: float) -> str:                   # as short as it reads back exactly
+        return f"{x:g}" if float(f"{x:g}") == x else repr(float(x))
+
+    return ["--multi-latent-attention", *([f"--q-lora-rank {meta['q_lora_rank']}"] if meta["q_lora_rank"] else []),
+            f"--kv-lora-rank {meta['kv_lora_rank']}", f"--qk-head-dim {meta['qk_head_dim']}",
+            f"--qk-pos-emb-head-dim {meta['qk_pos_emb_head_dim']}", f"--v-head-dim {meta['v_head_dim']}",
+            f"--rope-type {meta['rope_type']}", *(f"--{k.replace('_', '-')} {num(meta[k])}" for k in MLA_YARN_ARGS),
+            *(["--qk-layernorm"] if meta["qk_layernorm"] else [])]
+
+
+def _mla_meta(args: argparse.Namespace, refuse) -> dict:
+    """Multi-latent attention's fields from Megatron-LM's args, as its core_transformer_config_from_args builds
+    MLATransformerConfig: every field the args hold, the class's defaults for the rest (YaRN's original
+    context and betas always); rope_type None is the class's 'yarn'. Without MLA: none, and rope_type must
+    be 'rope' or None (Megatron-LM's own assertion)."""
+    rope_type = getattr(args, "rope_type", None)
+    if not getattr(args, "multi_latent_attention", False):
+        if rope_type not in (None, "rope"):
+            refuse(f"args.rope_type={rope_type!r} without multi_latent_attention (Megatron-LM's attention without "
+                   "MLA takes only 'rope')")
+        return {}
+    if rope_type not in (None, *ROPE_TYPES):
+        refuse(f"args.rope_type={rope_type!r} with multi_latent_attention (megatron-core's MLA takes "
+               f"{' or '.join(map(repr, ROPE_TYPES))})")
+
+    def field(name):
+        value = getattr(args, name) if hasattr(args, name) else MLA_CONFIG_DEFAULTS[name]
+        if value is None and name != "q_lora_rank":             # q_lora_rank None: queries projected directly
+            refuse(f"args.{name}=None with multi_latent_attention (megatron-core's MLA needs a value)")
+        return value
+
+    out = {name: field(name) for name in MLA_FIELDS if name not in ("multi_latent_attention", "rope_type")}
+    out.update(multi_latent_attention=True, rope_type=rope_type or MLA_CONFIG_DEFAULTS["rope_type"],
+               **{k: type(YARN_FIELDS[k])(field(k)) for k in MLA_YARN_ARGS},
+               **{k: MLA_CONFIG_DEFAULTS[k] for k in ("yarn_original_max_position_embeddings", "yarn_beta_fast",
+                                                      "yarn_beta_slow")},
+               yarn_correction_range_round_to_int=True)          # megatron-core 0.16.1's MLA rounds the range
+    for k in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+        out[k] = None if out[k] is None else int(out[k])
+    if out["rope_type"] == "rope":        # MLA's plain RoPE reads no mscale (GPTConfig refuses a recorded one)
+        out["mscale"] = YARN_FIELDS["mscale"]
+    return out
+
+
 def _yarn_meta(args: argparse.Namespace, pos: str) -> dict:
     """YaRN's fields from Megatron-LM's args, unset ones at the values Megatron-LM gives them
     (core_v0.19's _apply_yarn_config_from_args: megatron-core's YarnRotaryEmbedding defaults)."""
@@ -138,8 +217,11 @@ def meta_from_args(args: argparse.Namespace, vocab: int, where: str) -> dict:
     if not swiglu and not squared_relu and getattr(args, "use_te_activation_func", False):
         refuse("args.use_te_activation_func=True with a GELU MLP (Transformer Engine's activation op, whose GELU "
                "depends on the layer spec)")
+    mla = _mla_meta(args, refuse)
     pos = "rope" if getattr(args, "use_rotary_position_embeddings", False) else \
         getattr(args, "position_embedding_type", "learned_absolute")
+    if mla and pos == "none":
+        pos = "rope"        # under MLA the same model: no position table, MLA rotates its queries and keys itself
     if pos not in ("learned_absolute", "rope", "yarn"):
         refuse(f"args.position_embedding_type={pos!r}")
     norm = getattr(args, "normalization", "LayerNorm")
@@ -148,7 +230,11 @@ def meta_from_args(args: argparse.Namespace, vocab: int, where: str) -> dict:
     h, heads = args.hidden_size, args.num_attention_heads
     eps = getattr(args, "norm_epsilon", None) or getattr(args, "layernorm_epsilon", None) or 1e-5
     ffn = getattr(args, "ffn_hidden_size", None) or (int(4 * h * 2 / 3 / 64) * 64 if swiglu else 4 * h)
-    return full_meta(dict(
+    # what megatron-core's GPT ignores under MLA is read at its neutral value: its own RoPE (Llama-3.1
+    # scaling: GPTModel builds none), QKV biases (MLA's projections have none), YaRN's rotary percent
+    ignored = dict(use_rope_scaling=False, add_qkv_bias=False,
+                   **({"rotary_percent": 1.0} if mla.get("rope_type") == "yarn" else {})) if mla else {}
+    meta = dict(
         num_layers=args.num_layers, hidden_size=h, num_attention_heads=heads, ffn_hidden_size=ffn, vocab_size=vocab,
         max_position_embeddings=args.max_position_embeddings,
         make_vocab_size_divisible_by=int(getattr(args, "make_vocab_size_divisible_by", None) or 128),
@@ -167,7 +253,8 @@ def meta_from_args(args: argparse.Namespace, vocab: int, where: str) -> dict:
         # Megatron-LM's --apply-layernorm-1p (its TransformerConfig field in newer saves): the same raw weights
         layernorm_zero_centered_gamma=bool(getattr(args, "apply_layernorm_1p", False)
                                            or getattr(args, "layernorm_zero_centered_gamma", False)),
-        **_moe_meta(args, refuse)))
+        **_moe_meta(args, refuse))
+    return full_meta({**meta, **mla, **ignored})
 
 
 def _one(args: argparse.Namespace, name: str, default, refuse):

@@ -21,6 +21,12 @@ shapes are layout-free (megatron-core 0.16.1, with Megatron-LM's metadata single
                                                       singleton_local_shards: weight_w (gate), weight_v (up)
     ...self_attention.linear_qkv.layer_norm_weight    the norms under Transformer Engine's names, which the
     ...mlp.linear_fc1.layer_norm_weight               local spec's sharded_state_dict maps its norms to
+    ...input_layernorm.weight, ...pre_mlp_layernorm.weight, ...self_attention.q_layernorm.weight
+                                                      multi-latent attention: the local spec's MLA layers map
+                                                      no names (Transformer Engine's keep input_layernorm, fuse
+                                                      the latents' norms into linear_q/kv_up_proj.layer_norm_*
+                                                      and a dense MLP's into linear_fc1); its down projections
+                                                      are whole global tensors either way
     ..._extra_state/shard_*, optimizer.*, rng_state   not model weights: not read
 
 So one reader serves every layout the run had: the global tensors are exactly the full TP-1 tensors of
@@ -214,9 +220,11 @@ def global_tensors(weights: dict[str, torch.Tensor], args) -> tuple[dict[str, to
     from zo_megatron.checkpoint.tp_layout import OUTPUT_LAYER, WORD_EMBEDDING
 
     flat: dict[str, torch.Tensor] = {}
+    # megatron-core's local MLA layer spec has no sharded_state_dict_keys_map: its norms keep their names
+    rename = (lambda k: k) if getattr(args, "multi_latent_attention", False) else megatron_lm.te_name
     for name in list(weights):
         t = weights.pop(name)
-        key = megatron_lm.te_name(megatron_lm.ours_to_megatron(name))
+        key = rename(megatron_lm.ours_to_megatron(name))
         if key.endswith((WORD_EMBEDDING, OUTPUT_LAYER)) and t.shape[0] < args.padded_vocab_size:
             t = torch.cat([t, t.new_zeros(args.padded_vocab_size - t.shape[0], *t.shape[1:])])
         flat[key] = t

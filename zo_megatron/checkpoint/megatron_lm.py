@@ -29,6 +29,15 @@ padded_vocab_size, tokenizer_type, tensor/pipeline_model_parallel_size; with
 because its tracker parser refuses "0". Files written here hold no optimizer or RNG state: load
 them in Megatron-LM with `--finetune` (or `--no-load-optim --no-load-rng`).
 
+Multi-latent attention (MLA): the local spec's names (`self_attention.linear_q_proj`, `linear_q_down_proj`,
+`linear_q_up_proj`, `linear_kv_down_proj`, `linear_kv_up_proj`, `q_layernorm`, `kv_layernorm`), every
+linear with its `_extra_state`; its ColumnParallelLinear down projections split their rows over TP (our
+model keeps linear_kv_down_proj whole, model/mla.py: the full tensor is the same). Transformer Engine's
+MLA spec (Megatron-LM's default, and the only one core_v0.16.1 can build MLA with) keeps the two down
+projections whole on every TP rank ("duplicated" TELinear), fuses the latents' norms into the up
+projections (`linear_q_up_proj.layer_norm_weight`, `linear_kv_up_proj.layer_norm_weight`) and keeps
+`input_layernorm` apart; both are read (_whole_on_every_rank, local_name).
+
 Reading never runs pickled code: `torch.load(weights_only=True)` with only plain-data classes
 allowed (argparse.Namespace, NumPy arrays for Megatron's saved RNG states, io.BytesIO for
 Transformer Engine's extra state, megatron-core's own Enum types and
@@ -68,6 +77,13 @@ _TE_NAMES = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.wei
              "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
              "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
              "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias"}
+# Transformer Engine's MLA spec: the latents' norms fused into the up projections (read only: the local
+# spec's torch_dist keeps q_layernorm / kv_layernorm, and a q/k norm without MLA keeps its name)
+_TE_MLA_NAMES = {f"self_attention.linear_{w}_up_proj.layer_norm_{p}": f"self_attention.{w}_layernorm.{p}"
+                 for w in ("q", "kv") for p in ("weight", "bias")}
+# MLA's down projections: the local spec's ColumnParallelLinear splits their rows over TP, Transformer
+# Engine's duplicated TELinear keeps them whole on every rank
+MLA_DOWN = ("self_attention.linear_q_down_proj.weight", "self_attention.linear_kv_down_proj.weight")
 _MP_DIR = re.compile(r"^mp_rank_(\d{2})(_\d{3})?(_\d{3})?$")
 _EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
 # --moe-grouped-gemm's experts: TEGroupedMLP's GroupedLinear (one weight{j} / bias{j} per local expert) and
@@ -78,7 +94,7 @@ _LEGACY_GROUPED = re.compile(r"^(.*\.mlp\.experts\.)weight([12])$")
 
 def local_name(key: str) -> str:
     """Transformer Engine's fused-LayerNorm parameter names -> the local spec's (ours)."""
-    for te, local in _TE_NAMES.items():
+    for te, local in (*_TE_NAMES.items(), *_TE_MLA_NAMES.items()):
         if key.endswith("." + te):
             return key[: -len(te)] + local
     return key
@@ -107,15 +123,26 @@ def ours_to_megatron(name: str) -> str:
     return name.removeprefix(_OURS)
 
 
+def megatron_tp_axis(name: str) -> int | None:
+    """The axis megatron-core's local spec splits a parameter along in Megatron-LM's files: tp_layout's,
+    but MLA's key/value down projection, which our model keeps whole, is a ColumnParallelLinear there."""
+    return 0 if name.endswith(MLA_DOWN) else tp_axis(name)
+
+
 def rank_layout(name: str, full_shape: tuple[int, ...], rank: int, tp: int, padded_vocab: int, swiglu: bool):
     """(axis, local rows, [(full offset, local offset, rows)]) of TP rank `rank`'s shard along the
-    split axis (the layout of checkpoint/tp_layout.py); None for a replicated parameter. Vocab
-    rows past the full tensor are padding (zero in the files); SwiGLU's fc1 rank holds
-    [gate_r; up_r] (two pieces)."""
-    axis = tp_axis(name)
+    split axis (the layout of checkpoint/tp_layout.py, megatron_tp_axis's for MLA's down projections);
+    None for a replicated parameter. Vocab rows past the full tensor are padding (zero in the files);
+    SwiGLU's fc1 rank holds [gate_r; up_r] (two pieces)."""
+    axis = megatron_tp_axis(name)
     if axis is None:
         return None
-    local = local_rows(name, full_shape, tp, padded_vocab)
+    if name.endswith(MLA_DOWN):
+        if full_shape[0] % tp:
+            raise ValueError(f"{name}: {full_shape[0]} rows do not split over TP={tp}")
+        local = full_shape[0] // tp
+    else:
+        local = local_rows(name, full_shape, tp, padded_vocab)
     return axis, local, split_pieces(full_shape[axis], local, rank, tp, partition_stride(name, swiglu))
 
 
@@ -428,9 +455,26 @@ def _split_file(path: str, sd: dict, num_experts: int | None, ep_rank: int, ep: 
     return dense, experts
 
 
-def _merge_shards(d: str, ranks: list[str], shards: list[dict], swiglu: bool) -> dict[str, torch.Tensor]:
+def _mla_down_rows(key: str, args) -> int | None:
+    """The full rows of an MLA down projection as the args give them (q_lora_rank; kv_lora_rank +
+    qk_pos_emb_head_dim); None for another key or args without them (from-megatron then refuses the args)."""
+    if key.endswith(MLA_DOWN[0]):
+        return getattr(args, "q_lora_rank", None)
+    rank, rope = getattr(args, "kv_lora_rank", None), getattr(args, "qk_pos_emb_head_dim", None)
+    return rank + rope if key.endswith(MLA_DOWN[1]) and rank is not None and rope is not None else None
+
+
+def _whole_on_every_rank(shard: dict, args, tp: int) -> set[str]:
+    """The keys a TP rank's file holds whole rather than split: MLA's down projections saved by Transformer
+    Engine's spec (a duplicated TELinear: the full rows on every rank; the local spec's hold 1/TP of them)."""
+    return {k for k, v in shard.items() if tp > 1 and k.endswith(MLA_DOWN) and v.dim() == 2
+            and v.shape[0] == _mla_down_rows(k, args)}
+
+
+def _merge_shards(d: str, ranks: list[str], shards: list[dict], swiglu: bool,
+                  whole: frozenset | set = frozenset()) -> dict[str, torch.Tensor]:
     """Full tensors (vocab padding rows kept) from one split's shards, rank by rank (`ranks`: the
-    file each shard came from)."""
+    file each shard came from); `whole`: keys every rank holds whole (checked equal, taken once)."""
     keys, size = set(shards[0]), len(shards)
     for r, sh in enumerate(shards[1:], 1):
         if set(sh) != keys:
@@ -443,7 +487,15 @@ def _merge_shards(d: str, ranks: list[str], shards: list[dict], swiglu: bool) ->
             if sh[k].shape != t0.shape:
                 raise UserError(f"{os.path.join(d, ranks[r], FILE)}: {k} has shape {tuple(sh[k].shape)}, "
                                 f"{ranks[0]}'s has {tuple(t0.shape)}: the TP ranks come from different models")
-        axis = tp_axis(k)
+        if k in whole:
+            for r, sh in enumerate(shards[1:], 1):
+                if not torch.equal(sh[k], t0):
+                    raise UserError(f"{os.path.join(d, ranks[r], FILE)}: {k} differs from {ranks[0]}'s, but a "
+                                    "Transformer Engine run keeps it whole and the same on every TP rank (a "
+                                    "duplicated linear): the TP ranks come from different models")
+            full[k] = t0
+            continue
+        axis = megatron_tp_axis(k)
         t = t0
         if axis is not None:
             shape = list(t0.shape)
@@ -501,7 +553,8 @@ def read(in_dir: str, *, iteration: int | None = None, progress=None, vocab_size
                             "come from different models or iterations")
         experts.setdefault(k, (name, {}))[1].update(expert_part)
     swiglu = bool(getattr(args, "swiglu", False))
-    merged = _merge_shards(d, [dense[t][0] for t in range(tp)], [dense[t][1] for t in range(tp)], swiglu)
+    merged = _merge_shards(d, [dense[t][0] for t in range(tp)], [dense[t][1] for t in range(tp)], swiglu,
+                           _whole_on_every_rank(dense[0][1], args, tp))
     if any(experts[k][1] for k in experts):
         merged.update(_merge_shards(d, [experts[k][0] for k in range(etp)], [experts[k][1] for k in range(etp)],
                                     swiglu))
