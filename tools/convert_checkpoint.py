@@ -15,9 +15,10 @@
                                                [--target-data-parallel-size M]
 
 Hugging Face architectures: GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
-Qwen3ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM (a sliding window: trained at
---seq-length up to it; the mixtures of experts at any TP x EP with to-megatron / from-megatron). from-megatron reads
-Megatron-LM's torch_dist format (its default --ckpt-format, saved at any TP x EP x PP) and its torch format. CKPT is a `pretrain_gpt.py --save` directory. Outputs are written under a temporary name and
+Qwen3ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, DeepseekV3ForCausalLM,
+DeepseekV2ForCausalLM (a sliding window: trained at --seq-length up to it; the mixtures of experts at any TP x EP
+with to-megatron / from-megatron; DeepSeek's multi-token-prediction layers are left out, its FP8 weights refused).
+from-megatron reads Megatron-LM's torch_dist format (its default --ckpt-format, saved at any TP x EP x PP) and its torch format. CKPT is a `pretrain_gpt.py --save` directory. Outputs are written under a temporary name and
 renamed when complete; an existing non-empty output is refused unless --force. Wrong input gets
 one `error:` line and exit 2. See docs/checkpoints.md.
 """
@@ -56,12 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--output", required=True)
         p.add_argument("--force", action="store_true", help="replace an existing non-empty output")
 
-    p = sub.add_parser("to-hf", help="a Hugging Face model directory (GPT-2, Llama, Mistral, Qwen2 or Qwen3) with its tokenizer")
+    p = sub.add_parser("to-hf", help="a Hugging Face model directory (GPT-2, Llama, Mistral, Qwen2, Qwen3, Nemotron, "
+                                     "StarCoder2, Mixtral, Qwen-MoE or DeepSeek-V2/V3) with its tokenizer")
     common(p, "load")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
     p.add_argument("--architecture", choices=list(hf.SUPPORTED),
                    help="the Hugging Face class to write (default: the one the checkpoint was converted from, else "
-                        "the first that expresses the model: GPT-2, Llama, Mistral, Qwen2, Qwen3)")
+                        "the first that expresses the model: GPT-2, Llama, Mistral, Qwen2, Qwen3, ...; "
+                        "multi-latent attention: DeepseekV3, or DeepseekV2 for a softmax router)")
     p.add_argument("--tokenizer-model", help="Hugging Face tokenizer directory to ship (default: the checkpoint's "
                                              "tokenizer/ folder, else GPT-2's BPE files)")
     p.add_argument("--vocab-file", help="the tokenizer's vocab.json, for a checkpoint trained with --allow-custom-vocab")
@@ -69,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
 
     p = sub.add_parser("from-hf", help="a weights-only zo_megatron checkpoint (+ tokenizer/) from a Hugging Face "
-                                       "GPT-2, Llama, Mistral, Qwen2 or Qwen3 directory")
+                                       "model directory of a supported architecture (--architecture's list)")
     common(p, "input")
     p.add_argument("--tensor-parallel", "--tensor-model-parallel-size", dest="tensor_parallel", type=int, required=True)
 

@@ -238,9 +238,13 @@ def to_hf(load: str, output: str, *, iteration: int | None = None, dtype: str = 
         special.update({k: v for k, v in source.items() if k in special})
     # HF's norms scale by the weight, or by 1 + weight in a family with zero-centred norms (Nemotron's)
     weights, meta = recentred_gamma(reader.read_weights(), meta, zero_centred=family.zero_centred_norms)
+    # the model's persistent buffers (the router expert bias: DeepSeek-V3's e_score_correction_bias) by their names
+    weights.update({k.removeprefix(BUFFERS): t.float() for k, t in
+                    reader.read_full([BUFFERS + n for n in buffer_shapes(meta)]).items()})
     sd = family.to_hf_state(weights, meta)
     del weights
-    sd = {k: v.to(_DTYPES[dtype]).contiguous() for k, v in sd.items()}
+    sd = {k: v.to(torch.float32 if k.endswith(family.fp32_tensors) else _DTYPES[dtype]).contiguous()
+          for k, v in sd.items()}
     config = family.hf_config(meta, dtype=_HF_DTYPE_NAMES[dtype], args=args, window=window, **special)
     with atomic_output(output, force=force) as tmp:
         save_torch_state_dict(sd, tmp, max_shard_size=shard)
@@ -280,10 +284,15 @@ def from_hf(input_dir: str, output: str, *, tensor_parallel: int, force: bool = 
     check_tensor_parallel(meta, tensor_parallel)
     hf.weight_files(input_dir)                  # no weights: one line before anything is read
     weights = family.read_state(input_dir, cfg, meta)
+    # the persistent buffers (arch.buffer_shapes: the router expert bias) the family read with the weights
+    buffers = {name: weights.pop(name) for name in buffer_shapes(meta) if name in weights}
     n = sum(t.numel() for t in weights.values())
     groups = f", {query_groups(meta)} KV groups" if query_groups(meta) != meta["num_attention_heads"] else ""
     log(f"read {input_dir}: Hugging Face {family.architecture}, {meta['num_layers']} layers x {meta['hidden_size']} "
         f"hidden, {meta['num_attention_heads']} heads{groups}, vocab {meta['vocab_size']}, {n:,} parameters")
+    left_out = family.left_out(input_dir, cfg)
+    if left_out:
+        log(f"  left out: {left_out}")
     args = {"make_vocab_size_divisible_by": meta["make_vocab_size_divisible_by"], **run_args}
     window = family.attention_window(cfg)
     extra = {"hf_architecture": family.architecture, **_hf_source(input_dir, cfg_json)}
@@ -291,7 +300,7 @@ def from_hf(input_dir: str, output: str, *, tensor_parallel: int, force: bool = 
         extra["attention_window"] = window
     _write_weights_checkpoint(output, weights, meta, tp=tensor_parallel, args=args, force=force, log=log,
                               converted_from=f"Hugging Face {family.architecture} {os.path.abspath(input_dir)}",
-                              extra=extra, tokenizer_from=input_dir)
+                              extra=extra, tokenizer_from=input_dir, buffers=buffers)
     if window is not None:
         log(f"  attention: a sliding window of {window['tokens']} tokens ({len(window['layers'])} of "
             f"{meta['num_layers']} layers), which up to {window['tokens']} tokens is full attention: the job trains "
@@ -383,10 +392,12 @@ def to_megatron(load: str, output: str, *, iteration: int | None = None, tensor_
     # its launch line must say it, or its model computes another function
     needs = (["--no-bias-gelu-fusion"] if needs_no_bias_gelu_fusion(meta) else []) + \
         ([f"--moe-router-num-groups {meta['moe_router_num_groups']}",
-          f"--moe-router-group-topk {meta['moe_router_group_topk']}"] if meta["moe_router_group_topk"] else [])
+          f"--moe-router-group-topk {meta['moe_router_group_topk']}"] if meta["moe_router_group_topk"] else []) + \
+        megatron_args.mla_launch_flags(meta)
     if needs:
         log(f"  note: launch Megatron-LM with {' '.join(needs)}: its --use-checkpoint-args does not take them from "
-            "the args, and without them its model computes another function (the tanh GELU, ungrouped routing)")
+            "the args, and without them its model computes another function (the tanh GELU, ungrouped routing, "
+            "MLA's defaults) or does not load")
     if meta["use_rope_scaling"] and meta["rope_scaling_factor"] != 8.0:
         # Megatron-LM's GPTModel builders pass rope_scaling but not rope_scaling_factor (core_v0.16.1 to
         # its main branch), so megatron-core's default factor 8 applies there whatever the args say
@@ -404,6 +415,11 @@ def to_megatron(load: str, output: str, *, iteration: int | None = None, tensor_
         "--transformer-impl local (megatron-core's local layers' names) and --finetune (no optimizer or RNG state "
         "is included)"
         + (f"; its tokenizer: --tokenizer-model {saved_tok}" if has_tokenizer else ""))
+    if meta["multi_latent_attention"]:
+        log("  note: multi-latent attention: these are megatron-core's local spec's MLA layers, but Megatron-LM "
+            "core_v0.16.1 builds MLA only with --transformer-impl transformer_engine (its local DotProductAttention "
+            "takes no separate key and value head dims), whose names and down projections differ: "
+            "docs/checkpoints.md, 'Multi-latent attention', says what to rename")
 
 
 def from_megatron(input_dir: str, output: str, *, tensor_parallel: int, iteration: int | None = None,

@@ -7,26 +7,34 @@
                Starcoder2ForCausalLM (tanh GELU, biases, LayerNorm): LayerNorm and a non-gated MLP
     mixtral.py MixtralForCausalLM (mixture of experts: Mistral's decoder, experts and router)
     qwen_moe.py Qwen2MoeForCausalLM, Qwen3MoeForCausalLM (experts, Qwen2-MoE's gated shared expert)
-    (experts.py: the router and SwiGLU experts' tensors, as both MoE modules name and lay them out;
+    deepseek.py DeepseekV3ForCausalLM, DeepseekV2ForCausalLM (multi-latent attention, DeepSeekMoE: shared
+               experts, first dense layers; V3's sigmoid router with its expert bias, V2's softmax one:
+               deepseek.VARIANTS)
+    (experts.py: the router and SwiGLU experts' tensors, as the MoE modules name and lay them out;
      family.py: the config and weight-file reading every family shares)
 
 from-hf picks the family from config.json's `architectures` (or, when a config has none, its
 `model_type`); to-hf from the architecture the checkpoint was converted from, a name given by
 the user, or else the first family that expresses the model exactly (GPT-2, then Llama, Mistral,
 Qwen2, Qwen3: a Llama-shaped model with QKV biases only is a Qwen2, one with q/k norms a Qwen3;
-Nemotron for a squared-ReLU MLP, StarCoder2 for a GELU one with RoPE; then Mixtral, Qwen2-MoE, Qwen3-MoE for models with experts).
+Nemotron for a squared-ReLU MLP, StarCoder2 for a GELU one with RoPE; then Mixtral, Qwen2-MoE, Qwen3-MoE for models
+with experts; DeepSeek-V3 for multi-latent attention with a sigmoid router or none, DeepSeek-V2 with a softmax one). A
+model with multi-latent attention is written by the DeepSeek families only: the others' attention is another function.
 """
 from __future__ import annotations
 
 import os
 
-from zo_megatron.checkpoint.hf import gpt2, llama, mixtral, nongated, qwen_moe
+from zo_megatron.checkpoint.arch import full_meta
+from zo_megatron.checkpoint.hf import deepseek, gpt2, llama, mixtral, nongated, qwen_moe
 from zo_megatron.checkpoint.hf.family import CONFIG, HFFamily, read_config_json, weight_files
 from zo_megatron.errors import UserError
 
 FAMILIES: dict[str, HFFamily] = {f.architecture: f for f in (gpt2.FAMILY, *llama.FAMILIES, *nongated.FAMILIES,
-                                                                 mixtral.FAMILY, *qwen_moe.FAMILIES)}
+                                                                 mixtral.FAMILY, *qwen_moe.FAMILIES,
+                                                                 *deepseek.FAMILIES)}
 SUPPORTED = tuple(FAMILIES)
+_MLA_FAMILIES = frozenset(f.architecture for f in deepseek.FAMILIES)
 __all__ = ["CONFIG", "FAMILIES", "SUPPORTED", "HFFamily", "family_for_config", "family_for_model", "read_config_json",
            "weight_files"]
 
@@ -45,22 +53,30 @@ def family_for_config(cfg_json: dict, input_dir: str) -> HFFamily:
     return family
 
 
+def why_not(family: HFFamily, meta: dict) -> str | None:
+    """family.why_not, with multi-latent attention refused by every family but DeepSeek's (the others'
+    why_not predate MLA and read only the fields their attention has)."""
+    if full_meta(meta)["multi_latent_attention"] and family.architecture not in _MLA_FAMILIES:
+        return f"{family.architecture} has no multi-latent attention (multi_latent_attention=True)"
+    return family.why_not(meta)
+
+
 def family_for_model(meta: dict, architecture: str | None, where: str) -> HFFamily:
     """The HF architecture to write the model `meta` as (see the module docstring)."""
     if architecture is not None:
         family = FAMILIES.get(architecture)
         if family is None:
             raise UserError(f"--architecture {architecture}: not supported; supported: {', '.join(SUPPORTED)}")
-        why = family.why_not(meta)
+        why = why_not(family, meta)
         if why is not None:
-            others = [name for name, f in FAMILIES.items() if name != architecture and f.why_not(meta) is None]
+            others = [name for name, f in FAMILIES.items() if name != architecture and why_not(f, meta) is None]
             fix = (f"write it as --architecture {others[0]} (or leave --architecture out)" if others else
                    "no supported architecture expresses it; to-megatron and to-fp32 write any model")
             raise UserError(f"{where}: the model cannot be written as {architecture}: {why}; {fix}")
         return family
     reasons = []
     for family in FAMILIES.values():
-        why = family.why_not(meta)
+        why = why_not(family, meta)
         if why is None:
             return family
         reasons.append(why)

@@ -27,6 +27,9 @@ class HFFamily(abc.ABC):
     architecture: str = ""                     # config.json's `architectures[0]`
     model_type: str = ""                       # config.json's `model_type`
     zero_centred_norms: bool = False           # its norms scale by 1 + weight (to_hf_state gets such weights)
+    # HF names (their ends) to-hf writes in fp32 whatever --dtype: what transformers' model keeps in fp32
+    # (_keep_in_fp32_modules_strict) and save_pretrained writes so, e.g. a router's weight and bias
+    fp32_tensors: tuple[str, ...] = ()
 
     @abc.abstractmethod
     def read_config(self, cfg_json: dict, where: str):
@@ -64,6 +67,11 @@ class HFFamily(abc.ABC):
         """Keys to add to the config.json the installed transformers wrote: what readers of the other
         config schema need (none unless the family has two)."""
         return {}
+
+    def left_out(self, input_dir: str, cfg) -> str | None:
+        """What from-hf leaves out of the HF directory's model (a phrase for its log: tensors that
+        transformers' model of this config does not build either), None if nothing."""
+        return None
 
 
 def read_config_json(input_dir: str) -> dict:
@@ -145,11 +153,13 @@ def read_hf_config(config_class, cfg_json: dict, where: str):
 
 
 def read_checked_state_dict(input_dir: str, meta: dict, expected: dict[str, tuple[int, ...]], architecture: str,
-                            extra_hint: str = "") -> dict[str, torch.Tensor]:
+                            extra_hint: str = "", drop=None) -> dict[str, torch.Tensor]:
     """The HF directory's tensors, refused in one line unless they are exactly `expected` (name ->
-    shape) once old files' RoPE buffers and a tied lm_head are set aside; `extra_hint` ends the line
-    for unexpected tensors (what config.json must agree on)."""
-    sd = {k: v for k, v in read_state_dict(input_dir).items() if not k.endswith("rotary_emb.inv_freq")}
+    shape) once old files' RoPE buffers, a tied lm_head and the names `drop(name)` is true of (what the
+    family leaves out: left_out) are set aside; `extra_hint` ends the line for unexpected tensors
+    (what config.json must agree on)."""
+    sd = {k: v for k, v in read_state_dict(input_dir).items()
+          if not k.endswith("rotary_emb.inv_freq") and not (drop is not None and drop(k))}
     if not meta["untie_embeddings_and_output_weights"] and "lm_head.weight" in sd:
         if not torch.equal(sd["lm_head.weight"], sd.get("model.embed_tokens.weight", torch.empty(0))):
             raise UserError(f"{input_dir}: lm_head.weight differs from model.embed_tokens.weight but config.json "
