@@ -90,7 +90,7 @@ import torch
 from zo_megatron.checkpoint.arch import buffer_shapes, full_meta, param_shapes
 from zo_megatron.checkpoint.hf import llama
 from zo_megatron.checkpoint.hf.experts import QWEN_NAMES, experts_from_hf, experts_to_hf, swiglu_from_hf, swiglu_to_hf
-from zo_megatron.checkpoint.hf.family import HFFamily, read_checked_state_dict, read_hf_config, weight_files
+from zo_megatron.checkpoint.hf.family import VariantFamily, read_checked_state_dict, weight_files
 from zo_megatron.checkpoint.hf.rope import attention_factor, get_mscale
 from zo_megatron.errors import UserError
 from zo_megatron.model.config import ARCH_FIELDS, YARN_FIELDS, GPTConfig, rotary_base
@@ -376,20 +376,11 @@ def _zeros(meta: dict) -> dict[str, torch.Tensor]:
 
 # ---- the family object
 
-class DeepseekFamily(HFFamily):
+class DeepseekFamily(VariantFamily):
     def __init__(self, variant: Variant):
-        self.variant = variant
-        self.architecture, self.model_type = variant.architecture, variant.model_type
+        super().__init__(variant)
         # transformers keeps the router in fp32 (_keep_in_fp32_modules_strict): its bias decides the experts
         self.fp32_tensors = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
-
-    def _config_class(self):
-        import transformers
-
-        return getattr(transformers, self.variant.config_class)
-
-    def read_config(self, cfg_json: dict, where: str):
-        return read_hf_config(self._config_class(), cfg_json, where)
 
     def meta_from_config(self, cfg, where: str) -> tuple[dict, dict]:
         def refuse(what, why):
@@ -513,18 +504,6 @@ class DeepseekFamily(HFFamily):
         if v.score_function == "sigmoid" and e // (groups or 1) < v.group_score_topk:
             return f"{arch}'s router scores groups of >= 2 experts ({e // (groups or 1)} per group)"
         return self._config_refuses(meta)
-
-    def _config_refuses(self, meta: dict) -> str | None:
-        """What the installed transformers' config class refuses of the model, as a phrase; None if it takes it
-        (DeepseekV2Config validates hidden_size % num_attention_heads)."""
-        from huggingface_hub.errors import StrictDataclassError
-
-        try:
-            self.hf_config(meta, dtype="float32", args={}, bos_token_id=None, eos_token_id=None)
-        except (StrictDataclassError, ValueError, TypeError) as exc:
-            cause = exc.__cause__ or exc
-            return f"transformers' {self.variant.config_class} refuses it ({str(cause).strip().splitlines()[-1][:200]})"
-        return None
 
     def to_hf_state(self, weights: dict[str, torch.Tensor], meta: dict) -> dict[str, torch.Tensor]:
         return to_hf(weights, full_meta(meta), self.variant.score_function == "sigmoid")

@@ -74,6 +74,36 @@ class HFFamily(abc.ABC):
         return None
 
 
+class VariantFamily(HFFamily):
+    """A family whose Hugging Face architectures differ as data: `variant` (a frozen dataclass of its module)
+    names the architecture, the model_type and the transformers config class."""
+
+    def __init__(self, variant):
+        self.variant = variant
+        self.architecture, self.model_type = variant.architecture, variant.model_type
+
+    def _config_class(self):
+        import transformers
+
+        return getattr(transformers, self.variant.config_class)
+
+    def read_config(self, cfg_json: dict, where: str):
+        return read_hf_config(self._config_class(), cfg_json, where)
+
+    def _config_refuses(self, meta: dict) -> str | None:
+        """What the installed transformers' config class refuses of the model, as a phrase; None if it takes
+        it (LlamaConfig and DeepseekV2Config validate hidden_size % num_attention_heads even where the heads
+        have a head_dim of their own)."""
+        from huggingface_hub.errors import StrictDataclassError
+
+        try:
+            self.hf_config(meta, dtype="float32", args={}, bos_token_id=None, eos_token_id=None)
+        except (StrictDataclassError, ValueError, TypeError) as exc:
+            cause = exc.__cause__ or exc
+            return f"transformers' {self.variant.config_class} refuses it ({str(cause).strip().splitlines()[-1][:200]})"
+        return None
+
+
 def read_config_json(input_dir: str) -> dict:
     """config.json of a HF model directory; a hub id or a missing file is one line."""
     if not os.path.isdir(input_dir):

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from zo_megatron.checkpoint.arch import full_meta, head_dim, query_groups
-from zo_megatron.checkpoint.hf.family import HFFamily, read_checked_state_dict, read_hf_config
+from zo_megatron.checkpoint.hf.family import VariantFamily, read_checked_state_dict
 from zo_megatron.checkpoint.hf.rope import ROPE_REFUSED, ROPE_TYPES, yarn_meta, yarn_parameters
 from zo_megatron.errors import UserError
 from zo_megatron.model.config import rotary_base
@@ -289,16 +289,7 @@ def to_hf(weights: dict[str, torch.Tensor], meta: dict) -> dict[str, torch.Tenso
 
 # ---- the family object
 
-class LlamaFamily(HFFamily):
-    def __init__(self, variant: Variant):
-        self.variant = variant
-        self.architecture, self.model_type = variant.architecture, variant.model_type
-
-    def _config_class(self):
-        import transformers
-
-        return getattr(transformers, self.variant.config_class)
-
+class LlamaFamily(VariantFamily):
     def _hf_biases(self, cfg) -> frozenset:
         on = set(self.variant.fixed_biases)
         for name, linears in self.variant.bias_fields.items():
@@ -310,9 +301,6 @@ class LlamaFamily(HFFamily):
         names = list(self.variant.bias_fields)
         return {frozenset(self.variant.fixed_biases).union(*(self.variant.bias_fields[n] for n, on in zip(names, ons) if on))
                 for ons in itertools.product((False, True), repeat=len(names))}
-
-    def read_config(self, cfg_json: dict, where: str):
-        return read_hf_config(self._config_class(), cfg_json, where)
 
     def meta_from_config(self, cfg, where: str) -> tuple[dict, dict]:
         def refuse(what, why):
@@ -381,18 +369,6 @@ class LlamaFamily(HFFamily):
         if meta["num_attention_heads"] % query_groups(meta):
             return f"num_query_groups {query_groups(meta)} does not divide the heads"
         return self._config_refuses(meta)
-
-    def _config_refuses(self, meta: dict) -> str | None:
-        """What the installed transformers' config class refuses of the model, as a phrase; None if it
-        takes it (LlamaConfig validates hidden_size % num_attention_heads even with a head_dim)."""
-        from huggingface_hub.errors import StrictDataclassError
-
-        try:
-            self.hf_config(meta, dtype="float32", args={}, bos_token_id=None, eos_token_id=None)
-        except (StrictDataclassError, ValueError, TypeError) as exc:
-            cause = exc.__cause__ or exc
-            return f"transformers' {self.variant.config_class} refuses it ({str(cause).strip().splitlines()[-1][:200]})"
-        return None
 
     def to_hf_state(self, weights: dict[str, torch.Tensor], meta: dict) -> dict[str, torch.Tensor]:
         return to_hf(weights, meta)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from zo_megatron.checkpoint.arch import full_meta, head_dim, query_groups
-from zo_megatron.checkpoint.hf.family import HFFamily, read_checked_state_dict, read_hf_config
+from zo_megatron.checkpoint.hf.family import VariantFamily, read_checked_state_dict
 from zo_megatron.checkpoint.hf.llama import _pack_qkv, _reads_rope_parameters, _rope_params, _unpack_qkv, sliding_layers
 from zo_megatron.errors import UserError
 from zo_megatron.model.config import rotary_base
@@ -157,19 +157,10 @@ def _rope_schemas(v: Variant, meta: dict) -> tuple[dict, dict]:
     return v5, {"rope_theta": theta, **partial}
 
 
-class NonGatedFamily(HFFamily):
+class NonGatedFamily(VariantFamily):
     def __init__(self, variant: Variant):
-        self.variant = variant
-        self.architecture, self.model_type = variant.architecture, variant.model_type
+        super().__init__(variant)
         self.zero_centred_norms = variant.zero_centred
-
-    def _config_class(self):
-        import transformers
-
-        return getattr(transformers, self.variant.config_class)
-
-    def read_config(self, cfg_json: dict, where: str):
-        return read_hf_config(self._config_class(), cfg_json, where)
 
     def meta_from_config(self, cfg, where: str) -> tuple[dict, dict]:
         v = self.variant

@@ -30,7 +30,7 @@ import torch
 from zo_megatron.checkpoint.arch import full_meta, param_shapes, query_groups
 from zo_megatron.checkpoint.hf import llama
 from zo_megatron.checkpoint.hf.experts import QWEN_NAMES, experts_from_hf, experts_to_hf, swiglu_from_hf, swiglu_to_hf
-from zo_megatron.checkpoint.hf.family import HFFamily, read_checked_state_dict, read_hf_config
+from zo_megatron.checkpoint.hf.family import VariantFamily, read_checked_state_dict
 from zo_megatron.errors import UserError
 from zo_megatron.model.config import ARCH_FIELDS, MOE_FIELDS, GPTConfig
 
@@ -88,19 +88,10 @@ def to_hf(weights: dict[str, torch.Tensor], meta: dict) -> dict[str, torch.Tenso
     return {k: v.clone(memory_format=torch.contiguous_format) for k, v in out.items()}
 
 
-class QwenMoeFamily(HFFamily):
+class QwenMoeFamily(VariantFamily):
     def __init__(self, variant: Variant):
-        self.variant = variant
-        self.architecture, self.model_type = variant.architecture, variant.model_type
+        super().__init__(variant)
         self.llama = next(f for f in llama.FAMILIES if f.architecture == variant.llama_variant)
-
-    def _config_class(self):
-        import transformers
-
-        return getattr(transformers, self.variant.config_class)
-
-    def read_config(self, cfg_json: dict, where: str):
-        return read_hf_config(self._config_class(), cfg_json, where)
 
     def meta_from_config(self, cfg, where: str) -> tuple[dict, dict]:
         def refuse(what, why):
