@@ -2,8 +2,8 @@
 
 For TP x DP in {1x1, 2x1, 1x2, 2x2} each rank builds the GPT, wraps it in the ZeRO-Offload engine,
 runs one warm-up step and then one measured forward + engine.backward + step, for several cases
-(bf16/fp32, with and without full recompute, GPT-2's padded vocabulary and a small one; GPT-2 and a
-Llama shape: rope, RMSNorm, SwiGLU, GQA, untied output layer, no biases). The parent
+(bf16/fp32, with and without full recompute, GPT-2's padded vocabulary and a small one; GPT-2, a
+Llama shape: rope, RMSNorm, SwiGLU, GQA, untied output layer, no biases; multi-latent attention). The parent
 plans the same configuration (exactly the engine's bucket size and precision; dropout off, unfused
 fp32 softmax: the CPU path) and compares:
 
@@ -62,10 +62,30 @@ CASES = [
     ("bf16-llama-rcmodules", "bf16", ("core_attn", "layernorm", "mlp"), 1000, 40_000_000),
     ("fp32-llama-rcmlp", "fp32", ("mlp",), 1024, 40_000_000),
     ("bf16-smallvocab-rclayernorm-sp", "bf16", ("layernorm",), 1000, 40_000_000),
+    # multi-latent attention (MLA): DeepSeek-V3's shape in small (a q latent, latent norms, YaRN, query/key
+    # head 32+16 against value head 32, V3's 192:128: on a CPU the core pads v to 48 for torch's flash
+    # kernel), and queries projected directly without latent norms (plain rope, query/key head 16+16 =
+    # value head 32: no padding, what a GPU's memory-efficient kernel keeps); at TP 2 with and without
+    # sequence parallelism (the q latent is whole on every rank, the kv latent replicated), selective
+    # recompute (the attention core; with the norms and the MLP under SP), full recompute in fp32, and
+    # attention dropout (the math path)
+    ("bf16-mla-v3", "bf16", False, 1000, 40_000_000),
+    ("bf16-mla-v3-sp", "bf16", False, 1000, 40_000_000),
+    ("bf16-mla-v3-rccore", "bf16", ("core_attn",), 1000, 40_000_000),
+    ("bf16-mla-v3-rcmodules-sp", "bf16", ("core_attn", "layernorm", "mlp"), 1000, 40_000_000),
+    ("bf16-mla-v3-attndrop", "bf16", False, 1000, 40_000_000),
+    ("bf16-mla-direct", "bf16", False, 1000, 200_000),
+    ("bf16-mla-direct-sp", "bf16", False, 1000, 200_000),
+    ("fp32-mla-direct-recompute", "fp32", True, 1024, 40_000_000),
 ]
 # Llama-shaped cases (issue 24): rope, RMSNorm, SwiGLU (ffn 320), GQA 2 groups, untied output layer, no biases
 LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, num_query_groups=2,
              untie_embeddings_and_output_weights=True, add_bias_linear=False)
+# MLA cases (GPTConfig's = PlanInput's MLA fields): the Llama shape's MLP, norms and untied output layer
+_MLA = dict(LLAMA, num_query_groups=None, multi_latent_attention=True, attention_backend="sdpa", kv_lora_rank=32,
+            v_head_dim=32)
+MLA_V3 = dict(_MLA, q_lora_rank=48, qk_head_dim=32, qk_pos_emb_head_dim=16, qk_layernorm=True, rope_type="yarn")
+MLA_DIRECT = dict(_MLA, q_lora_rank=None, qk_head_dim=16, qk_pos_emb_head_dim=16, rope_type="rope")
 
 
 def _recompute(recompute) -> dict:
@@ -78,7 +98,8 @@ def _recompute(recompute) -> dict:
 
 def _arch(name):
     """The case's model options beyond shape and precision (GPTConfig's = PlanInput's field names)."""
-    arch = dict(LLAMA) if "llama" in name else {}
+    arch = dict(LLAMA) if "llama" in name else dict(MLA_V3) if "mla-v3" in name else \
+        dict(MLA_DIRECT) if "mla-direct" in name else {}
     if "-sdpa" in name:
         arch["attention_backend"] = "sdpa"
     if name.endswith("-sp"):

@@ -18,6 +18,13 @@
         --disable-bias-linear --vocab-size 32000 --num-experts 8 --moe-router-topk 2 \
         --expert-model-parallel-size 8 --seq-length 4096 --zero-offload --use-flash-attn \
         --recompute-granularity full                     # Mixtral-8x7B: total vs active, experts per EP rank
+    python tools/estimate_memory.py --preset h100-80gb --world-size 8 --tensor-model-parallel-size 8 \
+        --num-layers 61 --hidden-size 7168 --num-attention-heads 128 --ffn-hidden-size 18432 --swiglu \
+        --normalization RMSNorm --position-embedding-type rope --untie-embeddings-and-output-weights \
+        --disable-bias-linear --vocab-size 129280 --multi-latent-attention --q-lora-rank 1536 \
+        --kv-lora-rank 512 --qk-head-dim 128 --qk-pos-emb-head-dim 64 --v-head-dim 128 --qk-layernorm \
+        --seq-length 4096 --zero-offload --sequence-parallel \
+        --recompute-granularity full                     # DeepSeek-V3's attention (MLA) on a dense model
     python tools/estimate_memory.py --paper-check
 
 It takes pretrain_gpt.py's command line: every flag the job accepts (its own parser,
@@ -33,10 +40,13 @@ a GPU, off where the device is the host) exactly as the job's pre-launch check (
 the input is built by the same function (planner.plan_input_from_flags), so both give the same plan
 and the same speculated share. Mixtures of experts take Megatron-LM's MoE flags and
 --expert-model-parallel-size: the plan prints total vs active parameters, experts per EP rank and,
-at EP > 1, the experts' engine's lines ("expert_..."). Its own flags: --model (a shape preset), --world-size or
---data-parallel-size, the hardware (--preset, --gpu-memory-gb, --host-memory-gb, --gpus-per-node and
-the overheads) and the output (--json, --max-model, --paper-check). Unlike the job it does not
-require --train-iters and --lr, and --seq-length defaults to 1024 when a shape is given.
+at EP > 1, the experts' engine's lines ("expert_..."). Multi-latent attention takes Megatron-LM's MLA
+flags (--multi-latent-attention, --q-lora-rank, --kv-lora-rank, --qk-head-dim, --qk-pos-emb-head-dim,
+--v-head-dim, --rope-type; --qk-layernorm for the latents' norms). Its own flags: --model (a shape
+preset), --world-size or --data-parallel-size, the hardware (--preset, --gpu-memory-gb,
+--host-memory-gb, --gpus-per-node and the overheads) and the output (--json, --max-model,
+--paper-check). Unlike the job it does not require --train-iters and --lr, and --seq-length defaults
+to 1024 when a shape is given.
 Memory sizes are GiB (2^30 bytes).
 Exit status: 0 = fits (with --max-model: some model fits; with --paper-check: every reference
 point and goal holds), 1 = does not fit, 2 = bad input (one line on stderr).
@@ -417,8 +427,10 @@ def print_plan(p: P.Plan, title: str = "zo_megatron memory plan", overlap_reason
     elif rc == "selective":
         rc = f"selective ({' '.join(m for m in RECOMPUTE_MODULES if m in i.selective_modules()) or 'nothing'})"
     print(title)
+    heads = (f"q/k head dim {i.qk_head_dim}+{i.qk_pos_emb_head_dim}, v head dim {i.v_head_dim}"
+             if i.multi_latent_attention else f"head dim {i.head_dim()}")
     print(f"  model      GPT {i.num_layers} layers x {i.hidden_size} hidden x "
-          f"{i.num_attention_heads} heads (head dim {i.head_dim()}), ffn {i.ffn()}, seq {i.seq_length}, "
+          f"{i.num_attention_heads} heads ({heads}), ffn {i.ffn()}, seq {i.seq_length}, "
           f"vocab {i.vocab_size} -> {p.vocab_size_padded} (padded)")
     print(f"  architecture: {i.architecture_name()}")
     print(f"  params     {P.format_params(p.params_total)} total; per TP rank "
@@ -438,7 +450,10 @@ def print_plan(p: P.Plan, title: str = "zo_megatron memory plan", overlap_reason
     print(f"  CPU step   {_cpu_step_line(p)}")
     if overlap_reason:
         print(f"  overlap    {overlap_reason}")
-    print(f"  attention  {'torch SDPA (--use-flash-attn)' if i.attention_backend == 'sdpa' else 'local (s x s scores)'}"
+    sdpa = "torch SDPA" + (" (multi-latent attention" + (", value heads padded to the q/k head dim on a CPU)"
+                                                         if i.device_is_host and i.qk_dim() != i.v_dim() else ")")
+                           if i.multi_latent_attention else " (--use-flash-attn)")
+    print(f"  attention  {sdpa if i.attention_backend == 'sdpa' else 'local (s x s scores)'}"
           f", sequence parallel {'on' if i.sp() else 'off'}")
     print(f"  hardware   {P.format_bytes(i.gpu_memory_bytes)} per GPU, "
           f"{P.format_bytes(i.host_memory_bytes_per_node)} host per node"

@@ -6,6 +6,8 @@
     python tools/find_max_model.py --host-memory 1400MiB --hidden-size 128 --num-attention-heads 4 --fp32
     python tools/find_max_model.py --skip-run                        # the planner's answer only
     python tools/find_max_model.py --deepspeed                       # also DeepSpeed ZeRO-2 + CPU offload
+    python tools/find_max_model.py --family llama --multi-latent-attention --q-lora-rank 384 --kv-lora-rank 128 \
+        --qk-head-dim 64 --qk-pos-emb-head-dim 32 --v-head-dim 64 --qk-layernorm --skip-run   # DeepSeek-style MLA
 
 Steps (each prints a progress line):
 
@@ -102,6 +104,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"model vocabulary (default: gpt2 {GPT2_VOCAB}, llama {LLAMA_VOCAB}; the data is the demo "
                         "corpus in GPT-2 tokens either way)")
     g.add_argument("--max-size", type=int, default=100_000, help="search limit on k")
+    g = p.add_argument_group("multi-latent attention (DeepSeek-V2/V3; pretrain_gpt.py's flags, its defaults where "
+                             "not given)")
+    g.add_argument("--multi-latent-attention", action="store_true",
+                   help="the family's attention as MLA (--family llama: no query groups, MLA has none)")
+    for flag, kind, what in (("--q-lora-rank", int, "the query latent's rank (default: none, queries direct)"),
+                             ("--kv-lora-rank", int, "the key/value latent's rank"),
+                             ("--qk-head-dim", int, "query/key channels per head without position"),
+                             ("--qk-pos-emb-head-dim", int, "rotated query/key channels per head"),
+                             ("--v-head-dim", int, "value channels per head"),
+                             ("--rope-type", str, "yarn (MLA's default) or rope")):
+        g.add_argument(flag, type=kind, default=None, help=f"MLA: {what}")
+    g.add_argument("--qk-layernorm", action="store_true",
+                   help="the job's --qk-layernorm: with MLA the q and kv latents' norms (DeepSeek's), else per-head "
+                        "q/k norms")
     g = p.add_argument_group("layout, precision, options (pretrain_gpt.py's flags)")
     g.add_argument("--tensor-parallel", "--tensor-model-parallel-size", dest="tensor_parallel", type=int, default=1)
     g.add_argument("--data-parallel", type=int, default=1)
@@ -169,7 +185,7 @@ class Rule:
         self.layers = a.num_layers or 8
         self.step = math.lcm(128, self.heads)
         self.vocab = a.vocab_size or (LLAMA_VOCAB if a.family == "llama" else GPT2_VOCAB)
-        if self.family == "llama" and self.heads % LLAMA_KV_RATIO and self.heads > 1:
+        if self.family == "llama" and self.heads % LLAMA_KV_RATIO and self.heads > 1 and not a.multi_latent_attention:
             raise ValueError(f"--family llama groups heads by {LLAMA_KV_RATIO} (Llama-3's 32/8): "
                              f"--num-attention-heads {self.heads} is not a multiple of {LLAMA_KV_RATIO}")
         if self.grow == "layers" and self.hidden % self.heads:
@@ -183,7 +199,17 @@ class Rule:
     def describe(self) -> str:
         fixed = f"hidden {self.hidden}, k layers" if self.grow == "layers" else \
             f"{self.layers} layers, hidden k x {self.step}"
-        return f"{self.family} ({fixed}, {self.heads} heads)"
+        mla = f", MLA {' '.join(self.mla_flags()[1:]) or '(the job defaults)'}" if self.a.multi_latent_attention else ""
+        return f"{self.family} ({fixed}, {self.heads} heads{mla})"
+
+    def mla_flags(self) -> list[str]:
+        """The multi-latent attention flags as given (the job applies its defaults and checks)."""
+        a = self.a
+        flags = ["--multi-latent-attention"] if a.multi_latent_attention else []
+        for name in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type"):
+            if getattr(a, name) is not None:
+                flags += [f"--{name.replace('_', '-')}", str(getattr(a, name))]
+        return flags + (["--qk-layernorm"] if a.qk_layernorm else [])
 
     def job_flags(self, k: int) -> list[str]:
         a, s = self.a, self.shape(k)
@@ -207,12 +233,13 @@ class Rule:
         if a.recompute_modules:
             flags += ["--recompute-modules", *a.recompute_modules]
         flags += nvme_flags(a)
+        flags += self.mla_flags()
         if self.family == "llama":
             h = s["hidden_size"]
             flags += ["--position-embedding-type", "rope", "--rotary-base", "500000", "--normalization", "RMSNorm",
                       "--norm-epsilon", "1e-5", "--swiglu", "--untie-embeddings-and-output-weights",
                       "--disable-bias-linear", "--ffn-hidden-size", str(max(64, round(LLAMA_FFN_RATIO * h / 64) * 64))]
-            if self.heads >= LLAMA_KV_RATIO:
+            if self.heads >= LLAMA_KV_RATIO and not a.multi_latent_attention:
                 flags += ["--group-query-attention", "--num-query-groups", str(self.heads // LLAMA_KV_RATIO)]
         return flags
 
@@ -491,6 +518,9 @@ def main(argv=None) -> int:
         import torch
 
         cuda = torch.cuda.is_available()
+        if a.multi_latent_attention and (a.deepspeed or a.deepspeed_from):
+            raise ValueError("--deepspeed with --multi-latent-attention: DeepSpeed's side builds Hugging Face GPT-2 / "
+                             "Llama models, which have no MLA; drop --deepspeed")
         rule = Rule(a)
         if a.device_memory is not None and not cuda and not a.skip_run:
             raise ValueError("--device-memory: no GPU here to run on (a CPU run's device is host memory); add "
@@ -502,7 +532,7 @@ def main(argv=None) -> int:
         planner.plan(1)                              # the job's own one-line checks of these flags, now
         job = dict(family=a.family, grow=a.grow, precision=a.precision, tensor_parallel=a.tensor_parallel,
                    data_parallel=a.data_parallel, seq_length=a.seq_length, micro_batch_size=a.micro_batch_size,
-                   host_memory_bytes=host)
+                   host_memory_bytes=host, **({"mla_flags": rule.mla_flags()} if a.multi_latent_attention else {}))
         earlier_ds = earlier_deepspeed_side(a.deepspeed_from, job, rule.describe()) if a.deepspeed_from else None
         if a.optimizer_nvme_path is not None and not a.skip_run and not os.path.isdir(a.optimizer_nvme_path):
             raise ValueError(f"--optimizer-nvme-path {a.optimizer_nvme_path} is not a directory: create it on the disk "

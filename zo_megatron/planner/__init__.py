@@ -43,6 +43,10 @@ Llama-family shapes (rope, RMSNorm, SwiGLU, GQA, untied output layer, no biases 
 q/k norm; GPTConfig's field names in PlanInput): parameters in params.py, activations in memory.py
 (_layer_saved), both described in docs/memory_planner.md.
 
+Multi-latent attention (MLA, DeepSeek-V2/V3; GPTConfig's MLA fields in PlanInput): its projections
+(the kv down projection replicated over TP) in params.py, its latents, heads, padded CPU heads and
+rotary tables in layer_activations.py; docs/memory_planner.md, "Multi-latent attention".
+
 Mixtures of experts (GPTConfig's MoE fields and expert_parallel in PlanInput): the router, E / EP
 experts per rank and the shared expert in params.py (total and active counts); at EP > 1 two engines
 (the dense parameters over DP, the experts over expert DP = DP / EP), each with its own flat buffer,

@@ -56,7 +56,15 @@ class PlanInput:
     untie_embeddings_and_output_weights: bool = False
     add_bias_linear: bool = True
     add_qkv_bias: bool = False
-    qk_layernorm: bool = False
+    qk_layernorm: bool = False  # with multi-latent attention: the q and kv latents' norms
+    # multi-latent attention (GPTConfig's MLA_FIELDS; params.Architecture, mla_attention_rows): DeepSeek-V2/V3
+    multi_latent_attention: bool = False
+    q_lora_rank: int | None = None  # None: queries projected from the hidden state directly
+    kv_lora_rank: int = 32
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
+    rope_type: str | None = None  # MLA's rotary embedding: "yarn" (None: its default) or "rope"
     # mixture of experts (GPTConfig's MoE fields, docs/moe.md): None = a dense model
     num_experts: int | None = None
     moe_router_topk: int = 2
@@ -153,26 +161,51 @@ class PlanInput:
     def head_dim(self) -> int:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
 
+    def qk_dim(self) -> int:
+        """A query's and a key's channels per head: MLA's qk_head_dim + qk_pos_emb_head_dim, else head_dim."""
+        return self.qk_head_dim + self.qk_pos_emb_head_dim if self.multi_latent_attention else self.head_dim()
+
+    def v_dim(self) -> int:
+        """A value's channels per head (= the attention output's per head): MLA's v_head_dim, else head_dim."""
+        return self.v_head_dim if self.multi_latent_attention else self.head_dim()
+
+    def rotary_dim(self) -> int:
+        """Channels the rotary embedding rotates per head: MLA's qk_pos_emb_head_dim (YaRN: all of them;
+        rope: rotary_percent of them, megatron-core's RotaryEmbedding), else rotary_percent of head_dim."""
+        if self.multi_latent_attention:
+            return self.qk_pos_emb_head_dim if (self.rope_type or "yarn") == "yarn" else \
+                int(self.qk_pos_emb_head_dim * self.rotary_percent)
+        return int(self.head_dim() * self.rotary_percent)
+
     def architecture_name(self) -> str:
-        """One line naming the architecture, e.g. "GPT-2 (learned positions, LayerNorm, GELU, tied)"."""
+        """One line naming the architecture, e.g. "GPT-2 (learned positions, LayerNorm, GELU, tied)"; with
+        multi-latent attention "DeepSeek-family (RMSNorm, SwiGLU, MLA: q latent 1536, kv latent 512, ...)"."""
         gpt2 = self.arch() == Architecture()
-        parts = ["learned positions" if self.position_embedding_type == "learned_absolute" else "rope",
-                 self.normalization, "SwiGLU" if self.swiglu else "GELU"]
+        mla = self.multi_latent_attention
+        parts = ["learned positions" if self.position_embedding_type == "learned_absolute" else
+                 "" if mla else "rope", self.normalization, "SwiGLU" if self.swiglu else "GELU"]
+        parts = [p for p in parts if p]
+        if mla:     # its own rotary embedding (a model-level rope is not built under MLA)
+            parts.append(f"MLA: {'q latent ' + str(self.q_lora_rank) if self.q_lora_rank else 'queries direct'}, "
+                         f"kv latent {self.kv_lora_rank}, qk head {self.qk_head_dim}+{self.qk_pos_emb_head_dim}, "
+                         f"v head {self.v_head_dim}, {self.rope_type or 'yarn'}"
+                         + (", latent norms" if self.qk_layernorm else ""))
         if self.query_groups() != self.num_attention_heads:
             parts.append(f"GQA {self.query_groups()}")
-        if self.kv_channels is not None and self.kv_channels * self.num_attention_heads != self.hidden_size:
+        if not mla and self.kv_channels is not None and self.kv_channels * self.num_attention_heads != self.hidden_size:
             parts.append(f"kv channels {self.kv_channels}")
         parts.append("untied" if self.untie_embeddings_and_output_weights else "tied")
         if not gpt2:
             parts.append("biases" if self.add_bias_linear else "qkv bias only" if self.add_qkv_bias else "no biases")
-        if self.qk_layernorm:
+        if self.qk_layernorm and not mla:
             parts.append("qk norm")
         if self.num_experts is not None:
             moe = self.moe()
             parts.append(f"MoE: {self.num_experts} experts, top-{self.moe_router_topk}, expert ffn {self.moe_ffn()}"
                          + (f", shared expert {moe.shared}" + (" gated" if moe.shared_gate else "") if moe.shared else "")
                          + ("" if all(moe.layers) else f", {sum(moe.layers)} of {self.num_layers} layers"))
-        return f"{'GPT-2' if gpt2 else 'Llama-family'} ({', '.join(parts)})"
+        family = "GPT-2" if gpt2 else "DeepSeek-family" if mla else "Llama-family"
+        return f"{family} ({', '.join(parts)})"
 
     def reserve(self) -> int:
         """The OS reserve this plan keeps free on each node: host_reserve_bytes, or the rule."""
@@ -274,6 +307,7 @@ class PlanInput:
         if self.num_attention_heads % self.tensor_parallel:
             raise ValueError(f"num_attention_heads {self.num_attention_heads} is not divisible by "
                              f"tensor_parallel {self.tensor_parallel}")
+        self._validate_mla()
         if self.ffn_hidden_size is not None:
             pos("ffn_hidden_size")
             if self.ffn_hidden_size % self.tensor_parallel:
@@ -301,6 +335,35 @@ class PlanInput:
                 raise ValueError(f"{name} must be >= 0")
         if not 0 <= self.fragmentation < 1:
             raise ValueError(f"fragmentation must be in [0, 1), got {self.fragmentation}")
+
+    def _validate_mla(self) -> None:
+        """Multi-latent attention's rules that shape memory (the job checks the rest, GPTConfig._check_mla)."""
+        if not self.multi_latent_attention:
+            return
+        for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        r_q = self.q_lora_rank
+        if r_q is not None and (not isinstance(r_q, int) or isinstance(r_q, bool) or r_q < 1):
+            raise ValueError(f"q_lora_rank must be a positive integer or None, got {r_q!r}")
+        if r_q is not None and r_q % self.tensor_parallel:
+            raise ValueError(f"q_lora_rank {r_q} is not divisible by tensor_parallel {self.tensor_parallel} (its down "
+                             "projection is column-parallel)")
+        kv = self.kv_lora_rank + self.qk_pos_emb_head_dim
+        if kv % self.tensor_parallel:
+            # replicated in the model (model/mla.py), but megatron-core's constructor first builds it column-parallel
+            raise ValueError(f"kv_lora_rank + qk_pos_emb_head_dim = {kv} is not divisible by tensor_parallel "
+                             f"{self.tensor_parallel} (megatron-core builds the kv down projection column-parallel "
+                             "before the model replaces it; the job's rule)")
+        if self.rope_type not in (None, "rope", "yarn"):
+            raise ValueError(f"rope_type must be 'rope' or 'yarn' (None: yarn), got {self.rope_type!r}")
+        if self.query_groups() != self.num_attention_heads:
+            raise ValueError(f"num_query_groups {self.num_query_groups} with multi_latent_attention: MLA's keys and "
+                             "values come from one latent per token, not from groups")
+        if self.attention_backend != "sdpa":
+            raise ValueError("multi_latent_attention runs on torch SDPA (attention_backend 'sdpa'): megatron-core's "
+                             "local attention cannot take its separate key and value head dims")
 
     def _validate_moe(self) -> None:
         """megatron-core's MoE rules that shape memory (the job checks the rest, GPTConfig._check_moe)."""
@@ -409,6 +472,8 @@ def plan_input_from_flags(flags: Any, *, data_parallel: int, vocab_size: int, **
             if getattr(flags, name, None) is not None}
     if not getattr(flags, "group_query_attention", True):
         arch.pop("num_query_groups", None)      # Megatron-LM: --num-query-groups counts only with GQA on
+    if getattr(flags, "multi_latent_attention", False):
+        arch["rope_type"] = getattr(flags, "rope_type", None)
     return PlanInput(**arch,
         num_layers=flags.num_layers, hidden_size=flags.hidden_size, num_attention_heads=flags.num_attention_heads,
         ffn_hidden_size=flags.ffn_hidden_size, vocab_size=vocab_size, seq_length=flags.seq_length,

@@ -1,8 +1,9 @@
 """What one transformer layer keeps for backward on one TP rank, by part (Korthikanti et al. 2022,
 built from the parts so precision, architecture and options change it consistently; measured with
 saved-tensor hooks in tests/test_planner_validation.py and tests/test_planner_moe.py): the norms, the
-attention block and its scores, the MLP (or an MoE layer's side, planner/moe.py), and what selective
-recompute (--recompute-modules) keeps and holds again. memory.py composes these into the plan."""
+attention block (standard, or multi-latent attention's latents and heads) and its scores, the MLP (or
+an MoE layer's side, planner/moe.py), and what selective recompute (--recompute-modules) keeps and
+holds again. memory.py composes these into the plan."""
 from __future__ import annotations
 
 from zo_megatron.planner.inputs import PlanInput
@@ -39,6 +40,20 @@ def _sdpa_math_path(inp: PlanInput) -> bool:
     return inp.attention_backend == "sdpa" and inp.device_is_host and inp.attention_dropout_on()
 
 
+def _sdpa_pads(inp: PlanInput) -> bool:
+    """The core attention pads the heads to one head dim before SDPA: on the CPU, where multi-latent
+    attention's value head dim differs from its query/key head dim (DeepSeek-V3: 128 vs 192), since
+    torch's CPU flash kernel takes one head dim (model/attention.py SDPAttention: zero channels, sliced
+    off the output). CUDA's memory-efficient kernel takes the two dims as they are."""
+    return inp.attention_backend == "sdpa" and inp.device_is_host and inp.qk_dim() != inp.v_dim()
+
+
+def _sdpa_head_dims(inp: PlanInput) -> tuple[int, int]:
+    """(query/key, value) head dims of the tensors SDPA gets (`_sdpa_pads`: both the larger)."""
+    qk, v = inp.qk_dim(), inp.v_dim()
+    return (max(qk, v),) * 2 if _sdpa_pads(inp) else (qk, v)
+
+
 def _attention_saved(inp: PlanInput, checkpointed: bool | None = None) -> int:
     """Bytes the attention block of one layer keeps per token on one TP rank (besides the scores and
     its input, counted by the caller): what the core attention's matmuls save, with aliasing.
@@ -56,6 +71,8 @@ def _attention_saved(inp: PlanInput, checkpointed: bool | None = None) -> int:
     tensor stays alive as long as any saved tensor is a view of it (GPT-2: all three; MHA + RoPE:
     v). qk_layernorm normalizes q and k per head first (its inputs: q's reshape, k's view of the
     fused tensor). Heads and groups are this TP rank's (G/t groups: one group per rank at G = t)."""
+    if inp.multi_latent_attention:
+        return _mla_attention_saved(inp, checkpointed)
     w = _bytes16(inp.precision)
     t = inp.tensor_parallel
     a, g, d = inp.num_attention_heads // t, inp.query_groups() // t, inp.head_dim()
@@ -101,6 +118,63 @@ def _attention_saved(inp: PlanInput, checkpointed: bool | None = None) -> int:
     return saved_bytes
 
 
+def _mla_attention_saved(inp: PlanInput, checkpointed: bool | None = None) -> int:
+    """`_attention_saved` of multi-latent attention (megatron-core's MLASelfAttention, unfused path,
+    get_query_key_value_tensors): bytes per token on one TP rank of what its core attention keeps of
+    its inputs, at the rank's n = a/t heads. query = cat(q_nope, rope(q_pe)) and key = cat(k_nope,
+    rope(k_pe) for every head) are new tensors of n·d_qk, value a contiguous copy of n·d_v (its slice of
+    the kv up projection); the up projections' outputs they come from are not kept (cat, rope and
+    contiguous save nothing of them). SDPA's fused kernels keep the three as they get them; where the
+    heads are padded to one dim first (`_sdpa_pads`, on a CPU) the padded tensors (the unpadded ones are
+    freed: a pad saves nothing) and SDPA's padded output beside linear_proj's input (a copy of its first
+    d_v channels, counted by the caller). The CPU math path (`_sdpa_math_path`) keeps fp32 copies
+    instead (`_scores_saved`); under --recompute-modules core_attn the checkpoint keeps query, key and
+    value as given."""
+    if checkpointed is None:
+        checkpointed = "core_attn" in inp.selective_modules()
+    n, w = inp.num_attention_heads // inp.tensor_parallel, _bytes16(inp.precision)
+    if checkpointed:
+        return w * n * (2 * inp.qk_dim() + inp.v_dim())
+    if _sdpa_math_path(inp):
+        return 0
+    qk, v = _sdpa_head_dims(inp)
+    return w * n * (2 * qk + v + (v if _sdpa_pads(inp) else 0))
+
+
+def _mla_latents_saved(inp: PlanInput) -> tuple[int, int]:
+    """(bytes per token that sequence parallelism splits over TP, bytes per token it does not) of what
+    multi-latent attention keeps of its two latents, the same on every TP rank (measured:
+    tests/test_planner_validation.py's -mla cases):
+
+      q latent   linear_q_down_proj's column-parallel output, all-gathered over TP to q_lora_rank (with
+                 SP scattered back to this rank's tokens as a slice: a view that keeps the gathered,
+                 whole-sequence tensor), then q_layernorm, then linear_q_up_proj, which keeps its input;
+      kv latent  linear_kv_down_proj's output [kv_lora_rank + qk_pos_emb_head_dim] (replicated weight:
+                 this rank's tokens with SP), whose first kv_lora_rank channels (a view, keeping all of
+                 it) go through kv_layernorm to linear_kv_up_proj, which keeps its input.
+
+    Without --qk-layernorm the up projection keeps the view itself, so the whole tensor. With it the
+    norm keeps what `_qk_norm_saved` says (RMSNorm in 16 bits: an fp32 copy, the fp32 normalized tensor,
+    1/rms; a LayerNorm or an fp32 RMSNorm: its input itself, the view, plus its own) and the up
+    projection its output (a new tensor). The rotated key part is consumed by rope and freed."""
+    w = _bytes16(inp.precision)
+    split, whole = 0, 0
+    for rank, extra, gathered in ((inp.q_lora_rank, 0, True), (inp.kv_lora_rank, inp.qk_pos_emb_head_dim, False)):
+        if not rank:
+            continue
+        stored = w * (rank + extra)               # the tensor the latent is (a view of)
+        kept_input = stored
+        if inp.qk_layernorm:
+            norm, keeps_input = _qk_norm_saved(inp, rank, 1)
+            split += norm - (w * rank if keeps_input else 0) + w * rank    # its own + its output
+            kept_input = stored if keeps_input else 0
+        if gathered and inp.sp():
+            whole += kept_input
+        else:
+            split += kept_input
+    return split, whole
+
+
 def _layer_saved(inp: PlanInput, moe_layer: bool = False) -> tuple[int, int, int]:
     """(replicated, split, scores) bytes one transformer layer keeps for backward on one TP rank.
 
@@ -116,19 +190,26 @@ def _layer_saved(inp: PlanInput, moe_layer: bool = False) -> tuple[int, int, int
     # 16-bit input; RMSNorm: fp32 input, fp32 normalized, 1/rms), the inputs of qkv and of fc1 (b16
     # each) + 2 dropout masks
     replicated = 2 * _norm_saved(inp, sbh, sb)[0] + (2 * w + 2 * mask) * sbh
-    # split over TP: q, k, v (+ the fused qkv output they may be views of), proj input, the MLP:
+    # multi-latent attention: its q and kv latents (the same on every TP rank; `_mla_latents_saved`)
+    latents, gathered_latent = _mla_latents_saved(inp) if inp.multi_latent_attention else (0, 0)
+    replicated += sb * latents
+    # split over TP: q, k, v (+ the fused qkv output they may be views of), proj input (heads x the value
+    # head dim), the MLP:
     # GELU keeps fc1's output and fc2's input (2f); SwiGLU keeps fc1's [gate; up] output (2f), silu(gate),
     # up + 0 (megatron's glu_linear_offset makes it a new tensor) and their product, fc2's input (5f)
     mlp = 0 if moe_layer else (5 if inp.swiglu else 2) * f // t
-    split = sb * (_attention_saved(inp) + w * (inp.num_attention_heads * inp.head_dim() // t + mlp))
+    split = sb * (_attention_saved(inp) + w * (inp.num_attention_heads * inp.v_dim() // t + mlp))
     if moe_layer:
         split += moe_mlp_saved(inp)
     if inp.sp():
         # sequence parallel: norms, dropouts and the qkv / fc1 inputs (each linear saves its local
         # [s/t, b, h] input and re-gathers it in backward) hold 1/t of the sequence
         replicated //= t
-    if inp.position_embedding_type in ("rope", "yarn"):    # cos and sin tables for q and for k, per layer
-        replicated += 4 * w * s * int(inp.head_dim() * inp.rotary_percent)
+    replicated += sb * gathered_latent            # MLA's q latent under SP: a view of the gathered sequence
+    if inp.multi_latent_attention or inp.position_embedding_type in ("rope", "yarn"):
+        # cos and sin tables for q and for k, per layer (MLA: its own rotary embedding on qk_pos_emb_head_dim
+        # channels, over the whole sequence also with SP; a model-level rope is not built under MLA)
+        replicated += 4 * w * s * inp.rotary_dim()
     return replicated, split, _scores_saved(inp)
 
 
@@ -175,6 +256,40 @@ def _selective_layer(inp: PlanInput, moe_layer: bool) -> tuple[int, int]:
     return kept, max(recomputed) + norm_again
 
 
+def _core_attention_backward(inp: PlanInput, moe_layer: bool = False) -> int:
+    """Bytes above the stored activations while one layer's core attention runs its backward on torch
+    SDPA's CPU math path (`_sdpa_math_path`; 0 elsewhere: the fused kernels' backward is smaller than
+    the MLP's, phase B). Read from torch's math path and measured (tests/test_planner_validation.py's
+    -attndrop cases at seq 512, where this phase is the peak: GPT-2 6.3% under the peak without it,
+    -0.4% with it; MLA -0.7%):
+
+      new         two fp32 [b, a/t, s, s] gradients at once (of the dropout's output and of the
+                  probabilities at the dropout's backward; without dropout of the probabilities and of
+                  the scores at the softmax's), the fp32 gradients of the output and of v [b, a/t, s, d_v];
+      freed       what that layer's backward has released by then: its MLP side (the pre-MLP norm and
+                  the fc1 input, both bias-dropout-add masks, the MLP's or MoE side's activations, as far
+                  as selective recompute had kept them), linear_proj's input, the fp32 v of the
+                  probabilities @ v product, with dropout the dropout's output.
+
+    Net of the two, at least 0."""
+    if not _sdpa_math_path(inp):
+        return 0
+    s, b, h, a, t = inp.seq_length, inp.micro_batch_size, inp.hidden_size, inp.num_attention_heads, inp.tensor_parallel
+    w, sb, mask = _bytes16(inp.precision), inp.seq_length * inp.micro_batch_size, 1 if inp.dropout else 0
+    mods = inp.selective_modules()
+    square, value = 4 * a * s * s * b // t, 4 * a * sb * _sdpa_head_dims(inp)[1] // t
+    new = 2 * square + 2 * value
+    norm = 0 if "layernorm" in mods else _norm_saved(inp, sb * h, sb)[0]
+    freed = (norm + (w + 2 * mask) * sb * h) // (t if inp.sp() else 1)
+    if moe_layer:
+        freed += 0 if "moe" in mods else moe_mlp_saved(inp) - (shared_expert_saved(inp) if "shared_experts" in mods
+                                                              else 0)
+    elif "mlp" not in mods:
+        freed += w * sb * (5 if inp.swiglu else 2) * inp.ffn() // t
+    freed += value + w * a * sb * inp.v_dim() // t + (square if inp.attention_dropout_on() else 0)
+    return max(0, new - freed)
+
+
 def _scores_saved(inp: PlanInput) -> int:
     """Bytes the core attention keeps per layer on one TP rank beyond q, k, v and its output.
 
@@ -190,8 +305,10 @@ def _scores_saved(inp: PlanInput) -> int:
     w = _bytes16(inp.precision)
     if inp.attention_backend == "sdpa":
         if _sdpa_math_path(inp):
-            # fp32: scores, probabilities, dropout output [b, a/t, s, s]; scaled q, scaled k, v [b, a/t, s, d]
-            return 3 * 4 * a * s * s * b // t + 3 * 4 * a * s * b * inp.head_dim() // t
+            # fp32: scores, probabilities, dropout output [b, a/t, s, s]; scaled q, scaled k, v [b, a/t,
+            # s, d] (MLA's heads padded to one d first on the CPU: `_sdpa_head_dims`)
+            qk, v = _sdpa_head_dims(inp)
+            return 3 * 4 * a * s * s * b // t + 4 * a * s * b * (2 * qk + v) // t
         return 4 * a * s * b // t
     mask = 1 if inp.dropout else 0
     # attention scores a·s·s·b: probs saved by softmax (+ fp32 probs and a 16-bit copy if unfused)

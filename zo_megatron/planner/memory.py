@@ -8,7 +8,8 @@ import math
 
 from zo_megatron.planner.inputs import Plan, PlanInput
 from zo_megatron.planner.buckets import _bucket_layout
-from zo_megatron.planner.layer_activations import _bytes16, _layer_saved, _norm_saved, _selective_layer
+from zo_megatron.planner.layer_activations import (_bytes16, _core_attention_backward, _layer_saved, _norm_saved,
+                                                   _selective_layer)
 from zo_megatron.planner.moe import moe_backward_grads, moe_dispatcher
 from zo_megatron.planner.params import count_params, pad_vocab_size
 from zo_megatron.planner.units import format_bytes
@@ -31,9 +32,12 @@ def _activation_items(inp: PlanInput, vocab_padded: int) -> dict[str, int]:
       B   backward of the last layer: its activations (recomputed with recompute: the working
           set) + its gradients (2f wide: fc1-output sized twice with GELU, fc1's [gate; up] output
           once with SwiGLU; the residual stream twice) + the held tied embedding gradient.
+      B'  the same layer's core attention backward on torch SDPA's CPU math path: its two fp32 s x s
+          gradients, net of what the layer released before (`_core_attention_backward`), + the
+          residual stream's gradients + the held tied embedding gradient.
 
     Line items: P, each phase's parts, and `activations_phases_not_coexisting` (<= 0), which takes
-    back what the phases would double count: the items sum to P + max(A1, A2, B).
+    back what the phases would double count: the items sum to P + max(A1, A2, B, B').
     With sequence parallelism the all-gather buffer is live in every phase.
     """
     s, b, h = inp.seq_length, inp.micro_batch_size, inp.hidden_size
@@ -116,10 +120,17 @@ def _activation_items(inp: PlanInput, vocab_padded: int) -> dict[str, int]:
     items["activations_layer_backward_grads"] = layer_grads = residual + max(
         moe_backward_grads(inp) if kind else 2 * w * s * b * f // t for kind in set(kinds))
     phase_b = sp_buffer + working_set + layer_grads + emb_grad + dispatch_transient
+    # phase B', the same layer's core attention backward, where torch SDPA's CPU math path holds two fp32
+    # s x s gradients beyond what that layer has released by then (layer_activations._core_attention_backward)
+    attention_backward = max(_core_attention_backward(inp, kind) for kind in set(kinds))
+    if attention_backward:
+        items["activations_core_attention_backward"] = attention_backward
+    phase_b_attention = sp_buffer + working_set + residual + emb_grad + attention_backward
     phase_a0 = sp_buffer + dispatch_transient       # the last MoE layer's dispatch in forward
     listed = sum(v for k, v in items.items()
                  if k not in ("activations_layers", "activations_layer_inputs"))
-    items["activations_phases_not_coexisting"] = max(phase_a0, phase_a1, phase_a2, phase_b) - listed
+    items["activations_phases_not_coexisting"] = max(phase_a0, phase_a1, phase_a2, phase_b,
+                                                     phase_b_attention) - listed
     return items
 
 

@@ -1,7 +1,8 @@
 """Parameter counts of the model, total and per TP rank (Megatron's layout), for every architecture
 the planner models: GPT-2 (learned positions, LayerNorm, GELU, biases, tied embeddings) and the
 Llama family through GPTConfig's fields (rope, RMSNorm, SwiGLU, GQA, untied output layer, no
-biases / qkv bias only, qk LayerNorm).
+biases / qkv bias only, qk LayerNorm), and multi-latent attention (DeepSeek-V2/V3's MLA,
+`mla_attention_rows`: megatron-core's MLASelfAttention as model/mla.py builds it).
 
 One list of parameters (`layer_parameters`, `model_parameters`) in megatron-core's registration
 order feeds both the counts here and the bucket walk of the memory model.
@@ -61,7 +62,8 @@ def selective_recompute_modules(recompute: str | None, modules, *, experts: bool
                              "experts only, and the experts here run as its SequentialMLP (--moe-grouped-gemm is "
                              "performance only); use moe (the whole MoE layer) instead")
         if m == "mla_up_proj":
-            raise ValueError("--recompute-modules mla_up_proj: multi-latent attention is not supported; drop it")
+            raise ValueError("--recompute-modules mla_up_proj: megatron-core's up-projection recompute for "
+                             "multi-latent attention is not supported (MLA itself is); use core_attn or layernorm")
         if m not in RECOMPUTE_MODULES:
             raise ValueError(f"--recompute-modules {m}: choose from {', '.join(RECOMPUTE_MODULES)}")
     if not experts and {"moe", "shared_experts"} & set(modules):
@@ -95,7 +97,16 @@ class Architecture:
     untie_embeddings_and_output_weights: bool = False
     add_bias_linear: bool = True
     add_qkv_bias: bool = False
-    qk_layernorm: bool = False
+    qk_layernorm: bool = False          # with MLA: the q and kv latents' norms
+    # multi-latent attention (GPTConfig's MLA_FIELDS, Megatron-LM's defaults): queries from a q_lora_rank
+    # latent (None: projected from the hidden state), keys and values from one kv_lora_rank latent per
+    # token; per head qk_head_dim + qk_pos_emb_head_dim query/key channels and v_head_dim value channels
+    multi_latent_attention: bool = False
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 32
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
 
 
 GPT2 = Architecture()
@@ -156,23 +167,61 @@ def layer_parameters(hidden_size: int, ffn_size: int, num_attention_heads: int,
     d = arch.kv_channels or h // a
     g = arch.num_query_groups or a
     qkv_out = (a + 2 * g) * d
-    norm_bias = arch.normalization == "LayerNorm"
     bias = arch.add_bias_linear
 
     def norm(name: str, n: int) -> list[tuple[str, int, bool]]:
-        return [(name + ".weight", n, False)] + ([(name + ".bias", n, False)] if norm_bias else [])
+        return _norm_rows(name, n, arch)
 
     rows = norm("input_layernorm", h)
-    rows += [("self_attention.linear_proj.weight", h * a * d, True)]
-    rows += [("self_attention.linear_proj.bias", h, False)] if bias else []
-    rows += [("self_attention.linear_qkv.weight", qkv_out * h, True)]
-    rows += [("self_attention.linear_qkv.bias", qkv_out, True)] if bias or arch.add_qkv_bias else []
-    if arch.qk_layernorm:
-        rows += norm("self_attention.q_layernorm", d) + norm("self_attention.k_layernorm", d)
+    if arch.multi_latent_attention:
+        rows += mla_attention_rows(h, a, arch)
+    else:
+        rows += [("self_attention.linear_proj.weight", h * a * d, True)]
+        rows += [("self_attention.linear_proj.bias", h, False)] if bias else []
+        rows += [("self_attention.linear_qkv.weight", qkv_out * h, True)]
+        rows += [("self_attention.linear_qkv.bias", qkv_out, True)] if bias or arch.add_qkv_bias else []
+        if arch.qk_layernorm:
+            rows += norm("self_attention.q_layernorm", d) + norm("self_attention.k_layernorm", d)
     rows += norm("pre_mlp_layernorm", h)
     if moe is not None:
         return rows + moe_mlp_parameters(h, arch, moe)
     return rows + _mlp_rows("mlp.", h, f, arch.swiglu, bias)
+
+
+def _norm_rows(name: str, n: int, arch: Architecture) -> list[tuple[str, int, bool]]:
+    """A norm of n channels: its weight, and its bias as LayerNorm (replicated over TP)."""
+    return [(name + ".weight", n, False)] + ([(name + ".bias", n, False)] if arch.normalization == "LayerNorm" else [])
+
+
+def mla_attention_rows(h: int, a: int, arch: Architecture) -> list[tuple[str, int, bool]]:
+    """(name, numel, split over TP) of one layer's multi-latent attention in megatron-core's registration
+    order (MLASelfAttention, model/mla.py), with n = a heads, d_qk = qk_head_dim + qk_pos_emb_head_dim:
+
+      linear_proj          [h, n·v_head_dim] (+ bias h, replicated), row-parallel
+      linear_q_proj        [n·d_qk, h], column-parallel                    (q_lora_rank None)
+      linear_q_down_proj   [q_lora_rank, h], column-parallel (its output is gathered: the latent is whole)
+      linear_q_up_proj     [n·d_qk, q_lora_rank], column-parallel
+      linear_kv_down_proj  [kv_lora_rank + qk_pos_emb_head_dim, h], REPLICATED over TP (model/mla.py)
+      linear_kv_up_proj    [n·(qk_head_dim + v_head_dim), kv_lora_rank], column-parallel
+      q_layernorm, kv_layernorm   on the latents (q_lora_rank, kv_lora_rank; with qk_layernorm, the q one
+                           only with a q latent), replicated
+    No projection but linear_proj has a bias."""
+    d_qk = arch.qk_head_dim + arch.qk_pos_emb_head_dim
+    r_q, r_kv = arch.q_lora_rank, arch.kv_lora_rank
+    p = "self_attention."
+    rows = [(p + "linear_proj.weight", h * a * arch.v_head_dim, True)]
+    rows += [(p + "linear_proj.bias", h, False)] if arch.add_bias_linear else []
+    if r_q is None:
+        rows += [(p + "linear_q_proj.weight", a * d_qk * h, True)]
+    else:
+        rows += [(p + "linear_q_down_proj.weight", r_q * h, True),
+                 (p + "linear_q_up_proj.weight", a * d_qk * r_q, True)]
+    rows += [(p + "linear_kv_down_proj.weight", (r_kv + arch.qk_pos_emb_head_dim) * h, False),
+             (p + "linear_kv_up_proj.weight", a * (arch.qk_head_dim + arch.v_head_dim) * r_kv, True)]
+    if arch.qk_layernorm:
+        rows += _norm_rows(p + "q_layernorm", r_q, arch) if r_q is not None else []
+        rows += _norm_rows(p + "kv_layernorm", r_kv, arch)
+    return rows
 
 
 def _mlp_rows(prefix: str, h: int, f: int, swiglu: bool, bias: bool) -> list[tuple[str, int, bool]]:
@@ -247,11 +296,15 @@ def count_params(num_layers: int, hidden_size: int, vocab_size_padded: int,
     f = default_ffn_size(h, arch.swiglu) if ffn_hidden_size is None else ffn_hidden_size
     a = num_attention_heads
     if a is None:
-        if arch.num_query_groups is not None or arch.kv_channels is not None:
-            raise ValueError("count_params needs num_attention_heads with num_query_groups or kv_channels")
+        if arch.num_query_groups is not None or arch.kv_channels is not None or arch.multi_latent_attention:
+            raise ValueError("count_params needs num_attention_heads with num_query_groups, kv_channels or "
+                             "multi-latent attention")
         a = 1                                       # MHA with head_dim h: the counts do not depend on a
     if h % t or V % t or f % t:
         raise ValueError(f"hidden_size {h}, ffn size {f} and padded vocab {V} must be divisible by TP {t}")
+    if arch.multi_latent_attention and (arch.q_lora_rank or 0) % t:
+        raise ValueError(f"q_lora_rank {arch.q_lora_rank} must be divisible by TP {t} (its down projection is "
+                         "column-parallel)")
     rows = model_parameters(0, h, f, a, V, S, arch)          # everything outside the layers
     out = {"total": sum(n for _, n, _ in rows), "replicated_per_tp_rank": sum(n for _, n, split in rows if not split),
            "per_tp_rank": sum(n // t for _, n, split in rows if split), "expert_per_rank": 0, "experts_total": 0}

@@ -32,7 +32,9 @@ def flops_per_token(num_layers: int, hidden: int, seq: int, vocab: int, recomput
                     kv_channels: int | None = None, swiglu: bool = False, moe_layers: list[bool] | None = None,
                     moe_ffn_hidden_size: int | None = None, moe_router_topk: int = 2,
                     moe_shared_expert_intermediate_size: int | None = None,
-                    recompute_modules: frozenset | tuple = ()) -> int:
+                    recompute_modules: frozenset | tuple = (), multi_latent_attention: bool = False,
+                    q_lora_rank: int | None = None, kv_lora_rank: int = 32, qk_head_dim: int = 128,
+                    qk_pos_emb_head_dim: int = 64, v_head_dim: int = 128) -> int:
     """Model FLOPs per trained token (forward + backward): Megatron-LM's count
     (`num_floating_point_operations`, megatron/training/training.py at core_v0.16.1, GPT with or
     without experts), divided by batch x seq. Per layer forward, with q = kv_channels x heads (= h by
@@ -47,7 +49,15 @@ def flops_per_token(num_layers: int, hidden: int, seq: int, vocab: int, recomput
     all; --recompute-method block N: the first N), selective recompute one more forward of its
     `recompute_modules` (core_attn: the scores and values, 2qs; mlp: a dense layer's MLP; moe: an
     MoE layer's experts a token uses and its shared expert; shared_experts: the shared expert; the
-    norms are not counted, as nowhere here) -- Megatron's own count leaves recompute out."""
+    norms are not counted, as nowhere here) -- Megatron's own count leaves recompute out.
+
+    Multi-latent attention (`multi_latent_attention`, GPTConfig's MLA fields; n heads, d_qk =
+    qk_head_dim + qk_pos_emb_head_dim, r_q / r_kv the latent ranks), Megatron-LM's MLA branch per layer
+    forward: queries 2h·n·d_qk (r_q None) or 2·r_q·(h + n·d_qk + 1), keys and values 2·r_kv·(h +
+    n·(qk_head_dim + v_head_dim) + 1) + 2h·qk_pos_emb_head_dim, the output projection 2·n·v_head_dim·h,
+    the causal core s·n·(d_qk + v_head_dim) (half of QK^T and of (QK^T)V); the +1s are Megatron's count
+    of the two latent norms, whether --qk-layernorm builds them or not. Selective recompute of core_attn
+    adds that core once more per layer."""
     h = hidden
     f = (int(4 * h * 2 / 3 / 64) * 64 if swiglu else 4 * h) if ffn_hidden_size is None else ffn_hidden_size
     if num_attention_heads is None:
@@ -58,6 +68,15 @@ def flops_per_token(num_layers: int, hidden: int, seq: int, vocab: int, recomput
         d = kv_channels or h // num_attention_heads
         q, kv = d * num_attention_heads, d * (num_query_groups or num_attention_heads)
     attention = 2 * h * (q + 2 * kv) + 2 * q * seq + 2 * q * h
+    core = 2 * q * seq                          # the causal QK^T and (QK^T)V, half of each s x s product
+    if multi_latent_attention:
+        if num_attention_heads is None:
+            raise ValueError("flops_per_token needs num_attention_heads with multi-latent attention")
+        n, d_qk = num_attention_heads, qk_head_dim + qk_pos_emb_head_dim
+        queries = h * n * d_qk if q_lora_rank is None else q_lora_rank * (h + n * d_qk + 1)
+        keys_values = kv_lora_rank * (h + n * (qk_head_dim + v_head_dim) + 1) + h * qk_pos_emb_head_dim
+        core = seq * n * (d_qk + v_head_dim)
+        attention = 2 * (queries + keys_values + n * v_head_dim * h) + core
     gemms = 3 if swiglu else 2                  # h -> f (-> 2f with SwiGLU) and f -> h, 2 FLOPs per product
     dense_layer = attention + 2 * h * f * gemms
     moe_ffn = (moe_ffn_hidden_size or f) * moe_router_topk + (moe_shared_expert_intermediate_size or 0)
@@ -72,7 +91,7 @@ def flops_per_token(num_layers: int, hidden: int, seq: int, vocab: int, recomput
     if recompute == "selective":
         mods = set(recompute_modules or ("core_attn",))
         for kind in kinds:
-            selective += 2 * q * seq if "core_attn" in mods else 0
+            selective += core if "core_attn" in mods else 0
             if kind and "moe" in mods:
                 selective += 2 * h * moe_ffn * gemms
             elif kind and "shared_experts" in mods:
@@ -80,6 +99,11 @@ def flops_per_token(num_layers: int, hidden: int, seq: int, vocab: int, recomput
             elif not kind and "mlp" in mods:
                 selective += 2 * h * f * gemms
     return 3 * sum(per_layer) + sum(per_layer[:again]) + selective + 3 * head_fwd
+
+
+# GPTConfig's MLA fields that flops_per_token reads (model/config.py MLA_FIELDS less the rope type)
+MLA_FLOP_FIELDS = ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+                   "v_head_dim")
 
 
 def model_flops_per_token(cfg, seq_length: int, padded_vocab_size: int, recompute: str | None,
@@ -94,7 +118,9 @@ def model_flops_per_token(cfg, seq_length: int, padded_vocab_size: int, recomput
                            moe_ffn_hidden_size=cfg.moe_ffn_size if experts else None,
                            moe_router_topk=cfg.moe_router_topk if experts else 2,
                            moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size
-                           if experts else None, recompute_modules=getattr(cfg, "recompute_modules", None) or ())
+                           if experts else None, recompute_modules=getattr(cfg, "recompute_modules", None) or (),
+                           **{name: getattr(cfg, name) for name in MLA_FLOP_FIELDS
+                              if getattr(cfg, "multi_latent_attention", False)})
 
 
 class Metrics:
