@@ -172,3 +172,30 @@ def test_mla_rules_one_line_each():
         GPTConfig(**{**base, "multi_latent_attention": False})        # the MLA sizes without MLA
     with pytest.raises(ConfigError, match="does not divide --q-lora-rank 18"):
         GPTConfig(**base, q_lora_rank=18).check_tensor_parallel(4)
+
+
+def _latent_storage_world(rank, seed):
+    from zo_megatron.model import GPTConfig, build_gpt_model
+    from zo_megatron.parallel import init_parallel
+
+    ps = init_parallel(2, seed=seed)
+    cfg = GPTConfig(**{**_OURS, "qk_layernorm": False}, **CASES["q_latent_yarn"][1], sequence_parallel=True)
+    model = build_gpt_model(cfg, ps.tp_rank, ps.tp_size, seed=seed)
+    seen = []
+    for layer in model.gpt.decoder.layers:
+        layer.self_attention.linear_q_up_proj.register_forward_hook(
+            lambda _m, args, _out: seen.append((args[0].shape, args[0].numel() * args[0].element_size(),
+                                                args[0].untyped_storage().nbytes())))
+    model(torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed)))
+    return seen
+
+
+def test_the_query_latent_under_sequence_parallelism_holds_this_ranks_tokens_only():
+    """megatron-core scatters the gathered query latent back to this rank's tokens as a slice, a view of the
+    whole sequence; what linear_q_up_proj keeps for backward (without latent norms, its input) must own just
+    this rank's [s/TP, b, q_lora_rank] (model/mla.py copies it), not keep the gathered sequence alive."""
+    seed = fresh_seed("MLA q latent storage under SP")
+    for seen in run_world(_latent_storage_world, 2, seed):
+        assert len(seen) == LAYERS
+        for shape, nbytes, storage in seen:
+            assert tuple(shape) == (SEQ // 2, BATCH, 20) and storage == nbytes, (shape, nbytes, storage)

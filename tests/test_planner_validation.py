@@ -66,7 +66,7 @@ CASES = [
     # head 32+16 against value head 32, V3's 192:128: on a CPU the core pads v to 48 for torch's flash
     # kernel), and queries projected directly without latent norms (plain rope, query/key head 16+16 =
     # value head 32: no padding, what a GPU's memory-efficient kernel keeps); at TP 2 with and without
-    # sequence parallelism (the q latent is whole on every rank, the kv latent replicated), selective
+    # sequence parallelism (the latents: this rank's tokens under SP), selective
     # recompute (the attention core; with the norms and the MLP under SP), full recompute in fp32, and
     # attention dropout (the math path)
     ("bf16-mla-v3", "bf16", False, 1000, 40_000_000),
@@ -74,6 +74,9 @@ CASES = [
     ("bf16-mla-v3-rccore", "bf16", ("core_attn",), 1000, 40_000_000),
     ("bf16-mla-v3-rcmodules-sp", "bf16", ("core_attn", "layernorm", "mlp"), 1000, 40_000_000),
     ("bf16-mla-v3-attndrop", "bf16", False, 1000, 40_000_000),
+    # the q latent under SP without latent norms: linear_q_up_proj keeps it, this rank's tokens only (model/mla.py
+    # copies megatron-core's slice of the gathered sequence, which kept all of it)
+    ("bf16-mla-v3-nonorm-sp", "bf16", False, 1000, 40_000_000),
     ("bf16-mla-direct", "bf16", False, 1000, 200_000),
     ("bf16-mla-direct-sp", "bf16", False, 1000, 200_000),
     ("fp32-mla-direct-recompute", "fp32", True, 1024, 40_000_000),
@@ -102,6 +105,8 @@ def _arch(name):
         dict(MLA_DIRECT) if "mla-direct" in name else {}
     if "-sdpa" in name:
         arch["attention_backend"] = "sdpa"
+    if "-nonorm" in name:
+        arch["qk_layernorm"] = False
     if name.endswith("-sp"):
         arch["sequence_parallel"] = True
     return arch

@@ -530,6 +530,8 @@ class GPTConfig:
                ("--moe-shared-expert-intermediate-size", self.moe_shared_expert_intermediate_size or 0)) \
             if self.num_experts is not None else ()
         # MLA's down projections are megatron-core's column-parallel linears in the local spec: their latents split
+        # (model/mla.py replaces the key/value one by a replicated weight, but only after megatron-core's
+        # constructor has built, and divided, the column-parallel one; Megatron-LM's local files need it too)
         mla = (("--q-lora-rank", self.q_lora_rank or 0),
                ("--kv-lora-rank + --qk-pos-emb-head-dim", self.kv_lora_rank + self.qk_pos_emb_head_dim)) \
             if self.multi_latent_attention else ()

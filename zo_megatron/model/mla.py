@@ -85,3 +85,16 @@ class MLASelfAttentionTP(_megatron_mla()):
                          **kwargs)
         self.linear_kv_down_proj = KVLatentProjection(config, config.hidden_size, config.kv_lora_rank,
                                                       config.qk_pos_emb_head_dim, self.pg_collection.tp)
+        if config.sequence_parallel and config.q_lora_rank is not None and self.pg_collection.tp.size() > 1:
+            # under sequence parallelism megatron-core all-gathers the query latent over TP and scatters it back
+            # to this rank's tokens as a slice: a view that kept the whole gathered sequence alive wherever the
+            # next module saved it (a LayerNorm, an fp32 RMSNorm, or linear_q_up_proj without --qk-layernorm).
+            # The latent's own copy of this rank's tokens frees it (the module's name and state are unchanged)
+            self.q_layernorm.forward = _on_own_storage(self.q_layernorm.forward)
+
+
+def _on_own_storage(forward):
+    def on_own_storage(x, *args, **kwargs):
+        return forward(x.clone(memory_format=torch.contiguous_format), *args, **kwargs)
+
+    return on_own_storage

@@ -141,14 +141,14 @@ def _mla_attention_saved(inp: PlanInput, checkpointed: bool | None = None) -> in
     return w * n * (2 * qk + v + (v if _sdpa_pads(inp) else 0))
 
 
-def _mla_latents_saved(inp: PlanInput) -> tuple[int, int]:
-    """(bytes per token that sequence parallelism splits over TP, bytes per token it does not) of what
-    multi-latent attention keeps of its two latents, the same on every TP rank (measured:
+def _mla_latents_saved(inp: PlanInput) -> int:
+    """Bytes per token (split over TP by sequence parallelism) of what multi-latent attention keeps of its
+    two latents, the same on every TP rank (measured:
     tests/test_planner_validation.py's -mla cases):
 
       q latent   linear_q_down_proj's column-parallel output, all-gathered over TP to q_lora_rank (with
-                 SP scattered back to this rank's tokens as a slice: a view that keeps the gathered,
-                 whole-sequence tensor), then q_layernorm, then linear_q_up_proj, which keeps its input;
+                 SP scattered back to this rank's tokens, as a copy of its own: model/mla.py), then
+                 q_layernorm, then linear_q_up_proj, which keeps its input;
       kv latent  linear_kv_down_proj's output [kv_lora_rank + qk_pos_emb_head_dim] (replicated weight:
                  this rank's tokens with SP), whose first kv_lora_rank channels (a view, keeping all of
                  it) go through kv_layernorm to linear_kv_up_proj, which keeps its input.
@@ -158,8 +158,8 @@ def _mla_latents_saved(inp: PlanInput) -> tuple[int, int]:
     1/rms; a LayerNorm or an fp32 RMSNorm: its input itself, the view, plus its own) and the up
     projection its output (a new tensor). The rotated key part is consumed by rope and freed."""
     w = _bytes16(inp.precision)
-    split, whole = 0, 0
-    for rank, extra, gathered in ((inp.q_lora_rank, 0, True), (inp.kv_lora_rank, inp.qk_pos_emb_head_dim, False)):
+    split = 0
+    for rank, extra in ((inp.q_lora_rank, 0), (inp.kv_lora_rank, inp.qk_pos_emb_head_dim)):
         if not rank:
             continue
         stored = w * (rank + extra)               # the tensor the latent is (a view of)
@@ -168,11 +168,8 @@ def _mla_latents_saved(inp: PlanInput) -> tuple[int, int]:
             norm, keeps_input = _qk_norm_saved(inp, rank, 1)
             split += norm - (w * rank if keeps_input else 0) + w * rank    # its own + its output
             kept_input = stored if keeps_input else 0
-        if gathered and inp.sp():
-            whole += kept_input
-        else:
-            split += kept_input
-    return split, whole
+        split += kept_input
+    return split
 
 
 def _layer_saved(inp: PlanInput, moe_layer: bool = False) -> tuple[int, int, int]:
@@ -191,7 +188,7 @@ def _layer_saved(inp: PlanInput, moe_layer: bool = False) -> tuple[int, int, int
     # each) + 2 dropout masks
     replicated = 2 * _norm_saved(inp, sbh, sb)[0] + (2 * w + 2 * mask) * sbh
     # multi-latent attention: its q and kv latents (the same on every TP rank; `_mla_latents_saved`)
-    latents, gathered_latent = _mla_latents_saved(inp) if inp.multi_latent_attention else (0, 0)
+    latents = _mla_latents_saved(inp) if inp.multi_latent_attention else 0
     replicated += sb * latents
     # split over TP: q, k, v (+ the fused qkv output they may be views of), proj input (heads x the value
     # head dim), the MLP:
@@ -205,7 +202,6 @@ def _layer_saved(inp: PlanInput, moe_layer: bool = False) -> tuple[int, int, int
         # sequence parallel: norms, dropouts and the qkv / fc1 inputs (each linear saves its local
         # [s/t, b, h] input and re-gathers it in backward) hold 1/t of the sequence
         replicated //= t
-    replicated += sb * gathered_latent            # MLA's q latent under SP: a view of the gathered sequence
     if inp.multi_latent_attention or inp.position_embedding_type in ("rope", "yarn"):
         # cos and sin tables for q and for k, per layer (MLA: its own rotary embedding on qk_pos_emb_head_dim
         # channels, over the whole sequence also with SP; a model-level rope is not built under MLA)
