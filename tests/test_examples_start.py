@@ -22,10 +22,11 @@ TINY = ["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "4"
         "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1", "--tensor-parallel", "1",
         "--lr", "1e-3", "--lr-warmup-iters", "0", "--lr-decay-iters", "1", "--eval-iters", "1",
         "--eval-interval", "1", "--no-progress-bar"]
-# a mixture of experts' script (mixtral_8x7b_ep8.sh, qwen3_30b_a3b_ep8.sh) also gets 4 small experts, top 2,
-# on the one process: EP 1 (its routing, dispatcher and aux-loss flags are its own)
+# a mixture of experts' script (mixtral_8x7b_ep8.sh, qwen3_30b_a3b_ep8.sh, deepseek_v2_lite_ep8.sh) also gets 4
+# small experts, top 2, on the one process: EP 1, the one layer MoE (a script's per-layer list is for its own
+# depth; its routing, dispatcher and aux-loss flags are its own)
 TINY_MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "64",
-            "--expert-model-parallel-size", "1"]
+            "--expert-model-parallel-size", "1", "--moe-layer-freq", "1"]
 EXAMPLES = [p for p in X.EXAMPLES if X.launches_pretrain(p)]
 
 
