@@ -106,3 +106,51 @@ def test_sdpa_device_memory_has_no_s_squared_term():
     probs = 2 * GPT2["num_attention_heads"] * seq * seq          # one [1, heads, s, s] bf16 tensor
     print(peaks)
     assert peaks["local"] - peaks["sdpa"] >= probs, peaks
+
+
+MLA = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=120, vocab_size=203,
+           max_position_embeddings=512, position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+           add_bias_linear=False, untie_embeddings_and_output_weights=True, qk_layernorm=True,
+           multi_latent_attention=True, q_lora_rank=24, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8,
+           v_head_dim=16, rope_type="yarn", rotary_scaling_factor=4.0, mscale_all_dim=1.0)
+
+
+def _mla_world(rank, precision, seq, seed):
+    """Multi-latent attention on CUDA and on the CPU (the reference: checked against transformers there,
+    tests/test_mla.py), the same weights and batch: the CUDA kernel, logits, loss, every gradient."""
+    from zo_megatron.model import GPTConfig, build_gpt_model
+    from zo_megatron.parallel import init_parallel
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ps = init_parallel(1, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    tokens = torch.randint(0, MLA["vocab_size"], (2, seq), generator=gen)
+    out = {}
+    for device, dtype_of in ((ps.device, precision), (torch.device("cpu"), "fp32")):
+        cfg = GPTConfig(**MLA, precision=dtype_of)
+        model = build_gpt_model(cfg, 0, 1, seed).to(device).to(cfg.dtype)
+        t = tokens.to(device)
+        logits = model(t)
+        loss = model.loss(t, t)
+        loss.backward()
+        attn = model.gpt.decoder.layers[0].self_attention.core_attention
+        out[device.type] = dict(kernel=attn.last_kernel, logits=logits.detach()[..., :MLA["vocab_size"]].float().cpu(),
+                                loss=loss.item(), grads={n: p.grad.float().cpu() for n, p in model.named_parameters()})
+    return out
+
+
+@needs_cuda("the CUDA SDPA kernels with multi-latent attention's head dims")
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_multi_latent_attention_runs_the_memory_efficient_kernel_on_cuda(precision):
+    """MLA's query/key head dim (24) differs from its value's (16): flash cannot take that, torch's
+    memory-efficient kernel can (model/attention.py pads only on a CPU); the CUDA model equals the CPU one
+    (fp32 to 1e-5 with TF32 off, bf16 within 2e-2 L2 per tensor)."""
+    seed = fresh_seed(f"gpu mla {precision}")
+    out = run_world(_mla_world, 1, precision, 256, seed)[0]
+    cuda, cpu = out["cuda"], out["cpu"]
+    assert cuda["kernel"] == "efficient" and cpu["kernel"] == "flash", (cuda["kernel"], cpu["kernel"])
+    metric, tol = (_rel, 1e-5) if precision == "fp32" else (_rel_l2, 2e-2)
+    assert metric(cuda["logits"], cpu["logits"]) <= tol
+    assert abs(cuda["loss"] - cpu["loss"]) <= tol * abs(cpu["loss"])
+    for n, g in cpu["grads"].items():
+        assert metric(cuda["grads"][n], g) <= tol, (n, metric(cuda["grads"][n], g))
