@@ -143,8 +143,8 @@ def test_mla_refusals():
 # activations: the layer's parts (what is measured is in tests/test_planner_validation.py)
 
 def test_layer_parts_as_modelled():
-    """Each MLA part moves one layer's bytes by what it keeps: the q latent (whole on every rank, also with
-    sequence parallelism), the kv latent with its rotary key part, the query/key/value per head, the value
+    """Each MLA part moves one layer's bytes by what it keeps: the q latent (whole on every rank; with
+    sequence parallelism this rank's tokens), the kv latent with its rotary key part, the query/key/value per head, the value
     heads padded to the q/k head dim for torch's CPU flash kernel."""
     from zo_megatron.planner.layer_activations import _layer_saved
 
@@ -157,8 +157,9 @@ def test_layer_parts_as_modelled():
     assert _layer_saved(latent)[0] - rep == w * s * b * r_q                 # the gathered q latent
     tp2 = latent.replace(tensor_parallel=2)
     sp = tp2.replace(sequence_parallel=True)
-    assert _layer_saved(tp2)[0] - _layer_saved(sp)[0] == (_layer_saved(tp2)[0] - w * s * b * r_q
-                                                         - 4 * w * s * 8) // 2
+    # sequence parallelism splits both latents over TP (model/mla.py copies the q latent's slice), not the
+    # rope tables
+    assert _layer_saved(tp2)[0] - _layer_saved(sp)[0] == (_layer_saved(tp2)[0] - 4 * w * s * 8) // 2
     # per head: q, k (24 each), v (10), linear_proj's input (10); 4 bytes of logsumexp
     assert split == s * b * (w * n * (2 * qk + v) + w * n * v + w * (5 * 96)) and scores == 4 * n * s * b
     cpu = gpu.replace(device_is_host=True)                          # v padded to 24, SDPA's output too
@@ -253,7 +254,7 @@ def test_flops_per_token_is_megatrons_mla_count():
         assert again - got == L * s * heads * (d_qk + mla["v_head_dim"])
 
 
-def _counted(rank, name, seq):
+def _counted(rank, name, seq, recompute_modules=None):
     """FlopCounterMode on one forward and one forward + backward of the built model (TP 1, fp32): torch's
     count of every GEMM (its CPU flash attention kernel is not in torch's registry: counted apart)."""
     from torch.utils.flop_counter import FlopCounterMode
@@ -262,7 +263,8 @@ def _counted(rank, name, seq):
     from zo_megatron.parallel import init_parallel
 
     ps = init_parallel(1, seed=1)
-    cfg = GPTConfig(**CONFIGS[name], vocab_size=VOCAB, max_position_embeddings=seq)
+    recompute = dict(recompute="selective", recompute_modules=recompute_modules) if recompute_modules else {}
+    cfg = GPTConfig(**CONFIGS[name], vocab_size=VOCAB, max_position_embeddings=seq, **recompute)
     model = build_gpt_model(cfg, ps.tp_rank, ps.tp_size, seed=1)
     tokens = torch.randint(0, VOCAB, (MICRO, seq))
     with FlopCounterMode(display=False) as fwd:
@@ -298,6 +300,13 @@ def test_flops_per_token_against_torchs_flop_counter(name):
     core = SEQ * n * (d_qk + d_v)                                         # Megatron's, per token and layer
     assert per_token * tokens == 3 * (fwd + tokens * cfg["num_layers"] * (core + 2 * latents))
     assert both == 3 * fwd
+    # --recompute-modules mla_up_proj: torch counts the up projections' GEMMs once more in the backward
+    _, both_up, _, _ = run_world(_counted, 1, name, SEQ, ("mla_up_proj",), timeout=240)[0]
+    up = flops_per_token(cfg["num_layers"], h, SEQ, VOCAB, "selective", cfg["ffn_hidden_size"], num_attention_heads=n,
+                         swiglu=True, multi_latent_attention=True, recompute_modules=("mla_up_proj",),
+                         **{k: cfg[k] for k in ("q_lora_rank", "kv_lora_rank", "qk_head_dim",
+                                                "qk_pos_emb_head_dim", "v_head_dim")})
+    assert both_up > both and (up - per_token) * tokens == both_up - both, (up - per_token, both_up - both)
     q, k, v = torch.zeros(MICRO, n, SEQ, d_qk), torch.zeros(MICRO, n, SEQ, d_qk), torch.zeros(MICRO, n, SEQ, d_v)
     with sdpa_kernel([SDPBackend.MATH]), FlopCounterMode(display=False) as attention:
         torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -375,8 +384,8 @@ def test_the_jobs_prelaunch_input_is_mla():
     (["--kv-lora-rank", "64"], "configures multi-latent attention: add --multi-latent-attention"),
     ([*V3_SMALL, "--attention-backend", "local"], "--attention-backend local with --multi-latent-attention"),
     ([*V3_SMALL, "--group-query-attention", "--num-query-groups", "2"], "MLA's keys and values come from one latent"),
-    ([*V3_SMALL, "--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj"],
-     "up-projection recompute for multi-latent attention is not supported"),
+    (["--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj"],
+     "recomputes multi-latent attention's up projections: the model has none"),
 ])
 def test_estimate_memory_refuses_in_one_line(args, message):
     r = _cli(*args)

@@ -74,6 +74,10 @@ CASES = [
     ("bf16-mla-v3-rccore", "bf16", ("core_attn",), 1000, 40_000_000),
     ("bf16-mla-v3-rcmodules-sp", "bf16", ("core_attn", "layernorm", "mlp"), 1000, 40_000_000),
     ("bf16-mla-v3-attndrop", "bf16", False, 1000, 40_000_000),
+    # --recompute-modules mla_up_proj: the query, key and value dropped after the core and recomputed (alone, and
+    # with the core's checkpoint, which keeps them as given)
+    ("bf16-mla-v3-rcupproj", "bf16", ("mla_up_proj",), 1000, 40_000_000),
+    ("bf16-mla-v3-rcupproj-core-sp", "bf16", ("mla_up_proj", "core_attn"), 1000, 40_000_000),
     # the q latent under SP without latent norms: linear_q_up_proj keeps it, this rank's tokens only (model/mla.py
     # copies megatron-core's slice of the gathered sequence, which kept all of it)
     ("bf16-mla-v3-nonorm-sp", "bf16", False, 1000, 40_000_000),

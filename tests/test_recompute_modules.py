@@ -25,6 +25,8 @@ def _counted(model, names):
     for i, layer in enumerate(model.gpt.decoder.layers):
         mods = dict(core_attn=layer.self_attention.core_attention, input_layernorm=layer.input_layernorm,
                     pre_mlp_layernorm=layer.pre_mlp_layernorm, mlp=layer.mlp)
+        if hasattr(layer.self_attention, "linear_kv_up_proj"):      # multi-latent attention's up projection
+            mods["mla_up"] = layer.self_attention.linear_kv_up_proj
         if hasattr(layer.mlp, "router"):         # an MoE layer (recomputed inside, its module call is not)
             mods["router"] = layer.mlp.router
             if layer.mlp.shared_experts is not None:
@@ -58,7 +60,7 @@ def _variants_world(rank, seed, base, variants, tp, ep):
         model = build_gpt_model(cfg, ps.tp_rank, ps.tp_size, seed)
         model.train()
         calls = _counted(model, ("core_attn", "input_layernorm", "pre_mlp_layernorm", "mlp", "router",
-                                 "shared_experts"))
+                                 "shared_experts", "mla_up"))
         torch.set_rng_state(cpu_state)
         get_cuda_rng_tracker().set_states(dict(tracker_states))   # the tracker keeps (and advances) the dict
         clear_aux_losses_tracker()
@@ -143,12 +145,29 @@ def test_moe_and_shared_expert_recompute_change_nothing_at_ep2_aux_and_z_losses_
                summed_again=("shared", "norms_moe"))
 
 
+def test_mla_up_projection_recompute_changes_nothing_at_tp2_with_sequence_parallel():
+    """Multi-latent attention (a query latent, latent norms, YaRN) at TP 2 with sequence parallelism and
+    dropout: --recompute-modules mla_up_proj (megatron-core's CheckpointWithoutOutput: query, key and value
+    freed after the core attention and recomputed from the latents before its backward) alone and with the
+    core's checkpoint; the up projections run forward twice."""
+    seed = fresh_seed("recompute modules, MLA up projections")
+    base = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=False,
+                untie_embeddings_and_output_weights=True, sequence_parallel=True, multi_latent_attention=True,
+                q_lora_rank=24, kv_lora_rank=16, qk_head_dim=12, qk_pos_emb_head_dim=8, v_head_dim=10,
+                qk_layernorm=True, rotary_scaling_factor=4.0, mscale_all_dim=1.0)
+    sel = dict(recompute="selective")
+    variants = [("none", {}), ("up", dict(sel, recompute_modules=("mla_up_proj",))),
+                ("up_core", dict(sel, recompute_modules=("mla_up_proj", "core_attn")))]
+    for o in run_world(_variants_world, 2, seed, base, variants, 2, 1, timeout=240):
+        _check(o, {"up": {"mla_up"}, "up_core": {"mla_up", "core_attn"}})
+
+
 @pytest.mark.parametrize("argv,says", [
     (["--recompute-modules", "mlp"], "--recompute-modules applies to --recompute-granularity selective"),
     (["--recompute-granularity", "selective", "--recompute-modules", "moe"], "the model has none"),
     (["--recompute-granularity", "selective", "--recompute-modules", "moe_act"], "use moe (the whole MoE layer)"),
     (["--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj"],
-     "multi-latent attention is not supported"),
+     "the model has none (add --multi-latent-attention"),
     (["--recompute-granularity", "selective", "--recompute-modules", "attention"], "choose from core_attn"),
     (["--recompute-granularity", "full", "--moe-layer-recompute"], "full recompute covers the MoE layers"),
     # GPT-2's biases: megatron-core's MLP checkpoint returns the fc2 bias parameter, and backward recursed

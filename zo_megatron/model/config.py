@@ -239,7 +239,7 @@ class GPTConfig:
                 self.recompute, self.recompute_modules, experts=self.num_experts is not None,
                 dense_layers=not all(self.moe_layers()),
                 shared_expert=self.moe_shared_expert_intermediate_size is not None,
-                linear_biases=self.add_bias_linear)
+                linear_biases=self.add_bias_linear, mla=self.multi_latent_attention)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         self.recompute_modules = modules if self.recompute == "selective" else None

@@ -271,7 +271,7 @@ class PlanInput:
         selective_recompute_modules(self.normalized_recompute(), self.recompute_modules,
                                     experts=moe is not None, dense_layers=moe is None or not all(moe.layers),
                                     shared_expert=bool(self.moe_shared_expert_intermediate_size),
-                                    linear_biases=self.add_bias_linear)
+                                    linear_biases=self.add_bias_linear, mla=self.multi_latent_attention)
         if self.normalized_recompute() == "full" and self.recompute_method == "uniform" and \
                 self.num_layers % self.recompute_num_layers:
             raise ValueError(f"recompute_num_layers {self.recompute_num_layers} does not divide num_layers "

@@ -220,7 +220,10 @@ def _selective_layer(inp: PlanInput, moe_layer: bool) -> tuple[int, int]:
                       recomputed into the same storage when backward reaches it;
       mlp             a dense layer's MLP keeps only its input (the pre-MLP norm's output, kept anyway);
       moe             an MoE layer's whole MLP side (`moe.moe_mlp_saved`) likewise;
-      shared_experts  only the shared expert's part of it (`moe.shared_expert_saved`)."""
+      shared_experts  only the shared expert's part of it (`moe.shared_expert_saved`);
+      mla_up_proj     multi-latent attention's query, key and value (`_mla_up_proj_dropped`) are dropped
+                      after the core attention's forward and recomputed from the latents before its
+                      backward, the up projections' outputs alive beside them then."""
     replicated, split, scores = _layer_saved(inp, moe_layer)
     mods = inp.selective_modules()
     s, b, t = inp.seq_length, inp.micro_batch_size, inp.tensor_parallel
@@ -249,7 +252,42 @@ def _selective_layer(inp: PlanInput, moe_layer: bool) -> tuple[int, int]:
         recompute(shared_expert_saved(inp))
     if not moe_layer and "mlp" in mods:
         recompute(w * s * b * (5 if inp.swiglu else 2) * inp.ffn() // t)
+    if "mla_up_proj" in mods:
+        dropped = s * b * _mla_up_proj_dropped(inp)
+        n = inp.num_attention_heads // t
+        recompute(dropped, dropped + s * b * w * n * (inp.qk_dim() + inp.qk_head_dim + inp.v_dim()))
+        kept += _mla_up_proj_checkpoint(inp)
     return kept, max(recomputed) + norm_again
+
+
+def _mla_up_proj_checkpoint(inp: PlanInput) -> int:
+    """Bytes per layer that --recompute-modules mla_up_proj's checkpoint changes besides the dropped query, key
+    and value (measured: tests/test_planner_validation.py's -rcupproj cases). It keeps its inputs: the rotary
+    frequencies (fp32 [s, d_r]) and the rotated key's input k_pe, which is, under sequence parallelism, the
+    whole sequence's gathered [s, b, d_r], otherwise a view of the key/value down projection's output (so all
+    of it, where nothing kept it already: `_mla_latents_saved`); and its rope runs without autograd, so the
+    cos/sin tables `_layer_saved` counts are not kept."""
+    s, b, w, d_r = inp.seq_length, inp.micro_batch_size, _bytes16(inp.precision), inp.rotary_dim()
+    if inp.sp():
+        k_pe = w * s * b * d_r
+    else:
+        norm_keeps_latent = not inp.qk_layernorm or _qk_norm_saved(inp, inp.kv_lora_rank, 1)[1]
+        k_pe = 0 if norm_keeps_latent else w * s * b * (inp.kv_lora_rank + inp.qk_pos_emb_head_dim)
+    return 4 * s * d_r + k_pe - 4 * w * s * d_r
+
+
+def _mla_up_proj_dropped(inp: PlanInput) -> int:
+    """Bytes per token that --recompute-modules mla_up_proj drops of what the core attention keeps
+    (`_mla_attention_saved`): megatron-core's CheckpointWithoutOutput frees the storage of the query, key
+    and value it computed, so whatever the core saved as those tensors or views of them: all three as the
+    core_attn checkpoint keeps them, SDPA's q and k (and v where it is not padded: on a GPU); nothing of the
+    CPU math path's fp32 copies or of a padded value head (new tensors)."""
+    n, w = inp.num_attention_heads // inp.tensor_parallel, _bytes16(inp.precision)
+    if "core_attn" in inp.selective_modules():
+        return w * n * (2 * inp.qk_dim() + inp.v_dim())
+    if _sdpa_math_path(inp):
+        return 0
+    return w * n * (2 * inp.qk_dim() + (0 if _sdpa_pads(inp) else inp.v_dim()))
 
 
 def _core_attention_backward(inp: PlanInput, moe_layer: bool = False) -> int:

@@ -21,8 +21,9 @@ from zo_megatron.param_names import is_routed_expert
 
 # megatron-core's selective recompute modules that the local spec has (--recompute-modules): the
 # attention core, the two layer norms (their outputs dropped and recomputed), a dense layer's MLP, a
-# whole MoE layer (router, dispatch and experts), the shared expert
-RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe", "shared_experts")
+# whole MoE layer (router, dispatch and experts), the shared expert, multi-latent attention's up
+# projections (their query, key and value dropped after the core attention and recomputed)
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe", "shared_experts", "mla_up_proj")
 
 
 def resolve_recompute(granularity: str | None, modules, *, recompute_activations: bool, moe_layer_recompute: bool,
@@ -44,7 +45,7 @@ def resolve_recompute(granularity: str | None, modules, *, recompute_activations
 
 
 def selective_recompute_modules(recompute: str | None, modules, *, experts: bool, dense_layers: bool,
-                                shared_expert: bool, linear_biases: bool) -> tuple | None:
+                                shared_expert: bool, linear_biases: bool, mla: bool = False) -> tuple | None:
     """The modules selective recompute runs (None when it is off), or a ValueError naming the flag
     and its fix: the job's rules (model/config.py) and the planner's (inputs.py), so the two never
     plan a run the other refuses. As Megatron-LM, the list defaults to the attention core and is
@@ -61,9 +62,9 @@ def selective_recompute_modules(recompute: str | None, modules, *, experts: bool
             raise ValueError("--recompute-modules moe_act: megatron-core recomputes the activation of its grouped "
                              "experts only, and the experts here run as its SequentialMLP (--moe-grouped-gemm is "
                              "performance only); use moe (the whole MoE layer) instead")
-        if m == "mla_up_proj":
-            raise ValueError("--recompute-modules mla_up_proj: megatron-core's up-projection recompute for "
-                             "multi-latent attention is not supported (MLA itself is); use core_attn or layernorm")
+        if m == "mla_up_proj" and not mla:
+            raise ValueError("--recompute-modules mla_up_proj recomputes multi-latent attention's up projections: "
+                             "the model has none (add --multi-latent-attention, or drop it)")
         if m not in RECOMPUTE_MODULES:
             raise ValueError(f"--recompute-modules {m}: choose from {', '.join(RECOMPUTE_MODULES)}")
     if not experts and {"moe", "shared_experts"} & set(modules):

@@ -102,7 +102,8 @@ def _add_model_flags(g) -> None:
     g.add_argument("--recompute-modules", nargs="+", default=None, metavar="MODULE",
                    help="with --recompute-granularity selective: what each layer recomputes in backward instead of "
                         "keeping (megatron-core's): core_attn (the attention core; the default), layernorm (the two "
-                        "norms' outputs), mlp (a dense layer's MLP), moe (a whole MoE layer), shared_experts")
+                        "norms' outputs), mlp (a dense layer's MLP), moe (a whole MoE layer), shared_experts, "
+                        "mla_up_proj (multi-latent attention's query, key and value, from its latents)")
     g.add_argument("--moe-layer-recompute", action="store_true",
                    help="Megatron's older spelling of --recompute-granularity selective with moe added to "
                         "--recompute-modules")

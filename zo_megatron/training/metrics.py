@@ -57,7 +57,8 @@ def flops_per_token(num_layers: int, hidden: int, seq: int, vocab: int, recomput
     n·(qk_head_dim + v_head_dim) + 1) + 2h·qk_pos_emb_head_dim, the output projection 2·n·v_head_dim·h,
     the causal core s·n·(d_qk + v_head_dim) (half of QK^T and of (QK^T)V); the +1s are Megatron's count
     of the two latent norms, whether --qk-layernorm builds them or not. Selective recompute of core_attn
-    adds that core once more per layer."""
+    adds that core once more per layer, of mla_up_proj the up projections (2·n·d_qk·(r_q or h) +
+    2·r_kv·n·(qk_head_dim + v_head_dim))."""
     h = hidden
     f = (int(4 * h * 2 / 3 / 64) * 64 if swiglu else 4 * h) if ffn_hidden_size is None else ffn_hidden_size
     if num_attention_heads is None:
@@ -69,6 +70,7 @@ def flops_per_token(num_layers: int, hidden: int, seq: int, vocab: int, recomput
         q, kv = d * num_attention_heads, d * (num_query_groups or num_attention_heads)
     attention = 2 * h * (q + 2 * kv) + 2 * q * seq + 2 * q * h
     core = 2 * q * seq                          # the causal QK^T and (QK^T)V, half of each s x s product
+    up_again = 0
     if multi_latent_attention:
         if num_attention_heads is None:
             raise ValueError("flops_per_token needs num_attention_heads with multi-latent attention")
@@ -77,6 +79,9 @@ def flops_per_token(num_layers: int, hidden: int, seq: int, vocab: int, recomput
         keys_values = kv_lora_rank * (h + n * (qk_head_dim + v_head_dim) + 1) + h * qk_pos_emb_head_dim
         core = seq * n * (d_qk + v_head_dim)
         attention = 2 * (queries + keys_values + n * v_head_dim * h) + core
+        # --recompute-modules mla_up_proj: the up projections (queries from their latent or the hidden state,
+        # keys and values from theirs) run again
+        up_again = 2 * n * (d_qk * (h if q_lora_rank is None else q_lora_rank) + kv_lora_rank * (qk_head_dim + v_head_dim))
     gemms = 3 if swiglu else 2                  # h -> f (-> 2f with SwiGLU) and f -> h, 2 FLOPs per product
     dense_layer = attention + 2 * h * f * gemms
     moe_ffn = (moe_ffn_hidden_size or f) * moe_router_topk + (moe_shared_expert_intermediate_size or 0)
@@ -92,6 +97,7 @@ def flops_per_token(num_layers: int, hidden: int, seq: int, vocab: int, recomput
         mods = set(recompute_modules or ("core_attn",))
         for kind in kinds:
             selective += core if "core_attn" in mods else 0
+            selective += up_again if "mla_up_proj" in mods and multi_latent_attention else 0
             if kind and "moe" in mods:
                 selective += 2 * h * moe_ffn * gemms
             elif kind and "shared_experts" in mods:
