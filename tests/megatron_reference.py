@@ -202,3 +202,129 @@ def mla_core_attention():
             return ctx.permute(2, 0, 1, 3).reshape(ctx.shape[2], ctx.shape[0], -1)
 
     return MLACoreAttention
+
+
+# Transformer Engine's modules (megatron-core 0.16.1's wrappers, megatron/core/extensions/transformer_engine.py)
+# and what each holds in a state dict, read from Transformer Engine 2.9-2.11 (the versions Megatron-LM
+# core_v0.16.1's pyproject.toml pins, `transformer-engine>=2.9.0a0,<2.12.0`):
+#   TELayerNormColumnParallelLinear (te.pytorch.LayerNormLinear, module/layernorm_linear.py): layer_norm_weight,
+#       layer_norm_bias unless RMSNorm, weight, bias with a bias (else a plain attribute, not saved)
+#   TELinear, TEColumnParallelLinear, TERowParallelLinear (te.pytorch.Linear, module/linear.py): weight, bias
+#   TE*GroupedLinear (te.pytorch.GroupedLinear, module/grouped_linear.py): weight{j}, bias{j} per GEMM
+#   TENorm (te.pytorch.LayerNorm / RMSNorm: ops/basic/layer_norm.py, rmsnorm.py): weight, bias unless RMSNorm
+#   TEDotProductAttention (attention/dot_product_attention/dot_product_attention.py): no tensor (softmax_offset
+#       only for a learnable softmax)
+# and every one an `_extra_state`: each is a TransformerEngineBaseModule (module/base.py) or a BasicOperation
+# (ops/op.py), both overriding get_extra_state / set_extra_state.
+TE_LINEARS = ("TELinear", "TEColumnParallelLinear", "TERowParallelLinear")
+TE_GROUPED = ("TEColumnParallelGroupedLinear", "TERowParallelGroupedLinear")
+
+
+def _te_entries(kind: str, *, bias: bool, layer_norm: bool, gemms: int) -> list[str]:
+    norm = ["bias"] if layer_norm else []
+    bias_ = ["bias"] if bias else []
+    return {"TELayerNormColumnParallelLinear": ["layer_norm_weight", *(["layer_norm_bias"] if layer_norm else []),
+                                                "weight", *bias_],
+            **{k: ["weight", *bias_] for k in TE_LINEARS},
+            **{k: [f"weight{j}" for j in range(gemms)] + ([f"bias{j}" for j in range(gemms)] if bias else [])
+               for k in TE_GROUPED},
+            "TENorm": ["weight", *norm], "TEDotProductAttention": []}[kind] + ["_extra_state"]
+
+
+def transformer_engine_specs(args, config):
+    """(the layer specs, the final norm's module) Megatron-LM core_v0.16.1 builds with --transformer-impl
+    transformer_engine (its default) for `args`: gpt_builders.py's _get_transformer_layer_spec(use_te=True)
+    -- get_gpt_layer_with_transformer_engine_spec(num_experts, moe_grouped_gemm, qk_layernorm,
+    multi_latent_attention) for every layer -- or, with experts, get_gpt_decoder_block_spec(config,
+    use_transformer_engine=True), whose layer specs are get_gpt_decoder_layer_specs' and whose final norm is
+    TENorm; the dense path's final norm is transformer_block.py's LayerNormImpl, TENorm wherever Transformer
+    Engine is installed (its lines 54-61). Built here without Transformer Engine: megatron-core's own spec
+    functions run on its stand-ins -- the TE wrapper classes it defines when TE is missing (MagicMock-based,
+    never instantiated), TESpecProvider and TENorm put where the spec module imports them when TE is
+    present, is_te_min_version true (TE >= 2.9), and two stand-in classes for the grouped linears it defines
+    only with TE (so that --moe-grouped-gemm's spec is TEGroupedMLP's, not the legacy fallback). Returns the
+    layer specs, the final norm and {id(module class): TE class name} for the TE classes in them."""
+    from megatron.core.extensions import transformer_engine as te_ext
+    from megatron.core.extensions import transformer_engine_spec_provider as provider
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    grouped = {name: type(name, (), {}) for name in TE_GROUPED}
+    patches = [(provider, "is_te_min_version", lambda *a, **k: True),
+               *((provider, name, cls) for name, cls in grouped.items()),
+               (gpt_layer_specs, "TESpecProvider", provider.TESpecProvider), (gpt_layer_specs, "TENorm", te_ext.TENorm)]
+    saved = [(mod, name, getattr(mod, name, None), hasattr(mod, name)) for mod, name, _ in patches]
+    for mod, name, value in patches:
+        setattr(mod, name, value)
+    try:
+        if getattr(args, "num_experts", None):
+            layers = gpt_layer_specs.get_gpt_decoder_layer_specs(config, use_transformer_engine=True,
+                                                                 normalization=args.normalization)
+        else:
+            layers = [gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+                getattr(args, "num_experts", None), getattr(args, "moe_grouped_gemm", False), args.qk_layernorm,
+                getattr(args, "multi_latent_attention", False))] * args.num_layers
+    finally:
+        for mod, name, value, had in saved:
+            if had:
+                setattr(mod, name, value)
+            else:
+                delattr(mod, name)
+    kinds = {id(getattr(te_ext, n)): n for n in (*TE_LINEARS, "TELayerNormColumnParallelLinear", "TENorm",
+                                                 "TEDotProductAttention")}
+    kinds.update({id(cls): name for name, cls in grouped.items()})
+    return layers, te_ext.TENorm, kinds
+
+
+def transformer_engine_state_keys(args, config, local_model) -> set[str]:
+    """The state-dict keys of one rank's GPTModel as Megatron-LM core_v0.16.1 builds it with --transformer-impl
+    transformer_engine (its torch-format rank file holds exactly these): megatron-core's TE spec tree for the
+    args (transformer_engine_specs) walked over `local_model`, megatron-core's own local-spec GPTModel of the same
+    args and rank. Where the TE spec puts a Transformer Engine module (or an IdentityOp) the local module's keys
+    go and the TE module's come (_te_entries); a megatron-core module both specs share (TransformerLayer,
+    SelfAttention, MLASelfAttention, MLP, MoELayer, SharedExpertMLP, SequentialMLP, TopKRouter) keeps its own
+    keys; TEGroupedMLP, which the local spec does not build, replaces the local experts. Which submodules a
+    module builds at all (MLA's linear_q_proj or its query latent, a shared expert) is megatron-core's own code,
+    the same for both specs: a spec entry counts where the local model has a module at that path."""
+    import dataclasses
+
+    import torch
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    layers, final_norm, kinds = transformer_engine_specs(args, config)
+    modules = dict(local_model.named_modules())
+    local_keys = set(local_model.state_dict())
+    layer_norm = config.normalization == "LayerNorm"
+    gemms = (config.num_moe_experts or 0) // config.expert_model_parallel_size
+    out, replaced = set(), set()
+
+    def walk(spec, path, built=False):
+        module = spec.module if isinstance(spec, ModuleSpec) else spec
+        kind = kinds.get(id(module))
+        if kind is None and not (isinstance(module, type) and issubclass(module, torch.nn.Module)):
+            return                                  # a function (bias-dropout-add), a keys map, None
+        if path not in modules and not built:
+            return                                  # not built by megatron-core's module for these args
+        if kind is not None or issubclass(module, IdentityOp):
+            replaced.add(path)
+            if kind is not None:
+                bias = config.add_bias_linear if kind in TE_GROUPED else f"{path}.bias" in local_keys
+                out.update(f"{path}.{e}" for e in _te_entries(kind, bias=bias, layer_norm=layer_norm, gemms=gemms))
+            return
+        if type(modules.get(path)) is not module:
+            replaced.add(path)                      # TEGroupedMLP where the local spec has other experts
+        sub = spec.submodules if isinstance(spec, ModuleSpec) else None
+        if module is SequentialMLP:                 # its local_experts: one MLP of these submodules per local expert
+            for j in range(gemms):
+                walk(ModuleSpec(module=MLP, submodules=sub), f"{path}.local_experts.{j}")
+        elif dataclasses.is_dataclass(sub):
+            for f in dataclasses.fields(sub):
+                walk(getattr(sub, f.name), f"{path}.{f.name}", built=module is TEGroupedMLP)
+
+    for i, spec in enumerate(layers):
+        walk(spec, f"decoder.layers.{i}")
+    walk(final_norm, "decoder.final_layernorm")
+    kept = {k for k in local_keys if not any(k.startswith(p + ".") for p in replaced)}
+    return kept | out

@@ -421,6 +421,8 @@ def _bad_inputs(d, ck):
         ("checksum mismatch", ["reshard", "--load", flipped, "--output", out, "--target-tensor-parallel-size", "1"],
          "checksum mismatch"),
         ("no checkpoint", ["to-megatron", "--load", os.path.join(d, "nowhere"), "--output", out], "no such directory"),
+        ("unknown implementation", ["to-megatron", "--load", ck, "--output", out, "--transformer-impl", "te"],
+         "argument --transformer-impl: invalid choice: 'te'"),
         ("relu GPT-2", ["from-hf", "--input", hf_dirs["relu"], "--output", out, "--tensor-parallel", "1"],
          "activation_function='relu'"),
         ("untied GPT-2", ["from-hf", "--input", hf_dirs["untied"], "--output", out, "--tensor-parallel", "1"],

@@ -6,11 +6,12 @@ a query latent with YaRN (factor, mscale, mscale_all_dim), queries projected dir
 mixture of experts under MLA (DeepSeek-V3's router: sigmoid scores, an expert bias, 2 groups of which 1 is
 picked, a scaling factor, a shared expert; layer 0 dense). Tiny sizes (hidden 32, 4 heads, KV latent 16, q
 latent 10, head dims 8 + 4 rotated, values 6), fp32, seeds printed:
-  - to-megatron at TP 1 and 2 (the MoE at TP1 x EP2 and TP2 x EP1): on 2 gloo ranks megatron-core's own
-    GPTModel, built from the files' args alone (its local MLA spec; its core attention a plain softmax
-    attention that takes MLA's key and value head dims, which megatron-core's local DotProductAttention does
-    not), loads each rank's file with load_state_dict(strict=True) and gives our model's logits (every
-    element); the down projections are split by rows per rank (the local spec's ColumnParallelLinear);
+  - to-megatron --transformer-impl local at TP 1 and 2 (the MoE at TP1 x EP2 and TP2 x EP1): on 2 gloo ranks
+    megatron-core's own GPTModel, built from the files' args alone (its local MLA spec; its core attention a
+    plain softmax attention that takes MLA's key and value head dims, which megatron-core's local
+    DotProductAttention does not), loads each rank's file with load_state_dict(strict=True) and gives our
+    model's logits (every element); the down projections are split by rows per rank (the local spec's
+    ColumnParallelLinear);
   - from-megatron of those files, of the same files as a Transformer Engine run writes them (the latents'
     norms fused into the up projections, a dense MLP's norm into linear_fc1, the down projections whole on
     every TP rank, TE's extra states), of megatron-core's own torch_dist save of its loaded model, of
@@ -21,6 +22,13 @@ latent 10, head dims 8 + 4 rotated, values 6), fp32, seeds printed:
     torch files back tensor for tensor;
   - the printed flags and --use-checkpoint-args give the architecture; the MLA defaults from-megatron
     applies are megatron-core's MLATransformerConfig's;
+  - to-megatron's default for MLA, Transformer Engine's names (--transformer-impl transformer_engine), at the
+    same layouts: every rank file holds exactly the keys megatron-core's TE spec gives its rank
+    (megatron_reference.transformer_engine_state_keys), the down projections whole, the tensors of the local
+    files renamed by this test's own _as_transformer_engine_torch; renamed back to the local spec's names
+    (test_convert_megatron_dist.te_to_local) megatron-core's local MLA model loads each strictly and gives our
+    logits; from-megatron of them and of their torch_dist (keys: te_dist_keys) gives our weights back bit for
+    bit;
   - bad input is one line, exit 2, nothing written.
 """
 import copy
@@ -168,6 +176,7 @@ def _world(rank, d, tokens, seed):
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
     from tests.test_convert_megatron_dist import _in_process_writes
+    from tests.test_convert_megatron_te import te_rank_check
     from zo_megatron.checkpoint import megatron_lm
     from zo_megatron.checkpoint.content import persistent_buffers
     from zo_megatron.checkpoint.reader import CheckpointReader
@@ -211,6 +220,11 @@ def _world(rank, d, tokens, seed):
                 local = ref(tokens, torch.arange(s).expand(b, s), mask)
             full = torch.cat(collectives.all_gather_list(local.contiguous(), ps.tp_group), -1) if tp > 1 else local
             out[("megatron-core", name, tp, ep)] = (full[..., :VOCAB].clone(), rank_dir)
+            # to-megatron's Transformer Engine files of this rank: their keys against megatron-core's TE spec, and
+            # renamed to the local spec's, megatron-core's local MLA model loading them strictly
+            te = te_rank_check(os.path.join(d, f"{name}_te_{_tag(tp, ep)}", "release", rank_dir, megatron_lm.FILE),
+                               ps.tp_rank, tp, _megatron_core_mla_gpt, tokens, ps.tp_group)
+            out[("te", name, tp, ep)] = {**te, "logits": te["logits"][..., :VOCAB].clone(), "rank_dir": rank_dir}
             metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True,
                         "dp_cp_group": mpu.get_data_parallel_group(with_context_parallel=True)}
             # megatron-core's own load of to-megatron's torch_dist at this layout
@@ -265,9 +279,15 @@ def built(tmp_path_factory):
         for tp, ep in layouts:
             meg = str(d / f"{name}_megatron_{_tag(tp, ep)}")
             lines[("to", name, tp, ep)] = []
-            convert.to_megatron(ck, meg, tensor_parallel=tp, expert_parallel=ep, log=lines[("to", name, tp, ep)].append)
+            convert.to_megatron(ck, meg, tensor_parallel=tp, expert_parallel=ep, transformer_impl="local",
+                                log=lines[("to", name, tp, ep)].append)
+            lines[("te", name, tp, ep)] = []          # the default for MLA: Transformer Engine's names
+            convert.to_megatron(ck, str(d / f"{name}_te_{_tag(tp, ep)}"), tensor_parallel=tp, expert_parallel=ep,
+                                log=lines[("te", name, tp, ep)].append)
         tp, ep = layouts[-1]
         convert.to_megatron(ck, str(d / f"{name}_dist"), tensor_parallel=tp, expert_parallel=ep,
+                            ckpt_format="torch_dist", transformer_impl="local", log=quiet)
+        convert.to_megatron(ck, str(d / f"{name}_te_dist"), tensor_parallel=tp, expert_parallel=ep,
                             ckpt_format="torch_dist", log=quiet)
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(seed + 17))
     world = run_world(_world, 2, str(d), tokens, seed, timeout=400)
@@ -346,7 +366,8 @@ def test_the_files_are_the_local_spec_s_with_megatron_lm_s_mla_args(built):
         note = [ln for ln in built["lines"][("to", name, *layouts[0])] if "note: launch Megatron-LM with" in ln]
         assert len(note) == 1 and "--multi-latent-attention" in note[0], note
         assert f"--rope-type {arch['rope_type']}" in note[0], note
-        assert any("--transformer-impl transformer_engine" in ln for ln in built["lines"][("to", name, *layouts[0])])
+        (warning,) = [ln for ln in built["lines"][("to", name, *layouts[0])] if "--transformer-impl local:" in ln]
+        assert "no Megatron-LM run loads them" in warning and "--transformer-impl transformer_engine" in warning
 
 
 def test_from_megatron_gives_our_weights_back_bit_for_bit_from_every_form(built, tmp_path):
@@ -374,6 +395,91 @@ def test_from_megatron_gives_our_weights_back_bit_for_bit_from_every_form(built,
         model = megatron_lm.safe_load(os.path.join(te, sorted(os.listdir(te))[-1], megatron_lm.FILE))["model"]
         assert "decoder.layers.0.self_attention.linear_kv_up_proj.layer_norm_weight" in model
         assert model["decoder.layers.0.self_attention.linear_kv_down_proj.weight"].shape[0] == 16 + 4
+
+
+def test_transformer_engine_files_by_default_hold_the_te_spec_s_keys_and_load_as_the_local_spec(built, tmp_path):
+    """MLA's default, --transformer-impl transformer_engine: (c) every rank file holds exactly the keys megatron-
+    core's TE MLA spec gives its rank (tests/megatron_reference.transformer_engine_state_keys: input_layernorm a
+    TENorm, the latents' norms fused into the up projections, a dense layer's pre-MLP norm into linear_fc1, an
+    MoE layer's a TENorm, every TE module's extra state, TE's empty one), the down projections whole on every TP
+    rank, and tensor for tensor what the test's own renaming of the local files (_as_transformer_engine_torch)
+    gives; (b) renamed to the local spec's names (te_to_local: the down projections cut by rows), megatron-core's
+    local MLA model loads each strictly and computes our logits, every element; the launch line names the
+    implementation."""
+    from zo_megatron.checkpoint import megatron_lm
+
+    d = built["d"]
+    for name, (arch, layouts) in CASES.items():
+        ours_logits = built["world"][0][("ours", name)]
+        _, ours, _ = _weights(os.path.join(d, f"{name}_ck"))
+        for tp, ep in layouts:
+            dirs = set()
+            for rank_out in built["world"]:
+                got = rank_out[("te", name, tp, ep)]
+                keys, spec = set(got["keys"]), set(got["spec"])
+                assert keys == spec, (name, tp, ep, got["rank_dir"], sorted(keys - spec), sorted(spec - keys))
+                assert got["states"].pop("output_layer._extra_state") is None
+                assert set(got["states"].values()) == {("torch.uint8", (0,))}, (name, got["states"])
+                close(got["logits"], ours_logits)
+                dirs.add(got["rank_dir"])
+            assert len(dirs) == tp * ep, (name, tp, ep, dirs)
+            (line,) = [ln for ln in built["lines"][("te", name, tp, ep)] if "load it in Megatron-LM with" in ln]
+            assert "--transformer-impl transformer_engine (Transformer Engine's layer names" in line, line
+            assert not any("--transformer-impl local:" in ln for ln in built["lines"][("te", name, tp, ep)])
+            rel = os.path.join(d, f"{name}_te_{_tag(tp, ep)}", "release")
+            for rank_dir in os.listdir(rel):
+                sd = megatron_lm.safe_load(os.path.join(rel, rank_dir, megatron_lm.FILE))
+                assert sd["args"].transformer_impl == "transformer_engine"
+                for i in range(LAYERS):
+                    a = f"decoder.layers.{i}.self_attention."
+                    for proj in ["linear_kv_down_proj"] + (["linear_q_down_proj"] if arch["q_lora_rank"] else []):
+                        assert torch.equal(sd["model"][f"{a}{proj}.weight"], ours[f"gpt.{a}{proj}.weight"]), \
+                            (name, proj)
+        # the test's own renaming of the local files as a Transformer Engine run saves them: the same tensors
+        last = _tag(*layouts[-1])
+        simulated = _as_transformer_engine_torch(os.path.join(d, f"{name}_megatron_{last}"), str(tmp_path / name))
+        for rank_dir in os.listdir(os.path.join(simulated, "release")):
+            a, b = (megatron_lm.safe_load(os.path.join(root, "release", rank_dir, megatron_lm.FILE))["model"]
+                    for root in (simulated, os.path.join(d, f"{name}_te_{last}")))
+            ta, tb = ({k for k, v in m.items() if torch.is_tensor(v) and not k.endswith("_extra_state")}
+                      for m in (a, b))
+            assert ta == tb, (name, rank_dir, sorted(ta ^ tb))
+            assert all(torch.equal(a[k], b[k]) for k in ta), name
+
+
+def test_transformer_engine_files_read_back_bit_for_bit_in_both_formats(built, tmp_path):
+    """(a) from-megatron of to-megatron's Transformer Engine files at every layout and of its Transformer Engine
+    torch_dist: our weights, expert biases and architecture bit for bit; the torch_dist's keys are the TE rank
+    files' as megatron-core's sharded_state_dict stacks them (te_dist_keys): input_layernorm, the fused latent
+    norms, an MoE layer's pre_mlp_layernorm under TE's names (the local MLA spec's torch_dist keeps the local
+    ones), every TE norm's extra state."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from tests.test_convert_megatron_te import te_dist_keys
+    from zo_megatron.checkpoint import convert, megatron_lm
+    from zo_megatron.checkpoint.safe_load import read_dcp_metadata
+
+    d = built["d"]
+    for name, (arch, layouts) in CASES.items():
+        ck = os.path.join(d, f"{name}_ck")
+        sources = [os.path.join(d, f"{name}_te_{_tag(*lay)}") for lay in layouts] + [os.path.join(d, f"{name}_te_dist")]
+        for i, src in enumerate(sources):
+            back = str(tmp_path / f"{name}_{i}")
+            convert.from_megatron(src, back, tensor_parallel=2, log=quiet)
+            _assert_same_model(ck, back, (name, src))
+        ep1 = next(lay for lay in layouts if lay[1] == 1)             # a rank file with every expert
+        rank0 = built["world"][0][("te", name, *ep1)]
+        rel = os.path.join(d, f"{name}_te_dist", "release")
+        md = read_dcp_metadata(rel).state_dict_metadata
+        tensors = {k for k, v in md.items() if isinstance(v, TensorStorageMetadata)}
+        args = megatron_lm.safe_load(os.path.join(rel, "common.pt"), model=False)["args"]
+        want_tensors, want_objects = te_dist_keys(rank0["keys"], args)
+        assert tensors == want_tensors, (name, sorted(tensors ^ want_tensors))
+        assert set(md) - tensors == want_objects, (name, sorted((set(md) - tensors) ^ want_objects))
+        layer = "decoder.layers." if "num_experts" not in arch else "decoder.layers.0."
+        assert f"{layer}self_attention.linear_kv_up_proj.layer_norm_weight" in tensors
+        assert f"{layer}input_layernorm.weight" in tensors and f"{layer}mlp.linear_fc1.layer_norm_weight" in tensors
+        assert args.transformer_impl == "transformer_engine"
 
 
 def test_torch_dist_is_megatron_core_s_and_loads_at_both_layouts(built):
@@ -412,7 +518,7 @@ def test_megatron_to_ours_to_megatron_gives_the_files_back(built, tmp_path):
         tp, ep = layouts[-1]
         ours, again = str(tmp_path / f"{name}_ours"), str(tmp_path / f"{name}_again")
         convert.from_megatron(os.path.join(d, f"{name}_saved_dist"), ours, tensor_parallel=1, log=quiet)
-        convert.to_megatron(ours, again, tensor_parallel=tp, expert_parallel=ep, log=quiet)
+        convert.to_megatron(ours, again, tensor_parallel=tp, expert_parallel=ep, transformer_impl="local", log=quiet)
         rel = os.path.join(d, f"{name}_megatron_{_tag(tp, ep)}", "release")
         for rank_dir in os.listdir(rel):
             a = megatron_lm.safe_load(os.path.join(rel, rank_dir, megatron_lm.FILE))["model"]

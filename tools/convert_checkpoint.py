@@ -8,6 +8,7 @@
                                                    [--expert-model-parallel-size M]
                                                    [--expert-tensor-parallel-size K] [--moe-grouped-gemm]
                                                    [--ckpt-format torch|torch_dist]
+                                                   [--transformer-impl local|transformer_engine]
     python tools/convert_checkpoint.py from-megatron --input DIR --output CKPT --tensor-parallel N
                                                      [--iteration N] [--vocab-size N] [--tokenizer-model DIR]
     python tools/convert_checkpoint.py to-fp32 --load CKPT --output PATH [--max-shard-size 5GB]
@@ -87,12 +88,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the experts' TP for a mixture of experts (Megatron-LM's flag; default: the checkpoint's "
                         "at its TP, else --tensor-parallel)")
     p.add_argument("--moe-grouped-gemm", dest="grouped_gemm", action="store_true",
-                   help="the experts as a Megatron-LM --transformer-impl local --moe-grouped-gemm run holds them "
-                        "(GroupedMLP's weight1 / weight2; default: SequentialMLP's local_experts.J)")
+                   help="the experts as a Megatron-LM --moe-grouped-gemm run holds them (--transformer-impl local: "
+                        "GroupedMLP's weight1 / weight2; transformer_engine: TEGroupedMLP's linear_fc1.weight{J}; "
+                        "default: SequentialMLP's local_experts.J)")
     p.add_argument("--ckpt-format", dest="ckpt_format", choices=("torch", "torch_dist"), default="torch",
                    help="Megatron-LM's checkpoint format: torch (one file per TP x EP rank, loaded with "
                         "--ckpt-format torch at that layout) or torch_dist (its default: global tensors that its "
                         "run loads at any TP x EP x PP)")
+    p.add_argument("--transformer-impl", dest="transformer_impl", choices=("local", "transformer_engine"),
+                   default=None,
+                   help="the Megatron-LM --transformer-impl whose layer names and layout are written: local "
+                        "(megatron-core's local spec) or transformer_engine (Transformer Engine's spec: norms fused "
+                        "into the linear layers, TE's extra states, MLA's down projections whole on every TP rank); "
+                        "default: transformer_engine for multi-latent attention (Megatron-LM builds it only with "
+                        "Transformer Engine), else local")
 
     p = sub.add_parser("from-megatron", help="a weights-only zo_megatron checkpoint from a Megatron-LM checkpoint "
                                             "(--ckpt-format torch_dist, its default, or torch)")
@@ -129,7 +138,8 @@ def run(argv: list[str] | None = None) -> int:
     elif a.command == "to-megatron":
         convert.to_megatron(a.load, a.output, iteration=a.iteration, tensor_parallel=a.tensor_parallel,
                             expert_parallel=a.expert_parallel, expert_tensor_parallel=a.expert_tensor_parallel,
-                            grouped_gemm=a.grouped_gemm, ckpt_format=a.ckpt_format, force=a.force)
+                            grouped_gemm=a.grouped_gemm, ckpt_format=a.ckpt_format,
+                            transformer_impl=a.transformer_impl, force=a.force)
     elif a.command == "from-megatron":
         convert.from_megatron(a.input, a.output, tensor_parallel=a.tensor_parallel, iteration=a.iteration,
                               vocab_size=a.vocab_size,

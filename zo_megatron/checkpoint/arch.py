@@ -164,7 +164,7 @@ def _moe_flags(m: dict) -> list[str]:
         elif isinstance(value, list):
             flags.append(f"{flag} [{','.join(str(x) for x in value)}]")      # one word: the list, no spaces
         else:
-            flags.append(f"{flag} {_num(value) if isinstance(value, float) else value}")
+            flags.append(f"{flag} {num(value) if isinstance(value, float) else value}")
     return flags
 
 
@@ -228,26 +228,34 @@ def job_flags(meta: dict, hf_tokenizer: bool = False) -> str:
     return " ".join(flags)
 
 
-def _mla_flags(m: dict) -> list[str]:
-    """Multi-latent attention's flags (Megatron-LM's names): all of them, as Megatron-LM's MLA lines give
-    them, and YaRN's settings, which MLA reads whatever its rope type (model/config.py _check_yarn)."""
+def mla_size_flags(m: dict) -> list[str]:
+    """Multi-latent attention's own flags (Megatron-LM's names), all of them, as Megatron-LM's MLA lines give
+    them; none without MLA."""
     if not m["multi_latent_attention"]:
         return []
-    flags = ["--multi-latent-attention", *([f"--q-lora-rank {m['q_lora_rank']}"] if m["q_lora_rank"] else []),
-             f"--kv-lora-rank {m['kv_lora_rank']}", f"--qk-head-dim {m['qk_head_dim']}",
-             f"--qk-pos-emb-head-dim {m['qk_pos_emb_head_dim']}", f"--v-head-dim {m['v_head_dim']}",
-             f"--rope-type {m['rope_type']}"]
+    return ["--multi-latent-attention", *([f"--q-lora-rank {m['q_lora_rank']}"] if m["q_lora_rank"] else []),
+            f"--kv-lora-rank {m['kv_lora_rank']}", f"--qk-head-dim {m['qk_head_dim']}",
+            f"--qk-pos-emb-head-dim {m['qk_pos_emb_head_dim']}", f"--v-head-dim {m['v_head_dim']}",
+            f"--rope-type {m['rope_type']}"]
+
+
+def _mla_flags(m: dict) -> list[str]:
+    """mla_size_flags and YaRN's settings, which MLA reads whatever its rope type (model/config.py
+    _check_yarn), where they are not the defaults."""
+    if not m["multi_latent_attention"]:
+        return []
+    flags = mla_size_flags(m)
     if m["position_embedding_type"] == "learned_absolute":     # MLA rotates with these whatever the positions
         flags += [f"--rotary-base {m['rotary_base']}"] * (m["rotary_base"] != DEFAULTS["rotary_base"]) + \
             [f"--rotary-percent {m['rotary_percent']:g}"] * (m["rotary_percent"] != 1.0)
     if m["position_embedding_type"] != "yarn":     # YaRN's flags are written with the position type otherwise
-        flags += [f"--{name.replace('_', '-')} {_num(m[name])}" for name in
+        flags += [f"--{name.replace('_', '-')} {num(m[name])}" for name in
                   ("rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow",
                    "mscale", "mscale_all_dim") if m[name] != YARN_FIELDS[name]]
     return flags
 
 
-def _num(x: float) -> str:
+def num(x: float) -> str:
     """A float as short as it reads back exactly (a resume compares the values)."""
     return f"{x:g}" if float(f"{x:g}") == x else repr(float(x))
 
@@ -257,11 +265,11 @@ def _yarn_flags(m: dict) -> list[str]:
     megatron-core's defaults."""
     if m["position_embedding_type"] != "yarn":
         return []
-    flags = [f"--rotary-scaling-factor {_num(m['rotary_scaling_factor'])}",
+    flags = [f"--rotary-scaling-factor {num(m['rotary_scaling_factor'])}",
              f"--yarn-original-max-position-embeddings {m['yarn_original_max_position_embeddings']}"]
     for name in ("yarn_beta_fast", "yarn_beta_slow", "mscale", "mscale_all_dim"):
         if m[name] != YARN_FIELDS[name]:
-            flags.append(f"--{name.replace('_', '-')} {_num(m[name])}")
+            flags.append(f"--{name.replace('_', '-')} {num(m[name])}")
     if not m["yarn_correction_range_round_to_int"]:
         flags.append("--no-yarn-correction-range-round-to-int")
     return flags

@@ -331,17 +331,25 @@ def _hf_source(input_dir: str, cfg_json: dict) -> dict:
 
 def to_megatron(load: str, output: str, *, iteration: int | None = None, tensor_parallel: int | None = None,
                 expert_parallel: int | None = None, expert_tensor_parallel: int | None = None,
-                grouped_gemm: bool = False, ckpt_format: str = "torch", force: bool = False,
-                log: Log = print) -> None:
+                grouped_gemm: bool = False, ckpt_format: str = "torch", transformer_impl: str | None = None,
+                force: bool = False, log: Log = print) -> None:
     """expert_parallel: EP ranks to write (default: the checkpoint's; 1 for a dense model);
     expert_tensor_parallel: the experts' TP (default: the checkpoint's at its TP, else TP);
-    grouped_gemm: the experts as the local spec's GroupedMLP (--moe-grouped-gemm) holds them;
-    ckpt_format: Megatron-LM's torch format (rank files) or torch_dist (global tensors, any layout)."""
+    grouped_gemm: the experts as a --moe-grouped-gemm run holds them (the local spec's GroupedMLP,
+    Transformer Engine's TEGroupedMLP);
+    ckpt_format: Megatron-LM's torch format (rank files) or torch_dist (global tensors, any layout);
+    transformer_impl: Megatron-LM's --transformer-impl whose layer names and layout are written, local or
+    transformer_engine (default: transformer_engine for multi-latent attention, which Megatron-LM builds only
+    with Transformer Engine, else local)."""
     if ckpt_format not in ("torch", "torch_dist"):
         raise UserError(f"--ckpt-format {ckpt_format}: Megatron-LM's formats written are torch and torch_dist")
+    if transformer_impl not in (None, *megatron_lm.TRANSFORMER_IMPLS):
+        raise UserError(f"--transformer-impl {transformer_impl}: the layer names written are Megatron-LM's "
+                        f"{' and '.join(megatron_lm.TRANSFORMER_IMPLS)}")
     reader = CheckpointReader(load, iteration)
     log(reader.describe())
     meta, args = full_meta(reader.model_meta), reader.args
+    impl = transformer_impl or ("transformer_engine" if meta["multi_latent_attention"] else "local")
     tp = tensor_parallel or reader.layout[0]
     check_tensor_parallel(meta, tp)
     if meta["num_experts"] is not None and (meta["moe_shared_expert_intermediate_size"] or 0) % tp:
@@ -369,7 +377,7 @@ def to_megatron(load: str, output: str, *, iteration: int | None = None, tensor_
                                    consumed_samples=int(reader.manifest.get("consumed_samples", 0)),
                                    consumed_valid_samples=int(reader.manifest.get("consumed_valid_samples", 0)),
                                    expert_parallel=ep, expert_tensor_parallel=etp, grouped_gemm=grouped_gemm,
-                                   ckpt_format=ckpt_format)
+                                   ckpt_format=ckpt_format, transformer_impl=impl)
     weights = reader.read_weights()             # after megatron_args: what it refuses is refused before any read
     # the router expert bias: a persistent buffer of megatron-core's router, in Megatron-LM's files under its name
     weights.update({k.removeprefix(BUFFERS): t.float() for k, t in
@@ -411,15 +419,16 @@ def to_megatron(load: str, output: str, *, iteration: int | None = None, tensor_
         + (", --sequence-parallel" if tp > 1 else "") + (", --moe-grouped-gemm" if grouped_gemm else "") + ")")
     fmt = (f"torch_dist format (global tensors: its run loads them at any TP x EP x PP; the args say TP{tp}{moe})"
            if ckpt_format == "torch_dist" else f"torch format, TP{tp}{moe}")
+    names = "megatron-core's local layers' names" if impl == "local" else \
+        "Transformer Engine's layer names: norms fused into the linear layers, TE's extra states"
     log(f"  Megatron-LM {fmt}, iteration {reader.iteration}: load it in Megatron-LM with --ckpt-format {ckpt_format} "
-        "--transformer-impl local (megatron-core's local layers' names) and --finetune (no optimizer or RNG state "
-        "is included)"
+        f"--transformer-impl {impl} ({names}) and --finetune (no optimizer or RNG state is included)"
         + (f"; its tokenizer: --tokenizer-model {saved_tok}" if has_tokenizer else ""))
-    if meta["multi_latent_attention"]:
-        log("  note: multi-latent attention: these are megatron-core's local spec's MLA layers, but Megatron-LM "
-            "core_v0.16.1 builds MLA only with --transformer-impl transformer_engine (its local DotProductAttention "
-            "takes no separate key and value head dims), whose names and down projections differ: "
-            "docs/checkpoints.md, 'Multi-latent attention', says what to rename")
+    if meta["multi_latent_attention"] and impl == "local":
+        log("  note: multi-latent attention with --transformer-impl local: these are megatron-core's local spec's "
+            "MLA layers, but Megatron-LM core_v0.16.1 builds MLA only with --transformer-impl transformer_engine (its "
+            "local DotProductAttention takes no separate key and value head dims), so no Megatron-LM run loads "
+            "them; write them with --transformer-impl transformer_engine (the default for MLA)")
 
 
 def from_megatron(input_dir: str, output: str, *, tensor_parallel: int, iteration: int | None = None,

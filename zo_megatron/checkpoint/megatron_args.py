@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from zo_megatron.checkpoint.arch import full_meta, head_dim, query_groups
+from zo_megatron.checkpoint.arch import full_meta, head_dim, mla_size_flags, num, query_groups
 from zo_megatron.checkpoint.megatron_allow import non_neutral
 from zo_megatron.checkpoint.megatron_lm import legacy_rank_files
 from zo_megatron.checkpoint.tp_layout import padded_vocab_size
@@ -34,10 +34,12 @@ def megatron_args(meta: dict, *, tp: int, iteration: int, divisible_by: int, seq
                   precision: str | None, tokenizer_type: str = "GPT2BPETokenizer", tokenizer_model: str | None = None,
                   consumed_samples: int = 0, consumed_valid_samples: int = 0,
                   expert_parallel: int = 1, expert_tensor_parallel: int | None = None,
-                  grouped_gemm: bool = False, ckpt_format: str = "torch") -> argparse.Namespace:
+                  grouped_gemm: bool = False, ckpt_format: str = "torch",
+                  transformer_impl: str = "local") -> argparse.Namespace:
     """The args Megatron-LM reads from a checkpoint (its argument names), for the model `meta`;
-    grouped_gemm: the experts as a --moe-grouped-gemm run of the local spec holds them (write());
-    ckpt_format: the files' format (torch_dist holds any expert layout: its tensors are global)."""
+    grouped_gemm: the experts as a --moe-grouped-gemm run holds them (write());
+    ckpt_format: the files' format (torch_dist holds any expert layout: its tensors are global);
+    transformer_impl: Megatron-LM's --transformer-impl whose layer names the files hold."""
     meta = full_meta(meta)
     h, heads, groups = meta["hidden_size"], meta["num_attention_heads"], query_groups(meta)
     rope = meta["position_embedding_type"] == "rope"
@@ -63,7 +65,7 @@ def megatron_args(meta: dict, *, tp: int, iteration: int, divisible_by: int, seq
         add_bias_linear=meta["add_bias_linear"], add_qkv_bias=meta["add_bias_linear"] or meta["add_qkv_bias"],
         swiglu=meta["swiglu"], squared_relu=meta["squared_relu"], openai_gelu=False,
         bias_gelu_fusion=_bias_gelu_fusion(meta),
-        transformer_impl="local",
+        transformer_impl=transformer_impl,
         ckpt_format=ckpt_format, bf16=precision == "bf16", fp16=precision == "fp16", iteration=iteration,
         consumed_train_samples=consumed_samples, consumed_valid_samples=consumed_valid_samples,
         **_moe_args(meta, tp, expert_parallel, expert_tensor_parallel, grouped_gemm, ckpt_format))
@@ -95,9 +97,11 @@ def _moe_args(meta: dict, tp: int, ep: int, etp: int | None, grouped_gemm: bool,
             raise UserError("--moe-grouped-gemm: the model is dense (no experts); drop it")
         return {}
     if grouped_gemm and meta["add_bias_linear"]:
-        # megatron-core 0.16.1's GroupedMLP asserts add_bias_linear is False
+        # megatron-core 0.16.1's GroupedMLP asserts add_bias_linear is False; its TEGroupedMLP holds biases only
+        # without bias_dropout_fusion (Megatron-LM's default is on), which no file records: not written either
         raise UserError("--moe-grouped-gemm: the experts have biases (add_bias_linear), which megatron-core's "
-                        "GroupedMLP does not hold; drop --moe-grouped-gemm (SequentialMLP's files)")
+                        "GroupedMLP does not hold (and TEGroupedMLP only without Megatron-LM's default bias-dropout "
+                        "fusion); drop --moe-grouped-gemm (SequentialMLP's files)")
     e = meta["num_experts"]
     if ep < 1 or e % ep:
         raise UserError(f"--expert-model-parallel-size {ep} does not divide the model's {e} experts: each EP rank "
@@ -145,14 +149,7 @@ def mla_launch_flags(meta: dict) -> list[str]:
     its MLA computes another function (its own defaults)."""
     if not meta["multi_latent_attention"]:
         return []
-
-    def num(x: float) -> str:                   # as short as it reads back exactly
-        return f"{x:g}" if float(f"{x:g}") == x else repr(float(x))
-
-    return ["--multi-latent-attention", *([f"--q-lora-rank {meta['q_lora_rank']}"] if meta["q_lora_rank"] else []),
-            f"--kv-lora-rank {meta['kv_lora_rank']}", f"--qk-head-dim {meta['qk_head_dim']}",
-            f"--qk-pos-emb-head-dim {meta['qk_pos_emb_head_dim']}", f"--v-head-dim {meta['v_head_dim']}",
-            f"--rope-type {meta['rope_type']}", *(f"--{k.replace('_', '-')} {num(meta[k])}" for k in MLA_YARN_ARGS),
+    return [*mla_size_flags(meta), *(f"--{k.replace('_', '-')} {num(meta[k])}" for k in MLA_YARN_ARGS),
             *(["--qk-layernorm"] if meta["qk_layernorm"] else [])]
 
 

@@ -39,7 +39,10 @@ write() is the other way (to-megatron --ckpt-format torch_dist): the same global
 classic form Megatron-LM saves, written by torch.distributed.checkpoint in one process, with the
 `_extra_state` objects of the local linear layers that megatron-core's load asks for, common.pt and
 metadata.json. A Megatron-LM run loads it at any TP x EP x PP (--ckpt-format torch_dist
---transformer-impl local --finetune).
+--transformer-impl local --finetune). With args.transformer_impl 'transformer_engine' the keys are those
+Transformer Engine's spec saves (megatron_lm.transformer_engine_names: its modules' own names, no keys map,
+so an MoE layer's pre_mlp_layernorm and MLA's input_layernorm keep theirs) and the extra states are every
+TE module's (its linear layers' and its norms', TE's empty state), for --transformer-impl transformer_engine.
 """
 from __future__ import annotations
 
@@ -220,8 +223,13 @@ def global_tensors(weights: dict[str, torch.Tensor], args) -> tuple[dict[str, to
     from zo_megatron.checkpoint.tp_layout import OUTPUT_LAYER, WORD_EMBEDDING
 
     flat: dict[str, torch.Tensor] = {}
-    # megatron-core's local MLA layer spec has no sharded_state_dict_keys_map: its norms keep their names
-    rename = (lambda k: k) if getattr(args, "multi_latent_attention", False) else megatron_lm.te_name
+    mla = bool(getattr(args, "multi_latent_attention", False))
+    if getattr(args, "transformer_impl", "local") == "transformer_engine":
+        # Transformer Engine's spec saves its modules' own names (no keys map): the fused norms', a TENorm's
+        rename = megatron_lm.transformer_engine_names([megatron_lm.ours_to_megatron(n) for n in weights], mla).get
+    else:
+        # megatron-core's local MLA layer spec has no sharded_state_dict_keys_map: its norms keep their names
+        rename = (lambda k: k) if mla else megatron_lm.te_name
     for name in list(weights):
         t = weights.pop(name)
         key = rename(megatron_lm.ours_to_megatron(name))
@@ -253,19 +261,25 @@ def global_tensors(weights: dict[str, torch.Tensor], args) -> tuple[dict[str, to
     return flat, axes
 
 
-def _extra_states(tensors: dict[str, torch.Tensor], axes: dict[str, tuple]) -> dict[str, list]:
-    """The `_extra_state` objects megatron-core's local linear layers in the decoder save (None, as
-    the list [None] of one ShardedObject), one per stacked position, under ShardedObject's unique key
-    `<layer>._extra_state/shard_<offsets>_<shape>` (a layer not stacked: shard_0_1). A load asks for
-    every one of them."""
+def _extra_states(tensors: dict[str, torch.Tensor], axes: dict[str, tuple], te: bool = False) -> dict[str, list]:
+    """The `_extra_state` objects the decoder's modules save, one per stacked position, under
+    ShardedObject's unique key `<module>._extra_state/shard_<offsets>_<shape>` (a module not stacked:
+    shard_0_1), each the list of one ShardedObject's data that megatron-core's torch_dist strategy stores:
+    the local linear layers' None, or (te) every Transformer Engine module's empty state -- its linear
+    layers and its norms (megatron_lm.te_extra_state_modules; a TEDotProductAttention saves none here:
+    megatron-core's sharded_state_dict of it is empty for the vanilla softmax). A load asks for every one."""
+    modules = set(megatron_lm.te_extra_state_modules(tensors)) if te else None
     out = {}
     for key in tensors:
         module, _, leaf = key.rpartition(".")
-        if not key.startswith("decoder.") or leaf != "weight" or not module.rpartition(".")[2].startswith("linear_"):
+        if not key.startswith("decoder.") or leaf != "weight":
+            continue
+        if not (module in modules if te else module.rpartition(".")[2].startswith("linear_")):
             continue
         shape = axes[key] or (1,)
         for offset in itertools.product(*(range(n) for n in shape)):
-            out[f"{module}._extra_state/shard_{'.'.join(map(str, offset))}_{'.'.join(map(str, shape))}"] = [None]
+            out[f"{module}._extra_state/shard_{'.'.join(map(str, offset))}_{'.'.join(map(str, shape))}"] = \
+                [megatron_lm.te_extra_state() if te else None]
     return out
 
 
@@ -281,7 +295,8 @@ def write(out_dir: str, weights: dict[str, torch.Tensor], args, log=None) -> Non
     d = os.path.join(out_dir, megatron_lm.iteration_subdir(it))
     os.makedirs(d)
     tensors, axes = global_tensors(weights, args)
-    state = {**tensors, **_extra_states(tensors, axes)}
+    te = getattr(args, "transformer_impl", "local") == "transformer_engine"
+    state = {**tensors, **_extra_states(tensors, axes, te)}
     threads = max(1, min(4, os.cpu_count() or 1))      # one file per thread: megatron-core reads any number
     if log is not None:
         size = sum(t.numel() * t.element_size() for t in tensors.values())

@@ -6,6 +6,7 @@
     DIR/iter_000000N/mp_rank_XX_PPP[_EEE]/...            read only: one per pipeline stage too
         {"args": argparse.Namespace, "checkpoint_version": 3.0, "iteration": N,
          "model": {megatron-core parameter name: this TP rank's shard, "<linear>._extra_state": None}}
+        (--transformer-impl transformer_engine: Transformer Engine's names and extra states, below)
         (a virtual pipeline: "model0", "model1", ... one per model chunk of the stage)
 
 Pipeline stages are read back into one model (megatron_stages.py); to-megatron writes one stage.
@@ -46,7 +47,33 @@ with the class named. Both the local layer names and Transformer Engine's fused-
 (`linear_qkv.layer_norm_weight`, ...) are read, and a --moe-grouped-gemm run's experts
 (TEGroupedMLP's `linear_fc1.weight{J}`, the legacy GroupedMLP's `weight1` / `weight2`) as
 SequentialMLP's (_sequential_experts); to-megatron writes SequentialMLP's, or with --moe-grouped-gemm
-the legacy GroupedMLP's that the local spec builds for that flag (_grouped_experts).
+the legacy GroupedMLP's that the local spec builds for that flag (_grouped_experts), or TEGroupedMLP's.
+
+to-megatron writes the layer names of the implementation args.transformer_impl names (Megatron-LM's
+--transformer-impl): `local` (megatron-core's local spec, above) or `transformer_engine`, what Megatron-LM
+core_v0.16.1's get_gpt_layer_with_transformer_engine_spec (and get_gpt_decoder_block_spec with it) builds
+and saves (transformer_engine_names, _te_extra_states):
+
+    local spec                                    Transformer Engine spec
+    input_layernorm.*                             self_attention.linear_qkv.layer_norm_*
+                                                  (TELayerNormColumnParallelLinear)
+                                                  MLA: input_layernorm.* (TENorm) + ._extra_state
+    pre_mlp_layernorm.* (a dense MLP)             mlp.linear_fc1.layer_norm_* (TELayerNormColumnParallelLinear)
+    pre_mlp_layernorm.* (an MoE layer)            pre_mlp_layernorm.* (TENorm) + ._extra_state
+    self_attention.q_layernorm.* / k_layernorm.*  the same (TENorm) + ._extra_state
+    MLA self_attention.q_layernorm.*              self_attention.linear_q_up_proj.layer_norm_*
+    MLA self_attention.kv_layernorm.*             self_attention.linear_kv_up_proj.layer_norm_*
+    MLA linear_q_down_proj / linear_kv_down_proj  the same names, WHOLE on every TP rank (TELinear, duplicated)
+    decoder.final_layernorm.*                     the same (TENorm) + ._extra_state
+    <linear>._extra_state None                    <linear>._extra_state: TE's (every linear of the decoder)
+    (none)                                        self_attention.core_attention._extra_state (TEDotProductAttention)
+    mlp.experts.weight1 / weight2 (grouped GEMM)  mlp.experts.linear_fc1.weight{J} / linear_fc2.weight{J}
+                                                  + their ._extra_state (TEGroupedMLP)
+    output_layer._extra_state None                the same (GPTModel's output layer is megatron-core's own)
+
+A TE module's extra state is what it saves without FP8 (Transformer Engine 2.9-2.11, the versions
+core_v0.16.1 pins: TransformerEngineBaseModule.get_extra_state and the norms' BasicOperation.get_extra_state
+return an empty uint8 tensor when there is no FP8 state; both set_extra_state return at once on it, and on None).
 """
 from __future__ import annotations
 
@@ -90,6 +117,68 @@ _EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
 # the legacy GroupedMLP's two concatenated weights (--moe-use-legacy-grouped-gemm)
 _TE_GROUPED = re.compile(r"^(.*\.mlp\.experts\.)(linear_fc[12])\.(weight|bias)(\d+)$")
 _LEGACY_GROUPED = re.compile(r"^(.*\.mlp\.experts\.)weight([12])$")
+
+
+TRANSFORMER_IMPLS = ("local", "transformer_engine")          # Megatron-LM's --transformer-impl, as written
+_LAYER = re.compile(r"^(decoder\.layers\.(?:\d+\.)?)(.+)$")       # a layer's key (one layer, or stacked)
+
+
+def te_extra_state() -> torch.Tensor:
+    """A Transformer Engine module's extra state as it saves it without FP8 (TE 2.9-2.11: an empty uint8
+    tensor, from TransformerEngineBaseModule.get_extra_state and BasicOperation.get_extra_state alike)."""
+    return torch.empty(0, dtype=torch.uint8)
+
+
+def transformer_engine_names(keys, mla: bool) -> dict[str, str]:
+    """{local spec name: Transformer Engine spec name} of parameter names (one rank file's, or every layer's
+    before stacking): the norms Megatron-LM core_v0.16.1's get_gpt_layer_with_transformer_engine_spec fuses
+    into a TELayerNormColumnParallelLinear renamed (the input norm into linear_qkv -- not under MLA, whose
+    input_layernorm is a TENorm --, a dense layer's pre-MLP norm into mlp.linear_fc1, MLA's latent norms into
+    linear_q_up_proj / linear_kv_up_proj); every other name is the same. A layer is dense when it has
+    mlp.linear_fc1 (an MoE layer's pre_mlp_layernorm is a TENorm and keeps its name)."""
+    keys = list(keys)
+    dense = {m[1] for m in map(_LAYER.match, keys) if m and m[2].startswith("mlp.linear_fc1.")}
+    out = {}
+    for k in keys:
+        m = _LAYER.match(k)
+        new = k
+        if m:
+            prefix, (module, _, leaf) = m[1], m[2].rpartition(".")
+            if module == "input_layernorm" and not mla:
+                new = f"{prefix}self_attention.linear_qkv.layer_norm_{leaf}"
+            elif module == "pre_mlp_layernorm" and prefix in dense:
+                new = f"{prefix}mlp.linear_fc1.layer_norm_{leaf}"
+            elif mla and module in ("self_attention.q_layernorm", "self_attention.kv_layernorm"):
+                which = module.removeprefix("self_attention.").removesuffix("_layernorm")
+                new = f"{prefix}self_attention.linear_{which}_up_proj.layer_norm_{leaf}"
+        out[k] = new
+    return out
+
+
+def te_extra_state_modules(keys) -> list[str]:
+    """The modules of the decoder that are Transformer Engine modules in its spec, by a rank file's keys
+    under TE's names: every linear layer (TELinear and its column / row / layer-norm / grouped forms) and
+    every norm of its own (TENorm: MLA's input_layernorm, an MoE layer's pre_mlp_layernorm, q/k norms,
+    final_layernorm); each saves an `_extra_state`. (Each layer's core attention, a TEDotProductAttention,
+    too: in the torch format only, _te_extra_states.)"""
+    modules = set()
+    for k in keys:
+        module = k.rpartition(".")[0]
+        last = module.rpartition(".")[2]
+        if module.startswith("decoder.") and (last.startswith("linear_") or last.endswith("layernorm")):
+            modules.add(module)
+    return sorted(modules)
+
+
+def _te_extra_states(keys) -> dict:
+    """The `_extra_state` entries of a Transformer Engine run's torch-format file: each TE module's (TE's
+    empty state; te_extra_state_modules, and each layer's self_attention.core_attention, a
+    TEDotProductAttention) and the output layer's (megatron-core's own ColumnParallelLinear in both specs:
+    None)."""
+    keys = list(keys)
+    modules = set(te_extra_state_modules(keys)) | {k.removesuffix("linear_proj.weight") + "core_attention"
+                                                   for k in keys if k.endswith(".self_attention.linear_proj.weight")}
+    return {**{f"{m}._extra_state": te_extra_state() for m in sorted(modules)}, "output_layer._extra_state": None}
 
 
 def local_name(key: str) -> str:
@@ -203,9 +292,10 @@ def legacy_rank_files(tp: int, etp: int, ep: int) -> list[tuple[int, int, int]]:
 
 def write(out_dir: str, weights: dict[str, torch.Tensor], args: argparse.Namespace, *, progress=None) -> list[str]:
     """Megatron-LM's files (legacy_rank_files) from full unpadded weights (our names, experts by
-    global index): each its TP rank's dense shard and its EP rank's experts at its expert TP rank;
-    returns the files."""
+    global index): each its TP rank's dense shard and its EP rank's experts at its expert TP rank, under
+    the layer names of args.transformer_impl (the module doc's table); returns the files."""
     tp, it = args.tensor_model_parallel_size, args.iteration
+    te = getattr(args, "transformer_impl", "local") == "transformer_engine"
     ep = int(getattr(args, "expert_model_parallel_size", None) or 1)
     moe = bool(getattr(args, "num_experts", None))
     etp = int(getattr(args, "expert_tensor_parallel_size", None) or tp) if moe else tp
@@ -218,14 +308,22 @@ def write(out_dir: str, weights: dict[str, torch.Tensor], args: argparse.Namespa
         for name, full in weights.items():
             m = _EXPERT.match(ours_to_megatron(name))
             if m is None:
-                model[ours_to_megatron(name)] = _tp_shard(name, full, t, tp, args.padded_vocab_size, args.swiglu)
+                # Transformer Engine's MLA down projections: duplicated TELinear layers, whole on every TP rank
+                whole = te and name.endswith(MLA_DOWN)
+                model[ours_to_megatron(name)] = full.clone() if whole else \
+                    _tp_shard(name, full, t, tp, args.padded_vocab_size, args.swiglu)
                 continue
             owner, j = divmod(int(m[2]), per_rank)  # global expert e x E/EP + j is EP rank e's local j
             if owner == e:
                 model[f"{m[1]}{j}{m[3]}"] = _tp_shard(name, full, k, etp, args.padded_vocab_size, args.swiglu)
         if moe and getattr(args, "moe_grouped_gemm", False):
-            model = _grouped_experts(model, per_rank)
-        model.update({f"{layer}._extra_state": None for layer in _extra_states(model)})
+            model = _te_grouped_experts(model) if te else _grouped_experts(model, per_rank)
+        if te:
+            names = transformer_engine_names(model, bool(getattr(args, "multi_latent_attention", False)))
+            model = {names[k]: v for k, v in model.items()}
+            model.update(_te_extra_states(model))
+        else:
+            model.update({f"{layer}._extra_state": None for layer in _extra_states(model)})
         path = os.path.join(out_dir, sub, rank_dir(t, e, ep), FILE)
         os.makedirs(os.path.dirname(path))
         torch.save({"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": it, "model": model}, path)
@@ -253,6 +351,22 @@ def _grouped_experts(sd: dict, local: int) -> dict:
         stacked = torch.stack([by_j[j].t() for j in range(local)])
         out[f"{prefix}weight{fc[-1]}"] = stacked.reshape(stacked.shape[1], -1) if fc == "linear_fc1" \
             else stacked.reshape(-1, stacked.shape[2])
+    return out
+
+
+def _te_grouped_experts(sd: dict) -> dict:
+    """A rank file's SequentialMLP experts as TEGroupedMLP holds them (what the Transformer Engine spec
+    builds for --moe-grouped-gemm): local expert J's linear_fc1 / linear_fc2 weight (and bias) as
+    `mlp.experts.linear_fc1.weight{J}` -- one parameter per GEMM of TE's GroupedLinear, the same tensor
+    ([out, in], SwiGLU's [gate_r; up_r]). The inverse of _sequential_experts' TEGroupedMLP branch."""
+    out = {}
+    for k, v in sd.items():
+        m = _EXPERT.match(k)
+        if m is None:
+            out[k] = v
+            continue
+        fc, _, leaf = m[3].removeprefix(".").partition(".")
+        out[f"{m[1].removesuffix('local_experts.')}{fc}.{leaf}{m[2]}"] = v
     return out
 
 
