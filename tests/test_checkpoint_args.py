@@ -113,6 +113,10 @@ def test_the_launch_line_repeated_with_use_checkpoint_args_agrees_with_its_own_v
     rc, out, err = run_world(_main, 1, [*line, "--train-iters", "5", "--use-checkpoint-args", "--load", ck],
                              timeout=300)[0]
     assert rc == 0 and "resumed from" in out, err
+    # --rope-type rope without multi-latent attention changes nothing (recorded as none): typed, it agrees
+    rc, out, err = run_world(_main, 1, [*line, "--train-iters", "6", "--use-checkpoint-args", "--load", ck,
+                                        "--rope-type", "rope"], timeout=300)[0]
+    assert rc == 0 and "resumed from" in out, err
     other = [a if a != "95" else "94" for a in line]
     rc, out, err = run_world(_main, 1, [*other, "--train-iters", "7", "--use-checkpoint-args", "--load", ck],
                              timeout=300)[0]

@@ -199,3 +199,18 @@ def test_the_query_latent_under_sequence_parallelism_holds_this_ranks_tokens_onl
         assert len(seen) == LAYERS
         for shape, nbytes, storage in seen:
             assert tuple(shape) == (SEQ // 2, BATCH, 20) and storage == nbytes, (shape, nbytes, storage)
+
+
+def test_a_tp_size_that_splits_no_latent_is_one_line_exit_2(tmp_path):
+    """--q-lora-rank 18 at TP 4 (the latent's column-parallel down projection cannot split): one line naming it,
+    exit 2, before any process starts (the planner ran first and raised its own ValueError: a traceback)."""
+    from tests.test_pretrain import _single
+
+    r = _single(["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--num-layers", "1",
+                 "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32", "--lr", "1e-3",
+                 "--train-iters", "1", "--multi-latent-attention", "--q-lora-rank", "18", "--kv-lora-rank", "16",
+                 "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "8",
+                 "--tensor-model-parallel-size", "4"], tmp_path)
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert r.returncode == 2 and len(errors) == 1 and "does not divide --q-lora-rank 18" in errors[0], r.stderr[-2000:]
+    assert "Traceback" not in r.stderr

@@ -78,7 +78,7 @@ def test_the_flags_and_files(two_prefixes, tmp_path):
     refused = {("--data-path", a, "--train-data-path", a): "contradict each other",
                ("--train-data-path", a, "--split", "9,1,0", "--valid-data-path", b): "drop --split",
                ("--valid-data-path", b): "without --train-data-path",
-               ("--train-data-path", a): "without --valid-data-path",
+               ("--train-data-path", a): "without --valid-data-path but --eval-iters 100",
                ("--train-data-path",): "without a prefix",
                ("--per-split-data-args-path", str(listed)): "not a readable JSON file",
                ("--per-split-data-args-path", str(spec), "--train-data-path", a): "not both",
@@ -88,6 +88,10 @@ def test_the_flags_and_files(two_prefixes, tmp_path):
             _parse(*argv)
         assert "\n" not in str(e.value)
     assert _parse("--train-data-path", a, "--eval-iters", "0").data_per_split["valid"] is None
+    only_valid = tmp_path / "valid_only.json"
+    only_valid.write_text(json.dumps({"valid": [b]}))
+    with pytest.raises(ConfigError, match=f'{only_valid} has no "train": there is nothing to train on; add it'):
+        _parse("--per-split-data-args-path", str(only_valid))
 
 
 def test_the_job_trains_and_evaluates_on_its_own_splits(two_prefixes, tmp_path):
@@ -98,8 +102,9 @@ def test_the_job_trains_and_evaluates_on_its_own_splits(two_prefixes, tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert f"train: {a}; valid: {b}; test: {a}" in r.stdout, r.stdout[:3000]
     assert [row["iteration"] for row in _rows(log, "train")] == [1, 2, 3, 4]
-    evals = _rows(log, "eval")
-    # validation at iteration 4 (--eval-interval 4), then the test data once at the end
-    assert [(e["iteration"], e["split"]) for e in evals] == [(4, "validation"), (4, "test")], evals
-    assert evals[1]["eval_samples"] == 2 * 4 and evals[1]["val_loss"] != evals[0]["val_loss"]
+    evals, tests = _rows(log, "eval"), _rows(log, "test")
+    # validation at iteration 4 (--eval-interval 4), then the test data once at the end, a record of its own
+    assert [(e["iteration"], e["split"]) for e in evals] == [(4, "validation")], evals
+    assert [(t["iteration"], t["split"], t["eval_samples"]) for t in tests] == [(4, "test", 2 * 4)], tests
+    assert tests[0]["test_loss"] != evals[0]["val_loss"] and "val_loss" not in tests[0]
     assert " test loss at iteration 4 | lm loss" in r.stdout, r.stdout[-2000:]

@@ -186,12 +186,14 @@ ANY = _ANY_MODEL_GROUP | _ANY_DERIVED | (_OTHER_GROUPS - set(NEUTRAL) - READ)
 # MoE options (moe_*) are inert without experts. With experts, READ has the model's; these change no
 # math (kernels, fusions, communication, logging, recomputation, upcycling's initialisation, the
 # router's compute dtype, options that act only with an option still checked here: grouped GEMM, the
-# expert bias); every other moe_* arg must keep Megatron-LM's default.
+# expert bias; the router's run settings of a run, not its model: the input jitter and benchmarks' forced
+# balance); every other moe_* arg must keep Megatron-LM's default.
 MOE_ANY = frozenset({
     "moe_permute_fusion", "moe_router_fusion", "moe_enable_deepep", "moe_deepep_num_sms", "moe_hybridep_num_sms",
     "moe_flex_dispatcher_backend", "moe_layer_recompute", "moe_per_layer_logging", "moe_shared_expert_overlap",
     "moe_use_legacy_grouped_gemm", "moe_router_bias_update_rate", "moe_router_dtype", "moe_enable_routing_replay",
     "moe_pad_experts_for_cuda_graph_inference", "moe_upcycling_granularity", "moe_use_upcycling",
+    "moe_input_jitter_eps", "moe_router_force_load_balancing",
 })
 _EMPTY = (None, False, 0, "", [], ())
 

@@ -75,6 +75,12 @@ def sdpa_choice(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dro
         return "flash", False
     if cuda_backends.can_use_efficient_attention(p):
         return "efficient", False
+    if value.size(-1) != query.size(-1):          # multi-latent attention: no local attention to fall back to
+        raise ConfigError(
+            f"multi-latent attention's head dims (query/key {query.size(-1)}, value {value.size(-1)}, {query.dtype}) "
+            f"are ones neither torch's flash nor its memory-efficient kernel takes on "
+            f"{torch.cuda.get_device_name(query.device)}: choose --qk-head-dim + --qk-pos-emb-head-dim and "
+            "--v-head-dim that are multiples of 8 (DeepSeek's 192 and 128 are)")
     raise ConfigError(
         f"--use-flash-attn: neither torch's flash nor its memory-efficient attention kernel can run here "
         f"(dtype {query.dtype}, head dim {query.size(-1)}, dropout {dropout_p}, device "

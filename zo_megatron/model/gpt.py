@@ -108,12 +108,13 @@ def layer_spec(cfg: GPTConfig, num_experts: int | None = None):
     spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=cfg.qk_layernorm,
                                     normalization=cfg.normalization, multi_latent_attention=cfg.multi_latent_attention)
     if cfg.multi_latent_attention:
-        from zo_megatron.model.mla import MLASelfAttentionTP      # its k/v down projection whole at any TP
+        # its k/v down projection whole at any TP (model/mla.py); its core attention is ours, torch SDPA
+        # (model/spec.py): megatron-core 0.16's local DotProductAttention takes no separate key and value head
+        # dims (GPTConfig refuses the local backend with MLA)
+        from zo_megatron.model.mla import MLASelfAttentionTP
 
         spec.submodules.self_attention.module = MLASelfAttentionTP
     if cfg.multi_latent_attention and cfg.qk_layernorm:
-        # MLA's core attention: megatron-core 0.16's local DotProductAttention takes no separate key and value
-        # head dims (GPTConfig refuses the local backend with MLA), ours does
         # MLA's q/kv norms act on whole latents (every rank's, the same), on this rank's tokens under sequence
         # parallelism: model/norms.py's Norm tags them for the sum over TP then (megatron-core's torch norm
         # refuses SP), and has the zero-centred gamma

@@ -6,9 +6,10 @@ attention and norms swapped in where the config asks for them.
                     "sdpa"   model/attention.py's SDPAttention (torch SDPA, causal)
   sequence_parallel, or      model/norms.py's Norm (LayerNorm or RMSNorm, as config.normalization)
   a zero-centred gamma       for the layer norms and the final norm: megatron-core's torch norm
-                             refuses both. q/k norms are left as they are (model/gpt.py's
-                             TPQKNorm handles the gamma): they act on this rank's heads over the
-                             whole sequence, not on a shard.
+                             refuses both. q/k norms are left as model/gpt.py's layer_spec set
+                             them: TPQKNorm (it handles the gamma) acts on this rank's heads over
+                             the whole sequence, not on a shard; multi-latent attention's latent
+                             norms are Norm already (its latents are this rank's tokens under SP).
 
 With none of these, the spec is the architecture's layer spec untouched: the GPT-2 model is built
 from the very same modules as before these options existed.

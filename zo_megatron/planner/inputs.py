@@ -519,10 +519,14 @@ def _moe_fields(flags: Any) -> dict[str, Any]:
 
 def _core_attention(flags: Any) -> str:
     """"local" | "sdpa" from the job's flags: args.core_attention when the job's argument checks
-    set it, otherwise from --use-flash-attn / --attention-backend (an older namespace: local)."""
+    set it, otherwise from --use-flash-attn / --attention-backend as they do (none named: local, or torch
+    SDPA under multi-latent attention)."""
     core = getattr(flags, "core_attention", None)
     if core is not None:
         return core
     if getattr(flags, "use_flash_attn", False):
         return "sdpa"
-    return "local" if getattr(flags, "attention_backend", None) in (None, "local", "unfused") else "sdpa"
+    backend = getattr(flags, "attention_backend", None)
+    if backend is None:
+        return "sdpa" if getattr(flags, "multi_latent_attention", False) else "local"
+    return "local" if backend in ("local", "unfused") else "sdpa"

@@ -105,6 +105,8 @@ def apply_checkpoint_args(parser: argparse.ArgumentParser, args: argparse.Namesp
             continue
         dest = DEST_OF_FIELD.get(field, field)
         if dest in given:                       # typed: it must agree, and stays as typed
+            if field == "rope_type" and not model.get("multi_latent_attention") and args.rope_type in (None, "rope"):
+                continue                        # without MLA --rope-type rope changes nothing (recorded: None)
             flag_value = _vocab_flag(value, args, given, saved) if field == "vocab_size" else value
             if getattr(args, dest, None) != flag_value:
                 clashes.append(describe_diff(parser, field, flag_value, getattr(args, dest, None)))

@@ -103,14 +103,16 @@ def check_data_flags(args: argparse.Namespace) -> None:
         empty = [s for s, v in args.data_per_split.items() if v is not None and not v]
         if empty:
             raise ConfigError(f"--{empty[0]}-data-path is given without a prefix: add PREFIX or WEIGHT PREFIX ...")
+        missing = (lambda split: f'--per-split-data-args-path {args.per_split_data_args_path} has no "{split}"') \
+            if args.per_split_data_args_path else (lambda split: f"{per_split_flags[0]} without --{split}-data-path")
         if args.data_per_split["train"] is None:
-            raise ConfigError(f"{per_split_flags[0]} without --train-data-path: there is nothing to train on; add it")
+            raise ConfigError(f"{missing('train')}: there is nothing to train on; add it")
         if args.split is not None:
             raise ConfigError(f"--split {args.split} with {per_split_flags[0]}: data given per split is used whole "
                               "(megatron-core refuses both); drop --split")
         if args.data_per_split["valid"] is None and args.eval_iters > 0:
-            raise ConfigError(f"--eval-iters {args.eval_iters} without --valid-data-path: no validation data is "
-                              "given; add --valid-data-path, or --eval-iters 0 (no evaluation)")
+            raise ConfigError(f"{missing('valid')} but --eval-iters {args.eval_iters}: no validation data is given; "
+                              "add it, or --eval-iters 0 (no evaluation)")
     elif args.split is None:
         args.split = DEFAULT_SPLIT
 

@@ -219,12 +219,15 @@ class Metrics:
         ppl = math.exp(min(val_loss, 50.0))
         self.print(f" {split} loss at iteration {iteration} | lm loss {val_loss:.4f} | lm loss PPL {ppl:.3f}"
                    + (f" | {eval_samples} samples" if eval_samples is not None else ""))
-        row = {"iteration": iteration, "val_loss": val_loss, "val_ppl": ppl, "split": split}
+        # the test data (--test-data-path, evaluated once at the end) is a record of its own kind and keys, so
+        # no reader or logger takes it for the validation loss logged at the same iteration
+        kind, key = ("eval", "val") if split == "validation" else (split, split)
+        row = {"iteration": iteration, f"{key}_loss": val_loss, f"{key}_ppl": ppl, "split": split}
         if consumed_tokens is not None:          # training tokens so far: plot_loss.py's token axis
             row["consumed_tokens"] = consumed_tokens
         if eval_samples is not None:
             row["eval_samples"] = eval_samples
-        self._write(row, "eval")
+        self._write(row, kind)
 
     def _sink_failed(self, flag: str, where: str, exc: BaseException) -> None:
         """A log file that cannot be written (a full disk, a gone NFS mount) stops that log, not the

@@ -300,7 +300,9 @@ def check_architecture_flags(args: argparse.Namespace) -> None:
     # The vocabulary comes from the tokenizer later; no architecture check depends on it.
     cfg = GPTConfig(**architecture_kwargs(args), **moe_kwargs(args), vocab_size=1, precision=args.precision,
                     attention_backend=args.core_attention)
-    cfg.check_query_groups_tp(args.tensor_parallel)    # heads and TP: validate_parallel_config
+    # heads, query groups, MLP columns and MLA's latents against TP (validate_parallel_config), one line before
+    # any process starts (the planner, which runs first there, would raise its own ValueError)
+    cfg.check_tensor_parallel(args.tensor_parallel)
     cfg.check_expert_parallel(args.tensor_parallel, args.expert_parallel, args.expert_tensor_parallel,
                               args.sequence_parallel)
     if cfg.num_experts is not None:
