@@ -28,7 +28,8 @@ def _cases(d):
         ("beta2 above 1", ["--adam-beta2", "1.5"], {}, "--adam-beta2 1.5"),
         ("global batch 0", ["--global-batch-size", "0"], {}, "--global-batch-size"),
         ("batch not a multiple", ["--global-batch-size", "3"], {}, "--global-batch-size 3"),
-        ("TP does not divide heads", ["--tensor-parallel", "3"], {"WORLD_SIZE": "3"}, "--tensor-parallel 3"),
+        ("TP does not divide heads", ["--tensor-parallel", "3"], {"WORLD_SIZE": "3"},
+         "--tensor-model-parallel-size 3 does not divide --num-attention-heads 4"),
         ("dpu without offload", ["--dpu"], {}, "--dpu delays the CPU optimizer's update: add --zero-offload"),
         ("offload fraction 1.5", ["--zero-offload", "--optimizer-offload-fraction", "1.5"], {},
          "--optimizer-offload-fraction 1.5"),
@@ -87,7 +88,7 @@ def _cases(d):
         # --save
         ("save onto a file", [*data, "--save", f"{d}/a_file"], {}, f"--save {d}/a_file"),
         # Megatron-LM flags: every refusal of one command line in one line (#28)
-        ("refused Megatron flags together", ["--moe-input-jitter-eps", "0.01", "--fp8-format", "hybrid"], {},
+        ("refused Megatron flags together", ["--moe-enable-deepep", "--fp8-format", "hybrid"], {},
          "(2 flags refused)"),
         # mixture of experts (issue 39): Megatron-LM's rules, one line each; what the job does not do with experts
         ("top-k above the experts", ["--num-experts", "4", "--moe-router-topk", "5"], {},

@@ -542,9 +542,14 @@ def test_every_architecture_the_docs_name_converts(tmp_path):
         else:                   # mixtures of experts: few, small experts (their defaults are 8 to 128 large ones)
             fields = config_class().to_dict()
             small = {k: v for k, v in dict(num_local_experts=4, num_experts=4, num_experts_per_tok=2,
-                                           moe_intermediate_size=24, shared_expert_intermediate_size=24).items()
+                                           moe_intermediate_size=24, shared_expert_intermediate_size=24,
+                                           n_routed_experts=4, n_group=1, topk_group=1, first_k_dense_replace=1,
+                                           kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                                           v_head_dim=8).items()
                      if k in fields}
-            cfg = config_class(**common(), **small)
+            # multi-latent attention (DeepSeek): a key/value head per head, the latent norms' epsilon 1e-6
+            mla = dict(num_key_value_heads=HEADS, rms_norm_eps=1e-6) if "kv_lora_rank" in fields else {}
+            cfg = config_class(**common(**mla), **small)
         src = make_hf(tmp_path / name, cfg, seed + i)
         assert json.load(open(os.path.join(src, "config.json")))["architectures"] == [name]
         convert.from_hf(src, str(tmp_path / f"{name}_ck"), tensor_parallel=1, log=quiet)
