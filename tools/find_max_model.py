@@ -609,24 +609,7 @@ def main(argv=None) -> int:
 
         result["deepspeed"] = fmd.find(a, rule, host, run_proofs=not a.skip_run)
     if "deepspeed" in result:
-        d = result["deepspeed"]
-        if d.get("proven_params"):          # proven by a run (a lower bound on DeepSpeed when not bracketed)
-            result["ours_over_deepspeed"] = p.params_total / d["proven_params"]
-            basis = "proven by a run" + ("" if d.get("bracketed") else "; not bracketed: DeepSpeed's edge may be higher")
-        elif d.get("runs"):                 # runs made, none fit: DeepSpeed's edge is below its estimator's size
-            result["ours_over_deepspeed_lower_bound"] = p.params_total / d["estimator_params"]
-            basis = "DeepSpeed's estimator size did not fit by a run: its edge is smaller, the ratio a lower bound"
-        elif d.get("estimator_params"):
-            result["ours_over_deepspeed_estimator"] = p.params_total / d["estimator_params"]
-            basis = "DeepSpeed's estimator only, not run"
-        else:
-            basis = None
-        if basis and a.skip_run:
-            basis = "DeepSpeed: " + basis + "; ours: planned only, --skip-run"
-        if basis:
-            ds = d.get("proven_params") or d["estimator_params"]
-            print(f"  ours / DeepSpeed: {p.params_total / 1e6:.1f}M / {ds / 1e6:.1f}M = {p.params_total / ds:.2f}x"
-                  f"{' or more' if 'lower bound' in basis else ''} ({basis})", flush=True)
+        ratio_to_deepspeed(result, p.params_total, a.skip_run)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=1, default=str)
@@ -635,6 +618,27 @@ def main(argv=None) -> int:
         plot(result, a.png)
         print(f"  png: {a.png}")
     return 0 if ok else 1
+
+
+def ratio_to_deepspeed(result: dict, params: int, skip_run: bool) -> None:
+    """Ours over DeepSpeed's largest model into `result` (under the key that says on what basis), printed."""
+    d = result["deepspeed"]
+    if d.get("proven_params"):          # proven by a run (a lower bound on DeepSpeed when not bracketed)
+        result["ours_over_deepspeed"] = params / d["proven_params"]
+        basis = "proven by a run" + ("" if d.get("bracketed") else "; not bracketed: DeepSpeed's edge may be higher")
+    elif d.get("runs"):                 # runs made, none fit: DeepSpeed's edge is below its estimator's size
+        result["ours_over_deepspeed_lower_bound"] = params / d["estimator_params"]
+        basis = "DeepSpeed's estimator size did not fit by a run: its edge is smaller, the ratio a lower bound"
+    elif d.get("estimator_params"):
+        result["ours_over_deepspeed_estimator"] = params / d["estimator_params"]
+        basis = "DeepSpeed's estimator only, not run"
+    else:
+        return
+    if skip_run:
+        basis = "DeepSpeed: " + basis + "; ours: planned only, --skip-run"
+    ds = d.get("proven_params") or d["estimator_params"]
+    print(f"  ours / DeepSpeed: {params / 1e6:.1f}M / {ds / 1e6:.1f}M = {params / ds:.2f}x"
+          f"{' or more' if 'lower bound' in basis else ''} ({basis})", flush=True)
 
 
 def machine() -> str:
