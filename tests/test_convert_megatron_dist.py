@@ -194,6 +194,7 @@ def _load_world(rank, loads):
     files at that layout; returns {(name, TP, PP, EP): the tensors compared} (none may differ)."""
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as mpu
+    from megatron.core.dist_checkpointing import ShardedObject
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
     from tests.test_convert_megatron_moe import _megatron_core_moe_gpt
@@ -226,9 +227,16 @@ def _load_world(rank, loads):
                     ref.load_state_dict(one["model"], strict=True)
                 metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True,
                             "dp_cp_group": mpu.get_data_parallel_group(with_context_parallel=True)}
-                loaded = dist_checkpointing.load({"model": model.sharded_state_dict(metadata=metadata)},
+                # and what a local run on a machine with Transformer Engine asks for besides: its block's final
+                # norm is a TENorm there (megatron-core's LayerNormImpl), whose extra state the files must hold
+                te_final_norm = ShardedObject("decoder.final_layernorm._extra_state", None, (1,), (0,),
+                                              replica_id=torch.distributed.get_rank())
+                loaded = dist_checkpointing.load({"model": model.sharded_state_dict(metadata=metadata),
+                                                  "te_final_norm": te_final_norm},
                                                  os.path.join(written, "release"),
                                                  strict=StrictHandling.ASSUME_OK_UNEXPECTED)
+                extra = loaded["te_final_norm"]
+                assert torch.is_tensor(extra) and extra.dtype == torch.uint8 and extra.numel() == 0, (name, extra)
                 model.load_state_dict(loaded["model"], strict=True)
                 got, want = model.state_dict(), ref.state_dict()
                 tensors = [k for k, v in want.items() if torch.is_tensor(v)]

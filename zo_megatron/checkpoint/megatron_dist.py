@@ -280,6 +280,11 @@ def _extra_states(tensors: dict[str, torch.Tensor], axes: dict[str, tuple], te: 
         for offset in itertools.product(*(range(n) for n in shape)):
             out[f"{module}._extra_state/shard_{'.'.join(map(str, offset))}_{'.'.join(map(str, shape))}"] = \
                 [megatron_lm.te_extra_state() if te else None]
+    if not te:
+        # megatron-core's block builds the final norm of a local-spec model as TENorm wherever Transformer
+        # Engine is installed (transformer_block.py: LayerNormImpl), and a torch_dist load then asks for its
+        # extra state; a load without TE does not ask for it (an entry nothing asks for is not read)
+        out["decoder.final_layernorm._extra_state/shard_0_1"] = [megatron_lm.te_extra_state()]
     return out
 
 
