@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from zo_megatron.errors import ConfigError
-from zo_megatron.planner.params import selective_recompute_modules
+from zo_megatron.planner.params import Architecture, mla_attention_rows, selective_recompute_modules
 
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -628,13 +628,9 @@ class GPTConfig:
 
     def mla_parameters(self) -> int:
         """One layer's multi-latent attention: the projections (no biases but linear_proj's) and, with
-        --qk-layernorm, the q and kv latents' norms."""
-        h, heads, norm = self.hidden_size, self.num_attention_heads, 2 if self.normalization == "LayerNorm" else 1
-        q_dim, r_q, r_kv = self.qk_head_dim + self.qk_pos_emb_head_dim, self.q_lora_rank, self.kv_lora_rank
-        queries = h * heads * q_dim if r_q is None else h * r_q + r_q * heads * q_dim
-        keys_values = h * (r_kv + self.qk_pos_emb_head_dim) + r_kv * heads * (self.qk_head_dim + self.v_head_dim)
-        norms = norm * ((r_q or 0) + r_kv) if self.qk_layernorm else 0
-        return queries + keys_values + norms + heads * self.v_head_dim * h + (h if self.add_bias_linear else 0)
+        --qk-layernorm, the q and kv latents' norms (the planner's rows of them: planner/params.py)."""
+        arch = Architecture(**{k: getattr(self, k) for k in Architecture.__dataclass_fields__})
+        return sum(n for _, n, _ in mla_attention_rows(self.hidden_size, self.num_attention_heads, arch))
 
     def _mlp_parameters(self, f: int, bias: bool | None = None) -> int:
         h, bias = self.hidden_size, self.add_bias_linear if bias is None else bias
