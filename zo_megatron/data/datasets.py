@@ -333,7 +333,8 @@ def _split_that_fits(which: int, documents: int) -> str | None:
 
 def build_gpt_datasets(data_path: Sequence[str] | str, split: str, seq_length: int, seed: int,
                        tokenizer, train_samples: int, valid_samples: int, test_samples: int,
-                       cache_dir: str | None = None, other_tokenizer: str = "error", eod_mask_loss: bool = False):
+                       cache_dir: str | None = None, other_tokenizer: str = "error", eod_mask_loss: bool = False,
+                       reset_position_ids: bool = False):
     """(train, valid, test) megatron-core datasets; an entry is None when its split is empty.
 
     data_path: ["prefix"], ["w1", "p1", "w2", "p2", ...] (weights, normalised) or
@@ -343,7 +344,9 @@ def build_gpt_datasets(data_path: Sequence[str] | str, split: str, seq_length: i
     repeats epochs as needed). Items are dicts of torch tensors: tokens, labels (tokens shifted by
     one), loss_mask, position_ids, each [seq_length] (plus an int dataset_id from a blend); the
     attention mask is the model's business. eod_mask_loss (Megatron-LM's --eod-mask-loss): the loss
-    mask is 0 where the input token is the end-of-document id (megatron-core's rule). Validates every prefix first (DataError on bad data).
+    mask is 0 where the input token is the end-of-document id (megatron-core's rule). reset_position_ids
+    (Megatron-LM's --reset-position-ids): each document's positions start again at 0 after an end-of-document
+    token (megatron-core's rule). Validates every prefix first (DataError on bad data).
     Collective when torch.distributed is initialised (call it on every rank).
     """
     if int(seq_length) < 1:
@@ -353,7 +356,7 @@ def build_gpt_datasets(data_path: Sequence[str] | str, split: str, seq_length: i
         raise DataError(f"sample counts must be >= 0, got train/valid/test {sizes}")
     if isinstance(data_path, dict):
         return _build_per_split(data_path, seq_length, seed, tokenizer, sizes, cache_dir, other_tokenizer,
-                                eod_mask_loss)
+                                eod_mask_loss, reset_position_ids)
     _parse_split(split)
     (prefixes, weights), infos = _blend(data_path, tokenizer, other_tokenizer)
 
@@ -363,7 +366,7 @@ def build_gpt_datasets(data_path: Sequence[str] | str, split: str, seq_length: i
     config = GPTDatasetConfig(
         random_seed=int(seed), sequence_length=int(seq_length), blend=(prefixes, weights),
         split=str(split).strip(), path_to_cache=cache,
-        mmap_bin_files=True, tokenizer=adapter, reset_position_ids=False,
+        mmap_bin_files=True, tokenizer=adapter, reset_position_ids=bool(reset_position_ids),
         reset_attention_mask=False, eod_mask_loss=bool(eod_mask_loss), create_attention_mask=False,
         num_dataset_builder_threads=1)
 
@@ -409,7 +412,7 @@ def _blend(data_path, tokenizer, other_tokenizer: str) -> tuple[tuple[list[str],
 
 
 def _build_per_split(data_path: dict, seq_length: int, seed: int, tokenizer, sizes: list[int],
-                     cache_dir: str | None, other_tokenizer: str, eod_mask_loss: bool):
+                     cache_dir: str | None, other_tokenizer: str, eod_mask_loss: bool, reset_position_ids: bool):
     """(train, valid, test) from a blend per split ({"train", "valid", "test": --data-path list or None}),
     each used whole: megatron-core's blend_per_split (Megatron-LM's --train-data-path ...). A split
     without data is None; one asked for samples without data is refused."""
@@ -427,7 +430,7 @@ def _build_per_split(data_path: dict, seq_length: int, seed: int, tokenizer, siz
         random_seed=int(seed), sequence_length=int(seq_length), blend_per_split=blends, split=None,
         path_to_cache=cache, mmap_bin_files=True,
         tokenizer=_MegatronTokenizer(tokenizer, {p: _idx_fingerprint(p) for p in prefixes}),
-        reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=bool(eod_mask_loss),
+        reset_position_ids=bool(reset_position_ids), reset_attention_mask=False, eod_mask_loss=bool(eod_mask_loss),
         create_attention_mask=False, num_dataset_builder_threads=1)
     blended = any(blend[1] is not None for blend in blends if blend)
     with _index_build_lock(cache), _process_group_if_needed(blended):
@@ -436,7 +439,7 @@ def _build_per_split(data_path: dict, seq_length: int, seed: int, tokenizer, siz
 
 def build_mock_gpt_datasets(split: str, seq_length: int, seed: int, tokenizer, train_samples: int,
                             valid_samples: int, test_samples: int = 0, cache_dir: str | None = None,
-                            eod_mask_loss: bool = False):
+                            eod_mask_loss: bool = False, reset_position_ids: bool = False):
     """(train, valid, test) of Megatron-LM's --mock-data: megatron-core's MockGPTDataset, built as
     Megatron-LM's pretrain_gpt.py builds it (no blend: config.mock). Its documents are megatron-core's
     own (100,000 of random length, each 1, 2, 3, ... modulo the vocabulary, then the end-of-document
@@ -453,7 +456,7 @@ def build_mock_gpt_datasets(split: str, seq_length: int, seed: int, tokenizer, t
     config = GPTDatasetConfig(
         random_seed=int(seed), sequence_length=int(seq_length), blend=None, split=str(split).strip(),
         path_to_cache=cache, tokenizer=_MegatronTokenizer(tokenizer, {"mock": "MockGPTDataset"}),
-        reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=bool(eod_mask_loss),
+        reset_position_ids=bool(reset_position_ids), reset_attention_mask=False, eod_mask_loss=bool(eod_mask_loss),
         create_attention_mask=False,
         num_dataset_builder_threads=1)
     for i, bookends in enumerate(config.split_matrix):      # a split asked for nothing is not built

@@ -86,14 +86,14 @@ def build_datasets(args, tokenizer, data_path, dp_size: int):
         train_ds, valid_ds, _ = build_mock_gpt_datasets(
             args.split, args.seq_length, args.seed, tokenizer, train_samples=train_samples,
             valid_samples=n_evals * args.eval_iters * gb, cache_dir=args.data_cache_path,
-            eod_mask_loss=args.eod_mask_loss)
+            eod_mask_loss=args.eod_mask_loss, reset_position_ids=args.reset_position_ids)
         return train_ds, valid_ds
     train_ds, valid_ds, _ = build_gpt_datasets(
         data_path, args.split, args.seq_length, args.seed, tokenizer,
         train_samples=train_samples, valid_samples=n_evals * args.eval_iters * gb,
         test_samples=0, cache_dir=args.data_cache_path,
         other_tokenizer="accept" if args.allow_other_tokenizer_data else "error",   # checked before launch
-        eod_mask_loss=args.eod_mask_loss)
+        eod_mask_loss=args.eod_mask_loss, reset_position_ids=args.reset_position_ids)
     return train_ds, valid_ds
 
 
@@ -109,7 +109,7 @@ def build_test_dataset(args, tokenizer, data_path):
         {"train": None, "valid": None, "test": data_path["test"]}, None, args.seq_length, args.seed, tokenizer,
         train_samples=0, valid_samples=0, test_samples=args.eval_iters * args.global_batch_size,
         cache_dir=args.data_cache_path, other_tokenizer="accept" if args.allow_other_tokenizer_data else "error",
-        eod_mask_loss=args.eod_mask_loss)[2]
+        eod_mask_loss=args.eod_mask_loss, reset_position_ids=args.reset_position_ids)[2]
 
 
 def check_index_cache_is_shared(cache_dir: str | None) -> None:

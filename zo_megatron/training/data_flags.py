@@ -38,6 +38,10 @@ def add_data_flags(g) -> None:
                                split == "test" else ""))
     g.add_argument("--per-split-data-args-path", default=None, metavar="FILE",
                    help='a JSON file {"train": ..., "valid": ..., "test": ...}, each a --data-path list or one string')
+    g.add_argument("--reset-position-ids", action="store_true",
+                   help="each document's positions start again at 0 after its end-of-document token (megatron-core's "
+                        "GPTDataset): what learned absolute positions read; megatron-core's rotary embeddings take "
+                        "positions 0..s-1 whatever the ids, so with RoPE it changes nothing, as in Megatron-LM")
     g.add_argument("--split", default=None,
                    help=f"train, valid, test proportions of a --data-path blend (default {DEFAULT_SPLIT!r}, "
                         "Megatron-LM's)")

@@ -146,7 +146,6 @@ REFUSED_WHY = {
     "--fp32-residual-connection": "residuals stay in the model's precision, as GPT-2",
     "--quick-geglu": "the MLP activation is GELU, SwiGLU (--swiglu) or squared ReLU (--squared-relu)",
     "--reset-attention-mask": "documents are packed with EOD tokens and attend across them, as Megatron's default",
-    "--reset-position-ids": "positions run over the whole sample, as Megatron's default",
     "--no-save-optim": "checkpoints always hold the optimizer and RNG states (resume is exact); load with "
                        "--no-load-optim instead",
     "--no-save-rng": "checkpoints always hold the RNG states; load with --no-load-rng instead",
