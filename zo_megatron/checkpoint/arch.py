@@ -248,11 +248,14 @@ def _mla_flags(m: dict) -> list[str]:
     if m["position_embedding_type"] == "learned_absolute":     # MLA rotates with these whatever the positions
         flags += [f"--rotary-base {m['rotary_base']}"] * (m["rotary_base"] != DEFAULTS["rotary_base"]) + \
             [f"--rotary-percent {m['rotary_percent']:g}"] * (m["rotary_percent"] != 1.0)
-    if m["position_embedding_type"] != "yarn":     # YaRN's flags are written with the position type otherwise
-        flags += [f"--{name.replace('_', '-')} {num(m[name])}" for name in
-                  ("rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow",
-                   "mscale", "mscale_all_dim") if m[name] != YARN_FIELDS[name]]
-    return flags
+    # (GPTConfig refuses --position-embedding-type yarn under MLA: _yarn_flags writes nothing for it)
+    return flags + _non_default_yarn(m, ("rotary_scaling_factor", "yarn_original_max_position_embeddings",
+                                         "yarn_beta_fast", "yarn_beta_slow", "mscale", "mscale_all_dim"))
+
+
+def _non_default_yarn(m: dict, names) -> list[str]:
+    """The flags of YaRN's settings `names` that are not megatron-core's defaults."""
+    return [f"--{name.replace('_', '-')} {num(m[name])}" for name in names if m[name] != YARN_FIELDS[name]]
 
 
 def num(x: float) -> str:
@@ -266,10 +269,8 @@ def _yarn_flags(m: dict) -> list[str]:
     if m["position_embedding_type"] != "yarn":
         return []
     flags = [f"--rotary-scaling-factor {num(m['rotary_scaling_factor'])}",
-             f"--yarn-original-max-position-embeddings {m['yarn_original_max_position_embeddings']}"]
-    for name in ("yarn_beta_fast", "yarn_beta_slow", "mscale", "mscale_all_dim"):
-        if m[name] != YARN_FIELDS[name]:
-            flags.append(f"--{name.replace('_', '-')} {num(m[name])}")
+             f"--yarn-original-max-position-embeddings {m['yarn_original_max_position_embeddings']}",
+             *_non_default_yarn(m, ("yarn_beta_fast", "yarn_beta_slow", "mscale", "mscale_all_dim"))]
     if not m["yarn_correction_range_round_to_int"]:
         flags.append("--no-yarn-correction-range-round-to-int")
     return flags

@@ -12,7 +12,8 @@ from dataclasses import dataclass, fields
 import torch
 
 from zo_megatron.errors import ConfigError
-from zo_megatron.planner.params import Architecture, mla_attention_rows, selective_recompute_modules
+from zo_megatron.planner.params import (Architecture, default_core_attention, mla_attention_rows,
+                                        selective_recompute_modules)
 
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -218,7 +219,7 @@ class GPTConfig:
             raise ConfigError(f"--recompute-num-layers {self.recompute_num_layers} does not divide --num-layers "
                               f"{self.num_layers} (megatron-core's uniform method checkpoints whole groups): use a divisor")
         if self.attention_backend is None:
-            self.attention_backend = "sdpa" if self.multi_latent_attention else "local"
+            self.attention_backend = default_core_attention(self.multi_latent_attention)
         if self.attention_backend not in ("local", "sdpa"):
             raise ConfigError(f"attention_backend must be 'local' or 'sdpa' (got {self.attention_backend!r})")
         if self.multi_latent_attention and self.attention_backend == "local":

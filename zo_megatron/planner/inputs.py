@@ -5,8 +5,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from zo_megatron.planner.params import (Architecture, MoEShape, default_ffn_size, moe_layer_pattern,
-                                        resolve_recompute, selective_recompute_modules)
+from zo_megatron.planner.params import (Architecture, MoEShape, default_core_attention, default_ffn_size,
+                                        moe_layer_pattern, resolve_recompute, selective_recompute_modules)
 from zo_megatron.planner.units import GiB, MiB
 
 PRECISIONS = ("bf16", "fp16", "fp32")
@@ -528,5 +528,5 @@ def _core_attention(flags: Any) -> str:
         return "sdpa"
     backend = getattr(flags, "attention_backend", None)
     if backend is None:
-        return "sdpa" if getattr(flags, "multi_latent_attention", False) else "local"
+        return default_core_attention(getattr(flags, "multi_latent_attention", False))
     return "local" if backend in ("local", "unfused") else "sdpa"

@@ -26,6 +26,13 @@ from zo_megatron.param_names import is_routed_expert
 RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe", "shared_experts", "mla_up_proj")
 
 
+def default_core_attention(multi_latent_attention: bool) -> str:
+    """The core attention when no backend is named: megatron-core's local one, or torch SDPA under
+    multi-latent attention, which the local one cannot run (megatron-core 0.16: no separate key and value
+    head dims). The job's flags, GPTConfig and the planner all resolve it here."""
+    return "sdpa" if multi_latent_attention else "local"
+
+
 def resolve_recompute(granularity: str | None, modules, *, recompute_activations: bool, moe_layer_recompute: bool,
                       experts: bool) -> tuple[str | None, list | None]:
     """(granularity, modules) of Megatron-LM's recompute flags as it resolves them, for the job's

@@ -9,6 +9,7 @@ import os
 import sys
 
 from zo_megatron.errors import ConfigError
+from zo_megatron.planner.params import default_core_attention
 from zo_megatron.model.config import (MOE_DISPATCHERS, MOE_DROP_POLICIES, MOE_FIELDS, MOE_LOAD_BALANCING,
                                       MLA_FIELDS, MOE_SCORE_FUNCTIONS, YARN_FIELDS, megatron_gelu, rotary_base)
 
@@ -331,9 +332,8 @@ def check_attention_flags(args: argparse.Namespace) -> None:
     if args.use_flash_attn and args.attention_backend in ("local", "unfused"):
         raise ConfigError(f"--use-flash-attn and --attention-backend {args.attention_backend} contradict each other: "
                           "use one of them")
-    # the default: megatron-core's local attention, except under MLA, which it cannot run (torch SDPA then)
-    default = "auto" if getattr(args, "multi_latent_attention", False) else "local"
-    args.core_attention = "sdpa" if args.use_flash_attn else ATTENTION_BACKENDS[args.attention_backend or default]
+    args.core_attention = "sdpa" if args.use_flash_attn else ATTENTION_BACKENDS[args.attention_backend] \
+        if args.attention_backend else default_core_attention(getattr(args, "multi_latent_attention", False))
     if args.sequence_parallel and args.tensor_parallel == 1:
         if os.environ.get("RANK", "0") == "0":
             print("warning: Disabling sequence parallelism because tensor model parallelism is disabled",
