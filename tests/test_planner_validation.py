@@ -14,7 +14,9 @@ fp32 softmax: the CPU path) and compares:
 2. activations per transformer layer: the planner's Korthikanti line item equals the bytes of the
    tensors one layer saves for backward (saved_tensors_hooks, unique live storages, parameters
    excluded, the cached s x s causal mask included; with recompute, what the layer saves when it is
-   recomputed in backward) within 5%;
+   recomputed in backward) within 5%; with per-document attention (the -docmask cases, segment_ids
+   given) what the layer keeps at the end of forward, and the one mask the layers share equals the
+   planner's `activations_document_mask` to the byte (none on SDPA's CPU math path, which keeps none);
 3. the activation peak: the planner's activation estimate (every `activations_*` and `logits*`
    item) is within 20% of the peak of torch's CPU allocator over forward + backward, measured
    with torch.profiler's memory events (bytes above what was live before the forward: saved
@@ -30,7 +32,7 @@ import pytest
 import torch
 
 from tests.harness import run_world
-from zo_megatron.planner import PlanInput, plan
+from zo_megatron.planner import PlanInput, layer_activations, plan
 
 LAYERS, HIDDEN, HEADS, SEQ, MICRO = 2, 128, 4, 128, 2
 SEED = 4321
@@ -84,6 +86,12 @@ CASES = [
     ("bf16-mla-direct", "bf16", False, 1000, 200_000),
     ("bf16-mla-direct-sp", "bf16", False, 1000, 200_000),
     ("fp32-mla-direct-recompute", "fp32", True, 1024, 40_000_000),
+    # per-document attention (segment_ids: one [b, 1, s, s] mask per micro-batch, shared by the layers): the
+    # local attention's bool mask, SDPA's additive bf16 one (fused CPU kernel, GQA), and SDPA's math path
+    # (attention dropout), which does not keep it
+    ("bf16-smallvocab-docmask", "bf16", False, 1000, 40_000_000),
+    ("bf16-llama-sdpa-docmask", "bf16", False, 1000, 200_000),
+    ("bf16-smallvocab-sdpa-attndrop-docmask", "bf16", False, 1000, 40_000_000),
 ]
 # Llama-shaped cases (issue 24): rope, RMSNorm, SwiGLU (ffn 320), GQA 2 groups, untied output layer, no biases
 LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, num_query_groups=2,
@@ -101,6 +109,12 @@ def _recompute(recompute) -> dict:
     if isinstance(recompute, tuple):
         return dict(recompute="selective", recompute_modules=recompute)
     return dict(recompute=recompute)
+
+
+def _segment_ids(gen, batch: int, seq: int) -> torch.Tensor:
+    """[batch, seq] int64 document ids, non-decreasing: each row cut at 3 random points (4 or fewer documents)."""
+    cuts = torch.sort(torch.randint(1, seq, (batch, 3), generator=gen), dim=1).values
+    return (torch.arange(seq)[None, :, None] >= cuts[:, None, :]).sum(-1)
 
 
 def _arch(name):
@@ -282,16 +296,17 @@ def _measure_world(rank, tp, cases):
     for name, precision, recompute, vocab, bucket_size in cases:
         cfg = GPTConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, vocab_size=vocab,
                         max_position_embeddings=SEQ, precision=precision, **_recompute(recompute), **_arch(name),
-                        attention_dropout=0.1 if name.endswith("-attndrop") else 0.0)
+                        attention_dropout=0.1 if "-attndrop" in name else 0.0)
         model = build_gpt_model(cfg, ps.tp_rank, ps.tp_size, SEED)
         engine = ZeroOffloadEngine(model, precision=precision, bucket_size=bucket_size, dp_group=ps.dp_group,
                                    tp_rank=ps.tp_rank, tp_group=ps.tp_group)
         gen = torch.Generator().manual_seed(SEED + 17 * ps.dp_rank)
         tokens = torch.randint(0, vocab, (MICRO, SEQ), generator=gen)
         labels = torch.randint(0, vocab, (MICRO, SEQ), generator=gen)
+        segments = _segment_ids(gen, MICRO, SEQ) if "-docmask" in name else None
 
         # warm-up: one-time allocations (megatron's attention-score buffer, the mask cache) happen here
-        engine.backward(model.loss(tokens, labels))
+        engine.backward(model.loss(tokens, labels, segment_ids=segments))
         engine.step()
 
         saved = _Saved(engine.flat.untyped_storage().data_ptr())
@@ -301,7 +316,7 @@ def _measure_world(rank, tp, cases):
             hooks.append(layer.register_forward_hook(lambda m, a, o: setattr(saved, "region", None)))
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
-                loss = model.loss(tokens, labels)
+                loss = model.loss(tokens, labels, segment_ids=segments)
                 kept = saved.kept_by_region()
                 engine.backward(loss)   # recompute (inside backward) saves under the hooks too
             # The reduce-scatters run on gloo's threads: let them finish before the profiler stops
@@ -324,7 +339,7 @@ def _plan(tp, dp, name, precision, recompute, vocab, bucket_size):
                           seq_length=SEQ, max_position_embeddings=SEQ, tensor_parallel=tp, data_parallel=dp,
                           micro_batch_size=MICRO, precision=precision, **_recompute(recompute),
                           bucket_size=bucket_size, dropout=False, fused_softmax=False, device_is_host=True,
-                          attention_dropout=name.endswith("-attndrop"),
+                          attention_dropout="-attndrop" in name, document_attention_mask="-docmask" in name,
                           device_overhead_bytes=0))
 
 
@@ -363,11 +378,20 @@ def test_planner_matches_engine_and_torch(tp, dp):
                        check(f"{name} rank {r} host master + m + v + staging", p.host_bytes_per_gpu,
                              acc["host_bytes"], 0.05)]
         # per layer: the last one (with full recompute: what it saves when it is recomputed in backward;
-        # with selective recompute: what it keeps at the end of forward)
-        measure = "kept" if isinstance(recompute, tuple) else "saved"
+        # with selective recompute, or a document mask: what it keeps at the end of forward, where a storage
+        # that several layers keep -- the mask -- is no layer's)
+        measure = "kept" if isinstance(recompute, tuple) or "-docmask" in name else "saved"
         per_layer = max(res[c][measure].get(f"layer{LAYERS - 1}", 0) for res in ranks)
         planned_layer = _per_layer_estimate(p, recompute)
         check(f"{name} activations of one layer", planned_layer, per_layer, 0.05)
+        if "-docmask" in name:
+            # the one mask the layers share, to the byte (0: the math path keeps none)
+            kept_mask = layer_activations.document_mask_bytes(p.input)
+            planned_mask = kept_mask[0] if kept_mask[1] else 0
+            for r, res in enumerate(ranks):
+                shared = res[c]["kept"].get("shared by layers", 0)
+                if shared != planned_mask:
+                    failures.append(f"{name} rank {r}: the layers share {shared} bytes, planned mask {planned_mask}")
         peak = max(res[c]["peak"] for res in ranks)
         planned_act = _activation_estimate(p)
         check(f"{name} activation peak (items {items})", planned_act, peak, 0.20)

@@ -7,23 +7,31 @@ config.softmax_scale), attention dropout (config.attention_dropout, training onl
 megatron's model-parallel RNG stream as the local module does), causal masking -- but through
 SDPA's `is_causal=True`, so no [b, heads, s, s] score, probability or dropout-mask tensor is
 ever materialised (the local module keeps all three for backward: ~5 bytes x b·heads·s² per
-layer in 16 bits). The explicit attention mask megatron passes, if any, is not read: this module
-is causal self-attention only (the only mask GPT pretraining uses).
+layer in 16 bits).
+
+The attention mask megatron passes down is None for plain causal self-attention (GPT pretraining:
+`is_causal=True`, nothing s x s exists). Per-document attention (--reset-attention-mask, --sft) passes
+model/gpt.py's document mask: an additive float [b, 1, s, s] in the attention's dtype (0 where a
+token may attend, -inf where not; causality included), built once per forward and shared by every
+layer; it goes to SDPA as `attn_mask` with `is_causal=False`. (A bool mask in megatron's convention,
+True = masked, is converted here, per call: torch's bool convention is the opposite.)
 
 Which kernel runs:
-  CUDA   flash (FlashAttention-2; fp16/bf16) or, where flash cannot run (fp32, head_dim, ...),
-         memory-efficient attention. Exactly one of them is allowed per call
-         (torch.nn.attention.sdpa_kernel), chosen with torch's own checks
-         (torch.backends.cuda.can_use_flash_attention / can_use_efficient_attention), so torch
-         can never fall back to the math path silently; if neither can run, one error line.
+  CUDA   flash (FlashAttention-2; fp16/bf16) or, where flash cannot run (fp32, head_dim, an
+         attention mask: flash takes none), memory-efficient attention (takes the mask). Exactly
+         one of them is allowed per call (torch.nn.attention.sdpa_kernel), chosen with torch's own
+         checks (torch.backends.cuda.can_use_flash_attention / can_use_efficient_attention, given
+         the mask), so torch can never fall back to the math path silently; if neither can run,
+         one error line.
          GQA: flash takes the grouped k/v as they are (enable_gqa); memory-efficient attention
          does not support GQA in torch, so there k/v are repeated per query head first, as
          megatron-core's local module does.
-  CPU    whatever SDPA picks: its fused CPU flash kernel (GQA included) when dropout is 0; with
-         attention dropout torch's CPU kernel falls back to the math path, which materialises the
-         probabilities like the local module.
+  CPU    whatever SDPA picks: its fused CPU flash kernel (GQA included, a float or bool mask
+         included) when dropout is 0; with attention dropout torch's CPU kernel falls back to the
+         math path, which materialises the probabilities like the local module.
 What SDPA keeps for backward (fused kernels): q, k, v, the output and the row logsumexp,
-fp32 [b, heads/t, s] -- no s² term.
+fp32 [b, heads/t, s] -- no s² term; with a document mask also the mask itself (the one shared
+tensor, not a copy per layer; the math path does not keep it).
 """
 from __future__ import annotations
 
@@ -40,28 +48,39 @@ BACKENDS = ("local", "sdpa")
 
 
 def sdpa_choice(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float,
-                enable_gqa: bool) -> tuple[str, bool]:
-    """(kernel, enable_gqa) for SDPA on these [b, n, s, d] tensors, causal.
+                enable_gqa: bool, attn_mask: Optional[torch.Tensor] = None) -> tuple[str, bool]:
+    """(kernel, enable_gqa) for SDPA on these [b, n, s, d] tensors: causal (is_causal=True) without
+    `attn_mask`, with it the mask (is_causal=False), as SDPAttention will call it.
 
     CUDA: "flash" or "efficient" (ConfigError if neither can run; enable_gqa False means the
-    caller must repeat k/v per query head). CPU: the kernel torch picks ("flash" or "math")."""
+    caller must repeat k/v per query head). CUDA's flash kernel takes no mask, so with one it is
+    the memory-efficient kernel or nothing. CPU: the kernel torch picks ("flash" or "math")."""
+    causal = attn_mask is None
     if query.device.type != "cuda":
         try:
             from torch.nn.attention import SDPBackend
 
-            kind = torch._fused_sdp_choice(query, key, value, attn_mask=None, dropout_p=dropout_p,
-                                           is_causal=True, enable_gqa=enable_gqa)
+            kind = torch._fused_sdp_choice(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                                           is_causal=causal, enable_gqa=enable_gqa)
             return {SDPBackend.FLASH_ATTENTION: "flash", SDPBackend.MATH: "math"}.get(
                 SDPBackend(kind), SDPBackend(kind).name.lower()), enable_gqa
         except (AttributeError, TypeError, RuntimeError, ValueError):
             return "auto", enable_gqa
+    return _cuda_sdpa_choice(query, key, value, dropout_p, enable_gqa, attn_mask)
+
+
+def _cuda_sdpa_choice(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float,
+                      enable_gqa: bool, attn_mask: Optional[torch.Tensor]) -> tuple[str, bool]:
+    """sdpa_choice on CUDA: torch's own checks, asked with the mask SDPA will get."""
     from torch.backends import cuda as cuda_backends
 
-    def params(k, v, gqa):
+    causal = attn_mask is None
+
+    def params(k, v, gqa, mask=attn_mask):
         try:
-            return cuda_backends.SDPAParams(query, k, v, None, dropout_p, True, gqa)
+            return cuda_backends.SDPAParams(query, k, v, mask, dropout_p, mask is None, gqa)
         except TypeError:           # torch < 2.5: no enable_gqa argument (and no GQA in SDPA)
-            return None if gqa else cuda_backends.SDPAParams(query, k, v, None, dropout_p, True)
+            return None if gqa else cuda_backends.SDPAParams(query, k, v, mask, dropout_p, mask is None)
 
     if enable_gqa:                   # flash takes grouped k/v as they are (torch >= 2.5)
         p = params(key, value, True)
@@ -75,16 +94,43 @@ def sdpa_choice(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dro
         return "flash", False
     if cuda_backends.can_use_efficient_attention(p):
         return "efficient", False
+    device = torch.cuda.get_device_name(query.device)
+    if not causal and cuda_backends.can_use_efficient_attention(params(key, value, False, None)):
+        # the mask is what stops it: flash takes none, and this memory-efficient kernel not this one
+        raise ConfigError(
+            f"per-document attention (--reset-attention-mask / --sft): torch's memory-efficient attention "
+            f"kernel, the only one that takes an attention mask, refuses the {attn_mask.dtype} "
+            f"{list(attn_mask.shape)} mask here (dtype {query.dtype}, head dim {query.size(-1)}, device "
+            f"{device}): use --attention-backend local")
     if value.size(-1) != query.size(-1):          # multi-latent attention: no local attention to fall back to
         raise ConfigError(
             f"multi-latent attention's head dims (query/key {query.size(-1)}, value {value.size(-1)}, {query.dtype}) "
             f"are ones neither torch's flash nor its memory-efficient kernel takes on "
-            f"{torch.cuda.get_device_name(query.device)}: choose --qk-head-dim + --qk-pos-emb-head-dim and "
+            f"{device}: choose --qk-head-dim + --qk-pos-emb-head-dim and "
             "--v-head-dim that are multiples of 8 (DeepSeek's 192 and 128 are)")
     raise ConfigError(
         f"--use-flash-attn: neither torch's flash nor its memory-efficient attention kernel can run here "
-        f"(dtype {query.dtype}, head dim {query.size(-1)}, dropout {dropout_p}, device "
-        f"{torch.cuda.get_device_name(query.device)}): use --attention-backend local")
+        f"(dtype {query.dtype}, head dim {query.size(-1)}, dropout {dropout_p}, "
+        f"{'causal' if causal else 'a per-document attention mask: flash takes none'}, device "
+        f"{device}): use --attention-backend local")
+
+
+def additive_mask(attention_mask: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """The mask SDPA gets: None (causal), or an additive float mask in the attention's dtype.
+
+    model/gpt.py hands every layer the same float mask already in that dtype (returned as is: SDPA saves
+    that one tensor, not a copy per layer). Anything else is converted per call: a float mask of another
+    dtype is cast; a bool mask is megatron's convention (True = masked, the opposite of torch's bool
+    attn_mask), so it becomes 0 / -inf rather than being passed as it is."""
+    if attention_mask is None:
+        return None
+    if attention_mask.dtype == torch.bool:
+        return torch.zeros(attention_mask.shape, dtype=dtype, device=attention_mask.device).masked_fill_(
+            attention_mask, float("-inf"))
+    if not attention_mask.is_floating_point():
+        raise ConfigError(f"SDPA attention takes a float (additive) or bool (True = masked) attention mask, "
+                          f"got {attention_mask.dtype}")
+    return attention_mask if attention_mask.dtype == dtype else attention_mask.to(dtype)
 
 
 def _sdpa_kernel_context(kind: str):
@@ -101,7 +147,8 @@ def _megatron_module_base():
 
 
 class SDPAttention(_megatron_module_base()):
-    """megatron-core core attention (DotProductAttention's interface) over torch SDPA, causal."""
+    """megatron-core core attention (DotProductAttention's interface) over torch SDPA: causal, or causal
+    within each document when given model/gpt.py's document mask."""
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
                  attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
@@ -172,10 +219,11 @@ class SDPAttention(_megatron_module_base()):
             q, k, v = (F.pad(t, (0, width - t.size(-1))) if t.size(-1) < width else t for t in (q, k, v))
         dropout_p = self.dropout_p if self.training else 0.0
         gqa = self.num_attention_heads_per_partition != self.num_query_groups_per_partition
-        sig = (q.device.type, q.dtype, q.size(-1), dropout_p, gqa)
+        mask = additive_mask(attention_mask, q.dtype)
+        sig = (q.device.type, q.dtype, q.size(-1), dropout_p, gqa, None if mask is None else tuple(mask.shape))
         choice = self._choice.get(sig)
         if choice is None:
-            choice = self._choice[sig] = sdpa_choice(q, k, v, dropout_p, gqa)
+            choice = self._choice[sig] = sdpa_choice(q, k, v, dropout_p, gqa, attn_mask=mask)
         kind, enable_gqa = choice
         if gqa and not enable_gqa:
             rep = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
@@ -188,8 +236,9 @@ class SDPAttention(_megatron_module_base()):
             # rank holds other heads) unless sequence parallelism runs the whole block in it.
             if dropout_p > 0 and not self.config.sequence_parallel:
                 stack.enter_context(tensor_parallel.get_cuda_rng_tracker().fork())
-            context = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
-                                                     scale=self.softmax_scale,
+            # no mask: causal by construction, nothing s x s is read; a document mask carries causality
+            context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                                     is_causal=mask is None, scale=self.softmax_scale,
                                                      **(dict(enable_gqa=True) if enable_gqa else {}))
         # [b, n, s, d] -> [s, b, n*d]
         return context[..., :v_dim].permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
@@ -199,17 +248,22 @@ class SDPAttention(_megatron_module_base()):
 
 
 def describe_kernel(num_heads: int, num_query_groups: int, head_dim: int, tp: int, dtype: torch.dtype,
-                    device: torch.device, dropout_p: float, v_head_dim: int | None = None) -> str:
+                    device: torch.device, dropout_p: float, v_head_dim: int | None = None,
+                    document_mask: bool = False) -> str:
     """The SDPA kernel a training forward will run with this shape, for the banner (v_head_dim: MLA's
-    value head dim where it differs; on a CPU the forward pads it to head_dim, as here)."""
+    value head dim where it differs; on a CPU the forward pads it to head_dim, as here; document_mask:
+    per-document attention, an additive [b, 1, s, s] mask in place of is_causal)."""
     h, g = num_heads // tp, max(1, num_query_groups // tp)
     q = torch.zeros(1, h, 16, head_dim, dtype=dtype, device=device)
     kv = torch.zeros(1, g, 16, head_dim, dtype=dtype, device=device)
     v = kv if device.type == "cpu" or v_head_dim is None else torch.zeros(1, g, 16, v_head_dim, dtype=dtype,
                                                                           device=device)
-    kind, enable_gqa = sdpa_choice(q, kv, v, dropout_p, h != g)
+    mask = torch.zeros(1, 1, 16, 16, dtype=dtype, device=device) if document_mask else None
+    kind, enable_gqa = sdpa_choice(q, kv, v, dropout_p, h != g, attn_mask=mask)
     names = {"flash": "flash attention", "efficient": "memory-efficient attention", "math": "math"}
     text = f"torch SDPA, {names.get(kind, kind)} kernel ({device.type})"
+    if document_mask:
+        text += ", per-document mask"
     if device.type == "cpu" and kind == "math" and dropout_p > 0:
         text += " -- torch's CPU flash kernel has no dropout: the probabilities are materialised"
     if h != g and not enable_gqa:

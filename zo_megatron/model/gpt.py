@@ -67,6 +67,28 @@ def causal_attention_mask(seq_length: int, device) -> torch.Tensor:
     return torch.triu(torch.ones(seq_length, seq_length, dtype=torch.bool, device=device), diagonal=1)[None, None]
 
 
+def document_attention_mask(segment_ids: torch.Tensor, backend: str, dtype: torch.dtype) -> torch.Tensor:
+    """Per-document causal attention (--reset-attention-mask, --sft) from segment_ids [b, s]: token j
+    may attend to token i iff i <= j and segment_ids[b, i] == segment_ids[b, j].
+
+    backend "local": bool [b, 1, s, s], True = masked (megatron-core's DotProductAttention fills those
+    scores with -10000 before its fp32 softmax: exactly 0 after it, every row keeping its diagonal).
+    "sdpa": additive [b, 1, s, s] in `dtype` (the attention's), 0 where allowed and -inf where masked,
+    so that SDPA takes it as it is (a bool mask would be converted inside every layer, one copy each).
+    Built once per forward and shared by every layer: autograd keeps one tensor, not one per layer."""
+    b, s = segment_ids.shape
+    idx = torch.arange(s, device=segment_ids.device)
+    masked = segment_ids[:, None, :, None] != segment_ids[:, None, None, :]     # [b, 1, s, s]
+    masked |= idx[None, :] > idx[:, None]                                      # the future, [s, s]
+    if backend != "sdpa":
+        return masked
+    # CUDA's memory-efficient kernel wants every stride but the last a multiple of 8 elements, else torch
+    # pads the mask in each call (a copy per layer): here its rows are padded once, where s % 8 != 0
+    width = -(-s // 8) * 8 if segment_ids.device.type == "cuda" else s
+    mask = torch.zeros((b, 1, s, width), dtype=dtype, device=segment_ids.device)[..., :s]
+    return mask.masked_fill_(masked, float("-inf"))
+
+
 class TPQKNorm:
     """The q/k norm (`--qk-layernorm`): torch's RMSNorm/LayerNorm over head_dim, as megatron-core's
     WrappedTorchNorm builds it, except that its weight's gradient is summed over TP in backward.
@@ -340,8 +362,27 @@ class GPTModelTP(torch.nn.Module):
                               f"window of {w['tokens']} tokens, which zo_megatron does not implement; up to "
                               f"{w['tokens']} tokens the window changes nothing: use --seq-length <= {w['tokens']}")
 
-    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens [b, s] -> this TP rank's logits shard [b, s, V_pad/t]; pad columns are -inf."""
+    def _document_mask(self, tokens: torch.Tensor, segment_ids: torch.Tensor) -> torch.Tensor:
+        """document_attention_mask for this batch, in the attention's dtype (the parameters': the engine's
+        16-bit buffer); refused in one line where the ids do not describe `tokens`."""
+        if tuple(segment_ids.shape) != tuple(tokens.shape) or segment_ids.dtype not in (torch.int32, torch.int64):
+            raise ConfigError(f"segment_ids must be an int32/int64 tensor shaped like tokens {list(tokens.shape)}, "
+                              f"got {segment_ids.dtype} {list(segment_ids.shape)}")
+        if segment_ids.device != tokens.device:
+            raise ConfigError(f"segment_ids are on {segment_ids.device}, tokens on {tokens.device}")
+        if self.gpt.config.masked_softmax_fusion:
+            # megatron-core's fused causal softmax kernel would build its own causal mask and ignore this one
+            raise ConfigError("per-document attention needs the unfused softmax: megatron-core's fused causal "
+                              "softmax ignores the mask")
+        dtype = self.gpt.embedding.word_embeddings.weight.dtype
+        return document_attention_mask(segment_ids, self.cfg.attention_backend, dtype)
+
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
+                segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [b, s] -> this TP rank's logits shard [b, s, V_pad/t]; pad columns are -inf.
+
+        segment_ids [b, s] (int32/int64; the data's documents, non-decreasing along a row): each token
+        attends only to earlier tokens of its own segment (document_attention_mask); None: plain causal."""
         b, s = tokens.shape
         self.check_window(s)
         if self.sequence_parallel and s % self.tp_size:
@@ -349,8 +390,12 @@ class GPTModelTP(torch.nn.Module):
                               f"divisible by TP {self.tp_size}; use a multiple of {self.tp_size}")
         if position_ids is None:
             position_ids = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
-        # SDPA attention is causal by construction (no s x s mask is built or read).
-        mask = None if self.cfg.attention_backend == "sdpa" else self._mask(s, tokens.device)
+        if segment_ids is not None:
+            # one [b, 1, s, s] mask for every layer (with sequence parallelism too: attention sees all s)
+            mask = self._document_mask(tokens, segment_ids)
+        else:
+            # SDPA attention is causal by construction (no s x s mask is built or read).
+            mask = None if self.cfg.attention_backend == "sdpa" else self._mask(s, tokens.device)
         logits = self.gpt(tokens, position_ids, mask)
         if self._n_vocab_pad:
             logits = logits.float()
@@ -358,11 +403,12 @@ class GPTModelTP(torch.nn.Module):
         return logits
 
     def loss(self, tokens: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor | None = None,
-             position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Mean next-token cross-entropy (fp32) over unmasked tokens of this micro-batch."""
+             position_ids: torch.Tensor | None = None, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Mean next-token cross-entropy (fp32) over unmasked tokens of this micro-batch (segment_ids:
+        per-document attention, as in forward)."""
         from megatron.core import tensor_parallel
 
-        logits = self.forward(tokens, position_ids)
+        logits = self.forward(tokens, position_ids, segment_ids)
         per_token = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels)
         if loss_mask is None:
             return per_token.mean()

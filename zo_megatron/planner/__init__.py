@@ -33,7 +33,11 @@ b16 = 2 bytes (bf16/fp16) or 4 (fp32):
                          attention dropout: the math path's fp32 s² tensors). --sequence-parallel
                          (t > 1): the replicated 10 becomes 10/t, and the embedding/final-norm
                          activations, residual gradients and full-recompute checkpoints / t, plus
-                         one b16·s·b·h gather buffer.
+                         one b16·s·b·h gather buffer. Per-document attention (document_attention_mask:
+                         --reset-attention-mask, --sft): one [b, 1, s, s] mask per micro-batch, b·s²
+                         (local, bool) or b16·b·s² (SDPA), in every phase where it is kept for backward
+                         (layer_activations.document_mask_bytes); on a GPU SDPA's k/v repeated (the
+                         memory-efficient kernel: flash takes no mask).
 
 Parameter count of the GPT-2-style model (learned positions, tied embeddings, biases, LayerNorms):
   P = V_pad·h + S·h + L·(12h² + 13h) + 2h,   V_pad = V rounded up to a multiple of 128·t

@@ -103,6 +103,9 @@ class PlanInput:
     attention_backend: str = "local"  # "local": megatron's DotProductAttention (s² scores) | "sdpa": torch SDPA
     attention_dropout: bool | None = None  # None: = dropout; SDPA on the CPU with it takes the math path
     sequence_parallel: bool = False  # megatron's sequence parallelism (only at TP > 1, as the job)
+    # per-document attention (--reset-attention-mask, --sft): one [b, 1, s, s] mask per micro-batch
+    # (layer_activations.document_mask_bytes)
+    document_attention_mask: bool = False
     # overheads and layout
     device_overhead_bytes: int = 1 * GiB  # CUDA context + cuBLAS workspace + NCCL buffers
     host_overhead_bytes_per_rank: int = 3 * GiB  # python + torch + megatron + CUDA host side
@@ -490,6 +493,7 @@ def plan_input_from_flags(flags: Any, *, data_parallel: int, vocab_size: int, **
         attention_dropout=flags.attention_dropout > 0,
         # --use-flash-attn / --attention-backend (args.core_attention once the job's checks ran)
         attention_backend=_core_attention(flags), sequence_parallel=bool(getattr(flags, "sequence_parallel", False)),
+        document_attention_mask=bool(getattr(flags, "reset_attention_mask", False) or getattr(flags, "sft", False)),
         bf16_optimizer_states=flags.exp_avg_dtype == "bf16",
         grad_reduce_fp32=flags.accumulate_allreduce_grads_in_fp32,
         host_grad_fp32=flags.main_grads_dtype == "fp32" and precision != "fp32",
