@@ -22,8 +22,8 @@ def job_model_and_data(argv: list[str], cache: str, dp: int, **config_changes):
     args = parse_args(argv)
     check_batch_sizes(args, dp)
     init_parallel(1, seed=args.seed)
-    tok = build_tokenizer(tokenizer_type="NullTokenizer", vocab_size=args.vocab_size) \
-        if args.tokenizer_type == "NullTokenizer" else build_tokenizer()
+    tok = build_tokenizer(tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
+                          vocab_size=args.vocab_size if args.tokenizer_type == "NullTokenizer" else None)
     args.model_vocab_size = model_vocab_size(args, tok)
     cfg = dataclasses.replace(components.model_config(args), **config_changes)
     model = build_gpt_model(cfg, 0, 1, args.seed)

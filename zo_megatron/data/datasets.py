@@ -334,7 +334,7 @@ def _split_that_fits(which: int, documents: int) -> str | None:
 def build_gpt_datasets(data_path: Sequence[str] | str, split: str, seq_length: int, seed: int,
                        tokenizer, train_samples: int, valid_samples: int, test_samples: int,
                        cache_dir: str | None = None, other_tokenizer: str = "error", eod_mask_loss: bool = False,
-                       reset_position_ids: bool = False):
+                       reset_position_ids: bool = False, reset_attention_mask: bool = False):
     """(train, valid, test) megatron-core datasets; an entry is None when its split is empty.
 
     data_path: ["prefix"], ["w1", "p1", "w2", "p2", ...] (weights, normalised) or
@@ -346,7 +346,9 @@ def build_gpt_datasets(data_path: Sequence[str] | str, split: str, seq_length: i
     attention mask is the model's business. eod_mask_loss (Megatron-LM's --eod-mask-loss): the loss
     mask is 0 where the input token is the end-of-document id (megatron-core's rule). reset_position_ids
     (Megatron-LM's --reset-position-ids): each document's positions start again at 0 after an end-of-document
-    token (megatron-core's rule). Validates every prefix first (DataError on bad data).
+    token (megatron-core's rule). reset_attention_mask (Megatron-LM's --reset-attention-mask): items also
+    carry segment_ids (:class:`DocumentSegments`), the documents the model's attention keeps apart.
+    Validates every prefix first (DataError on bad data).
     Collective when torch.distributed is initialised (call it on every rank).
     """
     if int(seq_length) < 1:
@@ -355,8 +357,10 @@ def build_gpt_datasets(data_path: Sequence[str] | str, split: str, seq_length: i
     if any(s < 0 for s in sizes):
         raise DataError(f"sample counts must be >= 0, got train/valid/test {sizes}")
     if isinstance(data_path, dict):
-        return _build_per_split(data_path, seq_length, seed, tokenizer, sizes, cache_dir, other_tokenizer,
-                                eod_mask_loss, reset_position_ids)
+        return with_document_segments(
+            _build_per_split(data_path, seq_length, seed, tokenizer, sizes, cache_dir, other_tokenizer,
+                             eod_mask_loss, reset_position_ids, reset_attention_mask),
+            tokenizer.eod, reset_attention_mask)
     _parse_split(split)
     (prefixes, weights), infos = _blend(data_path, tokenizer, other_tokenizer)
 
@@ -367,7 +371,7 @@ def build_gpt_datasets(data_path: Sequence[str] | str, split: str, seq_length: i
         random_seed=int(seed), sequence_length=int(seq_length), blend=(prefixes, weights),
         split=str(split).strip(), path_to_cache=cache,
         mmap_bin_files=True, tokenizer=adapter, reset_position_ids=bool(reset_position_ids),
-        reset_attention_mask=False, eod_mask_loss=bool(eod_mask_loss), create_attention_mask=False,
+        reset_attention_mask=bool(reset_attention_mask), eod_mask_loss=bool(eod_mask_loss), create_attention_mask=False,
         num_dataset_builder_threads=1)
 
     # megatron loops forever on a split range without documents when samples are requested
@@ -393,7 +397,7 @@ def build_gpt_datasets(data_path: Sequence[str] | str, split: str, seq_length: i
             config.split_matrix[i] = None
     with _index_build_lock(cache), _process_group_if_needed(weights is not None):
         datasets = Builder(GPTDataset, sizes, lambda: True, config).build()
-    return tuple(datasets)
+    return with_document_segments(datasets, tokenizer.eod, reset_attention_mask)
 
 
 def _blend(data_path, tokenizer, other_tokenizer: str) -> tuple[tuple[list[str], list[float] | None], list]:
@@ -412,7 +416,8 @@ def _blend(data_path, tokenizer, other_tokenizer: str) -> tuple[tuple[list[str],
 
 
 def _build_per_split(data_path: dict, seq_length: int, seed: int, tokenizer, sizes: list[int],
-                     cache_dir: str | None, other_tokenizer: str, eod_mask_loss: bool, reset_position_ids: bool):
+                     cache_dir: str | None, other_tokenizer: str, eod_mask_loss: bool, reset_position_ids: bool,
+                     reset_attention_mask: bool):
     """(train, valid, test) from a blend per split ({"train", "valid", "test": --data-path list or None}),
     each used whole: megatron-core's blend_per_split (Megatron-LM's --train-data-path ...). A split
     without data is None; one asked for samples without data is refused."""
@@ -430,8 +435,8 @@ def _build_per_split(data_path: dict, seq_length: int, seed: int, tokenizer, siz
         random_seed=int(seed), sequence_length=int(seq_length), blend_per_split=blends, split=None,
         path_to_cache=cache, mmap_bin_files=True,
         tokenizer=_MegatronTokenizer(tokenizer, {p: _idx_fingerprint(p) for p in prefixes}),
-        reset_position_ids=bool(reset_position_ids), reset_attention_mask=False, eod_mask_loss=bool(eod_mask_loss),
-        create_attention_mask=False, num_dataset_builder_threads=1)
+        reset_position_ids=bool(reset_position_ids), reset_attention_mask=bool(reset_attention_mask),
+        eod_mask_loss=bool(eod_mask_loss), create_attention_mask=False, num_dataset_builder_threads=1)
     blended = any(blend[1] is not None for blend in blends if blend)
     with _index_build_lock(cache), _process_group_if_needed(blended):
         return tuple(Builder(GPTDataset, sizes, lambda: True, config).build())
@@ -439,7 +444,8 @@ def _build_per_split(data_path: dict, seq_length: int, seed: int, tokenizer, siz
 
 def build_mock_gpt_datasets(split: str, seq_length: int, seed: int, tokenizer, train_samples: int,
                             valid_samples: int, test_samples: int = 0, cache_dir: str | None = None,
-                            eod_mask_loss: bool = False, reset_position_ids: bool = False):
+                            eod_mask_loss: bool = False, reset_position_ids: bool = False,
+                            reset_attention_mask: bool = False):
     """(train, valid, test) of Megatron-LM's --mock-data: megatron-core's MockGPTDataset, built as
     Megatron-LM's pretrain_gpt.py builds it (no blend: config.mock). Its documents are megatron-core's
     own (100,000 of random length, each 1, 2, 3, ... modulo the vocabulary, then the end-of-document
@@ -456,15 +462,54 @@ def build_mock_gpt_datasets(split: str, seq_length: int, seed: int, tokenizer, t
     config = GPTDatasetConfig(
         random_seed=int(seed), sequence_length=int(seq_length), blend=None, split=str(split).strip(),
         path_to_cache=cache, tokenizer=_MegatronTokenizer(tokenizer, {"mock": "MockGPTDataset"}),
-        reset_position_ids=bool(reset_position_ids), reset_attention_mask=False, eod_mask_loss=bool(eod_mask_loss),
-        create_attention_mask=False,
-        num_dataset_builder_threads=1)
+        reset_position_ids=bool(reset_position_ids), reset_attention_mask=bool(reset_attention_mask),
+        eod_mask_loss=bool(eod_mask_loss), create_attention_mask=False, num_dataset_builder_threads=1)
     for i, bookends in enumerate(config.split_matrix):      # a split asked for nothing is not built
         if bookends is not None and sizes[i] == 0:
             config.split_matrix[i] = None
     with _index_build_lock(cache), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*mock.*")
-        return tuple(Builder(MockGPTDataset, sizes, lambda: True, config).build())
+        datasets = Builder(MockGPTDataset, sizes, lambda: True, config).build()
+    return with_document_segments(datasets, tokenizer.eod, reset_attention_mask)
+
+
+# ----------------------------------------------------------------------------- documents
+def document_segment_ids(tokens, eod: int):
+    """[s] int64: the document each input token belongs to, counted from 0 in the sample; a document ends
+    WITH its end-of-document token, so the token after an EOD starts the next one -- megatron-core's
+    --reset-attention-mask rule (gpt_dataset.py _get_ltor_masks_and_position_ids: after an EOD at i, rows
+    > i cannot see columns <= i). Token j may attend to i <= j of its own segment only."""
+    import torch
+
+    ends = (tokens == eod).to(torch.int64)
+    return torch.cumsum(ends, 0) - ends
+
+
+class DocumentSegments:
+    """A dataset whose items also carry `segment_ids` (:func:`document_segment_ids`), computed from the
+    item's tokens: megatron-core builds an [s, s] mask per sample for this (create_attention_mask), which
+    the model here builds itself from the ids, once per micro-batch. Everything else is the wrapped dataset's."""
+
+    def __init__(self, dataset, eod: int):
+        self.dataset, self.eod = dataset, int(eod)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        item = dict(self.dataset[i])
+        item["segment_ids"] = document_segment_ids(item["tokens"], self.eod)
+        return item
+
+    def __getattr__(self, name):            # config, indices, ... of the wrapped dataset
+        if name == "dataset":
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+
+def with_document_segments(datasets, eod: int, on: bool) -> tuple:
+    """The (train, valid, test) datasets, each wrapped in DocumentSegments where `on` (None stays None)."""
+    return tuple(DocumentSegments(d, eod) if on and d is not None else d for d in datasets)
 
 
 # ----------------------------------------------------------------------------- batching

@@ -310,6 +310,11 @@ class HuggingFaceTokenizer(Tokenizer):
         self.eod = int(tok.eos_token_id)
         self.bos = tok.bos_token_id
 
+    @property
+    def hf_tokenizer(self):
+        """The transformers tokenizer itself: --sft renders chat templates and reads offsets with it (data/sft.py)."""
+        return self._tok
+
     def spec(self) -> tuple:
         return (HF_TOKENIZER, self.model_dir, self.parse_special_tokens)
 

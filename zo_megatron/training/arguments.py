@@ -290,13 +290,14 @@ def _add_data_flags(g) -> None:
                    help="leave the prediction after each end-of-document token out of the loss (Megatron-LM's: "
                         "the loss mask is 0 where the input token is the EOD id)")
     g.add_argument("--tokenizer-type", default="GPT2BPETokenizer",
-                   choices=["GPT2BPETokenizer", "HuggingFaceTokenizer", "Llama2Tokenizer", "NullTokenizer"],
+                   choices=["GPT2BPETokenizer", "HuggingFaceTokenizer", "Llama2Tokenizer", "NullTokenizer", "SFTTokenizer"],
                    help="GPT2BPETokenizer: GPT-2's BPE (bundled files); HuggingFaceTokenizer: AutoTokenizer from "
                         "--tokenizer-model (offline, no remote code; eod = its eos, vocabulary = len(tokenizer)); "
                         "Llama2Tokenizer: the SentencePiece model file --tokenizer-model (ids = [bos] + pieces, "
                         "eod = its eos; Megatron-LM's Llama-2 / Mixtral recipes); "
                         "NullTokenizer (with --vocab-size N): data that is ids already, or --mock-data; id N is the "
-                        "end of document, the vocabulary N + 1 (Megatron-LM's). "
+                        "end of document, the vocabulary N + 1 (Megatron-LM's); SFTTokenizer: --sft's name for "
+                        "HuggingFaceTokenizer (Megatron-LM's). "
                         "The data must be preprocessed with the same tokenizer")
     g.add_argument("--tokenizer-model", default=None, metavar="PATH",
                    help="HuggingFaceTokenizer: a local directory with tokenizer.json and tokenizer_config.json; "

@@ -82,19 +82,31 @@ def build_datasets(args, tokenizer, data_path, dp_size: int):
     # its epochs and shuffle from it), or more where a ramp's last iteration runs past it
     train_samples = max(args.train_samples or args.train_iters * gb,
                         BatchSchedule.from_args(args, dp_size).consumed_after(args.train_iters))
+    valid_samples = n_evals * args.eval_iters * gb
+    if args.sft:                                # .jsonl conversations (Megatron-LM's SFTDataset)
+        from zo_megatron.data.sft import build_sft_datasets
+
+        return build_sft_datasets(data_path, args.split, args.seq_length, args.seed, tokenizer,
+                                  args.sft_tokenizer_prompt_format, train_samples, valid_samples, 0,
+                                  cache_dir=args.data_cache_path)[:2]
     if data_path is None:                       # --mock-data (args.split: Megatron-LM's default)
         train_ds, valid_ds, _ = build_mock_gpt_datasets(
             args.split, args.seq_length, args.seed, tokenizer, train_samples=train_samples,
-            valid_samples=n_evals * args.eval_iters * gb, cache_dir=args.data_cache_path,
-            eod_mask_loss=args.eod_mask_loss, reset_position_ids=args.reset_position_ids)
+            valid_samples=valid_samples, cache_dir=args.data_cache_path, **_document_flags(args))
         return train_ds, valid_ds
     train_ds, valid_ds, _ = build_gpt_datasets(
         data_path, args.split, args.seq_length, args.seed, tokenizer,
-        train_samples=train_samples, valid_samples=n_evals * args.eval_iters * gb,
+        train_samples=train_samples, valid_samples=valid_samples,
         test_samples=0, cache_dir=args.data_cache_path,
         other_tokenizer="accept" if args.allow_other_tokenizer_data else "error",   # checked before launch
-        eod_mask_loss=args.eod_mask_loss, reset_position_ids=args.reset_position_ids)
+        **_document_flags(args))
     return train_ds, valid_ds
+
+
+def _document_flags(args) -> dict:
+    """The GPT datasets' Megatron-LM document flags, as the job gives them."""
+    return dict(eod_mask_loss=args.eod_mask_loss, reset_position_ids=args.reset_position_ids,
+                reset_attention_mask=args.reset_attention_mask)
 
 
 def build_test_dataset(args, tokenizer, data_path):
@@ -105,11 +117,18 @@ def build_test_dataset(args, tokenizer, data_path):
 
     if not isinstance(data_path, dict) or not data_path.get("test") or args.eval_iters < 1:
         return None
+    only_test = {"train": None, "valid": None, "test": data_path["test"]}
+    if args.sft:
+        from zo_megatron.data.sft import build_sft_datasets
+
+        return build_sft_datasets(only_test, None, args.seq_length, args.seed, tokenizer,
+                                  args.sft_tokenizer_prompt_format, 0, 0, args.eval_iters * args.global_batch_size,
+                                  cache_dir=args.data_cache_path)[2]
     return build_gpt_datasets(
-        {"train": None, "valid": None, "test": data_path["test"]}, None, args.seq_length, args.seed, tokenizer,
+        only_test, None, args.seq_length, args.seed, tokenizer,
         train_samples=0, valid_samples=0, test_samples=args.eval_iters * args.global_batch_size,
         cache_dir=args.data_cache_path, other_tokenizer="accept" if args.allow_other_tokenizer_data else "error",
-        eod_mask_loss=args.eod_mask_loss, reset_position_ids=args.reset_position_ids)[2]
+        **_document_flags(args))[2]
 
 
 def check_index_cache_is_shared(cache_dir: str | None) -> None:

@@ -42,6 +42,17 @@ def add_data_flags(g) -> None:
                    help="each document's positions start again at 0 after its end-of-document token (megatron-core's "
                         "GPTDataset): what learned absolute positions read; megatron-core's rotary embeddings take "
                         "positions 0..s-1 whatever the ids, so with RoPE it changes nothing, as in Megatron-LM")
+    g.add_argument("--reset-attention-mask", action="store_true",
+                   help="each document attends only to itself: a token after an end-of-document token cannot see "
+                        "the documents before it (megatron-core's GPTDataset rule; the model builds the mask)")
+    g.add_argument("--sft", action="store_true",
+                   help="supervised fine-tuning (Megatron-LM's): the data are .jsonl files of {\"messages\": [...]} "
+                        "conversations, one packed sample per line, the loss on the assistant's turns only, each "
+                        "conversation attending to itself (docs/data.md)")
+    g.add_argument("--sft-tokenizer-prompt-format", default="nemotron-h-aligned",
+                   choices=("nemotron-h-aligned", "nemotron-nano-v2", "chat-template"),
+                   help="how --sft renders a conversation: Megatron-LM's two Nemotron formats, or chat-template: "
+                        "the tokenizer's own chat template (Llama, Qwen, Mistral ...)")
     g.add_argument("--split", default=None,
                    help=f"train, valid, test proportions of a --data-path blend (default {DEFAULT_SPLIT!r}, "
                         "Megatron-LM's)")
@@ -119,6 +130,35 @@ def check_data_flags(args: argparse.Namespace) -> None:
                               "add it, or --eval-iters 0 (no evaluation)")
     elif args.split is None:
         args.split = DEFAULT_SPLIT
+    check_sft_flags(args, sources)
+
+
+def check_sft_flags(args: argparse.Namespace, sources: list[str]) -> None:
+    """--sft's data and tokenizer (Megatron-LM's SFTDataset and SFTTokenizer): .jsonl files and a Hugging Face
+    tokenizer; its own packing restarts positions and attention per conversation. Megatron-LM's
+    `--tokenizer-type SFTTokenizer` becomes HuggingFaceTokenizer (the conversation rules are data/sft.py's)."""
+    if args.tokenizer_type == "SFTTokenizer":
+        if not args.sft:
+            raise ConfigError("--tokenizer-type SFTTokenizer is Megatron-LM's tokenizer for --sft: add --sft, or use "
+                              "--tokenizer-type HuggingFaceTokenizer")
+        args.tokenizer_type = "HuggingFaceTokenizer"
+    if not args.sft:
+        if "sft_tokenizer_prompt_format" in getattr(args, "given", ()):
+            raise ConfigError("--sft-tokenizer-prompt-format applies to --sft: add --sft, or drop it")
+        return
+    if not sources or sources[0] in ("--mock-data", "--embedded-corpus"):
+        raise ConfigError(f"--sft trains on conversations in .jsonl files{' (not ' + sources[0] + ')' if sources else ''}"
+                          ": add --data-path FILE.jsonl (docs/data.md, Supervised fine-tuning)")
+    if args.tokenizer_type != "HuggingFaceTokenizer":
+        raise ConfigError(f"--sft renders conversations with a Hugging Face tokenizer (--tokenizer-type "
+                          f"{args.tokenizer_type} has no chat templates): add --tokenizer-type HuggingFaceTokenizer "
+                          "--tokenizer-model DIR")
+    clash = [f for f, on in (("--reset-position-ids", args.reset_position_ids),
+                             ("--reset-attention-mask", args.reset_attention_mask), ("--eod-mask-loss", args.eod_mask_loss))
+             if on]
+    if clash:
+        raise ConfigError(f"--sft restarts positions and attention per conversation and masks the loss to the "
+                          f"assistant's turns itself (Megatron-LM asserts the same): drop {' and '.join(clash)}")
 
 
 def data_source(args: argparse.Namespace):

@@ -12,13 +12,16 @@ from zo_megatron.errors import UserError
 from zo_megatron.offload.device import batch_to_device, host_value
 from zo_megatron.parallel import collectives
 
-BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")   # model.loss's arguments, in order
+# model.loss's arguments, in order; segment_ids (the documents attention keeps apart: --reset-attention-mask,
+# --sft) only where the data carry them
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "segment_ids")
 
 
 def loss_inputs(batch: dict, device: torch.device) -> list[torch.Tensor]:
     """model.loss's arguments from one host micro-batch, on the device (pinned, non-blocking)."""
-    d = batch_to_device({k: batch[k] for k in BATCH_KEYS}, device)
-    return [d[k] for k in BATCH_KEYS]
+    keys = [k for k in BATCH_KEYS if k in batch]
+    d = batch_to_device({k: batch[k] for k in keys}, device)
+    return [d[k] for k in keys]
 
 
 def cycle(make, consumed: int = 0):

@@ -145,7 +145,6 @@ REFUSED_WHY = {
                                                   "and Llama)",
     "--fp32-residual-connection": "residuals stay in the model's precision, as GPT-2",
     "--quick-geglu": "the MLP activation is GELU, SwiGLU (--swiglu) or squared ReLU (--squared-relu)",
-    "--reset-attention-mask": "documents are packed with EOD tokens and attend across them, as Megatron's default",
     "--no-save-optim": "checkpoints always hold the optimizer and RNG states (resume is exact); load with "
                        "--no-load-optim instead",
     "--no-save-rng": "checkpoints always hold the RNG states; load with --no-load-rng instead",
@@ -238,7 +237,6 @@ GROUP_REASONS = {
     "workload inspector": "the workload inspector server is not integrated",
     "msc": "Multi-Storage Client paths are not supported: --save/--load take local or mounted directories",
     "autoresume": "ADLR autoresume is not integrated: --exit-signal-handler saves and exits 0 on SIGTERM",
-    "sft": "supervised fine-tuning datasets are not supported (pretraining on indexed datasets)",
     "profiling": "not wired in: --profile (torch.profiler) and --timeline FILE (per-phase times) are",
     "Transformer-Engine": "Transformer Engine is not used",
 }

@@ -176,7 +176,11 @@ def check_inputs(args, env, dp):
                                 vocab_size=args.vocab_size)
     args.model_vocab_size = model_vocab_size(args, tokenizer)
     data_path = data_source(args)
-    if data_path:
+    if data_path and args.sft:
+        from zo_megatron.data.sft import check_sft_source
+
+        check_sft_source(data_path, tokenizer, args.sft_tokenizer_prompt_format)
+    elif data_path:
         for prefix in data_prefixes(data_path):
             validate_data_prefix(prefix, tokenizer, "warn" if args.allow_other_tokenizer_data else "error")
     elif args.mock_data:

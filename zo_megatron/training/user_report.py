@@ -138,8 +138,9 @@ def value_sources(args, dests, checkpoint_flags=()) -> str:
     return f" ({'; '.join(parts)})" if parts else ""
 
 
-def attention_line(cfg, ps) -> str:
-    """Which core attention runs (for SDPA: which kernel) and whether sequence parallelism is on."""
+def attention_line(cfg, ps, document_mask: bool = False) -> str:
+    """Which core attention runs (for SDPA: which kernel), whether each document attends only to itself
+    (--reset-attention-mask, --sft) and whether sequence parallelism is on."""
     if cfg.attention_backend == "sdpa":
         from zo_megatron.model.attention import describe_kernel
 
@@ -150,9 +151,10 @@ def attention_line(cfg, ps) -> str:
         if getattr(cfg, "multi_latent_attention", False):     # MLA: its query/key and value head dims
             head_dim, v_dim = cfg.qk_head_dim + cfg.qk_pos_emb_head_dim, cfg.v_head_dim
         text = describe_kernel(heads, groups, head_dim, ps.tp_size, cfg.dtype, ps.device, cfg.attention_dropout,
-                               v_head_dim=v_dim)
+                               v_head_dim=v_dim, document_mask=document_mask)
     else:
-        text = "megatron-core local DotProductAttention (s x s scores stored)"
+        text = "megatron-core local DotProductAttention (s x s scores stored)" + \
+            (", per-document mask" if document_mask else "")
     sp = cfg.sequence_parallel and ps.tp_size > 1
     return text + ("; sequence parallel over TP " + str(ps.tp_size) if sp else "; no sequence parallelism")
 
@@ -197,6 +199,17 @@ def noop_lines(args) -> list[str]:
             f"{' '.join(flags)}"] if flags else []
 
 
+def document_words(args) -> str:
+    """How the samples' documents are kept apart, for the banner's data line."""
+    if args.sft:
+        return (f"; supervised fine-tuning (--sft, prompt format {args.sft_tokenizer_prompt_format}): one packed "
+                "sample per .jsonl line, loss on the assistant's turns, each conversation attending to itself")
+    words = [w for w, on in (("attention per document (--reset-attention-mask)", args.reset_attention_mask),
+                             ("positions per document (--reset-position-ids)", args.reset_position_ids),
+                             ("no loss after end-of-document tokens (--eod-mask-loss)", args.eod_mask_loss)) if on]
+    return "; " + ", ".join(words) if words else ""
+
+
 def banner(metrics, args, ps, cfg, optimizer, data_path, setup_s) -> None:
     """The run's opening lines: layout, precision and engine, model, attention, batch, data, memory."""
     total = cfg.num_parameters()
@@ -235,7 +248,7 @@ def banner(metrics, args, ps, cfg, optimizer, data_path, setup_s) -> None:
         f"{total / 1e6:.1f}M params ({local / 1e6:.1f}M on this TP rank)"
         + value_sources(args, ("num_layers", "hidden_size", "num_attention_heads", "seq_length"),
                         getattr(args, "from_checkpoint_flags", ())),
-        f" attention: {attention_line(cfg, ps)}",
+        f" attention: {attention_line(cfg, ps, args.reset_attention_mask or args.sft)}",
         *moe_lines(args, cfg, ps),
         f" batch: global {args.global_batch_size} = micro {args.micro_batch_size} x DP {ps.dp_size} x accumulation "
         f"{args.grad_accum_steps}{batch_ramp_words(args, ps)}; {args.train_iters} iterations, lr {args.lr:g} {args.lr_decay_style} "
@@ -243,7 +256,8 @@ def banner(metrics, args, ps, cfg, optimizer, data_path, setup_s) -> None:
         + value_sources(args, ("micro_batch_size", "train_iters", "lr", "lr_decay_style", "lr_warmup_iters",
                                "min_lr")),
         f" data: {src}" + (f"; tokenizer: {args.tokenizer_type} {args.tokenizer_model}"
-                           if args.tokenizer_type in ("HuggingFaceTokenizer", "Llama2Tokenizer") else ""),
+                           if args.tokenizer_type in ("HuggingFaceTokenizer", "Llama2Tokenizer") else "")
+        + document_words(args),
         f" model states per rank: device {human_bytes(acc.device_model_state_bytes)}, host {human_bytes(acc.host_bytes)}"
         + (f"; planner: device {human_bytes(plan.device_bytes_per_gpu)}/rank, host {human_bytes(plan.host_bytes_per_node)}/node"
            if plan is not None else ""),
