@@ -204,3 +204,60 @@ def test_a_rope_model_may_continue_at_a_longer_context(sotu_prefix, tmp_path, ro
         assert "resumed from" in longer.stdout and "--seq-length: 64 in the checkpoint, 128 now" in longer.stdout
     else:
         assert longer.returncode == 2 and "--max-position-embeddings: 64 in the checkpoint, 128 here" in longer.stderr
+
+
+def _pretrained_args(load, pretrained, step=None):
+    return argparse.Namespace(load=load, pretrained_checkpoint=pretrained, ckpt_step=step, finetune=False,
+                              exit_on_missing_checkpoint=False, use_checkpoint_args=False)
+
+
+def _fake_root(d):
+    (d / "iter_0000004").mkdir(parents=True)
+    (d / "iter_0000004" / "checkpoint.json").write_text("{}")
+    (d / "latest_checkpointed_iteration.txt").write_text("4")
+    return str(d)
+
+
+def test_pretrained_checkpoint_is_read_only_while_load_holds_none(tmp_path):
+    """Megatron-LM's load_checkpoint: --load's own checkpoint wins; without one, --pretrained-checkpoint's is
+    loaded as --finetune; a pretrained directory that is no checkpoint root gets --load's fixes, named for it."""
+    pre, own = _fake_root(tmp_path / "pre"), _fake_root(tmp_path / "own")
+    for load in (str(tmp_path / "nowhere"), None):
+        a = _pretrained_args(load, pre)
+        note = check_load_target(a)
+        assert a.load == pre and a.finetune is True, vars(a)
+        assert f"fine-tuning from --pretrained-checkpoint {pre}" in note and not note.startswith("warning")
+    a = _pretrained_args(own, pre)
+    assert check_load_target(a) is None and a.load == own and a.finetune is False
+    with pytest.raises(UserError) as e:
+        check_load_target(_pretrained_args(str(tmp_path / "nowhere"), str(tmp_path / "missing")))
+    assert f"--pretrained-checkpoint {tmp_path / 'missing'}: no checkpoint there" in str(e.value)
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"]}))
+    with pytest.raises(UserError) as e:
+        check_load_target(_pretrained_args(None, str(tmp_path / "hf")))
+    assert f"--pretrained-checkpoint {tmp_path / 'hf'}: a Hugging Face model (Qwen2ForCausalLM)" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_pretrained_checkpoint_fine_tunes_on_the_first_launch_and_resumes_on_the_second(sotu_prefix, tmp_path):
+    """--pretrained-checkpoint P --load X --save X: the first launch is `--load P --finetune` (the same
+    losses, to the bit), the second resumes X where the first stopped."""
+    pre, ck = tmp_path / "pre", tmp_path / "ck"
+    base = ["--zero-offload", "--fp32", "--data-path", sotu_prefix, *TINY]
+    r = _single([*base, "--train-iters", "2", "--save", str(pre), "--save-interval", "2"], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ref = _single([*base, "--train-iters", "4", "--load", str(pre), "--finetune", "--log-jsonl",
+                   str(tmp_path / "ref.jsonl")], tmp_path)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    common = [*base, "--train-iters", "4", "--pretrained-checkpoint", str(pre), "--load", str(ck), "--save", str(ck),
+              "--save-interval", "2", "--log-jsonl", str(tmp_path / "log.jsonl")]
+    first = _single([*common, "--exit-interval", "2"], tmp_path)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert f"--load {ck} holds no checkpoint yet: fine-tuning from --pretrained-checkpoint {pre}" in first.stdout
+    second = _single(common, tmp_path)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "fine-tuning from --pretrained-checkpoint" not in second.stdout
+    got = {row["iteration"]: row["loss"] for row in _rows(tmp_path / "log.jsonl", "train")}
+    want = {row["iteration"]: row["loss"] for row in _rows(tmp_path / "ref.jsonl", "train")}
+    assert list(got) == [1, 2, 3, 4] and got == want, (got, want)

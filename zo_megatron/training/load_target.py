@@ -12,9 +12,15 @@ than a checkpoint root is not "missing" but a wrong target, answered with its fi
   DIR = ROOT/iter_0000070 (checkpoint.json)     one iteration: pass ROOT
   DIR/config.json with model_type/architectures a Hugging Face model: convert it first
   nothing, or DIR does not exist                 no checkpoint yet: start fresh, with a warning
+
+`--pretrained-checkpoint P` (Megatron-LM's fine-tuning pair `--pretrained-checkpoint P --load X --save X`):
+where --load holds no checkpoint yet (or is not given), the job loads P's instead, as --finetune (its
+weights; iteration 0, a fresh optimizer), and says so; once X holds one, the job resumes X and P is not
+read. P must be a checkpoint root (the same fixes as for --load where it is something else).
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -29,6 +35,9 @@ def check_load_target(args) -> str | None:
     """Apply the rules above to args.load. Returns the warning line when the job will start from
     random weights (args.load is then None); raises UserError for a wrong target, or for a missing
     checkpoint with --exit-on-missing-checkpoint or --use-checkpoint-args."""
+    pretrained = getattr(args, "pretrained_checkpoint", None)
+    if pretrained and not (args.load and os.path.isfile(os.path.join(args.load, LATEST))):
+        return _fine_tune_from(args, pretrained)
     d = args.load
     step = getattr(args, "ckpt_step", None)
     if step is not None and not d:
@@ -61,6 +70,25 @@ def check_load_target(args) -> str | None:
     args.load = None
     return (f"warning: --load {d}: no checkpoint there yet ({why}); starting from randomly initialised weights, "
             "as Megatron-LM does (--exit-on-missing-checkpoint stops instead)")
+
+
+def _fine_tune_from(args, pretrained: str) -> str:
+    """--load holds no checkpoint: load --pretrained-checkpoint's as --finetune (Megatron-LM's
+    load_checkpoint); the line the banner prints. A pretrained directory that is no checkpoint root is
+    refused with --load's fixes, or in one line of its own where it holds nothing."""
+    given_load = args.load
+    args.load = pretrained
+    try:
+        if check_load_target(argparse.Namespace(load=pretrained, ckpt_step=getattr(args, "ckpt_step", None))) is not None:
+            raise UserError(f"--pretrained-checkpoint {pretrained}: no checkpoint there (no {LATEST}); point it at "
+                            "the checkpoint to fine-tune from (tools/convert_checkpoint.py from-hf / from-megatron "
+                            "writes one)")
+    except UserError as exc:
+        raise UserError(str(exc).replace(f"--load {pretrained}", f"--pretrained-checkpoint {pretrained}")) from None
+    args.finetune = True
+    where = f"--load {given_load} holds no checkpoint yet" if given_load else "no --load is given"
+    return (f"{where}: fine-tuning from --pretrained-checkpoint {pretrained} (its weights; iteration 0, a fresh "
+            "optimizer), as Megatron-LM; a later launch resumes --load's own checkpoint")
 
 
 def _refuse_megatron_lm(d: str, step: int | None) -> None:

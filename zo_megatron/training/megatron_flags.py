@@ -210,7 +210,7 @@ PATTERNS = [
     (r"^--non-persistent|^--persistent-save|^--replication|^--save-(retain|dgrads|wgrads)",
      "refused", "local/non-persistent checkpointing is not supported: checkpoints go to --save every "
                 "--save-interval, atomically (--keep-last K to bound them)"),
-    (r"^--ckpt-convert|^--dist-ckpt|^--use-mp-args|^--pretrained-checkpoint|^--load-main-params|"
+    (r"^--ckpt-convert|^--dist-ckpt|^--use-mp-args|^--load-main-params|"
      r"^--(no|disable)-use-tokenizer-model|strict-fsdp", "refused",
      "checkpoint conversion happens offline here: tools/convert_checkpoint.py (docs/checkpoints.md)"),
     (r"^--rl-|^--grpo|^--inference|^--langrl|^--perform-rl|^--refit|^--rl$", "refused",
