@@ -154,3 +154,52 @@ def test_multi_latent_attention_runs_the_memory_efficient_kernel_on_cuda(precisi
     assert abs(cuda["loss"] - cpu["loss"]) <= tol * abs(cpu["loss"])
     for n, g in cpu["grads"].items():
         assert metric(cuda["grads"][n], g) <= tol, (n, metric(cuda["grads"][n], g))
+
+
+def _document_world(rank, shape, backend, precision, seq, seed):
+    """Per-document attention (segment_ids: --reset-attention-mask, --sft) on CUDA and on the CPU (the
+    reference: packed equals each document run alone there, tests/test_document_attention.py), the same
+    weights, batch and segments: the CUDA kernel, logits, loss, every gradient."""
+    from zo_megatron.model import GPTConfig, build_gpt_model
+    from zo_megatron.parallel import init_parallel
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ps = init_parallel(1, seed=seed)
+    shape = {"gpt2": GPT2, "llama": LLAMA, "mla": MLA}[shape]
+    gen = torch.Generator().manual_seed(seed + 1)
+    tokens = torch.randint(0, shape["vocab_size"], (2, seq), generator=gen)
+    # 2-6 documents of random lengths per row, different per row
+    segments = torch.stack([torch.randint(0, 5, (seq,), generator=gen).sort().values for _ in range(2)])
+    out = {}
+    for device, dtype_of in ((ps.device, precision), (torch.device("cpu"), "fp32")):
+        cfg = GPTConfig(**shape, precision=dtype_of, attention_backend=backend)
+        model = build_gpt_model(cfg, 0, 1, seed).to(device).to(cfg.dtype)
+        t, s = tokens.to(device), segments.to(device)
+        logits = model(t, segment_ids=s)
+        loss = model.loss(t, t, None, None, s)
+        loss.backward()
+        attn = model.gpt.decoder.layers[0].self_attention.core_attention
+        out[device.type] = dict(kernel=getattr(attn, "last_kernel", None),
+                                logits=logits.detach()[..., :shape["vocab_size"]].float().cpu(), loss=loss.item(),
+                                grads={n: p.grad.float().cpu() for n, p in model.named_parameters()})
+    return out
+
+
+@needs_cuda("the CUDA SDPA kernels with an attention mask")
+@pytest.mark.parametrize("shape,backend,precision", [("gpt2", "sdpa", "bf16"), ("llama", "sdpa", "fp32"),
+                                                     ("llama", "sdpa", "bf16"), ("mla", "sdpa", "bf16"),
+                                                     ("gpt2", "local", "bf16")])
+def test_per_document_attention_on_cuda_equals_the_cpu(shape, backend, precision):
+    """With segment_ids SDPA takes model/gpt.py's additive mask: flash takes none, so torch's memory-efficient
+    kernel must run (GQA k/v repeated for it); seq 250 is no multiple of 8, the mask's rows are padded once.
+    The CUDA model equals the CPU one (fp32 to 1e-5 with TF32 off, 16-bit within 2e-2 L2 per tensor)."""
+    seed = fresh_seed(f"gpu document mask {shape} {backend} {precision}")
+    out = run_world(_document_world, 1, shape, backend, precision, 250, seed)[0]
+    cuda, cpu = out["cuda"], out["cpu"]
+    if backend == "sdpa":
+        assert cuda["kernel"] == "efficient", cuda["kernel"]
+    metric, tol = (_rel, 1e-5) if precision == "fp32" else (_rel_l2, 2e-2)
+    assert metric(cuda["logits"], cpu["logits"]) <= tol
+    assert abs(cuda["loss"] - cpu["loss"]) <= tol * abs(cpu["loss"])
+    for n, g in cpu["grads"].items():
+        assert metric(cuda["grads"][n], g) <= tol, (n, metric(cuda["grads"][n], g))
