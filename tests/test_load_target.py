@@ -261,3 +261,27 @@ def test_pretrained_checkpoint_fine_tunes_on_the_first_launch_and_resumes_on_the
     got = {row["iteration"]: row["loss"] for row in _rows(tmp_path / "log.jsonl", "train")}
     want = {row["iteration"]: row["loss"] for row in _rows(tmp_path / "ref.jsonl", "train")}
     assert list(got) == [1, 2, 3, 4] and got == want, (got, want)
+
+
+def test_skip_train_evaluates_the_loaded_model_and_trains_nothing(sotu_prefix, tmp_path):
+    """--skip-train (Megatron-LM's): --load's model evaluated on --eval-iters global batches of the validation
+    data, no training, no optimizer state read. Reference: the run that saved the checkpoint at iteration 2,
+    evaluating at that very iteration (the same weights, the same validation samples: the checkpoint was saved
+    before any evaluation, and every run here builds the same datasets: one --train-iters, one --eval-interval)."""
+    ck = tmp_path / "ck"
+    base = ["--zero-offload", "--fp32", "--data-path", sotu_prefix, *TINY, "--train-iters", "4", "--eval-iters", "2",
+            "--eval-interval", "2"]
+    saved = _single([*base, "--save", str(ck), "--save-interval", "2", "--exit-interval", "2", "--eval-iters", "0"],
+                    tmp_path)
+    assert saved.returncode == 0, saved.stderr[-3000:]
+    ref = _single([*base, "--exit-interval", "2", "--log-jsonl", str(tmp_path / "ref.jsonl")], tmp_path)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    r = _single([*base, "--load", str(ck), "--skip-train", "--log-jsonl", str(tmp_path / "eval.jsonl")], tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "skipping training (--skip-train): evaluating the model of iteration 2" in r.stdout
+    assert _rows(tmp_path / "eval.jsonl", "train") == []
+    got, want = _rows(tmp_path / "eval.jsonl", "eval"), _rows(tmp_path / "ref.jsonl", "eval")
+    assert [(g["iteration"], g["val_loss"]) for g in got] == [(w["iteration"], w["val_loss"]) for w in want] \
+        and len(got) == 1, (got, want)
+    bad = _single([*base, "--skip-train", "--eval-iters", "0"], tmp_path)
+    assert bad.returncode == 2 and "--skip-train only evaluates" in bad.stderr and bad.stderr.count("error:") == 1

@@ -337,8 +337,6 @@ def _add_checkpointing_flags(g) -> None:
     g.add_argument("--no-load-rng", action="store_true", help="--load without the random-number-generator states")
     g.add_argument("--finetune", action="store_true",
                    help="--load only the weights and start at iteration 0 (no optimizer, RNG or sample counts)")
-    g.add_argument("--pretrained-checkpoint", default=None, metavar="DIR",
-                   help="where --load holds no checkpoint yet, fine-tune from DIR's (--finetune); once it holds one, resume it")
     g.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler", action="store_true",
                    help="on --load, use this run's LR-schedule flags even if they differ from the checkpoint's")
     g.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler", action="store_true",

@@ -27,6 +27,11 @@ def add_megatron_compat_flags(p: argparse.ArgumentParser) -> None:
                    help="stop (saving a checkpoint if --save) after an iteration that is a multiple of this")
     g.add_argument("--exit-duration-in-mins", type=float, default=None,
                    help="stop (saving a checkpoint if --save) once the job has run this many minutes")
+    g.add_argument("--pretrained-checkpoint", default=None, metavar="DIR",
+                   help="where --load holds no checkpoint yet, fine-tune from DIR's (--finetune); once it holds one, resume it")
+    g.add_argument("--skip-train", action="store_true",
+                   help="train nothing: evaluate --load's model on --eval-iters global batches of the validation data "
+                        "(and of --test-data-path's) and exit, without loading the optimizer (Megatron-LM's)")
     g.add_argument("--mock-data", action="store_true",
                    help="Megatron-LM's mock data: megatron-core's MockGPTDataset (documents of counting ids, "
                         "random lengths; for speed and memory runs, nothing to learn), no --data-path")
@@ -107,6 +112,11 @@ def check_megatron_compat(args: argparse.Namespace, also: list[str] = ()) -> Non
             raise ConfigError(f"--recompute-num-layers {args.recompute_num_layers} does not divide --num-layers "
                               f"{args.num_layers} (megatron-core's uniform method checkpoints whole groups): "
                               "use a divisor, or --recompute-method block")
+    if args.skip_train:
+        if args.eval_iters < 1:
+            raise ConfigError(f"--skip-train only evaluates, and --eval-iters {args.eval_iters} evaluates nothing: "
+                              "give --eval-iters N (global batches)")
+        args.no_load_optim = True           # Megatron-LM's: an evaluation needs no optimizer state
     for name in ("exit_interval", "recompute_num_layers", "train_samples"):
         v = getattr(args, name)
         if v is not None and v < 1:

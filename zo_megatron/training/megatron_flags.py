@@ -156,7 +156,6 @@ REFUSED_WHY = {
     "--warmup": "Megatron's old name: use --lr-warmup-iters or --lr-warmup-fraction",
     "--model-parallel-size": "Megatron's old name: use --tensor-model-parallel-size",
     "--exit-signal": "the handler catches SIGTERM and SIGINT (--exit-signal-handler)",
-    "--skip-train": "evaluation runs during training (--eval-interval, --eval-iters)",
     "--test-mode": "evaluation runs during training (--eval-interval, --eval-iters)",
     "--full-validation": "use --eval-iters N (global batches per evaluation)",
     "--multiple-validation-sets": "one validation split (--split)",

@@ -146,6 +146,11 @@ class Trainer:
     def train(self) -> int:
         """The loop: one iteration's timeline, top to bottom."""
         args, st = self.args, self.state
+        if args.skip_train:                             # Megatron-LM's: evaluate the loaded model, train nothing
+            self.metrics.print(f" skipping training (--skip-train): evaluating the model of iteration {st.iteration}")
+            if self.evaluator is not None:
+                self.evaluate()
+            return self.finish(None)
         stop_reason = None
         while st.iteration < args.train_iters:
             if self.profiler is not None:               # --profile: its window's first edge
