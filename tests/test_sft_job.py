@@ -4,7 +4,8 @@ over .jsonl conversations that equals a single-process torch reference which nev
 runs every conversation of every packed sample through the model ON ITS OWN (a conversation starts where the
 sample's positions restart at 0) and weighs the per-token losses with the sample's loss mask (the assistant's
 turns; data/sft.py's rules are tests/test_sft_data.py's business); then clip_grad_norm_ and AdamW at
-Megatron-LM's rate.
+Megatron-LM's rate. A third run packs lines of one conversation each (--sft-pack-lines, ours; the packing
+rules are tests/test_sft_packing.py's): the same reference, and several lines per sample.
 """
 from __future__ import annotations
 
@@ -28,7 +29,9 @@ ARGV = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
         "--no-progress-bar", "--sft", "--tokenizer-type", "SFTTokenizer", "--sft-tokenizer-prompt-format",
         "chat-template"]
 LAYOUTS = {"tp2_sp_sdpa": ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--use-flash-attn"],
-           "dp2_local": []}
+           "dp2_local": [],
+           # ours: one conversation per line (the Hugging Face layout), several lines packed into each sample
+           "dp2_local_packed_lines": ["--sft-pack-lines", "--seq-length", "192"]}
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
@@ -49,8 +52,9 @@ def chat_tokenizer(tmp_path_factory):
     return out
 
 
-def _conversations(path, seed: int, lines: int = 120):
-    """`lines` JSONL lines of 1-3 conversations each, 1-2 user/assistant exchanges each, words from the corpus."""
+def _conversations(path, seed: int, lines: int = 120, most: int = 3):
+    """`lines` JSONL lines of 1-`most` conversations each, 1-2 user/assistant exchanges each, words from the
+    corpus."""
     rng = random.Random(seed)
     words = ("the state of our union is strong we the people work peace freedom nation law year "
              "congress america future").split()
@@ -61,7 +65,7 @@ def _conversations(path, seed: int, lines: int = 120):
     with open(path, "w") as f:
         for _ in range(lines):
             messages = []
-            for _ in range(rng.randint(1, 3)):
+            for _ in range(rng.randint(1, most)):
                 messages.append({"role": "system", "content": text(1, 3)})
                 for _ in range(rng.randint(1, 2)):
                     messages += [{"role": "user", "content": text(1, 4)}, {"role": "assistant", "content": text(1, 5)}]
@@ -123,17 +127,22 @@ def _reference_world(rank, argv, cache, dp):
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_sft_trains_each_conversation_on_its_own(layout, tmp_path, chat_tokenizer):
     seed = fresh_seed(f"sft job {layout}")
-    data = _conversations(tmp_path / "chat.jsonl", seed)
+    packed = "--sft-pack-lines" in LAYOUTS[layout]
+    data = _conversations(tmp_path / "chat.jsonl", seed, most=1 if packed else 3)
     argv = [*ARGV, "--seed", str(seed), "--tokenizer-model", chat_tokenizer, "--data-path", data, *LAYOUTS[layout]]
     dp = 1 if "--tensor-model-parallel-size" in argv else 2
     log = tmp_path / "run.jsonl"
     r = _job([*argv, "--log-jsonl", str(log)], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "supervised fine-tuning (--sft, prompt format chat-template)" in r.stdout
+    assert ("lines packed" in r.stdout) == packed
     train = [row["loss"] for row in _rows(log, "train")]
     val = [row["val_loss"] for row in _rows(log, "eval")]
     ref, ref_val, conversations = run_world(_reference_world, 1, argv, str(tmp_path / "cache"), dp, timeout=180)[0]
-    assert conversations > (ITERS + 1) * 8 * 1.5, conversations       # samples pack several conversations
+    samples = (ITERS + 1) * 8                     # the training batches' and the one evaluation's
+    assert conversations > samples * 1.5, conversations                # samples pack several conversations
+    if packed:      # a line is a conversation: without packing these lines would take this many samples
+        assert conversations > samples * 3, conversations
     assert len(train) == ITERS and all(abs(g - w) <= RTOL * abs(w) for g, w in zip(train, ref)), (seed, train, ref)
     assert len(val) == 1 and abs(val[0] - ref_val) <= RTOL * abs(ref_val), (seed, val, ref_val)
 
@@ -144,6 +153,7 @@ def test_sft_trains_each_conversation_on_its_own(layout, tmp_path, chat_tokenize
     (["--sft", "--data-path", "x.jsonl"], "--sft renders conversations with a Hugging Face tokenizer"),
     (["--tokenizer-type", "SFTTokenizer", "--tokenizer-model", "tok"], "SFTTokenizer is Megatron-LM's tokenizer for --sft"),
     (["--sft-tokenizer-prompt-format", "chat-template"], "--sft-tokenizer-prompt-format applies to --sft"),
+    (["--sft-pack-lines"], "--sft-pack-lines packs the .jsonl lines of --sft: add --sft, or drop it"),
     (["--sft", "--data-path", "x.jsonl", "--tokenizer-type", "SFTTokenizer", "--tokenizer-model", "tok",
       "--reset-position-ids", "--eod-mask-loss"], "drop --reset-position-ids and --eod-mask-loss"),
 ])

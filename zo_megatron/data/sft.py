@@ -14,7 +14,8 @@ assistant prefix for the Nemotron formats) and the appended end-of-document toke
 conversations (the padding belongs to the last one): token j attends to i iff i <= j and both are in the same
 conversation (the model builds that mask). The samples of a split take its lines in file order, cycling
 when more samples are asked than there are lines, as Megatron-LM's SFTDataset does (no shuffle; a blend's
-order comes from megatron-core's BlendedDataset and `seed`).
+order comes from megatron-core's BlendedDataset and `seed`). --sft-pack-lines (ours, sft_packing.py) packs
+consecutive lines into each sample instead, for files of one conversation per line.
 
 Large files: the reader indexes the byte offset of every non-blank line once (numpy, chunked, progress
 logged) and parses a line only when its sample is read; a bad line is a DataError naming file:line.
@@ -26,6 +27,7 @@ from __future__ import annotations
 import collections
 import functools
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -440,12 +442,17 @@ def pack_sample(pieces: Iterable[tuple[list[int], list[int]]], seq_length: int, 
             "position_ids": torch.tensor(positions[:-1], dtype=torch.int64), "segment_ids": segment_ids}
 
 
+def line_pieces(conversations: JsonlConversations, i: int, fmt: ConversationFormat):
+    """The (tokens, targets) of each conversation of element i, tokenized as it is consumed (lazily: the
+    pack that stops early tokenizes no more). --sft-pack-lines counts a line's tokens through this too."""
+    messages, where = conversations[i], conversations.where(i)
+    return (fmt.tokenize(messages[lo:hi], f"{where}: conversation {c + 1} (messages[{lo}:{hi}])")
+            for c, (lo, hi) in enumerate(conversation_spans(messages)))
+
+
 def sft_sample(conversations: JsonlConversations, i: int, fmt: ConversationFormat, seq_length: int) -> dict:
     """The packed sample of element i of a .jsonl file (see pack_sample)."""
-    messages, where = conversations[i], conversations.where(i)
-    pieces = (fmt.tokenize(messages[lo:hi], f"{where}: conversation {c + 1} (messages[{lo}:{hi}])")
-              for c, (lo, hi) in enumerate(conversation_spans(messages)))
-    return pack_sample(pieces, seq_length, fmt.eod, fmt.pad)
+    return pack_sample(line_pieces(conversations, i, fmt), seq_length, fmt.eod, fmt.pad)
 
 
 @functools.cache
@@ -455,14 +462,18 @@ def _dataset_class():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed")
         from megatron.core.datasets.megatron_dataset import MegatronDataset
+    from zo_megatron.data.sft_packing import sample_lines, split_packs
 
     class SFTDataset(MegatronDataset):
         """Megatron-LM's SFTDataset: element idx is the packed sample of line indices[idx % len(indices)] of the
-        split (lines in file order, cycling), len() the samples asked for (one epoch when None)."""
+        split (lines in file order, cycling), or of pack idx % packs under --sft-pack-lines; len() the samples
+        asked for (one epoch when None)."""
 
         def __init__(self, dataset, dataset_path, indices, num_samples, index_split, config):
             super().__init__(dataset, dataset_path, indices, num_samples, index_split, config)
             self.format = config.tokenizer.format
+            # --sft-pack-lines: pack p is lines indices[packs[p]:packs[p + 1]] (sft_packing.py); None: one a line
+            self.packs = split_packs(config.tokenizer.line_counts, dataset_path, indices, config.sequence_length)
 
         @staticmethod
         def numel_low_level_dataset(low_level_dataset) -> int:
@@ -473,11 +484,18 @@ def _dataset_class():
             return open_jsonl(dataset_path)
 
         def __len__(self) -> int:
-            return len(self.indices) if self.num_samples is None else int(self.num_samples)
+            if self.num_samples is not None:
+                return int(self.num_samples)
+            return len(self.indices) if self.packs is None else len(self.packs) - 1
 
         def __getitem__(self, idx: int) -> dict:
-            line = int(self.indices[int(idx) % len(self.indices)])
-            return sft_sample(self.dataset, line, self.format, self.config.sequence_length)
+            if self.packs is None:
+                line = int(self.indices[int(idx) % len(self.indices)])
+                return sft_sample(self.dataset, line, self.format, self.config.sequence_length)
+            # a pack is one sample of all its lines' conversations, in order: as one line holding them all
+            pieces = itertools.chain.from_iterable(line_pieces(self.dataset, i, self.format)
+                                                   for i in sample_lines(self.packs, self.indices, idx))
+            return pack_sample(pieces, self.config.sequence_length, self.format.eod, self.format.pad)
 
     SFTDataset.__module__, SFTDataset.__qualname__ = __name__, "SFTDataset"
     return SFTDataset
@@ -492,10 +510,11 @@ def __getattr__(name):
 class _ConfigTokenizer:
     """What megatron-core's config and MegatronDataset read from a tokenizer (eod, vocab_size,
     unique_identifiers: part of the cache key of a blend's indices), and the format the samples use. It has
-    no `pad`: MegatronDataset would warn where pad == eos, and padding here is masked by position."""
+    no `pad`: MegatronDataset would warn where pad == eos, and padding here is masked by position.
+    line_counts: {file: its lines' token counts} under --sft-pack-lines (which the key then names), else None."""
 
-    def __init__(self, fmt: ConversationFormat, files: Sequence[str]):
-        self.format = fmt
+    def __init__(self, fmt: ConversationFormat, files: Sequence[str], line_counts: dict | None = None):
+        self.format, self.line_counts = fmt, line_counts
         self.eod, self.vocab_size = fmt.eod, fmt.vocab_size
         data = {}
         for f in files:
@@ -503,6 +522,8 @@ class _ConfigTokenizer:
             data[f] = f"{st.st_size}:{st.st_mtime_ns}"
         self.unique_identifiers = collections.OrderedDict([("class", "SFTTokenizer"), *fmt.identifiers().items(),
                                                            ("data", data)])
+        if line_counts is not None:     # only then: the key of an unpacked run stays what it was
+            self.unique_identifiers["pack_lines"] = True
 
 
 # ----------------------------------------------------------------------------- building
@@ -525,33 +546,36 @@ def _checked_jsonl(path: str) -> str:
     return p
 
 
-def _sft_blend(data_path) -> tuple[tuple[list[str], list[float] | None], list[int]]:
+def _sft_blend(data_path, samples_of=None) -> tuple[tuple[list[str], list[float] | None], list[int]]:
     """((absolute .jsonl paths, weights), their line counts) of one --data-path list; weights None for one
-    file, the line counts where none are given (one sample per line: megatron's own proportions)."""
+    file, the files' sample counts where none are given (megatron's own proportions): their lines, or
+    `samples_of(path)` (--sft-pack-lines: the packs of the file, which counts its tokens first)."""
     from zo_megatron.data.datasets import parse_data_path
 
     paths, weights = parse_data_path(data_path)
     paths = [_checked_jsonl(p) for p in paths]
     lines = [len(open_jsonl(p)) for p in paths]
+    samples = [samples_of(p) for p in paths] if samples_of else lines
     if len(paths) == 1:
         weights = None
     elif weights is None:
-        weights = [float(n) for n in lines]
+        weights = [float(n) for n in samples]
     return (paths, weights), lines
 
 
-def _config(fmt, seq_length, seed, cache, files, **blend):
+def _config(fmt, seq_length, seed, cache, files, line_counts=None, **blend):
     from zo_megatron.data.datasets import _megatron
 
     GPTDatasetConfig = _megatron()[2]
     return GPTDatasetConfig(
         random_seed=int(seed), sequence_length=int(seq_length), path_to_cache=cache, mmap_bin_files=True,
-        tokenizer=_ConfigTokenizer(fmt, files), reset_position_ids=False, reset_attention_mask=False,
+        tokenizer=_ConfigTokenizer(fmt, files, line_counts), reset_position_ids=False, reset_attention_mask=False,
         eod_mask_loss=False, create_attention_mask=False, num_dataset_builder_threads=1, **blend)
 
 
 def build_sft_datasets(data_path, split: str | None, seq_length: int, seed: int, tokenizer, prompt_format: str,
-                       train_samples: int, valid_samples: int, test_samples: int, cache_dir: str | None = None):
+                       train_samples: int, valid_samples: int, test_samples: int, cache_dir: str | None = None,
+                       pack_lines: bool = False):
     """(train, valid, test) SFTDatasets (or megatron-core BlendedDatasets of them); an entry is None where its
     split asks for no samples.
 
@@ -559,11 +583,14 @@ def build_sft_datasets(data_path, split: str | None, seq_length: int, seed: int,
     by line count), cut by `split` ("969,30,1" style, by lines); or a dict {"train", "valid", "test": such a
     list or None}, each split's own files used whole (split unused). prompt_format: one of PROMPT_FORMATS.
     Items: tokens, labels, loss_mask, position_ids, segment_ids, each [seq_length] (plus an int dataset_id
-    from a blend). Collective when torch.distributed is initialised (call it on every rank), as
-    build_gpt_datasets; DataError in one line on bad files, paths or splits.
+    from a blend). pack_lines (--sft-pack-lines, ours): a sample packs consecutive lines of its split
+    (sft_packing.py), each file's lines tokenized once first to count them. Collective when
+    torch.distributed is initialised (call it on every rank), as build_gpt_datasets; DataError in one
+    line on bad files, paths or splits (and, with pack_lines, on the first bad line of a file).
     """
     from zo_megatron.data.datasets import (
         _index_build_lock, _megatron, _parse_split, _process_group_if_needed, _split_that_fits, index_cache_dir)
+    from zo_megatron.data.sft_packing import LinePacking
 
     if int(seq_length) < 1:
         raise DataError(f"--seq-length {seq_length}: must be >= 1")
@@ -576,20 +603,23 @@ def build_sft_datasets(data_path, split: str | None, seq_length: int, seed: int,
     names = ("train", "valid", "test")
     cache = index_cache_dir(cache_dir)
     Builder = _megatron()[0]
+    packing = LinePacking(fmt, seq_length, cache, open_jsonl, line_pieces) if pack_lines else None
+    samples_of, line_counts = (packing.samples_of, packing.counts) if packing else (None, None)
     if isinstance(data_path, dict):
         missing = [n for n, size in zip(names, sizes) if size and not data_path.get(n)]
         if missing:
             raise DataError(f"{sizes[names.index(missing[0])]} {missing[0]} samples were requested but no "
                             f"--{missing[0]}-data-path is given")
-        blends = [_sft_blend(data_path[n])[0] if data_path.get(n) and size else None
+        blends = [_sft_blend(data_path[n], samples_of)[0] if data_path.get(n) and size else None
                   for n, size in zip(names, sizes)]
         files = [p for b in blends if b for p in b[0]]
-        config = _config(fmt, seq_length, seed, cache, files, blend_per_split=blends, split=None)
+        config = _config(fmt, seq_length, seed, cache, files, line_counts, blend_per_split=blends, split=None)
         blended = any(b[1] is not None for b in blends if b)
     else:
         _parse_split(split)
-        (paths, weights), lines = _sft_blend(data_path)
-        config = _config(fmt, seq_length, seed, cache, paths, blend=(paths, weights), split=str(split).strip())
+        (paths, weights), lines = _sft_blend(data_path, samples_of)
+        config = _config(fmt, seq_length, seed, cache, paths, line_counts, blend=(paths, weights),
+                         split=str(split).strip())
         for i, bookends in enumerate(config.split_matrix):
             if bookends is None:
                 continue

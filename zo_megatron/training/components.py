@@ -88,7 +88,7 @@ def build_datasets(args, tokenizer, data_path, dp_size: int):
 
         return build_sft_datasets(data_path, args.split, args.seq_length, args.seed, tokenizer,
                                   args.sft_tokenizer_prompt_format, train_samples, valid_samples, 0,
-                                  cache_dir=args.data_cache_path)[:2]
+                                  cache_dir=args.data_cache_path, pack_lines=args.sft_pack_lines)[:2]
     if data_path is None:                       # --mock-data (args.split: Megatron-LM's default)
         train_ds, valid_ds, _ = build_mock_gpt_datasets(
             args.split, args.seq_length, args.seed, tokenizer, train_samples=train_samples,
@@ -123,7 +123,7 @@ def build_test_dataset(args, tokenizer, data_path):
 
         return build_sft_datasets(only_test, None, args.seq_length, args.seed, tokenizer,
                                   args.sft_tokenizer_prompt_format, 0, 0, args.eval_iters * args.global_batch_size,
-                                  cache_dir=args.data_cache_path)[2]
+                                  cache_dir=args.data_cache_path, pack_lines=args.sft_pack_lines)[2]
     return build_gpt_datasets(
         only_test, None, args.seq_length, args.seed, tokenizer,
         train_samples=0, valid_samples=0, test_samples=args.eval_iters * args.global_batch_size,

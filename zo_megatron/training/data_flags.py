@@ -53,6 +53,10 @@ def add_data_flags(g) -> None:
                    choices=("nemotron-h-aligned", "nemotron-nano-v2", "chat-template"),
                    help="how --sft renders a conversation: Megatron-LM's two Nemotron formats, or chat-template: "
                         "the tokenizer's own chat template (Llama, Qwen, Mistral ...)")
+    g.add_argument("--sft-pack-lines", action="store_true",
+                   help="ours, for --sft: a sample packs consecutive .jsonl lines (as many as fit in --seq-length) "
+                        "instead of one line, for files of one conversation per line (Hugging Face's layout); every "
+                        "line is tokenized once before training to count it (cached with the indices; docs/data.md)")
     g.add_argument("--split", default=None,
                    help=f"train, valid, test proportions of a --data-path blend (default {DEFAULT_SPLIT!r}, "
                         "Megatron-LM's)")
@@ -145,6 +149,8 @@ def check_sft_flags(args: argparse.Namespace, sources: list[str]) -> None:
     if not args.sft:
         if "sft_tokenizer_prompt_format" in getattr(args, "given", ()):
             raise ConfigError("--sft-tokenizer-prompt-format applies to --sft: add --sft, or drop it")
+        if getattr(args, "sft_pack_lines", False):
+            raise ConfigError("--sft-pack-lines packs the .jsonl lines of --sft: add --sft, or drop it")
         return
     if not sources or sources[0] in ("--mock-data", "--embedded-corpus"):
         raise ConfigError(f"--sft trains on conversations in .jsonl files{' (not ' + sources[0] + ')' if sources else ''}"

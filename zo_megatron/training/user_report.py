@@ -202,8 +202,10 @@ def noop_lines(args) -> list[str]:
 def document_words(args) -> str:
     """How the samples' documents are kept apart, for the banner's data line."""
     if args.sft:
-        return (f"; supervised fine-tuning (--sft, prompt format {args.sft_tokenizer_prompt_format}): one packed "
-                "sample per .jsonl line, loss on the assistant's turns, each conversation attending to itself")
+        per = ("consecutive .jsonl lines packed into each sample (--sft-pack-lines)" if args.sft_pack_lines else
+               "one packed sample per .jsonl line")
+        return (f"; supervised fine-tuning (--sft, prompt format {args.sft_tokenizer_prompt_format}): {per}, "
+                "loss on the assistant's turns, each conversation attending to itself")
     words = [w for w, on in (("attention per document (--reset-attention-mask)", args.reset_attention_mask),
                              ("positions per document (--reset-position-ids)", args.reset_position_ids),
                              ("no loss after end-of-document tokens (--eod-mask-loss)", args.eod_mask_loss)) if on]
