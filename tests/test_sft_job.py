@@ -13,10 +13,8 @@ import json
 import random
 
 import pytest
-import torch
 
 from tests.harness import run_world
-from tests.megatron_reference import megatron_get_lr
 from tests.seeds import fresh_seed
 from tests.test_pretrain import TINY, _job, _rows
 
@@ -74,54 +72,15 @@ def _conversations(path, seed: int, lines: int = 120, most: int = 3):
 
 
 def _reference_world(rank, argv, cache, dp):
-    from megatron.core import tensor_parallel
-
-    from tests.job_reference import job_model_and_data
-    from zo_megatron.data.datasets import _collate
+    """Every conversation of every sample through the model on its own (tests/job_reference.py)."""
+    from tests.job_reference import job_model_and_data, separate_pieces_training
 
     args, tok, model, train_ds, valid_ds = job_model_and_data(argv, cache, dp)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, weight_decay=0.0)
-    per_micro, gb = args.micro_batch_size, args.global_batch_size
-    conversations = [0]
 
-    def sample_losses(tokens, positions, labels):
-        starts = [i for i, p in enumerate(positions.tolist()) if p == 0]
-        assert starts[0] == 0
-        bounds = [*starts, len(tokens)]
-        out = []
-        for lo, hi in zip(bounds, bounds[1:]):
-            logits = model.forward(tokens[None, lo:hi], positions[None, lo:hi])
-            out.append(tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels[None, lo:hi])[0])
-        conversations[0] += len(starts)
-        return torch.cat(out)
+    def starts_of(tokens, positions):
+        return [i for i, p in enumerate(positions.tolist()) if p == 0]      # a conversation restarts them
 
-    def batch_parts(ds, start):
-        means = []
-        for m in range(gb // per_micro):
-            batch = _collate([ds[start + m * per_micro + j] for j in range(per_micro)])
-            losses = torch.stack([sample_losses(batch["tokens"][j], batch["position_ids"][j], batch["labels"][j])
-                                  for j in range(per_micro)])
-            mask = batch["loss_mask"].float()
-            means.append(((losses * mask).sum(), mask.sum()))
-        return means
-
-    losses = []
-    for it in range(ITERS):
-        parts = batch_parts(train_ds, gb * it)
-        objective = sum(s / t for s, t in parts) / len(parts)       # Megatron-LM's: the micro-batches' means
-        objective.backward()
-        torch.nn.utils.clip_grad_norm_(params, args.clip_grad)
-        for g in opt.param_groups:
-            g["lr"] = megatron_get_lr(gb * it, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
-                                      lr_warmup_steps=gb, lr_decay_steps=gb * ITERS, lr_decay_style="cosine")
-        opt.step()
-        opt.zero_grad()
-        losses.append((sum(s for s, _ in parts) / sum(t for _, t in parts)).item())   # logged: the tokens' mean
-    with torch.no_grad():
-        parts = batch_parts(valid_ds, 0)
-        val = (sum(s for s, _ in parts) / sum(t for _, t in parts)).item()
-    return losses, val, conversations[0]
+    return separate_pieces_training(args, model, train_ds, valid_ds, starts_of, ITERS)
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
