@@ -32,8 +32,9 @@ _ITER_DIR = re.compile(r"iter_\d{7}")
 
 
 def check_load_target(args) -> str | None:
-    """Apply the rules above to args.load. Returns the warning line when the job will start from
-    random weights (args.load is then None); raises UserError for a wrong target, or for a missing
+    """Apply the rules above to args.load. Returns the banner's line when the job will start from
+    random weights (args.load is then None) or fine-tune from --pretrained-checkpoint (args.load is then
+    that directory, args.finetune True); raises UserError for a wrong target, or for a missing
     checkpoint with --exit-on-missing-checkpoint or --use-checkpoint-args."""
     pretrained = getattr(args, "pretrained_checkpoint", None)
     if pretrained and not (args.load and os.path.isfile(os.path.join(args.load, LATEST))):
