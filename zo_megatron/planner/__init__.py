@@ -12,7 +12,9 @@ b16 = 2 bytes (bf16/fp16) or 4 (fp32):
                          bg = 4 when gradients are reduced in fp32, the bf16 default, else b16)
                          (+ 2·largest bucket/N x2 narrowing scratch on a GPU when fp32-reduced shards
                          go home as 16 bits) (+ bg·bucket reduce-scatter scratch when N > 1: an
-                         allowance, the engine reduce-scatters in place) (+ b16·Ψ 16-bit gradients
+                         allowance, the engine reduce-scatters in place) (+ on a CPU device at N > 1,
+                         bg x the largest two consecutive buckets below 2**20 elements: the clones gloo
+                         reduce-scatters them through, reduce_scatter_copies) (+ b16·Ψ 16-bit gradients
                          kept across micro-batches when grad_accum_steps > 1, unless they accumulate
                          on the host) + activations + fragmentation + CUDA overhead
   device, baseline       16 bytes/param (2 param + 2 grad + 4 master + 4 m + 4 v; fp32: 4+4+4+4)

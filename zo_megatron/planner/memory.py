@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from zo_megatron.planner.inputs import Plan, PlanInput
-from zo_megatron.planner.buckets import _bucket_layout
+from zo_megatron.planner.buckets import _bucket_layout, bucket_walk
 from zo_megatron.planner.layer_activations import (_bytes16, _core_attention_backward, _layer_saved, _norm_saved,
                                                    _selective_layer, document_mask_bytes)
 from zo_megatron.planner.moe import moe_backward_grads, moe_dispatcher
@@ -311,9 +311,10 @@ def _offload_model_states(inp: PlanInput, psi_pad: int, part: int, chunk: int, V
     host_gpu: dict[str, int] = {}
     N = inp.data_parallel if N is None else N
     bucket = min(inp.bucket_size, psi_pad)
-    n_buckets, max_bucket = _bucket_layout(inp, V_pad, S, chunk, group)
+    n_buckets, max_bucket, copied_pair = bucket_walk(inp, V_pad, S, chunk, group)
     if not bucket_overfill:
         max_bucket = min(max_bucket, bucket)
+        copied_pair = 0               # may_fit leaves the copies out as the overfill: both follow the layout
     buffers = min(2, n_buckets)       # the engine allocates one buffer when one bucket holds it all
     wg = 4 if inp.reduces_in_fp32() else w    # bytes per gradient element in the buckets
     wh = 4 if inp.host_grad_fp32 else w       # bytes per gradient element copied home
@@ -325,6 +326,8 @@ def _offload_model_states(inp: PlanInput, psi_pad: int, part: int, chunk: int, V
         dev["grad_narrow_scratch"] = buffers * wh * (max_bucket // N)
     if N > 1:
         dev["reduce_scatter_scratch"] = wg * bucket
+        if inp.device_is_host and copied_pair:
+            dev["reduce_scatter_copies"] = reduce_scatter_copies(wg, copied_pair)
     if inp.grad_accum_steps > 1 and not inp.accumulate_on_host:
         # fp32 when reduced in fp32 (the engine's main_grad, as Megatron's), else 16-bit param.grad
         dev["grads_kept_across_microbatches"] = (4 if wg == 4 else w) * psi_pad
@@ -358,6 +361,26 @@ def _offload_model_states(inp: PlanInput, psi_pad: int, part: int, chunk: int, V
         host_gpu["dpu_pending_grad"] = wh * part + (
             4 * part if inp.grad_accum_steps > 1 and inp.accumulate_on_host else 0)
     return dev, host_gpu
+
+
+def reduce_scatter_copies(reduce_bytes: int, copied_pair: int) -> int:
+    """Device bytes of the copies gloo makes of the gradient buckets, where the device is the host (a CPU run)
+    at DP > 1: `reduce_bytes` per element (the bucket buffers' dtype), `copied_pair` elements
+    (buckets.BucketWalk.copied_pair).
+
+    Why: a bucket below buckets.GLOO_COPIED_BELOW_NUMEL elements is reduce-scattered by gloo's own
+    reduce_scatter, which all-reduces a clone of the whole bucket (not in place, unlike NCCL) and frees it when
+    the engine waits for the collective. The engine (offload/grad_buckets.py) waits only when it copies the
+    bucket's shard home, when the bucket's buffer is reused: two buckets later, so the copies of two
+    consecutive buckets are alive together (from the second one's send to the next bucket's first gradient,
+    and at the end of backward). Where that falls on a layer's backward (small buckets, full recompute: up to
+    two copies beside the recomputed layer) it adds to the activation peak, and the plan does not model when:
+    the item is on top of it. Measured with torch's allocator on CPU worlds
+    (tests/test_planner_validation.py): never more than this, and this to within the buckets' padding (the
+    planner's N x 128 elements, the engine's N x 64) where the pair is sent back to back. A GPU (NCCL
+    reduce-scatters in place) makes none, nor does a larger bucket (one in-place all_reduce). Not the
+    collective library's own buffers: `reduce_scatter_scratch` stays their allowance."""
+    return reduce_bytes * copied_pair
 
 
 def _setup_host_bytes(inp: PlanInput, host_gpu: dict[str, int], model_numel: int, per_node: int) -> int:
