@@ -49,7 +49,10 @@ def _cases(d):
         ("query groups not divisible by TP", ["--group-query-attention", "--num-query-groups", "2",
                                               "--tensor-parallel", "4"], {"WORLD_SIZE": "4"},
          "use --tensor-model-parallel-size <= 2 that divides 2"),
-        ("sliding window", ["--window-size", "4096,0"], {}, "--window-size 4096,0: sliding-window attention"),
+        ("sliding window on the local attention", ["--window-size", "4095,0", "--attention-backend", "local"], {},
+         "--window-size 4095,0 with megatron-core's local attention"),
+        ("sliding window to the right", ["--window-size", "4095,8", "--use-flash-attn"], {},
+         "--window-size 4095,8: only causal windows are supported"),
         ("bf16 states without offload", ["--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"], {},
          "add --zero-offload"),
         # data

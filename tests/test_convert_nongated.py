@@ -166,9 +166,9 @@ STARCODER2 = {"tanh-biases-tied-3b-base": dict(window=None, theta=999999.4420358
 @pytest.mark.parametrize("case", list(STARCODER2))
 def test_starcoder2_converts_both_ways_with_transformers_logits(tmp_path, case):
     """StarCoder2 is Megatron-LM's default GPT MLP (the tanh GELU with biases) on RoPE and GQA; also
-    without biases, untied, with the erf GELU, a head_dim of its own and a window of 32 tokens (which
-    changes nothing at 11): our forward == transformers' at TP 1 and 2, the job flags rebuild the
-    model, HF -> ours -> HF is bit for bit with the window and the dropouts written back."""
+    without biases, untied, with the erf GELU, a head_dim of its own and a window of 32 tokens (the model's
+    --window-size 31,0, which changes nothing at 11): our forward == transformers' at TP 1 and 2, the job flags
+    rebuild the model, HF -> ours -> HF is bit for bit with the window and the dropouts written back."""
     from safetensors.torch import load_file
 
     from zo_megatron.checkpoint import convert
@@ -195,7 +195,8 @@ def test_starcoder2_converts_both_ways_with_transformers_logits(tmp_path, case):
 
     assert meta_from_args(megatron_args(meta, tp=1, iteration=0, divisible_by=128, seq_length=SEQ, precision="fp32"),
                           VOCAB, "x") == meta
-    assert (reader.manifest.get("attention_window") or {}).get("tokens") == window
+    assert meta["window_size"] == (None if window is None else [window - 1, 0])       # every layer: no skip freq
+    assert meta["window_attn_skip_freq"] is None
     flags = job_flags(meta).split()
     args = parse_args([*flags, "--seq-length", str(SEQ), "--lr", "1e-3", "--train-iters", "1", "--vocab-size",
                        str(VOCAB)])

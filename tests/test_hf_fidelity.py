@@ -3,8 +3,8 @@ the conversion does, or the conversion refuses in one line.
 
 Tiny random models that transformers builds from configs made here (nothing downloaded); the
 reference is transformers' own forward pass (fp32, eager attention), compared element by element
-with our model built from the converted checkpoint, at a sequence length where a sliding window
-binds (SEQ > WINDOW).
+with our model built from the converted checkpoint (its sliding window the model's own, on torch SDPA), at
+a sequence length where a sliding window binds (SEQ > WINDOW).
 """
 import json
 import os
@@ -106,9 +106,9 @@ def test_layer_types_are_read_only_by_the_families_whose_model_reads_them(tmp_pa
     """transformers' Mistral ignores `layer_types` and slides every layer when sliding_window is set;
     Qwen2 reads it. A Mistral config whose layer_types say full attention with a window below
     max_position_embeddings is not a full-attention model (old code: converted as one, logits 1.29
-    relative off at seq 40): every layer's window is recorded (item 12b: the job then refuses
-    sequences longer than it); a Qwen2 config with use_sliding_window but only full-attention layer
-    types is one (converted, no window, logits equal transformers')."""
+    relative off at seq 40): every layer slides in the converted model (--window-size W-1,0, no skip
+    freq); a Qwen2 config with use_sliding_window but only full-attention layer types is one (converted,
+    no window, logits equal transformers')."""
     from zo_megatron.checkpoint import convert
     from zo_megatron.checkpoint.reader import CheckpointReader
 
@@ -120,13 +120,13 @@ def test_layer_types_are_read_only_by_the_families_whose_model_reads_them(tmp_pa
     edit_config(mistral, layer_types=full)
     assert transformers.AutoConfig.from_pretrained(mistral).layer_types == full     # the file says it; Mistral
     convert.from_hf(mistral, str(tmp_path / "mistral_ck"), tensor_parallel=1, log=quiet)   # slides anyway
-    window = CheckpointReader(str(tmp_path / "mistral_ck")).manifest.get("attention_window")
-    assert window is not None and window["tokens"] == WINDOW and window["layers"] == list(range(LAYERS)), window
+    meta = CheckpointReader(str(tmp_path / "mistral_ck")).model_meta
+    assert (meta["window_size"], meta["window_attn_skip_freq"]) == ([WINDOW - 1, 0], None), meta
 
     qwen2 = make_hf(tmp_path / "qwen2", transformers.Qwen2Config(**common(
         use_sliding_window=True, sliding_window=WINDOW, max_window_layers=0, layer_types=full)), seed + 1)
     convert.from_hf(qwen2, str(tmp_path / "qwen2_ck"), tensor_parallel=1, log=quiet)
-    assert "attention_window" not in CheckpointReader(str(tmp_path / "qwen2_ck")).manifest
+    assert CheckpointReader(str(tmp_path / "qwen2_ck")).model_meta["window_size"] is None
     close(our_logits(str(tmp_path / "qwen2_ck"), tokens), hf_logits(qwen2, tokens))
 
 
@@ -158,12 +158,12 @@ def test_a_qwen2_config_read_as_transformers_4x_reads_it_slides_only_with_use_sl
     convert.from_hf(qwen2, str(tmp_path / "ck"), tensor_parallel=1, log=quiet)
     tokens = tokens_for(seed)
     close(our_logits(str(tmp_path / "ck"), tokens), hf_logits(qwen2, tokens))
-    assert "attention_window" not in CheckpointReader(str(tmp_path / "ck")).manifest
-    # with use_sliding_window true, 4.x's layers from max_window_layers on slide (the window is recorded)
+    assert CheckpointReader(str(tmp_path / "ck")).model_meta["window_size"] is None
+    # with use_sliding_window true, 4.x's layers from max_window_layers on slide (the model's window, layer 1)
     edit_config(qwen2, use_sliding_window=True, max_window_layers=1)
     convert.from_hf(qwen2, str(tmp_path / "ck2"), tensor_parallel=1, log=quiet)
-    window = CheckpointReader(str(tmp_path / "ck2")).manifest["attention_window"]
-    assert window["tokens"] == WINDOW and window["layers"] == [1], window
+    meta = CheckpointReader(str(tmp_path / "ck2")).model_meta
+    assert (meta["window_size"], meta["window_attn_skip_freq"]) == ([WINDOW - 1, 0], [0, 1]), meta
 
 
 # ---------------------------------------------------------------- item 11: from-megatron's allow-list
@@ -404,18 +404,20 @@ def test_to_hf_writes_both_rope_schemas_and_keeps_generation_config_and_eos_list
             assert g.eos_token_id == [1, 2] and g.do_sample and g.temperature == 0.6 and g.top_p == 0.9
 
 
-# ---------------------------------------------------------------- item 12 (b): a window that does not bind
+# ---------------------------------------------------------------- item 12 (b): a window that binds
 
-TEXT = "The state of the Union is strong."
+TEXT = ("The state of the Union is strong. We the people of the United States, in order to form a more perfect "
+        "union, establish justice and insure domestic tranquility, do ordain this constitution.")
 
 
-def test_a_mistral_sliding_window_converts_trains_where_it_does_not_bind_and_comes_back(tmp_path):
-    """Mistral-7B-v0.1 has sliding_window 4096: up to 4096 tokens its attention is full attention, so
-    training at --seq-length <= 4096 is exact (old code: from-hf refused it). from-hf records the
-    window; our model's logits equal transformers' at a length the window does not bind; the job
-    refuses a longer --seq-length in one line naming the limit, trains at one that fits (its first
-    loss is transformers'), and its save keeps the window, the architecture, the eos list and the
-    generation config, which to-hf writes back."""
+def test_a_mistral_sliding_window_converts_trains_where_it_binds_and_comes_back(tmp_path):
+    """Mistral-7B-v0.1 has sliding_window 4096 (every layer). from-hf makes it the model's own window
+    (--window-size W-1,0, in the checkpoint's architecture and the printed flags, with --use-flash-attn);
+    our logits equal transformers' at a length the window binds (old code: from-hf recorded it beside the
+    model and the job refused longer sequences); a job whose flags leave the window out is refused in one
+    line naming it (the resume compares it as any architecture field); the job with the printed flags trains
+    a document longer than the window (its first loss is transformers'), and its save keeps the window, the
+    architecture, the eos list and the generation config, which to-hf writes back."""
 
     from tests.hf_tokenizer import HF_VOCAB_SIZE, make_hf_tokenizer
     from tests.test_checkpoint_resume import _run_jobs
@@ -431,34 +433,35 @@ def test_a_mistral_sliding_window_converts_trains_where_it_does_not_bind_and_com
     ck = str(tmp_path / "ck")
     lines = []
     convert.from_hf(src, ck, tensor_parallel=1, log=lines.append)
-    window = CheckpointReader(ck).manifest["attention_window"]
-    assert window["tokens"] == WINDOW and window["architecture"] == "MistralForCausalLM", window
+    meta = CheckpointReader(ck).model_meta
+    assert (meta["window_size"], meta["window_attn_skip_freq"]) == ([WINDOW - 1, 0], None), meta
     assert any(f"sliding window of {WINDOW} tokens" in ln for ln in lines), lines
-    short = tokens_for(seed, WINDOW)
-    close(our_logits(ck, short), hf_logits(src, short))
+    close(our_logits(ck, tokens_for(seed)), hf_logits(src, tokens_for(seed)))
 
-    # the job: one document of exactly one sample's length (every sample is that document)
+    # the job: one document of exactly one sample's length, longer than the window (every sample is it)
     tok_dir = os.path.join(ck, "iter_0000000", "tokenizer")
     from tests.test_vocab_size import one_document_dataset
 
     prefix, doc = one_document_dataset(tmp_path, tok_dir, TEXT)
     seq = len(doc)
-    assert seq <= WINDOW, seq
+    assert WINDOW < seq <= POS, seq
     (flags,) = [ln.removeprefix("  model flags: ").split() for ln in lines if ln.startswith("  model flags: ")]
-    common_argv = [*flags, "--micro-batch-size", "1", "--global-batch-size", "1", "--lr", "1e-3",
+    window_flags = ["--window-size", f"{WINDOW - 1},0", "--use-flash-attn"]
+    assert " ".join(window_flags) in " ".join(flags), flags
+    without = [f for f in flags if f not in window_flags]
+    common_argv = ["--micro-batch-size", "1", "--global-batch-size", "1", "--lr", "1e-3",
                    "--lr-warmup-iters", "0", "--train-iters", "2", "--log-interval", "1", "--eval-iters", "0",
                    "--no-progress-bar", "--split", "100,0,0", "--fp32", "--skip-memory-check", "--seed", str(seed),
                    "--data-path", prefix, "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", tok_dir,
-                   "--load", ck]
+                   "--load", ck, "--seq-length", str(seq)]
     log = str(tmp_path / "log.jsonl")
-    jobs = [("job", [*common_argv, "--seq-length", str(SEQ)]),
-            ("job", [*common_argv, "--seq-length", str(seq), "--save", str(tmp_path / "out"),
-                           "--log-jsonl", log])]
+    jobs = [("job", [*without, *common_argv]),
+            ("job", [*flags, *common_argv, "--save", str(tmp_path / "out"), "--log-jsonl", log])]
     out = run_world(_run_jobs, 1, jobs, str(tmp_path / "cache"), timeout=400)[0]
     msg = out[0].get("error", "")
-    assert "\n" not in msg and f"sliding window of {WINDOW} tokens" in msg and f"--seq-length <= {WINDOW}" in msg, \
-        out[0]
+    assert "\n" not in msg and f"--window-size: [{WINDOW - 1}, 0] in the checkpoint, None here" in msg, out[0]
     assert out[1].get("rc") == 0, out[1]
+    assert f"sliding window {WINDOW - 1},0 ({WINDOW} tokens) on every layer" in out[1]["stdout"], out[1]["stdout"]
     with open(log) as f:
         losses = {r["iteration"]: r["loss"] for r in map(json.loads, f) if r["kind"] == "train"}
     tokens, labels = doc[None, :], torch.cat([doc[1:], doc[:1]])
@@ -469,8 +472,9 @@ def test_a_mistral_sliding_window_converts_trains_where_it_does_not_bind_and_com
     assert losses[1] == pytest.approx(ref, rel=1e-5), (losses[1], ref)
 
     # the trained checkpoint keeps what to-hf writes back
-    saved = CheckpointReader(str(tmp_path / "out")).manifest
-    assert saved["attention_window"] == window and saved["hf_architecture"] == "MistralForCausalLM"
+    saved = CheckpointReader(str(tmp_path / "out"))
+    assert saved.model_meta["window_size"] == [WINDOW - 1, 0] and saved.manifest["hf_architecture"] == \
+        "MistralForCausalLM"
     back = str(tmp_path / "back")
     convert.to_hf(str(tmp_path / "out"), back, log=quiet)
     written = json.load(open(os.path.join(back, "config.json")))
@@ -481,7 +485,7 @@ def test_a_mistral_sliding_window_converts_trains_where_it_does_not_bind_and_com
     assert type(model).__name__ == "MistralForCausalLM" and model.config.sliding_window == WINDOW
     # a family that cannot express the window is refused
     from zo_megatron.errors import UserError
-    with pytest.raises(UserError, match="sliding window"):
+    with pytest.raises(UserError, match="LlamaForCausalLM has no sliding window"):
         convert.to_hf(ck, str(tmp_path / "as_llama"), architecture="LlamaForCausalLM", log=quiet)
 
 

@@ -127,7 +127,8 @@ def test_architecture_flags_reach_the_model_config():
     plain = GPTConfig(**architecture_kwargs(_job_args(["--num-query-groups", "2"])), vocab_size=100)
     assert plain.query_groups == 4 and plain.architecture_name() == "GPT-2"
     assert _job_args(["--layernorm-epsilon", "1e-6"]).layernorm_epsilon == 1e-6
-    assert _job_args(["--window-size=-1,-1"]).window_size == "-1,-1"       # full attention is accepted
+    assert _job_args(["--window-size=-1,-1"]).window_size is None          # full attention (Megatron-LM's -1)
+    assert _job_args(["--window-size", "7,0", "--use-flash-attn"]).window_size == [7, 0]
 
 
 def test_the_table_lists_the_tokenizer_flags():

@@ -71,7 +71,7 @@ def test_the_banner_warns_on_a_cuda_device(monkeypatch, flags, device, warned):
     model = torch.nn.Linear(4, 4)
     optimizer = types.SimpleNamespace(model=model, accounting=types.SimpleNamespace(device_model_state_bytes=0,
                                                                                     host_bytes=0))
-    monkeypatch.setattr(user_report, "attention_line", lambda cfg, ps, document_mask=False: "sdpa")
+    monkeypatch.setattr(user_report, "attention_line", lambda cfg, ps, document_mask=False, **_: "sdpa")
     printed = []
     user_report.banner(types.SimpleNamespace(print=printed.append), args, _ps(device),
                  GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, precision="fp32"), optimizer,

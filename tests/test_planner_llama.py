@@ -267,7 +267,7 @@ def test_cli_architecture_flags_change_the_answer():
 
 # the job's own refusals (arguments.finalize), which the tool runs on its command line
 @pytest.mark.parametrize("args, message", [
-    (["--model", "llama3-70b", "--window-size", "4096,0"], "sliding-window attention is not supported"),
+    (["--model", "llama3-70b", "--window-size", "4095,0", "--attention-backend", "local"], "local attention, which builds its window mask on CUDA"),
     (["--model", "llama3-70b", "--tensor-model-parallel-size", "16"], "use --tensor-model-parallel-size <= 8"),
     (["--model", "llama3-8b", "--num-query-groups", "5"], "--num-query-groups 5 must divide --num-attention-heads 32"),
     (["--model", "llama3-8b", "--normalization", "ScaleNorm"], "invalid choice"),

@@ -16,7 +16,8 @@ fp32 softmax: the CPU path) and compares:
    excluded, the cached s x s causal mask included; with recompute, what the layer saves when it is
    recomputed in backward) within 5%; with per-document attention (the -docmask cases, segment_ids
    given) what the layer keeps at the end of forward, and the one mask the layers share equals the
-   planner's `activations_document_mask` to the byte (none on SDPA's CPU math path, which keeps none);
+   planner's `activations_document_mask` to the byte (none on SDPA's CPU math path, which keeps none); the
+   same for a sliding window (the -window cases: one mask, a channel per distinct mask);
 3. the activation peak: the planner's activation estimate (every `activations_*` and `logits*`
    item) is within 20% of the peak of torch's CPU allocator over forward + backward, measured
    with torch.profiler's memory events (bytes above what was live before the forward: saved
@@ -101,6 +102,10 @@ CASES = [
     ("bf16-smallvocab-docmask", "bf16", False, 1000, 40_000_000),
     ("bf16-llama-sdpa-docmask", "bf16", False, 1000, 200_000),
     ("bf16-smallvocab-sdpa-attndrop-docmask", "bf16", False, 1000, 40_000_000),
+    # sliding-window attention (--window-size 31,0): one [1, 1, s, s] mask both layers share; with documents and
+    # --window-attn-skip-freq 2 (layer 1 slides, layer 2 attends fully) one [b, 2, s, s] (full, window channels)
+    ("bf16-llama-sdpa-window", "bf16", False, 1000, 200_000),
+    ("bf16-llama-sdpa-window-docmask", "bf16", False, 1000, 200_000),
 ]
 # Llama-shaped cases (issue 24): rope, RMSNorm, SwiGLU (ffn 320), GQA 2 groups, untied output layer, no biases
 LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, num_query_groups=2,
@@ -132,6 +137,8 @@ def _arch(name):
         dict(MLA_DIRECT) if "mla-direct" in name else {}
     if "-sdpa" in name:
         arch["attention_backend"] = "sdpa"
+    if "-window" in name:
+        arch.update(window_size=(SEQ // 4 - 1, 0), window_attn_skip_freq=2 if "-docmask" in name else None)
     if "-nonorm" in name:
         arch["qk_layernorm"] = False
     if name.endswith("-sp"):
@@ -475,11 +482,12 @@ def test_planner_matches_engine_and_torch(tp, dp):
         # per layer: the last one (with full recompute: what it saves when it is recomputed in backward;
         # with selective recompute, or a document mask: what it keeps at the end of forward, where a storage
         # that several layers keep -- the mask -- is no layer's)
-        measure = "kept" if isinstance(recompute, tuple) or "-docmask" in name else "saved"
+        masked = "-docmask" in name or "-window" in name
+        measure = "kept" if isinstance(recompute, tuple) or masked else "saved"
         per_layer = max(res[c][measure].get(f"layer{LAYERS - 1}", 0) for res in ranks)
         planned_layer = _per_layer_estimate(p, recompute)
         check(f"{name} activations of one layer", planned_layer, per_layer, 0.05)
-        if "-docmask" in name:
+        if masked:
             # the one mask the layers share, to the byte (0: the math path keeps none)
             kept_mask = layer_activations.document_mask_bytes(p.input)
             planned_mask = kept_mask[0] if kept_mask[1] else 0

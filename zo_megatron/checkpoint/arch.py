@@ -11,6 +11,7 @@ import dataclasses
 
 from zo_megatron.errors import UserError
 from zo_megatron.model.config import ARCH_FIELDS, MOE_FIELDS, YARN_FIELDS, GPTConfig, megatron_bias_gelu_fusion
+from zo_megatron.planner.window import window_layers
 
 # GPTConfig's defaults (GPT-2) for the fields an old checkpoint does not record
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(GPTConfig)
@@ -220,12 +221,25 @@ def job_flags(meta: dict, hf_tokenizer: bool = False) -> str:
         flags.append("--qk-layernorm")
     if m["layernorm_zero_centered_gamma"]:
         flags.append("--apply-layernorm-1p")
-    flags += _moe_flags(m)
+    flags += _moe_flags(m) + window_flags(m)
     if m["make_vocab_size_divisible_by"] != DEFAULTS["make_vocab_size_divisible_by"]:
         flags.append(f"--make-vocab-size-divisible-by {m['make_vocab_size_divisible_by']}")
     if hf_tokenizer:
         flags.append(f"--vocab-size {m['vocab_size']}")
     return " ".join(flags)
+
+
+def window_flags(m: dict) -> list[str]:
+    """The sliding window's flags (Megatron-LM's names), and --use-flash-attn where a layer slides: the job runs
+    the window on torch SDPA only (model/config.py refuses megatron-core's local attention with it)."""
+    if m["window_size"] is None:
+        return []
+    freq = m["window_attn_skip_freq"]
+    flags = [f"--window-size {m['window_size'][0]},{m['window_size'][1]}"]
+    if freq is not None:
+        text = freq if isinstance(freq, int) else "[" + ",".join(map(str, freq)) + "]"     # one word, as MoE's
+        flags.append(f"--window-attn-skip-freq {text}")
+    return flags + ["--use-flash-attn"] * any(window_layers(m["window_size"], freq, m["num_layers"]))
 
 
 def mla_size_flags(m: dict) -> list[str]:

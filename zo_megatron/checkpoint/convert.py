@@ -30,7 +30,8 @@ import torch
 
 from zo_megatron.checkpoint import hf, megatron_args, megatron_dist, megatron_lm
 from zo_megatron.checkpoint.arch import (buffer_shapes, check_tensor_parallel, full_meta, job_flags,
-                                         needs_no_bias_gelu_fusion, param_shapes, query_groups, recentred_gamma)
+                                         needs_no_bias_gelu_fusion, param_shapes, query_groups, recentred_gamma,
+                                         window_flags)
 from zo_megatron.checkpoint.boxes import Box
 from zo_megatron.checkpoint.content import BUFFERS, EXP_AVG, EXP_AVG_SQ, MODEL
 from zo_megatron.checkpoint.layout import rng_file
@@ -40,6 +41,7 @@ from zo_megatron.checkpoint.writer import TensorSpec, atomic_output, copy_hf_tok
 from zo_megatron.data.tokenizer import CHECKPOINT_TOKENIZER_DIR as TOKENIZER_DIR
 from zo_megatron.data.tokenizer import HF_TOKENIZER_FILES, check_hf_tokenizer_dir
 from zo_megatron.errors import UserError
+from zo_megatron.planner.window import from_hf_window, hf_window
 
 Log = Callable[[str], None]
 DEFAULT_DIVISIBLE_BY = 128                      # Megatron's --make-vocab-size-divisible-by default
@@ -211,14 +213,11 @@ def to_hf(load: str, output: str, *, iteration: int | None = None, dtype: str = 
     reader = CheckpointReader(load, iteration)
     log(reader.describe())
     meta, args = full_meta(reader.model_meta), reader.args
-    window = reader.manifest.get("attention_window")
-    recorded = reader.manifest.get("hf_architecture") or (window or {}).get("architecture")
-    family = hf.family_for_model({**meta, "layernorm_zero_centered_gamma": False}, architecture or recorded,
+    # (a family that cannot express the model's sliding window is refused: hf.why_not)
+    family = hf.family_for_model({**meta, "layernorm_zero_centered_gamma": False},
+                                 architecture or reader.manifest.get("hf_architecture"),
                                  reader.dir)       # a zero-centred gamma is folded into the weights below
-    if window is not None and family.architecture != window.get("architecture"):
-        raise UserError(f"{reader.dir}: the model has {window.get('architecture')}'s sliding window of "
-                        f"{window.get('tokens')} tokens, which {family.architecture} cannot express: write it as "
-                        f"--architecture {window.get('architecture')}")
+    window = hf_window(meta["window_size"], meta["window_attn_skip_freq"], meta["num_layers"])
     shard = parse_size(max_shard_size)
     saved_tok = os.path.join(reader.dir, TOKENIZER_DIR)         # the tokenizer the run trained with
     if reader.manifest.get("tokenizer_type") == "Llama2Tokenizer" and tokenizer_model is None:
@@ -281,6 +280,13 @@ def from_hf(input_dir: str, output: str, *, tensor_parallel: int, force: bool = 
     where = os.path.join(input_dir, hf.CONFIG)
     cfg = family.read_config(cfg_json, where)
     meta, run_args = family.meta_from_config(cfg, where)
+    window = family.attention_window(cfg)       # the window transformers' model of this config applies
+    if window is not None:
+        try:
+            size, freq = from_hf_window(window["tokens"], window["layers"], meta["num_layers"])
+        except ValueError as exc:
+            raise UserError(f"{where}: {exc}") from None
+        meta = full_meta({**meta, "window_size": size, "window_attn_skip_freq": freq})
     check_tensor_parallel(meta, tensor_parallel)
     hf.weight_files(input_dir)                  # no weights: one line before anything is read
     weights = family.read_state(input_dir, cfg, meta)
@@ -294,18 +300,16 @@ def from_hf(input_dir: str, output: str, *, tensor_parallel: int, force: bool = 
     if left_out:
         log(f"  left out: {left_out}")
     args = {"make_vocab_size_divisible_by": meta["make_vocab_size_divisible_by"], **run_args}
-    window = family.attention_window(cfg)
     extra = {"hf_architecture": family.architecture, **_hf_source(input_dir, cfg_json)}
-    if window is not None:
-        extra["attention_window"] = window
     _write_weights_checkpoint(output, weights, meta, tp=tensor_parallel, args=args, force=force, log=log,
                               converted_from=f"Hugging Face {family.architecture} {os.path.abspath(input_dir)}",
                               extra=extra, tokenizer_from=input_dir, buffers=buffers)
     if window is not None:
         log(f"  attention: a sliding window of {window['tokens']} tokens ({len(window['layers'])} of "
-            f"{meta['num_layers']} layers), which up to {window['tokens']} tokens is full attention: the job trains "
-            f"it exactly at --seq-length <= {window['tokens']} and refuses longer sequences; to-hf writes the "
-            "window back")
+            f"{meta['num_layers']} layers): --window-size {meta['window_size'][0]},0"
+            + (" and --window-attn-skip-freq" if meta["window_attn_skip_freq"] is not None else "")
+            + " in the model (checkpoint and flags), trained exactly on torch SDPA (--use-flash-attn) at any "
+            "--seq-length; to-hf writes it back")
 
 
 def _hf_source(input_dir: str, cfg_json: dict) -> dict:
@@ -389,10 +393,6 @@ def to_megatron(load: str, output: str, *, iteration: int | None = None, tensor_
             megatron_lm.write(tmp, weights, ns,
                               progress=Progress("writing TP ranks" if ep == 1 else "writing TP x EP ranks"))
     _wrote(log, output)
-    window = reader.manifest.get("attention_window")
-    if window is not None:
-        log(f"  note: the sliding window ({window['tokens']} tokens, from {window['architecture']}) is not written: "
-            f"Megatron-LM's model attends fully, which is the same at --seq-length <= {window['tokens']}")
     if meta["position_embedding_type"] == "yarn":
         log("  note: YaRN's args have Megatron-LM core_v0.19's names (position_embedding_type 'yarn', yarn_*, "
             "rotary_scaling_factor, mscale, mscale_all_dim): core_v0.16.1's pretrain_gpt.py cannot build a YaRN GPT")
@@ -401,11 +401,11 @@ def to_megatron(load: str, output: str, *, iteration: int | None = None, tensor_
     needs = (["--no-bias-gelu-fusion"] if needs_no_bias_gelu_fusion(meta) else []) + \
         ([f"--moe-router-num-groups {meta['moe_router_num_groups']}",
           f"--moe-router-group-topk {meta['moe_router_group_topk']}"] if meta["moe_router_group_topk"] else []) + \
-        megatron_args.mla_launch_flags(meta)
+        megatron_args.mla_launch_flags(meta) + [f for f in window_flags(meta) if f != "--use-flash-attn"]
     if needs:
         log(f"  note: launch Megatron-LM with {' '.join(needs)}: its --use-checkpoint-args does not take them from "
             "the args, and without them its model computes another function (the tanh GELU, ungrouped routing, "
-            "MLA's defaults) or does not load")
+            "MLA's defaults, full attention) or does not load")
     if meta["use_rope_scaling"] and meta["rope_scaling_factor"] != 8.0:
         # Megatron-LM's GPTModel builders pass rope_scaling but not rope_scaling_factor (core_v0.16.1 to
         # its main branch), so megatron-core's default factor 8 applies there whatever the args say

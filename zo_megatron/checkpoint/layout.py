@@ -20,9 +20,10 @@ LATEST = "latest_checkpointed_iteration.txt"
 MANIFEST = "checkpoint.json"
 PARTIAL = ".partial"
 # checkpoint.json keys from-hf writes that the job's loads and saves carry on (what to-hf writes
-# back): the Hugging Face architecture, config.json's bos/eos ids, generation_config.json, and a
-# sliding window (the job refuses sequences longer than it)
-CARRIED_KEYS = ("hf_architecture", "hf_config", "hf_generation_config", "attention_window")
+# back): the Hugging Face architecture, config.json's bos/eos ids, generation_config.json. (A sliding
+# window is the model's own: its architecture fields window_size / window_attn_skip_freq. Older from-hf
+# checkpoints recorded it apart as "attention_window": verify.read_manifest reads that into the model.)
+CARRIED_KEYS = ("hf_architecture", "hf_config", "hf_generation_config")
 _ITER_RE = re.compile(r"^iter_(\d{7,})$")
 
 

@@ -209,10 +209,8 @@ def load_checkpoint(root: str, *, ps, model, optimizer, vocab_size: int, model_m
             content.set_baseline_step(optimizer, optimizer.step_count)
     if optimizer.holds_master_weights:
         optimizer.reload_params_from_master()
-    # what from-hf recorded goes on with the model: its saves keep it, and a sliding window limits
-    # the sequence length the model accepts (GPTModelTP.forward)
+    # what from-hf recorded goes on with the model: its saves keep it
     model.checkpoint_carried = {k: manifest[k] for k in CARRIED_KEYS if k in manifest}
-    model.attention_window = manifest.get("attention_window")
     restored = "no"
     if rng_state is not None:
         try:

@@ -52,6 +52,8 @@ READ = frozenset({
     # ('rope' or 'yarn'), without MLA only 'rope' (Megatron-LM's rule, checked there)
     "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
     "rope_type",
+    # sliding-window attention (megatron_args.meta_from_args; planner/window.py)
+    "window_size", "window_attn_skip_freq",
 })
 
 # arg -> (values under which the model is zo_megatron's GPT, what another value means)
@@ -69,8 +71,6 @@ NEUTRAL: dict[str, tuple[tuple, str]] = {
     "attention_output_gate": ((False, None), "a gated attention output"),
     "experimental_attention_variant": ((None,), "an experimental attention variant"),
     "linear_attention_freq": ((None,), "linear-attention layers"),
-    "window_size": ((None, -1, (-1, -1), [-1, -1]), "sliding-window attention"),
-    "window_attn_skip_freq": ((None,), "sliding-window attention"),
     "mtp_num_layers": ((None, 0), "multi-token prediction layers"),
     "is_hybrid_model": ((False, None), "a Mamba/hybrid model"),
     "hybrid_override_pattern": ((None,), "a Mamba/hybrid model"),

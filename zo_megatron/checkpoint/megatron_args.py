@@ -65,7 +65,7 @@ def megatron_args(meta: dict, *, tp: int, iteration: int, divisible_by: int, seq
         add_bias_linear=meta["add_bias_linear"], add_qkv_bias=meta["add_bias_linear"] or meta["add_qkv_bias"],
         swiglu=meta["swiglu"], squared_relu=meta["squared_relu"], openai_gelu=False,
         bias_gelu_fusion=_bias_gelu_fusion(meta),
-        transformer_impl=transformer_impl,
+        transformer_impl=transformer_impl, **_window_args(meta),
         ckpt_format=ckpt_format, bf16=precision == "bf16", fp16=precision == "fp16", iteration=iteration,
         consumed_train_samples=consumed_samples, consumed_valid_samples=consumed_valid_samples,
         **_moe_args(meta, tp, expert_parallel, expert_tensor_parallel, grouped_gemm, ckpt_format))
@@ -84,6 +84,15 @@ def _bias_gelu_fusion(meta: dict) -> bool:
                         "compute another function in Megatron-LM: nothing is written (no Megatron-LM flag computes "
                         "this model; train it on with zo_megatron, --use-checkpoint-args)")
     return fusion
+
+
+def _window_args(meta: dict) -> dict:
+    """The sliding window's args as Megatron-LM's parser gives them (tuple_type, moe_freq_type; the same
+    semantics: planner/window.py); none without one (the args are then what they were before windows).
+    Its --use-checkpoint-args does not take them: to-megatron names the flags its launch needs."""
+    if meta["window_size"] is None:
+        return {}
+    return {"window_size": tuple(meta["window_size"]), "window_attn_skip_freq": meta["window_attn_skip_freq"]}
 
 
 def _moe_args(meta: dict, tp: int, ep: int, etp: int | None, grouped_gemm: bool, ckpt_format: str) -> dict:
@@ -250,6 +259,10 @@ def meta_from_args(args: argparse.Namespace, vocab: int, where: str) -> dict:
         # Megatron-LM's --apply-layernorm-1p (its TransformerConfig field in newer saves): the same raw weights
         layernorm_zero_centered_gamma=bool(getattr(args, "apply_layernorm_1p", False)
                                            or getattr(args, "layernorm_zero_centered_gamma", False)),
+        # megatron-core's window (its local mask function and Transformer Engine's agree: planner/window.py);
+        # GPTConfig refuses in one line what the job cannot run (a right side other than 0)
+        window_size=getattr(args, "window_size", None),
+        window_attn_skip_freq=getattr(args, "window_attn_skip_freq", None),
         **_moe_meta(args, refuse))
     return full_meta({**meta, **mla, **ignored})
 

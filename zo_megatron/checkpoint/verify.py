@@ -60,7 +60,22 @@ def read_manifest(root: str, iteration: int | None = None) -> tuple[str, dict]:
                         f"is not {FORMAT} version {FORMAT_VERSION}; this checkpoint was not written by this release")
     if manifest.get("iteration") != iteration:
         raise UserError(f"{where} holds iteration {manifest.get('iteration')!r}, but the directory is {iteration}")
-    return d, manifest
+    return d, _window_into_model(manifest)
+
+
+def _window_into_model(manifest: dict) -> dict:
+    """An older from-hf checkpoint recorded its Hugging Face sliding window beside the model ("attention_window":
+    W tokens in `layers`), when the job trained it only where the window does not bind; the window is the
+    model's own now (window_size, window_attn_skip_freq: planner/window.py): read into its architecture,
+    W tokens being --window-size W-1,0."""
+    record, model = manifest.get("attention_window"), manifest.get("model")
+    if not isinstance(record, dict) or not isinstance(model, dict) or "window_size" in model:
+        return manifest
+    from zo_megatron.planner.window import from_hf_window
+
+    size, freq = from_hf_window(int(record["tokens"]), record.get("layers") or [], int(model["num_layers"]))
+    model.update(window_size=size, window_attn_skip_freq=freq)
+    return manifest
 
 
 def crc32_file(path: str) -> str:

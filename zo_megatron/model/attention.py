@@ -15,6 +15,10 @@ model/gpt.py's document mask: an additive float [b, 1, s, s] in the attention's 
 token may attend, -inf where not; causality included), built once per forward and shared by every
 layer; it goes to SDPA as `attn_mask` with `is_causal=False`. (A bool mask in megatron's convention,
 True = masked, is converted here, per call: torch's bool convention is the opposite.)
+Sliding-window attention (config.window_size, Megatron-LM's --window-size L,0; window_attn_skip_freq says which
+layers slide) rides on the same mask: where the window binds, GPTModelTP hands every layer one [b or 1, C, s, s]
+tensor, one channel per distinct mask (model/masks.py), and each layer takes its channel's view: a sliding
+layer the window's, a full-attention layer the documents' or none (is_causal).
 
 Which kernel runs:
   CUDA   flash (FlashAttention-2; fp16/bf16) or, where flash cannot run (fp32, head_dim, an
@@ -43,6 +47,9 @@ import torch
 import torch.nn.functional as F
 
 from zo_megatron.errors import ConfigError
+from zo_megatron.model.masks import layer_mask
+from zo_megatron.planner.window import (is_window_layer, normalize_skip_freq, normalize_window_size, window_binds,
+                                        window_layers)
 
 BACKENDS = ("local", "sdpa")
 
@@ -98,10 +105,11 @@ def _cuda_sdpa_choice(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     if not causal and cuda_backends.can_use_efficient_attention(params(key, value, False, None)):
         # the mask is what stops it: flash takes none, and this memory-efficient kernel not this one
         raise ConfigError(
-            f"per-document attention (--reset-attention-mask / --sft): torch's memory-efficient attention "
-            f"kernel, the only one that takes an attention mask, refuses the {attn_mask.dtype} "
-            f"{list(attn_mask.shape)} mask here (dtype {query.dtype}, head dim {query.size(-1)}, device "
-            f"{device}): use --attention-backend local")
+            f"an attention mask (per-document attention: --reset-attention-mask / --sft; a sliding window: "
+            f"--window-size): torch's memory-efficient attention kernel, the only one that takes a mask, refuses "
+            f"the {attn_mask.dtype} {list(attn_mask.shape)} mask here (dtype {query.dtype}, head dim "
+            f"{query.size(-1)}, device {device}): use --attention-backend local (documents; a window has no "
+            "other path)")
     if value.size(-1) != query.size(-1):          # multi-latent attention: no local attention to fall back to
         raise ConfigError(
             f"multi-latent attention's head dims (query/key {query.size(-1)}, value {value.size(-1)}, {query.dtype}) "
@@ -111,7 +119,7 @@ def _cuda_sdpa_choice(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     raise ConfigError(
         f"--use-flash-attn: neither torch's flash nor its memory-efficient attention kernel can run here "
         f"(dtype {query.dtype}, head dim {query.size(-1)}, dropout {dropout_p}, "
-        f"{'causal' if causal else 'a per-document attention mask: flash takes none'}, device "
+        f"{'causal' if causal else 'an attention mask (documents or a window): flash takes none'}, device "
         f"{device}): use --attention-backend local")
 
 
@@ -164,11 +172,17 @@ class SDPAttention(_megatron_module_base()):
             raise ConfigError("context parallelism is not supported: use --context-parallel-size 1")
         if getattr(config, "softmax_type", "vanilla") != "vanilla":
             raise ConfigError(f"softmax type {config.softmax_type!r} is not supported by SDPA attention: use vanilla")
-        if getattr(config, "window_size", None) is not None:
-            raise ConfigError("sliding-window attention is not supported: drop --window-size")
+        try:
+            window = normalize_window_size(getattr(config, "window_size", None))
+            freq = normalize_skip_freq(getattr(config, "window_attn_skip_freq", None), window, config.num_layers)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         if attn_mask_type != AttnMaskType.causal:
             raise ConfigError(f"SDPA attention is causal self-attention only (got mask type {attn_mask_type})")
         self.layer_number = max(1, layer_number)
+        # megatron-core's rule on its 1-indexed layer number; the model slides if any layer does
+        self.window_size = window if any(window_layers(window, freq, config.num_layers)) else None
+        self.window_layer = is_window_layer(window, freq, self.layer_number)
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type
         if pg_collection is None:
@@ -219,6 +233,8 @@ class SDPAttention(_megatron_module_base()):
             q, k, v = (F.pad(t, (0, width - t.size(-1))) if t.size(-1) < width else t for t in (q, k, v))
         dropout_p = self.dropout_p if self.training else 0.0
         gqa = self.num_attention_heads_per_partition != self.num_query_groups_per_partition
+        if window_binds(self.window_size, sq):          # a windowed forward's mask: this layer's channel
+            attention_mask = layer_mask(attention_mask, self.window_layer)
         mask = additive_mask(attention_mask, q.dtype)
         sig = (q.device.type, q.dtype, q.size(-1), dropout_p, gqa, None if mask is None else tuple(mask.shape))
         choice = self._choice.get(sig)
@@ -236,7 +252,7 @@ class SDPAttention(_megatron_module_base()):
             # rank holds other heads) unless sequence parallelism runs the whole block in it.
             if dropout_p > 0 and not self.config.sequence_parallel:
                 stack.enter_context(tensor_parallel.get_cuda_rng_tracker().fork())
-            # no mask: causal by construction, nothing s x s is read; a document mask carries causality
+            # no mask: causal by construction, nothing s x s is read; a document or window mask carries causality
             context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                                      is_causal=mask is None, scale=self.softmax_scale,
                                                      **(dict(enable_gqa=True) if enable_gqa else {}))
@@ -249,21 +265,30 @@ class SDPAttention(_megatron_module_base()):
 
 def describe_kernel(num_heads: int, num_query_groups: int, head_dim: int, tp: int, dtype: torch.dtype,
                     device: torch.device, dropout_p: float, v_head_dim: int | None = None,
-                    document_mask: bool = False) -> str:
+                    document_mask: bool = False, window: str = "", unmasked_layers: bool = False) -> str:
     """The SDPA kernel a training forward will run with this shape, for the banner (v_head_dim: MLA's
     value head dim where it differs; on a CPU the forward pads it to head_dim, as here; document_mask:
-    per-document attention, an additive [b, 1, s, s] mask in place of is_causal)."""
+    per-document attention, an additive [b, 1, s, s] mask in place of is_causal; window: the sliding window's
+    description, its layers take an additive mask too; unmasked_layers: the full-attention layers beside a
+    window then run is_causal without a mask, which on CUDA may be another kernel)."""
     h, g = num_heads // tp, max(1, num_query_groups // tp)
     q = torch.zeros(1, h, 16, head_dim, dtype=dtype, device=device)
     kv = torch.zeros(1, g, 16, head_dim, dtype=dtype, device=device)
     v = kv if device.type == "cpu" or v_head_dim is None else torch.zeros(1, g, 16, v_head_dim, dtype=dtype,
                                                                           device=device)
-    mask = torch.zeros(1, 1, 16, 16, dtype=dtype, device=device) if document_mask else None
+    mask = torch.zeros(1, 1, 16, 16, dtype=dtype, device=device) if document_mask or window else None
     kind, enable_gqa = sdpa_choice(q, kv, v, dropout_p, h != g, attn_mask=mask)
     names = {"flash": "flash attention", "efficient": "memory-efficient attention", "math": "math"}
     text = f"torch SDPA, {names.get(kind, kind)} kernel ({device.type})"
+    if window and unmasked_layers:
+        causal, _ = sdpa_choice(q, kv, v, dropout_p, h != g)
+        if causal != kind:
+            text = (f"torch SDPA, {names.get(kind, kind)} kernel in the sliding-window layers, "
+                    f"{names.get(causal, causal)} in the others ({device.type})")
     if document_mask:
         text += ", per-document mask"
+    if window:
+        text += f", {window} (an additive mask)"
     if device.type == "cpu" and kind == "math" and dropout_p > 0:
         text += " -- torch's CPU flash kernel has no dropout: the probabilities are materialised"
     if h != g and not enable_gqa:

@@ -12,8 +12,11 @@ from dataclasses import dataclass, fields
 import torch
 
 from zo_megatron.errors import ConfigError
+# (MOE_DROP_POLICIES: re-exported with the other MoE choices, for the flags)
+from zo_megatron.model.moe_rules import MOE_DROP_POLICIES, check_capacity, check_group_limited_routing  # noqa: F401
 from zo_megatron.planner.params import (Architecture, default_core_attention, mla_attention_rows,
                                         selective_recompute_modules)
+from zo_megatron.planner.window import describe_window, normalize_skip_freq, normalize_window_size, window_layers
 
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -63,7 +66,6 @@ MOE_FIELDS = {"num_experts": None, "moe_router_topk": 2, "moe_ffn_hidden_size": 
 MOE_LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "none")
 MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
 MOE_DISPATCHERS = ("allgather", "alltoall")
-MOE_DROP_POLICIES = ("probs", "position")
 
 # Multi-latent attention (DeepSeek-V2/V3's MLA: megatron-core's MLASelfAttention; docs/models.md): field ->
 # Megatron-LM's default. rope_type is Megatron-LM's --rope-type: None means YaRN under MLA (megatron-core's
@@ -71,6 +73,8 @@ MOE_DROP_POLICIES = ("probs", "position")
 MLA_FIELDS = {"multi_latent_attention": False, "q_lora_rank": None, "kv_lora_rank": 32, "qk_head_dim": 128,
               "qk_pos_emb_head_dim": 64, "v_head_dim": 128, "rope_type": None}
 ROPE_TYPES = ("rope", "yarn")
+# Sliding-window attention (Megatron-LM's --window-size / --window-attn-skip-freq; planner/window.py): field -> default
+WINDOW_FIELDS = {"window_size": None, "window_attn_skip_freq": None}
 
 # The fields that define the architecture: recorded in checkpoints and compared on resume.
 ARCH_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
@@ -78,7 +82,7 @@ ARCH_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_s
                "rotary_base", "rotary_percent", "use_rope_scaling", "rope_scaling_factor", "normalization",
                "layernorm_epsilon", "swiglu", "squared_relu", "gelu_approximate", "num_query_groups", "kv_channels",
                "untie_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
-               "layernorm_zero_centered_gamma", *YARN_FIELDS, *MOE_FIELDS, *MLA_FIELDS)
+               "layernorm_zero_centered_gamma", *YARN_FIELDS, *MOE_FIELDS, *MLA_FIELDS, *WINDOW_FIELDS)
 
 
 def swiglu_ffn_size(hidden_size: int) -> int:
@@ -142,6 +146,10 @@ class GPTConfig:
     qk_pos_emb_head_dim: int = 64
     v_head_dim: int = 128
     rope_type: str | None = None                # MLA's rotary embedding: "yarn" (its default) or "rope"
+    # sliding-window attention (planner/window.py): (L, 0) = each token sees itself and the L tokens before it, in
+    # the layers window_attn_skip_freq leaves sliding (None: all); None: full attention. Runs on SDPA only
+    window_size: tuple | None = None
+    window_attn_skip_freq: int | list | None = None
     # mixture of experts (MOE_FIELDS; docs/moe.md): None = a dense model
     num_experts: int | None = None
     moe_router_topk: int = 2
@@ -218,10 +226,15 @@ class GPTConfig:
         if self.recompute == "full" and self.recompute_method == "uniform" and self.num_layers % self.recompute_num_layers:
             raise ConfigError(f"--recompute-num-layers {self.recompute_num_layers} does not divide --num-layers "
                               f"{self.num_layers} (megatron-core's uniform method checkpoints whole groups): use a divisor")
-        if self.attention_backend is None:
-            self.attention_backend = default_core_attention(self.multi_latent_attention)
+        windowed = self._check_window()
+        if self.attention_backend is None:       # (the job names its backend: it refuses local with a window)
+            self.attention_backend = default_core_attention(self.multi_latent_attention or windowed)
         if self.attention_backend not in ("local", "sdpa"):
             raise ConfigError(f"attention_backend must be 'local' or 'sdpa' (got {self.attention_backend!r})")
+        if windowed and self.attention_backend == "local":
+            raise ConfigError(f"--window-size {self.window_size[0]},0 with megatron-core's local attention, which "
+                              "builds its window mask on CUDA only (and in place of a per-document mask): add "
+                              "--use-flash-attn (torch SDPA, the window as an additive mask)")
         if self.multi_latent_attention and self.attention_backend == "local":
             raise ConfigError("--attention-backend local with --multi-latent-attention: megatron-core 0.16's local "
                               "attention cannot take MLA's separate key and value head dims; drop the flag (MLA runs "
@@ -231,6 +244,20 @@ class GPTConfig:
             # which is wrong at TP > 1; refuse rather than train on a silently wrong loss.
             raise ConfigError("label smoothing is not supported (megatron-core's vocab-parallel "
                               "cross-entropy applies it to one TP shard only): drop --label-smoothing")
+
+    def _check_window(self) -> bool:
+        """The window's values normalized (planner/window.py's rules, one line each); whether a layer slides."""
+        try:
+            self.window_size = normalize_window_size(self.window_size)
+            self.window_attn_skip_freq = normalize_skip_freq(self.window_attn_skip_freq, self.window_size,
+                                                             self.num_layers)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        return any(self.window_layers())
+
+    def window_layers(self) -> list[bool]:
+        """Which layers (0-indexed) attend within the sliding window (megatron-core's is_layer_window_attention)."""
+        return window_layers(self.window_size, self.window_attn_skip_freq, self.num_layers)
 
     def _check_recompute_modules(self) -> None:
         """--recompute-modules: megatron-core's selective recompute, of the modules this model has
@@ -403,63 +430,17 @@ class GPTConfig:
         if self.moe_shared_expert_gate and self.moe_shared_expert_intermediate_size is None:
             raise ConfigError("--moe-shared-expert-gate gates the shared expert: add "
                               "--moe-shared-expert-intermediate-size")
-        self._check_capacity()
+        check_capacity(self)
         if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
             raise ConfigError("--moe-router-enable-expert-bias biases the sigmoid router's scores (megatron-core's "
                               "rule): add --moe-router-score-function sigmoid")
         if not self.moe_router_bias_update_rate >= 0:
             raise ConfigError(f"--moe-router-bias-update-rate {self.moe_router_bias_update_rate}: must be >= 0")
-        self._check_group_limited_routing()
+        check_group_limited_routing(self)
         if self.moe_input_jitter_eps is not None and not 0 < self.moe_input_jitter_eps < 1:
             raise ConfigError(f"--moe-input-jitter-eps {self.moe_input_jitter_eps}: the noise is uniform in "
                               "[1 - eps, 1 + eps]; use 0 < eps < 1")
         self.moe_layers()
-
-    def _check_group_limited_routing(self) -> None:
-        """--moe-router-num-groups / --moe-router-group-topk (megatron-core's group_limited_topk), with
-        what its router would run silently refused: a group count alone (it routes without groups),
-        groups that leave a token fewer than top-k experts (it would pick masked ones), and a top-k
-        below the groups picked (a group's score would sum none of its scores)."""
-        groups, picked, k, e = self.moe_router_num_groups, self.moe_router_group_topk, self.moe_router_topk, \
-            self.num_experts
-        if groups is None and picked is None:
-            return
-        if picked is None:
-            raise ConfigError(f"--moe-router-num-groups {groups} without --moe-router-group-topk: megatron-core routes "
-                              "without groups then; add --moe-router-group-topk (the groups each token may use)")
-        if groups is None:
-            raise ConfigError(f"--moe-router-group-topk {picked}: add --moe-router-num-groups (megatron-core's rule)")
-        if groups < 1 or e % groups:
-            raise ConfigError(f"--moe-router-num-groups {groups} does not divide --num-experts {e}: the groups are "
-                              "equal; use a divisor (the EP size: device-limited routing)")
-        if not 1 <= picked <= groups:
-            raise ConfigError(f"--moe-router-group-topk {picked}: choose 1 to --moe-router-num-groups {groups}")
-        if k < picked:
-            raise ConfigError(f"--moe-router-topk {k} < --moe-router-group-topk {picked}: a group's score sums its "
-                              f"top topk // group-topk = 0 scores; use a group top-k <= {k}")
-        if k > picked * (e // groups):
-            raise ConfigError(f"--moe-router-topk {k} exceeds the {picked * (e // groups)} experts in "
-                              f"--moe-router-group-topk {picked} groups of {e // groups}: pick more groups")
-
-    def _check_capacity(self) -> None:
-        """Capacity and token dropping (megatron-core's rules, and what its dispatchers can run)."""
-        f, k, e = self.moe_expert_capacity_factor, self.moe_router_topk, self.num_experts
-        if self.moe_token_drop_policy not in MOE_DROP_POLICIES:
-            raise ConfigError(f"--moe-token-drop-policy {self.moe_token_drop_policy}: choose one of "
-                              f"{', '.join(MOE_DROP_POLICIES)}")
-        if self.moe_pad_expert_input_to_capacity and f is None:
-            raise ConfigError("--moe-pad-expert-input-to-capacity pads each expert's input to its capacity: add "
-                              "--moe-expert-capacity-factor (megatron-core's rule)")
-        if f is None:
-            return
-        if f == 0:
-            raise ConfigError("--moe-expert-capacity-factor 0 gives every expert a capacity of 0 tokens (all dropped): "
-                              "use a factor > 0 (1.0: an even share of the routed tokens), or drop it for no dropping")
-        if self.moe_pad_expert_input_to_capacity and self.moe_token_dispatcher_type == "alltoall" and k * f > e:
-            raise ConfigError(f"--moe-pad-expert-input-to-capacity with --moe-expert-capacity-factor {f:g} x "
-                              f"--moe-router-topk {k} > --num-experts {e}: the capacity exceeds a rank's tokens, which "
-                              f"megatron-core's alltoall dispatcher cannot pad to; use a factor <= {e / k:g} (nothing "
-                              "is dropped above it) or --moe-token-dispatcher-type allgather")
 
     def moe_layers(self) -> list[bool]:
         """Which layers are MoE (megatron-core's moe_layer_freq: every N-th layer from layer 0, or a 0/1
@@ -593,7 +574,8 @@ class GPTConfig:
                  "no-bias" if not self.add_bias_linear else "",
                  "qkv-bias" if self.add_qkv_bias and not self.add_bias_linear else "",
                  "qk-norm" if self.qk_layernorm and not mla else "",
-                 "norm-1p" if self.layernorm_zero_centered_gamma else ""]
+                 "norm-1p" if self.layernorm_zero_centered_gamma else "",
+                 describe_window(self.window_size, self.window_attn_skip_freq, self.num_layers, short=True)]
         parts = [p for p in parts if p]
         return "+".join(parts) if parts else "GPT-2"
 
@@ -601,7 +583,8 @@ class GPTConfig:
         """The ARCH_FIELDS with defaults resolved (FFN size, G, head dim): what a checkpoint records."""
         meta = {name: getattr(self, name) for name in ARCH_FIELDS}
         meta.update(ffn_hidden_size=self.ffn_size, num_query_groups=self.query_groups, kv_channels=self.head_dim,
-                    moe_ffn_hidden_size=self.moe_ffn_size if self.num_experts is not None else None)
+                    moe_ffn_hidden_size=self.moe_ffn_size if self.num_experts is not None else None,
+                    window_size=None if self.window_size is None else list(self.window_size))   # as JSON keeps it
         return meta
 
     def padded_vocab_size(self, tensor_parallel: int) -> int:

@@ -53,8 +53,10 @@ import torch.nn.functional as F
 
 from zo_megatron.errors import ConfigError
 from zo_megatron.model.config import YARN_FIELDS, GPTConfig
+from zo_megatron.model.masks import padded_mask, window_attention_mask
 from zo_megatron.model.norms import scale_of
 from zo_megatron.model.sharding import shard_info, shard_of
+from zo_megatron.planner.window import sdpa_mask_layout
 
 
 def squared_relu(x: torch.Tensor) -> torch.Tensor:
@@ -82,11 +84,8 @@ def document_attention_mask(segment_ids: torch.Tensor, backend: str, dtype: torc
     masked |= idx[None, :] > idx[:, None]                                      # the future, [s, s]
     if backend != "sdpa":
         return masked
-    # CUDA's memory-efficient kernel wants every stride but the last a multiple of 8 elements, else torch
-    # pads the mask in each call (a copy per layer): here its rows are padded once, where s % 8 != 0
-    width = -(-s // 8) * 8 if segment_ids.device.type == "cuda" else s
-    mask = torch.zeros((b, 1, s, width), dtype=dtype, device=segment_ids.device)[..., :s]
-    return mask.masked_fill_(masked, float("-inf"))
+    # (rows padded once on CUDA, for its memory-efficient kernel: model/masks.py)
+    return padded_mask(b, 1, s, dtype, segment_ids.device).masked_fill_(masked, float("-inf"))
 
 
 class TPQKNorm:
@@ -289,6 +288,9 @@ def transformer_config(cfg: GPTConfig, tensor_parallel: int):
         # megatron-LM turns sequence parallelism off at TP = 1 (there is no sequence to split)
         sequence_parallel=cfg.sequence_parallel and tensor_parallel > 1,
         calculate_per_token_loss=cfg.calculate_per_token_loss,
+        # sliding-window attention: megatron-core's fields, read by our SDPAttention (GPTConfig refuses the local
+        # attention with a window, whose mask megatron-core builds on CUDA only)
+        window_size=cfg.window_size, window_attn_skip_freq=cfg.window_attn_skip_freq,
         **recompute,
         **moe_config_kwargs(cfg, tensor_parallel),
         **mla,
@@ -338,9 +340,7 @@ class GPTModelTP(torch.nn.Module):
         # Pad columns of this rank's logits shard; they must never reach the softmax.
         self._n_vocab_pad = n_pad
         self._mask_cache: dict = {}
-        # set by checkpoint/load.py from the checkpoint it loads: a sliding window (a model
-        # converted from Hugging Face) the model is exact within, and what its saves carry on
-        self.attention_window: dict | None = None
+        # set by checkpoint/load.py from the checkpoint it loads: what its saves carry on (from-hf's records)
         self.checkpoint_carried: dict = {}
 
     def full_name(self, name: str) -> str:
@@ -353,18 +353,8 @@ class GPTModelTP(torch.nn.Module):
             self._mask_cache[key] = causal_attention_mask(seq_length, device)
         return self._mask_cache[key]
 
-    def check_window(self, s: int) -> None:
-        """A loaded model with a sliding window (checkpoint/load.py sets attention_window) runs exactly
-        only where the window does not bind."""
-        w = self.attention_window
-        if w is not None and s > w["tokens"]:
-            raise ConfigError(f"--seq-length {s}: the loaded model ({w.get('architecture')}) attends over a sliding "
-                              f"window of {w['tokens']} tokens, which zo_megatron does not implement; up to "
-                              f"{w['tokens']} tokens the window changes nothing: use --seq-length <= {w['tokens']}")
-
-    def _document_mask(self, tokens: torch.Tensor, segment_ids: torch.Tensor) -> torch.Tensor:
-        """document_attention_mask for this batch, in the attention's dtype (the parameters': the engine's
-        16-bit buffer); refused in one line where the ids do not describe `tokens`."""
+    def _check_segment_ids(self, tokens: torch.Tensor, segment_ids: torch.Tensor) -> None:
+        """Refused in one line where the ids do not describe `tokens`."""
         if tuple(segment_ids.shape) != tuple(tokens.shape) or segment_ids.dtype not in (torch.int32, torch.int64):
             raise ConfigError(f"segment_ids must be an int32/int64 tensor shaped like tokens {list(tokens.shape)}, "
                               f"got {segment_ids.dtype} {list(segment_ids.shape)}")
@@ -374,29 +364,43 @@ class GPTModelTP(torch.nn.Module):
             # megatron-core's fused causal softmax kernel would build its own causal mask and ignore this one
             raise ConfigError("per-document attention needs the unfused softmax: megatron-core's fused causal "
                               "softmax ignores the mask")
+
+    def _attention_mask(self, tokens: torch.Tensor, segment_ids: torch.Tensor | None) -> torch.Tensor | None:
+        """This forward's mask, built once and handed to every layer: SDPA's additive one in the attention's dtype
+        (the parameters': the engine's 16-bit buffer) where planner/window.sdpa_mask_layout says one is needed
+        (documents, a sliding window that binds; each layer takes its channel), else none (is_causal); the local
+        attention's bool mask (documents, or the cached causal one)."""
+        cfg, s = self.cfg, tokens.size(1)
+        if segment_ids is not None:
+            self._check_segment_ids(tokens, segment_ids)
+        if cfg.attention_backend != "sdpa":
+            return self._mask(s, tokens.device) if segment_ids is None else \
+                document_attention_mask(segment_ids, "local", torch.bool)
+        layout = sdpa_mask_layout(cfg.window_size, cfg.window_attn_skip_freq, cfg.num_layers, s,
+                                  segment_ids is not None)
         dtype = self.gpt.embedding.word_embeddings.weight.dtype
-        return document_attention_mask(segment_ids, self.cfg.attention_backend, dtype)
+        if layout is None:
+            return None
+        if layout.window_left is None:
+            return document_attention_mask(segment_ids, "sdpa", dtype)
+        return window_attention_mask(s, layout.window_left, layout.channels, dtype, tokens.device, segment_ids)
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
                 segment_ids: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [b, s] -> this TP rank's logits shard [b, s, V_pad/t]; pad columns are -inf.
 
         segment_ids [b, s] (int32/int64; the data's documents, non-decreasing along a row): each token
-        attends only to earlier tokens of its own segment (document_attention_mask); None: plain causal."""
+        attends only to earlier tokens of its own segment (document_attention_mask); None: plain causal. A
+        sliding window (cfg.window_size) limits its layers' attention further (model/masks.py)."""
         b, s = tokens.shape
-        self.check_window(s)
         if self.sequence_parallel and s % self.tp_size:
             raise ConfigError(f"sequence parallelism splits the sequence over TP: sequence length {s} is not "
                               f"divisible by TP {self.tp_size}; use a multiple of {self.tp_size}")
         if position_ids is None:
             position_ids = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
-        if segment_ids is not None:
-            # one [b, 1, s, s] mask for every layer (with sequence parallelism too: attention sees all s)
-            mask = self._document_mask(tokens, segment_ids)
-        else:
-            # SDPA attention is causal by construction (no s x s mask is built or read).
-            mask = None if self.cfg.attention_backend == "sdpa" else self._mask(s, tokens.device)
-        logits = self.gpt(tokens, position_ids, mask)
+        # one mask for every layer (with sequence parallelism too: attention sees all s); none for SDPA without
+        # documents or a binding window (causal by construction, nothing s x s is built or read)
+        logits = self.gpt(tokens, position_ids, self._attention_mask(tokens, segment_ids))
         if self._n_vocab_pad:
             logits = logits.float()
             logits[..., logits.shape[-1] - self._n_vocab_pad:] = float("-inf")

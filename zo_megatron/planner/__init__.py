@@ -39,7 +39,9 @@ b16 = 2 bytes (bf16/fp16) or 4 (fp32):
                          --reset-attention-mask, --sft): one [b, 1, s, s] mask per micro-batch, b·s²
                          (local, bool) or b16·b·s² (SDPA), in every phase where it is kept for backward
                          (layer_activations.document_mask_bytes); on a GPU SDPA's k/v repeated (the
-                         memory-efficient kernel: flash takes no mask).
+                         memory-efficient kernel: flash takes no mask). A sliding window that binds
+                         (window_size, SDPA): its layers' mask counted the same way, one channel per
+                         distinct mask, b16·(b or 1)·C·s² (planner/window.py sdpa_mask_layout).
 
 Parameter count of the GPT-2-style model (learned positions, tied embeddings, biases, LayerNorms):
   P = V_pad·h + S·h + L·(12h² + 13h) + 2h,   V_pad = V rounded up to a multiple of 128·t

@@ -5,9 +5,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from zo_megatron.planner.params import (Architecture, MoEShape, default_core_attention, default_ffn_size,
+from zo_megatron.planner.params import (Architecture, MoEShape, default_core_attention, default_ffn_size, flags_need_sdpa,
                                         moe_layer_pattern, resolve_recompute, selective_recompute_modules)
 from zo_megatron.planner.units import GiB, MiB
+from zo_megatron.planner.window import (MaskLayout, describe_window, normalize_skip_freq, normalize_window_size,
+                                        sdpa_mask_layout, window_layers)
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "yarn")
@@ -106,6 +108,10 @@ class PlanInput:
     # per-document attention (--reset-attention-mask, --sft): one [b, 1, s, s] mask per micro-batch
     # (layer_activations.document_mask_bytes)
     document_attention_mask: bool = False
+    # sliding-window attention (GPTConfig's window fields; planner/window.py): its layers' additive mask, one per
+    # micro-batch, [b or 1, C, s, s] with C the distinct masks (window.sdpa_mask_layout; SDPA only)
+    window_size: tuple | list | None = None
+    window_attn_skip_freq: int | list | None = None
     # overheads and layout
     device_overhead_bytes: int = 1 * GiB  # CUDA context + cuBLAS workspace + NCCL buffers
     host_overhead_bytes_per_rank: int = 3 * GiB  # python + torch + megatron + CUDA host side
@@ -207,6 +213,9 @@ class PlanInput:
             parts.append(f"MoE: {self.num_experts} experts, top-{self.moe_router_topk}, expert ffn {self.moe_ffn()}"
                          + (f", shared expert {moe.shared}" + (" gated" if moe.shared_gate else "") if moe.shared else "")
                          + ("" if all(moe.layers) else f", {sum(moe.layers)} of {self.num_layers} layers"))
+        window = normalize_window_size(self.window_size)
+        if any(window_layers(window, self.window_attn_skip_freq, self.num_layers)):
+            parts.append(describe_window(window, self.window_attn_skip_freq, self.num_layers))
         family = "GPT-2" if gpt2 else "DeepSeek-family" if mla else "Llama-family"
         return f"{family} ({', '.join(parts)})"
 
@@ -246,6 +255,14 @@ class PlanInput:
 
     def replace(self, **changes) -> "PlanInput":
         return dataclasses.replace(self, **changes)
+
+    def attention_mask_layout(self) -> MaskLayout | None:
+        """The attention mask one forward builds (window.sdpa_mask_layout; the local attention's is the
+        documents' [b, 1, s, s] bool mask, a window being refused there), None without one."""
+        if self.attention_backend == "local":
+            return MaskLayout(True, 1, None) if self.document_attention_mask else None
+        return sdpa_mask_layout(normalize_window_size(self.window_size), self.window_attn_skip_freq, self.num_layers,
+                                self.seq_length, self.document_attention_mask)
 
     def validate(self) -> None:
         def pos(name):
@@ -311,6 +328,12 @@ class PlanInput:
             raise ValueError(f"num_attention_heads {self.num_attention_heads} is not divisible by "
                              f"tensor_parallel {self.tensor_parallel}")
         self._validate_mla()
+        window = normalize_window_size(self.window_size)      # (ValueError: the job's one line)
+        normalize_skip_freq(self.window_attn_skip_freq, window, self.num_layers)
+        if self.attention_backend == "local" and any(window_layers(window, self.window_attn_skip_freq,
+                                                                   self.num_layers)):
+            raise ValueError("a sliding window (window_size) runs on SDPA only: attention_backend 'sdpa' "
+                             "(the job's --use-flash-attn)")
         if self.ffn_hidden_size is not None:
             pos("ffn_hidden_size")
             if self.ffn_hidden_size % self.tensor_parallel:
@@ -466,10 +489,6 @@ def plan_input_from_flags(flags: Any, *, data_parallel: int, vocab_size: int, **
         recompute_activations=bool(getattr(flags, "recompute_activations", False)),
         moe_layer_recompute=bool(getattr(flags, "moe_layer_recompute", False)),
         experts=getattr(flags, "num_experts", None) is not None)
-    window = getattr(flags, "window_size", None)
-    if window not in (None, -1, (-1, -1), [-1, -1]):
-        raise ValueError(f"--window-size {window}: sliding-window attention is not modelled by the planner "
-                         "(nor supported by the job); drop --window-size")
     # the architecture flags (GPTConfig's field names; absent on an older namespace: GPT-2)
     arch = {name: getattr(flags, name) for name in Architecture.__dataclass_fields__
             if getattr(flags, name, None) is not None}
@@ -494,6 +513,8 @@ def plan_input_from_flags(flags: Any, *, data_parallel: int, vocab_size: int, **
         # --use-flash-attn / --attention-backend (args.core_attention once the job's checks ran)
         attention_backend=_core_attention(flags), sequence_parallel=bool(getattr(flags, "sequence_parallel", False)),
         document_attention_mask=bool(getattr(flags, "reset_attention_mask", False) or getattr(flags, "sft", False)),
+        window_size=getattr(flags, "window_size", None),
+        window_attn_skip_freq=getattr(flags, "window_attn_skip_freq", None),
         bf16_optimizer_states=flags.exp_avg_dtype == "bf16",
         grad_reduce_fp32=flags.accumulate_allreduce_grads_in_fp32,
         host_grad_fp32=flags.main_grads_dtype == "fp32" and precision != "fp32",
@@ -524,7 +545,7 @@ def _moe_fields(flags: Any) -> dict[str, Any]:
 def _core_attention(flags: Any) -> str:
     """"local" | "sdpa" from the job's flags: args.core_attention when the job's argument checks
     set it, otherwise from --use-flash-attn / --attention-backend as they do (none named: local, or torch
-    SDPA under multi-latent attention)."""
+    SDPA under multi-latent attention or a sliding window)."""
     core = getattr(flags, "core_attention", None)
     if core is not None:
         return core
@@ -532,5 +553,5 @@ def _core_attention(flags: Any) -> str:
         return "sdpa"
     backend = getattr(flags, "attention_backend", None)
     if backend is None:
-        return default_core_attention(getattr(flags, "multi_latent_attention", False))
+        return default_core_attention(flags_need_sdpa(flags))
     return "local" if backend in ("local", "unfused") else "sdpa"

@@ -86,8 +86,9 @@ def _attention_saved(inp: PlanInput, checkpointed: bool | None = None) -> int:
     elif inp.attention_backend == "sdpa":
         # SDPA reads q, k, v as strided views (no flatten). k/v stay grouped (enable_gqa) in the CPU
         # kernel and CUDA's flash (16-bit); CUDA's memory-efficient kernel (fp32, or any dtype with a
-        # document mask: flash takes no mask) gets them repeated.
-        grouped = inp.device_is_host or (w == 2 and not inp.document_attention_mask)
+        # document or window mask: flash takes no mask) gets them repeated (with --window-attn-skip-freq and
+        # no documents the full-attention layers keep flash's grouped k/v: counted repeated, an upper bound).
+        grouped = inp.device_is_host or (w == 2 and inp.attention_mask_layout() is None)
         q_new = rope or qk_norm or not q_is_view
         k_new = rope or qk_norm or (g < a and not grouped)
         v_new = g < a and not grouped
@@ -326,10 +327,13 @@ def _core_attention_backward(inp: PlanInput, moe_layer: bool = False) -> int:
 
 
 def document_mask_bytes(inp: PlanInput) -> tuple[int, bool]:
-    """(bytes of one micro-batch's per-document attention mask, whether it lives through backward);
-    (0, False) without one. model/gpt.py builds one [b, 1, s, s] mask per forward, over the whole
-    sequence on every TP rank (also with sequence parallelism), and hands the same tensor to every
-    layer: bool (1 byte) for the local attention, additive in the activation dtype (w) for SDPA.
+    """(bytes of one micro-batch's attention mask, whether it lives through backward); (0, False) without
+    one. model/gpt.py builds one mask per forward, over the whole sequence on every TP rank (also with
+    sequence parallelism), and hands the same tensor to every layer: per-document attention's [b, 1, s, s],
+    bool (1 byte) for the local attention, additive in the activation dtype (w) for SDPA; with a sliding
+    window that binds, SDPA's [b or 1, C, s, s], one channel per distinct mask (planner/window.py
+    sdpa_mask_layout: the window layers', and with documents and full-attention layers theirs), each layer
+    saving a view of its channel (one storage).
 
     Kept for backward (one storage, however many layers save it; measured with saved-tensor hooks in
     tests/test_planner_validation.py's -docmask cases): by the local attention's masked_fill_, by SDPA's
@@ -337,13 +341,14 @@ def document_mask_bytes(inp: PlanInput) -> tuple[int, bool]:
     checkpoint that takes it as an input (full recompute, --recompute-modules core_attn). SDPA's CPU
     math path (attention dropout) adds it to its scores without keeping it: there it lives through the
     forward only. Nothing else a layer keeps changes with it (measured)."""
-    if not inp.document_attention_mask:
+    layout = inp.attention_mask_layout()
+    if layout is None:
         return 0, False
-    s, b = inp.seq_length, inp.micro_batch_size
+    s, rows = inp.seq_length, inp.micro_batch_size if layout.batched else 1
     per_element = 1 if inp.attention_backend == "local" else _bytes16(inp.precision)
     kept = (not _sdpa_math_path(inp) or inp.normalized_recompute() == "full"
             or "core_attn" in inp.selective_modules())
-    return per_element * b * s * s, kept
+    return per_element * rows * layout.channels * s * s, kept
 
 
 def _scores_saved(inp: PlanInput) -> int:

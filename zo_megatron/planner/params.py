@@ -28,9 +28,23 @@ RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe", "shared_experts", "
 
 def default_core_attention(multi_latent_attention: bool) -> str:
     """The core attention when no backend is named: megatron-core's local one, or torch SDPA under
-    multi-latent attention, which the local one cannot run (megatron-core 0.16: no separate key and value
-    head dims). The job's flags, GPTConfig and the planner all resolve it here."""
+    multi-latent attention or a sliding window, which the local one cannot run (megatron-core 0.16: no
+    separate key and value head dims; its window mask is built on CUDA only, in place of any other mask).
+    The job's flags, GPTConfig and the planner all resolve it here (callers pass `mla or windowed`:
+    flags_need_sdpa reads both from the job's flags)."""
     return "sdpa" if multi_latent_attention else "local"
+
+
+def flags_need_sdpa(flags) -> bool:
+    """Whether the job's flags ask for what only torch SDPA runs: multi-latent attention, or a sliding
+    window (--window-size other than full attention; a bad value is refused where it is parsed)."""
+    from zo_megatron.planner.window import normalize_window_size
+
+    try:
+        windowed = normalize_window_size(getattr(flags, "window_size", None)) is not None
+    except ValueError:
+        windowed = False
+    return bool(getattr(flags, "multi_latent_attention", False)) or windowed
 
 
 def resolve_recompute(granularity: str | None, modules, *, recompute_activations: bool, moe_layer_recompute: bool,

@@ -111,7 +111,6 @@ class Checkpointer:
                 use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
                 train_iters=args.train_iters, schedule_hint=extend_hint(args), step=args.ckpt_step),
             agree=collectives.all_ranks_agree)
-        self.model.check_window(args.seq_length)  # a loaded sliding window that binds: refused before training
         if res.opt_param_scheduler is not None:             # --use-checkpoint-opt_param-scheduler
             s = res.opt_param_scheduler
             args.lr, args.min_lr, args.lr_decay_style = s["max_lr"], s["min_lr"], s["lr_decay_style"]

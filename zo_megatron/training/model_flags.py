@@ -9,7 +9,8 @@ import os
 import sys
 
 from zo_megatron.errors import ConfigError
-from zo_megatron.planner.params import default_core_attention
+from zo_megatron.planner.params import default_core_attention, flags_need_sdpa
+from zo_megatron.planner.window import normalize_window_size
 from zo_megatron.model.config import (MOE_DISPATCHERS, MOE_DROP_POLICIES, MOE_FIELDS, MOE_LOAD_BALANCING,
                                       MLA_FIELDS, MOE_SCORE_FUNCTIONS, YARN_FIELDS, megatron_gelu, rotary_base)
 
@@ -99,9 +100,16 @@ def add_architecture_flags(g) -> None:
                    help="zero-centred gamma: every norm (LayerNorm or RMSNorm) scales by 1 + weight, the weight "
                         "starting at 0 (Megatron-LM's LayerNorm-1p; exported to Hugging Face as 1 + weight)")
     _add_mla_flags(g)
-    g.add_argument("--window-size", default=None, metavar="LEFT,RIGHT",
-                   help="sliding-window attention: not supported (megatron-core builds its mask on CUDA "
-                        "only); only -1 (full attention) is accepted")
+    g.add_argument("--window-size", type=_window_size_flag, default=None, metavar="LEFT,RIGHT",
+                   help="sliding-window attention, Megatron-LM's: each token attends to itself and the LEFT tokens "
+                        "before it (RIGHT must be 0: causal; -1 means no limit, full attention), exactly, as an "
+                        "additive mask on torch SDPA (the default core attention with a window; megatron-core's "
+                        "local attention builds its window mask on CUDA only). A Hugging Face sliding_window W is "
+                        "--window-size W-1,0")
+    g.add_argument("--window-attn-skip-freq", type=moe_layer_freq, default=None, metavar="N|LIST",
+                   help="with --window-size: every N-th layer (layers N, 2N, ... counting from 1) attends fully, "
+                        "the others within the window; or a list of one 1 (window) or 0 (full) per layer such as "
+                        "'([1]*3+[0])*2' (Megatron-LM's syntax and rule; default: every layer slides)")
 
 
 def _add_mla_flags(g) -> None:
@@ -251,24 +259,25 @@ def moe_kwargs(args: argparse.Namespace) -> dict:
     return {name: getattr(args, name) for name in MOE_FIELDS}
 
 
-def _full_attention_window(value) -> bool:
-    """Megatron's --window-size (a tuple like "(4096,0)"): None or all -1 means full attention."""
-    if value is None:
-        return True
+def _window_size_flag(text: str) -> list[int] | None:
+    """--window-size as Megatron-LM's tuple_type reads it ("L,R" or "(L,R)"): a list, as a checkpoint's JSON
+    records it (--use-checkpoint-args compares the two), None for full attention (-1); what a causal GPT
+    cannot run is GPTConfig's one line (planner/window.py)."""
     try:
-        parts = [int(x) for x in str(value).strip("()[] ").split(",") if x.strip()]
+        parts = [int(p) for p in text.strip().strip("()[]").split(",")]
     except ValueError:
-        return False
-    return bool(parts) and all(x == -1 for x in parts)
+        raise argparse.ArgumentTypeError(f"{text!r}: give LEFT,RIGHT as two integers (e.g. 4095,0)") from None
+    try:
+        window = normalize_window_size(parts)
+    except ValueError:
+        return parts                           # refused with its reason once GPTConfig reads it
+    return None if window is None else list(window)
 
 
 def architecture_kwargs(args: argparse.Namespace) -> dict:
     """GPTConfig's architecture fields from the parsed flags (all of ARCH_FIELDS except vocab_size,
     which --vocab-size or the tokenizer gives: training/loop.py model_vocab_size). Used by the job
     and by tools/estimate_memory.py."""
-    if not _full_attention_window(getattr(args, "window_size", None)):
-        raise ConfigError(f"--window-size {args.window_size}: sliding-window attention is not supported "
-                          "(megatron-core creates its mask on CUDA only); drop it to train with full attention")
     return dict(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
         ffn_hidden_size=args.ffn_hidden_size, max_position_embeddings=args.max_position_embeddings,
@@ -282,7 +291,9 @@ def architecture_kwargs(args: argparse.Namespace) -> dict:
         kv_channels=args.kv_channels, **{name: getattr(args, name) for name in YARN_FIELDS}, **mla_kwargs(args),
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
         add_bias_linear=args.add_bias_linear, add_qkv_bias=args.add_qkv_bias, qk_layernorm=args.qk_layernorm,
-        layernorm_zero_centered_gamma=args.apply_layernorm_1p, gelu_approximate=gelu_approximate(args))
+        layernorm_zero_centered_gamma=args.apply_layernorm_1p, gelu_approximate=gelu_approximate(args),
+        window_size=getattr(args, "window_size", None),
+        window_attn_skip_freq=getattr(args, "window_attn_skip_freq", None))
 
 
 def gelu_approximate(args: argparse.Namespace) -> str:
@@ -333,7 +344,7 @@ def check_attention_flags(args: argparse.Namespace) -> None:
         raise ConfigError(f"--use-flash-attn and --attention-backend {args.attention_backend} contradict each other: "
                           "use one of them")
     args.core_attention = "sdpa" if args.use_flash_attn else ATTENTION_BACKENDS[args.attention_backend] \
-        if args.attention_backend else default_core_attention(getattr(args, "multi_latent_attention", False))
+        if args.attention_backend else default_core_attention(flags_need_sdpa(args))
     if args.sequence_parallel and args.tensor_parallel == 1:
         if os.environ.get("RANK", "0") == "0":
             print("warning: Disabling sequence parallelism because tensor model parallelism is disabled",

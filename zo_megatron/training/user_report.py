@@ -138,9 +138,19 @@ def value_sources(args, dests, checkpoint_flags=()) -> str:
     return f" ({'; '.join(parts)})" if parts else ""
 
 
-def attention_line(cfg, ps, document_mask: bool = False) -> str:
+def attention_line(cfg, ps, document_mask: bool = False, seq_length: int | None = None) -> str:
     """Which core attention runs (for SDPA: which kernel), whether each document attends only to itself
-    (--reset-attention-mask, --sft) and whether sequence parallelism is on."""
+    (--reset-attention-mask, --sft), the sliding window (--window-size: which layers, whether it binds at
+    `seq_length`) and whether sequence parallelism is on."""
+    from zo_megatron.planner.window import describe_window, window_binds
+
+    size, freq = getattr(cfg, "window_size", None), getattr(cfg, "window_attn_skip_freq", None)
+    window = describe_window(size, freq, cfg.num_layers) if size is not None and any(cfg.window_layers()) else ""
+    if window and seq_length is not None and not window_binds(size, seq_length):
+        window, note = "", f", {describe_window(size, freq, cfg.num_layers)}: no mask, it does not bind at " \
+                           f"--seq-length {seq_length} (full attention)"
+    else:
+        note = ""
     if cfg.attention_backend == "sdpa":
         from zo_megatron.model.attention import describe_kernel
 
@@ -151,7 +161,8 @@ def attention_line(cfg, ps, document_mask: bool = False) -> str:
         if getattr(cfg, "multi_latent_attention", False):     # MLA: its query/key and value head dims
             head_dim, v_dim = cfg.qk_head_dim + cfg.qk_pos_emb_head_dim, cfg.v_head_dim
         text = describe_kernel(heads, groups, head_dim, ps.tp_size, cfg.dtype, ps.device, cfg.attention_dropout,
-                               v_head_dim=v_dim, document_mask=document_mask)
+                               v_head_dim=v_dim, document_mask=document_mask, window=window,
+                               unmasked_layers=not document_mask and not all(cfg.window_layers())) + note
     else:
         text = "megatron-core local DotProductAttention (s x s scores stored)" + \
             (", per-document mask" if document_mask else "")
@@ -250,7 +261,7 @@ def banner(metrics, args, ps, cfg, optimizer, data_path, setup_s) -> None:
         f"{total / 1e6:.1f}M params ({local / 1e6:.1f}M on this TP rank)"
         + value_sources(args, ("num_layers", "hidden_size", "num_attention_heads", "seq_length"),
                         getattr(args, "from_checkpoint_flags", ())),
-        f" attention: {attention_line(cfg, ps, args.reset_attention_mask or args.sft)}",
+        f" attention: {attention_line(cfg, ps, args.reset_attention_mask or args.sft, seq_length=args.seq_length)}",
         *moe_lines(args, cfg, ps),
         f" batch: global {args.global_batch_size} = micro {args.micro_batch_size} x DP {ps.dp_size} x accumulation "
         f"{args.grad_accum_steps}{batch_ramp_words(args, ps)}; {args.train_iters} iterations, lr {args.lr:g} {args.lr_decay_style} "

@@ -29,6 +29,7 @@ from zo_megatron.checkpoint.arch import full_meta
 from zo_megatron.checkpoint.hf import deepseek, gpt2, llama, mixtral, nongated, qwen_moe
 from zo_megatron.checkpoint.hf.family import CONFIG, HFFamily, read_config_json, weight_files
 from zo_megatron.errors import UserError
+from zo_megatron.planner.window import hf_window
 
 FAMILIES: dict[str, HFFamily] = {f.architecture: f for f in (gpt2.FAMILY, *llama.FAMILIES, *nongated.FAMILIES,
                                                                  mixtral.FAMILY, *qwen_moe.FAMILIES,
@@ -56,8 +57,16 @@ def family_for_config(cfg_json: dict, input_dir: str) -> HFFamily:
 def why_not(family: HFFamily, meta: dict) -> str | None:
     """family.why_not, with multi-latent attention refused by every family but DeepSeek's (the others'
     why_not predate MLA and read only the fields their attention has)."""
-    if full_meta(meta)["multi_latent_attention"] and family.architecture not in _MLA_FAMILIES:
+    meta = full_meta(meta)
+    if meta["multi_latent_attention"] and family.architecture not in _MLA_FAMILIES:
         return f"{family.architecture} has no multi-latent attention (multi_latent_attention=True)"
+    window = hf_window(meta["window_size"], meta["window_attn_skip_freq"], meta["num_layers"])
+    if window is not None and family.window_support() is None:
+        return f"{family.architecture} has no sliding window (window_size={meta['window_size']})"
+    if window is not None and family.window_support() == "every_layer" and \
+            len(window["layers"]) != meta["num_layers"]:
+        return (f"{family.architecture}'s sliding window limits every layer (window_attn_skip_freq="
+                f"{meta['window_attn_skip_freq']})")
     return family.why_not(meta)
 
 

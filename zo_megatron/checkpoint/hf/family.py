@@ -55,13 +55,18 @@ class HFFamily(abc.ABC):
 
     @abc.abstractmethod
     def hf_config(self, meta: dict, *, dtype: str, args: dict, bos_token_id, eos_token_id, window: dict | None = None):
-        """The transformers config object to save next to the weights (`window`: attention_window's
-        record, written back when the family has one)."""
+        """The transformers config object to save next to the weights (`window`: the model's sliding window as
+        planner/window.py hf_window says it, {"tokens": W, "layers"}; None: full attention)."""
 
     def attention_window(self, cfg) -> dict | None:
-        """The sliding window transformers' model of this config applies ({"tokens": W, "layers",
-        "architecture", "hf": its config fields}), None for full attention."""
+        """The sliding window transformers' model of this config applies ({"tokens": W, "layers": the
+        0-indexed layers it limits}), None for full attention."""
         return None
+
+    def window_support(self) -> str | None:
+        """Which sliding windows the family's model can apply: None (none), "every_layer" (Mistral,
+        StarCoder2) or "layer_types" (Qwen2, Qwen3: any set of layers)."""
+        return getattr(getattr(self, "variant", None), "window", None)
 
     def config_json_extra(self, meta: dict) -> dict:
         """Keys to add to the config.json the installed transformers wrote: what readers of the other

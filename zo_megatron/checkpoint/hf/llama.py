@@ -333,17 +333,27 @@ class LlamaFamily(VariantFamily):
         return meta, args
 
     def attention_window(self, cfg) -> dict | None:
-        """A sliding window as transformers' model applies it (sliding_layers): {"tokens": W, "layers",
-        "architecture", "hf": the config fields that say it}. Up to W tokens a window changes nothing,
-        so the model converts and trains exactly at sequences <= W (the job refuses longer ones)."""
+        """A sliding window as transformers' model applies it (sliding_layers): {"tokens": W, "layers"}
+        (from-hf makes it --window-size W-1,0 on those layers: planner/window.py from_hf_window)."""
         window, sliding = sliding_layers(self.variant, cfg)
         if window is None or not sliding:
             return None
-        names = ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types") \
-            if self.variant.window == "layer_types" else ("sliding_window",)
-        fields = {n: getattr(cfg, n) for n in names if getattr(cfg, n, None) is not None}
-        fields["sliding_window"] = window
-        return {"tokens": int(window), "layers": sliding, "architecture": self.architecture, "hf": fields}
+        return {"tokens": window, "layers": sliding}
+
+    def _window_config(self, window: dict | None, n: int) -> dict:
+        """The config fields that say `window` (planner/window.py hf_window) as this variant's model reads
+        them: Mistral's sliding_window (every layer); Qwen2/3's use_sliding_window with layer_types, and
+        max_window_layers where the window layers are the last ones (what 4.x without layer_types reads)."""
+        if window is None:
+            return dict(self.variant.full_attention)
+        if self.variant.window == "every_layer":
+            return {"sliding_window": window["tokens"]}
+        layers = window["layers"]
+        out = {"use_sliding_window": True, "sliding_window": window["tokens"],
+               "layer_types": ["sliding_attention" if i in layers else "full_attention" for i in range(n)]}
+        if layers == list(range(n - len(layers), n)):
+            out["max_window_layers"] = n - len(layers)
+        return out
 
     def read_state(self, input_dir: str, cfg, meta: dict) -> dict[str, torch.Tensor]:
         sd = read_checked_state_dict(input_dir, meta, hf_shapes(meta, _our_biases(meta)), self.architecture,
@@ -394,8 +404,7 @@ class LlamaFamily(VariantFamily):
                    tie_word_embeddings=not meta.get("untie_embeddings_and_output_weights", False),
                    attention_dropout=float(args.get("attention_dropout") or 0.0), bos_token_id=bos_token_id,
                    eos_token_id=eos_token_id, architectures=[self.architecture], dtype=dtype,
-                   **_rope_config(cls, meta), **extra,
-                   **{**self.variant.full_attention, **(window["hf"] if window else {})})
+                   **_rope_config(cls, meta), **extra, **self._window_config(window, meta["num_layers"]))
 
 
 FAMILIES = tuple(LlamaFamily(v) for v in VARIANTS)

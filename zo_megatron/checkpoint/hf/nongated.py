@@ -194,13 +194,11 @@ class NonGatedFamily(VariantFamily):
         return full_meta(meta), args
 
     def attention_window(self, cfg) -> dict | None:
-        """StarCoder2's window on every layer (llama.sliding_layers, as Mistral's): the model converts and
-        trains exactly at sequences up to it."""
+        """StarCoder2's window on every layer (llama.sliding_layers, as Mistral's): {"tokens": W, "layers"}."""
         window, sliding = sliding_layers(self.variant, cfg)
         if window is None or not sliding:
             return None
-        return {"tokens": int(window), "layers": sliding, "architecture": self.architecture,
-                "hf": {"sliding_window": window}}
+        return {"tokens": window, "layers": sliding}
 
     def read_state(self, input_dir: str, cfg, meta: dict) -> dict[str, torch.Tensor]:
         sd = read_checked_state_dict(input_dir, meta, hf_shapes(self.variant, meta), self.architecture,
@@ -240,7 +238,7 @@ class NonGatedFamily(VariantFamily):
         extra = {"head_dim": head_dim(meta)} if v.head_dim_field or not default_head_dim else {}
         extra.update({f: float(args.get("hidden_dropout") or 0.0) for f in v.dropout_fields})
         if v.window is not None:
-            extra["sliding_window"] = (window or {}).get("hf", {}).get("sliding_window")
+            extra["sliding_window"] = (window or {}).get("tokens")
         return cls(
             vocab_size=meta["vocab_size"], hidden_size=meta["hidden_size"], intermediate_size=meta["ffn_hidden_size"],
             num_hidden_layers=meta["num_layers"], num_attention_heads=meta["num_attention_heads"],
