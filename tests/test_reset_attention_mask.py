@@ -122,7 +122,7 @@ def test_each_document_trains_on_its_own(layout, tmp_path, short_docs):  # noqa:
     assert len(val) == 1 and abs(val[0] - ref_val) <= RTOL * abs(ref_val), (seed, val, ref_val)
     # without the flag a document sees the ones before it: the reference tells the runs apart
     apart = max(abs(g - w) / abs(w) for g, w in zip(got[False][0], ref))
-    assert apart > 100 * RTOL, (seed, got[False][0], ref)
+    assert apart > 10 * RTOL, (seed, got[False][0], ref)             # the accepted run: within RTOL
 
 
 def test_the_job_builds_its_datasets_with_the_flag(two_prefixes, tmp_path, monkeypatch):  # noqa: F811
