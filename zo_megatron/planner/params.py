@@ -26,13 +26,13 @@ from zo_megatron.param_names import is_routed_expert
 RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe", "shared_experts", "mla_up_proj")
 
 
-def default_core_attention(multi_latent_attention: bool) -> str:
-    """The core attention when no backend is named: megatron-core's local one, or torch SDPA under
-    multi-latent attention or a sliding window, which the local one cannot run (megatron-core 0.16: no
-    separate key and value head dims; its window mask is built on CUDA only, in place of any other mask).
-    The job's flags, GPTConfig and the planner all resolve it here (callers pass `mla or windowed`:
-    flags_need_sdpa reads both from the job's flags)."""
-    return "sdpa" if multi_latent_attention else "local"
+def default_core_attention(needs_sdpa: bool) -> str:
+    """The core attention when no backend is named: megatron-core's local one, or torch SDPA where the model
+    needs it -- multi-latent attention or a sliding window, which the local one cannot run (megatron-core
+    0.16: no separate key and value head dims; its window mask is built on CUDA only, in place of any other
+    mask). The job's flags, GPTConfig and the planner all resolve it here (flags_need_sdpa reads both from
+    the job's flags)."""
+    return "sdpa" if needs_sdpa else "local"
 
 
 def flags_need_sdpa(flags) -> bool:
