@@ -109,7 +109,7 @@ def megatron_bias_gelu_fusion(args) -> bool:
     turns it off; on by default), which validate_args has turned off where add_bias_linear is off.
     megatron-core's MLP then computes its fused bias-GELU (fused_bias_gelu.py's tanh approximation).
     SwiGLU: off here (its fusion is the same function as the unfused silu(gate) * up)."""
-    if args.swiglu:
+    if args.swiglu or getattr(args, "quick_geglu", False):
         return False
     return bool(getattr(args, "bias_gelu_fusion", True)) and bool(args.add_bias_linear)
 
@@ -132,6 +132,11 @@ def megatron_core_config(args, *, initialise=False, **layout):
     from megatron.core.activations import squared_relu
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
+    def quick_gelu(x):
+        # megatron-core's quick_gelu (fusions/fused_bias_geglu.py) is torch.compile'd: ~15 s to compile on a CPU
+        return x * torch.sigmoid(1.702 * x)
+
+    quick_geglu = bool(getattr(args, "quick_geglu", False))
     moe = {}
     if getattr(args, "num_experts", None):
         moe = dict(
@@ -154,8 +159,14 @@ def megatron_core_config(args, *, initialise=False, **layout):
     fields = dict(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
         num_query_groups=args.num_query_groups, kv_channels=args.kv_channels, ffn_hidden_size=args.ffn_hidden_size,
-        gated_linear_unit=args.swiglu,
-        activation_func=F.silu if args.swiglu else squared_relu if getattr(args, "squared_relu", False) else F.gelu,
+        gated_linear_unit=args.swiglu or quick_geglu,
+        activation_func=F.silu if args.swiglu else quick_gelu if quick_geglu else squared_relu
+        if getattr(args, "squared_relu", False) else F.gelu,
+        # GPT-OSS (Megatron-LM's core_transformer_config_from_args passes TransformerConfig's fields as the args hold
+        # them; --quick-geglu sets the gated unit and megatron-core's quick_gelu)
+        glu_linear_offset=float(getattr(args, "glu_linear_offset", 0.0) or 0.0),
+        activation_func_clamp_value=getattr(args, "activation_func_clamp_value", None),
+        softmax_type=getattr(args, "softmax_type", None) or "vanilla",
         normalization=args.normalization,
         layernorm_epsilon=args.norm_epsilon, add_bias_linear=args.add_bias_linear, add_qkv_bias=args.add_qkv_bias,
         qk_layernorm=getattr(args, "qk_layernorm", False), hidden_dropout=0.0, attention_dropout=0.0,

@@ -101,8 +101,6 @@ def _cases(d):
         ("an MoE flag without --num-experts", ["--moe-router-topk", "4"], {}, "add --num-experts"),
         ("expert padding without a capacity factor", ["--num-experts", "4", "--moe-pad-expert-input-to-capacity"], {},
          "--moe-pad-expert-input-to-capacity pads each expert's input to its capacity: add --moe-expert-capacity-factor"),
-        ("MoE with biases at EP 1 (megatron-core's in-place bias add fails there)", ["--num-experts", "4"], {},
-         "mixture-of-experts layers with biases at --expert-model-parallel-size 1"),
         ("MoE at TP 2 without sequence parallelism", ["--num-experts", "4", "--tensor-model-parallel-size", "2"], {},
          "need --sequence-parallel"),
         ("MoE at EP 2 without ZeRO-Offload (the baseline's DDP does not reduce experts over expert DP)",

@@ -463,7 +463,7 @@ def test_the_planner_counts_one_mask_per_micro_batch():
     something keeps it for backward; SDPA's CPU math path keeps it only when recompute takes it as an input.
     (What the layers really keep is measured in tests/test_planner_validation.py's -docmask cases.)"""
     from zo_megatron import planner as P
-    from zo_megatron.planner.layer_activations import _attention_saved, document_mask_bytes
+    from zo_megatron.planner.layer_activations import _attention_saved, attention_mask_bytes
 
     gen = torch.Generator().manual_seed(fresh_seed("document attention: planner"))
     s, b = int(torch.randint(16, 1024, (1,), generator=gen)), int(torch.randint(1, 5, (1,), generator=gen))
@@ -474,21 +474,23 @@ def test_the_planner_counts_one_mask_per_micro_batch():
         for host in (True, False):
             off = P.PlanInput(**shape, attention_backend=backend, precision=precision, device_is_host=host)
             on = off.replace(document_attention_mask=True)
-            assert document_mask_bytes(on) == (per * b * s * s, True) and document_mask_bytes(off) == (0, False)
+            # (CUDA's SDPA mask: rows padded to a multiple of 8 elements, model/masks.padded_mask)
+            mask = per * b * s * (s if backend == "local" or host else -(-s // 8) * 8)
+            assert attention_mask_bytes(on) == (mask, True) and attention_mask_bytes(off) == (0, False)
             p_on, p_off = P.plan(on), P.plan(off)
-            assert p_on.device_items["activations_document_mask"] == per * b * s * s
-            assert "activations_document_mask" not in p_off.device_items
+            assert p_on.device_items["activations_attention_mask"] == mask
+            assert "activations_attention_mask" not in p_off.device_items
             if backend == "local" or host:       # (a GPU's SDPA with a mask runs another kernel: below)
-                assert _activations(p_on) - _activations(p_off) == per * b * s * s, (backend, precision, host)
+                assert _activations(p_on) - _activations(p_off) == mask, (backend, precision, host)
     # SDPA's CPU math path (attention dropout) adds the mask to its scores without keeping it ...
     math = P.PlanInput(**{**shape, "dropout": True}, attention_backend="sdpa", precision="bf16", device_is_host=True,
                        document_attention_mask=True)
-    assert document_mask_bytes(math) == (2 * b * s * s, False)
+    assert attention_mask_bytes(math) == (2 * b * s * s, False)
     assert _activations(P.plan(math)) == _activations(P.plan(math.replace(document_attention_mask=False)))
     # ... unless a recompute checkpoint takes it as an input
     for recompute in (dict(recompute="full"), dict(recompute="selective", recompute_modules=("core_attn",))):
-        assert document_mask_bytes(math.replace(**recompute)) == (2 * b * s * s, True), recompute
-    assert document_mask_bytes(math.replace(recompute="selective", recompute_modules=("mlp",)))[1] is False
+        assert attention_mask_bytes(math.replace(**recompute)) == (2 * b * s * s, True), recompute
+    assert attention_mask_bytes(math.replace(recompute="selective", recompute_modules=("mlp",)))[1] is False
     # on a GPU CUDA's flash kernel takes no mask: the memory-efficient one runs, with GQA's k/v repeated (rope:
     # new q, k, v of a heads each) instead of grouped (new q and k of a and G heads, the fused qkv kept)
     a, g, d, w = 8, 2, 32, 2

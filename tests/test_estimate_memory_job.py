@@ -132,10 +132,18 @@ def _draw(rng):
             "--train-iters", 10, "--lr", "1e-4", "--tensor-model-parallel-size", tp, "--micro-batch-size", mb,
             "--global-batch-size", mb * dp * rng.choice([1, 1, 2])]
     argv += [rng.choice(["--bf16", "--fp16", "--fp32"])] if rng.random() < 0.8 else []
-    if rng.random() < 0.4:
+    arch = rng.random()
+    if arch < 0.4:
         argv += ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
                  "--group-query-attention", "--num-query-groups", 8, "--untie-embeddings-and-output-weights",
                  "--disable-bias-linear"]
+    elif arch < 0.55:       # GPT-OSS's parts: quick GeGLU clamped and offset, biases, attention sinks
+        argv += ["--quick-geglu", "--glu-linear-offset", 1.0, "--activation-func-clamp-value", 7.0,
+                 "--softmax-type", rng.choice(["learnable", "off-by-one"]), "--normalization", "RMSNorm",
+                 "--position-embedding-type", "rope", "--group-query-attention", "--num-query-groups", 8,
+                 "--untie-embeddings-and-output-weights"]
+    elif arch < 0.6:
+        argv += ["--squared-relu"]
     argv += rng.choice([[], ["--recompute-granularity", "full"], ["--recompute-activations"]])
     argv += rng.choice([[], ["--use-flash-attn"], ["--use-flash-attn", "--sequence-parallel"]])
     if rng.random() < 0.85:

@@ -206,8 +206,8 @@ def megatron_checkpoint(directory, seed, vocab=VOCAB, **arg_changes) -> str:
 
 
 @pytest.mark.parametrize("arg,value", [
-    ("qk_l2_norm", True), ("apply_residual_connection_post_layernorm", True), ("softmax_type", "off-by-one"),
-    ("no_rope_freq", 4), ("glu_linear_offset", 1.0), ("activation_func_clamp_value", 7.0),
+    ("qk_l2_norm", True), ("apply_residual_connection_post_layernorm", True), ("rotary_interleaved", True),
+    ("no_rope_freq", 4), ("attention_output_gate", True),
     # an arg no Megatron-LM release from-megatron knows, not at a neutral value
     ("some_future_model_option", 3),
 ])
@@ -264,10 +264,10 @@ def test_from_megatron_converts_a_real_run_s_args_and_names_every_bad_one(tmp_pa
     full, _, _, _ = megatron_lm.read(src)
     got = CheckpointReader(str(tmp_path / "ck")).read_weights()
     assert set(got) == set(full) and all(torch.equal(got[k], full[k].float()) for k in full)
-    bad = megatron_checkpoint(tmp_path / "bad", seed, qk_l2_norm=True, softmax_type="learnable")
+    bad = megatron_checkpoint(tmp_path / "bad", seed, qk_l2_norm=True, attention_output_gate=True)
     with pytest.raises(UserError) as e:
         convert.from_megatron(bad, str(tmp_path / "ck2"), tensor_parallel=1, log=quiet)
-    assert "args.qk_l2_norm=True" in str(e.value) and "args.softmax_type='learnable'" in str(e.value)
+    assert "args.qk_l2_norm=True" in str(e.value) and "args.attention_output_gate=True" in str(e.value)
 
 
 def test_every_megatron_default_is_neutral():

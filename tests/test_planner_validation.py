@@ -3,7 +3,8 @@
 For TP x DP in {1x1, 2x1, 1x2, 2x2} each rank builds the GPT, wraps it in the ZeRO-Offload engine,
 runs one warm-up step and then one measured forward + engine.backward + step, for several cases
 (bf16/fp32, with and without full recompute, GPT-2's padded vocabulary and a small one; GPT-2, a
-Llama shape: rope, RMSNorm, SwiGLU, GQA, untied output layer, no biases; multi-latent attention). The parent
+Llama shape: rope, RMSNorm, SwiGLU, GQA, untied output layer, no biases; multi-latent attention; GPT-OSS's
+quick GeGLU, biases and attention sinks on the Llama shape). The parent
 plans the same configuration (exactly the engine's bucket size and precision; dropout off, unfused
 fp32 softmax: the CPU path) and compares:
 
@@ -16,7 +17,7 @@ fp32 softmax: the CPU path) and compares:
    excluded, the cached s x s causal mask included; with recompute, what the layer saves when it is
    recomputed in backward) within 5%; with per-document attention (the -docmask cases, segment_ids
    given) what the layer keeps at the end of forward, and the one mask the layers share equals the
-   planner's `activations_document_mask` to the byte (none on SDPA's CPU math path, which keeps none); the
+   planner's `activations_attention_mask` to the byte (none on SDPA's CPU math path, which keeps none); the
    same for a sliding window (the -window cases: one mask, a channel per distinct mask);
 3. the activation peak: the planner's activation estimate (every `activations_*` and `logits*`
    item) is within 20% of the peak of torch's CPU allocator over forward + backward, measured
@@ -106,6 +107,10 @@ CASES = [
     # --window-attn-skip-freq 2 (layer 1 slides, layer 2 attends fully) one [b, 2, s, s] (full, window channels)
     ("bf16-llama-sdpa-window", "bf16", False, 1000, 200_000),
     ("bf16-llama-sdpa-window-docmask", "bf16", False, 1000, 200_000),
+    # GPT-OSS's parts on the Llama shape: quick GeGLU clamped at 7 with offset 1, biases, learnable attention sinks
+    # (head dim 32: three offset channels in bf16) on the local attention and on SDPA (s + 1 positions)
+    ("bf16-gptoss", "bf16", False, 1000, 200_000),
+    ("bf16-gptoss-sdpa", "bf16", False, 1000, 200_000),
 ]
 # Llama-shaped cases (issue 24): rope, RMSNorm, SwiGLU (ffn 320), GQA 2 groups, untied output layer, no biases
 LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, num_query_groups=2,
@@ -115,6 +120,8 @@ _MLA = dict(LLAMA, num_query_groups=None, multi_latent_attention=True, attention
             v_head_dim=32)
 MLA_V3 = dict(_MLA, q_lora_rank=48, qk_head_dim=32, qk_pos_emb_head_dim=16, qk_layernorm=True, rope_type="yarn")
 MLA_DIRECT = dict(_MLA, q_lora_rank=None, qk_head_dim=16, qk_pos_emb_head_dim=16, rope_type="rope")
+GPTOSS = dict(LLAMA, swiglu=False, quick_geglu=True, glu_linear_offset=1.0, activation_func_clamp_value=7.0,
+              add_bias_linear=True, softmax_type="learnable")
 
 
 def _recompute(recompute) -> dict:
@@ -134,7 +141,7 @@ def _segment_ids(gen, batch: int, seq: int) -> torch.Tensor:
 def _arch(name):
     """The case's model options beyond shape and precision (GPTConfig's = PlanInput's field names)."""
     arch = dict(LLAMA) if "llama" in name else dict(MLA_V3) if "mla-v3" in name else \
-        dict(MLA_DIRECT) if "mla-direct" in name else {}
+        dict(MLA_DIRECT) if "mla-direct" in name else dict(GPTOSS) if "gptoss" in name else {}
     if "-sdpa" in name:
         arch["attention_backend"] = "sdpa"
     if "-window" in name:
@@ -489,7 +496,7 @@ def test_planner_matches_engine_and_torch(tp, dp):
         check(f"{name} activations of one layer", planned_layer, per_layer, 0.05)
         if masked:
             # the one mask the layers share, to the byte (0: the math path keeps none)
-            kept_mask = layer_activations.document_mask_bytes(p.input)
+            kept_mask = layer_activations.attention_mask_bytes(p.input)
             planned_mask = kept_mask[0] if kept_mask[1] else 0
             for r, res in enumerate(ranks):
                 shared = res[c]["kept"].get("shared by layers", 0)

@@ -456,7 +456,7 @@ def test_the_planner_counts_one_mask_per_distinct_mask():
 
     from zo_megatron import planner as P
     from zo_megatron.planner import plan_input_from_flags
-    from zo_megatron.planner.layer_activations import document_mask_bytes
+    from zo_megatron.planner.layer_activations import attention_mask_bytes
 
     gen = torch.Generator().manual_seed(fresh_seed("sliding window: planner"))
     s, b = int(torch.randint(16, 1024, (1,), generator=gen)), int(torch.randint(2, 5, (1,), generator=gen))
@@ -469,10 +469,10 @@ def test_the_planner_counts_one_mask_per_distinct_mask():
                                (dict(window_attn_skip_freq=2, document_attention_mask=True), b, 2),
                                (dict(window_attn_skip_freq=[1, 0, 0, 0], document_attention_mask=True), b, 2)):
         inp = base.replace(**kw)
-        assert document_mask_bytes(inp) == (2 * rows * channels * s * s, True), kw
-        assert P.plan(inp).device_items["activations_document_mask"] == 2 * rows * channels * s * s, kw
-    assert document_mask_bytes(base.replace(window_size=(s - 1, 0))) == (0, False)
-    assert document_mask_bytes(base.replace(window_attn_skip_freq=1)) == (0, False)     # no layer slides
+        assert attention_mask_bytes(inp) == (2 * rows * channels * s * s, True), kw
+        assert P.plan(inp).device_items["activations_attention_mask"] == 2 * rows * channels * s * s, kw
+    assert attention_mask_bytes(base.replace(window_size=(s - 1, 0))) == (0, False)
+    assert attention_mask_bytes(base.replace(window_attn_skip_freq=1)) == (0, False)     # no layer slides
     with pytest.raises(ValueError, match="SDPA only"):
         P.plan(base.replace(attention_backend="local"))
     args = vars(_args("--window-size", f"{left},0", "--window-attn-skip-freq", "2", "--use-flash-attn"))

@@ -65,5 +65,5 @@ def test_squared_relu_with_swiglu_is_one_line():
     from zo_megatron.errors import ConfigError
     from zo_megatron.training.arguments import parse_args
 
-    with pytest.raises(ConfigError, match="--squared-relu and --swiglu are two MLP activations: choose one"):
+    with pytest.raises(ConfigError, match="--swiglu, --squared-relu and --quick-geglu are three MLP activations: choose one"):
         parse_args([*SHAPE, "--squared-relu", "--swiglu"])

@@ -25,6 +25,13 @@
         --kv-lora-rank 512 --qk-head-dim 128 --qk-pos-emb-head-dim 64 --v-head-dim 128 --qk-layernorm \
         --seq-length 4096 --zero-offload --sequence-parallel \
         --recompute-granularity full                     # DeepSeek-V3's attention (MLA) on a dense model
+    python tools/estimate_memory.py --preset h100-80gb --world-size 8 --num-layers 24 --hidden-size 2880 \
+        --num-attention-heads 64 --group-query-attention --num-query-groups 8 --kv-channels 64 \
+        --ffn-hidden-size 2880 --vocab-size 201088 --normalization RMSNorm --position-embedding-type rope \
+        --untie-embeddings-and-output-weights --num-experts 32 --moe-router-topk 4 --quick-geglu \
+        --glu-linear-offset 1.0 --activation-func-clamp-value 7.0 --softmax-type learnable \
+        --expert-model-parallel-size 8 --seq-length 4096 --zero-offload --use-flash-attn \
+        --recompute-granularity full                     # GPT-OSS-20B: quick GeGLU, attention sinks, biases
     python tools/estimate_memory.py --paper-check
 
 It takes pretrain_gpt.py's command line: every flag the job accepts (its own parser,
@@ -42,7 +49,8 @@ and the same speculated share. Mixtures of experts take Megatron-LM's MoE flags 
 --expert-model-parallel-size: the plan prints total vs active parameters, experts per EP rank and,
 at EP > 1, the experts' engine's lines ("expert_..."). Multi-latent attention takes Megatron-LM's MLA
 flags (--multi-latent-attention, --q-lora-rank, --kv-lora-rank, --qk-head-dim, --qk-pos-emb-head-dim,
---v-head-dim, --rope-type; --qk-layernorm for the latents' norms). Its own flags: --model (a shape
+--v-head-dim, --rope-type; --qk-layernorm for the latents' norms); GPT-OSS's parts theirs (--quick-geglu,
+--glu-linear-offset, --activation-func-clamp-value, --softmax-type). Its own flags: --model (a shape
 preset), --world-size or --data-parallel-size, the hardware (--preset, --gpu-memory-gb,
 --host-memory-gb, --gpus-per-node and the overheads) and the output (--json, --max-model,
 --paper-check). Unlike the job it does not require --train-iters and --lr, and --seq-length defaults

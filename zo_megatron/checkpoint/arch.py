@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from zo_megatron.checkpoint.tp_layout import gated_mlp
 from zo_megatron.errors import UserError
 from zo_megatron.model.config import ARCH_FIELDS, MOE_FIELDS, YARN_FIELDS, GPTConfig, megatron_bias_gelu_fusion
 from zo_megatron.planner.window import window_layers
@@ -79,6 +80,8 @@ def param_shapes(meta: dict) -> dict[str, tuple[int, ...]]:
             if layer_norm:
                 out.update({m + "self_attention.q_layernorm.bias": (head_dim(meta),),
                             m + "self_attention.k_layernorm.bias": (head_dim(meta),)})
+        if meta["softmax_type"] == "learnable":              # attention sinks: one offset per head
+            out[m + "self_attention.core_attention.softmax_offset"] = (meta["num_attention_heads"],)
         out[m + "self_attention.linear_proj.weight"] = (h, meta["num_attention_heads"] * meta["v_head_dim"]) \
             if meta["multi_latent_attention"] else (h, q)
         out.update(norm(m + "pre_mlp_layernorm"))
@@ -129,7 +132,7 @@ def _mlp_shapes(meta: dict, m: str, moe: bool) -> dict[str, tuple[int, ...]]:
     h, bias = meta["hidden_size"], meta["add_bias_linear"]
 
     def mlp(prefix, f, with_bias):
-        fc1 = 2 * f if meta["swiglu"] else f
+        fc1 = 2 * f if gated_mlp(meta) else f
         out = {prefix + "linear_fc1.weight": (fc1, h), prefix + "linear_fc2.weight": (h, f)}
         if with_bias:
             out.update({prefix + "linear_fc1.bias": (fc1,), prefix + "linear_fc2.bias": (h,)})
@@ -173,7 +176,7 @@ def needs_no_bias_gelu_fusion(meta: dict) -> bool:
     """Megatron-LM needs --no-bias-gelu-fusion for the model: a biased non-gated MLP whose activation is
     not the fused tanh GELU (the erf GELU, or the squared ReLU, which megatron-core refuses to fuse);
     without biases its validate_args turns the fusion off itself."""
-    return not meta["swiglu"] and meta["add_bias_linear"] and \
+    return not gated_mlp(meta) and meta["add_bias_linear"] and \
         (meta["squared_relu"] or meta["gelu_approximate"] == "none")
 
 
@@ -200,12 +203,20 @@ def job_flags(meta: dict, hf_tokenizer: bool = False) -> str:
         flags.append(f"--norm-epsilon {m['layernorm_epsilon']:g}")
     if m["swiglu"]:
         flags.append("--swiglu")
+    elif m["quick_geglu"]:
+        flags.append("--quick-geglu")
     elif m["squared_relu"]:
         flags.append("--squared-relu")
     elif megatron_bias_gelu_fusion(m["gelu_approximate"], m["add_bias_linear"]) is None:
         flags.append("--use-checkpoint-args")          # no flag gives a bias-free tanh GELU (Megatron-LM's rule)
     if needs_no_bias_gelu_fusion(m):
         flags.append("--no-bias-gelu-fusion")
+    if m["glu_linear_offset"]:
+        flags.append(f"--glu-linear-offset {num(m['glu_linear_offset'])}")
+    if m["activation_func_clamp_value"] is not None:
+        flags.append(f"--activation-func-clamp-value {num(m['activation_func_clamp_value'])}")
+    if m["softmax_type"] != "vanilla":
+        flags.append(f"--softmax-type {m['softmax_type']}")
     if m["num_query_groups"] != m["num_attention_heads"]:
         flags += ["--group-query-attention", f"--num-query-groups {m['num_query_groups']}"]
     flags += _mla_flags(m)

@@ -36,7 +36,7 @@ from zo_megatron.checkpoint.boxes import Box
 from zo_megatron.checkpoint.content import BUFFERS, EXP_AVG, EXP_AVG_SQ, MODEL
 from zo_megatron.checkpoint.layout import rng_file
 from zo_megatron.checkpoint.reader import CheckpointReader
-from zo_megatron.checkpoint.tp_layout import padded_vocab_size, tp_axis, tp_shard_boxes
+from zo_megatron.checkpoint.tp_layout import gated_mlp, padded_vocab_size, tp_axis, tp_shard_boxes
 from zo_megatron.checkpoint.writer import TensorSpec, atomic_output, copy_hf_tokenizer, tree_bytes, write_checkpoint
 from zo_megatron.data.tokenizer import CHECKPOINT_TOKENIZER_DIR as TOKENIZER_DIR
 from zo_megatron.data.tokenizer import HF_TOKENIZER_FILES, check_hf_tokenizer_dir
@@ -115,7 +115,7 @@ def _write_weights_checkpoint(output: str, weights: dict[str, torch.Tensor], met
         bad = sorted(set(shapes) ^ set(expected)) or sorted(k for k in shapes if shapes[k] != expected[k])
         raise RuntimeError(f"converted weights do not match the architecture (first: {bad[0]})")
     specs = _tp_specs(shapes, [MODEL], {MODEL: torch.float32}, tp,
-                      padded_vocab_size(meta["vocab_size"], _divisible_by(args), tp), meta["swiglu"])
+                      padded_vocab_size(meta["vocab_size"], _divisible_by(args), tp), gated_mlp(meta))
     buffers = buffers or {}
     if {n: tuple(t.shape) for n, t in buffers.items()} != buffer_shapes(meta):   # a mapping bug, as above
         raise RuntimeError(f"converted buffers {sorted(buffers)} do not match the architecture's")
@@ -547,7 +547,7 @@ def reshard(load: str, output: str, *, target_tp: int, target_dp: int | None = N
     prefixes = [MODEL] + ([EXP_AVG, EXP_AVG_SQ] if reader.has_optimizer_state else [])
     dtypes = {p: reader.dtype(p + next(iter(reader.shapes))) for p in prefixes}
     specs = _tp_specs(reader.shapes, prefixes, dtypes, target_tp,
-                      padded_vocab_size(meta["vocab_size"], _divisible_by(args), target_tp), meta["swiglu"])
+                      padded_vocab_size(meta["vocab_size"], _divisible_by(args), target_tp), gated_mlp(meta))
     # the model's persistent buffers (content.py `buffers/`: whole tensors, the same at any layout)
     for key, entry in reader.metadata.state_dict_metadata.items():
         if key.startswith(BUFFERS):

@@ -93,9 +93,9 @@ def _check_model(manifest: dict, model_meta: dict, where: str, tokenizer_vocab: 
     # not on this one); a learned table's size must match
     rope = saved.get("position_embedding_type") in ("rope", "yarn") and \
         saved.get("position_embedding_type") == model_meta.get("position_embedding_type")
-    # a SwiGLU or squared-ReLU model has no GELU: its recorded one says nothing when a side has none (the
-    # activation's own field differs)
-    no_gelu = any(m.get(k) for m in (saved, model_meta) for k in ("swiglu", "squared_relu"))
+    # a SwiGLU, quick-GeGLU or squared-ReLU model has no GELU: its recorded one says nothing when a side has none
+    # (the activation's own field differs)
+    no_gelu = any(m.get(k) for m in (saved, model_meta) for k in ("swiglu", "squared_relu", "quick_geglu"))
     diffs = [describe_diff(k, saved.get(k), v) for k, v in model_meta.items()
              if k != "vocab_size" and saved.get(k) != v and not (rope and k == "max_position_embeddings")
              and not (no_gelu and k == "gelu_approximate")]

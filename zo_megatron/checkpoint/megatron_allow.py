@@ -54,17 +54,15 @@ READ = frozenset({
     "rope_type",
     # sliding-window attention (megatron_args.meta_from_args; planner/window.py)
     "window_size", "window_attn_skip_freq",
+    # GPT-OSS: its gated MLP (quick GeGLU, the clamp, the linear half's offset) and attention sinks
+    "quick_geglu", "glu_linear_offset", "activation_func_clamp_value", "softmax_type",
 })
 
 # arg -> (values under which the model is zo_megatron's GPT, what another value means)
 NEUTRAL: dict[str, tuple[tuple, str]] = {
     "qk_l2_norm": ((False, None), "L2-normalised queries and keys"),
     "apply_residual_connection_post_layernorm": ((False, None), "residuals taken after the LayerNorm"),
-    "softmax_type": (("vanilla", None), "an attention softmax other than the plain one (off-by-one, learnable)"),
     "no_rope_freq": ((None, 0, [], ()), "layers without RoPE"),
-    "glu_linear_offset": ((0.0, 0, None), "an offset added to the GLU's linear half"),
-    "activation_func_clamp_value": ((None,), "a clamped MLP activation"),
-    "quick_geglu": ((False, None), "a quick-GeGLU MLP"),
     "rotary_interleaved": ((False, None), "interleaved rotary embeddings"),
     "rotary_seq_len_interpolation_factor": ((None, 1, 1.0), "RoPE position interpolation"),
     "mrope_section": ((None,), "multimodal RoPE"),

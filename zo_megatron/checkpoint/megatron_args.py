@@ -65,6 +65,9 @@ def megatron_args(meta: dict, *, tp: int, iteration: int, divisible_by: int, seq
         add_bias_linear=meta["add_bias_linear"], add_qkv_bias=meta["add_bias_linear"] or meta["add_qkv_bias"],
         swiglu=meta["swiglu"], squared_relu=meta["squared_relu"], openai_gelu=False,
         bias_gelu_fusion=_bias_gelu_fusion(meta),
+        # GPT-OSS's MLP and attention sinks (TransformerConfig fields, Megatron-LM's flags of the same names)
+        quick_geglu=meta["quick_geglu"], glu_linear_offset=meta["glu_linear_offset"],
+        activation_func_clamp_value=meta["activation_func_clamp_value"], softmax_type=meta["softmax_type"],
         transformer_impl=transformer_impl, **_window_args(meta),
         ckpt_format=ckpt_format, bf16=precision == "bf16", fp16=precision == "fp16", iteration=iteration,
         consumed_train_samples=consumed_samples, consumed_valid_samples=consumed_valid_samples,
@@ -73,8 +76,8 @@ def megatron_args(meta: dict, *, tp: int, iteration: int, divisible_by: int, seq
 
 def _bias_gelu_fusion(meta: dict) -> bool:
     """Megatron-LM's bias_gelu_fusion for the model's GELU (model/config.py megatron_bias_gelu_fusion)."""
-    if meta["swiglu"]:
-        return meta["add_bias_linear"]          # as Megatron-LM's validate_args leaves it; SwiGLU does not read it
+    if meta["swiglu"] or meta["quick_geglu"]:
+        return meta["add_bias_linear"]          # as Megatron-LM's validate_args leaves it; a gated MLP does not read it
     if meta["squared_relu"]:
         return False                            # megatron-core fuses only GELU and SwiGLU with a bias (it refuses this)
     fusion = megatron_bias_gelu_fusion(meta["gelu_approximate"], meta["add_bias_linear"])
@@ -220,7 +223,8 @@ def meta_from_args(args: argparse.Namespace, vocab: int, where: str) -> dict:
     swiglu = bool(getattr(args, "swiglu", False))
     bias = bool(getattr(args, "add_bias_linear", True))
     squared_relu = bool(getattr(args, "squared_relu", False))
-    if not swiglu and not squared_relu and getattr(args, "use_te_activation_func", False):
+    if not swiglu and not squared_relu and not getattr(args, "quick_geglu", False) and \
+            getattr(args, "use_te_activation_func", False):
         refuse("args.use_te_activation_func=True with a GELU MLP (Transformer Engine's activation op, whose GELU "
                "depends on the layer spec)")
     mla = _mla_meta(args, refuse)
@@ -250,6 +254,10 @@ def meta_from_args(args: argparse.Namespace, vocab: int, where: str) -> dict:
         use_rope_scaling=bool(getattr(args, "use_rope_scaling", False)),
         rope_scaling_factor=float(getattr(args, "rope_scaling_factor", 8.0)), normalization=norm,
         layernorm_epsilon=float(eps), swiglu=swiglu, squared_relu=squared_relu,
+        quick_geglu=bool(getattr(args, "quick_geglu", False)),
+        glu_linear_offset=float(getattr(args, "glu_linear_offset", None) or 0.0),
+        activation_func_clamp_value=getattr(args, "activation_func_clamp_value", None),
+        softmax_type=getattr(args, "softmax_type", None) or "vanilla",
         gelu_approximate=megatron_gelu(bias, bool(getattr(args, "bias_gelu_fusion", True))),
         num_query_groups=args.num_query_groups if getattr(args, "group_query_attention", False) else None,
         kv_channels=getattr(args, "kv_channels", None),

@@ -87,7 +87,8 @@ import re
 import torch
 
 from zo_megatron.checkpoint.megatron_stages import merge_stages, one_stage_model, pipeline_layout
-from zo_megatron.checkpoint.tp_layout import OUTPUT_LAYER, WORD_EMBEDDING, local_rows, partition_stride, tp_axis
+from zo_megatron.checkpoint.tp_layout import (OUTPUT_LAYER, WORD_EMBEDDING, gated_mlp, local_rows, partition_stride,
+                                             tp_axis)
 from zo_megatron.model.sharding import split_pieces
 from zo_megatron.errors import UserError
 
@@ -311,11 +312,11 @@ def write(out_dir: str, weights: dict[str, torch.Tensor], args: argparse.Namespa
                 # Transformer Engine's MLA down projections: duplicated TELinear layers, whole on every TP rank
                 whole = te and name.endswith(MLA_DOWN)
                 model[ours_to_megatron(name)] = full.clone() if whole else \
-                    _tp_shard(name, full, t, tp, args.padded_vocab_size, args.swiglu)
+                    _tp_shard(name, full, t, tp, args.padded_vocab_size, gated_mlp(args))
                 continue
             owner, j = divmod(int(m[2]), per_rank)  # global expert e x E/EP + j is EP rank e's local j
             if owner == e:
-                model[f"{m[1]}{j}{m[3]}"] = _tp_shard(name, full, k, etp, args.padded_vocab_size, args.swiglu)
+                model[f"{m[1]}{j}{m[3]}"] = _tp_shard(name, full, k, etp, args.padded_vocab_size, gated_mlp(args))
         if moe and getattr(args, "moe_grouped_gemm", False):
             model = _te_grouped_experts(model) if te else _grouped_experts(model, per_rank)
         if te:
@@ -666,7 +667,7 @@ def read(in_dir: str, *, iteration: int | None = None, progress=None, vocab_size
             raise UserError(f"{path}: its dense parameters differ from {dense[t][0]}'s: the EP ranks "
                             "come from different models or iterations")
         experts.setdefault(k, (name, {}))[1].update(expert_part)
-    swiglu = bool(getattr(args, "swiglu", False))
+    swiglu = gated_mlp(args)            # linear_fc1 is [gate; up]: SwiGLU or quick GeGLU
     merged = _merge_shards(d, [dense[t][0] for t in range(tp)], [dense[t][1] for t in range(tp)], swiglu,
                            _whole_on_every_rank(dense[0][1], args, tp))
     if any(experts[k][1] for k in experts):

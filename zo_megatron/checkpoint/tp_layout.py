@@ -6,12 +6,13 @@ This table is the same rule written down, and tests check it against the built m
 
     column-parallel (axis 0): word embeddings and the untied output layer (vocab rows), linear_qkv,
                               linear_fc1 (weights, biases; the MLP's, every expert's, the shared expert's),
-                              MLA's linear_q_proj, linear_q_down_proj, linear_q_up_proj, linear_kv_up_proj
+                              MLA's linear_q_proj, linear_q_down_proj, linear_q_up_proj, linear_kv_up_proj,
+                              the attention sinks (core_attention.softmax_offset, one per head)
     row-parallel    (axis 1): linear_proj.weight, linear_fc2.weight (the same three)
     replicated:               everything else (norms, q/k norms, position embeddings, row-parallel biases,
                               MLA's linear_kv_down_proj)
 
-With SwiGLU, linear_fc1 (weight and bias) is [gate; up] and has stride 2: TP rank r holds
+With SwiGLU or quick GeGLU, linear_fc1 (weight and bias) is [gate; up] and has stride 2: TP rank r holds
 [gate_r; up_r], two boxes of the full tensor (`tp_shard_boxes`). The word embedding and output
 layer are padded along the vocab to a multiple of make_vocab_size_divisible_by x TP (megatron's
 rule); full tensors here are unpadded, a TP shard covers padding rows at the end.
@@ -23,7 +24,7 @@ import math
 from zo_megatron.checkpoint.boxes import Box
 from zo_megatron.model.sharding import OUTPUT_LAYER, VOCAB_PADDED, WORD_EMBEDDING, split_pieces
 
-__all__ = ["WORD_EMBEDDING", "OUTPUT_LAYER", "EXTRA_STATE_LAYERS", "tp_axis", "partition_stride",
+__all__ = ["WORD_EMBEDDING", "OUTPUT_LAYER", "EXTRA_STATE_LAYERS", "tp_axis", "partition_stride", "gated_mlp",
            "padded_vocab_size", "local_rows", "tp_shard_boxes", "tp_shard_box"]
 
 # the MLP's, each expert's (mlp.experts.local_experts.{e}.) and the shared expert's (mlp.shared_experts.)
@@ -32,7 +33,10 @@ _FC1 = (".linear_fc1.weight", ".linear_fc1.bias")
 # column-parallel; the key/value down projection is replicated
 _MLA_COLUMN = tuple(f"self_attention.{n}.weight" for n in ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj",
                                                             "linear_kv_up_proj"))
-_COLUMN = VOCAB_PADDED + ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias") + _FC1 + _MLA_COLUMN
+# attention sinks (softmax_type learnable): one offset per head, split with the heads
+_SINKS = ("self_attention.core_attention.softmax_offset",)
+_COLUMN = VOCAB_PADDED + ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias") + _FC1 + _MLA_COLUMN \
+    + _SINKS
 _ROW = ("self_attention.linear_proj.weight", ".linear_fc2.weight")
 # megatron-core's local-spec linear layers carry an `_extra_state` entry (None) in state_dict
 EXTRA_STATE_LAYERS = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
@@ -47,8 +51,16 @@ def tp_axis(name: str) -> int | None:
 
 
 def partition_stride(name: str, swiglu: bool) -> int:
-    """2 for SwiGLU's linear_fc1 ([gate; up], each rank [gate_r; up_r]); 1 for everything else."""
+    """2 for a gated MLP's linear_fc1 (`swiglu` True for SwiGLU or quick GeGLU: [gate; up], each rank
+    [gate_r; up_r]); 1 for everything else."""
     return 2 if swiglu and name.endswith(_FC1) else 1
+
+
+def gated_mlp(meta) -> bool:
+    """Whether linear_fc1 is [gate; up] (stride 2): SwiGLU or quick GeGLU, from a checkpoint's recorded
+    architecture (a dict) or Megatron-LM's args (a namespace)."""
+    get = meta.get if isinstance(meta, dict) else (lambda k: getattr(meta, k, None))
+    return bool(get("swiglu") or get("quick_geglu"))
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:

@@ -36,6 +36,12 @@ Which kernel runs:
 What SDPA keeps for backward (fused kernels): q, k, v, the output and the row logsumexp,
 fp32 [b, heads/t, s] -- no s² term; with a document mask also the mask itself (the one shared
 tensor, not a copy per layer; the math path does not keep it).
+
+Attention sinks (config.softmax_type "off-by-one" / "learnable": megatron-core's softmax_offset, GPT-OSS's sinks):
+exactly megatron-core's softmax with one more logit per head, through the same kernels: SDPA runs on s + 1 positions
+with a dummy query and a sink key at position 0 and, for "learnable", the offset in extra head-dim channels of q
+(model/sinks.py). Masks then come in the sink layout, built once per forward by model/gpt.py and model/masks.py
+([.., s + 1, s + 1]); a mask of the plain [.., s, s] layout is converted per call.
 """
 from __future__ import annotations
 
@@ -47,7 +53,8 @@ import torch
 import torch.nn.functional as F
 
 from zo_megatron.errors import ConfigError
-from zo_megatron.model.masks import layer_mask
+from zo_megatron.model.masks import layer_mask, sink_layout
+from zo_megatron.model.sinks import SOFTMAX_TYPES, sink_operands
 from zo_megatron.planner.window import (is_window_layer, normalize_skip_freq, normalize_window_size, window_binds,
                                         window_layers)
 
@@ -170,8 +177,9 @@ class SDPAttention(_megatron_module_base()):
         self.config = config
         if config.context_parallel_size != 1:
             raise ConfigError("context parallelism is not supported: use --context-parallel-size 1")
-        if getattr(config, "softmax_type", "vanilla") != "vanilla":
-            raise ConfigError(f"softmax type {config.softmax_type!r} is not supported by SDPA attention: use vanilla")
+        self.softmax_type = getattr(config, "softmax_type", "vanilla")
+        if self.softmax_type not in SOFTMAX_TYPES:
+            raise ConfigError(f"softmax type {self.softmax_type!r}: choose one of {', '.join(SOFTMAX_TYPES)}")
         try:
             window = normalize_window_size(getattr(config, "window_size", None))
             freq = normalize_skip_freq(getattr(config, "window_attn_skip_freq", None), window, config.num_layers)
@@ -201,10 +209,28 @@ class SDPAttention(_megatron_module_base()):
         self.softmax_scale = softmax_scale if softmax_scale is not None \
             else 1.0 / math.sqrt(self.hidden_size_per_attention_head)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
-        self.softmax_offset = None
+        self._init_softmax_offset(config)
         self.current_max_attn_logits = None
         self.last_kernel: str | None = None      # what the latest forward ran ("flash", "efficient", ...)
         self._choice: dict = {}
+
+    def _init_softmax_offset(self, config) -> None:
+        """megatron-core's DotProductAttention's: for "learnable" a Parameter `softmax_offset` [heads/t] (the
+        name checkpoints and Megatron-LM use), of params_dtype, on megatron's device, TP-split with the heads;
+        for "off-by-one" a fixed zero tensor (not a parameter: in no state dict); else None."""
+        heads = self.num_attention_heads_per_partition
+        if self.softmax_type == "vanilla":
+            self.softmax_offset = None
+        elif self.softmax_type == "off-by-one":
+            self.softmax_offset = torch.zeros(heads, device=torch.cuda.current_device(), dtype=config.params_dtype)
+        else:
+            offset = torch.nn.Parameter(torch.empty(heads, device=torch.cuda.current_device(),
+                                                    dtype=config.params_dtype))
+            offset.tensor_model_parallel, offset.partition_dim, offset.partition_stride = True, 0, 1
+            self.register_parameter("softmax_offset", offset)
+            if config.perform_initialization:
+                with torch.no_grad():
+                    config.init_method(self.softmax_offset)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: Optional[torch.Tensor], attn_mask_type=None, attention_bias=None,
@@ -222,9 +248,14 @@ class SDPAttention(_megatron_module_base()):
         # [s, b, n, d] -> [b, n, s, d] as strided views: the CPU kernel then writes its output in
         # [s, b, n, d] order, so the reshape below is free and linear_proj's saved input is the
         # very tensor SDPA saved (no second copy of the context).
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        v_dim = v.size(-1)
-        if q.device.type == "cpu" and v_dim != q.size(-1):
+        sink = self.softmax_type != "vanilla"
+        v_dim = value.size(-1)
+        if sink:
+            # s + 1 positions: a dummy query and the sink key at 0, the offset in q's extra channels (model/sinks.py)
+            q, k, v = sink_operands(query, key, value, self.softmax_offset, self.softmax_type, self.softmax_scale)
+        else:
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        if q.device.type == "cpu" and v.size(-1) != q.size(-1):
             # multi-latent attention's value head dim differs from the query/key's, which torch's CPU flash
             # kernel does not take (its math path would store the s x s probabilities): zero channels make the
             # dims equal without changing a score (explicit scale) or an output channel, then are sliced off.
@@ -236,7 +267,10 @@ class SDPAttention(_megatron_module_base()):
         if window_binds(self.window_size, sq):          # a windowed forward's mask: this layer's channel
             attention_mask = layer_mask(attention_mask, self.window_layer)
         mask = additive_mask(attention_mask, q.dtype)
-        sig = (q.device.type, q.dtype, q.size(-1), dropout_p, gqa, None if mask is None else tuple(mask.shape))
+        if sink:
+            mask = sink_layout(mask, sq)
+        sig = (q.device.type, q.dtype, q.size(-1), v.size(-1), dropout_p, gqa,
+               None if mask is None else tuple(mask.shape))
         choice = self._choice.get(sig)
         if choice is None:
             choice = self._choice[sig] = sdpa_choice(q, k, v, dropout_p, gqa, attn_mask=mask)
@@ -256,27 +290,49 @@ class SDPAttention(_megatron_module_base()):
             context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                                      is_causal=mask is None, scale=self.softmax_scale,
                                                      **(dict(enable_gqa=True) if enable_gqa else {}))
+        if sink:
+            context = context[:, :, 1:]            # the dummy query's row
         # [b, n, s, d] -> [s, b, n*d]
         return context[..., :v_dim].permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
-        return {}
+        """megatron-core's DotProductAttention's: the learnable softmax_offset, TP-split on dim 0; else nothing."""
+        if self.softmax_type != "learnable":
+            return {}
+        from megatron.core import parallel_state
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        dp_cp = (metadata or {}).get("dp_cp_group") or \
+            parallel_state.get_data_parallel_group(with_context_parallel=True)
+        return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix,
+                                                   {"softmax_offset": 0}, sharded_offsets, tp_group=self.tp_group,
+                                                   dp_cp_group=dp_cp)
 
 
 def describe_kernel(num_heads: int, num_query_groups: int, head_dim: int, tp: int, dtype: torch.dtype,
                     device: torch.device, dropout_p: float, v_head_dim: int | None = None,
-                    document_mask: bool = False, window: str = "", unmasked_layers: bool = False) -> str:
+                    document_mask: bool = False, window: str = "", unmasked_layers: bool = False,
+                    softmax_type: str = "vanilla") -> str:
     """The SDPA kernel a training forward will run with this shape, for the banner (v_head_dim: MLA's
     value head dim where it differs; on a CPU the forward pads it to head_dim, as here; document_mask:
     per-document attention, an additive [b, 1, s, s] mask in place of is_causal; window: the sliding window's
     description, its layers take an additive mask too; unmasked_layers: the full-attention layers beside a
-    window then run is_causal without a mask, which on CUDA may be another kernel)."""
+    window then run is_causal without a mask, which on CUDA may be another kernel; softmax_type: attention sinks
+    widen the head dim and add a position, model/sinks.py)."""
     h, g = num_heads // tp, max(1, num_query_groups // tp)
-    q = torch.zeros(1, h, 16, head_dim, dtype=dtype, device=device)
-    kv = torch.zeros(1, g, 16, head_dim, dtype=dtype, device=device)
-    v = kv if device.type == "cpu" or v_head_dim is None else torch.zeros(1, g, 16, v_head_dim, dtype=dtype,
-                                                                          device=device)
-    mask = torch.zeros(1, 1, 16, 16, dtype=dtype, device=device) if document_mask or window else None
+    s = 16
+    if softmax_type != "vanilla":
+        zeros = [torch.zeros(s, 1, n, d, dtype=dtype, device=device)
+                 for n, d in ((h, head_dim), (g, head_dim), (g, v_head_dim or head_dim))]
+        q, kv, v = sink_operands(*zeros, torch.zeros(h, dtype=dtype, device=device), softmax_type,
+                                 1.0 / math.sqrt(head_dim))
+        s += 1
+    else:
+        q = torch.zeros(1, h, s, head_dim, dtype=dtype, device=device)
+        kv = torch.zeros(1, g, s, head_dim, dtype=dtype, device=device)
+        v = kv if device.type == "cpu" or v_head_dim is None else torch.zeros(1, g, s, v_head_dim, dtype=dtype,
+                                                                             device=device)
+    mask = torch.zeros(1, 1, s, s, dtype=dtype, device=device) if document_mask or window else None
     kind, enable_gqa = sdpa_choice(q, kv, v, dropout_p, h != g, attn_mask=mask)
     names = {"flash": "flash attention", "efficient": "memory-efficient attention", "math": "math"}
     text = f"torch SDPA, {names.get(kind, kind)} kernel ({device.type})"
@@ -289,6 +345,8 @@ def describe_kernel(num_heads: int, num_query_groups: int, head_dim: int, tp: in
         text += ", per-document mask"
     if window:
         text += f", {window} (an additive mask)"
+    if softmax_type != "vanilla":
+        text += ", attention sinks (learned softmax offsets)" if softmax_type == "learnable" else ", softmax off-by-one"
     if device.type == "cpu" and kind == "math" and dropout_p > 0:
         text += " -- torch's CPU flash kernel has no dropout: the probabilities are materialised"
     if h != g and not enable_gqa:

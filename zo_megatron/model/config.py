@@ -14,6 +14,9 @@ import torch
 from zo_megatron.errors import ConfigError
 # (MOE_DROP_POLICIES: re-exported with the other MoE choices, for the flags)
 from zo_megatron.model.moe_rules import MOE_DROP_POLICIES, check_capacity, check_group_limited_routing  # noqa: F401
+# the attention softmax (megatron-core's softmax_type, Megatron-LM's --softmax-type): "off-by-one" adds exp(0) to every
+# row's denominator, "learnable" exp(softmax_offset_h), one learned logit per head (GPT-OSS's sinks; model/sinks.py)
+from zo_megatron.model.sinks import SOFTMAX_TYPES
 from zo_megatron.planner.params import (Architecture, default_core_attention, mla_attention_rows,
                                         selective_recompute_modules)
 from zo_megatron.planner.window import describe_window, normalize_skip_freq, normalize_window_size, window_layers
@@ -75,6 +78,8 @@ MLA_FIELDS = {"multi_latent_attention": False, "q_lora_rank": None, "kv_lora_ran
 ROPE_TYPES = ("rope", "yarn")
 # Sliding-window attention (Megatron-LM's --window-size / --window-attn-skip-freq; planner/window.py): field -> default
 WINDOW_FIELDS = {"window_size": None, "window_attn_skip_freq": None}
+# GPT-OSS's gated MLP (Megatron-LM's --quick-geglu, --glu-linear-offset, --activation-func-clamp-value): field -> default
+GLU_FIELDS = {"quick_geglu": False, "glu_linear_offset": 0.0, "activation_func_clamp_value": None}
 
 # The fields that define the architecture: recorded in checkpoints and compared on resume.
 ARCH_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
@@ -82,7 +87,8 @@ ARCH_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_s
                "rotary_base", "rotary_percent", "use_rope_scaling", "rope_scaling_factor", "normalization",
                "layernorm_epsilon", "swiglu", "squared_relu", "gelu_approximate", "num_query_groups", "kv_channels",
                "untie_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
-               "layernorm_zero_centered_gamma", *YARN_FIELDS, *MOE_FIELDS, *MLA_FIELDS, *WINDOW_FIELDS)
+               "layernorm_zero_centered_gamma", *YARN_FIELDS, *MOE_FIELDS, *MLA_FIELDS, *WINDOW_FIELDS,
+               "softmax_type", *GLU_FIELDS)
 
 
 def swiglu_ffn_size(hidden_size: int) -> int:
@@ -126,6 +132,12 @@ class GPTConfig:
     normalization: str = "LayerNorm"            # "LayerNorm" | "RMSNorm"
     swiglu: bool = False                        # gated SiLU MLP: linear_fc1 is [gate; up]
     squared_relu: bool = False                  # the MLP's activation relu(x)^2 (Nemotron-4; megatron-core's)
+    # a gated MLP as SwiGLU ([gate; up]) with megatron-core's quick_gelu, x * sigmoid(1.702 x) (GPT-OSS's)
+    quick_geglu: bool = False
+    # gated MLPs (megatron-core's glu()): act(min(gate, C)) * (clamp(up, -C, C) + offset); GPT-OSS: C 7, offset 1
+    glu_linear_offset: float = 0.0
+    activation_func_clamp_value: float | None = None
+    softmax_type: str = "vanilla"               # SOFTMAX_TYPES: "learnable" = GPT-OSS's per-head attention sinks
     # a GELU MLP (neither): F.gelu(approximate=...), GELU_APPROXIMATIONS ("none" with no GELU)
     gelu_approximate: str = "tanh"
     num_query_groups: int | None = None         # grouped-query attention: G key/value heads (None: one per head)
@@ -276,8 +288,17 @@ class GPTConfig:
         if self.gelu_approximate not in GELU_APPROXIMATIONS:
             raise ConfigError(f"gelu_approximate must be one of {', '.join(GELU_APPROXIMATIONS)} "
                               f"(got {self.gelu_approximate!r})")
-        if self.swiglu and self.squared_relu:
-            raise ConfigError("--squared-relu and --swiglu are two MLP activations: choose one (Megatron-LM's rule)")
+        if self.swiglu + self.squared_relu + self.quick_geglu > 1:
+            raise ConfigError("--swiglu, --squared-relu and --quick-geglu are three MLP activations: choose one "
+                              "(Megatron-LM's rule)")
+        if not self.gated_mlp and (self.glu_linear_offset != 0.0 or self.activation_func_clamp_value is not None):
+            raise ConfigError("--glu-linear-offset / --activation-func-clamp-value shape a gated MLP's product "
+                              "(megatron-core ignores them otherwise): add --quick-geglu or --swiglu, or drop them")
+        if self.activation_func_clamp_value is not None and not self.activation_func_clamp_value > 0:
+            raise ConfigError(f"--activation-func-clamp-value {self.activation_func_clamp_value}: must be > 0 (the "
+                              "gate is clamped to at most C, the linear half to [-C, C])")
+        if self.softmax_type not in SOFTMAX_TYPES:
+            raise ConfigError(f"--softmax-type {self.softmax_type}: choose one of {', '.join(SOFTMAX_TYPES)}")
         if not self.gelu_mlp:            # one recorded value for every model without a GELU: a resume compares it
             self.gelu_approximate = "none"
         if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
@@ -483,14 +504,6 @@ class GPTConfig:
         if self.add_bias_linear and etp > 1:
             raise ConfigError(f"mixture-of-experts layers with biases need expert TP 1 (megatron-core's rule; here "
                               f"{etp}): add --disable-bias-linear or use --expert-tensor-parallel-size 1")
-        if self.add_bias_linear and etp == 1 and expert_parallel == 1:
-            # megatron-core 0.16.1's MLP.forward does `output += bias * probs` on linear_fc2's output,
-            # which at expert TP 1 and EP 1 is the unchanged return of _ReduceFromModelParallelRegion:
-            # autograd refuses the in-place change of a custom Function's view in the first forward
-            raise ConfigError("mixture-of-experts layers with biases at --expert-model-parallel-size 1: megatron-core "
-                              "0.16.1's expert MLP adds its bias in place where autograd forbids it (the first "
-                              "forward fails); add --disable-bias-linear (Mixtral and Qwen-MoE have no biases) or "
-                              "use --expert-model-parallel-size > 1")
         if self.moe_ffn_size % etp:
             raise ConfigError(f"expert TP {etp} (--expert-tensor-parallel-size, default TP) does not divide the "
                               f"experts' FFN size {self.moe_ffn_size}: use an expert TP that divides it")
@@ -535,8 +548,13 @@ class GPTConfig:
 
     @property
     def gelu_mlp(self) -> bool:
-        """The MLP's activation is a GELU (gelu_approximate says which): neither SwiGLU nor squared ReLU."""
-        return not (self.swiglu or self.squared_relu)
+        """The MLP's activation is a GELU (gelu_approximate says which): not SwiGLU, squared ReLU or quick GeGLU."""
+        return not (self.swiglu or self.squared_relu or self.quick_geglu)
+
+    @property
+    def gated_mlp(self) -> bool:
+        """linear_fc1 is [gate; up] (2 x FFN outputs; stride 2 over TP): SwiGLU or quick GeGLU."""
+        return self.swiglu or self.quick_geglu
 
     @property
     def query_groups(self) -> int:
@@ -566,7 +584,8 @@ class GPTConfig:
                  if self.position_embedding_type != "learned_absolute" and not mla else "",
                  mla_part,
                  "RMSNorm" if self.normalization == "RMSNorm" else "",
-                 "SwiGLU" if self.swiglu else "",
+                 self._gated_name(),
+                 {"off-by-one": "softmax-off-by-one", "learnable": "sinks"}.get(self.softmax_type, ""),
                  "ReLU^2" if self.squared_relu else "",
                  "erf-GELU" if self.gelu_mlp and self.gelu_approximate == "none" else "",
                  f"GQA({self.query_groups} groups)" if self.query_groups != self.num_attention_heads else "",
@@ -578,6 +597,14 @@ class GPTConfig:
                  describe_window(self.window_size, self.window_attn_skip_freq, self.num_layers, short=True)]
         parts = [p for p in parts if p]
         return "+".join(parts) if parts else "GPT-2"
+
+    def _gated_name(self) -> str:
+        """"SwiGLU" / "QuickGeGLU", with the clamp and offset where set: e.g. "QuickGeGLU(clamp 7, +1)" (GPT-OSS)."""
+        if not self.gated_mlp:
+            return ""
+        extras = ([f"clamp {self.activation_func_clamp_value:g}"] if self.activation_func_clamp_value is not None
+                  else []) + ([f"{self.glu_linear_offset:+g}"] if self.glu_linear_offset else [])
+        return ("SwiGLU" if self.swiglu else "QuickGeGLU") + (f"({', '.join(extras)})" if extras else "")
 
     def arch_meta(self) -> dict:
         """The ARCH_FIELDS with defaults resolved (FFN size, G, head dim): what a checkpoint records."""
@@ -604,7 +631,8 @@ class GPTConfig:
                      + h * heads * d + bias * h)                                 # linear_proj
         if self.multi_latent_attention:
             attention = self.mla_parameters()
-        per_layer = norm * h + attention + norm * h                              # input and pre-MLP norms
+        sinks = heads if self.softmax_type == "learnable" else 0                   # one softmax offset per head
+        per_layer = norm * h + attention + sinks + norm * h                      # input and pre-MLP norms
         mlps = sum(self._moe_mlp_parameters() if moe else self._mlp_parameters(f) for moe in self.moe_layers())
         positions = self.max_position_embeddings * h if self.position_embedding_type == "learned_absolute" else 0
         output = V * h if self.untie_embeddings_and_output_weights else 0
@@ -618,7 +646,7 @@ class GPTConfig:
 
     def _mlp_parameters(self, f: int, bias: bool | None = None) -> int:
         h, bias = self.hidden_size, self.add_bias_linear if bias is None else bias
-        fc1_out = 2 * f if self.swiglu else f
+        fc1_out = 2 * f if self.gated_mlp else f
         return fc1_out * h + bias * fc1_out + h * f + bias * h
 
     def _moe_mlp_parameters(self) -> int:

@@ -64,12 +64,19 @@ def squared_relu(x: torch.Tensor) -> torch.Tensor:
     which on a CPU compiles in every process for ~15 s: relu(x)^2."""
     return torch.square(F.relu(x))
 
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """megatron-core's quick_gelu (fusions/fused_bias_geglu.py: GPT-OSS's activation), without its torch.compile
+    decorator (as squared_relu): x * sigmoid(1.702 x)."""
+    return x * torch.sigmoid(1.702 * x)
+
+
 def causal_attention_mask(seq_length: int, device) -> torch.Tensor:
     """Bool [1, 1, s, s], True = masked. Always explicit: with None megatron builds it on 'cuda'."""
     return torch.triu(torch.ones(seq_length, seq_length, dtype=torch.bool, device=device), diagonal=1)[None, None]
 
 
-def document_attention_mask(segment_ids: torch.Tensor, backend: str, dtype: torch.dtype) -> torch.Tensor:
+def document_attention_mask(segment_ids: torch.Tensor, backend: str, dtype: torch.dtype,
+                            sink: bool = False) -> torch.Tensor:
     """Per-document causal attention (--reset-attention-mask, --sft) from segment_ids [b, s]: token j
     may attend to token i iff i <= j and segment_ids[b, i] == segment_ids[b, j].
 
@@ -77,7 +84,8 @@ def document_attention_mask(segment_ids: torch.Tensor, backend: str, dtype: torc
     scores with -10000 before its fp32 softmax: exactly 0 after it, every row keeping its diagonal).
     "sdpa": additive [b, 1, s, s] in `dtype` (the attention's), 0 where allowed and -inf where masked,
     so that SDPA takes it as it is (a bool mask would be converted inside every layer, one copy each).
-    Built once per forward and shared by every layer: autograd keeps one tensor, not one per layer."""
+    Built once per forward and shared by every layer: autograd keeps one tensor, not one per layer.
+    sink ("sdpa" with attention sinks): in model/masks.py's sink layout, [b, 1, s + 1, s + 1]."""
     b, s = segment_ids.shape
     idx = torch.arange(s, device=segment_ids.device)
     masked = segment_ids[:, None, :, None] != segment_ids[:, None, None, :]     # [b, 1, s, s]
@@ -85,7 +93,9 @@ def document_attention_mask(segment_ids: torch.Tensor, backend: str, dtype: torc
     if backend != "sdpa":
         return masked
     # (rows padded once on CUDA, for its memory-efficient kernel: model/masks.py)
-    return padded_mask(b, 1, s, dtype, segment_ids.device).masked_fill_(masked, float("-inf"))
+    mask = padded_mask(b, 1, s, dtype, segment_ids.device, sink)
+    (mask[..., 1:, 1:] if sink else mask).masked_fill_(masked, float("-inf"))
+    return mask
 
 
 class TPQKNorm:
@@ -261,11 +271,16 @@ def transformer_config(cfg: GPTConfig, tensor_parallel: int):
         qk_layernorm=cfg.qk_layernorm,
         layernorm_zero_centered_gamma=cfg.layernorm_zero_centered_gamma,
         init_method_std=cfg.init_method_std,
-        # SwiGLU: silu(gate) * up with linear_fc1 = [gate; up]; squared ReLU; otherwise GELU, GPT-2's tanh
-        # approximation or the erf GELU (cfg.gelu_approximate: Megatron-LM's fused or unfused bias-GELU)
-        activation_func=F.silu if cfg.swiglu else squared_relu if cfg.squared_relu else
-        F.gelu if cfg.gelu_approximate == "none" else functools.partial(F.gelu, approximate="tanh"),
-        gated_linear_unit=cfg.swiglu,
+        # SwiGLU: silu(gate) * up with linear_fc1 = [gate; up]; quick GeGLU the same with quick_gelu (GPT-OSS: the
+        # gate clamped, the up half clamped and offset by megatron-core's glu()); squared ReLU; otherwise GELU,
+        # GPT-2's tanh approximation or the erf GELU (cfg.gelu_approximate: Megatron-LM's fused or unfused bias-GELU)
+        activation_func=F.silu if cfg.swiglu else quick_gelu if cfg.quick_geglu else squared_relu
+        if cfg.squared_relu else F.gelu if cfg.gelu_approximate == "none" else
+        functools.partial(F.gelu, approximate="tanh"),
+        gated_linear_unit=cfg.gated_mlp,
+        glu_linear_offset=cfg.glu_linear_offset,
+        activation_func_clamp_value=cfg.activation_func_clamp_value,
+        softmax_type=cfg.softmax_type,
         add_bias_linear=cfg.add_bias_linear,
         add_qkv_bias=cfg.add_qkv_bias,
         apply_query_key_layer_scaling=False,
@@ -332,7 +347,8 @@ class GPTModelTP(torch.nn.Module):
             rope_scaling_factor=cfg.rope_scaling_factor,
             parallel_output=True,
         )
-        _mark_tp_split_params(self.gpt, swiglu=cfg.swiglu)
+        _mark_tp_split_params(self.gpt, gated=cfg.gated_mlp)
+        _expert_fc2_returns_its_own_tensor(self.gpt)
         self._full_names = _expert_full_names(self)
         local_vocab = self.padded_vocab_size // tp_size
         first = tp_rank * local_vocab
@@ -369,7 +385,8 @@ class GPTModelTP(torch.nn.Module):
         """This forward's mask, built once and handed to every layer: SDPA's additive one in the attention's dtype
         (the parameters': the engine's 16-bit buffer) where planner/window.sdpa_mask_layout says one is needed
         (documents, a sliding window that binds; each layer takes its channel), else none (is_causal); the local
-        attention's bool mask (documents, or the cached causal one)."""
+        attention's bool mask (documents, or the cached causal one). With attention sinks SDPA's mask is in the
+        sink layout (model/masks.py: one more row and column), built so here once rather than in every layer."""
         cfg, s = self.cfg, tokens.size(1)
         if segment_ids is not None:
             self._check_segment_ids(tokens, segment_ids)
@@ -381,9 +398,10 @@ class GPTModelTP(torch.nn.Module):
         dtype = self.gpt.embedding.word_embeddings.weight.dtype
         if layout is None:
             return None
+        sink = getattr(cfg, "softmax_type", "vanilla") != "vanilla"
         if layout.window_left is None:
-            return document_attention_mask(segment_ids, "sdpa", dtype)
-        return window_attention_mask(s, layout.window_left, layout.channels, dtype, tokens.device, segment_ids)
+            return document_attention_mask(segment_ids, "sdpa", dtype, sink)
+        return window_attention_mask(s, layout.window_left, layout.channels, dtype, tokens.device, segment_ids, sink)
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
                 segment_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -420,26 +438,44 @@ class GPTModelTP(torch.nn.Module):
         return (per_token * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)
 
 
-def _mark_tp_split_params(module: torch.nn.Module, swiglu: bool = False) -> None:
+def _mark_tp_split_params(module: torch.nn.Module, gated: bool = False) -> None:
     """Megatron sets the TP-split attributes of weights only inside its own initialisers, which
     we skip (perform_initialization=False): mark the split weights here so sharding/clipping see
-    them. SwiGLU's linear_fc1 has stride 2 (each rank holds [gate_r; up_r]); its bias too."""
+    them. A gated MLP's linear_fc1 (SwiGLU, quick GeGLU) has stride 2 (each rank holds [gate_r; up_r]);
+    its bias too. Attention sinks (softmax_type learnable: one offset per head) split with the heads."""
     from megatron.core import tensor_parallel as tp
 
     for name, m in module.named_modules():
+        offset = getattr(m, "softmax_offset", None) if name.endswith("core_attention") else None
+        if isinstance(offset, torch.nn.Parameter):
+            offset.tensor_model_parallel, offset.partition_dim, offset.partition_stride = True, 0, 1
         if isinstance(m, (tp.ColumnParallelLinear, tp.VocabParallelEmbedding)):
             dim = 0
         elif isinstance(m, tp.RowParallelLinear):
             dim = 1
         else:
             continue
-        stride = 2 if swiglu and name.endswith("linear_fc1") else 1     # the MLP's, an expert's, the shared expert's
+        stride = 2 if gated and name.endswith("linear_fc1") else 1     # the MLP's, an expert's, the shared expert's
         w = getattr(m, "weight", None)
         if w is not None:
             w.tensor_model_parallel, w.partition_dim, w.partition_stride = True, dim, stride
         b = getattr(m, "bias", None)
         if dim == 0 and isinstance(b, torch.nn.Parameter):
             b.tensor_model_parallel, b.partition_dim, b.partition_stride = True, 0, stride
+
+
+def _expert_fc2_returns_its_own_tensor(module: torch.nn.Module) -> None:
+    """Experts with biases (GPT-OSS) at expert TP 1 and EP 1: megatron-core 0.16.1's MLP.forward adds the bias times
+    the routing probabilities in place (`output += output_bias * probs`) to linear_fc2's output, which there is the
+    input handed back by a one-rank reduce (a custom autograd Function's view: autograd refuses the in-place add in
+    the first forward). A reduce over one rank is the identity, forward and backward, so such an fc2 is told to skip
+    it, as megatron-core's own expert-parallel path does (explicit_expert_comm): the same math, no refusal."""
+    from megatron.core import tensor_parallel as tp
+
+    for name, m in module.named_modules():
+        if isinstance(m, tp.RowParallelLinear) and getattr(m, "is_expert", False) and m.skip_bias_add \
+                and m.tp_group.size() == 1 and not m.explicit_expert_comm:
+            m.explicit_expert_comm = True
 
 
 def _expert_tp(cfg: GPTConfig, tp_rank: int, tp_size: int) -> tuple[int, int]:

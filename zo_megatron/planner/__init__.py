@@ -38,10 +38,11 @@ b16 = 2 bytes (bf16/fp16) or 4 (fp32):
                          one b16·s·b·h gather buffer. Per-document attention (document_attention_mask:
                          --reset-attention-mask, --sft): one [b, 1, s, s] mask per micro-batch, b·s²
                          (local, bool) or b16·b·s² (SDPA), in every phase where it is kept for backward
-                         (layer_activations.document_mask_bytes); on a GPU SDPA's k/v repeated (the
+                         (layer_activations.attention_mask_bytes); on a GPU SDPA's k/v repeated (the
                          memory-efficient kernel: flash takes no mask). A sliding window that binds
                          (window_size, SDPA): its layers' mask counted the same way, one channel per
-                         distinct mask, b16·(b or 1)·C·s² (planner/window.py sdpa_mask_layout).
+                         distinct mask, b16·(b or 1)·C·s² (planner/window.py sdpa_mask_layout); the
+                         item is `activations_attention_mask`.
 
 Parameter count of the GPT-2-style model (learned positions, tied embeddings, biases, LayerNorms):
   P = V_pad·h + S·h + L·(12h² + 13h) + 2h,   V_pad = V rounded up to a multiple of 128·t
@@ -55,6 +56,12 @@ Multi-latent attention (MLA, DeepSeek-V2/V3; GPTConfig's MLA fields in PlanInput
 (the kv down projection replicated over TP) in params.py, its latents, heads, padded CPU heads and
 rotary tables in layer_activations.py; docs/memory_planner.md, "Multi-latent attention".
 
+GPT-OSS's parts (GPTConfig's quick_geglu, glu_linear_offset, activation_func_clamp_value, softmax_type in
+PlanInput): quick GeGLU's fc1 is [gate; up] as SwiGLU's (params.py); what a gated MLP keeps with its clamp
+in mlp_activations.py (dense, shared and routed experts); attention sinks' parameter (params.sink_rows) and
+what their softmax keeps (attention_sinks.py: the local attention's sink column, SDPA's s + 1 positions);
+docs/memory_planner.md, "GPT-OSS".
+
 Mixtures of experts (GPTConfig's MoE fields and expert_parallel in PlanInput): the router, E / EP
 experts per rank and the shared expert in params.py (total and active counts); at EP > 1 two engines
 (the dense parameters over DP, the experts over expert DP = DP / EP), each with its own flat buffer,
@@ -66,6 +73,8 @@ Layers (each module imports only those above it):
   params   the parameter list (Architecture, MoEShape, registration order) and its counts
   inputs   PlanInput (the question), Plan (the answer), plan_input_from_flags
   buckets  the engine's bucket layout (one engine, or at EP > 1 the dense and the experts' engines)
+  mlp_activations  what a dense MLP and a routed expert keep per token (GELU, ReLU^2, SwiGLU, quick GeGLU, clamps)
+  attention_sinks  what attention sinks add to the core attention's activations (local, SDPA)
   moe      what a mixture-of-experts layer adds to the activations, the token dispatcher's buffers
   layer_activations  what one transformer layer keeps for backward, by part (and under selective recompute)
   memory   the memory model, one function per component (_compute assembles them)

@@ -5,8 +5,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from zo_megatron.planner.params import (Architecture, MoEShape, default_core_attention, default_ffn_size, flags_need_sdpa,
-                                        moe_layer_pattern, resolve_recompute, selective_recompute_modules)
+from zo_megatron.planner.params import (SOFTMAX_TYPES, Architecture, MoEShape, default_core_attention, default_ffn_size,
+                                        flags_need_sdpa, moe_layer_pattern, resolve_recompute,
+                                        selective_recompute_modules)
 from zo_megatron.planner.units import GiB, MiB
 from zo_megatron.planner.window import (MaskLayout, describe_window, normalize_skip_freq, normalize_window_size,
                                         sdpa_mask_layout, window_layers)
@@ -53,6 +54,11 @@ class PlanInput:
     rotary_percent: float = 1.0
     normalization: str = "LayerNorm"  # "LayerNorm" | "RMSNorm"
     swiglu: bool = False
+    squared_relu: bool = False  # relu(x)^2 (Nemotron-4); keeps what a GELU keeps
+    quick_geglu: bool = False  # GPT-OSS: a gated MLP as SwiGLU's with quick_gelu (x * sigmoid(1.702 x))
+    glu_linear_offset: float = 0.0  # a gated MLP's act(min(gate, C)) * (clamp(up, -C, C) + offset) (GPT-OSS: 1)
+    activation_func_clamp_value: float | None = None  # ... its C (GPT-OSS: 7; None: no clamp)
+    softmax_type: str = "vanilla"  # SOFTMAX_TYPES; "learnable": GPT-OSS's attention sinks (a parameter per head)
     num_query_groups: int | None = None  # None: = num_attention_heads
     kv_channels: int | None = None  # None: hidden_size // num_attention_heads
     untie_embeddings_and_output_weights: bool = False
@@ -106,7 +112,7 @@ class PlanInput:
     attention_dropout: bool | None = None  # None: = dropout; SDPA on the CPU with it takes the math path
     sequence_parallel: bool = False  # megatron's sequence parallelism (only at TP > 1, as the job)
     # per-document attention (--reset-attention-mask, --sft): one [b, 1, s, s] mask per micro-batch
-    # (layer_activations.document_mask_bytes)
+    # (layer_activations.attention_mask_bytes)
     document_attention_mask: bool = False
     # sliding-window attention (GPTConfig's window fields; planner/window.py): its layers' additive mask, one per
     # micro-batch, [b or 1, C, s, s] with C the distinct masks (window.sdpa_mask_layout; SDPA only)
@@ -135,6 +141,15 @@ class PlanInput:
     def ffn(self) -> int:
         return default_ffn_size(self.hidden_size, self.swiglu) if self.ffn_hidden_size is None \
             else self.ffn_hidden_size
+
+    def gated_mlp(self) -> bool:
+        """linear_fc1 is [gate; up] (2f outputs): SwiGLU or quick GeGLU (GPTConfig.gated_mlp)."""
+        return self.swiglu or self.quick_geglu
+
+    def sinks(self) -> bool:
+        """The attention softmax has a sink logit per head in its denominator (off-by-one: 0; learnable:
+        GPT-OSS's learned one): megatron-core's softmax then always runs unfused (planner/attention_sinks.py)."""
+        return self.softmax_type != "vanilla"
 
     def arch(self) -> Architecture:
         return Architecture(**{k: getattr(self, k) for k in Architecture.__dataclass_fields__})
@@ -192,7 +207,8 @@ class PlanInput:
         gpt2 = self.arch() == Architecture()
         mla = self.multi_latent_attention
         parts = ["learned positions" if self.position_embedding_type == "learned_absolute" else
-                 "" if mla else "rope", self.normalization, "SwiGLU" if self.swiglu else "GELU"]
+                 "" if mla else "rope", self.normalization, self.activation_name(),
+                 {"off-by-one": "softmax-off-by-one", "learnable": "sinks"}.get(self.softmax_type, "")]
         parts = [p for p in parts if p]
         if mla:     # its own rotary embedding (a model-level rope is not built under MLA)
             parts.append(f"MLA: {'q latent ' + str(self.q_lora_rank) if self.q_lora_rank else 'queries direct'}, "
@@ -219,6 +235,15 @@ class PlanInput:
         family = "GPT-2" if gpt2 else "DeepSeek-family" if mla else "Llama-family"
         return f"{family} ({', '.join(parts)})"
 
+    def activation_name(self) -> str:
+        """The MLP's activation as GPTConfig names it: "GELU", "ReLU^2", "SwiGLU", "QuickGeGLU", a gated one with
+        its clamp and offset where set (GPT-OSS: "QuickGeGLU(clamp 7, +1)")."""
+        if not self.gated_mlp():
+            return "ReLU^2" if self.squared_relu else "GELU"
+        c, offset = self.activation_func_clamp_value, self.glu_linear_offset
+        extras = ([f"clamp {c:g}"] if c is not None else []) + ([f"{offset:+g}"] if offset else [])
+        return ("SwiGLU" if self.swiglu else "QuickGeGLU") + (f"({', '.join(extras)})" if extras else "")
+
     def reserve(self) -> int:
         """The OS reserve this plan keeps free on each node: host_reserve_bytes, or the rule."""
         return os_reserve_bytes(self.host_memory_bytes_per_node) if self.host_reserve_bytes is None \
@@ -230,6 +255,16 @@ class PlanInput:
 
     def attention_dropout_on(self) -> bool:
         return self.dropout if self.attention_dropout is None else self.attention_dropout
+
+    def sdpa_grouped_kv(self) -> bool:
+        """SDPA takes GQA's k/v grouped (enable_gqa): the CPU kernel, and CUDA's flash in 16 bits; CUDA's
+        memory-efficient kernel (fp32, or a document or window mask: flash takes no mask) gets them repeated
+        (layer_activations._attention_saved)."""
+        return self.device_is_host or (self.precision != "fp32" and self.attention_mask_layout() is None)
+
+    def sdpa_math_path(self) -> bool:
+        """torch SDPA on the CPU with attention dropout: its CPU kernel has no dropout, the math path runs."""
+        return self.attention_backend == "sdpa" and self.device_is_host and self.attention_dropout_on()
 
     def normalized_recompute(self) -> str | None:
         r = self.recompute
@@ -328,6 +363,7 @@ class PlanInput:
             raise ValueError(f"num_attention_heads {self.num_attention_heads} is not divisible by "
                              f"tensor_parallel {self.tensor_parallel}")
         self._validate_mla()
+        self._validate_activation_and_softmax()
         window = normalize_window_size(self.window_size)      # (ValueError: the job's one line)
         normalize_skip_freq(self.window_attn_skip_freq, window, self.num_layers)
         if self.attention_backend == "local" and any(window_layers(window, self.window_attn_skip_freq,
@@ -361,6 +397,19 @@ class PlanInput:
                 raise ValueError(f"{name} must be >= 0")
         if not 0 <= self.fragmentation < 1:
             raise ValueError(f"fragmentation must be in [0, 1), got {self.fragmentation}")
+
+    def _validate_activation_and_softmax(self) -> None:
+        """GPTConfig._check_architecture's rules on the MLP's activation and the softmax (the job's one lines)."""
+        if self.swiglu + self.squared_relu + self.quick_geglu > 1:
+            raise ValueError("swiglu, squared_relu and quick_geglu are three MLP activations: choose one")
+        c = self.activation_func_clamp_value
+        if not self.gated_mlp() and (self.glu_linear_offset != 0.0 or c is not None):
+            raise ValueError("glu_linear_offset / activation_func_clamp_value shape a gated MLP's product: they need "
+                             "quick_geglu or swiglu")
+        if c is not None and not c > 0:
+            raise ValueError(f"activation_func_clamp_value must be > 0, got {c!r}")
+        if self.softmax_type not in SOFTMAX_TYPES:
+            raise ValueError(f"softmax_type must be one of {SOFTMAX_TYPES}, got {self.softmax_type!r}")
 
     def _validate_mla(self) -> None:
         """Multi-latent attention's rules that shape memory (the job checks the rest, GPTConfig._check_mla)."""

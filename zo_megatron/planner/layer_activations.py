@@ -6,7 +6,10 @@ an MoE layer's side, planner/moe.py), and what selective recompute (--recompute-
 holds again. memory.py composes these into the plan."""
 from __future__ import annotations
 
+from zo_megatron.planner.attention_sinks import (local_sink_extra, positions, sink_core_saved, sink_head_dims,
+                                                 sink_proj_input, sink_sdpa)
 from zo_megatron.planner.inputs import PlanInput
+from zo_megatron.planner.mlp_activations import mlp_saved_widths
 from zo_megatron.planner.moe import moe_mlp_saved, shared_expert_saved
 
 
@@ -37,19 +40,24 @@ def _qk_norm_saved(inp: PlanInput, elements: int, rows: int) -> tuple[int, bool]
 
 def _sdpa_math_path(inp: PlanInput) -> bool:
     """torch SDPA on the CPU with attention dropout: its CPU kernel has no dropout, the math path runs."""
-    return inp.attention_backend == "sdpa" and inp.device_is_host and inp.attention_dropout_on()
+    return inp.sdpa_math_path()
 
 
 def _sdpa_pads(inp: PlanInput) -> bool:
     """The core attention pads the heads to one head dim before SDPA: on the CPU, where multi-latent
     attention's value head dim differs from its query/key head dim (DeepSeek-V3: 128 vs 192), since
     torch's CPU flash kernel takes one head dim (model/attention.py SDPAttention: zero channels, sliced
-    off the output). CUDA's memory-efficient kernel takes the two dims as they are."""
-    return inp.attention_backend == "sdpa" and inp.device_is_host and inp.qk_dim() != inp.v_dim()
+    off the output). CUDA's memory-efficient kernel takes the two dims as they are. (The attention sinks'
+    operands are built at one width on the CPU already: attention_sinks.sink_head_dims.)"""
+    return inp.attention_backend == "sdpa" and inp.device_is_host and inp.qk_dim() != inp.v_dim() \
+        and not sink_sdpa(inp)
 
 
 def _sdpa_head_dims(inp: PlanInput) -> tuple[int, int]:
-    """(query/key, value) head dims of the tensors SDPA gets (`_sdpa_pads`: both the larger)."""
+    """(query/key, value) head dims of the tensors SDPA gets (`_sdpa_pads`: both the larger; with attention
+    sinks the widths of their operands, attention_sinks.sink_head_dims)."""
+    if sink_sdpa(inp):
+        return sink_head_dims(inp)
     qk, v = inp.qk_dim(), inp.v_dim()
     return (max(qk, v),) * 2 if _sdpa_pads(inp) else (qk, v)
 
@@ -88,7 +96,7 @@ def _attention_saved(inp: PlanInput, checkpointed: bool | None = None) -> int:
         # kernel and CUDA's flash (16-bit); CUDA's memory-efficient kernel (fp32, or any dtype with a
         # document or window mask: flash takes no mask) gets them repeated (with --window-attn-skip-freq and
         # no documents the full-attention layers keep flash's grouped k/v: counted repeated, an upper bound).
-        grouped = inp.device_is_host or (w == 2 and inp.attention_mask_layout() is None)
+        grouped = inp.sdpa_grouped_kv()
         q_new = rope or qk_norm or not q_is_view
         k_new = rope or qk_norm or (g < a and not grouped)
         v_new = g < a and not grouped
@@ -103,8 +111,9 @@ def _attention_saved(inp: PlanInput, checkpointed: bool | None = None) -> int:
     # the core attention's new inputs
     saved_bytes = w * d * sum(n for new, n in ((q_new, a), (k_new, kv_heads), (v_new, kv_heads)) if new)
     fused_kept = not (q_new and k_new and v_new)
-    if _sdpa_math_path(inp) and not checkpointed:
-        # the math path saves fp32 copies of q, k, v (counted with its scores, `_scores_saved`), not
+    if (_sdpa_math_path(inp) or sink_sdpa(inp)) and not checkpointed:
+        # the math path saves fp32 copies of q, k, v (counted with its scores, `_scores_saved`), and the
+        # attention sinks' path copies them into its own operands (attention_sinks.sink_core_saved), not
         # the tensors it was given: neither they nor the fused tensor they are views of stay alive
         saved_bytes, fused_kept = 0, False
     if qk_norm:                                   # per token: a·d and g·d elements, a and g rows
@@ -137,7 +146,7 @@ def _mla_attention_saved(inp: PlanInput, checkpointed: bool | None = None) -> in
     n, w = inp.num_attention_heads // inp.tensor_parallel, _bytes16(inp.precision)
     if checkpointed:
         return w * n * (2 * inp.qk_dim() + inp.v_dim())
-    if _sdpa_math_path(inp):
+    if _sdpa_math_path(inp) or sink_sdpa(inp):      # their own copies, counted with the scores
         return 0
     qk, v = _sdpa_head_dims(inp)
     return w * n * (2 * qk + v + (v if _sdpa_pads(inp) else 0))
@@ -181,7 +190,7 @@ def _layer_saved(inp: PlanInput, moe_layer: bool = False) -> tuple[int, int, int
     here built from its parts so precision, options and the architecture change it consistently.
     moe_layer: a mixture-of-experts layer, whose MLP keeps `moe.moe_mlp_saved` (in `split`)."""
     s, b, h = inp.seq_length, inp.micro_batch_size, inp.hidden_size
-    a, t, f = inp.num_attention_heads, inp.tensor_parallel, inp.ffn()
+    t, f = inp.tensor_parallel, inp.ffn()
     w = _bytes16(inp.precision)
     sb, sbh = s * b, s * b * h
     mask = 1 if inp.dropout else 0
@@ -195,9 +204,10 @@ def _layer_saved(inp: PlanInput, moe_layer: bool = False) -> tuple[int, int, int
     # split over TP: q, k, v (+ the fused qkv output they may be views of), proj input (heads x the value
     # head dim), the MLP:
     # GELU keeps fc1's output and fc2's input (2f); SwiGLU keeps fc1's [gate; up] output (2f), silu(gate),
-    # up + 0 (megatron's glu_linear_offset makes it a new tensor) and their product, fc2's input (5f)
-    mlp = 0 if moe_layer else (5 if inp.swiglu else 2) * f // t
-    split = sb * (_attention_saved(inp) + w * (inp.num_attention_heads * inp.v_dim() // t + mlp))
+    # up + 0 (megatron's glu_linear_offset makes it a new tensor) and their product, fc2's input (5f); a
+    # clamp and quick GeGLU keep more (mlp_activations.mlp_saved_widths: GPT-OSS's 7f)
+    mlp = 0 if moe_layer else mlp_saved_widths(inp) * f // t
+    split = sb * (_attention_saved(inp) + w * mlp) + _proj_input_saved(inp)
     if moe_layer:
         split += moe_mlp_saved(inp)
     if inp.sp():
@@ -209,6 +219,16 @@ def _layer_saved(inp: PlanInput, moe_layer: bool = False) -> tuple[int, int, int
         # channels, over the whole sequence also with SP; a model-level rope is not built under MLA)
         replicated += 4 * w * s * inp.rotary_dim()
     return replicated, split, _scores_saved(inp)
+
+
+def _proj_input_saved(inp: PlanInput) -> int:
+    """Bytes per layer of linear_proj's saved input, the context [s, b, heads/t x the value head dim]
+    (the core attention's output; on the attention sinks' path a copy or a view of SDPA's s + 1 rows:
+    attention_sinks.sink_proj_input)."""
+    if sink_sdpa(inp):
+        return sink_proj_input(inp)
+    return _bytes16(inp.precision) * inp.seq_length * inp.micro_batch_size * inp.num_attention_heads * \
+        inp.v_dim() // inp.tensor_parallel
 
 
 def _selective_layer(inp: PlanInput, moe_layer: bool) -> tuple[int, int]:
@@ -242,6 +262,9 @@ def _selective_layer(inp: PlanInput, moe_layer: bool) -> tuple[int, int]:
         # what the core keeps of q, k and v beyond its inputs (GQA's repeated k/v, flattened copies)
         extra = max(0, _attention_saved(inp, checkpointed=False) - _attention_saved(inp, checkpointed=True))
         recompute(scores, scores + s * b * extra)
+        # and the attention mask's type, which megatron-core passes through its checkpoint as an int32 [1]
+        # tensor (attention.py _checkpointed_attention_forward)
+        kept += 4
     if "layernorm" in mods:
         # again: one norm's internals and output, restored by a hook on its block's output before that
         # block's backward and held until the norm's own: beside the block's recomputed activations
@@ -253,7 +276,7 @@ def _selective_layer(inp: PlanInput, moe_layer: bool) -> tuple[int, int]:
     elif moe_layer and "shared_experts" in mods:
         recompute(shared_expert_saved(inp))
     if not moe_layer and "mlp" in mods:
-        recompute(w * s * b * (5 if inp.swiglu else 2) * inp.ffn() // t)
+        recompute(w * s * b * mlp_saved_widths(inp) * inp.ffn() // t)
     if "mla_up_proj" in mods:
         dropped = s * b * _mla_up_proj_dropped(inp)
         n = inp.num_attention_heads // t
@@ -287,7 +310,7 @@ def _mla_up_proj_dropped(inp: PlanInput) -> int:
     n, w = inp.num_attention_heads // inp.tensor_parallel, _bytes16(inp.precision)
     if "core_attn" in inp.selective_modules():
         return w * n * (2 * inp.qk_dim() + inp.v_dim())
-    if _sdpa_math_path(inp):
+    if _sdpa_math_path(inp) or sink_sdpa(inp):      # the core keeps copies of its own
         return 0
     return w * n * (2 * inp.qk_dim() + (0 if _sdpa_pads(inp) else inp.v_dim()))
 
@@ -310,10 +333,11 @@ def _core_attention_backward(inp: PlanInput, moe_layer: bool = False) -> int:
     Net of the two, at least 0."""
     if not _sdpa_math_path(inp):
         return 0
-    s, b, h, a, t = inp.seq_length, inp.micro_batch_size, inp.hidden_size, inp.num_attention_heads, inp.tensor_parallel
+    b, h, a, t = inp.micro_batch_size, inp.hidden_size, inp.num_attention_heads, inp.tensor_parallel
     w, sb, mask = _bytes16(inp.precision), inp.seq_length * inp.micro_batch_size, 1 if inp.dropout else 0
     mods = inp.selective_modules()
-    square, value = 4 * a * s * s * b // t, 4 * a * sb * _sdpa_head_dims(inp)[1] // t
+    n = positions(inp)                              # s, or s + 1 with attention sinks
+    square, value = 4 * a * n * n * b // t, 4 * a * n * b * _sdpa_head_dims(inp)[1] // t
     new = 2 * square + 2 * value
     norm = 0 if "layernorm" in mods else _norm_saved(inp, sb * h, sb)[0]
     freed = (norm + (w + 2 * mask) * sb * h) // (t if inp.sp() else 1)
@@ -321,19 +345,21 @@ def _core_attention_backward(inp: PlanInput, moe_layer: bool = False) -> int:
         freed += 0 if "moe" in mods else moe_mlp_saved(inp) - (shared_expert_saved(inp) if "shared_experts" in mods
                                                               else 0)
     elif "mlp" not in mods:
-        freed += w * sb * (5 if inp.swiglu else 2) * inp.ffn() // t
-    freed += value + w * a * sb * inp.v_dim() // t + (square if inp.attention_dropout_on() else 0)
+        freed += w * sb * mlp_saved_widths(inp) * inp.ffn() // t
+    freed += value + _proj_input_saved(inp) + (square if inp.attention_dropout_on() else 0)
     return max(0, new - freed)
 
 
-def document_mask_bytes(inp: PlanInput) -> tuple[int, bool]:
+def attention_mask_bytes(inp: PlanInput) -> tuple[int, bool]:
     """(bytes of one micro-batch's attention mask, whether it lives through backward); (0, False) without
     one. model/gpt.py builds one mask per forward, over the whole sequence on every TP rank (also with
     sequence parallelism), and hands the same tensor to every layer: per-document attention's [b, 1, s, s],
     bool (1 byte) for the local attention, additive in the activation dtype (w) for SDPA; with a sliding
     window that binds, SDPA's [b or 1, C, s, s], one channel per distinct mask (planner/window.py
     sdpa_mask_layout: the window layers', and with documents and full-attention layers theirs), each layer
-    saving a view of its channel (one storage).
+    saving a view of its channel (one storage). SDPA's masks with attention sinks are [.., s + 1, s + 1]
+    (model/masks.py's sink layout); on CUDA every SDPA mask's rows are padded to a multiple of 8 elements
+    (model/masks.padded_mask: the memory-efficient kernel's strides), a view of the wider storage.
 
     Kept for backward (one storage, however many layers save it; measured with saved-tensor hooks in
     tests/test_planner_validation.py's -docmask cases): by the local attention's masked_fill_, by SDPA's
@@ -344,11 +370,14 @@ def document_mask_bytes(inp: PlanInput) -> tuple[int, bool]:
     layout = inp.attention_mask_layout()
     if layout is None:
         return 0, False
-    s, rows = inp.seq_length, inp.micro_batch_size if layout.batched else 1
-    per_element = 1 if inp.attention_backend == "local" else _bytes16(inp.precision)
+    rows = inp.micro_batch_size if layout.batched else 1
+    local = inp.attention_backend == "local"
+    n = positions(inp)                              # s, or s + 1 in the attention sinks' layout
+    width = n if local or inp.device_is_host else -(-n // 8) * 8
+    per_element = 1 if local else _bytes16(inp.precision)
     kept = (not _sdpa_math_path(inp) or inp.normalized_recompute() == "full"
             or "core_attn" in inp.selective_modules())
-    return per_element * rows * layout.channels * s * s, kept
+    return per_element * rows * layout.channels * n * width, kept
 
 
 def _scores_saved(inp: PlanInput) -> int:
@@ -361,9 +390,16 @@ def _scores_saved(inp: PlanInput) -> int:
     falls back to the math path: three fp32 [b, a/t, s, s] tensors (softmax output, dropout mask
     and output) and fp32 q·scale, k·scale and v at the full head count, instead of the q, k, v it
     was given (measured with saved-tensor hooks, torch 2.13 CPU; tests/test_planner_validation.py's
-    `-sdpa-attndrop` case in bf16; in fp32 v may stay a view of the fused qkv tensor instead)."""
+    `-sdpa-attndrop` case in bf16; in fp32 v may stay a view of the fused qkv tensor instead).
+
+    Attention sinks (planner/attention_sinks.py): on SDPA, what its path keeps of its own at s + 1
+    positions (sink_core_saved: its copies of q, k, v, the logsumexp, an output wider than linear_proj's
+    input); on the local attention the unfused softmax (the fused kernel takes no offset) with its fp32
+    output one sink column wider (local_sink_extra)."""
     s, b, a, t = inp.seq_length, inp.micro_batch_size, inp.num_attention_heads, inp.tensor_parallel
     w = _bytes16(inp.precision)
+    if sink_sdpa(inp):
+        return sink_core_saved(inp)
     if inp.attention_backend == "sdpa":
         if _sdpa_math_path(inp):
             # fp32: scores, probabilities, dropout output [b, a/t, s, s]; scaled q, scaled k, v [b, a/t,
@@ -373,6 +409,7 @@ def _scores_saved(inp: PlanInput) -> int:
         return 4 * a * s * b // t
     mask = 1 if inp.dropout else 0
     # attention scores a·s·s·b: probs saved by softmax (+ fp32 probs and a 16-bit copy if unfused)
-    probs = w if (inp.fused_softmax or w == 4) else 4 + w
+    fused = inp.fused_softmax and not inp.sinks()
+    probs = w if (fused or w == 4) else 4 + w
     scores_per_elem = probs + (mask + w if inp.dropout else 0)  # dropout mask + dropout output
-    return scores_per_elem * a * s * s * b // t
+    return scores_per_elem * a * s * s * b // t + local_sink_extra(inp)

@@ -9,7 +9,7 @@ import math
 from zo_megatron.planner.inputs import Plan, PlanInput
 from zo_megatron.planner.buckets import _bucket_layout, bucket_walk
 from zo_megatron.planner.layer_activations import (_bytes16, _core_attention_backward, _layer_saved, _norm_saved,
-                                                   _selective_layer, document_mask_bytes)
+                                                   _selective_layer, attention_mask_bytes)
 from zo_megatron.planner.moe import moe_backward_grads, moe_dispatcher
 from zo_megatron.planner.params import count_params, pad_vocab_size
 from zo_megatron.planner.units import format_bytes
@@ -38,9 +38,9 @@ def _activation_items(inp: PlanInput, vocab_padded: int) -> dict[str, int]:
 
     Line items: P, each phase's parts, and `activations_phases_not_coexisting` (<= 0), which takes
     back what the phases would double count: the items sum to P + max(A1, A2, B, B').
-    With sequence parallelism the all-gather buffer is live in every phase; so is per-document
-    attention's mask (`activations_document_mask`) where something keeps it for backward
-    (layer_activations.document_mask_bytes; else it ends with the forward, beside the logits).
+    With sequence parallelism the all-gather buffer is live in every phase; so is the attention mask of
+    per-document attention or a sliding window (`activations_attention_mask`) where something keeps it for backward
+    (layer_activations.attention_mask_bytes; else it ends with the forward, beside the logits).
     """
     s, b, h = inp.seq_length, inp.micro_batch_size, inp.hidden_size
     t, L, f = inp.tensor_parallel, inp.num_layers, inp.ffn()
@@ -114,8 +114,9 @@ def _activation_items(inp: PlanInput, vocab_padded: int) -> dict[str, int]:
         items["activations_tied_embedding_grad"] = emb_grad = out_grad
     phase_a2 = sp_buffer + emb_final + 2 * w * logits + out_grad
     # phase B: one layer's backward
-    # two fc1-output-sized gradients with GELU (fc2's input, fc1's output); with SwiGLU the same 2f
-    # bytes are one gradient of fc1's [gate; up] output (measured: tests/test_planner_validation.py)
+    # two fc1-output-sized gradients with GELU (fc2's input, fc1's output); with a gated MLP (SwiGLU, quick
+    # GeGLU) the same 2f bytes are one gradient of fc1's [gate; up] output (measured:
+    # tests/test_planner_validation.py, tests/test_planner_gptoss.py)
     # (the residual stream's two gradients: 1/t of the sequence with sequence parallelism)
     # (an MoE layer: its routed slots' and shared expert's gradients, moe.moe_backward_grads)
     residual = 2 * w * sbh // (t if inp.sp() else 1)
@@ -129,7 +130,7 @@ def _activation_items(inp: PlanInput, vocab_padded: int) -> dict[str, int]:
         items["activations_core_attention_backward"] = attention_backward
     phase_b_attention = sp_buffer + working_set + residual + emb_grad + attention_backward
     phase_a0 = sp_buffer + dispatch_transient       # the last MoE layer's dispatch in forward
-    in_forward, held, phase_forward_end = _document_mask(
+    in_forward, held, phase_forward_end = _attention_mask(
         inp, items, sp_buffer + emb_final + (w + (4 if pad_mask else 0)) * logits)
     listed = sum(v for k, v in items.items()
                  if k not in ("activations_layers", "activations_layer_inputs"))
@@ -139,15 +140,16 @@ def _activation_items(inp: PlanInput, vocab_padded: int) -> dict[str, int]:
     return items
 
 
-def _document_mask(inp: PlanInput, items: dict[str, int], forward_end: int) -> tuple[int, int, int]:
-    """Per-document attention's mask (layer_activations.document_mask_bytes; 0s without one): its item, and
+def _attention_mask(inp: PlanInput, items: dict[str, int], forward_end: int) -> tuple[int, int, int]:
+    """The attention mask of per-document attention or a sliding window (layer_activations.attention_mask_bytes;
+    0s without one): its item, and
     (what it adds to the forward's phases, what it adds to the others, the phase at the end of forward).
     One mask per micro-batch, live in forward and, where something keeps it for backward, in every phase;
     otherwise (SDPA's CPU math path) gone when forward returns: `forward_end` (the logits then) + the mask."""
-    mask, kept = document_mask_bytes(inp)
+    mask, kept = attention_mask_bytes(inp)
     if not mask:
         return 0, 0, 0
-    items["activations_document_mask"] = mask
+    items["activations_attention_mask"] = mask
     return mask, mask if kept else 0, forward_end + mask
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 
 from zo_megatron.planner.inputs import PlanInput
+from zo_megatron.planner.mlp_activations import expert_saved_widths, mlp_saved_widths
 
 # bytes the router keeps per local token and routing slot: the fp32 top-k probabilities and two int64
 # index tensors (top-k indices, their scatter into the routing map)
@@ -73,22 +74,23 @@ def _tokens(inp: PlanInput) -> tuple[int, int]:
 
 def moe_mlp_saved(inp: PlanInput) -> int:
     """Bytes one MoE layer's MLP keeps for backward on one rank (instead of the dense MLP's
-    F·f/t·w per token, F = 5 with SwiGLU, 2 with GELU; the router's input is the pre-MLP norm's
-    output, which the layer keeps as a dense layer's fc1 keeps it).
+    F·f/t·w per token, F = mlp_activations.mlp_saved_widths: 2 GELU, 5 SwiGLU, 7 GPT-OSS's clamped quick
+    GeGLU; the router's input is the pre-MLP norm's output, which the layer keeps as a dense layer's fc1
+    keeps it).
 
     routed experts (k·T slots): their input rows (the permuted tokens, h wide: split views keep the
       whole tensor), each expert's MLP (F·f_e/e_t, + f_e/e_t: the output scaled by its routing weight is a
-      new tensor), the routing weight (w) and the permutation index (8) per slot;
+      new tensor: mlp_activations.expert_saved_widths), the routing weight (w) and the permutation index (8)
+      per slot (the experts' biases keep nothing more: mlp_activations);
     router, per local token: fp32 scores (4·E) and per slot ROUTER_BYTES_PER_SLOT;
     routing map and weights of the local experts, E x T_e (allgather: the gathered tokens; alltoall:
       the local ones): bool + 16-bit;
     shared expert: a dense MLP of its size (F·f_s/t per token) and, gated, its output (h) and the
       sigmoid (1) per local token."""
-    e, k, t, h = inp.num_experts, inp.moe_router_topk, inp.tensor_parallel, inp.hidden_size
+    e, k, h = inp.num_experts, inp.moe_router_topk, inp.hidden_size
     w, f_e, et = _w(inp), inp.moe_ffn(), inp.expert_tp()
     T, T_loc = _tokens(inp)
-    mlp = 5 if inp.swiglu else 2
-    routed = routed_slots(inp) * (w * h + w * (mlp + 1) * f_e // et + w + PERMUTE_INDEX_BYTES)
+    routed = routed_slots(inp) * (w * h + w * expert_saved_widths(inp) * f_e // et + w + PERMUTE_INDEX_BYTES)
     router = T_loc * (4 * e + ROUTER_BYTES_PER_SLOT * k)
     routing_map = (w + 1) * e * (T if inp.moe_token_dispatcher_type == "allgather" else T_loc)
     return routed + router + routing_map + shared_expert_saved(inp)
@@ -100,7 +102,7 @@ def shared_expert_saved(inp: PlanInput) -> int:
     shared_experts recomputes instead)."""
     if not inp.moe_shared_expert_intermediate_size:
         return 0
-    w, mlp = _w(inp), 5 if inp.swiglu else 2
+    w, mlp = _w(inp), mlp_saved_widths(inp)
     _, T_loc = _tokens(inp)
     # dense: over TP, on the TP group's s·b tokens
     shared = w * mlp * inp.moe_shared_expert_intermediate_size // inp.tensor_parallel * inp.seq_length * \
@@ -130,7 +132,7 @@ def moe_dispatcher(inp: PlanInput) -> tuple[int, int]:
       receives (`routed_slots` / e_t: as many, balanced); the rows gathered over expert TP and sorted
       by expert are the experts' saved input.
     Both dispatchers' backward moves gradients of the same sizes (counted in the layer's backward)."""
-    e, k, h, w, ep = inp.num_experts, inp.moe_router_topk, inp.hidden_size, _w(inp), inp.expert_parallel
+    e, h, w, ep = inp.num_experts, inp.hidden_size, _w(inp), inp.expert_parallel
     T, T_loc = _tokens(inp)
     if inp.moe_token_dispatcher_type == "allgather":
         if inp.expert_tp() * ep == 1:

@@ -1,8 +1,9 @@
 """Parameter counts of the model, total and per TP rank (Megatron's layout), for every architecture
 the planner models: GPT-2 (learned positions, LayerNorm, GELU, biases, tied embeddings) and the
 Llama family through GPTConfig's fields (rope, RMSNorm, SwiGLU, GQA, untied output layer, no
-biases / qkv bias only, qk LayerNorm), and multi-latent attention (DeepSeek-V2/V3's MLA,
-`mla_attention_rows`: megatron-core's MLASelfAttention as model/mla.py builds it).
+biases / qkv bias only, qk LayerNorm), multi-latent attention (DeepSeek-V2/V3's MLA,
+`mla_attention_rows`: megatron-core's MLASelfAttention as model/mla.py builds it), and GPT-OSS's parts:
+quick GeGLU (a gated MLP: fc1 [gate; up] as SwiGLU's) and attention sinks (`sink_rows`).
 
 One list of parameters (`layer_parameters`, `model_parameters`) in megatron-core's registration
 order feeds both the counts here and the bucket walk of the memory model.
@@ -10,7 +11,8 @@ order feeds both the counts here and the bucket walk of the memory model.
 Mixture of experts (`MoEShape`, GPTConfig's MoE fields): the MLP of every layer `layers` names is
 megatron-core's MoELayer (local spec): the router (E x h, + E with biases; replicated over TP), the
 experts this EP rank holds (E / EP of them, each a dense MLP of the experts' FFN size, split over
-expert TP as the dense MLP over TP; expert TP defaults to TP), and the shared expert (split over TP) (no biases) with its gate (h). Expert
+expert TP as the dense MLP over TP; expert TP defaults to TP; their fc1 / fc2 biases with add_bias_linear,
+GPT-OSS's), and the shared expert (split over TP; no biases) with its gate (h). Expert
 parameters are named `.mlp.experts.` as zo_megatron/param_names.is_routed_expert names them.
 """
 from __future__ import annotations
@@ -24,6 +26,8 @@ from zo_megatron.param_names import is_routed_expert
 # whole MoE layer (router, dispatch and experts), the shared expert, multi-latent attention's up
 # projections (their query, key and value dropped after the core attention and recomputed)
 RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe", "shared_experts", "mla_up_proj")
+# megatron-core's attention softmax types (softmax_type): "learnable" is GPT-OSS's attention sinks (model/sinks.py)
+SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 
 
 def default_core_attention(needs_sdpa: bool) -> str:
@@ -113,7 +117,18 @@ class Architecture:
     position_embedding_type: str = "learned_absolute"   # "learned_absolute" | "rope" | "yarn"
     rotary_percent: float = 1.0
     normalization: str = "LayerNorm"                     # "LayerNorm" | "RMSNorm"
+    # the MLP's activation: GELU (none of these), SwiGLU, squared ReLU, or quick GeGLU (GPT-OSS: quick_gelu's
+    # gated MLP); SwiGLU and quick GeGLU are gated (`gated_mlp`: linear_fc1 = [gate; up], 2f outputs)
     swiglu: bool = False
+    squared_relu: bool = False
+    quick_geglu: bool = False
+    # a gated MLP's product act(min(gate, C)) * (clamp(up, -C, C) + offset) (megatron-core's glu(); GPT-OSS: C 7,
+    # offset 1): what autograd keeps changes with the clamp (planner/mlp_activations.py), not the parameters
+    glu_linear_offset: float = 0.0
+    activation_func_clamp_value: float | None = None
+    # the attention softmax: "vanilla", "off-by-one" (exp(0) in every denominator) or "learnable" (GPT-OSS's
+    # attention sinks: one learned logit per head, a parameter split over TP with the heads)
+    softmax_type: str = "vanilla"
     num_query_groups: int | None = None                  # None: = heads (multi-head attention)
     kv_channels: int | None = None                       # None: hidden // heads
     untie_embeddings_and_output_weights: bool = False
@@ -129,6 +144,11 @@ class Architecture:
     qk_head_dim: int = 128
     qk_pos_emb_head_dim: int = 64
     v_head_dim: int = 128
+
+    @property
+    def gated_mlp(self) -> bool:
+        """linear_fc1 is [gate; up] (2f outputs): SwiGLU or quick GeGLU (GPTConfig.gated_mlp)."""
+        return self.swiglu or self.quick_geglu
 
 
 GPT2 = Architecture()
@@ -165,7 +185,8 @@ def moe_layer_pattern(num_layers: int, freq) -> list[bool]:
 
 
 def default_ffn_size(hidden_size: int, swiglu: bool) -> int:
-    """Megatron-LM's --ffn-hidden-size default: 4h, or int(4h * 2/3 / 64) * 64 with --swiglu."""
+    """Megatron-LM's --ffn-hidden-size default: 4h, or int(4h * 2/3 / 64) * 64 with --swiglu (SwiGLU
+    specifically, not any gated MLP: Megatron-LM and GPTConfig.ffn_size give --quick-geglu 4h)."""
     return int(4 * hidden_size * 2 / 3 / 64) * 64 if swiglu else 4 * hidden_size
 
 
@@ -181,8 +202,11 @@ def layer_parameters(hidden_size: int, ffn_size: int, num_attention_heads: int,
     (input norm, linear_proj, linear_qkv, q/k norms, pre-MLP norm, fc1, fc2).
 
     linear_qkv has (heads + 2G)·head_dim output rows (GQA's k/v are G heads each); fc1 has 2f rows
-    with SwiGLU ([gate; up]); norms have a bias only as LayerNorm; linear biases with
-    add_bias_linear, the qkv bias also with add_qkv_bias; q/k norms act on one head (head_dim).
+    with a gated MLP (SwiGLU, quick GeGLU: [gate; up]); norms have a bias only as LayerNorm; linear biases
+    with add_bias_linear, the qkv bias also with add_qkv_bias; q/k norms act on one head (head_dim).
+    Attention sinks (softmax_type "learnable") are the core attention's softmax_offset, one per head,
+    split over TP with the heads and registered first in the attention (its core attention is built
+    before linear_proj, also under MLA); "off-by-one" has no parameter (a fixed zero logit).
     Biases of row-parallel layers (proj, fc2) are replicated over TP. With `moe` the MLP is the MoE
     layer's (`moe_mlp_parameters`: router, this EP rank's experts, shared expert)."""
     h, f, a = hidden_size, ffn_size, num_attention_heads
@@ -195,6 +219,7 @@ def layer_parameters(hidden_size: int, ffn_size: int, num_attention_heads: int,
         return _norm_rows(name, n, arch)
 
     rows = norm("input_layernorm", h)
+    rows += sink_rows(a, arch)
     if arch.multi_latent_attention:
         rows += mla_attention_rows(h, a, arch)
     else:
@@ -207,7 +232,15 @@ def layer_parameters(hidden_size: int, ffn_size: int, num_attention_heads: int,
     rows += norm("pre_mlp_layernorm", h)
     if moe is not None:
         return rows + moe_mlp_parameters(h, arch, moe)
-    return rows + _mlp_rows("mlp.", h, f, arch.swiglu, bias)
+    return rows + _mlp_rows("mlp.", h, f, arch.gated_mlp, bias)
+
+
+def sink_rows(a: int, arch: Architecture) -> list[tuple[str, int, bool]]:
+    """The attention sinks' parameter (softmax_type "learnable": megatron-core's DotProductAttention and
+    model/attention.py's SDPAttention register `softmax_offset`, [heads / TP]); none otherwise."""
+    if arch.softmax_type != "learnable":
+        return []
+    return [("self_attention.core_attention.softmax_offset", a, True)]
 
 
 def _norm_rows(name: str, n: int, arch: Architecture) -> list[tuple[str, int, bool]]:
@@ -246,8 +279,10 @@ def mla_attention_rows(h: int, a: int, arch: Architecture) -> list[tuple[str, in
     return rows
 
 
-def _mlp_rows(prefix: str, h: int, f: int, swiglu: bool, bias: bool) -> list[tuple[str, int, bool]]:
-    fc1_out = 2 * f if swiglu else f
+def _mlp_rows(prefix: str, h: int, f: int, gated: bool, bias: bool) -> list[tuple[str, int, bool]]:
+    """A dense MLP (or an expert): fc1 [f, or 2f gated: [gate; up]] (+ bias, split), fc2 (+ bias h, replicated
+    over TP: the row-parallel output's)."""
+    fc1_out = 2 * f if gated else f
     rows = [(prefix + "linear_fc1.weight", fc1_out * h, True)]
     rows += [(prefix + "linear_fc1.bias", fc1_out, True)] if bias else []
     rows += [(prefix + "linear_fc2.weight", h * f, True)]
@@ -264,10 +299,10 @@ def moe_mlp_parameters(h: int, arch: Architecture, moe: MoEShape) -> list[tuple[
     rows = [("mlp.router.weight", moe.num_experts * h, False)]
     rows += [("mlp.router.bias", moe.num_experts, False)] if bias else []
     for j in range(moe.local_experts):
-        rows += _mlp_rows(f"mlp.experts.local_experts.{j}.", h, moe.ffn, arch.swiglu, bias)
+        rows += _mlp_rows(f"mlp.experts.local_experts.{j}.", h, moe.ffn, arch.gated_mlp, bias)
     if moe.shared:
         rows += [("mlp.shared_experts.gate_weight", h, False)] if moe.shared_gate else []
-        rows += _mlp_rows("mlp.shared_experts.", h, moe.shared, arch.swiglu, False)
+        rows += _mlp_rows("mlp.shared_experts.", h, moe.shared, arch.gated_mlp, False)
     return rows
 
 

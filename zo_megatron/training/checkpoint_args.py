@@ -114,7 +114,7 @@ def apply_checkpoint_args(parser: argparse.ArgumentParser, args: argparse.Namesp
         setattr(args, dest, value)
         taken.append(dest)
     typed_gelu = megatron_gelu(args.add_bias_linear, args.bias_gelu_fusion)
-    if "bias_gelu_fusion" in given and not (args.swiglu or args.squared_relu) and typed_gelu != gelu:
+    if "bias_gelu_fusion" in given and not (args.swiglu or args.squared_relu or args.quick_geglu) and typed_gelu != gelu:
         clashes.append(describe_diff(parser, "gelu_approximate", gelu, typed_gelu))   # it asks for another GELU
     args.gelu_approximate = gelu
     if "num_query_groups" in model and hasattr(args, "group_query_attention") and "group_query_attention" not in given:

@@ -144,7 +144,6 @@ REFUSED_WHY = {
     "--apply-residual-connection-post-layernorm": "post-norm residuals are not implemented (pre-norm, as GPT-2 "
                                                   "and Llama)",
     "--fp32-residual-connection": "residuals stay in the model's precision, as GPT-2",
-    "--quick-geglu": "the MLP activation is GELU, SwiGLU (--swiglu) or squared ReLU (--squared-relu)",
     "--no-save-optim": "checkpoints always hold the optimizer and RNG states (resume is exact); load with "
                        "--no-load-optim instead",
     "--no-save-rng": "checkpoints always hold the RNG states; load with --no-load-rng instead",

@@ -119,7 +119,8 @@ def model_flops_per_token(cfg, seq_length: int, padded_vocab_size: int, recomput
     return flops_per_token(cfg.num_layers, cfg.hidden_size, seq_length, padded_vocab_size, recompute,
                            cfg.ffn_size, recomputed_layers, num_attention_heads=cfg.num_attention_heads,
                            num_query_groups=getattr(cfg, "num_query_groups", None),
-                           kv_channels=getattr(cfg, "kv_channels", None), swiglu=getattr(cfg, "swiglu", False),
+                           kv_channels=getattr(cfg, "kv_channels", None),
+                           swiglu=getattr(cfg, "swiglu", False) or getattr(cfg, "quick_geglu", False),   # gated: 3 GEMMs
                            moe_layers=cfg.moe_layers() if experts else None,
                            moe_ffn_hidden_size=cfg.moe_ffn_size if experts else None,
                            moe_router_topk=cfg.moe_router_topk if experts else 2,

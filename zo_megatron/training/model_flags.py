@@ -77,6 +77,17 @@ def add_architecture_flags(g) -> None:
     g.add_argument("--squared-relu", action="store_true",
                    help="the MLP's activation is relu(x)^2 (megatron-core's squared_relu; Nemotron-4), not GELU; "
                         "not with --swiglu")
+    g.add_argument("--quick-geglu", action="store_true",
+                   help="gated MLP as --swiglu with megatron-core's quick_gelu, x * sigmoid(1.702 x), in place of "
+                        "SiLU (GPT-OSS)")
+    g.add_argument("--glu-linear-offset", type=float, default=0.0,
+                   help="a gated MLP computes act(gate) * (up + OFFSET) (GPT-OSS: 1.0)")
+    g.add_argument("--activation-func-clamp-value", type=float, default=None, metavar="C",
+                   help="a gated MLP clamps the gate to at most C and the linear half to [-C, C] before the product "
+                        "(GPT-OSS: 7.0)")
+    g.add_argument("--softmax-type", choices=["vanilla", "off-by-one", "learnable"], default="vanilla",
+                   help="the attention softmax: 'off-by-one' adds 1 to each row's denominator, 'learnable' exp(s_h) "
+                        "with one learned logit per head (GPT-OSS's attention sinks)")
     g.add_argument("--no-bias-gelu-fusion", dest="bias_gelu_fusion", action="store_false",
                    help="the MLP's GELU is the erf GELU (torch's F.gelu), as in Megatron-LM, whose fused bias-GELU "
                         "computes the tanh approximation instead: without this flag the GELU is the tanh one where "
@@ -154,6 +165,14 @@ def _add_yarn_flags(g) -> None:
                    help="YaRN: cos and sin are scaled by get_mscale(factor, mscale) / get_mscale(factor, "
                         "mscale-all-dim), get_mscale(f, m) = 0.1 m ln f + 1")
     g.add_argument("--mscale-all-dim", type=float, default=0.0, help="YaRN: see --mscale")
+    # Megatron-LM's post-training (ModelOpt) GPT-OSS switch: refused in check_architecture_flags with the flags to use
+    g.add_argument("--enable-gpt-oss", action="store_true", help=argparse.SUPPRESS)
+
+
+# What Megatron-LM's --enable-gpt-oss leaves out, in the flags of OpenAI's GPT-OSS (its Hugging Face config's
+# rope_scaling: factor 32 of an original 4096, beta 32 / 1, truncate false)
+GPT_OSS_YARN = ("--position-embedding-type yarn --rotary-scaling-factor 32 --yarn-original-max-position-embeddings 4096 "
+                "--no-yarn-correction-range-round-to-int")
 
 
 def add_moe_flags(g) -> None:
@@ -286,6 +305,8 @@ def architecture_kwargs(args: argparse.Namespace) -> dict:
         rotary_percent=args.rotary_percent, use_rope_scaling=args.use_rope_scaling,
         rope_scaling_factor=args.rope_scaling_factor, normalization=args.normalization,
         layernorm_epsilon=args.layernorm_epsilon, swiglu=args.swiglu, squared_relu=args.squared_relu,
+        quick_geglu=args.quick_geglu, glu_linear_offset=args.glu_linear_offset,
+        activation_func_clamp_value=args.activation_func_clamp_value, softmax_type=args.softmax_type,
         # Megatron-LM: --num-query-groups counts only with --group-query-attention
         num_query_groups=args.num_query_groups if args.group_query_attention else None,
         kv_channels=args.kv_channels, **{name: getattr(args, name) for name in YARN_FIELDS}, **mla_kwargs(args),
@@ -309,6 +330,12 @@ def check_architecture_flags(args: argparse.Namespace) -> None:
     """The architecture flags checked before any process starts work (one line each)."""
     from zo_megatron.model.config import GPTConfig
 
+    if args.enable_gpt_oss:
+        # megatron/post_training/model_builder.py (core_v0.16.1 and later) sets YaRN with an original context of
+        # 131072 where OpenAI's config says 4096: another rotation for most dims than the released weights had
+        raise ConfigError("--enable-gpt-oss (Megatron-LM's post-training switch) sets YaRN with an original context "
+                          "of 131072, not the 4096 of OpenAI's GPT-OSS config: drop it and give YaRN explicitly, "
+                          f"{GPT_OSS_YARN} (tools/convert_checkpoint.py from-hf prints a converted model's flags)")
     # The vocabulary comes from the tokenizer later; no architecture check depends on it.
     cfg = GPTConfig(**architecture_kwargs(args), **moe_kwargs(args), vocab_size=1, precision=args.precision,
                     attention_backend=args.core_attention)

@@ -162,10 +162,13 @@ def attention_line(cfg, ps, document_mask: bool = False, seq_length: int | None 
             head_dim, v_dim = cfg.qk_head_dim + cfg.qk_pos_emb_head_dim, cfg.v_head_dim
         text = describe_kernel(heads, groups, head_dim, ps.tp_size, cfg.dtype, ps.device, cfg.attention_dropout,
                                v_head_dim=v_dim, document_mask=document_mask, window=window,
-                               unmasked_layers=not document_mask and not all(cfg.window_layers())) + note
+                               unmasked_layers=not document_mask and not all(cfg.window_layers()),
+                               softmax_type=getattr(cfg, "softmax_type", "vanilla")) + note
     else:
         text = "megatron-core local DotProductAttention (s x s scores stored)" + \
-            (", per-document mask" if document_mask else "")
+            (", per-document mask" if document_mask else "") + \
+            {"learnable": ", attention sinks", "off-by-one": ", off-by-one softmax"}.get(
+                getattr(cfg, "softmax_type", "vanilla"), "")
     sp = cfg.sequence_parallel and ps.tp_size > 1
     return text + ("; sequence parallel over TP " + str(ps.tp_size) if sp else "; no sequence parallelism")
 

@@ -177,11 +177,36 @@ def read_state_dict(input_dir: str) -> dict[str, torch.Tensor]:
     return out
 
 
+def stored_tensor_names(input_dir: str) -> set[str] | None:
+    """The tensor names of a HF directory's weight files, read without their data (safetensors headers; a
+    .bin through mmap); None where a file cannot be read (read_state_dict then says why, in one line)."""
+    from safetensors import SafetensorError, safe_open
+
+    names: set[str] = set()
+    try:
+        for path in weight_files(input_dir):
+            if path.endswith(".safetensors"):
+                with safe_open(path, "pt") as f:
+                    names.update(f.keys())
+            else:                               # never unpickle code; mmap: the data is not read
+                names.update(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
+    except (SafetensorError, OSError, RuntimeError, ValueError, EOFError, TypeError):
+        return None
+    return names
+
+
 def read_hf_config(config_class, cfg_json: dict, where: str):
     """config.json's contents as transformers' `config_class` reads them; `auto_map` is dropped (it
-    names remote code, which conversion never runs); an invalid config is one line."""
+    names remote code, which conversion never runs); an invalid config is one line (transformers 5's strict
+    config classes raise huggingface_hub's StrictDataclassError, whose cause names the field's problem)."""
+    from huggingface_hub.errors import StrictDataclassError
+
     try:
         return config_class.from_dict({k: v for k, v in cfg_json.items() if k != "auto_map"})
+    except StrictDataclassError as exc:
+        cause = exc.__cause__ or exc
+        raise UserError(f"{where}: not a valid {config_class.__name__} ({type(cause).__name__}: "
+                        f"{str(cause).strip().splitlines()[-1].strip()[:200]})") from None
     except (TypeError, ValueError, KeyError) as exc:
         raise UserError(f"{where}: not a valid {config_class.__name__} ({type(exc).__name__}: "
                         f"{str(exc).splitlines()[0][:160] if str(exc) else ''})") from None
