@@ -31,10 +31,11 @@
 #                    on top 0.42 = sequence-parallel gather buffer 0.14 + recompute working set 0.14
 #                    + layer gradients 0.09 + tied-embedding gradient 0.05, fragmentation 0.10,
 #                    CUDA context 1.00); without the two flags 21.67 GiB (layer inputs 9.70).
-#   host per node  : 1,533.70 GiB of 1,536 GiB (fp32 master + Adam m + v 793.6, 16-bit staging
-#                    132.3, the CPU-step overlap's rollback state 527.8, 16 processes x 3 GiB,
+#   host per node  : 1,459.63 GiB of 1,536 GiB (fp32 master + Adam m + v 793.6, 16-bit staging
+#                    132.3, the CPU-step overlap's rollback state 453.7, 16 processes x 3 GiB,
 #                    32 GiB OS reserve). --overlap-cpu-step auto (the default on a GPU) speculates
-#                    57% of each rank's partition, what the host memory left free holds; all of it
+#                    49% of each rank's partition, what the host memory left free holds with the
+#                    planner's 5% margin kept (docs/memory_planner.md, "The edge, measured"); all of it
 #                    would take 57.87 GiB per rank, 1,931.85 GiB per node: over the 1.5 TiB (the
 #                    job refuses --overlap-cpu-step full here). --no-overlap-cpu-step: 1,005.92 GiB.
 #   The same model WITHOUT --zero-offload needs 68.27 GiB per GPU (does not fit).

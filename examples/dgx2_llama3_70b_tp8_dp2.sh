@@ -42,10 +42,11 @@
 #                    logits 0.25 + their fp32 copy in the cross-entropy 0.49 + vocabulary-pad mask
 #                    0.25 + final-norm/output-layer inputs 0.08 + sequence-parallel gather buffer
 #                    0.12, fragmentation 0.24, CUDA context 1.00)
-#   host per node  : 1,533.92 GiB of 1,536 GiB (fp32 master + Adam m + v 788.7, 16-bit staging
-#                    131.5, the CPU-step overlap's rollback state 533.7, 16 processes x 3 GiB,
+#   host per node  : 1,460.30 GiB of 1,536 GiB (fp32 master + Adam m + v 788.7, 16-bit staging
+#                    131.5, the CPU-step overlap's rollback state 460.1, 16 processes x 3 GiB,
 #                    32 GiB OS reserve). --overlap-cpu-step auto (the default on a GPU) speculates
-#                    58% of each rank's partition, what the host memory left free holds; all of it
+#                    50% of each rank's partition, what the host memory left free holds with the
+#                    planner's 5% margin kept (docs/memory_planner.md, "The edge, measured"); all of it
 #                    would take 57.51 GiB per rank, 1,920.40 GiB per node: over the 1.5 TiB (the
 #                    job refuses --overlap-cpu-step full here). --no-overlap-cpu-step: 1,000.20 GiB.
 #   The same run WITHOUT --zero-offload needs 135.14 GiB per GPU (does not fit).

@@ -30,10 +30,11 @@
 #                    0.06 (the backward of one recomputed layer is smaller),
 #                    fragmentation 0.36, CUDA context 1.00; without --use-flash-attn 30.99) --
 #                    tight: if it OOMs, use --micro-batch-size 2 --global-batch-size 2 (28.61 GiB).
-#   host per node  : 255.77 GiB of 256 GiB (fp32 master + Adam m + v 148.6, 16-bit staging 24.8,
-#                    the CPU-step overlap's rollback state 53.8, 3 GiB process, 25.6 GiB OS reserve
+#   host per node  : 243.63 GiB of 256 GiB (fp32 master + Adam m + v 148.6, 16-bit staging 24.8,
+#                    the CPU-step overlap's rollback state 41.6, 3 GiB process, 25.6 GiB OS reserve
 #                    (the job's: a tenth of the RAM)). --overlap-cpu-step auto (the default on a
-#                    GPU) speculates 31% of the partition, what the host memory left free holds;
+#                    GPU) speculates 24% of the partition, what the host memory left free holds
+#                    with the planner's 5% margin kept;
 #                    all of it would take 173.41 GiB (373.66 GiB per node: the job refuses
 #                    --overlap-cpu-step full here). --no-overlap-cpu-step: 202.01 GiB.
 #   The same model WITHOUT --zero-offload needs 203.18 GiB on the GPU.

@@ -38,10 +38,11 @@
 #                    recomputed layer is smaller), fragmentation 0.82, CUDA context 1.00); without
 #                    --use-flash-attn 69.94 GiB (one recomputed layer, 13.98 GiB, dominated by its
 #                    32 x 8192^2 attention scores in fp32 + bf16)
-#   host per node  : 191.82 GiB of 192 GiB (fp32 master + Adam m + v 89.8, 16-bit staging 15.0,
-#                    the CPU-step overlap's rollback state 64.9, 3 GiB process, 19.2 GiB OS reserve
+#   host per node  : 183.44 GiB of 192 GiB (fp32 master + Adam m + v 89.8, 16-bit staging 15.0,
+#                    the CPU-step overlap's rollback state 56.5, 3 GiB process, 19.2 GiB OS reserve
 #                    (the job's: a tenth of the RAM)). --overlap-cpu-step auto (the default on a
-#                    GPU) speculates 62% of the partition, what the host memory left free holds;
+#                    GPU) speculates 54% of the partition, what the host memory left free holds
+#                    with the planner's 5% margin kept;
 #                    all of it would take 104.70 GiB (the job refuses --overlap-cpu-step full
 #                    here). --no-overlap-cpu-step: 126.90 GiB.
 #   The same run WITHOUT --zero-offload needs 129.66 GiB on the GPU.

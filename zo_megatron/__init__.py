@@ -10,3 +10,9 @@ Layout:
 """
 
 __version__ = "0.1.0"
+
+# megatron-core's torch.compile decorators off before any of its modules applies them (~2 s of every process's start;
+# none is on zo_megatron's path): megatron_jit.py says why
+from zo_megatron import megatron_jit as _megatron_jit  # noqa: E402
+
+_megatron_jit.install()

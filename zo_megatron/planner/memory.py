@@ -461,8 +461,8 @@ def overlap_full_bytes_per_rank(inp: PlanInput) -> int:
 def solve_overlap_fraction(inp: PlanInput, budget_bytes_per_rank: int | None = None) -> float:
     """The share of each rank's host partition --overlap-cpu-step speculates, in steps of 1%.
     budget_bytes_per_rank None (`auto`): as much as the host memory left free by everything else
-    holds, 0 when the run does not fit without the overlap; so `auto` never makes a fitting run not
-    fit. An explicit budget (--overlap-cpu-step-memory): the share it holds, at most 1 (whether the
+    holds with the plan's error margin kept (PLAN_ERROR_MARGIN: no "near the edge" line), 0 when the run does
+    not fit without the overlap or is near the edge already; so `auto` never makes a fitting run not fit. An explicit budget (--overlap-cpu-step-memory): the share it holds, at most 1 (whether the
     run then fits is the plan's verdict)."""
     full = overlap_full_bytes_per_rank(inp)
     free_rollback = full <= 0 and inp.zero_offload and inp.nvme_states   # all of it on disk, none in memory
@@ -471,16 +471,40 @@ def solve_overlap_fraction(inp: PlanInput, budget_bytes_per_rank: int | None = N
     if budget_bytes_per_rank is not None:
         return 1.0 if free_rollback else math.floor(min(1.0, budget_bytes_per_rank / full) * 100) / 100
     base = _try(inp.replace(overlap_cpu_step=False))
-    if base is None or not base.fits or not _fits_disk(base):
+    if base is None or not base.fits or not _fits_disk(base) or not _keeps_headroom(base):
         return 0.0
     f = 1.0 if free_rollback else \
-        math.floor(min(1.0, _free_host_bytes(base) / (full * base.ranks_per_node)) * 100) / 100
+        math.floor(min(1.0, _headroom_free_bytes(base) / (full * base.ranks_per_node)) * 100) / 100
     while f > 0:              # the 1% grid and the partition's rounding: step down until it fits
         p = _try(inp.replace(overlap_cpu_step=True, overlap_speculated_fraction=f))
-        if p is not None and p.fits and _fits_disk(p):
+        if p is not None and p.fits and _fits_disk(p) and _keeps_headroom(p):
             return f
         f = round(f - 0.01, 2)
     return 0.0
+
+
+def _host_check(p: Plan) -> tuple[int, int]:
+    """(planned, budget) of the host check _margin_warnings makes: the host less its OS reserve, with the device's
+    bytes too where the device is the host (one RAM)."""
+    reserve = p.input.reserve()
+    planned = p.host_bytes_per_node - reserve
+    if p.input.device_is_host:
+        planned += p.device_bytes_per_gpu * p.ranks_per_node
+    return planned, p.input.host_memory_bytes_per_node - reserve
+
+
+def _keeps_headroom(p: Plan) -> bool:
+    """The host plan leaves PLAN_ERROR_MARGIN of itself free (no "near the edge" line): `auto` speculates only
+    memory the plan shows is free with that margin kept, since measured peaks have been up to that far from
+    their plan; a default that ate the margin could make a run that fits without it fail."""
+    planned, budget = _host_check(p)
+    return budget - planned >= PLAN_ERROR_MARGIN * planned
+
+
+def _headroom_free_bytes(p: Plan) -> int:
+    """Host bytes per node a plan can still take and keep the margin: budget / (1 + margin) - planned."""
+    planned, budget = _host_check(p)
+    return max(0, int(budget / (1 + PLAN_ERROR_MARGIN)) - planned)
 
 
 def _fits_disk(p: Plan) -> bool:
@@ -527,18 +551,11 @@ def resolve_overlap(inp: PlanInput, mode: str | None, budget_bytes_per_rank: int
     if f == 0:
         base = _try(inp.replace(overlap_cpu_step=False))
         why = ("the run does not fit even without it" if base is None or not base.fits
-               else "the plan leaves no host memory free for the rollback state")
+               else f"the plan leaves no host memory free for the rollback state (with a {PLAN_ERROR_MARGIN:.0%} "
+                    "margin kept)")
         return 0.0, f"--overlap-cpu-step auto: nothing speculated, {why} ({need}); the CPU step is synchronous"
     return f, (f"--overlap-cpu-step auto: {f:.0%} of the partition speculated, what the host memory the plan "
-               f"leaves free holds ({need})")
-
-
-def _free_host_bytes(p: Plan) -> int:
-    """Host bytes per node the plan leaves free (for a CPU device, of the unified memory too)."""
-    free = p.input.host_memory_bytes_per_node - p.host_bytes_per_node
-    if p.input.device_is_host:
-        free -= p.device_bytes_per_gpu * p.ranks_per_node
-    return max(0, free)
+               f"leaves free holds with a {PLAN_ERROR_MARGIN:.0%} margin kept ({need})")
 
 
 def solve_offload_fraction(inp: PlanInput, step: float = 0.05) -> float | None:
