@@ -13,6 +13,22 @@ from __future__ import annotations
 
 import torch
 
+def check_groups_and_top_k(cfg, refuse) -> None:
+    """What every HF MoE config needs to map exactly (hf/mixtral.py, hf/gpt_oss.py): key/value heads that divide the
+    heads, 1 < top-k <= experts. Top-1 has no exact form: HF's softmax over the one chosen logit is 1, megatron-core's
+    top-1 routing needs --moe-router-pre-softmax (a softmax over every expert: another weight)."""
+    heads = cfg.num_attention_heads
+    groups = cfg.num_key_value_heads or heads
+    if heads % groups:
+        refuse(f"num_key_value_heads={groups}", f"does not divide num_attention_heads={heads}")
+    experts, k = cfg.num_local_experts, cfg.num_experts_per_tok
+    if not 1 <= k <= experts:
+        refuse(f"num_experts_per_tok={k}", f"must be between 1 and num_local_experts={experts}")
+    if k == 1:
+        refuse("num_experts_per_tok=1", "HF renormalises the one chosen probability to 1, which megatron-core's "
+               "top-1 routing (--moe-router-pre-softmax, its rule for k = 1) does not: no exact mapping")
+
+
 # the HF names of a SwiGLU MLP's (gate, up, down) projections
 QWEN_NAMES = ("gate_proj", "up_proj", "down_proj")
 MIXTRAL_NAMES = ("w1", "w3", "w2")

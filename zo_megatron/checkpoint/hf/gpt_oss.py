@@ -51,6 +51,7 @@ import torch
 
 from zo_megatron.checkpoint.arch import full_meta, query_groups
 from zo_megatron.checkpoint.hf import llama, mxfp4
+from zo_megatron.checkpoint.hf.experts import check_groups_and_top_k
 from zo_megatron.checkpoint.hf.family import VariantFamily, read_checked_state_dict, stored_tensor_names
 from zo_megatron.errors import UserError
 
@@ -111,16 +112,9 @@ def meta_from_config(cfg, where: str) -> dict:
     window, sliding = sliding_layers(cfg)
     if sliding and window is None:
         refuse("sliding_window=null", "layer_types names sliding-attention layers (transformers cannot run it)")
-    heads = cfg.num_attention_heads
-    groups = cfg.num_key_value_heads or heads
-    if heads % groups:
-        refuse(f"num_key_value_heads={groups}", f"does not divide num_attention_heads={heads}")
+    check_groups_and_top_k(cfg, refuse)
+    heads, groups = cfg.num_attention_heads, cfg.num_key_value_heads or cfg.num_attention_heads
     experts, k = cfg.num_local_experts, cfg.num_experts_per_tok
-    if not 1 <= k <= experts:
-        refuse(f"num_experts_per_tok={k}", f"must be between 1 and num_local_experts={experts}")
-    if k == 1:
-        refuse("num_experts_per_tok=1", "HF's softmax over the one chosen logit is 1, megatron-core's top-1 routing "
-               "needs --moe-router-pre-softmax (a softmax over every expert): no exact mapping")
     d = cfg.head_dim or cfg.hidden_size // heads
     return dict(num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, num_attention_heads=heads,
                 ffn_hidden_size=cfg.intermediate_size, vocab_size=cfg.vocab_size,

@@ -31,7 +31,7 @@ import torch
 
 from zo_megatron.checkpoint.arch import full_meta, query_groups
 from zo_megatron.checkpoint.hf import llama
-from zo_megatron.checkpoint.hf.experts import MIXTRAL_NAMES, experts_from_hf, experts_to_hf
+from zo_megatron.checkpoint.hf.experts import MIXTRAL_NAMES, check_groups_and_top_k, experts_from_hf, experts_to_hf
 from zo_megatron.checkpoint.hf.family import HFFamily, read_checked_state_dict, read_hf_config
 from zo_megatron.errors import UserError
 
@@ -54,16 +54,9 @@ def meta_from_config(cfg, where: str) -> dict:
     if window is not None:
         refuse(f"sliding_window={window}", "a sliding window is not mapped for mixture-of-experts models yet; "
                "set it to null for full attention")
-    heads = cfg.num_attention_heads
-    groups = cfg.num_key_value_heads or heads
-    if heads % groups:
-        refuse(f"num_key_value_heads={groups}", f"does not divide num_attention_heads={heads}")
+    check_groups_and_top_k(cfg, refuse)
+    heads, groups = cfg.num_attention_heads, cfg.num_key_value_heads or cfg.num_attention_heads
     experts, k = cfg.num_local_experts, cfg.num_experts_per_tok
-    if not 1 <= k <= experts:
-        refuse(f"num_experts_per_tok={k}", f"must be between 1 and num_local_experts={experts}")
-    if k == 1:
-        refuse("num_experts_per_tok=1", "HF renormalises the one chosen probability to 1, which megatron-core's "
-               "top-1 routing (--moe-router-pre-softmax, its rule for k = 1) does not: no exact mapping")
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     return dict(num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, num_attention_heads=heads,
                 ffn_hidden_size=cfg.intermediate_size, vocab_size=cfg.vocab_size,
