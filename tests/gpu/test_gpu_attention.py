@@ -203,3 +203,61 @@ def test_per_document_attention_on_cuda_equals_the_cpu(shape, backend, precision
     assert abs(cuda["loss"] - cpu["loss"]) <= tol * abs(cpu["loss"])
     for n, g in cpu["grads"].items():
         assert metric(cuda["grads"][n], g) <= tol, (n, metric(cuda["grads"][n], g))
+
+
+# GPT-OSS's attention and MLP, small: sinks, a window on every other layer, the clamped quick GeGLU, experts with biases
+GPT_OSS = dict(num_layers=2, hidden_size=128, num_attention_heads=4, num_query_groups=2, kv_channels=64,
+               ffn_hidden_size=96, vocab_size=251, max_position_embeddings=2048, position_embedding_type="rope",
+               normalization="RMSNorm", untie_embeddings_and_output_weights=True, softmax_type="learnable",
+               window_size=(31, 0), window_attn_skip_freq=2, quick_geglu=True, glu_linear_offset=1.0,
+               activation_func_clamp_value=7.0, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=96)
+
+
+def _sinks_world(rank, precision, seq, seed):
+    """GPT-OSS's parts on CUDA and on the CPU (the reference: tests/test_attention_sinks.py, test_convert_gpt_oss.py),
+    the same weights and batch: each layer's kernel, logits, loss, every gradient."""
+    from zo_megatron.model import GPTConfig, build_gpt_model
+    from zo_megatron.parallel import init_parallel
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ps = init_parallel(1, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    tokens = torch.randint(0, GPT_OSS["vocab_size"], (2, seq), generator=gen)
+    out = {}
+    for device, dtype_of in ((ps.device, precision), (torch.device("cpu"), "fp32")):
+        cfg = GPTConfig(**GPT_OSS, precision=dtype_of, attention_backend="sdpa")
+        model = build_gpt_model(cfg, 0, 1, seed).to(device).to(cfg.dtype)
+        with torch.no_grad():           # sinks that matter (the init draws them ~N(0, 0.02))
+            for layer in model.gpt.decoder.layers:
+                layer.self_attention.core_attention.softmax_offset.normal_(0.0, 1.0, generator=None)
+        if device.type == "cpu":        # the same offsets as on CUDA
+            for layer, offset in zip(model.gpt.decoder.layers, out["cuda"]["offsets"]):
+                layer.self_attention.core_attention.softmax_offset.data.copy_(offset)
+        t = tokens.to(device)
+        logits = model(t)
+        loss = model.loss(t, t)
+        loss.backward()
+        layers = [layer.self_attention.core_attention for layer in model.gpt.decoder.layers]
+        out[device.type] = dict(kernels=[a.last_kernel for a in layers],
+                                offsets=[a.softmax_offset.detach().float().cpu() for a in layers],
+                                logits=logits.detach()[..., :GPT_OSS["vocab_size"]].float().cpu(), loss=loss.item(),
+                                grads={n: p.grad.float().cpu() for n, p in model.named_parameters()})
+    return out
+
+
+@needs_cuda("the CUDA SDPA kernels with attention sinks")
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_gpt_oss_attention_sinks_on_cuda_equal_the_cpu(precision):
+    """GPT-OSS's sinks on SDPA (model/sinks.py: a sink key and the offset in an extra head-dim channel, padded to a
+    multiple of 8 on CUDA), its window layer (a mask: memory-efficient) and its full layer (is_causal: flash in
+    bf16), its clamped quick GeGLU experts with biases at EP 1 (seq 250, no multiple of 8): the CUDA model equals the
+    CPU one (fp32 to 1e-5 with TF32 off, bf16 within 2e-2 L2 per tensor; sinks' offsets included)."""
+    seed = fresh_seed(f"gpu gpt-oss sinks {precision}")
+    out = run_world(_sinks_world, 1, precision, 250, seed)[0]
+    cuda, cpu = out["cuda"], out["cpu"]
+    assert cuda["kernels"] == ["efficient", "flash" if precision == "bf16" else "efficient"], cuda["kernels"]
+    metric, tol = (_rel, 1e-5) if precision == "fp32" else (_rel_l2, 2e-2)
+    assert metric(cuda["logits"], cpu["logits"]) <= tol
+    assert abs(cuda["loss"] - cpu["loss"]) <= tol * abs(cpu["loss"])
+    for n, g in cpu["grads"].items():
+        assert metric(cuda["grads"][n], g) <= tol, (n, metric(cuda["grads"][n], g))
