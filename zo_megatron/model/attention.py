@@ -54,7 +54,8 @@ import torch.nn.functional as F
 
 from zo_megatron.errors import ConfigError
 from zo_megatron.model.masks import layer_mask, sink_layout
-from zo_megatron.model.sinks import SOFTMAX_TYPES, sink_operands
+from zo_megatron.model.sinks import sink_operands
+from zo_megatron.planner.params import SOFTMAX_TYPES
 from zo_megatron.planner.window import (is_window_layer, normalize_skip_freq, normalize_window_size, window_binds,
                                         window_layers)
 
@@ -219,13 +220,16 @@ class SDPAttention(_megatron_module_base()):
         name checkpoints and Megatron-LM use), of params_dtype, on megatron's device, TP-split with the heads;
         for "off-by-one" a fixed zero tensor (not a parameter: in no state dict); else None."""
         heads = self.num_attention_heads_per_partition
+        # where megatron-core's layers put their parameters: the host with use_cpu_initialization (the model's
+        # builder moves it all after), else the current GPU; never CUDA on a machine without one
+        device = "cpu" if config.use_cpu_initialization or not torch.cuda.is_available() else \
+            torch.cuda.current_device()
         if self.softmax_type == "vanilla":
             self.softmax_offset = None
-        elif self.softmax_type == "off-by-one":
-            self.softmax_offset = torch.zeros(heads, device=torch.cuda.current_device(), dtype=config.params_dtype)
+        elif self.softmax_type == "off-by-one":     # (not read by the kernels: the sink key alone scores 0)
+            self.softmax_offset = torch.zeros(heads, device=device, dtype=config.params_dtype)
         else:
-            offset = torch.nn.Parameter(torch.empty(heads, device=torch.cuda.current_device(),
-                                                    dtype=config.params_dtype))
+            offset = torch.nn.Parameter(torch.empty(heads, device=device, dtype=config.params_dtype))
             offset.tensor_model_parallel, offset.partition_dim, offset.partition_stride = True, 0, 1
             self.register_parameter("softmax_offset", offset)
             if config.perform_initialization:

@@ -14,11 +14,8 @@ import torch
 from zo_megatron.errors import ConfigError
 # (MOE_DROP_POLICIES: re-exported with the other MoE choices, for the flags)
 from zo_megatron.model.moe_rules import MOE_DROP_POLICIES, check_capacity, check_group_limited_routing  # noqa: F401
-# the attention softmax (megatron-core's softmax_type, Megatron-LM's --softmax-type): "off-by-one" adds exp(0) to every
-# row's denominator, "learnable" exp(softmax_offset_h), one learned logit per head (GPT-OSS's sinks; model/sinks.py)
-from zo_megatron.model.sinks import SOFTMAX_TYPES
-from zo_megatron.planner.params import (Architecture, default_core_attention, mla_attention_rows,
-                                        selective_recompute_modules)
+from zo_megatron.planner.params import (Architecture, check_mlp_and_softmax, default_core_attention,
+                                        mla_attention_rows, selective_recompute_modules)
 from zo_megatron.planner.window import describe_window, normalize_skip_freq, normalize_window_size, window_layers
 
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -137,7 +134,9 @@ class GPTConfig:
     # gated MLPs (megatron-core's glu()): act(min(gate, C)) * (clamp(up, -C, C) + offset); GPT-OSS: C 7, offset 1
     glu_linear_offset: float = 0.0
     activation_func_clamp_value: float | None = None
-    softmax_type: str = "vanilla"               # SOFTMAX_TYPES: "learnable" = GPT-OSS's per-head attention sinks
+    # the attention softmax (megatron-core's softmax_type, planner.params.SOFTMAX_TYPES): "off-by-one" adds exp(0) to
+    # every row's denominator, "learnable" exp(softmax_offset_h), one learned logit per head (GPT-OSS's sinks)
+    softmax_type: str = "vanilla"
     # a GELU MLP (neither): F.gelu(approximate=...), GELU_APPROXIMATIONS ("none" with no GELU)
     gelu_approximate: str = "tanh"
     num_query_groups: int | None = None         # grouped-query attention: G key/value heads (None: one per head)
@@ -288,17 +287,11 @@ class GPTConfig:
         if self.gelu_approximate not in GELU_APPROXIMATIONS:
             raise ConfigError(f"gelu_approximate must be one of {', '.join(GELU_APPROXIMATIONS)} "
                               f"(got {self.gelu_approximate!r})")
-        if self.swiglu + self.squared_relu + self.quick_geglu > 1:
-            raise ConfigError("--swiglu, --squared-relu and --quick-geglu are three MLP activations: choose one "
-                              "(Megatron-LM's rule)")
-        if not self.gated_mlp and (self.glu_linear_offset != 0.0 or self.activation_func_clamp_value is not None):
-            raise ConfigError("--glu-linear-offset / --activation-func-clamp-value shape a gated MLP's product "
-                              "(megatron-core ignores them otherwise): add --quick-geglu or --swiglu, or drop them")
-        if self.activation_func_clamp_value is not None and not self.activation_func_clamp_value > 0:
-            raise ConfigError(f"--activation-func-clamp-value {self.activation_func_clamp_value}: must be > 0 (the "
-                              "gate is clamped to at most C, the linear half to [-C, C])")
-        if self.softmax_type not in SOFTMAX_TYPES:
-            raise ConfigError(f"--softmax-type {self.softmax_type}: choose one of {', '.join(SOFTMAX_TYPES)}")
+        try:
+            check_mlp_and_softmax(self.swiglu, self.squared_relu, self.quick_geglu, self.glu_linear_offset,
+                                  self.activation_func_clamp_value, self.softmax_type)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         if not self.gelu_mlp:            # one recorded value for every model without a GELU: a resume compares it
             self.gelu_approximate = "none"
         if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:

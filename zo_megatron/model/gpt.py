@@ -53,7 +53,7 @@ import torch.nn.functional as F
 
 from zo_megatron.errors import ConfigError
 from zo_megatron.model.config import YARN_FIELDS, GPTConfig
-from zo_megatron.model.masks import padded_mask, window_attention_mask
+from zo_megatron.model.masks import mask_body, padded_mask, window_attention_mask
 from zo_megatron.model.norms import scale_of
 from zo_megatron.model.sharding import shard_info, shard_of
 from zo_megatron.planner.window import sdpa_mask_layout
@@ -94,7 +94,7 @@ def document_attention_mask(segment_ids: torch.Tensor, backend: str, dtype: torc
         return masked
     # (rows padded once on CUDA, for its memory-efficient kernel: model/masks.py)
     mask = padded_mask(b, 1, s, dtype, segment_ids.device, sink)
-    (mask[..., 1:, 1:] if sink else mask).masked_fill_(masked, float("-inf"))
+    mask_body(mask, sink).masked_fill_(masked, float("-inf"))
     return mask
 
 
@@ -398,7 +398,7 @@ class GPTModelTP(torch.nn.Module):
         dtype = self.gpt.embedding.word_embeddings.weight.dtype
         if layout is None:
             return None
-        sink = getattr(cfg, "softmax_type", "vanilla") != "vanilla"
+        sink = cfg.softmax_type != "vanilla"
         if layout.window_left is None:
             return document_attention_mask(segment_ids, "sdpa", dtype, sink)
         return window_attention_mask(s, layout.window_left, layout.channels, dtype, tokens.device, segment_ids, sink)

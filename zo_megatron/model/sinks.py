@@ -36,22 +36,17 @@ backward hands q, k, v views of the gradient (_SinkOperand).
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
-from zo_megatron.planner.params import SOFTMAX_TYPES  # noqa: F401 (the names, for attention.py and config.py)
+from zo_megatron.planner.attention_sinks import sink_offset_channels, sink_widths
 
 
 
 def offset_channels(softmax_type: str, dtype: torch.dtype, offset_dtype: torch.dtype | None, scale: float) -> int:
-    """How many extra head-dim channels carry c_h = offset / scale (module docstring)."""
-    if softmax_type != "learnable":
-        return 0
-    if dtype in (torch.float32, torch.float64):
-        return 1
-    power_of_two = math.frexp(scale)[0] == 0.5
-    return 1 if power_of_two and offset_dtype == dtype else 3
+    """How many extra head-dim channels carry c_h = offset / scale (module docstring; the planner's rule too:
+    planner/attention_sinks.sink_offset_channels)."""
+    return sink_offset_channels(softmax_type, dtype not in (torch.float32, torch.float64), scale,
+                                offset_exact=offset_dtype == dtype)
 
 
 def _offset_pieces(offset: torch.Tensor, scale: float, dtype: torch.dtype, channels: int) -> torch.Tensor:
@@ -105,13 +100,8 @@ def sink_operands(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, o
     (multi-latent attention on CUDA: the memory-efficient kernel takes two) its own."""
     dq, dv = query.size(-1), value.size(-1)
     extra = offset_channels(softmax_type, query.dtype, None if offset is None else offset.dtype, scale)
-    width = dq + extra
     cuda = query.device.type == "cuda" if cuda is None else cuda
-    if cuda and extra:
-        width = -(-width // 8) * 8
-    if not cuda:
-        width = max(width, dv)
-    v_width = width if not cuda or dv == dq else dv
+    width, v_width = sink_widths(dq, dv, extra, cuda)
     # every position's q carries c_h, the dummy query's too (its row is dropped)
     pieces = _offset_pieces(offset, scale, query.dtype, extra) if extra else None
     q = _SinkOperand.apply(query, pieces, width, extra, False)

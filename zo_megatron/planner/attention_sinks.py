@@ -43,25 +43,37 @@ def offset_channels(inp: PlanInput) -> int:
     for off-by-one; learnable: 1 in fp32; in 16 bits 1 where the scale 1/sqrt(d_qk) is a power of 2 (the
     offset, a 16-bit parameter in the engine, then divides exactly), else 3. (Multi-latent attention with YaRN
     scales by mscale^2 / sqrt(d_qk): the rule at 1/sqrt(d_qk), at most 2 channels of q' per head off.)"""
-    if inp.softmax_type != "learnable":
-        return 0
-    if _w(inp) == 4:
-        return 1
-    return 1 if math.frexp(1.0 / math.sqrt(inp.qk_dim()))[0] == 0.5 else 3
+    return sink_offset_channels(inp.softmax_type, _w(inp) == 2, 1.0 / math.sqrt(inp.qk_dim()))
 
 
 def sink_head_dims(inp: PlanInput) -> tuple[int, int]:
-    """(q' and k', v') head dims on the sink path (model/sinks.sink_operands): d_qk + the offset channels,
-    on CUDA rounded up to a multiple of 8 (where there are any); on a CPU (one head dim for its flash kernel)
-    v' as wide as q', at least d_v; on CUDA v' = q' where the value's head dim is the query's, else d_v."""
-    dq, dv = inp.qk_dim(), inp.v_dim()
-    extra = offset_channels(inp)
+    """(q' and k', v') head dims on the sink path (model/sinks.sink_operands): sink_widths."""
+    return sink_widths(inp.qk_dim(), inp.v_dim(), offset_channels(inp), cuda=not inp.device_is_host)
+
+
+def sink_widths(dq: int, dv: int, extra: int, cuda: bool) -> tuple[int, int]:
+    """The one rule, for the model (model/sinks.sink_operands) and the plan: (q' and k', v') head dims on the sink
+    path, d_qk + the offset channels, on CUDA rounded up to a multiple of 8 (where there are any: its flash and
+    memory-efficient kernels want one); on a CPU (one head dim for its flash kernel) v' as wide as q', at least
+    d_v; on CUDA v' = q' where the value's head dim is the query's, else d_v."""
     width = dq + extra
-    if inp.device_is_host:
+    if not cuda:
         width = max(width, dv)
     elif extra:
         width = -(-width // 8) * 8
-    return width, width if inp.device_is_host or dv == dq else dv
+    return width, width if not cuda or dv == dq else dv
+
+
+def sink_offset_channels(softmax_type: str, sixteen_bit: bool, scale: float, offset_exact: bool = True) -> int:
+    """The one rule, for the model (model/sinks.offset_channels) and the plan: how many extra head-dim channels of
+    q' carry c_h = offset / scale. 0 but for "learnable"; 1 in fp32/fp64, and in 16 bits where the division is
+    exact (a power-of-2 scale on an offset already of the attention's dtype: `offset_exact`); else 3, their sum
+    good to ~fp32 in the kernels' fp32 accumulation."""
+    if softmax_type != "learnable":
+        return 0
+    if not sixteen_bit:
+        return 1
+    return 1 if math.frexp(scale)[0] == 0.5 and offset_exact else 3
 
 
 def _kv_heads(inp: PlanInput) -> int:

@@ -5,8 +5,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from zo_megatron.planner.params import (SOFTMAX_TYPES, Architecture, MoEShape, default_core_attention, default_ffn_size,
-                                        flags_need_sdpa, moe_layer_pattern, resolve_recompute,
+from zo_megatron.planner.params import (Architecture, MoEShape, check_mlp_and_softmax, default_core_attention,
+                                        default_ffn_size, flags_need_sdpa, moe_layer_pattern, resolve_recompute,
                                         selective_recompute_modules)
 from zo_megatron.planner.units import GiB, MiB
 from zo_megatron.planner.window import (MaskLayout, describe_window, normalize_skip_freq, normalize_window_size,
@@ -363,7 +363,8 @@ class PlanInput:
             raise ValueError(f"num_attention_heads {self.num_attention_heads} is not divisible by "
                              f"tensor_parallel {self.tensor_parallel}")
         self._validate_mla()
-        self._validate_activation_and_softmax()
+        check_mlp_and_softmax(self.swiglu, self.squared_relu, self.quick_geglu, self.glu_linear_offset,
+                              self.activation_func_clamp_value, self.softmax_type)
         window = normalize_window_size(self.window_size)      # (ValueError: the job's one line)
         normalize_skip_freq(self.window_attn_skip_freq, window, self.num_layers)
         if self.attention_backend == "local" and any(window_layers(window, self.window_attn_skip_freq,
@@ -397,19 +398,6 @@ class PlanInput:
                 raise ValueError(f"{name} must be >= 0")
         if not 0 <= self.fragmentation < 1:
             raise ValueError(f"fragmentation must be in [0, 1), got {self.fragmentation}")
-
-    def _validate_activation_and_softmax(self) -> None:
-        """GPTConfig._check_architecture's rules on the MLP's activation and the softmax (the job's one lines)."""
-        if self.swiglu + self.squared_relu + self.quick_geglu > 1:
-            raise ValueError("swiglu, squared_relu and quick_geglu are three MLP activations: choose one")
-        c = self.activation_func_clamp_value
-        if not self.gated_mlp() and (self.glu_linear_offset != 0.0 or c is not None):
-            raise ValueError("glu_linear_offset / activation_func_clamp_value shape a gated MLP's product: they need "
-                             "quick_geglu or swiglu")
-        if c is not None and not c > 0:
-            raise ValueError(f"activation_func_clamp_value must be > 0, got {c!r}")
-        if self.softmax_type not in SOFTMAX_TYPES:
-            raise ValueError(f"softmax_type must be one of {SOFTMAX_TYPES}, got {self.softmax_type!r}")
 
     def _validate_mla(self) -> None:
         """Multi-latent attention's rules that shape memory (the job checks the rest, GPTConfig._check_mla)."""

@@ -30,6 +30,24 @@ RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe", "shared_experts", "
 SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 
 
+def check_mlp_and_softmax(swiglu: bool, squared_relu: bool, quick_geglu: bool, glu_linear_offset: float,
+                          activation_func_clamp_value: float | None, softmax_type: str) -> None:
+    """The MLP activation's and the attention softmax's rules, one line each (ValueError): the job's (GPTConfig
+    turns them into ConfigError) and the planner's. One activation at most (Megatron-LM's rule); the offset and
+    the clamp shape a gated MLP's product, which megatron-core ignores otherwise; a clamp > 0; a known softmax."""
+    if swiglu + squared_relu + quick_geglu > 1:
+        raise ValueError("--swiglu, --squared-relu and --quick-geglu are three MLP activations: choose one "
+                         "(Megatron-LM's rule)")
+    if not (swiglu or quick_geglu) and (glu_linear_offset != 0.0 or activation_func_clamp_value is not None):
+        raise ValueError("--glu-linear-offset / --activation-func-clamp-value shape a gated MLP's product "
+                         "(megatron-core ignores them otherwise): add --quick-geglu or --swiglu, or drop them")
+    if activation_func_clamp_value is not None and not activation_func_clamp_value > 0:
+        raise ValueError(f"--activation-func-clamp-value {activation_func_clamp_value}: must be > 0 (the gate is "
+                         "clamped to at most C, the linear half to [-C, C])")
+    if softmax_type not in SOFTMAX_TYPES:
+        raise ValueError(f"--softmax-type {softmax_type} (softmax_type): choose one of {', '.join(SOFTMAX_TYPES)}")
+
+
 def default_core_attention(needs_sdpa: bool) -> str:
     """The core attention when no backend is named: megatron-core's local one, or torch SDPA where the model
     needs it -- multi-latent attention or a sliding window, which the local one cannot run (megatron-core

@@ -90,7 +90,7 @@ import torch
 from zo_megatron.checkpoint.arch import buffer_shapes, full_meta, param_shapes
 from zo_megatron.checkpoint.hf import llama
 from zo_megatron.checkpoint.hf.experts import QWEN_NAMES, experts_from_hf, experts_to_hf, swiglu_from_hf, swiglu_to_hf
-from zo_megatron.checkpoint.hf.family import VariantFamily, read_checked_state_dict, weight_files
+from zo_megatron.checkpoint.hf.family import VariantFamily, read_checked_state_dict, stored_tensor_names
 from zo_megatron.checkpoint.hf.rope import attention_factor, get_mscale
 from zo_megatron.errors import UserError
 from zo_megatron.model.config import ARCH_FIELDS, YARN_FIELDS, GPTConfig, rotary_base
@@ -448,7 +448,8 @@ class DeepseekFamily(VariantFamily):
 
     def left_out(self, input_dir: str, cfg) -> str | None:
         is_mtp = self._mtp_layer(cfg)
-        names = [k for k in _tensor_names(input_dir) if is_mtp(k)]
+        # (None: a file cannot be read, which reading the weights then says in one line)
+        names = sorted(k for k in stored_tensor_names(input_dir) or () if is_mtp(k))
         if not names:
             return None
         layers = sorted({int(_LAYER.match(k).group(1)) for k in names})
@@ -549,20 +550,6 @@ class DeepseekFamily(VariantFamily):
             else:
                 kw.update(topk_method="group_limited_greedy" if picked else "greedy", n_group=groups, topk_group=picked)
         return cls(**kw)
-
-
-def _tensor_names(input_dir: str) -> list[str]:
-    """The tensor names of a HF directory's weight files, read without their data (safetensors headers)."""
-    from safetensors import safe_open
-
-    names: list[str] = []
-    for path in weight_files(input_dir):
-        if path.endswith(".safetensors"):
-            with safe_open(path, "pt") as f:
-                names += list(f.keys())
-        else:                                   # never unpickle code; mmap: the data is not read
-            names += list(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
-    return names
 
 
 FAMILIES = tuple(DeepseekFamily(v) for v in VARIANTS)
